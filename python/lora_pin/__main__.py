@@ -1,0 +1,7 @@
+"""``python -m lora_pin``: the same as the ``lora-pin`` command."""
+
+import sys
+
+from lora_pin.cli import main
+
+sys.exit(main())

@@ -1,0 +1,15 @@
+//! lora_pin's core: adapter specs, the registry, the two-tier cache with its eviction policies, and
+//! per-step batch planning. Plain Rust with no Python in it; the PyO3 bindings live in `py/` behind
+//! the `python` feature.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+pub mod error;
+pub mod spec;
+
+#[cfg(feature = "python")]
+mod py;
+
+pub use error::{Error, Result};
+pub use spec::{Limits, LoRARef, SpecItem};

@@ -1,0 +1,46 @@
+//! The one mapping from the core's [`Error`] to lora_pin's exception hierarchy, which is defined in
+//! Python (`lora_pin/errors.py`) so that classes can also derive from `ValueError`, `KeyError`, ...
+
+use std::any::Any;
+
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+
+use crate::error::Error;
+
+/// The class `name` from `lora_pin.errors`.
+pub(crate) fn error_class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyType>> {
+    Ok(py.import("lora_pin.errors")?.getattr(name)?.cast_into::<PyType>()?)
+}
+
+/// A `name` error (a class in `lora_pin.errors`) carrying `msg`.
+pub(crate) fn new_error(py: Python<'_>, name: &str, msg: String) -> PyErr {
+    match error_class(py, name) {
+        Ok(cls) => PyErr::from_type(cls, msg),
+        Err(e) => e,
+    }
+}
+
+impl From<Error> for PyErr {
+    fn from(err: Error) -> PyErr {
+        let class = match &err {
+            Error::Spec(_) => "SpecError",
+            Error::AdapterNotFound { .. } => "AdapterNotFoundError",
+        };
+        Python::attach(|py| new_error(py, class, err.to_string()))
+    }
+}
+
+/// A `LoraPinError` for a panic caught at the boundary: a bug in lora_pin, never a `PanicException`.
+pub(crate) fn internal_error(py: Python<'_>, panic: &Box<dyn Any + Send>) -> PyErr {
+    let what = panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_owned());
+    new_error(
+        py,
+        "LoraPinError",
+        format!("internal error in lora_pin's core (a bug; please report it): {what}"),
+    )
+}

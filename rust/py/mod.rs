@@ -1,0 +1,37 @@
+//! The PyO3 bindings: the private module `lora_pin._core`. Only classes, conversions, the exception
+//! mapping and GIL release live here; every decision is made by the core.
+
+mod errors;
+mod spec;
+
+use pyo3::prelude::*;
+
+/// lora_pin's native core. Import from `lora_pin`, not from here.
+#[pymodule]
+pub mod _core {
+    use pyo3::prelude::*;
+
+    #[pymodule_export]
+    use super::spec::{check_limits, parse_lora_paths, PyLoRARef};
+
+    #[pymodule_init]
+    fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+        m.add("__version__", env!("CARGO_PKG_VERSION"))
+    }
+}
+
+/// Runs `f` with the GIL released and any panic turned into a `LoraPinError`: for anything not O(1).
+pub(crate) fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T> + Send) -> PyResult<T> {
+    match py.detach(|| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))) {
+        Ok(result) => result.map_err(PyErr::from),
+        Err(panic) => Err(errors::internal_error(py, &panic)),
+    }
+}
+
+/// Runs `f` with the GIL held, turning any panic into a `LoraPinError` instead of a `PanicException`.
+pub(crate) fn shielded<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(result) => result,
+        Err(panic) => Err(errors::internal_error(py, &panic)),
+    }
+}

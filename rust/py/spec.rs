@@ -1,0 +1,274 @@
+//! `LoRARef` and `parse_lora_paths` for Python.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString};
+use serde_json::{Map, Number, Value};
+
+use super::{detached, errors::new_error, shielded};
+use crate::spec::{self, Limits, LoRARef, SpecItem};
+
+/// One adapter: its id, name, path, whether it is pinned, and (vLLM form) its base model's name.
+///
+/// Frozen and hashable. `LoRARef(name, path)` gets the deterministic id of `(name, path)` that every
+/// process derives alike; `LoRARef.new(name, path)` mints a random id for a run-time load.
+///
+/// Raises:
+///     SpecError: the name or path is empty, or the name holds `=` or a control character.
+#[pyclass(frozen, eq, hash, name = "LoRARef", module = "lora_pin")]
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct PyLoRARef(pub LoRARef);
+
+#[pymethods]
+impl PyLoRARef {
+    #[new]
+    #[pyo3(signature = (lora_name, lora_path, *, pinned = false, base_model_name = None, lora_id = None))]
+    fn py_new(
+        py: Python<'_>,
+        lora_name: &str,
+        lora_path: &str,
+        pinned: bool,
+        base_model_name: Option<String>,
+        lora_id: Option<String>,
+    ) -> PyResult<Self> {
+        shielded(py, || {
+            let mut r = LoRARef::with_deterministic_id(lora_name, lora_path, pinned, base_model_name)?;
+            if let Some(id) = lora_id {
+                if id.is_empty() {
+                    return Err(new_error(py, "SpecError", "lora_id must not be empty".into()));
+                }
+                r.lora_id = id;
+            }
+            Ok(Self(r))
+        })
+    }
+
+    /// A ref with a fresh random id, for an adapter loaded at run time.
+    ///
+    /// Raises:
+    ///     SpecError: the name or path is invalid.
+    #[staticmethod]
+    #[pyo3(signature = (lora_name, lora_path, pinned = false))]
+    fn new(py: Python<'_>, lora_name: &str, lora_path: &str, pinned: bool) -> PyResult<Self> {
+        shielded(py, || Ok(Self(LoRARef::with_random_id(lora_name, lora_path, pinned)?)))
+    }
+
+    /// The adapter's id (32 hex digits).
+    #[getter]
+    fn lora_id(&self) -> &str {
+        &self.0.lora_id
+    }
+
+    /// The name requests use.
+    #[getter]
+    fn lora_name(&self) -> &str {
+        &self.0.lora_name
+    }
+
+    /// Where the adapter's files are, as written.
+    #[getter]
+    fn lora_path(&self) -> &str {
+        &self.0.lora_path
+    }
+
+    /// Whether the adapter stays resident until unpinned.
+    #[getter]
+    fn pinned(&self) -> bool {
+        self.0.pinned
+    }
+
+    /// The base model's name, when the spec gave one.
+    #[getter]
+    fn base_model_name(&self) -> Option<&str> {
+        self.0.base_model_name.as_deref()
+    }
+
+    /// The fields as a dict (`base_model_name` only when set).
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("lora_id", &self.0.lora_id)?;
+        d.set_item("lora_name", &self.0.lora_name)?;
+        d.set_item("lora_path", &self.0.lora_path)?;
+        d.set_item("pinned", self.0.pinned)?;
+        if let Some(base) = &self.0.base_model_name {
+            d.set_item("base_model_name", base)?;
+        }
+        Ok(d)
+    }
+
+    /// The canonical `--lora-paths` item for this ref: `parse_lora_paths([r.to_spec()]) == [r]` for
+    /// refs with deterministic ids.
+    fn to_spec(&self) -> String {
+        spec::format_ref(&self.0)
+    }
+
+    fn __repr__(&self) -> String {
+        let base = match &self.0.base_model_name {
+            Some(b) => format!(", base_model_name={b:?}"),
+            None => String::new(),
+        };
+        format!(
+            "LoRARef(lora_name={:?}, lora_path={:?}, pinned={}{base}, lora_id={:?})",
+            self.0.lora_name,
+            self.0.lora_path,
+            if self.0.pinned { "True" } else { "False" },
+            self.0.lora_id
+        )
+    }
+}
+
+/// Parses adapter specs in every form serving frameworks use into refs.
+///
+/// `values` is `None` (no adapters), a `{name: path}` dict, or a list whose items are `PATH`,
+/// `NAME=PATH`, a JSON object string (SGLang `{"lora_name", "lora_path", "pinned"}` or vLLM
+/// `{"name", "path", "base_model_name"}`), a dict with either key set, or `@FILE` (a JSON array of
+/// such items). With the limits given, the pins and the count are cross-checked against them.
+///
+/// Raises:
+///     SpecError: an item is invalid (the message names its 0-based index and quotes it), two items
+///         share a name, or the limits are inconsistent (the message gives the numbers).
+#[pyfunction]
+#[pyo3(signature = (values, *, max_loras_per_batch = None, max_loaded_loras = None))]
+pub fn parse_lora_paths(
+    py: Python<'_>,
+    values: &Bound<'_, PyAny>,
+    max_loras_per_batch: Option<i64>,
+    max_loaded_loras: Option<i64>,
+) -> PyResult<Vec<PyLoRARef>> {
+    shielded(py, || {
+        let limits = limits(py, max_loras_per_batch, max_loaded_loras)?;
+        let items = spec_items(py, values)?;
+        let refs = detached(py, move || spec::parse_items(&items, limits))?;
+        Ok(refs.into_iter().map(PyLoRARef).collect())
+    })
+}
+
+/// Checks the limits against each other and against `num_adapters` adapters, `num_pinned` of them pinned.
+///
+/// Raises:
+///     SpecError: a limit is out of range or they disagree; the message gives the numbers.
+#[pyfunction]
+#[pyo3(signature = (num_adapters, num_pinned, *, max_loras_per_batch = None, max_loaded_loras = None))]
+pub fn check_limits(
+    py: Python<'_>,
+    num_adapters: usize,
+    num_pinned: usize,
+    max_loras_per_batch: Option<i64>,
+    max_loaded_loras: Option<i64>,
+) -> PyResult<()> {
+    shielded(py, || {
+        let limits = limits(py, max_loras_per_batch, max_loaded_loras)?;
+        Ok(spec::check_limits(num_adapters, num_pinned, limits)?)
+    })
+}
+
+fn limits(py: Python<'_>, slots: Option<i64>, loaded: Option<i64>) -> PyResult<Limits> {
+    let conv = |what: &str, v: Option<i64>| -> PyResult<Option<usize>> {
+        match v {
+            None => Ok(None),
+            Some(n) if n >= 0 => Ok(Some(n as usize)),
+            Some(n) => Err(new_error(py, "SpecError", format!("{what} must be at least 1 (got {n})"))),
+        }
+    };
+    Ok(Limits {
+        max_loras_per_batch: conv("max_loras_per_batch", slots)?,
+        max_loaded_loras: conv("max_loaded_loras", loaded)?,
+    })
+}
+
+fn spec_items(py: Python<'_>, values: &Bound<'_, PyAny>) -> PyResult<Vec<SpecItem>> {
+    if values.is_none() {
+        return Ok(Vec::new());
+    }
+    if let Ok(dict) = values.cast::<PyDict>() {
+        let mut items = Vec::with_capacity(dict.len());
+        for (index, (k, v)) in dict.iter().enumerate() {
+            let (Ok(name), Ok(path)) = (k.extract::<String>(), v.extract::<String>()) else {
+                return Err(spec_error(
+                    py,
+                    format!(
+                        "item {index} ({}: {}): a {{name: path}} dict needs string keys and values",
+                        k.repr()?,
+                        v.repr()?
+                    ),
+                ));
+            };
+            items.push(SpecItem::Pair { name, path });
+        }
+        return Ok(items);
+    }
+    if values.is_instance_of::<PyString>() || values.is_instance_of::<pyo3::types::PyBytes>() {
+        return Err(spec_error(
+            py,
+            format!(
+                "expected a list of adapter items, a {{name: path}} dict or None, got the single string {}; \
+                 wrap it in a list",
+                values.repr()?
+            ),
+        ));
+    }
+    let iter = values.try_iter().map_err(|_| {
+        let ty = values.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        spec_error(py, format!("expected a list of adapter items, a {{name: path}} dict or None, got {ty}"))
+    })?;
+    let mut items = Vec::with_capacity(values.len().unwrap_or(0));
+    for (index, item) in iter.enumerate() {
+        let item = item?;
+        if let Ok(s) = item.cast::<PyString>() {
+            items.push(SpecItem::Text(s.to_str()?.to_owned()));
+        } else if let Ok(d) = item.cast::<PyDict>() {
+            items.push(SpecItem::Object(json_object(py, index, d)?));
+        } else if let Ok(r) = item.cast::<PyLoRARef>() {
+            let r = &r.get().0;
+            items.push(SpecItem::Text(spec::format_ref(r)));
+        } else {
+            let ty = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+            return Err(spec_error(
+                py,
+                format!("item {index} ({}): expected a string or a dict, got {ty}", item.repr()?),
+            ));
+        }
+    }
+    Ok(items)
+}
+
+/// A Python dict item as a JSON object, so it goes through exactly the checks a JSON string does.
+fn json_object(py: Python<'_>, index: usize, d: &Bound<'_, PyDict>) -> PyResult<Map<String, Value>> {
+    let mut map = Map::new();
+    for (k, v) in d.iter() {
+        let Ok(key) = k.extract::<String>() else {
+            return Err(spec_error(
+                py,
+                format!("item {index} ({}): dict keys must be strings, got {}", d.repr()?, k.repr()?),
+            ));
+        };
+        let value = if v.is_none() {
+            Value::Null
+        } else if let Ok(b) = v.cast::<PyBool>() {
+            Value::Bool(b.is_true())
+        } else if let Ok(s) = v.cast::<PyString>() {
+            Value::String(s.to_str()?.to_owned())
+        } else if v.is_instance_of::<PyInt>() {
+            Value::Number(Number::from(v.extract::<i64>().unwrap_or(i64::MAX)))
+        } else if let Ok(f) = v.cast::<PyFloat>() {
+            Number::from_f64(f.value()).map_or(Value::Null, Value::Number)
+        } else if v.hasattr("__fspath__")? {
+            let os = py.import("os")?;
+            Value::String(os.call_method1("fspath", (&v,))?.extract::<String>()?)
+        } else {
+            let ty = v.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+            return Err(spec_error(
+                py,
+                format!(
+                    "item {index} ({}): the value of {key:?} has type {ty}, which no spec key takes",
+                    d.repr()?
+                ),
+            ));
+        };
+        map.insert(key, value);
+    }
+    Ok(map)
+}
+
+fn spec_error(py: Python<'_>, msg: String) -> PyErr {
+    new_error(py, "SpecError", msg)
+}
