@@ -1,0 +1,117 @@
+"""Tiny models and PEFT adapters generated locally, for the tests and the ``lora-pin demo`` command.
+
+Nothing here downloads anything: the base model is built from a ``LlamaConfig`` with random weights and
+the adapters are made by PEFT over it. ``transformers`` and ``peft`` are imported inside the functions;
+they are test and demo dependencies, not runtime ones.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["make_peft_adapter", "make_tiny_llama"]
+
+
+def make_tiny_llama(
+    directory: str | os.PathLike[str],
+    *,
+    hidden: int = 64,
+    intermediate: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 128,
+    seed: int = 0,
+) -> Path:
+    """Save a tiny random ``LlamaForCausalLM`` (fp32, safetensors) under ``directory`` and return the path.
+
+    q_proj is ``[hidden, hidden]``, k_proj/v_proj ``[hidden // heads * kv_heads, hidden]``, gate/up
+    ``[intermediate, hidden]``, down ``[hidden, intermediate]`` (weights stored ``[out, in]``).
+
+    Raises:
+        ValueError: from ``LlamaConfig`` when ``hidden`` is not divisible by ``heads``.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    path = Path(directory)
+    model.save_pretrained(path)
+    return path
+
+
+def make_peft_adapter(
+    base: str | os.PathLike[str] | torch.nn.Module,
+    out_dir: str | os.PathLike[str],
+    *,
+    r: int,
+    lora_alpha: float,
+    target_modules: Sequence[str] | str,
+    use_rslora: bool = False,
+    rank_pattern: dict[str, int] | None = None,
+    alpha_pattern: dict[str, float] | None = None,
+    layers_to_transform: Sequence[int] | None = None,
+    seed: int = 0,
+    init: str = "random",
+    **extra_config: Any,
+) -> Path:
+    """Save a PEFT LoRA adapter over ``base`` (a model directory or a loaded model) and return its directory.
+
+    With ``init="random"`` both ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]`` are drawn from a seeded
+    normal distribution (PEFT starts B at zero, which would make every output equal the base model's);
+    ``init="peft"`` keeps PEFT's own initialisation. ``extra_config`` is passed to ``LoraConfig`` as is
+    (for example ``use_dora=True`` or ``bias="all"`` to build adapters lora_pin must refuse).
+
+    Raises:
+        ValueError: ``init`` is neither ``"random"`` nor ``"peft"``, or PEFT rejects the configuration.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if init not in ("random", "peft"):
+        raise ValueError(f"make_peft_adapter: init must be 'random' or 'peft', got {init!r}")
+    model = AutoModelForCausalLM.from_pretrained(base) if not isinstance(base, torch.nn.Module) else base
+    config = LoraConfig(
+        r=r,
+        lora_alpha=lora_alpha,
+        target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
+        use_rslora=use_rslora,
+        rank_pattern=dict(rank_pattern or {}),
+        alpha_pattern=dict(alpha_pattern or {}),
+        layers_to_transform=None if layers_to_transform is None else list(layers_to_transform),
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+        **extra_config,
+    )
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, config)
+    if init == "random":
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if ".lora_A." in name or ".lora_B." in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    path = Path(out_dir)
+    peft_model.save_pretrained(path)
+    # get_peft_model wraps the caller's model in place; undo it so the same model can make more adapters.
+    if isinstance(base, torch.nn.Module):
+        peft_model.unload()
+    return path

@@ -1,0 +1,35 @@
+"""Adapter weights: reading PEFT adapters, the host tier and the device slot pool."""
+
+from __future__ import annotations
+
+from lora_pin.weights.config import AdapterConfig, read_adapter_config
+from lora_pin.weights.host import HostAdapter, HostModule, HostTier, load_adapter
+from lora_pin.weights.pool import DevicePool, GroupBuffers
+from lora_pin.weights.reader import AdapterFile, LoraTensorPair, open_adapter, resolve_adapter_dir
+from lora_pin.weights.targets import (
+    DEFAULT_TARGET_MODULES,
+    FUSED_GROUPS,
+    LinearTarget,
+    LoRATargets,
+    TargetGroup,
+)
+
+__all__ = [
+    "DEFAULT_TARGET_MODULES",
+    "FUSED_GROUPS",
+    "AdapterConfig",
+    "AdapterFile",
+    "DevicePool",
+    "GroupBuffers",
+    "HostAdapter",
+    "HostModule",
+    "HostTier",
+    "LinearTarget",
+    "LoRATargets",
+    "LoraTensorPair",
+    "TargetGroup",
+    "load_adapter",
+    "open_adapter",
+    "read_adapter_config",
+    "resolve_adapter_dir",
+]

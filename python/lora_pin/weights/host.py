@@ -1,0 +1,321 @@
+"""The host tier: adapters validated against the model and normalised into CPU tensors per target group.
+
+For each (layer, group) an adapter touches, :class:`HostModule` holds A ``[n_slices * rank, in]`` and
+B ``[out_total, rank]`` in the serving dtype, laid out like a device pool slot with ``rank`` (the largest
+rank among the group's slices in this adapter) in place of the pool's max rank: slice s has A rows
+``[s * rank, s * rank + r_s)`` and B rows ``[off_s, off_{s+1})``, columns ``[0, r_s)``; everything else is
+zero, so a slice the adapter lacks contributes nothing. The tensors are page-locked when CUDA is available,
+so copies into the device pool can be asynchronous.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lora_pin.errors import AdapterLoadError, AdapterNotFoundError, DuplicateAdapterError
+from lora_pin.weights.config import AdapterConfig
+from lora_pin.weights.reader import AdapterFile, LoraTensorPair, open_adapter
+from lora_pin.weights.targets import LinearTarget, LoRATargets, TargetGroup
+
+__all__ = ["HostAdapter", "HostModule", "HostTier", "load_adapter"]
+
+_LISTED = 8
+
+
+def _listing(names: Iterable[str]) -> str:
+    items = sorted(names)
+    shown = ", ".join(repr(n) for n in items[:_LISTED])
+    return shown + (f" and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
+
+
+@dataclass(frozen=True)
+class HostModule:
+    """One adapter's weights for one target group.
+
+    ``a``: ``[n_slices * rank, in]``; ``b``: ``[out_total, rank]``; ``ranks`` / ``scalings``: per slice
+    (0 and 0.0 for a slice the adapter does not target).
+    """
+
+    group: TargetGroup
+    a: torch.Tensor
+    b: torch.Tensor
+    ranks: tuple[int, ...]
+    scalings: tuple[float, ...]
+
+    @property
+    def rank(self) -> int:
+        """The A rows reserved per slice (the largest slice rank)."""
+        return self.a.shape[0] // self.group.n_slices
+
+
+@dataclass(frozen=True)
+class HostAdapter:
+    """One adapter in the host tier: its :class:`HostModule` per ``(layer, group name)`` it touches.
+
+    Groups it does not touch are absent (the pool zeroes them). ``targets`` is the model description it was
+    validated against; ``tensors_applied`` counts the file's tensors that were used (all of them).
+    """
+
+    name: str
+    path: Path
+    config: AdapterConfig
+    targets: LoRATargets
+    dtype: torch.dtype
+    modules: Mapping[tuple[int, str], HostModule]
+    tensors_applied: int
+
+    @property
+    def max_rank(self) -> int:
+        """The largest rank of any module (what the pool's max rank must hold)."""
+        return max(max(m.ranks) for m in self.modules.values())
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The distinct ranks of the adapter's modules, ascending."""
+        return tuple(sorted({r for m in self.modules.values() for r in m.ranks if r}))
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held (A and B of every module, zero padding of fused slices included)."""
+        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the adapter's own weights at their own ranks, in the serving dtype (no padding).
+
+        A :class:`~lora_pin.weights.pool.DevicePool` slot holds ``pool.slot_nbytes`` whatever the adapter.
+        """
+        size = torch.empty((), dtype=self.dtype).element_size()
+        total = 0
+        for module in self.modules.values():
+            for member, rank in zip(module.group.members, module.ranks, strict=True):
+                total += rank * (member.in_features + member.out_features) * size
+        return total
+
+    @property
+    def pinned(self) -> bool:
+        """Whether every host tensor is page-locked."""
+        return all(m.a.is_pinned() and m.b.is_pinned() for m in self.modules.values())
+
+
+def _check_against_model(file: AdapterFile, targets: LoRATargets, max_rank: int) -> dict[str, int]:
+    """Validate the adapter's modules against the model; return the rank of each module key."""
+    name, config, where = file.name, file.config, f"adapter {file.name!r} ({file.weights_path})"
+    known = [t.key for t in targets.linears]
+    if isinstance(config.target_modules, tuple):
+        for entry in config.target_modules:
+            if not any(k == entry or k.endswith(f".{entry}") for k in known):
+                raise AdapterLoadError(
+                    f"adapter {name!r} ({config.file}): field 'target_modules' names {entry!r}, which is "
+                    f"not a LoRA target of this model (targets: {', '.join(targets.module_names)})"
+                )
+    pairs = file.pairs
+    matched = [k for k in pairs if targets.linear(k) is not None]
+    if not matched:
+        raise AdapterLoadError(
+            f"{where}: no tensor matches any LoRA target of this model (it would silently serve base-model "
+            f"output); tensors found for modules {_listing(pairs) or 'none'}"
+        )
+    strays = [n for k, p in pairs.items() if targets.linear(k) is None for n in (p.a_name, p.b_name)]
+    if file.unused or strays:
+        raise AdapterLoadError(
+            f"{where}: {len(file.unused) + len(strays)} tensor(s) would be unused: "
+            f"{_listing(file.unused + strays)}"
+        )
+    expected = {k for k in known if config.targets(k)}
+    if missing := expected - pairs.keys():
+        raise AdapterLoadError(
+            f"{where}: the config targets modules with no lora_A/lora_B tensors: {_listing(missing)}"
+        )
+    if extra := pairs.keys() - expected:
+        raise AdapterLoadError(
+            f"{where}: tensors for modules the config's target_modules/layers_to_transform exclude: "
+            f"{_listing(extra)}"
+        )
+    ranks: dict[str, int] = {}
+    for key in matched:
+        pair, target = pairs[key], targets.linear(key)
+        assert target is not None
+        ranks[key] = _check_pair(file, pair, target, max_rank)
+    return ranks
+
+
+def _check_pair(file: AdapterFile, pair: LoraTensorPair, target: LinearTarget, max_rank: int) -> int:
+    where = f"adapter {file.name!r} ({file.weights_path})"
+    rank = pair.a_shape[0]
+    if pair.a_shape != (rank, target.in_features) or pair.b_shape != (target.out_features, rank):
+        raise AdapterLoadError(
+            f"{where}: tensors {pair.a_name!r} {list(pair.a_shape)} / {pair.b_name!r} {list(pair.b_shape)} "
+            f"do not fit module {target.key!r} (in={target.in_features}, out={target.out_features}): "
+            f"expected [r, {target.in_features}] and [{target.out_features}, r]"
+        )
+    configured = file.config.rank_for(target.key)
+    if rank != configured:
+        raise AdapterLoadError(
+            f"{where}: tensor {pair.a_name!r} has rank {rank} but field 'r'/'rank_pattern' gives "
+            f"{configured} for module {target.key!r}"
+        )
+    if rank > max_rank:
+        raise AdapterLoadError(
+            f"{where}: module {target.key!r} has rank {rank}, above the pool's max rank {max_rank} "
+            "(field 'r'/'rank_pattern')"
+        )
+    return rank
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, zero: bool) -> torch.Tensor:
+    if zero:
+        return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
+def _build_module(
+    file: AdapterFile, group: TargetGroup, ranks: dict[str, int], dtype: torch.dtype, pin: bool
+) -> HostModule:
+    slice_ranks = tuple(ranks.get(m.key, 0) for m in group.members)
+    scalings = tuple(
+        file.config.scaling_for(m.key, r) if r else 0.0
+        for m, r in zip(group.members, slice_ranks, strict=True)
+    )
+    rank = max(slice_ranks)
+    pair = file.pairs[group.members[0].key] if group.n_slices == 1 else None
+    if pair is not None and not pin:
+        # One slice, nothing to pad: the tensors read from the file are the host tensors (cast if needed).
+        a = file.tensor(pair.a_name).to(dtype)
+        b = file.tensor(pair.b_name).to(dtype)
+        return HostModule(group, a, b, slice_ranks, scalings)
+    padded = any(r != rank for r in slice_ranks)
+    a = _alloc((group.n_slices * rank, group.in_features), dtype, pin, padded)
+    b = _alloc((group.out_total, rank), dtype, pin, padded)
+    offsets = group.slice_offsets
+    for s, member in enumerate(group.members):
+        if slice_ranks[s]:
+            pair = file.pairs[member.key]
+            a[s * rank : s * rank + slice_ranks[s]].copy_(file.tensor(pair.a_name))
+            b[offsets[s] : offsets[s + 1], : slice_ranks[s]].copy_(file.tensor(pair.b_name))
+    return HostModule(group, a, b, slice_ranks, scalings)
+
+
+def load_adapter(
+    name: str,
+    path: str | os.PathLike[str],
+    targets: LoRATargets,
+    *,
+    max_rank: int,
+    dtype: torch.dtype,
+    allowed_roots: Iterable[str | os.PathLike[str]] | None = None,
+    allow_pickle: bool = False,
+    pin_memory: bool | None = None,
+) -> HostAdapter:
+    """Read, validate and normalise the PEFT adapter at ``path`` into host tensors for ``targets``.
+
+    Every check runs before any host tensor is built, and nothing outside the returned object changes, so a
+    failure leaves the caller's state as it was. ``pin_memory`` defaults to ``torch.cuda.is_available()``.
+    Tensor shapes: per touched group A ``[n_slices * rank, in]``, B ``[out_total, rank]``
+    (see :class:`HostModule`).
+
+    Raises:
+        PathNotAllowedError: ``path`` (or a file in it) resolves outside ``allowed_roots``, or has ``..``.
+        UnsafeFormatError: the weights are ``adapter_model.bin`` and ``allow_pickle`` is False.
+        AdapterLoadError: a refused config field (DoRA, bias, modules_to_save, non-LORA ...), a target
+            module the model lacks, a rank above ``max_rank`` or different from the config's, a tensor shape
+            that does not fit its module, tensors matching no module, any unused tensor, or a targeted module
+            without tensors. Messages name the adapter, the file and the field or tensor.
+    """
+    if not dtype.is_floating_point:
+        raise AdapterLoadError(f"adapter {name!r}: serving dtype must be floating point, got {dtype}")
+    file = open_adapter(name, path, allowed_roots=allowed_roots, allow_pickle=allow_pickle)
+    ranks = _check_against_model(file, targets, max_rank)
+    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+    modules = {
+        (group.layer, group.name): _build_module(file, group, ranks, dtype, pin)
+        for group in targets.groups
+        if any(m.key in ranks for m in group.members)
+    }
+    return HostAdapter(name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks))
+
+
+class HostTier:
+    """The adapters held in host memory, by name; :meth:`load` adds one only if it loads completely.
+
+    Which adapters stay is decided by the Rust core; this class only holds their tensors.
+    """
+
+    def __init__(
+        self,
+        targets: LoRATargets,
+        *,
+        max_rank: int,
+        dtype: torch.dtype,
+        allowed_roots: Iterable[str | os.PathLike[str]] | None = None,
+        allow_pickle: bool = False,
+    ) -> None:
+        self.targets = targets
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.allowed_roots = None if allowed_roots is None else tuple(allowed_roots)
+        self.allow_pickle = allow_pickle
+        self._adapters: dict[str, HostAdapter] = {}
+
+    def load(self, name: str, path: str | os.PathLike[str]) -> HostAdapter:
+        """Load the adapter at ``path`` as ``name`` (see :func:`load_adapter`); on failure nothing changes.
+
+        Raises:
+            DuplicateAdapterError: ``name`` is already held.
+            AdapterLoadError: and its subclasses, as :func:`load_adapter`.
+        """
+        if name in self._adapters:
+            raise DuplicateAdapterError(
+                f"adapter {name!r} is already in the host tier ({self._adapters[name].path})"
+            )
+        adapter = load_adapter(
+            name,
+            path,
+            self.targets,
+            max_rank=self.max_rank,
+            dtype=self.dtype,
+            allowed_roots=self.allowed_roots,
+            allow_pickle=self.allow_pickle,
+        )
+        self._adapters[name] = adapter
+        return adapter
+
+    def drop(self, name: str) -> HostAdapter:
+        """Remove and return adapter ``name``.
+
+        Raises:
+            AdapterNotFoundError: ``name`` is not held; the message lists what is.
+        """
+        try:
+            return self._adapters.pop(name)
+        except KeyError:
+            raise AdapterNotFoundError(
+                f"adapter {name!r} is not in the host tier (held: {_listing(self._adapters) or 'none'})"
+            ) from None
+
+    def __getitem__(self, name: str) -> HostAdapter:
+        try:
+            return self._adapters[name]
+        except KeyError:
+            raise AdapterNotFoundError(
+                f"adapter {name!r} is not in the host tier (held: {_listing(self._adapters) or 'none'})"
+            ) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._adapters
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._adapters)
+
+    def __len__(self) -> int:
+        return len(self._adapters)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held by every adapter in the tier."""
+        return sum(a.nbytes for a in self._adapters.values())

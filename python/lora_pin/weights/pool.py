@@ -1,0 +1,231 @@
+"""The device slot pool: fixed per-group buffers that the shrink/expand ops read by slot index.
+
+For each (layer, group) of the targets, allocated once:
+
+* ``a``: ``[slots, max_rank * n_slices, in]``; slice s of slot k uses rows
+  ``[s * max_rank, s * max_rank + r_s)``;
+* ``b``: ``[slots, out_total, max_rank]``; slice s uses rows ``[off_s, off_{s+1})``, columns ``[0, r_s)``;
+* ``ranks``: int32 ``[slots, n_slices]`` and ``scalings``: float32 ``[slots, n_slices]``.
+
+Everything of a slot outside its adapter's ranks is zero, and groups the adapter does not target are zero
+with rank 0, so a reused slot never leaks the previous occupant's weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lora_pin.errors import PoolError
+from lora_pin.weights.host import HostAdapter, HostModule
+from lora_pin.weights.targets import LoRATargets, TargetGroup
+
+__all__ = ["DevicePool", "GroupBuffers"]
+
+
+@dataclass(frozen=True)
+class GroupBuffers:
+    """The pool buffers of one (layer, group); see the module docstring for the layout."""
+
+    group: TargetGroup
+    a: torch.Tensor
+    b: torch.Tensor
+    ranks: torch.Tensor
+    scalings: torch.Tensor
+
+    @property
+    def slice_offsets(self) -> list[int]:
+        """Output row offsets of the slices, ``n_slices + 1`` entries, as the expand op takes them."""
+        return list(self.group.slice_offsets)
+
+
+class DevicePool:
+    """``slots`` adapter slots on ``device`` for every target group, each holding ranks up to ``max_rank``.
+
+    On CUDA, :meth:`fill` copies from (pinned) host memory on a side stream and makes the current stream
+    wait for the copy; on CPU it copies in place. Each method validates everything before writing, so a
+    refused call leaves the pool unchanged.
+    """
+
+    def __init__(
+        self,
+        targets: LoRATargets,
+        slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        """Allocate every buffer (zeroed).
+
+        Raises:
+            PoolError: ``slots`` or ``max_rank`` is not positive, ``dtype`` is not floating point, or the
+                allocation fails (the message gives the bytes asked for).
+        """
+        if slots <= 0 or max_rank <= 0:
+            raise PoolError(f"device pool: slots ({slots}) and max_rank ({max_rank}) must both be positive")
+        if not dtype.is_floating_point:
+            raise PoolError(f"device pool: dtype must be floating point, got {dtype}")
+        self.targets = targets
+        self.slots = slots
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = torch.device(device)
+        element = torch.empty((), dtype=dtype).element_size()
+        self.slot_nbytes = sum(
+            (g.n_slices * max_rank * g.in_features + g.out_total * max_rank) * element + g.n_slices * 8
+            for g in targets.groups
+        )
+        try:
+            self._buffers = {
+                (g.layer, g.name): GroupBuffers(
+                    g,
+                    torch.zeros(
+                        (slots, g.n_slices * max_rank, g.in_features), dtype=dtype, device=self.device
+                    ),
+                    torch.zeros((slots, g.out_total, max_rank), dtype=dtype, device=self.device),
+                    torch.zeros((slots, g.n_slices), dtype=torch.int32, device=self.device),
+                    torch.zeros((slots, g.n_slices), dtype=torch.float32, device=self.device),
+                )
+                for g in targets.groups
+            }
+        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            raise PoolError(
+                f"device pool: cannot allocate {slots} slots x {self.slot_nbytes} bytes on {self.device}: "
+                f"{exc}"
+            ) from None
+        self._occupant: list[str | None] = [None] * slots
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Keeps each slot's host tensors alive until its asynchronous copy has run.
+        self._in_flight: dict[int, tuple[torch.cuda.Event, HostAdapter]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of every buffer of every slot."""
+        return self.slots * self.slot_nbytes
+
+    def occupant(self, slot: int) -> str | None:
+        """The name of the adapter last filled into ``slot``, or None when it is empty.
+
+        Raises:
+            PoolError: ``slot`` is out of range.
+        """
+        self._check_slot(slot)
+        return self._occupant[slot]
+
+    def buffers(
+        self, layer: int, module: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """``(a, b, ranks, scalings, slice_offsets)`` of group ``module`` (``"qkv_proj"`` …) in ``layer``.
+
+        Shapes: a ``[slots, n_slices * max_rank, in]``, b ``[slots, out_total, max_rank]``, ranks int32 and
+        scalings float32 ``[slots, n_slices]``, slice_offsets ``n_slices + 1`` ints.
+
+        Raises:
+            PoolError: the targets have no such group.
+        """
+        try:
+            buf = self._buffers[(layer, module)]
+        except KeyError:
+            names = sorted({g.name for g in self.targets.groups})
+            raise PoolError(f"device pool: no group {module!r} in layer {layer} (groups: {names})") from None
+        return buf.a, buf.b, buf.ranks, buf.scalings, buf.slice_offsets
+
+    def _check_slot(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.slots:
+            raise PoolError(f"device pool: slot {slot!r} out of range [0, {self.slots})")
+
+    def _validate(self, slot: int, adapter: HostAdapter) -> None:
+        self._check_slot(slot)
+        where = f"device pool: adapter {adapter.name!r} into slot {slot}"
+        if adapter.targets is not self.targets and adapter.targets != self.targets:
+            raise PoolError(f"{where}: it was loaded for different model targets than the pool's")
+        if adapter.dtype != self.dtype:
+            raise PoolError(f"{where}: host dtype {adapter.dtype} differs from the pool's {self.dtype}")
+        if adapter.max_rank > self.max_rank:
+            raise PoolError(f"{where}: rank {adapter.max_rank} exceeds the pool's max rank {self.max_rank}")
+        for key, module in adapter.modules.items():
+            group = module.group
+            expect_a = (group.n_slices * module.rank, group.in_features)
+            expect_b = (group.out_total, module.rank)
+            if (
+                key not in self._buffers
+                or tuple(module.a.shape) != expect_a
+                or tuple(module.b.shape) != expect_b
+            ):
+                raise PoolError(
+                    f"{where}: module {key} has A {list(module.a.shape)} / B {list(module.b.shape)}, "
+                    f"expected {list(expect_a)} / {list(expect_b)}"
+                )
+
+    def fill(self, slot: int, adapter: HostAdapter) -> torch.cuda.Event | None:
+        """Copy ``adapter`` into ``slot``, zeroing every part of the slot it does not cover.
+
+        On CUDA the copies are queued on a side stream (after the current stream's earlier work, which may
+        still read the old occupant) and the current stream waits for them; the returned event marks their
+        end. On CPU the copy is done when this returns, and the result is None.
+
+        Raises:
+            PoolError: ``slot`` out of range, or the adapter was loaded for other targets, another dtype or a
+                rank above ``max_rank``; nothing is written then.
+        """
+        self._validate(slot, adapter)
+        if self._copy_stream is None:
+            self._write(slot, adapter, non_blocking=False)
+            self._occupant[slot] = adapter.name
+            return None
+        compute = torch.cuda.current_stream(self.device)
+        self._copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self._copy_stream):
+            self._write(slot, adapter, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        compute.wait_event(done)
+        self._in_flight[slot] = (done, adapter)
+        self._occupant[slot] = adapter.name
+        self._reap()
+        return done
+
+    def clear(self, slot: int) -> None:
+        """Zero every buffer of ``slot`` (weights, ranks and scalings) on the current stream.
+
+        Raises:
+            PoolError: ``slot`` is out of range.
+        """
+        self._check_slot(slot)
+        for buf in self._buffers.values():
+            buf.a[slot].zero_()
+            buf.b[slot].zero_()
+            buf.ranks[slot].zero_()
+            buf.scalings[slot].zero_()
+        self._occupant[slot] = None
+
+    def _write(self, slot: int, adapter: HostAdapter, *, non_blocking: bool) -> None:
+        modules = adapter.modules
+        for key, buf in self._buffers.items():
+            module: HostModule | None = modules.get(key)
+            a_slot, b_slot = buf.a[slot], buf.b[slot]
+            if module is None:
+                a_slot.zero_()
+                b_slot.zero_()
+                buf.ranks[slot].zero_()
+                buf.scalings[slot].zero_()
+                continue
+            n, rank, max_rank = buf.group.n_slices, module.rank, self.max_rank
+            if rank == max_rank:
+                a_slot.copy_(module.a, non_blocking=non_blocking)
+                b_slot.copy_(module.b, non_blocking=non_blocking)
+            else:
+                a_view = a_slot.view(n, max_rank, -1)
+                a_view[:, :rank].copy_(module.a.view(n, rank, -1), non_blocking=non_blocking)
+                a_view[:, rank:].zero_()
+                b_slot[:, :rank].copy_(module.b, non_blocking=non_blocking)
+                b_slot[:, rank:].zero_()
+            ranks = torch.tensor(module.ranks, dtype=torch.int32)
+            scalings = torch.tensor(module.scalings, dtype=torch.float32)
+            buf.ranks[slot].copy_(ranks, non_blocking=non_blocking)
+            buf.scalings[slot].copy_(scalings, non_blocking=non_blocking)
+
+    def _reap(self) -> None:
+        for slot in [s for s, (event, _) in self._in_flight.items() if event.query()]:
+            del self._in_flight[slot]

@@ -1,0 +1,208 @@
+"""The model's LoRA-able linear layers and how they are grouped into pool buffers.
+
+A :class:`LoRATargets` lists, per decoder layer, the linear modules LoRA may wrap (``q_proj`` … ``down_proj``
+by default) with their in/out features, and groups them: with ``fuse=True`` q/k/v become one ``qkv_proj``
+group of three slices and gate/up one ``gate_up_proj`` group of two slices (one shrink serves all slices);
+every other module is a group of one slice. The serving manager wraps exactly these groups; the host tier
+and the device pool store one A and one B per (layer, group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lora_pin.errors import SpecError
+from lora_pin.weights.config import layer_index
+
+__all__ = ["DEFAULT_TARGET_MODULES", "FUSED_GROUPS", "LinearTarget", "LoRATargets", "TargetGroup"]
+
+DEFAULT_TARGET_MODULES: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+FUSED_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+@dataclass(frozen=True)
+class LinearTarget:
+    """One LoRA-able linear layer; ``key`` is its module path (``model.layers.0.self_attn.q_proj``)."""
+
+    layer: int
+    module: str
+    key: str
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class TargetGroup:
+    """The modules that share one pool buffer: one slice per member, stacked along the output dimension.
+
+    ``slice_offsets`` has ``n_slices + 1`` entries: slice s owns output rows
+    ``[slice_offsets[s], slice_offsets[s + 1])`` of B.
+    """
+
+    layer: int
+    name: str
+    members: tuple[LinearTarget, ...]
+
+    @property
+    def n_slices(self) -> int:
+        """How many modules are stacked in this group (1, 2 or 3)."""
+        return len(self.members)
+
+    @property
+    def in_features(self) -> int:
+        """The shared input width of every member."""
+        return self.members[0].in_features
+
+    @property
+    def out_total(self) -> int:
+        """The summed output width of the members (rows of the group's B)."""
+        return sum(m.out_features for m in self.members)
+
+    @property
+    def slice_offsets(self) -> tuple[int, ...]:
+        """Output row offsets of the slices, ``n_slices + 1`` entries starting at 0."""
+        offsets = [0]
+        for member in self.members:
+            offsets.append(offsets[-1] + member.out_features)
+        return tuple(offsets)
+
+
+def _linear_features(module: torch.nn.Module) -> tuple[int, int] | None:
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    # transformers' Conv1D (GPT-2 style) stores its weight [in, out]; PEFT reads its shape the same way.
+    if type(module).__name__ == "Conv1D" and hasattr(module, "weight") and module.weight.dim() == 2:
+        rows, cols = module.weight.shape
+        return int(rows), int(cols)
+    return None
+
+
+@dataclass(frozen=True)
+class LoRATargets:
+    """Every LoRA-able linear of a model and its buffer groups, ordered by layer then module.
+
+    Equal targets (same keys, dimensions and grouping) compare equal, so a host adapter loaded for one
+    instance fits a pool built from another.
+    """
+
+    linears: tuple[LinearTarget, ...]
+    groups: tuple[TargetGroup, ...]
+    num_layers: int
+
+    @classmethod
+    def from_linears(cls, linears: Iterable[LinearTarget], *, fuse: bool = True) -> LoRATargets:
+        """Group ``linears``: q/k/v and gate/up fused when ``fuse`` and all members share one input width.
+
+        Raises:
+            SpecError: two targets share a key, or there are none.
+        """
+        ordered = sorted(linears, key=lambda t: t.layer)  # stable: keeps the model's module order
+        keys = [t.key for t in ordered]
+        if len(set(keys)) != len(keys):
+            raise SpecError(f"model targets: duplicate module keys in {keys}")
+        if not ordered:
+            raise SpecError(
+                "model targets: the model has no LoRA-able linear layer among the requested names"
+            )
+        groups: list[TargetGroup] = []
+        layers = sorted({t.layer for t in ordered})
+        for layer in layers:
+            in_layer = [t for t in ordered if t.layer == layer]
+            by_module = {t.module: t for t in in_layer}
+            grouped: set[str] = set()
+            if fuse:
+                for group_name, names in FUSED_GROUPS.items():
+                    members = [by_module.get(n) for n in names]
+                    present = [m for m in members if m is not None]
+                    if len(present) == len(names) and len({m.in_features for m in present}) == 1:
+                        groups.append(TargetGroup(layer, group_name, tuple(present)))
+                        grouped.update(names)
+            groups.extend(TargetGroup(layer, t.module, (t,)) for t in in_layer if t.module not in grouped)
+        order = {t.key: i for i, t in enumerate(ordered)}
+        groups.sort(key=lambda g: (g.layer, order[g.members[0].key]))
+        return cls(tuple(ordered), tuple(groups), len(layers))
+
+    @classmethod
+    def from_model(
+        cls, model: torch.nn.Module, target_modules: Sequence[str] | None = None, *, fuse: bool = True
+    ) -> LoRATargets:
+        """Find the linear layers named in ``target_modules`` (default :data:`DEFAULT_TARGET_MODULES`).
+
+        A module qualifies when its last name segment is listed, it sits inside a numbered layer (PEFT's
+        layer-index rule) and it is an ``nn.Linear`` or a transformers ``Conv1D``. Works on models built on
+        the ``meta`` device.
+
+        Raises:
+            SpecError: no module qualifies.
+        """
+        wanted = set(DEFAULT_TARGET_MODULES if target_modules is None else target_modules)
+        found: list[LinearTarget] = []
+        for key, module in model.named_modules():
+            name = key.rsplit(".", 1)[-1]
+            if name not in wanted:
+                continue
+            features = _linear_features(module)
+            index = layer_index(key)
+            if features is None or index is None:
+                continue
+            found.append(LinearTarget(index, name, key, features[0], features[1]))
+        return cls.from_linears(found, fuse=fuse)
+
+    def __iter__(self) -> Iterator[TargetGroup]:
+        return iter(self.groups)
+
+    def linear(self, key: str) -> LinearTarget | None:
+        """The target with module key ``key``, or None."""
+        return self._by_key().get(key)
+
+    def group_of(self, key: str) -> tuple[TargetGroup, int]:
+        """The group holding module ``key`` and its slice index there.
+
+        Raises:
+            KeyError: ``key`` is not a target.
+        """
+        return self._slot_of()[key]
+
+    def group(self, layer: int, name: str) -> TargetGroup:
+        """The group ``name`` (``"qkv_proj"``, ``"o_proj"`` …) of ``layer``.
+
+        Raises:
+            KeyError: no such group.
+        """
+        for group in self.groups:
+            if group.layer == layer and group.name == name:
+                return group
+        raise KeyError(f"no LoRA target group {name!r} in layer {layer}")
+
+    @property
+    def module_names(self) -> tuple[str, ...]:
+        """The distinct module names (``q_proj`` …) in first-seen order."""
+        return tuple(dict.fromkeys(t.module for t in self.linears))
+
+    def _by_key(self) -> dict[str, LinearTarget]:
+        cache = self.__dict__.get("_by_key_cache")
+        if cache is None:
+            cache = {t.key: t for t in self.linears}
+            object.__setattr__(self, "_by_key_cache", cache)
+        return cache
+
+    def _slot_of(self) -> dict[str, tuple[TargetGroup, int]]:
+        cache = self.__dict__.get("_slot_of_cache")
+        if cache is None:
+            cache = {m.key: (g, s) for g in self.groups for s, m in enumerate(g.members)}
+            object.__setattr__(self, "_slot_of_cache", cache)
+        return cache
