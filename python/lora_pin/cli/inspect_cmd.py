@@ -1,0 +1,127 @@
+"""``lora-pin inspect PATH``: what an adapter holds, or the precise reason it cannot be served."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+
+from lora_pin.errors import AdapterLoadError
+from lora_pin.weights.config import layer_index
+from lora_pin.weights.host import load_adapter
+from lora_pin.weights.reader import AdapterFile, open_adapter
+from lora_pin.weights.targets import LoRATargets
+
+__all__ = ["add_parser", "run"]
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def add_parser(subparsers: Any) -> None:
+    """Registers ``inspect`` on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "inspect",
+        help="show an adapter's ranks, alpha, scaling, targets and size, or why it cannot be served",
+        description=(
+            "Read a PEFT LoRA adapter directory and print its rank(s), alpha, scaling, target modules, layer "
+            "count, dtype and bytes. With --model, also validate it against that model's layers. Exit 2 with "
+            "the reason when it cannot be served."
+        ),
+    )
+    p.add_argument("path", metavar="PATH", help="the adapter directory (adapter_config.json + weights)")
+    p.add_argument("--model", metavar="DIR", help="a Hugging Face model directory to validate against")
+    p.add_argument("--max-rank", type=int, default=None, help="the pool's max rank (default: no limit)")
+    p.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default="bfloat16", help="serving dtype for device bytes"
+    )
+    p.add_argument("--allow-pickle", action="store_true", help="read adapter_model.bin (weights_only=True)")
+    p.add_argument(
+        "--allowed-root", action="append", metavar="DIR", help="refuse paths outside DIR (repeatable)"
+    )
+    p.set_defaults(run=run)
+
+
+def _check_standalone(file: AdapterFile) -> None:
+    where = f"adapter {file.name!r} ({file.weights_path})"
+    if not file.pairs:
+        raise AdapterLoadError(
+            f"{where}: no lora_A/lora_B tensor pair; it would silently serve base-model output"
+        )
+    if file.unused:
+        raise AdapterLoadError(f"{where}: {len(file.unused)} tensor(s) would be unused: {file.unused[:8]}")
+    for key, pair in file.pairs.items():
+        rank = pair.a_shape[0]
+        if pair.b_shape[1] != rank or rank != file.config.rank_for(key):
+            raise AdapterLoadError(
+                f"{where}: module {key!r} has lora_A {list(pair.a_shape)} / lora_B {list(pair.b_shape)}, but "
+                f"field 'r'/'rank_pattern' gives rank {file.config.rank_for(key)}"
+            )
+
+
+def _model_targets(model_dir: str) -> LoRATargets:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return LoRATargets.from_model(model)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints the adapter summary on stdout; returns 0.
+
+    Raises:
+        AdapterLoadError: (and its subclasses UnsafeFormatError, PathNotAllowedError) the adapter cannot be
+            served; the CLI prints the message and exits 2.
+        SpecError: ``--model`` has no LoRA-able linear layer.
+    """
+    file = open_adapter(args.path, args.path, allowed_roots=args.allowed_root, allow_pickle=args.allow_pickle)
+    _check_standalone(file)
+    config = file.config
+    dtype = _DTYPES[args.dtype]
+    if args.model is not None:
+        targets = _model_targets(args.model)
+        max_rank = (
+            args.max_rank if args.max_rank is not None else max(p.a_shape[0] for p in file.pairs.values())
+        )
+        load_adapter(
+            args.path,
+            args.path,
+            targets,
+            max_rank=max_rank,
+            dtype=dtype,
+            allowed_roots=args.allowed_root,
+            allow_pickle=args.allow_pickle,
+            pin_memory=False,
+        )
+    elif args.max_rank is not None:
+        too_big = {k: p.a_shape[0] for k, p in file.pairs.items() if p.a_shape[0] > args.max_rank}
+        if too_big:
+            raise AdapterLoadError(
+                f"adapter {args.path!r} ({file.weights_path}): ranks above the max rank {args.max_rank}: "
+                f"{too_big}"
+            )
+    ranks = sorted({p.a_shape[0] for p in file.pairs.values()})
+    scalings = sorted({config.scaling_for(k, p.a_shape[0]) for k, p in file.pairs.items()})
+    alphas = sorted({config.alpha_for(k) for k in file.pairs})
+    modules = sorted({k.rsplit(".", 1)[-1] for k in file.pairs})
+    layers = sorted({i for k in file.pairs if (i := layer_index(k)) is not None})
+    element = torch.empty((), dtype=dtype).element_size()
+    params = sum(p.a_shape[0] * p.a_shape[1] + p.b_shape[0] * p.b_shape[1] for p in file.pairs.values())
+    lines = [
+        f"adapter:        {file.directory}",
+        f"weights:        {file.weights_path.name} ({str(file.dtype).removeprefix('torch.')}, "
+        f"{file.file_bytes} bytes)",
+        f"rank:           {', '.join(map(str, ranks))}",
+        f"alpha:          {', '.join(f'{a:g}' for a in alphas)}",
+        f"scaling:        {', '.join(f'{s:g}' for s in scalings)}{' (rslora)' if config.use_rslora else ''}",
+        f"target modules: {', '.join(modules)}",
+        f"layers:         {len(layers)} ({', '.join(map(str, layers))})",
+        f"tensors:        {2 * len(file.pairs)}",
+        f"device bytes:   {params * element} ({args.dtype})",
+    ]
+    if args.model is not None:
+        lines.append(f"model:          {args.model} (validated)")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
