@@ -214,7 +214,12 @@ fn check_duplicates(refs: &[LoRARef], locs: &[Loc]) -> Result<()> {
     Ok(())
 }
 
-fn parse_text(index: usize, text: &str, refs: &mut Vec<LoRARef>, locs: &mut Vec<Loc>) -> Result<()> {
+fn parse_text<'a>(
+    index: usize,
+    text: &'a str,
+    refs: &mut Vec<LoRARef>,
+    locs: &mut Vec<Loc<'a>>,
+) -> Result<()> {
     let loc = Loc::item(index, Quote::Text(text));
     let item = text.trim();
     if let Some(file) = item.strip_prefix('@') {
@@ -373,47 +378,46 @@ fn json_type(v: &Value) -> &'static str {
 }
 
 /// What an error quotes of the item it is about.
+#[derive(Debug, Clone, Copy)]
 enum Quote<'a> {
     Text(&'a str),
     Object(&'a Map<String, Value>),
     Pair(&'a str, &'a str),
 }
 
-/// Where an item came from: its index, and its entry in an `@FILE` list; rendered for messages.
+/// Where an item came from: its index, and its entry in an `@FILE` list. Rendered only when an error
+/// needs it, so the happy path formats nothing.
 #[derive(Debug, Clone)]
-struct Loc {
-    label: String,
+struct Loc<'a> {
+    /// `None` for a ref built at run time rather than parsed from a list.
+    index: Option<usize>,
+    quote: Quote<'a>,
+    /// The entry's index in an `@FILE` list and its rendered quote.
+    entry: Option<(usize, String)>,
 }
 
-impl Loc {
+impl<'a> Loc<'a> {
     const MAX_QUOTE: usize = 120;
 
-    fn item(index: usize, quote: Quote<'_>) -> Self {
-        let mut label = format!("item {index} (");
-        push_quote(&mut label, quote);
-        label.push(')');
-        Self { label }
+    fn item(index: usize, quote: Quote<'a>) -> Self {
+        Self { index: Some(index), quote, entry: None }
     }
 
-    fn runtime(name: &str, path: &str) -> Self {
-        let mut label = String::from("adapter (");
-        push_quote(&mut label, Quote::Pair(name, path));
-        label.push(')');
-        Self { label }
+    fn runtime(name: &'a str, path: &'a str) -> Self {
+        Self { index: None, quote: Quote::Pair(name, path), entry: None }
     }
 
     fn entry(&self, entry: usize, value: &Value) -> Self {
-        let mut label = format!("{} entry {entry} (", self.label);
+        let mut quote = String::new();
         match value {
-            Value::String(s) => push_quote(&mut label, Quote::Text(s)),
-            other => push_quote(&mut label, Quote::Text(&other.to_string())),
+            Value::String(s) => push_quote(&mut quote, Quote::Text(s)),
+            other => push_quote(&mut quote, Quote::Text(&other.to_string())),
         }
-        label.push(')');
-        Self { label }
+        Self { index: self.index, quote: self.quote, entry: Some((entry, quote)) }
     }
 
     fn error(&self, what: &str) -> Error {
-        Error::Spec(format!("{}: {what}", self.label))
+        Error::Spec(format!("{self}: {what}"))
     }
 }
 
@@ -431,9 +435,18 @@ fn push_quote(out: &mut String, quote: Quote<'_>) {
     }
 }
 
-impl std::fmt::Display for Loc {
+impl std::fmt::Display for Loc<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.label)
+        let mut label = match self.index {
+            Some(i) => format!("item {i} ("),
+            None => String::from("adapter ("),
+        };
+        push_quote(&mut label, self.quote);
+        label.push(')');
+        if let Some((entry, quote)) = &self.entry {
+            let _ = write!(label, " entry {entry} ({quote})");
+        }
+        f.write_str(&label)
     }
 }
 
