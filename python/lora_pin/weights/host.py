@@ -108,7 +108,7 @@ def _check_against_model(file: AdapterFile, targets: LoRATargets, max_rank: int)
     name, config, where = file.name, file.config, f"adapter {file.name!r} ({file.weights_path})"
     known = [t.key for t in targets.linears]
     if isinstance(config.target_modules, tuple):
-        for entry in config.target_modules:
+        for entry in sorted(config.target_modules):
             if not any(k == entry or k.endswith(f".{entry}") for k in known):
                 raise AdapterLoadError(
                     f"adapter {name!r} ({config.file}): field 'target_modules' names {entry!r}, which is "

@@ -82,6 +82,10 @@ class TargetGroup:
 
 
 def _linear_features(module: torch.nn.Module) -> tuple[int, int] | None:
+    base = getattr(module, "base_layer", None)
+    if isinstance(base, torch.nn.Module):
+        # Already wrapped by a LoRA layer (PEFT's or a serving framework's): describe the wrapped linear.
+        module = base
     if isinstance(module, torch.nn.Linear):
         return module.in_features, module.out_features
     # transformers' Conv1D (GPT-2 style) stores its weight [in, out]; PEFT reads its shape the same way.
@@ -143,8 +147,8 @@ class LoRATargets:
         """Find the linear layers named in ``target_modules`` (default :data:`DEFAULT_TARGET_MODULES`).
 
         A module qualifies when its last name segment is listed, it sits inside a numbered layer (PEFT's
-        layer-index rule) and it is an ``nn.Linear`` or a transformers ``Conv1D``. Works on models built on
-        the ``meta`` device.
+        layer-index rule) and it is an ``nn.Linear`` or a transformers ``Conv1D``, or wraps one as
+        ``base_layer`` (a PEFT-wrapped model). Works on models built on the ``meta`` device.
 
         Raises:
             SpecError: no module qualifies.
