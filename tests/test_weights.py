@@ -238,6 +238,17 @@ def test_host_tensors_pinned_with_cuda(world: World) -> None:
     assert host.pinned
 
 
+def test_host_tier_owns_its_memory(world: World, tmp_path: Path) -> None:
+    """Rewriting the adapter file in place after loading changes nothing in the host tier (no mmap alias)."""
+    d = copy_adapter(world, tmp_path / "rewritten", source="regex")
+    host = load_adapter("r", d, world.targets, max_rank=MAX_RANK, dtype=torch.float32)
+    before = {k: (m.a.clone(), m.b.clone()) for k, m in host.modules.items()}
+    state = load_file(d / "adapter_model.safetensors")
+    save_file({k: torch.zeros_like(v) for k, v in state.items()}, d / "adapter_model.safetensors")
+    for key, module in host.modules.items():
+        assert torch.equal(module.a, before[key][0]) and torch.equal(module.b, before[key][1])
+
+
 def test_pickle_refused_unless_allowed(world: World, tmp_path: Path) -> None:
     src = world.adapters["partial"]
     d = tmp_path / "pickled"

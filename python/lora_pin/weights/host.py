@@ -38,7 +38,8 @@ class HostModule:
     """One adapter's weights for one target group.
 
     ``a``: ``[n_slices * rank, in]``; ``b``: ``[out_total, rank]``; ``ranks`` / ``scalings``: per slice
-    (0 and 0.0 for a slice the adapter does not target).
+    (0 and 0.0 for a slice the adapter does not target), also as the int32 / float32 ``[n_slices]``
+    tensors ``rank_tensor`` / ``scaling_tensor`` the pool copies.
     """
 
     group: TargetGroup
@@ -46,6 +47,8 @@ class HostModule:
     b: torch.Tensor
     ranks: tuple[int, ...]
     scalings: tuple[float, ...]
+    rank_tensor: torch.Tensor
+    scaling_tensor: torch.Tensor
 
     @property
     def rank(self) -> int:
@@ -183,12 +186,8 @@ def _build_module(
         for m, r in zip(group.members, slice_ranks, strict=True)
     )
     rank = max(slice_ranks)
-    pair = file.pairs[group.members[0].key] if group.n_slices == 1 else None
-    if pair is not None and not pin:
-        # One slice, nothing to pad: the tensors read from the file are the host tensors (cast if needed).
-        a = file.tensor(pair.a_name).to(dtype)
-        b = file.tensor(pair.b_name).to(dtype)
-        return HostModule(group, a, b, slice_ranks, scalings)
+    # Always copied out of the file's memory map: a host tier aliasing the file would change (or crash
+    # with SIGBUS) when the file is rewritten in place while the adapter is being served.
     padded = any(r != rank for r in slice_ranks)
     a = _alloc((group.n_slices * rank, group.in_features), dtype, pin, padded)
     b = _alloc((group.out_total, rank), dtype, pin, padded)
@@ -198,7 +197,11 @@ def _build_module(
             pair = file.pairs[member.key]
             a[s * rank : s * rank + slice_ranks[s]].copy_(file.tensor(pair.a_name))
             b[offsets[s] : offsets[s + 1], : slice_ranks[s]].copy_(file.tensor(pair.b_name))
-    return HostModule(group, a, b, slice_ranks, scalings)
+    rank_tensor = torch.tensor(slice_ranks, dtype=torch.int32)
+    scaling_tensor = torch.tensor(scalings, dtype=torch.float32)
+    if pin:
+        rank_tensor, scaling_tensor = rank_tensor.pin_memory(), scaling_tensor.pin_memory()
+    return HostModule(group, a, b, slice_ranks, scalings, rank_tensor, scaling_tensor)
 
 
 def load_adapter(

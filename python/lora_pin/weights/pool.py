@@ -221,10 +221,8 @@ class DevicePool:
                 a_view[:, rank:].zero_()
                 b_slot[:, :rank].copy_(module.b, non_blocking=non_blocking)
                 b_slot[:, rank:].zero_()
-            ranks = torch.tensor(module.ranks, dtype=torch.int32)
-            scalings = torch.tensor(module.scalings, dtype=torch.float32)
-            buf.ranks[slot].copy_(ranks, non_blocking=non_blocking)
-            buf.scalings[slot].copy_(scalings, non_blocking=non_blocking)
+            buf.ranks[slot].copy_(module.rank_tensor, non_blocking=non_blocking)
+            buf.scalings[slot].copy_(module.scaling_tensor, non_blocking=non_blocking)
 
     def _reap(self) -> None:
         for slot in [s for s, (event, _) in self._in_flight.items() if event.query()]:

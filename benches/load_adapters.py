@@ -1,0 +1,149 @@
+"""Load N PEFT adapters from disk into the host tier and the device pool, against two baselines.
+
+Baselines, in the same process, on the same files (warm in the page cache after a first untimed pass):
+
+* floor: ``safetensors.torch.load_file`` + ``copy_`` of every tensor into preallocated tensors of the same
+  shapes (what any loader must at least do: read the bytes and put them somewhere);
+* PEFT: ``PeftModel.load_adapter`` of each adapter into one already-wrapped model.
+
+lora_pin: ``load_adapter`` (config checks, PEFT matching, shape checks, normalisation into the host tier)
+followed by ``DevicePool.fill`` into slot i (zeroing what the adapter does not cover).
+
+    .venv/bin/python benches/load_adapters.py --adapters 8 --layers 4 --hidden 1024 --rank 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
+from lora_pin.weights import DevicePool, LoRATargets, load_adapter
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def median_seconds(fn: Callable[[], None], repeats: int, reset: Callable[[], None] | None = None) -> float:
+    """The median wall time of ``fn`` over ``repeats`` runs (``reset`` runs untimed before each)."""
+    times = []
+    for _ in range(repeats):
+        if reset is not None:
+            reset()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    """Build the model and adapters in a temporary directory, time the three loaders, print ratios."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        base_dir = make_tiny_llama(
+            root / "base",
+            hidden=args.hidden,
+            intermediate=args.intermediate,
+            layers=args.layers,
+            heads=16,
+            kv_heads=4,
+        )
+        base = AutoModelForCausalLM.from_pretrained(base_dir)
+        targets = LoRATargets.from_model(base)
+        paths = [
+            make_peft_adapter(
+                base, root / f"a{i}", r=args.rank, lora_alpha=2 * args.rank, target_modules=ALL, seed=i
+            )
+            for i in range(args.adapters)
+        ]
+        dtype = torch.float32
+        device = torch.device(args.device)
+
+        # lora_pin: host tier + pool
+        pool = DevicePool(targets, slots=args.adapters, max_rank=args.rank, dtype=dtype, device=device)
+
+        def lora_pin_load() -> None:
+            for i, path in enumerate(paths):
+                pool.fill(i, load_adapter(f"a{i}", path, targets, max_rank=args.rank, dtype=dtype))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        # floor: load_file + copy into preallocated tensors
+        first = load_file(paths[0] / "adapter_model.safetensors")
+        prealloc = [{k: torch.empty_like(v, device=device) for k, v in first.items()} for _ in paths]
+
+        def host_load() -> None:
+            for i, path in enumerate(paths):
+                load_adapter(f"a{i}", path, targets, max_rank=args.rank, dtype=dtype)
+
+        def floor_load() -> None:
+            for i, path in enumerate(paths):
+                state = load_file(path / "adapter_model.safetensors")
+                dest = prealloc[i]
+                for key, tensor in state.items():
+                    dest[key].copy_(tensor)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        # PEFT: load_adapter into one wrapped model
+        peft_model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base_dir).to(device), paths[0], adapter_name="warm"
+        )
+
+        def peft_reset() -> None:
+            for name in [n for n in peft_model.peft_config if n != "warm"]:
+                peft_model.delete_adapter(name)
+
+        def peft_load() -> None:
+            for i, path in enumerate(paths):
+                peft_model.load_adapter(path, adapter_name=f"a{i}")
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        for fn in (lora_pin_load, floor_load):
+            fn()  # warm the page cache and allocators
+        peft_reset()
+        peft_load()
+        ours = median_seconds(lora_pin_load, args.repeats)
+        host = median_seconds(host_load, args.repeats)
+        floor = median_seconds(floor_load, args.repeats)
+        peft = median_seconds(peft_load, args.repeats, reset=peft_reset)
+        mib = sum((p / "adapter_model.safetensors").stat().st_size for p in paths) / 2**20
+
+    n = args.adapters
+    print(
+        f"{n} adapters, {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
+        f"r={args.rank}, all 7 modules, fp32, {mib:.1f} MiB on disk, device {device}, "
+        f"median of {args.repeats}"
+    )
+    print(f"  lora_pin host tier + pool : {ours * 1e3:8.2f} ms  ({ours / n * 1e3:.2f} ms/adapter)")
+    print(f"  lora_pin host tier only   : {host * 1e3:8.2f} ms  ({host / n * 1e3:.2f} ms/adapter)")
+    print(f"  floor load_file + copy_   : {floor * 1e3:8.2f} ms  ({floor / n * 1e3:.2f} ms/adapter)")
+    print(f"  PEFT load_adapter         : {peft * 1e3:8.2f} ms  ({peft / n * 1e3:.2f} ms/adapter)")
+    print(
+        f"  lora_pin / floor = {ours / floor:.2f}x (goal <= 1.3x); host tier / floor = {host / floor:.2f}x; "
+        f"PEFT / lora_pin = {peft / ours:.1f}x (goal >= 10x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
