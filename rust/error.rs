@@ -15,6 +15,29 @@ pub enum Error {
         /// The names that are registered, sorted.
         registered: Vec<String>,
     },
+    /// A name or id is already registered; both refs are described.
+    DuplicateAdapter {
+        /// The ref being registered.
+        new: String,
+        /// The ref already registered under that name or id.
+        existing: String,
+    },
+    /// A tier cannot make room (a registration, a pin); the message gives the numbers.
+    Capacity(String),
+    /// The adapter is still in use (being unloaded with requests in flight).
+    AdapterInUse(String),
+    /// An unload waited `waited` and `in_flight` requests still use the adapter.
+    UnloadTimeout {
+        /// The adapter being unloaded (it stays unregistered).
+        name: String,
+        /// Requests still using it.
+        in_flight: u64,
+        /// How long the unload waited.
+        waited: std::time::Duration,
+    },
+    /// A call's arguments contradict the registry's state or each other (a release without an
+    /// acquire, lists of different lengths, a load that is not pending).
+    Usage(String),
 }
 
 impl fmt::Display for Error {
@@ -29,6 +52,16 @@ impl fmt::Display for Error {
                     write!(f, "; registered: {}", quoted_list(registered))
                 }
             }
+            Error::DuplicateAdapter { new, existing } => {
+                write!(f, "cannot register {new}: {existing} is already registered")
+            }
+            Error::Capacity(msg) | Error::AdapterInUse(msg) | Error::Usage(msg) => f.write_str(msg),
+            Error::UnloadTimeout { name, in_flight, waited } => write!(
+                f,
+                "unloading adapter {name:?} timed out after {:.3} s with {in_flight} request(s) \
+                 still in flight; it stays unregistered (no new requests) and a later unload finishes it",
+                waited.as_secs_f64()
+            ),
         }
     }
 }

@@ -5,7 +5,12 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod cache;
 pub mod error;
+pub mod plan;
+pub mod policy;
+pub mod registry;
+pub mod shared;
 pub mod spec;
 
 #[cfg(feature = "python")]

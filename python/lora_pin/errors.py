@@ -22,6 +22,7 @@ __all__ = [
     "StalePlanError",
     "UnloadTimeoutError",
     "UnsafeFormatError",
+    "UsageError",
 ]
 
 
@@ -59,6 +60,11 @@ class UnloadTimeoutError(LoraPinError, TimeoutError):
 
 class StalePlanError(LoraPinError):
     """A step plan refers to a slot whose contents changed after the plan was made."""
+
+
+class UsageError(LoraPinError, ValueError):
+    """A call contradicts the registry's state or itself: a release without an acquire, lists of different
+    lengths, a load reported done that was never planned."""
 
 
 class AdapterLoadError(LoraPinError, ValueError):

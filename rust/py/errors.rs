@@ -26,6 +26,11 @@ impl From<Error> for PyErr {
         let class = match &err {
             Error::Spec(_) => "SpecError",
             Error::AdapterNotFound { .. } => "AdapterNotFoundError",
+            Error::DuplicateAdapter { .. } => "DuplicateAdapterError",
+            Error::Capacity(_) => "CapacityError",
+            Error::AdapterInUse(_) => "AdapterInUseError",
+            Error::UnloadTimeout { .. } => "UnloadTimeoutError",
+            Error::Usage(_) => "UsageError",
         };
         Python::attach(|py| new_error(py, class, err.to_string()))
     }

@@ -1,0 +1,271 @@
+//! One scheduler step: the step's requests in, the admitted set, a slot per request, the loads and
+//! evictions, and the kernels' segment arrays out.
+//!
+//! Admission walks the requests in batch order and decides per adapter at its first request:
+//! a pinned adapter is admitted; an unpinned one while fewer than `slots - pinned` distinct unpinned
+//! adapters are admitted. Then every admitted adapter not in a slot gets one (and a host-tier place
+//! first when it was evicted from host memory), evicting only adapters outside the step. An adapter
+//! whose tier cannot make room is deferred with all its requests, so every admitted request has a
+//! slot and a plan never fails half-way.
+
+use std::collections::HashMap;
+
+use crate::cache::Eviction;
+use crate::error::{Error, Result};
+use crate::policy::AdapterKey;
+use crate::registry::{LoadSource, Registry};
+
+/// A load the caller must perform before running the step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Load {
+    /// The adapter's name.
+    pub name: String,
+    /// The adapter's id.
+    pub lora_id: String,
+    /// The slot to copy it into.
+    pub slot: u32,
+    /// Where its weights are now.
+    pub source: LoadSource,
+}
+
+/// The outcome of [`Registry::plan`]. Token indices count the admitted requests' tokens only, each
+/// request's tokens contiguous, requests in `admitted` order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepPlan {
+    /// Indices (into the step's requests) of the admitted requests, in batch order.
+    pub admitted: Vec<u32>,
+    /// Indices of the deferred requests, in batch order.
+    pub deferred: Vec<u32>,
+    /// `[len(admitted)]` the slot of each admitted request, -1 for the base model.
+    pub request_slots: Vec<i32>,
+    /// Loads to perform, in the order their slots were assigned.
+    pub loads: Vec<Load>,
+    /// Adapters evicted while planning, in order (a host eviction of a device-resident adapter
+    /// comes right after its device eviction).
+    pub evictions: Vec<Eviction>,
+    /// `[T]` the slot of each admitted token, -1 for the base model.
+    pub token_slots: Vec<i32>,
+    /// `[N]` indices of the admitted tokens that have an adapter, grouped by slot (ascending), in
+    /// token order within a slot; base-model tokens are left out.
+    pub token_perm: Vec<i32>,
+    /// `[S + 1]` segment `s` is `token_perm[seg_indptr[s]..seg_indptr[s + 1]]`.
+    pub seg_indptr: Vec<i32>,
+    /// `[S]` the slot of each segment.
+    pub seg_slots: Vec<i32>,
+    /// `[slots]` rank of each slot's adapter, 0 for an empty slot.
+    pub slot_ranks: Vec<i32>,
+    /// `[slots]` scaling of each slot's adapter, 0 for an empty slot.
+    pub slot_scalings: Vec<f32>,
+    /// `[slots]` each slot's generation, bumped whenever its occupant changes.
+    pub slot_generations: Vec<i64>,
+}
+
+impl StepPlan {
+    /// `T`: the admitted requests' tokens.
+    pub fn num_tokens(&self) -> usize {
+        self.token_slots.len()
+    }
+}
+
+/// Why an adapter was deferred.
+#[derive(Clone, Copy)]
+enum Refusal {
+    Host,
+    Device,
+}
+
+impl Registry {
+    /// Plans one step over requests given by name (`None` is the base model), resolving each distinct
+    /// name once. See [`Registry::plan`].
+    ///
+    /// Errors: as [`Registry::plan`], and [`Error::AdapterNotFound`] for an unknown name (nothing is
+    /// planned then).
+    pub fn plan_names(&mut self, names: &[Option<&str>], num_tokens: &[u32]) -> Result<StepPlan> {
+        let mut seen: HashMap<&str, AdapterKey> = HashMap::new();
+        let mut adapters = Vec::with_capacity(names.len());
+        for name in names {
+            adapters.push(match name {
+                None => None,
+                Some(n) => Some(match seen.get(n) {
+                    Some(&k) => k,
+                    None => {
+                        let k = self.lookup(n, true)?;
+                        seen.insert(n, k);
+                        k
+                    }
+                }),
+            });
+        }
+        self.plan(&adapters, num_tokens)
+    }
+
+    /// Plans one step and commits it: the previous step's protection ends, the admitted adapters are
+    /// protected until the next plan (or [`Registry::end_step`]), and the planned loads are marked
+    /// loading until [`Registry::load_done`] / [`Registry::load_failed`].
+    ///
+    /// `adapters[i]` and `num_tokens[i]` describe request `i` (adapters from [`Registry::lookup`];
+    /// ones being unloaded are served, their requests are still running).
+    ///
+    /// Errors: [`Error::Usage`] when the two slices differ in length or the admitted tokens overflow
+    /// an `i32` (nothing is planned then).
+    pub fn plan(&mut self, adapters: &[Option<AdapterKey>], num_tokens: &[u32]) -> Result<StepPlan> {
+        if adapters.len() != num_tokens.len() {
+            return Err(Error::Usage(format!(
+                "plan got {} adapter names but {} token counts; give one of each per request",
+                adapters.len(),
+                num_tokens.len()
+            )));
+        }
+        let total: u64 = num_tokens.iter().map(|&n| u64::from(n)).sum();
+        if total > i32::MAX as u64 {
+            return Err(Error::Usage(format!(
+                "plan got {total} tokens; at most {} fit the int32 segment arrays",
+                i32::MAX
+            )));
+        }
+        self.end_step();
+        self.plan_epoch += 1;
+        let epoch = self.plan_epoch;
+        let mut plan = StepPlan::default();
+
+        // Admission by budget, in batch order.
+        let budget = self.config.slots - self.pinned;
+        let mut unpinned = 0;
+        for &key in adapters.iter().flatten() {
+            let a = self.get_mut(key);
+            if a.plan_epoch == epoch {
+                continue;
+            }
+            a.plan_epoch = epoch;
+            a.plan_admitted = a.r.pinned || unpinned < budget;
+            if !a.plan_admitted {
+                self.device.counters.refusals += 1;
+                continue;
+            }
+            unpinned += usize::from(!a.r.pinned);
+            a.in_step = true;
+            self.step.push(key);
+            self.refresh(key);
+        }
+
+        // A slot (and a host place) for every admitted adapter, in batch order.
+        let admitted_keys = self.step.clone();
+        for key in admitted_keys {
+            if self.get(key).slot.is_some() {
+                self.device.counters.hits += 1;
+            } else if let Err(refusal) = self.bring_in(key, &mut plan) {
+                match refusal {
+                    Refusal::Host => self.host.counters.refusals += 1,
+                    Refusal::Device => self.device.counters.refusals += 1,
+                }
+                let a = self.get_mut(key);
+                a.plan_admitted = false;
+                a.in_step = false;
+                self.step.retain(|&k| k != key);
+                self.refresh(key);
+                continue;
+            }
+            let now = self.tick();
+            let a = self.get_mut(key);
+            a.last_used = now;
+            a.uses += 1;
+        }
+
+        self.fill_outputs(adapters, num_tokens, &mut plan);
+        Ok(plan)
+    }
+
+    /// Gives `key` (admitted, in the step, in no slot) a slot, reading it from disk first if it left
+    /// the host tier; or says which tier refused.
+    fn bring_in(&mut self, key: AdapterKey, plan: &mut StepPlan) -> std::result::Result<(), Refusal> {
+        let a = self.get(key);
+        let source = if a.host_since.is_some() { LoadSource::Host } else { LoadSource::Disk };
+        let bytes = a.size.host_bytes;
+        if source == LoadSource::Disk && !self.host.room_possible(bytes) {
+            return Err(Refusal::Host);
+        }
+        if !self.device.slot_possible() {
+            return Err(Refusal::Device);
+        }
+        match source {
+            LoadSource::Disk => {
+                self.make_host_room(bytes, &mut plan.evictions);
+                self.enter_host(key);
+                self.host.counters.misses += 1;
+                self.host.counters.loads += 1;
+            }
+            LoadSource::Host => self.host.counters.hits += 1,
+        }
+        let slot = self.take_slot(&mut plan.evictions);
+        self.get_mut(key).loading = Some(source);
+        self.occupy_slot(key, slot);
+        self.device.counters.misses += 1;
+        self.device.counters.loads += 1;
+        let a = self.get(key);
+        plan.loads.push(Load { name: a.r.lora_name.clone(), lora_id: a.r.lora_id.clone(), slot, source });
+        Ok(())
+    }
+
+    fn fill_outputs(&self, adapters: &[Option<AdapterKey>], num_tokens: &[u32], plan: &mut StepPlan) {
+        let slots = self.config.slots;
+        let epoch = self.plan_epoch;
+        let mut per_slot = vec![0i32; slots];
+        for (i, (&key, &n)) in adapters.iter().zip(num_tokens).enumerate() {
+            let slot = match key {
+                None => -1,
+                Some(key) => {
+                    let a = self.get(key);
+                    debug_assert_eq!(a.plan_epoch, epoch);
+                    if !a.plan_admitted {
+                        plan.deferred.push(i as u32);
+                        continue;
+                    }
+                    let slot = a.slot.expect("an admitted adapter has a slot");
+                    per_slot[slot as usize] += n as i32;
+                    slot as i32
+                }
+            };
+            plan.admitted.push(i as u32);
+            plan.request_slots.push(slot);
+            plan.token_slots.extend(std::iter::repeat_n(slot, n as usize));
+        }
+        // Counting sort of the adapter tokens by slot.
+        let mut start = vec![0i32; slots];
+        let mut next = 0;
+        for (s, &count) in per_slot.iter().enumerate() {
+            start[s] = next;
+            next += count;
+        }
+        plan.token_perm = vec![0; next as usize];
+        let mut fill = start.clone();
+        for (t, &slot) in plan.token_slots.iter().enumerate() {
+            if slot >= 0 {
+                plan.token_perm[fill[slot as usize] as usize] = t as i32;
+                fill[slot as usize] += 1;
+            }
+        }
+        let chunk = self.config.chunk_size.map_or(i32::MAX, |c| c.min(i32::MAX as usize) as i32);
+        plan.seg_indptr.push(0);
+        for (s, (&begin, &count)) in start.iter().zip(&per_slot).enumerate() {
+            let mut at = begin;
+            while at < begin + count {
+                at = (at + chunk.min(begin + count - at)).min(begin + count);
+                plan.seg_indptr.push(at);
+                plan.seg_slots.push(s as i32);
+            }
+        }
+        for (s, key) in self.device.slots.iter().enumerate() {
+            let (rank, scaling) = key.map_or((0, 0.0), |k| {
+                let a = self.get(k);
+                (a.size.rank as i32, a.size.scaling)
+            });
+            plan.slot_ranks.push(rank);
+            plan.slot_scalings.push(scaling);
+            plan.slot_generations.push(self.device.generations[s] as i64);
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "plan_tests.rs"]
+mod tests;

@@ -1,0 +1,132 @@
+//! Eviction policies: which eviction candidate of a tier goes first.
+//!
+//! A tier hands its policy only the adapters that may be evicted right now (resident and in no
+//! protection class); the policy orders them. Protection changes remove an adapter and insert it
+//! again, so a candidate's [`Usage`] never changes while the policy holds it, and a policy may
+//! compute whatever score it likes once, at insertion. A new policy is one file: implement
+//! [`EvictionPolicy`] (usually over [`Ranked`]) and add it to [`by_name`].
+
+mod fifo;
+mod lru;
+
+use std::collections::BTreeSet;
+use std::fmt;
+
+pub use fifo::Fifo;
+pub use lru::Lru;
+
+use crate::error::{Error, Result};
+
+/// An adapter's handle inside one registry (an index; reused after the adapter is forgotten).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct AdapterKey(pub u32);
+
+impl AdapterKey {
+    /// The key as an index into the registry's adapter table.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// What a policy may know about a candidate in one tier: its size and its access history.
+///
+/// Times are the registry's logical clock (one tick per insertion or use), never wall-clock time,
+/// so a trace simulator replays a run exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    /// When the adapter entered this tier.
+    pub inserted_at: u64,
+    /// When a planned step last used it (its registration time if never used).
+    pub last_used: u64,
+    /// How many planned steps used it since it was registered.
+    pub uses: u64,
+    /// Bytes it occupies in this tier.
+    pub bytes: u64,
+    /// Its LoRA rank.
+    pub rank: u32,
+}
+
+/// Orders one tier's eviction candidates. Every operation is O(log n) or better.
+pub trait EvictionPolicy: Send + Sync + fmt::Debug {
+    /// The policy's name, as `by_name` accepts it.
+    fn name(&self) -> &'static str;
+    /// `key` became a candidate. It is not a candidate already.
+    fn insert(&mut self, key: AdapterKey, usage: &Usage);
+    /// `key` stopped being a candidate (evicted, used, pinned, ...). It is a candidate.
+    fn remove(&mut self, key: AdapterKey);
+    /// The candidate to evict first, if any.
+    fn victim(&self) -> Option<AdapterKey>;
+    /// The number of candidates.
+    fn len(&self) -> usize;
+    /// Whether there is no candidate.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The names [`by_name`] accepts.
+pub const POLICY_NAMES: &[&str] = &["lru", "fifo"];
+
+/// A fresh policy by name.
+///
+/// Errors: [`Error::Spec`] naming the value and the choices.
+pub fn by_name(what: &str, name: &str) -> Result<Box<dyn EvictionPolicy>> {
+    match name {
+        "lru" => Ok(Box::new(Lru::default())),
+        "fifo" => Ok(Box::new(Fifo::default())),
+        _ => Err(Error::Spec(format!(
+            "{what}={name:?} is not an eviction policy; choose one of {}",
+            POLICY_NAMES.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(", ")
+        ))),
+    }
+}
+
+/// Candidates ordered by a score, smallest first (ties broken by key): the building block of
+/// score-based policies. O(log n) insert, remove and victim.
+#[derive(Debug, Default, Clone)]
+pub struct Ranked {
+    order: BTreeSet<(u64, AdapterKey)>,
+    score: Vec<Option<u64>>,
+}
+
+impl Ranked {
+    /// Adds `key` with `score`.
+    ///
+    /// Panics if `key` is already present (a registry bug).
+    pub fn insert(&mut self, key: AdapterKey, score: u64) {
+        if self.score.len() <= key.index() {
+            self.score.resize(key.index() + 1, None);
+        }
+        assert!(self.score[key.index()].is_none(), "{key:?} is already a candidate");
+        self.score[key.index()] = Some(score);
+        self.order.insert((score, key));
+    }
+
+    /// Removes `key`.
+    ///
+    /// Panics if `key` is absent (a registry bug).
+    pub fn remove(&mut self, key: AdapterKey) {
+        let score = self.score.get_mut(key.index()).and_then(Option::take);
+        let score = score.unwrap_or_else(|| panic!("{key:?} is not a candidate"));
+        self.order.remove(&(score, key));
+    }
+
+    /// The key with the smallest score.
+    pub fn first(&self) -> Option<AdapterKey> {
+        self.order.first().map(|&(_, key)| key)
+    }
+
+    /// The number of keys.
+    pub fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    /// Whether there is no key.
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+}
+
+#[cfg(test)]
+#[path = "policy_tests.rs"]
+mod tests;

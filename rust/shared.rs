@@ -1,0 +1,73 @@
+//! A [`Registry`] shared between threads: one lock around it and a condition variable that wakes
+//! unloads when an adapter being unloaded drains.
+
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use crate::error::{Error, Result};
+use crate::registry::{Registry, Unload};
+
+/// A thread-safe registry.
+#[derive(Debug)]
+pub struct SharedRegistry {
+    inner: Mutex<Registry>,
+    drained: Condvar,
+}
+
+impl SharedRegistry {
+    /// Wraps `registry`.
+    pub fn new(registry: Registry) -> Self {
+        Self { inner: Mutex::new(registry), drained: Condvar::new() }
+    }
+
+    /// Locks the registry.
+    pub fn lock(&self) -> MutexGuard<'_, Registry> {
+        self.inner.lock()
+    }
+
+    /// [`Registry::release`], waking unloads when an adapter being unloaded drained.
+    ///
+    /// Errors: as [`Registry::release`].
+    pub fn release(&self, ids: &[Option<&str>]) -> Result<()> {
+        if self.inner.lock().release(ids)? {
+            self.drained.notify_all();
+        }
+        Ok(())
+    }
+
+    /// Unregisters `name` and waits up to `wait` for its requests to drain, then forgets it.
+    /// Returns [`Unload::Draining`] if requests are still in flight after `wait`.
+    ///
+    /// Errors: [`Error::AdapterNotFound`] for a name never registered.
+    pub fn unload_for(&self, name: &str, wait: Duration) -> Result<Unload> {
+        let deadline = Instant::now().checked_add(wait);
+        let mut reg = self.inner.lock();
+        loop {
+            let state = reg.unload(name)?;
+            let Unload::Draining { .. } = state else { return Ok(state) };
+            match deadline {
+                Some(d) if Instant::now() >= d => return Ok(state),
+                Some(d) => {
+                    self.drained.wait_until(&mut reg, d);
+                }
+                None => self.drained.wait(&mut reg),
+            }
+        }
+    }
+
+    /// Unregisters `name`, waits for its requests to drain (at most `timeout`; forever with `None`),
+    /// then forgets it. Idempotent: unloading a forgotten adapter returns at once.
+    ///
+    /// Errors: [`Error::AdapterNotFound`] for a name never registered; [`Error::UnloadTimeout`] when
+    /// requests are still in flight after `timeout` (the adapter stays unregistered).
+    pub fn unload(&self, name: &str, timeout: Option<Duration>) -> Result<()> {
+        let started = Instant::now();
+        match self.unload_for(name, timeout.unwrap_or(Duration::MAX))? {
+            Unload::Done => Ok(()),
+            Unload::Draining { in_flight } => {
+                Err(Error::UnloadTimeout { name: name.to_owned(), in_flight, waited: started.elapsed() })
+            }
+        }
+    }
+}
