@@ -171,16 +171,34 @@ def _check_pair(file: AdapterFile, pair: LoraTensorPair, target: LinearTarget, m
     return rank
 
 
-def _alloc(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, zero: bool) -> torch.Tensor:
-    if zero:
-        return torch.zeros(shape, dtype=dtype, pin_memory=pin)
-    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+class _Slab:
+    """One allocation per adapter, handed out as views: one (pinned) allocation instead of one per tensor,
+    which avoids an mmap/munmap and fresh page faults for every large tensor."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool) -> None:
+        self.memory = torch.empty(numel, dtype=dtype, pin_memory=pin)
+        self.used = 0
+
+    def take(self, shape: tuple[int, int], zero: bool) -> torch.Tensor:
+        numel = shape[0] * shape[1]
+        view = self.memory[self.used : self.used + numel].view(shape)
+        self.used += numel
+        return view.zero_() if zero else view
+
+
+def _group_ranks(group: TargetGroup, ranks: dict[str, int]) -> tuple[int, ...]:
+    return tuple(ranks.get(m.key, 0) for m in group.members)
+
+
+def _group_numel(group: TargetGroup, ranks: dict[str, int]) -> int:
+    rank = max(_group_ranks(group, ranks))
+    return rank * (group.n_slices * group.in_features + group.out_total)
 
 
 def _build_module(
-    file: AdapterFile, group: TargetGroup, ranks: dict[str, int], dtype: torch.dtype, pin: bool
+    file: AdapterFile, group: TargetGroup, ranks: dict[str, int], slab: _Slab, pin: bool
 ) -> HostModule:
-    slice_ranks = tuple(ranks.get(m.key, 0) for m in group.members)
+    slice_ranks = _group_ranks(group, ranks)
     scalings = tuple(
         file.config.scaling_for(m.key, r) if r else 0.0
         for m, r in zip(group.members, slice_ranks, strict=True)
@@ -189,8 +207,8 @@ def _build_module(
     # Always copied out of the file's memory map: a host tier aliasing the file would change (or crash
     # with SIGBUS) when the file is rewritten in place while the adapter is being served.
     padded = any(r != rank for r in slice_ranks)
-    a = _alloc((group.n_slices * rank, group.in_features), dtype, pin, padded)
-    b = _alloc((group.out_total, rank), dtype, pin, padded)
+    a = slab.take((group.n_slices * rank, group.in_features), padded)
+    b = slab.take((group.out_total, rank), padded)
     offsets = group.slice_offsets
     for s, member in enumerate(group.members):
         if slice_ranks[s]:
@@ -235,11 +253,9 @@ def load_adapter(
     file = open_adapter(name, path, allowed_roots=allowed_roots, allow_pickle=allow_pickle)
     ranks = _check_against_model(file, targets, max_rank)
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-    modules = {
-        (group.layer, group.name): _build_module(file, group, ranks, dtype, pin)
-        for group in targets.groups
-        if any(m.key in ranks for m in group.members)
-    }
+    touched = [g for g in targets.groups if any(m.key in ranks for m in g.members)]
+    slab = _Slab(sum(_group_numel(g, ranks) for g in touched), dtype, pin)
+    modules = {(g.layer, g.name): _build_module(file, g, ranks, slab, pin) for g in touched}
     return HostAdapter(name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks))
 
 
