@@ -91,7 +91,7 @@ def make_peft_adapter(
     model = AutoModelForCausalLM.from_pretrained(base) if not isinstance(base, torch.nn.Module) else base
     config = LoraConfig(
         r=r,
-        lora_alpha=lora_alpha,
+        lora_alpha=lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int, computes in float
         target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
         use_rslora=use_rslora,
         rank_pattern=dict(rank_pattern or {}),
@@ -110,7 +110,7 @@ def make_peft_adapter(
                 if ".lora_A." in name or ".lora_B." in name:
                     param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     path = Path(out_dir)
-    peft_model.save_pretrained(path)
+    peft_model.save_pretrained(str(path))
     # get_peft_model wraps the caller's model in place; undo it so the same model can make more adapters.
     if isinstance(base, torch.nn.Module):
         peft_model.unload()

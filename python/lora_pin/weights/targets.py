@@ -89,9 +89,9 @@ def _linear_features(module: torch.nn.Module) -> tuple[int, int] | None:
     if isinstance(module, torch.nn.Linear):
         return module.in_features, module.out_features
     # transformers' Conv1D (GPT-2 style) stores its weight [in, out]; PEFT reads its shape the same way.
-    if type(module).__name__ == "Conv1D" and hasattr(module, "weight") and module.weight.dim() == 2:
-        rows, cols = module.weight.shape
-        return int(rows), int(cols)
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0]), int(weight.shape[1])
     return None
 
 
