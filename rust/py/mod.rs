@@ -2,6 +2,7 @@
 //! mapping and GIL release live here; every decision is made by the core.
 
 mod errors;
+mod registry;
 mod spec;
 
 use pyo3::prelude::*;
@@ -11,6 +12,8 @@ use pyo3::prelude::*;
 pub mod _core {
     use pyo3::prelude::*;
 
+    #[pymodule_export]
+    use super::registry::{PyLoRARegistry, PyStepPlan};
     #[pymodule_export]
     use super::spec::{check_limits, parse_lora_paths, PyLoRARef};
 
