@@ -6,7 +6,10 @@ plans each scheduler step; this package moves the tensors and runs the multi-ada
 
 from __future__ import annotations
 
-from lora_pin._core import LoRARef, __version__, check_limits, parse_lora_paths
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lora_pin._core import LoRARef, LoRARegistry, StepPlan, __version__, check_limits, parse_lora_paths
 from lora_pin.args import LoRAConfig, add_lora_args, lora_config_from_args
 from lora_pin.errors import (
     AdapterInUseError,
@@ -23,24 +26,60 @@ from lora_pin.errors import (
     UnsafeFormatError,
 )
 
+if TYPE_CHECKING:
+    from lora_pin.model import LoRAManager, Step
+    from lora_pin.weights import AdapterConfig, DevicePool, HostAdapter, HostTier, LoRATargets, load_adapter
+
+# Names whose modules import torch load on first use: `import lora_pin` and `lora-pin parse` stay fast.
+_LAZY = {
+    "LoRAManager": "lora_pin.model",
+    "Step": "lora_pin.model",
+    "AdapterConfig": "lora_pin.weights",
+    "DevicePool": "lora_pin.weights",
+    "HostAdapter": "lora_pin.weights",
+    "HostTier": "lora_pin.weights",
+    "LoRATargets": "lora_pin.weights",
+    "load_adapter": "lora_pin.weights",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lora_pin' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
+    "AdapterConfig",
     "AdapterInUseError",
     "AdapterLoadError",
     "AdapterNotFoundError",
     "CapacityError",
+    "DevicePool",
     "DuplicateAdapterError",
+    "HostAdapter",
+    "HostTier",
     "LoRAConfig",
+    "LoRAManager",
     "LoRARef",
+    "LoRARegistry",
+    "LoRATargets",
     "LoraPinError",
     "PathNotAllowedError",
     "PoolError",
     "SpecError",
     "StalePlanError",
+    "Step",
+    "StepPlan",
     "UnloadTimeoutError",
     "UnsafeFormatError",
     "__version__",
     "add_lora_args",
     "check_limits",
+    "load_adapter",
     "lora_config_from_args",
     "parse_lora_paths",
 ]

@@ -1,0 +1,120 @@
+"""LoRA layers: wrappers around a model's target linears that add every row's adapter delta.
+
+A :class:`LoRALinear` keeps the base layer untouched and, while a step is active, adds
+``scaling * B[slot] (A[slot] x)`` to each row whose request uses an adapter, through the ``lora_pin``
+shrink/expand ops over the device pool's buffers. Rows with no adapter are never touched, so they equal
+the base model's output bit for bit. With no active step the wrapper is the base layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lora_pin.ops import SegmentBatch, expand, segments_from_slots, shrink
+from lora_pin.weights.pool import GroupBuffers
+
+__all__ = ["LoRALinear", "StepSegments"]
+
+
+@dataclass
+class StepSegments:
+    """The token grouping of the active step, as the LoRA layers need it.
+
+    Two ways to describe a step:
+
+    - *packed* (``segments`` set): the layers see ``[T, in]`` inputs whose rows are the step's tokens, in
+      the order the planner's segment arrays index;
+    - *per sequence* (``sequence_slots`` set): the layers see ``[B, L, in]`` (or ``[B * L, in]``) inputs
+      with one slot per sequence; segments are derived for each ``L`` met (prefill, then decode steps)
+      and cached.
+
+    ``any_adapter`` is False when every row is base-model only: the layers then skip the ops entirely.
+    """
+
+    segments: SegmentBatch | None = None
+    sequence_slots: torch.Tensor | None = None
+    chunk_size: int | None = None
+    any_adapter: bool = True
+    _by_length: dict[int, SegmentBatch] = field(default_factory=dict)
+
+    def for_input(self, x: torch.Tensor) -> SegmentBatch:
+        """The segments for layer input ``x`` (``[T, in]`` packed, ``[B, L, in]`` per sequence).
+
+        Raises:
+            ValueError: ``x`` does not have the step's shape (another batch size than the step's).
+        """
+        if self.segments is not None:
+            return self.segments
+        assert self.sequence_slots is not None
+        batch = self.sequence_slots.shape[0]
+        rows = x.numel() // x.shape[-1]
+        if rows % batch:
+            raise ValueError(
+                f"LoRA step: the layer input has {rows} rows, not a multiple of the step's {batch} sequences"
+            )
+        length = rows // batch
+        cached = self._by_length.get(length)
+        if cached is None:
+            token_slots = torch.repeat_interleave(self.sequence_slots, length)
+            cached = segments_from_slots(token_slots, self.chunk_size)
+            self._by_length[length] = cached
+        return cached
+
+
+class LoRALinear(torch.nn.Module):
+    """``base_layer(x)`` plus each row's adapter delta from one device-pool group.
+
+    The wrapped layer's output is the whole group: one slice for an ordinary linear (``q_proj``), several
+    for a fused one (a ``qkv_proj`` whose output is ``[q | k | v]``, serving adapters trained on separate
+    ``q_proj``/``k_proj``/``v_proj``): one shrink serves every slice and expand writes each slice's columns.
+
+    Args:
+        base_layer: the wrapped linear (kept as is; its weights are never modified); output width
+            ``buffers.group.out_total``.
+        buffers: the device pool's buffers of this layer's group.
+        active_step: returns the active :class:`StepSegments`, or None outside a step.
+    """
+
+    def __init__(
+        self,
+        base_layer: torch.nn.Module,
+        buffers: GroupBuffers,
+        active_step: Callable[[], StepSegments | None],
+    ) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self._pool_buffers = buffers
+        self._active_step = active_step
+        self._n_slices = buffers.group.n_slices
+        self._offsets = buffers.slice_offsets
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in] -> [..., out_total]``: the base output plus the step's adapter deltas, in place."""
+        out = self.base_layer(x)
+        step = self._active_step()
+        if step is None or not step.any_adapter:
+            return out
+        seg = step.for_input(x)
+        buf = self._pool_buffers
+        flat_x = x.reshape(-1, x.shape[-1])
+        flat_out = out.view(-1, out.shape[-1])
+        v = shrink(flat_x, buf.a, seg.perm, seg.seg_indptr, seg.seg_slots, buf.ranks, self._n_slices)
+        expand(
+            flat_out,
+            v,
+            buf.b,
+            seg.perm,
+            seg.seg_indptr,
+            seg.seg_slots,
+            buf.ranks,
+            buf.scalings,
+            self._offsets,
+        )
+        return out
+
+    def extra_repr(self) -> str:
+        group = self._pool_buffers.group
+        return f"group={group.name!r}, layer={group.layer}, slices={self._n_slices}"

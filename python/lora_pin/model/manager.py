@@ -1,0 +1,448 @@
+"""The manager: one object that serves many LoRA adapters over one Hugging Face-style model.
+
+It ties the pieces together: the Rust registry decides admission, slots, loads and evictions; the host
+tier and the device pool hold the tensors; the model's target linears are wrapped with
+:class:`~lora_pin.model.layers.LoRALinear`, which run the ``lora_pin`` ops for the active step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import threading
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lora_pin._core import LoRARef, LoRARegistry, parse_lora_paths
+from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, lora_config_from_args
+from lora_pin.errors import AdapterLoadError, CapacityError, LoraPinError, SpecError
+from lora_pin.model.layers import LoRALinear, StepSegments
+from lora_pin.ops import SegmentBatch
+from lora_pin.weights import (
+    DEFAULT_TARGET_MODULES,
+    DevicePool,
+    GroupBuffers,
+    HostTier,
+    LoRATargets,
+    read_adapter_config,
+)
+from lora_pin.weights.reader import resolve_adapter_dir
+
+__all__ = ["LoRAManager", "Step"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One planned scheduler step (from :meth:`LoRAManager.prepare_step` or :meth:`LoRAManager.batch`).
+
+    Attributes:
+        admitted: indices (into the step's requests) of the requests that run this step, in batch order.
+        deferred: indices of the requests that must wait for a later step (they hold nothing).
+        request_slots: int32 ``[len(admitted)]``, the device slot of each admitted request, -1 for base.
+        segments: the token grouping the LoRA layers use; tokens are the admitted requests' tokens,
+            each request's contiguous, in ``admitted`` order.
+        num_tokens: ``T``, the admitted requests' tokens.
+    """
+
+    admitted: tuple[int, ...]
+    deferred: tuple[int, ...]
+    request_slots: torch.Tensor
+    segments: SegmentBatch
+    num_tokens: int
+    _ids: tuple[str | None, ...]
+
+
+def _buffer(data: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer from the core as a tensor on ``device`` (no Python loop; empty buffers allowed)."""
+    view = memoryview(data)
+    if view.nbytes == 0:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.frombuffer(bytearray(view), dtype=dtype).to(device)
+
+
+class LoRAManager:
+    """Serves the adapters named by ``lora_paths`` over ``model``, ``max_loras_per_batch`` at a time.
+
+    Args:
+        model: a Hugging Face-style causal LM (Llama, Mistral, Qwen2 ...) whose target linears get wrapped.
+        lora_paths: start-up adapters, in any form :func:`lora_pin.parse_lora_paths` takes.
+        max_loras_per_batch: device slots (distinct adapters one step can use).
+        max_loaded_loras: host-tier capacity in adapters (None: unbounded).
+        max_lora_rank: the slot pool's rank; None takes the largest start-up adapter's.
+        lora_target_modules: module names to wrap; None (or ``["all"]``) takes every supported module the
+            start-up adapters use (all of ``q/k/v/o, gate/up/down`` when one uses a regex).
+        eviction_policy: the device tier's policy (``"lru"`` or ``"fifo"``); the host tier uses LRU.
+        max_host_bytes: optional host-tier capacity in bytes.
+        allowed_roots: if given, every adapter path must resolve under one of these folders.
+        allow_pickle: allow ``adapter_model.bin`` (loaded with ``torch.load(weights_only=True)``).
+        chunk_size: longest segment the kernels see, in tokens (None: whole segments).
+
+    Raises:
+        SpecError: the specs or limits are invalid, or the rank/target modules cannot be determined.
+        AdapterLoadError: a start-up adapter cannot be served (the message names it and why); nothing is
+            attached then.
+        PoolError: the device pool cannot be allocated.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        lora_paths: Any = None,
+        *,
+        max_loras_per_batch: int = DEFAULT_MAX_LORAS_PER_BATCH,
+        max_loaded_loras: int | None = None,
+        max_lora_rank: int | None = None,
+        lora_target_modules: Sequence[str] | None = None,
+        eviction_policy: str = "lru",
+        max_host_bytes: int | None = None,
+        allowed_roots: Iterable[str | os.PathLike[str]] | None = None,
+        allow_pickle: bool = False,
+        chunk_size: int | None = None,
+    ) -> None:
+        refs = parse_lora_paths(
+            lora_paths, max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras
+        )
+        self._allowed_roots = None if allowed_roots is None else tuple(allowed_roots)
+        rank, modules = self._infer_shape(refs, max_lora_rank, lora_target_modules)
+        param = next(model.parameters())
+        self.model = model
+        self.dtype, self.device = param.dtype, param.device
+        self.targets = LoRATargets.from_model(model, modules, fuse=False)
+        self.max_rank = rank
+        self.chunk_size = chunk_size
+        self.pool = DevicePool(self.targets, max_loras_per_batch, rank, self.dtype, self.device)
+        self.host = HostTier(
+            self.targets,
+            max_rank=rank,
+            dtype=self.dtype,
+            allowed_roots=self._allowed_roots,
+            allow_pickle=allow_pickle,
+        )
+        self.registry = LoRARegistry(
+            max_loras_per_batch,
+            max_loaded_loras,
+            max_host_bytes=max_host_bytes,
+            eviction_policy=eviction_policy,
+            chunk_size=chunk_size,
+        )
+        self._paths: dict[str, str] = {}
+        self._evictions: Counter[tuple[str, str]] = Counter()
+        self._step_lock = threading.Lock()
+        self._active: StepSegments | None = None
+        self._wrapped: dict[str, torch.nn.Module] = {}
+        for r in refs:
+            self._load_ref(r)
+        self._attach()
+
+    @classmethod
+    def from_args(cls, model: torch.nn.Module, namespace: argparse.Namespace, **kwargs: Any) -> LoRAManager:
+        """A manager configured from the server args :func:`lora_pin.add_lora_args` added and parsed.
+
+        Raises:
+            SpecError, AdapterLoadError, PoolError: as the constructor.
+        """
+        cfg = lora_config_from_args(namespace)
+        return cls(
+            model,
+            list(cfg.refs),
+            max_loras_per_batch=cfg.max_loras_per_batch,
+            max_loaded_loras=cfg.max_loaded_loras,
+            max_lora_rank=cfg.max_lora_rank,
+            lora_target_modules=cfg.target_modules,
+            eviction_policy=cfg.eviction_policy,
+            **kwargs,
+        )
+
+    # ---- adapters -------------------------------------------------------------------------------
+
+    def load(self, name: str, path: str | os.PathLike[str], *, pinned: bool = False) -> LoRARef:
+        """Load the adapter at ``path`` as ``name`` (a fresh random id) into the host tier and register it.
+
+        Raises:
+            AdapterLoadError: the adapter cannot be served; PathNotAllowedError / UnsafeFormatError likewise.
+            DuplicateAdapterError: ``name`` is registered.
+            CapacityError: the host tier is full of adapters that cannot be evicted, or pinning would leave
+                no slot for unpinned adapters. In every case nothing changes.
+        """
+        ref = LoRARef.new(name, os.fspath(path), pinned)
+        self._load_ref(ref)
+        return ref
+
+    def pin(self, name: str) -> None:
+        """Keep ``name`` resident in both tiers until :meth:`unpin`.
+
+        Raises:
+            AdapterNotFoundError: ``name`` is not registered.
+            CapacityError: fewer than one slot would stay for unpinned adapters (the message has the numbers).
+        """
+        self.registry.pin(name)
+
+    def unpin(self, name: str) -> None:
+        """Make ``name`` evictable again.
+
+        Raises:
+            AdapterNotFoundError: ``name`` is not registered.
+        """
+        self.registry.unpin(name)
+
+    def unload(self, name: str, timeout: float | None = None) -> None:
+        """Unregister ``name`` (no new requests), wait for its running requests, then free its weights.
+
+        Idempotent for a name that was registered.
+
+        Raises:
+            AdapterNotFoundError: ``name`` was never registered.
+            UnloadTimeoutError: requests still use it after ``timeout`` seconds (it stays unregistered).
+        """
+        self.registry.unload(name, timeout)
+        self._forget(name)
+
+    async def unload_async(self, name: str, timeout: float | None = None) -> None:
+        """:meth:`unload` for asyncio code: waits in a worker thread, never blocking the event loop.
+
+        Raises:
+            AdapterNotFoundError, UnloadTimeoutError: as :meth:`unload`.
+        """
+        import asyncio
+
+        await asyncio.to_thread(self.registry.unload, name, timeout)
+        self._forget(name)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters per tier (hits, misses, loads, evictions, refusals), resident and pinned sets, and the
+        pool's size in bytes."""
+        stats = dict(self.registry.stats())
+        stats["pool_bytes"] = self.pool.nbytes
+        stats["evictions_by_adapter"] = {f"{n}/{tier}": c for (n, tier), c in sorted(self._evictions.items())}
+        stats["host_bytes"] = sum(self.host[n].nbytes for n in self.host)
+        return stats
+
+    # ---- steps ----------------------------------------------------------------------------------
+
+    def prepare_step(self, names: Sequence[str | None], num_tokens: Sequence[int]) -> Step:
+        """Plan one step of packed tokens and make it the active step.
+
+        ``names[i]`` is request i's adapter (None: the base model) and ``num_tokens[i]`` its tokens this step.
+        Requests that do not fit (more distinct adapters than free slots) are deferred, never failed. The
+        planned loads are done before this returns. The model then sees ``[T, in]`` inputs whose rows are the
+        admitted requests' tokens in ``admitted`` order; call :meth:`finish` when its requests are done.
+
+        Raises:
+            AdapterNotFoundError: a name is not registered (nothing is planned).
+            AdapterLoadError: an adapter evicted from host memory could not be read again; the step is
+                released and nothing else changes.
+            LoraPinError: a step is already active.
+        """
+        return self._start(names, num_tokens, per_sequence=False)
+
+    def finish(self, step: Step) -> None:
+        """End ``step``: release its requests' adapters and deactivate it.
+
+        Raises:
+            LoraPinError: ``step`` is not the active step or was finished already.
+        """
+        self.registry.release(list(step._ids))
+        self._active = None
+        self._step_lock.release()
+
+    @contextlib.contextmanager
+    def batch(self, names: Sequence[str | None]) -> Iterator[Step]:
+        """Run the model on a batch of sequences, sequence i with adapter ``names[i]`` (None: base model).
+
+        Inside the block the model's inputs are ``[B, L]`` with ``B == len(names)`` (any ``L``; prefill then
+        decode steps of ``generate`` work). A batch needing more distinct unpinned adapters than free slots is
+        refused up front: use :meth:`split` to cut it into batches that fit.
+
+        Raises:
+            CapacityError: the batch does not fit the slots (nothing changes; the message gives the numbers).
+            AdapterNotFoundError, AdapterLoadError: as :meth:`prepare_step`.
+        """
+        step = self._start(names, [1] * len(names), per_sequence=True)
+        try:
+            yield step
+        finally:
+            self.finish(step)
+
+    def split(self, names: Sequence[str | None]) -> list[list[int]]:
+        """Cut a batch into groups of request indices, in order, each of which fits the slots at once.
+
+        Raises:
+            AdapterNotFoundError: a name is not registered.
+        """
+        pinned = self._pinned()
+        budget = self.pool.slots - len(pinned)
+        groups: list[list[int]] = []
+        current: list[int] = []
+        distinct: set[str] = set()
+        for i, name in enumerate(names):
+            if name is not None:
+                self.registry.lora_ref(name)
+            if name is not None and name not in pinned and name not in distinct and len(distinct) == budget:
+                groups.append(current)
+                current, distinct = [], set()
+            if name is not None and name not in pinned:
+                distinct.add(name)
+            current.append(i)
+        if current:
+            groups.append(current)
+        return groups
+
+    def detach(self) -> None:
+        """Restore the model exactly: every wrapped linear goes back in place. The manager is unusable after.
+
+        Raises:
+            LoraPinError: a step is active.
+        """
+        if self._active is not None:
+            raise LoraPinError("detach: a step is active; finish it first")
+        for key, original in self._wrapped.items():
+            parent_key, _, child = key.rpartition(".")
+            parent = self.model.get_submodule(parent_key) if parent_key else self.model
+            setattr(parent, child, original)
+        self._wrapped.clear()
+
+    def __repr__(self) -> str:
+        return f"LoRAManager(slots={self.pool.slots}, max_rank={self.max_rank}, {self.registry!r})"
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _infer_shape(
+        self, refs: Sequence[LoRARef], max_rank: int | None, modules: Sequence[str] | None
+    ) -> tuple[int, tuple[str, ...]]:
+        if modules is not None and list(modules) == ["all"]:
+            modules = None
+        if refs and (max_rank is None or modules is None):
+            ranks: list[int] = []
+            names: set[str] = set()
+            regex = False
+            for r in refs:
+                directory = resolve_adapter_dir(r.lora_name, r.lora_path, self._allowed_roots)
+                config = read_adapter_config(r.lora_name, directory)
+                ranks.append(max([config.r, *config.rank_pattern.values()]))
+                if isinstance(config.target_modules, str):
+                    regex = True
+                else:
+                    names.update(t.rsplit(".", 1)[-1] for t in config.target_modules)
+            if max_rank is None:
+                max_rank = max(ranks)
+            if modules is None:
+                modules = DEFAULT_TARGET_MODULES if regex else tuple(sorted(names))
+        if max_rank is None or modules is None:
+            raise SpecError(
+                "with no start-up adapters, both max_lora_rank and lora_target_modules are required to size "
+                f"the slot pool (got max_lora_rank={max_rank}, lora_target_modules={modules})"
+            )
+        if max_rank < 1:
+            raise SpecError(f"max_lora_rank must be at least 1 (got {max_rank})")
+        return max_rank, tuple(modules)
+
+    def _load_ref(self, ref: LoRARef) -> None:
+        adapter = self.host.load(ref.lora_name, ref.lora_path)
+        try:
+            evicted = self.registry.register(
+                ref,
+                rank=adapter.max_rank,
+                host_bytes=adapter.nbytes,
+                device_bytes=self.pool.slot_nbytes,
+            )
+        except BaseException:
+            self.host.drop(ref.lora_name)
+            raise
+        for name in evicted:
+            self._evictions[(name, "host")] += 1
+            self._drop_host(name)
+        self._paths[ref.lora_name] = ref.lora_path
+
+    def _drop_host(self, name: str) -> None:
+        if name in self.host:
+            self.host.drop(name)
+
+    def _forget(self, name: str) -> None:
+        self._drop_host(name)
+        self._paths.pop(name, None)
+        for slot in range(self.pool.slots):
+            if self.pool.occupant(slot) == name:
+                self.pool.clear(slot)
+
+    def _attach(self) -> None:
+        for group in self.targets.groups:
+            (member,) = group.members
+            parent_key, _, child = member.key.rpartition(".")
+            parent = self.model.get_submodule(parent_key) if parent_key else self.model
+            original = getattr(parent, child)
+            a, b, ranks, scalings, _ = self.pool.buffers(group.layer, group.name)
+            buffers = GroupBuffers(group, a, b, ranks, scalings)
+            setattr(parent, child, LoRALinear(original, buffers, self._active_segments))
+            self._wrapped[member.key] = original
+
+    def _active_segments(self) -> StepSegments | None:
+        return self._active
+
+    def _start(self, names: Sequence[str | None], num_tokens: Sequence[int], *, per_sequence: bool) -> Step:
+        if not self._wrapped:
+            raise LoraPinError("the manager is detached")
+        if not self._step_lock.acquire(blocking=False):
+            raise LoraPinError("a step is already active; finish it before preparing another")
+        try:
+            if per_sequence and len(self.split(names)) > 1:
+                raise CapacityError(self._too_many(names))
+            plan = self.registry.plan(list(names), list(num_tokens))
+            ids = tuple(self.registry.acquire([names[i] for i in plan.admitted]))
+            self._apply(plan, ids)
+            if per_sequence and plan.deferred:
+                # The host tier could not make room (its adapters are all in use): nothing ran yet.
+                self.registry.release(list(ids))
+                raise CapacityError(self._too_many(names))
+        except BaseException:
+            self._step_lock.release()
+            raise
+        dev = self.device
+        request_slots = _buffer(plan.request_slots, torch.int32, dev)
+        segments = SegmentBatch(
+            _buffer(plan.token_perm, torch.int32, dev).long(),
+            _buffer(plan.seg_indptr, torch.int32, dev),
+            _buffer(plan.seg_slots, torch.int32, dev),
+        )
+        any_adapter = segments.perm.numel() > 0
+        if per_sequence:
+            self._active = StepSegments(
+                sequence_slots=request_slots.long(), chunk_size=self.chunk_size, any_adapter=any_adapter
+            )
+        else:
+            self._active = StepSegments(segments=segments, any_adapter=any_adapter)
+        return Step(tuple(plan.admitted), tuple(plan.deferred), request_slots, segments, plan.num_tokens, ids)
+
+    def _pinned(self) -> set[str]:
+        return set(self.registry.stats()["host"]["pinned"])
+
+    def _too_many(self, names: Sequence[str | None]) -> str:
+        pinned = self._pinned()
+        distinct = {n for n in names if n is not None and n not in pinned}
+        return (
+            f"a batch of {len(names)} sequences uses {len(distinct)} distinct unpinned adapters but "
+            f"{self.pool.slots} slots minus {len(pinned)} pinned leave room for "
+            f"{self.pool.slots - len(pinned)}; use LoRAManager.split(names) to cut it into batches that fit"
+        )
+
+    def _apply(self, plan: Any, ids: tuple[str | None, ...]) -> None:
+        for name, tier, _slot in plan.evictions:
+            self._evictions[(name, tier)] += 1
+            if tier == "host":
+                self._drop_host(name)
+        for name, _lora_id, slot, source in plan.loads:
+            try:
+                if source == "disk" or name not in self.host:
+                    self.host.load(name, self._paths[name])
+                self.pool.fill(slot, self.host[name])
+            except BaseException as exc:
+                self.registry.load_failed(name)
+                self.registry.release(list(ids))
+                if isinstance(exc, LoraPinError):
+                    raise
+                raise AdapterLoadError(f"adapter {name!r}: loading into slot {slot} failed: {exc}") from exc
+            self.registry.load_done(name)

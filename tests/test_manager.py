@@ -1,0 +1,195 @@
+"""End to end against PEFT as the oracle: mixed batches through LoRAManager equal PEFT's
+``model(..., adapter_names=[...])``, through evictions, pins, unload/reload and detach."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import lora_pin
+from lora_pin import AdapterNotFoundError, CapacityError, LoRAManager
+from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
+
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# Six adapters: mixed ranks, rslora, rank/alpha patterns, partial target modules, a subset of layers.
+ADAPTERS: dict[str, dict[str, Any]] = {
+    "a8": dict(r=8, lora_alpha=16, target_modules=ATTN + MLP, seed=1),
+    "rs16": dict(r=16, lora_alpha=8, target_modules=ATTN, use_rslora=True, seed=2),
+    "pat": dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=ATTN + MLP,
+        rank_pattern={"q_proj": 2, "down_proj": 16},
+        alpha_pattern={"v_proj": 3},
+        seed=3,
+    ),
+    "mlp4": dict(r=4, lora_alpha=4, target_modules=MLP, seed=4),
+    "qv2": dict(r=2, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=5),
+    "layer1": dict(r=16, lora_alpha=16, target_modules=ATTN + MLP, layers_to_transform=[1], seed=6),
+}
+
+
+@dataclass
+class World:
+    base_dir: Path
+    adapters: dict[str, Path]
+    peft: Any
+    base: Any
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("e2e")
+    base_dir = make_tiny_llama(root / "base", layers=2)
+    maker = AutoModelForCausalLM.from_pretrained(base_dir)
+    adapters = {n: make_peft_adapter(maker, root / n, **kw) for n, kw in ADAPTERS.items()}
+    names = list(adapters)
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir), adapters[names[0]], adapter_name=names[0]
+    )
+    for n in names[1:]:
+        peft.load_adapter(adapters[n], adapter_name=n)
+    peft.eval()
+    base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    return World(base_dir, adapters, peft, base)
+
+
+def fresh_model(world: World) -> torch.nn.Module:
+    return copy.deepcopy(world.base)
+
+
+def oracle(world: World, ids: torch.Tensor, names: list[str | None]) -> torch.Tensor:
+    with torch.no_grad():
+        return world.peft(ids, adapter_names=[n or "__base__" for n in names]).logits
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def tokens(batch: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def items(world: World, pinned: tuple[str, ...] = ()) -> list[Any]:
+    return [
+        {"lora_name": n, "lora_path": str(p), "pinned": True} if n in pinned else f"{n}={p}"
+        for n, p in world.adapters.items()
+    ]
+
+
+def test_mixed_batch_equals_peft_and_base_rows_equal_base(world: World) -> None:
+    model = fresh_model(world)
+    mgr = LoRAManager(model, items(world), max_loras_per_batch=6)
+    names: list[str | None] = ["a8", None, "rs16", "pat", "mlp4", None, "qv2", "layer1", "a8"]
+    ids = tokens(len(names), 7, 0)
+    with torch.no_grad(), mgr.batch(names):
+        got = model(ids).logits
+    assert_close(got, oracle(world, ids, names))
+    with torch.no_grad():
+        base = world.base(ids).logits
+    for i, n in enumerate(names):
+        if n is None:
+            assert torch.equal(got[i], base[i]), "a base-model row was touched"
+    assert not torch.equal(got[0], base[0]), "adapters changed nothing: the test would prove nothing"
+
+
+def test_fewer_slots_than_adapters_evicts_between_steps(world: World) -> None:
+    model = fresh_model(world)
+    startup = items(world)[:3]
+    mgr = LoRAManager(model, startup, max_loras_per_batch=2, max_loaded_loras=3)
+    for name in list(world.adapters)[3:]:
+        mgr.load(name, world.adapters[name])  # evicts from the host tier; reloaded from disk on demand
+    rounds: list[list[str | None]] = [
+        ["a8", "rs16", None],
+        ["pat", None, "mlp4"],
+        ["qv2", "layer1"],
+        ["a8", "pat", "a8"],
+        ["rs16", "qv2", None, "rs16"],
+    ]
+    for seed, names in enumerate(rounds):
+        ids = tokens(len(names), 5, seed)
+        with torch.no_grad(), mgr.batch(names):
+            got = model(ids).logits
+        assert_close(got, oracle(world, ids, names))
+    stats = mgr.stats()
+    assert stats["device"]["evictions"] > 0 and stats["host"]["evictions"] > 0, stats
+
+
+def test_pinned_adapters_stay_and_batches_split(world: World) -> None:
+    model = fresh_model(world)
+    mgr = LoRAManager(model, items(world, pinned=("a8",)), max_loras_per_batch=2)
+    names: list[str | None] = ["rs16", "a8", "pat", None, "qv2", "a8"]
+    with pytest.raises(CapacityError, match="split"), mgr.batch(names):
+        pass
+    groups = mgr.split(names)
+    assert [i for g in groups for i in g] == list(range(len(names))) and len(groups) == 3
+    for seed, group in enumerate(groups):
+        sub = [names[i] for i in group]
+        ids = tokens(len(sub), 4, 10 + seed)
+        with torch.no_grad(), mgr.batch(sub):
+            got = model(ids).logits
+        assert_close(got, oracle(world, ids, sub))
+    stats = mgr.stats()
+    assert stats["device"]["pinned"] == ["a8"] and "a8" in stats["device"]["resident"]
+    assert stats["device"]["evictions"] > 0
+    assert not any(key.startswith("a8/") for key in stats["evictions_by_adapter"]), stats
+
+
+def test_prepare_step_packs_tokens_and_defers(world: World) -> None:
+    model = fresh_model(world)
+    mgr = LoRAManager(model, items(world), max_loras_per_batch=2)
+    names: list[str | None] = ["a8", None, "rs16", "pat"]
+    step = mgr.prepare_step(names, [3, 2, 4, 5])
+    try:
+        assert step.admitted == (0, 1, 2) and step.deferred == (3,)
+        assert step.num_tokens == 9
+    finally:
+        mgr.finish(step)
+
+
+def test_unload_reload_and_detach(world: World) -> None:
+    model = fresh_model(world)
+    mgr = LoRAManager(model, items(world), max_loras_per_batch=3)
+    names: list[str | None] = ["pat", "qv2", None]
+    ids = tokens(3, 6, 3)
+    mgr.unload("pat")
+    mgr.unload("pat")  # idempotent
+    with pytest.raises(AdapterNotFoundError), mgr.batch(names):
+        pass
+    mgr.load("pat", world.adapters["pat"])
+    with torch.no_grad(), mgr.batch(names):
+        got = model(ids).logits
+    assert_close(got, oracle(world, ids, names))
+    asyncio.run(mgr.unload_async("qv2"))
+    mgr.detach()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, world.base(ids).logits)
+    for (k, v), (k2, v2) in zip(model.state_dict().items(), world.base.state_dict().items(), strict=True):
+        assert k == k2 and torch.equal(v, v2)
+
+
+def test_from_args(world: World) -> None:
+    import argparse
+
+    parser = lora_pin.add_lora_args(argparse.ArgumentParser())
+    ns = parser.parse_args(
+        ["--lora-paths", *[f"{n}={p}" for n, p in world.adapters.items()], "--max-loras-per-batch", "3"]
+    )
+    model = fresh_model(world)
+    mgr = LoRAManager.from_args(model, ns)
+    names: list[str | None] = ["layer1", None, "mlp4"]
+    ids = tokens(3, 4, 9)
+    with torch.no_grad(), mgr.batch(names):
+        got = model(ids).logits
+    assert_close(got, oracle(world, ids, names))
