@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
-# The main job on its embedded default (set-up included). Extra arguments go to the subcommand.
+# The main job on its embedded default (set-up included): `lora-pin demo`, which generates a tiny
+# Llama-style model and a dozen PEFT adapters on first run (no network) and serves a mixed workload.
+# Extra arguments go to `lora-pin demo` (see `.venv/bin/lora-pin demo --help`).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup.sh
-exec .venv/bin/lora-pin parse --max-loras-per-batch 4 --max-loaded-loras 8 --lora-paths \
-    /srv/adapters/sql \
-    math=/srv/adapters/math \
-    '{"lora_name": "chat", "lora_path": "/srv/adapters/chat", "pinned": true}' \
-    '{"name": "law", "path": "/srv/adapters/law", "base_model_name": "tiny-llama"}' \
-    "$@"
+exec .venv/bin/lora-pin demo "$@"

@@ -1,0 +1,162 @@
+"""``lora-pin demo``: the main job. Serves a mixed workload over many adapters, two of them pinned, and
+checks sampled steps against PEFT; exits 1 when outputs differ or a pinned adapter was evicted."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from lora_pin.errors import SpecError
+
+
+def add_parser(subparsers: Any) -> None:
+    """Registers ``demo`` on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "demo",
+        help="serve a mixed workload over many adapters (two pinned) and check it against PEFT",
+        description=(
+            "With no --model, generates a tiny Llama-style model and a dozen PEFT adapters into the cache "
+            "folder on first run (no network), then replays a Zipf-popular workload of prefill and decode "
+            "steps with base-model requests mixed in, and reports speed, cache behaviour, pinned residency "
+            "and a correctness check of sampled steps against PEFT."
+        ),
+    )
+    p.add_argument("--model", type=Path, default=None, help="a local Hugging Face model folder")
+    p.add_argument(
+        "--lora-paths", nargs="*", default=None, metavar="ITEM", help="adapter items (with --model)"
+    )
+    p.add_argument("--cache-dir", type=Path, default=None, help="where the generated demo assets live")
+    p.add_argument("--max-loras-per-batch", type=int, default=4)
+    p.add_argument("--max-loaded-loras", type=int, default=8)
+    p.add_argument("--eviction-policy", default="lru")
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--prefill-len", type=int, default=32)
+    p.add_argument("--zipf-alpha", type=float, default=1.1)
+    p.add_argument("--check-every", type=int, default=5, help="check every Nth step against PEFT (0: never)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the demo; 0 when every checked step matched PEFT and no pinned adapter was evicted, else 1.
+
+    Raises:
+        SpecError: bad arguments (``--lora-paths`` without ``--model``, no adapters).
+        AdapterLoadError: an adapter cannot be served.
+    """
+    import torch
+    import transformers
+
+    from lora_pin._core import parse_lora_paths
+    from lora_pin.demo.assets import ensure_demo_assets
+    from lora_pin.demo.replay import replay
+    from lora_pin.demo.workload import make_requests
+    from lora_pin.model import LoRAManager
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    if args.model is None:
+        if args.lora_paths:
+            raise SpecError("--lora-paths needs --model (the demo's own adapters fit only its own model)")
+        assets = ensure_demo_assets(args.cache_dir)
+        model_dir, items = assets.model_dir, assets.lora_paths
+    else:
+        model_dir, items = args.model, args.lora_paths or []
+        if not items:
+            raise SpecError("--model needs --lora-paths naming at least one adapter")
+    refs = parse_lora_paths(items)
+    # Pinned adapters first; what the host tier cannot hold at start-up is loaded at run time, as a
+    # server would, and is then evicted from host memory and read again from disk as popularity moves.
+    refs.sort(key=lambda r: not r.pinned)
+    startup, later = refs[: args.max_loaded_loras], refs[args.max_loaded_loras :]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    manager = LoRAManager(
+        model,
+        startup,
+        max_loras_per_batch=args.max_loras_per_batch,
+        max_loaded_loras=args.max_loaded_loras,
+        max_lora_rank=max(_rank(r.lora_path) for r in refs),
+        lora_target_modules=["all"],
+        eviction_policy=args.eviction_policy,
+    )
+    for r in later:
+        manager.load(r.lora_name, r.lora_path, pinned=r.pinned)
+    oracle = _peft_oracle(model_dir, refs) if args.check_every else None
+    requests = make_requests(
+        [r.lora_name for r in refs], args.requests, zipf_alpha=args.zipf_alpha, seed=args.seed
+    )
+    report = replay(
+        manager,
+        requests,
+        batch_size=args.batch_size,
+        prefill_len=args.prefill_len,
+        vocab_size=model.config.vocab_size,
+        oracle=oracle,
+        check_every=args.check_every,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(report.as_dict(), option=orjson.OPT_INDENT_2) + b"\n")
+    else:
+        _print_report(report, manager, len(refs))
+    return 0 if report.ok else 1
+
+
+def _rank(path: str) -> int:
+    from lora_pin.weights import read_adapter_config
+
+    config = read_adapter_config(path, Path(path))
+    return max([config.r, *config.rank_pattern.values()])
+
+
+def _peft_oracle(model_dir: Path, refs: list[Any]) -> Any:
+    import transformers
+    from peft import PeftModel
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    peft = PeftModel.from_pretrained(base, refs[0].lora_path, adapter_name=refs[0].lora_name)
+    for r in refs[1:]:
+        peft.load_adapter(r.lora_path, adapter_name=r.lora_name)
+    return peft.eval()
+
+
+def _print_report(report: Any, manager: Any, adapters: int) -> None:
+    s = report.stats
+    lines = [
+        f"lora-pin demo: {adapters} adapters over {manager.pool.slots} device slots "
+        f"(host tier {s['host']['capacity']}), {report.steps} steps, {report.tokens} tokens",
+        f"  throughput      {report.tokens_per_second:,.0f} tokens/s; step time "
+        f"p50 {report.percentile_ms(50):.2f} ms, p99 {report.percentile_ms(99):.2f} ms; "
+        f"{report.deferred} requests deferred to a later step",
+    ]
+    for tier in ("device", "host"):
+        t = s[tier]
+        lines.append(
+            f"  {tier:<6} tier     hits {t['hits']}, misses {t['misses']}, loads {t['loads']}, "
+            f"evictions {t['evictions']}, refusals {t['refusals']}; "
+            f"resident {len(t['resident'])}/{t['capacity']}"
+        )
+    pinned = ", ".join(report.pinned) or "none"
+    if report.pinned_evictions:
+        lines.append(f"  pinned          {pinned}: EVICTED {report.pinned_evictions}")
+    else:
+        lines.append(f"  pinned          {pinned}: resident throughout, never evicted")
+    if report.checked_steps:
+        verdict = "match" if not report.failed_steps else f"DIFFER at steps {report.failed_steps}"
+        lines.append(
+            f"  vs PEFT         {report.checked_steps} sampled steps {verdict} "
+            f"(max relative error {report.max_relative_error:.2e}; the adapters moved logits by up to "
+            f"{report.adapter_effect:.2e} relative to the base model)"
+        )
+    lines.append("  result          OK" if report.ok else "  result          FAILED")
+    print("\n".join(lines))

@@ -1,0 +1,154 @@
+"""Replays a workload through a :class:`~lora_pin.LoRAManager` and reports speed, cache behaviour, pinned
+residency and a correctness check of sampled steps against PEFT's own mixed-batch forward."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lora_pin.demo.workload import Request
+from lora_pin.model import LoRAManager
+
+__all__ = ["ReplayReport", "replay"]
+
+
+@dataclass
+class ReplayReport:
+    """What a replay measured."""
+
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    step_times: list[float] = field(default_factory=list)
+    deferred: int = 0
+    checked_steps: int = 0
+    max_relative_error: float = 0.0
+    adapter_effect: float = 0.0
+    failed_steps: list[int] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    pinned: list[str] = field(default_factory=list)
+    pinned_evictions: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def percentile_ms(self, q: float) -> float:
+        """The ``q``-th percentile (0-100) of the step times, in milliseconds."""
+        if not self.step_times:
+            return 0.0
+        ordered = sorted(self.step_times)
+        index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+        return ordered[index] * 1e3
+
+    @property
+    def ok(self) -> bool:
+        """Outputs matched PEFT on every checked step and no pinned adapter was evicted."""
+        return not self.failed_steps and not self.pinned_evictions
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "tokens_per_second": round(self.tokens_per_second, 1),
+            "step_ms_p50": round(self.percentile_ms(50), 3),
+            "step_ms_p99": round(self.percentile_ms(99), 3),
+            "deferred_requests": self.deferred,
+            "checked_steps": self.checked_steps,
+            "max_relative_error": self.max_relative_error,
+            "adapter_effect": self.adapter_effect,
+            "failed_steps": self.failed_steps,
+            "pinned": self.pinned,
+            "pinned_evictions": self.pinned_evictions,
+            "stats": self.stats,
+            "ok": self.ok,
+        }
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.abs().max().clamp_min(1e-12)
+    return float((got - want).abs().max() / scale)
+
+
+def replay(
+    manager: LoRAManager,
+    requests: Sequence[Request],
+    *,
+    batch_size: int,
+    prefill_len: int,
+    vocab_size: int,
+    oracle: Any | None = None,
+    check_every: int = 0,
+    tolerance: float = 1e-4,
+    seed: int = 0,
+    progress: bool = True,
+) -> ReplayReport:
+    """Serve ``requests`` in steps of at most ``batch_size`` sequences (prefill steps of ``prefill_len``
+    tokens, decode steps of one token), deferring what does not fit the slots to the next step.
+
+    Every ``check_every``-th step (0: never) is recomputed by ``oracle`` (a PEFT model holding every
+    adapter, called with ``adapter_names``) and compared within ``tolerance`` relative to the largest logit.
+    """
+    from tqdm import tqdm
+
+    report = ReplayReport()
+    queue = {
+        True: deque(r for r in requests if r.prefill),
+        False: deque(r for r in requests if not r.prefill),
+    }
+    gen = torch.Generator().manual_seed(seed)
+    model = manager.model
+    bar = tqdm(total=len(requests), unit="req", disable=not progress, desc="lora-pin demo", leave=False)
+    kind = True
+    with torch.inference_mode():
+        while queue[True] or queue[False]:
+            if not queue[kind]:
+                kind = not kind
+            waiting = queue[kind]
+            batch = [waiting.popleft() for _ in range(min(batch_size, len(waiting)))]
+            names = [r.adapter for r in batch]
+            admitted = manager.split(names)[0]
+            for i in reversed([i for i in range(len(batch)) if i not in set(admitted)]):
+                waiting.appendleft(batch[i])
+            report.deferred += len(batch) - len(admitted)
+            names = [names[i] for i in admitted]
+            length = prefill_len if kind else 1
+            ids = torch.randint(0, vocab_size, (len(names), length), generator=gen).to(manager.device)
+            t0 = time.perf_counter()
+            with manager.batch(names):
+                logits = model(ids).logits
+            elapsed = time.perf_counter() - t0
+            report.step_times.append(elapsed)
+            report.seconds += elapsed
+            report.tokens += ids.numel()
+            report.steps += 1
+            if oracle is not None and check_every and report.steps % check_every == 1 % check_every:
+                want = oracle(ids, adapter_names=[n or "__base__" for n in names]).logits
+                err = _relative_error(logits.float(), want.float())
+                report.checked_steps += 1
+                report.max_relative_error = max(report.max_relative_error, err)
+                if err > tolerance:
+                    report.failed_steps.append(report.steps)
+                # How far the adapters moved the logits from the base model's: a check that compares
+                # two base-model outputs would prove nothing.
+                base = model(ids).logits
+                report.adapter_effect = max(
+                    report.adapter_effect, _relative_error(base.float(), want.float())
+                )
+            bar.update(len(names))
+            kind = not kind
+    bar.close()
+    stats = manager.stats()
+    report.stats = stats
+    report.pinned = list(stats["device"]["pinned"])
+    report.pinned_evictions = {
+        key: count
+        for key, count in stats["evictions_by_adapter"].items()
+        if key.rsplit("/", 1)[0] in set(report.pinned)
+    }
+    return report

@@ -1,0 +1,50 @@
+"""``lora-pin demo`` end to end: generated assets, a short replay checked against PEFT, the exit code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("demo-cache")
+
+
+def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lora_pin", "demo", "--no-progress", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_demo_serves_checks_and_reports(cache: Path) -> None:
+    out = run_demo("--cache-dir", str(cache), "--requests", "60", "--check-every", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    report = orjson.loads(out.stdout)
+    assert report["ok"] and report["checked_steps"] >= 3 and not report["failed_steps"]
+    assert report["max_relative_error"] <= 1e-4
+    assert report["adapter_effect"] > 1e-2, (
+        "the adapters must change the outputs for the check to mean anything"
+    )
+    assert sorted(report["pinned"]) == ["chat", "math"] and report["pinned_evictions"] == {}
+    stats = report["stats"]
+    assert stats["device"]["evictions"] > 0 and stats["host"]["evictions"] > 0
+    assert report["tokens"] > 0 and report["tokens_per_second"] > 0
+    # Second run reuses the generated assets.
+    again = run_demo("--cache-dir", str(cache), "--requests", "10", "--check-every", "0")
+    assert again.returncode == 0, again.stderr
+    assert "result          OK" in again.stdout and "pinned          chat, math" in again.stdout
+
+
+def test_demo_bad_arguments_exit_2(cache: Path) -> None:
+    out = run_demo("--cache-dir", str(cache), "--lora-paths", "a=/nowhere")
+    assert out.returncode == 2
+    assert "--lora-paths needs --model" in out.stderr
