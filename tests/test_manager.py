@@ -193,3 +193,76 @@ def test_from_args(world: World) -> None:
     with torch.no_grad(), mgr.batch(names):
         got = model(ids).logits
     assert_close(got, oracle(world, ids, names))
+
+
+class _Fused(torch.nn.Module):
+    """A serving-framework-style decoder: fused qkv and gate/up projections, same module paths as Llama."""
+
+    def __init__(self, base: Any) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList()
+        for layer in base.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            block = torch.nn.Module()
+            block.self_attn = torch.nn.Module()
+            block.mlp = torch.nn.Module()
+            block.self_attn.qkv_proj = _cat_linear(attn.q_proj, attn.k_proj, attn.v_proj)
+            block.self_attn.o_proj = copy.deepcopy(attn.o_proj)
+            block.mlp.gate_up_proj = _cat_linear(mlp.gate_proj, mlp.up_proj)
+            block.mlp.down_proj = copy.deepcopy(mlp.down_proj)
+            self.model.layers.append(block)
+
+
+def _cat_linear(*parts: torch.nn.Linear) -> torch.nn.Linear:
+    fused = torch.nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=False)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+    return fused
+
+
+def test_fused_projections_equal_peft_per_module(world: World) -> None:
+    toy = _Fused(world.base)
+    base_attn = world.base.model.layers[0].self_attn
+    q, k, v = base_attn.q_proj.out_features, base_attn.k_proj.out_features, base_attn.v_proj.out_features
+    inter = world.base.model.layers[0].mlp.gate_proj.out_features
+    fused = {
+        "qkv_proj": [("q_proj", q), ("k_proj", k), ("v_proj", v)],
+        "gate_up_proj": [("gate_proj", inter), ("up_proj", inter)],
+    }
+    mgr = LoRAManager(
+        toy, items(world), max_loras_per_batch=6, lora_target_modules=ATTN + MLP, fused_modules=fused
+    )
+    assert {g.name for g in mgr.targets.groups} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    names: list[str | None] = ["pat", None, "rs16", "mlp4", "layer1"]
+    x = torch.randn(len(names), 3, base_attn.q_proj.in_features, generator=torch.Generator().manual_seed(5))
+    peft_layers = world.peft.base_model.model.model.layers
+    adapter_names = [n or "__base__" for n in names]
+    for i, block in enumerate(toy.model.layers):
+        with torch.no_grad(), mgr.batch(names):
+            got_qkv = block.self_attn.qkv_proj(x)
+            got_gate_up = block.mlp.gate_up_proj(x)
+        with torch.no_grad():
+            pa, pm = peft_layers[i].self_attn, peft_layers[i].mlp
+            want_qkv = torch.cat(
+                [m(x, adapter_names=adapter_names) for m in (pa.q_proj, pa.k_proj, pa.v_proj)], -1
+            )
+            want_gate_up = torch.cat(
+                [m(x, adapter_names=adapter_names) for m in (pm.gate_proj, pm.up_proj)], -1
+            )
+        assert_close(got_qkv, want_qkv)
+        assert_close(got_gate_up, want_gate_up)
+        with torch.no_grad():
+            assert torch.equal(got_qkv[1], block.self_attn.qkv_proj.base_layer(x)[1]), (
+                "a base row was touched"
+            )
+
+
+def test_fused_modules_are_checked(world: World) -> None:
+    toy = _Fused(world.base)
+    with pytest.raises(lora_pin.SpecError, match="add up to"):
+        LoRAManager(
+            toy, items(world), fused_modules={"qkv_proj": [("q_proj", 1), ("k_proj", 1), ("v_proj", 1)]}
+        )
+    with pytest.raises(lora_pin.SpecError, match="must stack one of"):
+        LoRAManager(toy, items(world), fused_modules={"qkv_proj": [("q_proj", 64), ("v_proj", 64)]})

@@ -21,16 +21,10 @@ import torch
 from lora_pin._core import LoRARef, LoRARegistry, parse_lora_paths
 from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, lora_config_from_args
 from lora_pin.errors import AdapterLoadError, CapacityError, LoraPinError, SpecError
-from lora_pin.model.layers import LoRALinear, StepSegments
+from lora_pin.model.attach import FusedSpec, attach, detach, model_targets
+from lora_pin.model.layers import StepSegments
 from lora_pin.ops import SegmentBatch
-from lora_pin.weights import (
-    DEFAULT_TARGET_MODULES,
-    DevicePool,
-    GroupBuffers,
-    HostTier,
-    LoRATargets,
-    read_adapter_config,
-)
+from lora_pin.weights import DEFAULT_TARGET_MODULES, DevicePool, HostTier, read_adapter_config
 from lora_pin.weights.reader import resolve_adapter_dir
 
 __all__ = ["LoRAManager", "Step"]
@@ -81,6 +75,11 @@ class LoRAManager:
         allowed_roots: if given, every adapter path must resolve under one of these folders.
         allow_pickle: allow ``adapter_model.bin`` (loaded with ``torch.load(weights_only=True)``).
         chunk_size: longest segment the kernels see, in tokens (None: whole segments).
+        fused_modules: for models whose projections are fused (a ``qkv_proj`` computing ``[q | k | v]``),
+            the adapter modules stacked in each fused module's output with their widths, e.g.
+            ``{"qkv_proj": [("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)],
+            "gate_up_proj": [("gate_proj", 14336), ("up_proj", 14336)]}``; one shrink then serves the
+            whole fused output. Leave None for models with separate projections (Hugging Face Llama ...).
 
     Raises:
         SpecError: the specs or limits are invalid, or the rank/target modules cannot be determined.
@@ -103,6 +102,7 @@ class LoRAManager:
         allowed_roots: Iterable[str | os.PathLike[str]] | None = None,
         allow_pickle: bool = False,
         chunk_size: int | None = None,
+        fused_modules: FusedSpec | None = None,
     ) -> None:
         refs = parse_lora_paths(
             lora_paths, max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras
@@ -112,7 +112,7 @@ class LoRAManager:
         param = next(model.parameters())
         self.model = model
         self.dtype, self.device = param.dtype, param.device
-        self.targets = LoRATargets.from_model(model, modules, fuse=False)
+        self.targets, self._module_of = model_targets(model, modules, fused_modules)
         self.max_rank = rank
         self.chunk_size = chunk_size
         self.pool = DevicePool(self.targets, max_loras_per_batch, rank, self.dtype, self.device)
@@ -137,7 +137,7 @@ class LoRAManager:
         self._wrapped: dict[str, torch.nn.Module] = {}
         for r in refs:
             self._load_ref(r)
-        self._attach()
+        self._wrapped = attach(model, self.targets, self._module_of, self.pool, self._active_segments)
 
     @classmethod
     def from_args(cls, model: torch.nn.Module, namespace: argparse.Namespace, **kwargs: Any) -> LoRAManager:
@@ -300,11 +300,8 @@ class LoRAManager:
         """
         if self._active is not None:
             raise LoraPinError("detach: a step is active; finish it first")
-        for key, original in self._wrapped.items():
-            parent_key, _, child = key.rpartition(".")
-            parent = self.model.get_submodule(parent_key) if parent_key else self.model
-            setattr(parent, child, original)
-        self._wrapped.clear()
+        detach(self.model, self._wrapped)
+        self._wrapped = {}
 
     def __repr__(self) -> str:
         return f"LoRAManager(slots={self.pool.slots}, max_rank={self.max_rank}, {self.registry!r})"
@@ -368,17 +365,6 @@ class LoRAManager:
         for slot in range(self.pool.slots):
             if self.pool.occupant(slot) == name:
                 self.pool.clear(slot)
-
-    def _attach(self) -> None:
-        for group in self.targets.groups:
-            (member,) = group.members
-            parent_key, _, child = member.key.rpartition(".")
-            parent = self.model.get_submodule(parent_key) if parent_key else self.model
-            original = getattr(parent, child)
-            a, b, ranks, scalings, _ = self.pool.buffers(group.layer, group.name)
-            buffers = GroupBuffers(group, a, b, ranks, scalings)
-            setattr(parent, child, LoRALinear(original, buffers, self._active_segments))
-            self._wrapped[member.key] = original
 
     def _active_segments(self) -> StepSegments | None:
         return self._active

@@ -81,7 +81,8 @@ class TargetGroup:
         return tuple(offsets)
 
 
-def _linear_features(module: torch.nn.Module) -> tuple[int, int] | None:
+def linear_features(module: torch.nn.Module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of a linear-like module (also one already wrapped), else None."""
     base = getattr(module, "base_layer", None)
     if isinstance(base, torch.nn.Module):
         # Already wrapped by a LoRA layer (PEFT's or a serving framework's): describe the wrapped linear.
@@ -159,7 +160,7 @@ class LoRATargets:
             name = key.rsplit(".", 1)[-1]
             if name not in wanted:
                 continue
-            features = _linear_features(module)
+            features = linear_features(module)
             index = layer_index(key)
             if features is None or index is None:
                 continue

@@ -1,0 +1,106 @@
+"""Finding the model modules LoRA wraps, including fused projections, and swapping wrappers in and out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from lora_pin.errors import SpecError
+from lora_pin.model.layers import LoRALinear, StepSegments
+from lora_pin.weights import FUSED_GROUPS, DevicePool, GroupBuffers, LinearTarget, LoRATargets
+from lora_pin.weights.config import layer_index
+from lora_pin.weights.targets import linear_features
+
+__all__ = ["attach", "detach", "model_targets"]
+
+#: Fused projections of the usual serving-framework models: module name -> (adapter module, width) ...
+FusedSpec = Mapping[str, Sequence[tuple[str, int]]]
+
+
+def model_targets(
+    model: torch.nn.Module, modules: Sequence[str], fused_modules: FusedSpec | None = None
+) -> tuple[LoRATargets, dict[tuple[int, str], str]]:
+    """The LoRA targets of ``model`` and, per ``(layer, group)``, the key of the module computing it.
+
+    ``modules`` are the adapter-side module names to serve (``q_proj`` ...). ``fused_modules`` maps a fused
+    model module to the adapter modules stacked in its output, in order, with their widths, e.g.
+    ``{"qkv_proj": [("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)]}``: adapters trained on separate
+    projections are then served by one shrink and one expand over the fused output.
+
+    Raises:
+        SpecError: a fused module's widths do not add up to its output, its members are not those of a known
+            fused group (``qkv_proj`` = q/k/v, ``gate_up_proj`` = gate/up), or no module qualifies.
+    """
+    fused = dict(fused_modules or {})
+    known = {members: group for group, members in FUSED_GROUPS.items()}
+    linears: list[LinearTarget] = []
+    module_of: dict[tuple[int, str], str] = {}
+    for key, module in model.named_modules():
+        parent, _, name = key.rpartition(".")
+        features = linear_features(module)
+        index = layer_index(key)
+        if features is None or index is None:
+            continue
+        if name in fused:
+            spec = list(fused[name])
+            group = known.get(tuple(m for m, _ in spec))
+            if group is None:
+                raise SpecError(
+                    f"fused module {name!r} lists {[m for m, _ in spec]}; a fused module must stack one of "
+                    f"{ {g: list(m) for g, m in FUSED_GROUPS.items()} }"
+                )
+            if sum(w for _, w in spec) != features[1]:
+                raise SpecError(
+                    f"fused module {key!r} has {features[1]} outputs but its members' widths "
+                    f"{[w for _, w in spec]} add up to {sum(w for _, w in spec)}"
+                )
+            for member, width in spec:
+                linears.append(LinearTarget(index, member, f"{parent}.{member}", features[0], width))
+            module_of[(index, group)] = key
+        elif name in modules:
+            linears.append(LinearTarget(index, name, key, features[0], features[1]))
+            module_of[(index, name)] = key
+    if not linears:
+        raise SpecError(
+            f"the model has no linear layer named {sorted(set(modules) | set(fused))} inside a numbered layer"
+        )
+    targets = LoRATargets.from_linears(linears, fuse=bool(fused))
+    for group in targets.groups:
+        if (group.layer, group.name) not in module_of:
+            raise SpecError(
+                f"layer {group.layer}: {[m.key for m in group.members]} would be served fused as "
+                f"{group.name!r}, but the model computes them in separate modules; do not pass fused_modules "
+                "for a model with separate projections"
+            )
+    return targets, module_of
+
+
+def attach(
+    model: torch.nn.Module,
+    targets: LoRATargets,
+    module_of: Mapping[tuple[int, str], str],
+    pool: DevicePool,
+    active_step: Callable[[], StepSegments | None],
+) -> dict[str, torch.nn.Module]:
+    """Wrap the module of every target group with a :class:`LoRALinear`; returns the originals by key."""
+    originals: dict[str, torch.nn.Module] = {}
+    for group in targets.groups:
+        key = module_of[(group.layer, group.name)]
+        a, b, ranks, scalings, _ = pool.buffers(group.layer, group.name)
+        original = model.get_submodule(key)
+        _set(model, key, LoRALinear(original, GroupBuffers(group, a, b, ranks, scalings), active_step))
+        originals[key] = original
+    return originals
+
+
+def detach(model: torch.nn.Module, originals: Mapping[str, torch.nn.Module]) -> None:
+    """Put every original module back where :func:`attach` wrapped it."""
+    for key, original in originals.items():
+        _set(model, key, original)
+
+
+def _set(model: torch.nn.Module, key: str, module: torch.nn.Module) -> None:
+    parent_key, _, child = key.rpartition(".")
+    parent = model.get_submodule(parent_key) if parent_key else model
+    setattr(parent, child, module)
