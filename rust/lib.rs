@@ -7,6 +7,7 @@
 
 pub mod cache;
 pub mod error;
+pub mod hash;
 pub mod plan;
 pub mod policy;
 pub mod registry;
@@ -16,5 +17,10 @@ pub mod spec;
 #[cfg(feature = "python")]
 mod py;
 
+pub use cache::{Eviction, Tier, TierCounters};
 pub use error::{Error, Result};
+pub use plan::{Load, StepPlan};
+pub use policy::{AdapterKey, EvictionPolicy, Usage};
+pub use registry::{AdapterSize, Config, LoadSource, Registry, Stats, TierStats, Unload};
+pub use shared::SharedRegistry;
 pub use spec::{Limits, LoRARef, SpecItem};

@@ -8,10 +8,9 @@
 //! whose tier cannot make room is deferred with all its requests, so every admitted request has a
 //! slot and a plan never fails half-way.
 
-use std::collections::HashMap;
-
 use crate::cache::Eviction;
 use crate::error::{Error, Result};
+use crate::hash::FxHashMap;
 use crate::policy::AdapterKey;
 use crate::registry::{LoadSource, Registry};
 
@@ -76,24 +75,28 @@ enum Refusal {
 
 impl Registry {
     /// Plans one step over requests given by name (`None` is the base model), resolving each distinct
-    /// name once. See [`Registry::plan`].
+    /// name once (requests whose names share one string are recognised by address). See
+    /// [`Registry::plan`].
     ///
     /// Errors: as [`Registry::plan`], and [`Error::AdapterNotFound`] for an unknown name (nothing is
     /// planned then).
     pub fn plan_names(&mut self, names: &[Option<&str>], num_tokens: &[u32]) -> Result<StepPlan> {
-        let mut seen: HashMap<&str, AdapterKey> = HashMap::new();
+        let mut seen: FxHashMap<(usize, usize), AdapterKey> = FxHashMap::default();
         let mut adapters = Vec::with_capacity(names.len());
         for name in names {
             adapters.push(match name {
                 None => None,
-                Some(n) => Some(match seen.get(n) {
-                    Some(&k) => k,
-                    None => {
-                        let k = self.lookup(n, true)?;
-                        seen.insert(n, k);
-                        k
-                    }
-                }),
+                Some(n) => {
+                    let address = (n.as_ptr() as usize, n.len());
+                    Some(match seen.get(&address) {
+                        Some(&k) => k,
+                        None => {
+                            let k = self.lookup(n, true)?;
+                            seen.insert(address, k);
+                            k
+                        }
+                    })
+                }
             });
         }
         self.plan(&adapters, num_tokens)
@@ -123,7 +126,9 @@ impl Registry {
                 i32::MAX
             )));
         }
-        self.end_step();
+        // Adapters in both the previous step and this one stay protected throughout: ending the old
+        // step first would put them back among the candidates only to take them out again.
+        let previous = std::mem::take(&mut self.step);
         self.plan_epoch += 1;
         let epoch = self.plan_epoch;
         let mut plan = StepPlan::default();
@@ -143,9 +148,18 @@ impl Registry {
                 continue;
             }
             unpinned += usize::from(!a.r.pinned);
-            a.in_step = true;
+            let newly = !std::mem::replace(&mut a.in_step, true);
             self.step.push(key);
-            self.refresh(key);
+            if newly {
+                self.refresh(key);
+            }
+        }
+        for key in previous {
+            let a = self.get_mut(key);
+            if !(a.plan_epoch == epoch && a.plan_admitted) {
+                a.in_step = false;
+                self.refresh(key);
+            }
         }
 
         // A slot (and a host place) for every admitted adapter, in batch order.

@@ -12,11 +12,12 @@
 //!   running, must not hold slots forever, or with more busy adapters than slots every other
 //!   adapter would starve.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use crate::cache::{DeviceCandidate, DeviceTier, HostTier, TierCounters};
 use crate::error::{Error, Result};
+use crate::hash::FxHashMap;
 use crate::policy::{self, AdapterKey};
 use crate::spec::{self, Limits, LoRARef};
 
@@ -126,8 +127,8 @@ pub struct Registry {
     pub(crate) config: Config,
     pub(crate) adapters: Vec<Option<Adapter>>,
     free_keys: Vec<u32>,
-    by_name: HashMap<Arc<str>, AdapterKey>,
-    by_id: HashMap<Arc<str>, AdapterKey>,
+    by_name: FxHashMap<Arc<str>, AdapterKey>,
+    by_id: FxHashMap<Arc<str>, AdapterKey>,
     unloaded: HashSet<String>,
     pub(crate) host: HostTier,
     pub(crate) device: DeviceTier,
@@ -171,8 +172,8 @@ impl Registry {
             config,
             adapters: Vec::new(),
             free_keys: Vec::new(),
-            by_name: HashMap::new(),
-            by_id: HashMap::new(),
+            by_name: FxHashMap::default(),
+            by_id: FxHashMap::default(),
             unloaded: HashSet::new(),
             host,
             device,

@@ -239,7 +239,8 @@ impl PyLoRARegistry {
     ) -> PyResult<PyStepPlan> {
         let (distinct, requests) = distinct_names(py, names)?;
         let tokens = token_counts(py, num_tokens)?;
-        let plan = detached(py, move || {
+        // Borrowed, not moved: the names must be dropped with the GIL held, after the closure.
+        let plan = detached(py, || {
             let mut reg = self.0.lock();
             let keys = distinct.iter().map(|n| reg.lookup(n, true)).collect::<crate::Result<Vec<_>>>()?;
             let adapters: Vec<_> =
@@ -388,8 +389,10 @@ fn distinct_names(py: Python<'_>, names: &Bound<'_, PyAny>) -> PyResult<(Vec<PyB
             Some(&index) => index,
             None => {
                 let name: PyBackedStr = item.extract().map_err(|_| {
-                    let ty = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-                    usage(py, format!("names[{i}] must be an adapter name (str) or None, got {ty}"))
+                    usage(
+                        py,
+                        format!("names[{i}] must be an adapter name (str) or None, got {}", type_name(item)),
+                    )
                 })?;
                 distinct.push(name);
                 let index = (distinct.len() - 1) as u32;
@@ -417,17 +420,24 @@ fn distinct_names(py: Python<'_>, names: &Bound<'_, PyAny>) -> PyResult<(Vec<PyB
 }
 
 fn token_counts(py: Python<'_>, num_tokens: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    let values: Vec<i64> = num_tokens
-        .extract()
-        .map_err(|_| usage(py, "num_tokens must be a sequence of ints, one per request".into()))?;
-    values
-        .into_iter()
-        .enumerate()
-        .map(|(i, n)| {
-            u32::try_from(n)
-                .map_err(|_| usage(py, format!("num_tokens[{i}] must be in 0..=4294967295 (got {n})")))
-        })
-        .collect()
+    let count = |i: usize, item: Bound<'_, PyAny>| -> PyResult<u32> {
+        let n: i64 = item
+            .extract()
+            .map_err(|_| usage(py, format!("num_tokens[{i}] must be an int, got {}", type_name(&item))))?;
+        u32::try_from(n)
+            .map_err(|_| usage(py, format!("num_tokens[{i}] must be in 0..=4294967295 (got {n})")))
+    };
+    if let Ok(list) = num_tokens.cast::<PyList>() {
+        return list.iter().enumerate().map(|(i, item)| count(i, item)).collect();
+    }
+    let iter = num_tokens.try_iter().map_err(|_| {
+        usage(py, format!("num_tokens must be a sequence of ints, got {}", type_name(num_tokens)))
+    })?;
+    iter.enumerate().map(|(i, item)| count(i, item?)).collect()
+}
+
+fn type_name(item: &Bound<'_, PyAny>) -> String {
+    item.get_type().name().map(|n| n.to_string()).unwrap_or_default()
 }
 
 fn tier_dict<'py>(py: Python<'py>, t: &TierStats) -> PyResult<Bound<'py, PyDict>> {

@@ -1,0 +1,92 @@
+//! The registry's hot paths: planning a 256-request step over 64 adapters with 16 slots (2 pinned,
+//! zipf-like popularity so steps mix hits and misses, a host tier for 48 so some loads read from
+//! disk), acquire/release of a step's requests, and register/unload of an adapter.
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use lora_pin::{AdapterSize, Config, LoRARef, Registry};
+
+const ADAPTERS: usize = 64;
+const REQUESTS: usize = 256;
+
+fn size() -> AdapterSize {
+    AdapterSize { rank: 8, host_bytes: 1 << 20, device_bytes: 1 << 20, scaling: 2.0 }
+}
+
+fn registry() -> (Registry, Vec<String>) {
+    let mut config = Config::new(16);
+    config.max_loaded = Some(48);
+    let mut reg = Registry::new(config).unwrap();
+    let names: Vec<String> = (0..ADAPTERS).map(|i| format!("adapter-{i}")).collect();
+    for (i, name) in names.iter().enumerate() {
+        let r = LoRARef::with_deterministic_id(name, &format!("/srv/adapters/{name}"), i < 2, None).unwrap();
+        reg.register(r, size()).unwrap();
+    }
+    (reg, names)
+}
+
+/// Steps of 256 requests: 10% base model, the rest zipf-like (a small xorshift keeps it dependency-free).
+fn workload(names: &[String], steps: usize) -> Vec<Vec<Option<&str>>> {
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 11) as f64 / (1u64 << 53) as f64
+    };
+    (0..steps)
+        .map(|_| {
+            (0..REQUESTS)
+                .map(|_| {
+                    if next() < 0.1 {
+                        None
+                    } else {
+                        let rank = (1.0 - next()).powf(-1.0 / 1.2) as usize;
+                        Some(names[rank.clamp(1, ADAPTERS) - 1].as_str())
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn bench_plan(c: &mut Criterion) {
+    let (mut reg, names) = registry();
+    let steps = workload(&names, 64);
+    let tokens = vec![1u32; REQUESTS];
+    let mut group = c.benchmark_group("registry");
+    group.throughput(Throughput::Elements(REQUESTS as u64));
+    let mut i = 0;
+    group.bench_function("plan_256_requests_64_adapters_16_slots", |b| {
+        b.iter(|| {
+            let plan = reg.plan_names(&steps[i % steps.len()], &tokens).unwrap();
+            for load in &plan.loads {
+                reg.load_done(&load.name).unwrap();
+            }
+            i += 1;
+            plan
+        })
+    });
+    let step: Vec<Option<&str>> = steps[0].clone();
+    group.bench_function("acquire_release_256", |b| {
+        b.iter(|| {
+            let ids = reg.acquire(&step).unwrap();
+            let ids: Vec<Option<&str>> = ids.iter().map(|id| id.as_deref()).collect();
+            reg.release(&ids).unwrap();
+        })
+    });
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("register_unload", |b| {
+        b.iter_batched(
+            || LoRARef::with_deterministic_id("extra", "/srv/adapters/extra", false, None).unwrap(),
+            |r| {
+                reg.register(r, size()).unwrap();
+                reg.unload("extra").unwrap();
+            },
+            BatchSize::SmallInput,
+        )
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench_plan);
+criterion_main!(benches);
