@@ -1,0 +1,15 @@
+//! Capacity planning: replay a request trace through the registry's planner and compare every
+//! policy with Belady's offline-optimal bound. One engine: the simulator drives the same
+//! [`crate::Registry`] the live manager drives, call for call.
+
+pub mod belady;
+pub mod replay;
+pub mod trace;
+
+pub use belady::{min_misses, Demand};
+pub use replay::{sim_ref, simulate, simulate_with, SimConfig, SimReport, TierReport};
+pub use trace::{Request, Trace, Workload};
+
+#[cfg(test)]
+#[path = "sim_tests.rs"]
+mod tests;

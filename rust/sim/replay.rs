@@ -1,0 +1,292 @@
+//! Replays a trace through the registry's own planner — the same [`Registry`] calls, in the same
+//! order, that the live manager makes per step — and reports what each tier did, beside Belady's
+//! bound for the same demand.
+//!
+//! The serving loop modelled: requests wait in arrival order; each step takes the first
+//! `batch_size` waiting requests that have arrived, [`Registry::plan`]s them, acquires the admitted
+//! ones, performs the planned loads (reporting each done), runs, and releases them. Deferred
+//! requests stay at the front of the queue for the next step. A request is served by one step.
+//! With arrival times the step clock advances `step_seconds` per step and jumps ahead to the next
+//! arrival when nothing waits; a request without one arrives with the request before it.
+
+use std::collections::{HashSet, VecDeque};
+
+use crate::error::{Error, Result};
+use crate::plan::StepPlan;
+use crate::policy::AdapterKey;
+use crate::registry::{AdapterSize, Config, Registry};
+use crate::sim::belady::{min_misses, Demand};
+use crate::sim::trace::Trace;
+use crate::spec::LoRARef;
+
+/// One configuration to simulate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimConfig {
+    /// Device slots (`max_loras_per_batch`).
+    pub slots: usize,
+    /// Host-tier capacity in adapters (`max_loaded_loras`); `None` is unbounded.
+    pub max_loaded: Option<usize>,
+    /// The eviction policy of both tiers.
+    pub policy: String,
+    /// Adapters pinned from the start (registered first, pinned).
+    pub pins: Vec<String>,
+    /// Requests a step takes from the queue, at least 1.
+    pub batch_size: usize,
+    /// Seconds a step takes (only matters for traces with arrival times), >= 0.
+    pub step_seconds: f64,
+    /// Bytes of every adapter, in host memory and in a slot.
+    pub adapter_bytes: u64,
+}
+
+impl SimConfig {
+    /// `slots` slots, unbounded host tier, `policy`, no pins, batches of 8, 20 ms steps, 32 MiB adapters.
+    pub fn new(slots: usize, policy: &str) -> Self {
+        Self {
+            slots,
+            max_loaded: None,
+            policy: policy.to_owned(),
+            pins: Vec::new(),
+            batch_size: 8,
+            step_seconds: 0.02,
+            adapter_bytes: 32 << 20,
+        }
+    }
+}
+
+/// What one tier did over a simulation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierReport {
+    /// Uses served from the tier (device: adapter already in a slot; host: a slot load copied from
+    /// host memory).
+    pub hits: u64,
+    /// Uses that had to bring the adapter in (device: slot loads; host: reads from disk).
+    pub misses: u64,
+    /// Adapters evicted to make room.
+    pub evictions: u64,
+    /// Bytes brought into the tier (misses times the adapter size).
+    pub bytes_moved: u64,
+    /// Belady's fewest misses for the same demand and capacity; `None` when the tier is unbounded
+    /// (host only: then the fewest disk reads are zero and no bound is worth printing).
+    pub belady_misses: Option<u64>,
+}
+
+/// The outcome of [`simulate`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SimReport {
+    /// Steps planned.
+    pub steps: u64,
+    /// Requests served (all of the trace's).
+    pub requests: u64,
+    /// Requests that named an adapter (the rest used the base model).
+    pub adapter_requests: u64,
+    /// Deferrals: a request deferred in `k` steps counts `k` times.
+    pub deferrals: u64,
+    /// Tokens served.
+    pub tokens: u64,
+    /// Adapter uses: per step, the distinct adapters it admitted (the denominator of the device hit
+    /// rate, and the same for every policy when admission does not depend on the policy).
+    pub uses: u64,
+    /// The device tier (slots).
+    pub device: TierReport,
+    /// The host tier.
+    pub host: TierReport,
+}
+
+impl SimReport {
+    /// Device hits / uses (0 when nothing used an adapter).
+    pub fn device_hit_rate(&self) -> f64 {
+        ratio(self.device.hits, self.uses)
+    }
+
+    /// Belady's device hit rate for the same demand: 1 - fewest misses / uses.
+    pub fn belady_hit_rate(&self) -> f64 {
+        ratio(self.uses - self.device.belady_misses.unwrap_or(self.uses), self.uses)
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+/// Replays `trace` under `config`. See the module docs for the serving loop modelled.
+///
+/// Errors: [`Error::Spec`] for a bad configuration (0 slots or batch size, host capacity below the
+/// slots, an unknown policy, a pin that is not in the trace or exceeds the pin limit, a negative or
+/// non-finite step time).
+pub fn simulate(trace: &Trace, config: &SimConfig) -> Result<SimReport> {
+    simulate_with(trace, config, |_, _| {})
+}
+
+/// [`simulate`], calling `on_step(batch, plan)` after each step with the trace indices of the
+/// step's requests (in batch order) and the plan the registry made for them.
+///
+/// Errors: as [`simulate`].
+pub fn simulate_with(
+    trace: &Trace,
+    config: &SimConfig,
+    mut on_step: impl FnMut(&[u32], &StepPlan),
+) -> Result<SimReport> {
+    if config.batch_size == 0 {
+        return Err(Error::Spec("batch_size must be at least 1 (got 0)".into()));
+    }
+    if !config.step_seconds.is_finite() || config.step_seconds < 0.0 {
+        return Err(Error::Spec(format!("step_seconds must be a number >= 0 (got {})", config.step_seconds)));
+    }
+    let (mut reg, keys) = setup(trace, config)?;
+    let names = trace.names();
+    let pinned: Vec<bool> = keys.iter().map(|&k| reg.get(k).r.pinned).collect();
+    let host_initial: Vec<u32> =
+        (0..keys.len()).filter(|&i| reg.get(keys[i]).host_since.is_some()).map(|i| i as u32).collect();
+    let start = reg.stats();
+
+    let requests = trace.requests();
+    let arrivals: Vec<f64> = requests
+        .iter()
+        .scan(0.0, |last, r| {
+            *last = r.arrival.unwrap_or(*last);
+            Some(*last)
+        })
+        .collect();
+    let mut report = SimReport { requests: requests.len() as u64, ..SimReport::default() };
+    let mut demand = Demand::new();
+    let mut queue: VecDeque<u32> = VecDeque::with_capacity(config.batch_size);
+    let mut next = 0usize;
+    let mut clock = 0.0f64;
+    let (mut batch, mut step_keys, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+    let mut names_in: Vec<Option<&str>> = Vec::new();
+    while next < requests.len() || !queue.is_empty() {
+        if queue.is_empty() {
+            clock = clock.max(arrivals[next]);
+        }
+        while queue.len() < config.batch_size && next < requests.len() && arrivals[next] <= clock {
+            queue.push_back(next as u32);
+            next += 1;
+        }
+        batch.clear();
+        batch.extend(queue.iter().copied());
+        step_keys.clear();
+        tokens.clear();
+        for &i in &batch {
+            let r = &requests[i as usize];
+            step_keys.push(r.adapter.map(|a| keys[a as usize]));
+            tokens.push(r.tokens);
+        }
+        let plan = reg.plan(&step_keys, &tokens)?;
+        if plan.admitted.is_empty() {
+            return Err(Error::Usage(format!(
+                "step {} admitted none of its {} request(s); the simulation cannot progress",
+                report.steps,
+                batch.len()
+            )));
+        }
+        names_in.clear();
+        names_in.extend(
+            plan.admitted
+                .iter()
+                .map(|&i| requests[batch[i as usize] as usize].adapter.map(|a| names[a as usize].as_str())),
+        );
+        let ids = reg.acquire(&names_in)?;
+        for load in &plan.loads {
+            reg.load_done(&load.name)?;
+        }
+        let ids: Vec<Option<&str>> = ids.iter().map(|id| id.as_deref()).collect();
+        reg.release(&ids)?;
+
+        let mut used: Vec<u32> = Vec::new();
+        for &i in &plan.admitted {
+            let r = &requests[batch[i as usize] as usize];
+            report.tokens += u64::from(r.tokens);
+            if let Some(a) = r.adapter {
+                report.adapter_requests += 1;
+                if !used.contains(&a) {
+                    used.push(a);
+                }
+            }
+        }
+        report.uses += used.len() as u64;
+        demand.push_step(used);
+        report.deferrals += plan.deferred.len() as u64;
+        report.steps += 1;
+        on_step(&batch, &plan);
+        let mut deferred = plan.deferred.iter().peekable();
+        let mut kept = 0;
+        for (pos, i) in batch.iter().enumerate() {
+            if deferred.next_if(|&&d| d as usize == pos).is_some() {
+                queue[kept] = *i;
+                kept += 1;
+            }
+        }
+        queue.truncate(kept);
+        clock += config.step_seconds;
+    }
+
+    let end = reg.stats();
+    let d = (end.device.counters, start.device.counters);
+    let h = (end.host.counters, start.host.counters);
+    report.device = TierReport {
+        hits: d.0.hits - d.1.hits,
+        misses: d.0.misses - d.1.misses,
+        evictions: d.0.evictions - d.1.evictions,
+        bytes_moved: (d.0.misses - d.1.misses) * config.adapter_bytes,
+        belady_misses: Some(min_misses(&demand, config.slots, |a| pinned[a as usize], &[])?),
+    };
+    report.host = TierReport {
+        hits: h.0.hits - h.1.hits,
+        misses: h.0.misses - h.1.misses,
+        evictions: h.0.evictions - h.1.evictions,
+        bytes_moved: (h.0.misses - h.1.misses) * config.adapter_bytes,
+        belady_misses: config
+            .max_loaded
+            .map(|cap| min_misses(&demand, cap, |a| pinned[a as usize], &host_initial))
+            .transpose()?,
+    };
+    Ok(report)
+}
+
+/// A registry with the trace's adapters registered (pinned ones first, pinned) and their keys by
+/// trace index.
+fn setup(trace: &Trace, config: &SimConfig) -> Result<(Registry, Vec<AdapterKey>)> {
+    let mut rc = Config::new(config.slots);
+    rc.max_loaded = config.max_loaded;
+    rc.device_policy = config.policy.clone();
+    rc.host_policy = config.policy.clone();
+    let mut reg = Registry::new(rc)?;
+    let names = trace.names();
+    let pins: HashSet<&str> = config.pins.iter().map(String::as_str).collect();
+    for p in &config.pins {
+        if !names.contains(p) {
+            return Err(Error::Spec(format!(
+                "cannot pin adapter {p:?}: the trace never names it ({} adapter(s) in the trace)",
+                names.len()
+            )));
+        }
+    }
+    let size = AdapterSize {
+        rank: 16,
+        host_bytes: config.adapter_bytes,
+        device_bytes: config.adapter_bytes,
+        scaling: 1.0,
+    };
+    let order = names
+        .iter()
+        .filter(|n| pins.contains(n.as_str()))
+        .chain(names.iter().filter(|n| !pins.contains(n.as_str())));
+    for name in order {
+        let r = sim_ref(name, pins.contains(name.as_str()))?;
+        reg.register(r, size).map_err(|e| match e {
+            Error::Capacity(msg) => Error::Spec(msg),
+            other => other,
+        })?;
+    }
+    let keys = names.iter().map(|n| reg.lookup(n, false)).collect::<Result<Vec<_>>>()?;
+    Ok((reg, keys))
+}
+
+/// The ref the simulator registers for `name` (path `sim://NAME`).
+pub fn sim_ref(name: &str, pinned: bool) -> Result<LoRARef> {
+    LoRARef::with_deterministic_id(name, &format!("sim://{name}"), pinned, None)
+}

@@ -1,0 +1,255 @@
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::plan::StepPlan;
+use crate::policy::POLICY_NAMES;
+use crate::registry::{AdapterSize, Config, Registry};
+use crate::shared::SharedRegistry;
+
+fn trace_of(names: &[&str]) -> Trace {
+    let mut all: Vec<String> = Vec::new();
+    for n in names {
+        if !all.iter().any(|a| a == n) {
+            all.push((*n).to_owned());
+        }
+    }
+    let requests = names
+        .iter()
+        .map(|n| Request {
+            adapter: all.iter().position(|a| a == n).map(|i| i as u32),
+            tokens: 1,
+            arrival: None,
+        })
+        .collect();
+    Trace::new(all, requests).unwrap()
+}
+
+#[test]
+fn each_policy_on_a_hand_worked_trace() {
+    // Two slots, one request per step: a b a c b a.
+    // lru:   a- b- a+ c-(evicts b) b-(evicts a) a-(evicts c)  -> 1 hit
+    // fifo:  a- b- a+ c-(evicts a) b+ a-(evicts b)             -> 2 hits
+    // reuse: a- b- a+ c-(evicts b: used once, a has a reuse distance) b-(evicts c, used once) a+ -> 2 hits
+    // belady: a- b- a+ c-(evicts either) then one of b/a hits  -> 2 hits
+    let trace = trace_of(&["a", "b", "a", "c", "b", "a"]);
+    for (policy, hits) in [("lru", 1), ("fifo", 2), ("reuse", 2)] {
+        let config = SimConfig { batch_size: 1, ..SimConfig::new(2, policy) };
+        let r = simulate(&trace, &config).unwrap();
+        assert_eq!((r.device.hits, r.uses, r.steps), (hits, 6, 6), "{policy}");
+        assert_eq!(r.device.misses, 6 - hits, "{policy}");
+        assert_eq!(r.device.belady_misses, Some(4), "{policy}");
+        assert_eq!(r.device.bytes_moved, (6 - hits) * config.adapter_bytes);
+    }
+}
+
+#[test]
+fn a_cyclic_sweep_defeats_lru_and_fifo_but_not_reuse() {
+    // Three slots, batches of one, a b c d e repeated: LRU and FIFO always evict what comes next.
+    let names: Vec<&str> = ["a", "b", "c", "d", "e"].iter().cycle().take(50).copied().collect();
+    let trace = trace_of(&names);
+    let hits = |p: &str| simulate(&trace, &SimConfig { batch_size: 1, ..SimConfig::new(3, p) }).unwrap();
+    assert_eq!(hits("lru").device.hits, 0);
+    assert_eq!(hits("fifo").device.hits, 0);
+    let reuse = hits("reuse");
+    let belady = 50 - reuse.device.belady_misses.unwrap();
+    assert!(reuse.device.hits >= belady * 3 / 4, "reuse {} vs belady {belady}", reuse.device.hits);
+}
+
+#[test]
+fn deferred_requests_wait_at_the_front_and_count_once_per_step() {
+    // One slot: a b a b in one batch of 4 admits a's two requests, defers b's; b runs next step.
+    let trace = trace_of(&["a", "b", "a", "b"]);
+    let mut batches = Vec::new();
+    let r = simulate_with(&trace, &SimConfig { batch_size: 4, ..SimConfig::new(1, "lru") }, |batch, plan| {
+        batches.push((batch.to_vec(), plan.admitted.clone(), plan.deferred.clone()));
+    })
+    .unwrap();
+    assert_eq!(batches, [(vec![0, 1, 2, 3], vec![0, 2], vec![1, 3]), (vec![1, 3], vec![0, 1], vec![])]);
+    assert_eq!((r.steps, r.deferrals, r.requests, r.tokens, r.uses), (2, 2, 4, 4, 2));
+}
+
+#[test]
+fn arrivals_pace_the_steps() {
+    // Steps of 1 s: the second request (t=0.5) joins the step at t=1, the third (t=10) waits alone.
+    let at = |t: f64| Request { adapter: Some(0), tokens: 1, arrival: Some(t) };
+    let trace = Trace::new(vec!["a".into()], vec![at(0.0), at(0.5), at(0.7), at(10.0)]).unwrap();
+    let mut sizes = Vec::new();
+    let config = SimConfig { step_seconds: 1.0, ..SimConfig::new(2, "lru") };
+    simulate_with(&trace, &config, |batch, _| sizes.push(batch.len())).unwrap();
+    assert_eq!(sizes, [1, 2, 1]);
+}
+
+#[test]
+fn configuration_errors_name_the_value() {
+    let trace = trace_of(&["a", "b"]);
+    let err = |c: SimConfig| simulate(&trace, &c).unwrap_err().to_string();
+    assert!(err(SimConfig { batch_size: 0, ..SimConfig::new(2, "lru") }).contains("batch_size"));
+    assert!(err(SimConfig::new(2, "lfu")).contains("\"lfu\" is not an eviction policy"));
+    assert!(err(SimConfig { pins: vec!["zz".into()], ..SimConfig::new(2, "lru") }).contains("\"zz\""));
+    let two_pins = SimConfig { pins: vec!["a".into(), "b".into()], ..SimConfig::new(2, "lru") };
+    assert!(err(two_pins).contains("cannot pin adapter \"b\""));
+    assert!(err(SimConfig { max_loaded: Some(1), ..SimConfig::new(2, "lru") }).contains("max_loaded_loras"));
+}
+
+#[test]
+fn jsonl_traces_are_read_with_errors_that_name_the_line() {
+    let t = Trace::from_jsonl(
+        "{\"adapter\": \"x\", \"tokens\": 3}\n\n{\"adapter\": null, \"tokens\": 1, \"arrival\": 0.5}\n{\"adapter\": \"y\", \"tokens\": 2}\n",
+        "t.jsonl",
+    )
+    .unwrap();
+    assert_eq!(t.names(), ["x", "y"]);
+    assert_eq!(t.requests()[1], Request { adapter: None, tokens: 1, arrival: Some(0.5) });
+    for (text, expected) in [
+        ("{\"adapter\": \"x\"", "t.jsonl:1: not valid JSON"),
+        ("[1]", "t.jsonl:1: expected a JSON object"),
+        ("{\"adapter\": \"x\", \"tokens\": 1, \"lora\": 2}", "unknown field \"lora\""),
+        ("{\"tokens\": 1}", "field \"adapter\" is missing"),
+        ("{\"adapter\": 3, \"tokens\": 1}", "\"adapter\" must be a string or null"),
+        ("{\"adapter\": \"x\", \"tokens\": -1}", "\"tokens\" must be an integer"),
+        ("{\"adapter\": \"x\", \"tokens\": 1, \"arrival\": 2}\n{\"adapter\": \"x\", \"tokens\": 1, \"arrival\": 1}", "request 1 arrives at 1"),
+    ] {
+        let err = Trace::from_jsonl(text, "t.jsonl").unwrap_err().to_string();
+        assert!(err.contains(expected), "{err:?} lacks {expected:?}");
+    }
+}
+
+#[test]
+fn generators_are_deterministic_and_shaped_as_documented() {
+    let a = Trace::generate(Workload::Zipf(1.2), 16, 5000, 7).unwrap();
+    assert_eq!(a, Trace::generate(Workload::Zipf(1.2), 16, 5000, 7).unwrap());
+    assert_ne!(a, Trace::generate(Workload::Zipf(1.2), 16, 5000, 8).unwrap());
+    assert_eq!(a.most_requested(2), ["adapter-000", "adapter-001"]);
+    let scan = Trace::generate(Workload::Scan, 3, 7, 0).unwrap();
+    let order: Vec<_> = scan.requests().iter().map(|r| r.adapter.unwrap()).collect();
+    assert_eq!(order, [0, 1, 2, 0, 1, 2, 0]);
+    // Shifting: the hottest adapter of the last tenth is not the hottest of the first tenth.
+    let s = Trace::generate(Workload::Shifting, 10, 10_000, 1).unwrap();
+    let hottest = |part: &[Request]| {
+        let mut c = [0; 10];
+        part.iter().for_each(|r| c[r.adapter.unwrap() as usize] += 1);
+        (0..10).max_by_key(|&i| c[i]).unwrap()
+    };
+    assert_eq!(hottest(&s.requests()[..1000]), 0);
+    assert_eq!(hottest(&s.requests()[9000..]), 9);
+    let u = Trace::generate(Workload::Uniform, 4, 4000, 3).unwrap();
+    assert!(u.requests().iter().all(|r| r.adapter.unwrap() < 4 && r.tokens == 1));
+    for bad in ["zipf", "zipf:0", "zipf:x", "lru"] {
+        assert!(Workload::parse(bad).is_err(), "{bad}");
+    }
+    assert_eq!(Workload::parse("zipf:1.5").unwrap().label(), "zipf:1.5");
+}
+
+/// The live path, written independently of the simulator: a [`SharedRegistry`] (what the Python
+/// `LoRARegistry` wraps) driven the way `LoRAManager` drives it — plan the step's names, acquire the
+/// admitted requests, report each load done, release — with deferred requests run again first.
+fn live_plans(trace: &Trace, config: &SimConfig) -> Vec<StepPlan> {
+    let mut rc = Config::new(config.slots);
+    rc.max_loaded = config.max_loaded;
+    rc.device_policy = config.policy.clone();
+    rc.host_policy = config.policy.clone();
+    let live = SharedRegistry::new(Registry::new(rc).unwrap());
+    let size = AdapterSize {
+        rank: 16,
+        host_bytes: config.adapter_bytes,
+        device_bytes: config.adapter_bytes,
+        scaling: 1.0,
+    };
+    let pinned: HashSet<&String> = config.pins.iter().collect();
+    let mut order: Vec<&String> = trace.names().iter().filter(|n| pinned.contains(n)).collect();
+    order.extend(trace.names().iter().filter(|n| !pinned.contains(n)));
+    for n in order {
+        live.lock().register(sim_ref(n, pinned.contains(n)).unwrap(), size).unwrap();
+    }
+    let name = |i: u32| trace.requests()[i as usize].adapter.map(|a| trace.names()[a as usize].as_str());
+    let mut waiting: VecDeque<u32> = VecDeque::new();
+    let mut next = 0u32;
+    let mut plans = Vec::new();
+    while (next as usize) < trace.requests().len() || !waiting.is_empty() {
+        while waiting.len() < config.batch_size && (next as usize) < trace.requests().len() {
+            waiting.push_back(next);
+            next += 1;
+        }
+        let batch: Vec<u32> = waiting.drain(..).collect();
+        let names: Vec<Option<&str>> = batch.iter().map(|&i| name(i)).collect();
+        let tokens: Vec<u32> = batch.iter().map(|&i| trace.requests()[i as usize].tokens).collect();
+        let plan = live.lock().plan_names(&names, &tokens).unwrap();
+        let admitted: Vec<Option<&str>> = plan.admitted.iter().map(|&i| names[i as usize]).collect();
+        let ids = live.lock().acquire(&admitted).unwrap();
+        for load in &plan.loads {
+            live.lock().load_done(&load.name).unwrap();
+        }
+        live.release(&ids.iter().map(|id| id.as_deref()).collect::<Vec<_>>()).unwrap();
+        live.lock().audit().unwrap();
+        waiting.extend(plan.deferred.iter().map(|&d| batch[d as usize]));
+        plans.push(plan);
+    }
+    plans
+}
+
+#[test]
+fn the_simulator_and_the_live_registry_make_the_same_decisions() {
+    let trace = Trace::generate(Workload::Zipf(0.9), 24, 3000, 11).unwrap();
+    let pins = trace.most_requested(2);
+    for policy in POLICY_NAMES {
+        for (slots, max_loaded, batch) in [(4, None, 6), (6, Some(9), 8), (3, Some(3), 2)] {
+            let config = SimConfig {
+                max_loaded,
+                pins: if slots > 3 { pins.clone() } else { Vec::new() },
+                batch_size: batch,
+                ..SimConfig::new(slots, policy)
+            };
+            let mut simulated = Vec::new();
+            simulate_with(&trace, &config, |_, plan| simulated.push(plan.clone())).unwrap();
+            let live = live_plans(&trace, &config);
+            assert_eq!(simulated.len(), live.len(), "{policy} {slots}");
+            for (t, (s, l)) in simulated.iter().zip(&live).enumerate() {
+                assert_eq!(s, l, "{policy}, {slots} slots, step {t}");
+            }
+            assert!(simulated.iter().any(|p| !p.evictions.is_empty()), "the test must evict");
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 120, ..ProptestConfig::default() })]
+
+    /// Whatever the workload, policy and sizes: no pinned adapter is ever evicted from either tier,
+    /// each is loaded into a slot at most once, and no policy beats Belady's bound.
+    #[test]
+    fn pinned_adapters_are_never_evicted(
+        workload in prop::sample::select(vec!["zipf:1.1", "uniform", "shifting", "bursty", "scan"]),
+        policy in prop::sample::select(POLICY_NAMES.to_vec()),
+        slots in 2usize..6,
+        pins in 0usize..5,
+        extra_host in prop::option::of(0usize..4),
+        batch in 1usize..7,
+        seed in 0u64..1000,
+    ) {
+        let trace = Trace::generate(Workload::parse(workload).unwrap(), 12, 400, seed).unwrap();
+        let pins = trace.most_requested(pins.min(slots - 1));
+        let config = SimConfig {
+            max_loaded: extra_host.map(|e| slots + e),
+            pins: pins.clone(),
+            batch_size: batch,
+            ..SimConfig::new(slots, policy)
+        };
+        let mut loads: HashMap<String, u32> = HashMap::new();
+        let mut bad = Vec::new();
+        let r = simulate_with(&trace, &config, |_, plan| {
+            bad.extend(plan.evictions.iter().filter(|e| pins.contains(&e.name)).map(|e| e.name.clone()));
+            for l in plan.loads.iter().filter(|l| pins.contains(&l.name)) {
+                *loads.entry(l.name.clone()).or_default() += 1;
+            }
+        }).unwrap();
+        prop_assert!(bad.is_empty(), "pinned adapters evicted: {:?}", bad);
+        prop_assert!(loads.values().all(|&n| n == 1), "pinned adapters loaded twice: {:?}", loads);
+        prop_assert!(r.device.misses >= r.device.belady_misses.unwrap());
+        if let Some(b) = r.host.belady_misses {
+            prop_assert!(r.host.misses >= b);
+        }
+        prop_assert_eq!(r.device.hits + r.device.misses, r.uses);
+    }
+}

@@ -1,0 +1,301 @@
+//! Request traces for the simulator: read from JSONL, or generated from a named workload with a seed.
+//!
+//! A request names one adapter (or none: the base model) and carries its token count for the step
+//! that serves it, and optionally an arrival time in seconds.
+
+use std::collections::HashMap;
+
+use crate::error::{Error, Result};
+
+/// One request of a trace.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Request {
+    /// Index into [`Trace::names`]; `None` is the base model.
+    pub adapter: Option<u32>,
+    /// Tokens it puts into the step that serves it.
+    pub tokens: u32,
+    /// When it arrives, in seconds from the trace's start; `None` is "already waiting".
+    pub arrival: Option<f64>,
+}
+
+/// Adapter names and requests, in arrival order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Trace {
+    names: Vec<String>,
+    requests: Vec<Request>,
+}
+
+/// A generated workload's popularity pattern.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Workload {
+    /// Adapter of rank `r` (0-based) with probability proportional to `1 / (r + 1)^alpha`; adapter
+    /// `i` has rank `i`.
+    Zipf(f64),
+    /// Every adapter equally likely.
+    Uniform,
+    /// Zipf with alpha 1 whose ranking rotates: at request `i` of `m` the rank-`r` adapter is
+    /// `(r + floor(i * n / m)) mod n`, so the hottest adapter changes `n` times over the trace.
+    Shifting,
+    /// Four adapters are "in a burst" at any time and take 80% of the requests between them; the
+    /// rest are uniform. After each request, with probability 1/256, one bursting adapter (chosen
+    /// uniformly) is replaced by a uniformly chosen adapter.
+    Bursty,
+    /// A cyclic sweep: request `i` uses adapter `i mod n`.
+    Scan,
+}
+
+impl Workload {
+    /// Parses `zipf:ALPHA`, `uniform`, `shifting`, `bursty` or `scan`.
+    ///
+    /// Errors: [`Error::Spec`] naming the value and the choices, or a bad alpha.
+    pub fn parse(text: &str) -> Result<Self> {
+        let choices = "choose zipf:ALPHA (ALPHA > 0), uniform, shifting, bursty or scan";
+        match text.trim() {
+            "uniform" => Ok(Self::Uniform),
+            "shifting" => Ok(Self::Shifting),
+            "bursty" => Ok(Self::Bursty),
+            "scan" => Ok(Self::Scan),
+            other => match other.strip_prefix("zipf:") {
+                Some(alpha) => match alpha.parse::<f64>() {
+                    Ok(a) if a.is_finite() && a > 0.0 => Ok(Self::Zipf(a)),
+                    _ => Err(Error::Spec(format!(
+                        "workload {text:?}: ALPHA must be a finite number above 0 (got {alpha:?})"
+                    ))),
+                },
+                None => Err(Error::Spec(format!("workload {text:?} is not a workload; {choices}"))),
+            },
+        }
+    }
+
+    /// The canonical spelling, as [`Workload::parse`] accepts it.
+    pub fn label(&self) -> String {
+        match self {
+            Self::Zipf(a) => format!("zipf:{a}"),
+            Self::Uniform => "uniform".into(),
+            Self::Shifting => "shifting".into(),
+            Self::Bursty => "bursty".into(),
+            Self::Scan => "scan".into(),
+        }
+    }
+}
+
+/// SplitMix64 (Steele, Lea and Flood 2014): a small, fast, seedable generator; traces must not
+/// depend on a crate's version of a random-number algorithm.
+#[derive(Debug, Clone)]
+pub(crate) struct SplitMix(u64);
+
+impl SplitMix {
+    pub(crate) fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub(crate) fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    pub(crate) fn below(&mut self, n: usize) -> usize {
+        ((self.next_u64() as u128 * n as u128) >> 64) as usize
+    }
+}
+
+/// Samples ranks `0..n` with probability proportional to `1 / (rank + 1)^alpha`.
+struct ZipfSampler {
+    cdf: Vec<f64>,
+}
+
+impl ZipfSampler {
+    fn new(n: usize, alpha: f64) -> Self {
+        let mut cdf = Vec::with_capacity(n);
+        let mut total = 0.0;
+        for r in 0..n {
+            total += 1.0 / ((r + 1) as f64).powf(alpha);
+            cdf.push(total);
+        }
+        for c in &mut cdf {
+            *c /= total;
+        }
+        Self { cdf }
+    }
+
+    fn sample(&self, rng: &mut SplitMix) -> usize {
+        let u = rng.unit();
+        self.cdf.partition_point(|&c| c <= u).min(self.cdf.len() - 1)
+    }
+}
+
+impl Trace {
+    /// A trace over `names`; every request's adapter must index into them.
+    ///
+    /// Errors: [`Error::Spec`] for a duplicate name, an adapter index out of range, or arrival
+    /// times that are negative, not finite or decreasing (each naming the request).
+    pub fn new(names: Vec<String>, requests: Vec<Request>) -> Result<Self> {
+        let mut seen = HashMap::new();
+        for (i, n) in names.iter().enumerate() {
+            if let Some(j) = seen.insert(n.as_str(), i) {
+                return Err(Error::Spec(format!("trace: adapter {n:?} is named twice (#{j} and #{i})")));
+            }
+        }
+        let mut last = 0.0f64;
+        for (i, r) in requests.iter().enumerate() {
+            if let Some(a) = r.adapter {
+                if a as usize >= names.len() {
+                    return Err(Error::Spec(format!(
+                        "trace: request {i} uses adapter #{a} but the trace names {} adapter(s)",
+                        names.len()
+                    )));
+                }
+            }
+            if let Some(t) = r.arrival {
+                if !t.is_finite() || t < 0.0 {
+                    return Err(Error::Spec(format!(
+                        "trace: request {i} arrives at {t}; arrival must be a finite number >= 0"
+                    )));
+                }
+                if t < last {
+                    return Err(Error::Spec(format!(
+                        "trace: request {i} arrives at {t}, before the previous request ({last}); sort \
+                         the trace by arrival"
+                    )));
+                }
+                last = t;
+            }
+        }
+        Ok(Self { names, requests })
+    }
+
+    /// Reads JSONL: one request per non-blank line, `{"adapter": NAME or null, "tokens": N}` with an
+    /// optional `"arrival": SECONDS` (non-decreasing). Adapters are named in order of first use.
+    /// `source` names the text in errors.
+    ///
+    /// Errors: [`Error::Spec`] naming `source`, the line and the field: malformed JSON, a missing or
+    /// unknown field, a wrong type, tokens outside `0..=4294967295`, arrivals out of order.
+    pub fn from_jsonl(text: &str, source: &str) -> Result<Self> {
+        let mut names: Vec<String> = Vec::new();
+        let mut index: HashMap<String, u32> = HashMap::new();
+        let mut requests = Vec::new();
+        for (n, line) in text.lines().enumerate() {
+            let line_no = n + 1;
+            if line.trim().is_empty() {
+                continue;
+            }
+            let bad = |what: String| Error::Spec(format!("{source}:{line_no}: {what}"));
+            let value: serde_json::Value =
+                serde_json::from_str(line).map_err(|e| bad(format!("not valid JSON ({e})")))?;
+            let serde_json::Value::Object(obj) = value else {
+                return Err(bad("expected a JSON object like {\"adapter\": \"a\", \"tokens\": 16}".into()));
+            };
+            if let Some(k) = obj.keys().find(|k| !matches!(k.as_str(), "adapter" | "tokens" | "arrival")) {
+                return Err(bad(format!("unknown field {k:?}; the fields are adapter, tokens, arrival")));
+            }
+            let adapter = match obj.get("adapter") {
+                Some(serde_json::Value::Null) => None,
+                Some(serde_json::Value::String(s)) => Some(match index.get(s) {
+                    Some(&i) => i,
+                    None => {
+                        let i = u32::try_from(names.len())
+                            .map_err(|_| bad("more than 4294967295 adapters".into()))?;
+                        index.insert(s.clone(), i);
+                        names.push(s.clone());
+                        i
+                    }
+                }),
+                Some(other) => {
+                    return Err(bad(format!("field \"adapter\" must be a string or null (got {other})")))
+                }
+                None => return Err(bad("field \"adapter\" is missing (use null for the base model)".into())),
+            };
+            let tokens = match obj.get("tokens") {
+                Some(v) => v.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(|| {
+                    bad(format!("field \"tokens\" must be an integer in 0..=4294967295 (got {v})"))
+                })?,
+                None => return Err(bad("field \"tokens\" is missing".into())),
+            };
+            let arrival = match obj.get("arrival") {
+                None | Some(serde_json::Value::Null) => None,
+                Some(v) => Some(
+                    v.as_f64()
+                        .filter(|t| t.is_finite() && *t >= 0.0)
+                        .ok_or_else(|| bad(format!("field \"arrival\" must be seconds >= 0 (got {v})")))?,
+                ),
+            };
+            requests.push(Request { adapter, tokens, arrival });
+        }
+        Self::new(names, requests).map_err(|e| Error::Spec(format!("{source}: {e}")))
+    }
+
+    /// `requests` requests over `adapters` adapters named `adapter-000`, ... following `workload`,
+    /// one token each, all waiting from the start; the same arguments give the same trace.
+    ///
+    /// Errors: [`Error::Spec`] when `adapters` is 0 or above 4294967295.
+    pub fn generate(workload: Workload, adapters: usize, requests: usize, seed: u64) -> Result<Self> {
+        if adapters == 0 || u32::try_from(adapters).is_err() {
+            return Err(Error::Spec(format!("adapters must be in 1..=4294967295 (got {adapters})")));
+        }
+        let width = adapters.saturating_sub(1).to_string().len().max(3);
+        let names = (0..adapters).map(|i| format!("adapter-{i:0width$}")).collect();
+        let mut rng = SplitMix::new(seed);
+        let n = adapters;
+        let mut picks: Vec<usize> = Vec::with_capacity(requests);
+        match workload {
+            Workload::Uniform => picks.extend((0..requests).map(|_| rng.below(n))),
+            Workload::Scan => picks.extend((0..requests).map(|i| i % n)),
+            Workload::Zipf(alpha) => {
+                let z = ZipfSampler::new(n, alpha);
+                picks.extend((0..requests).map(|_| z.sample(&mut rng)));
+            }
+            Workload::Shifting => {
+                let z = ZipfSampler::new(n, 1.0);
+                picks.extend((0..requests).map(|i| {
+                    let offset = (i as u128 * n as u128 / requests as u128) as usize;
+                    (z.sample(&mut rng) + offset) % n
+                }));
+            }
+            Workload::Bursty => {
+                let mut bursting: Vec<usize> = (0..4).map(|_| rng.below(n)).collect();
+                for _ in 0..requests {
+                    picks.push(if rng.unit() < 0.8 { bursting[rng.below(4)] } else { rng.below(n) });
+                    if rng.unit() < 1.0 / 256.0 {
+                        let k = rng.below(4);
+                        bursting[k] = rng.below(n);
+                    }
+                }
+            }
+        }
+        let requests = picks
+            .into_iter()
+            .map(|a| Request { adapter: Some(a as u32), tokens: 1, arrival: None })
+            .collect();
+        Ok(Self { names, requests })
+    }
+
+    /// The adapters' names; a request's `adapter` indexes into them.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// The requests, in arrival order.
+    pub fn requests(&self) -> &[Request] {
+        &self.requests
+    }
+
+    /// The `k` most requested adapters, most requested first (ties: the earlier name first).
+    pub fn most_requested(&self, k: usize) -> Vec<String> {
+        let mut counts = vec![0u64; self.names.len()];
+        for a in self.requests.iter().filter_map(|r| r.adapter) {
+            counts[a as usize] += 1;
+        }
+        let mut order: Vec<usize> = (0..self.names.len()).filter(|&i| counts[i] > 0).collect();
+        order.sort_by(|&a, &b| counts[b].cmp(&counts[a]).then(a.cmp(&b)));
+        order.into_iter().take(k).map(|i| self.names[i].clone()).collect()
+    }
+}
