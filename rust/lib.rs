@@ -12,6 +12,7 @@ pub mod plan;
 pub mod policy;
 pub mod registry;
 pub mod shared;
+pub mod sim;
 pub mod spec;
 
 #[cfg(feature = "python")]

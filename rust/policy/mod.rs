@@ -8,12 +8,14 @@
 
 mod fifo;
 mod lru;
+mod reuse;
 
 use std::collections::BTreeSet;
 use std::fmt;
 
 pub use fifo::Fifo;
 pub use lru::Lru;
+pub use reuse::ReuseDistance;
 
 use crate::error::{Error, Result};
 
@@ -65,7 +67,7 @@ pub trait EvictionPolicy: Send + Sync + fmt::Debug {
 }
 
 /// The names [`by_name`] accepts.
-pub const POLICY_NAMES: &[&str] = &["lru", "fifo"];
+pub const POLICY_NAMES: &[&str] = &["lru", "fifo", "reuse"];
 
 /// A fresh policy by name.
 ///
@@ -74,6 +76,7 @@ pub fn by_name(what: &str, name: &str) -> Result<Box<dyn EvictionPolicy>> {
     match name {
         "lru" => Ok(Box::new(Lru::default())),
         "fifo" => Ok(Box::new(Fifo::default())),
+        "reuse" => Ok(Box::new(ReuseDistance::default())),
         _ => Err(Error::Spec(format!(
             "{what}={name:?} is not an eviction policy; choose one of {}",
             POLICY_NAMES.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(", ")
