@@ -468,3 +468,12 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn register_names_a_victim_once_even_when_it_left_both_tiers() {
+    let mut reg = registry(1, Some(1), "lru", &["a"]);
+    step(&mut reg, &[Some("a")]);
+    reg.end_step();
+    assert_eq!(reg.register(lora("b"), size(4, 100)).unwrap(), ["a"]);
+    assert_eq!(reg.stats().device.counters.evictions, 1);
+}

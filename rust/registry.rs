@@ -15,7 +15,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use crate::cache::{DeviceCandidate, DeviceTier, HostTier, TierCounters};
+use crate::cache::{DeviceCandidate, DeviceTier, HostTier, Tier, TierCounters};
 use crate::error::{Error, Result};
 use crate::hash::FxHashMap;
 use crate::policy::{self, AdapterKey};
@@ -336,7 +336,7 @@ impl Registry {
         self.host.bytes += size.host_bytes;
         self.host.counters.loads += 1;
         self.refresh(key);
-        Ok(evicted.into_iter().map(|e| e.name).collect())
+        Ok(evicted.into_iter().filter(|e| e.tier == Tier::Host).map(|e| e.name).collect())
     }
 
     fn check_pin(&mut self, name: &str, host_bytes: u64) -> Result<()> {

@@ -1,0 +1,43 @@
+"""Awaiting an adapter's unload from asyncio code without blocking the event loop.
+
+``LoRARegistry.unload`` blocks its thread (with the GIL released) until the adapter's in-flight
+requests finish; inside an event loop use :func:`unload_async`, which polls ``try_unload`` with a
+short, growing sleep so cancellation takes effect at once and no thread is tied up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from lora_pin._core import LoRARegistry
+from lora_pin.errors import UnloadTimeoutError
+
+__all__ = ["unload_async"]
+
+_FIRST_POLL_S = 0.001
+_LONGEST_POLL_S = 0.05
+
+
+async def unload_async(registry: LoRARegistry, name: str, timeout: float | None = None) -> None:
+    """Unregisters ``name`` at once (no new acquires) and returns once its requests drained and it is
+    forgotten. Idempotent, like ``LoRARegistry.unload``.
+
+    Raises:
+        AdapterNotFoundError: ``name`` was never registered.
+        UnloadTimeoutError: requests are still in flight after ``timeout`` seconds; the adapter stays
+            unregistered and a later unload finishes it.
+    """
+    started = time.monotonic()
+    delay = _FIRST_POLL_S
+    while not registry.try_unload(name):
+        waited = time.monotonic() - started
+        if timeout is not None and waited >= timeout:
+            raise UnloadTimeoutError(
+                f"unloading adapter {name!r} timed out after {waited:.3f} s with "
+                f"{registry.in_flight(name)} request(s) still in flight; it stays unregistered "
+                "(no new requests) and a later unload finishes it"
+            )
+        sleep = delay if timeout is None else min(delay, max(timeout - waited, 0.0))
+        await asyncio.sleep(sleep)
+        delay = min(delay * 2, _LONGEST_POLL_S)
