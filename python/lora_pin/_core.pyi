@@ -2,7 +2,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from os import PathLike
 from typing import Any, TypeAlias, final
 
-__all__ = ["LoRARef", "LoRARegistry", "StepPlan", "__version__", "check_limits", "parse_lora_paths"]
+__all__ = [
+    "LoRARef",
+    "LoRARegistry",
+    "StepPlan",
+    "Trace",
+    "__version__",
+    "check_limits",
+    "parse_lora_paths",
+    "simulate",
+]
 __version__: str
 
 @final
@@ -115,3 +124,28 @@ class LoRARegistry:
     def audit(self) -> None: ...
     def __contains__(self, name: str, /) -> bool: ...
     def __len__(self) -> int: ...
+
+@final
+class Trace:
+    @staticmethod
+    def generate(workload: str, *, adapters: int, requests: int, seed: int = 0) -> Trace: ...
+    @staticmethod
+    def from_jsonl(text: str, source: str = "<trace>") -> Trace: ...
+    @property
+    def names(self) -> list[str]: ...
+    def most_requested(self, k: int) -> list[str]: ...
+    def requests(self) -> list[tuple[str | None, int, float | None]]: ...
+    def __len__(self) -> int: ...
+
+def simulate(
+    trace: Trace,
+    *,
+    slots: int,
+    max_loaded_loras: int | None = None,
+    policy: str = "lru",
+    pins: Sequence[str] = ...,
+    batch_size: int = 8,
+    step_seconds: float = 0.02,
+    adapter_bytes: int = 33554432,
+    record: bool = False,
+) -> dict[str, Any]: ...

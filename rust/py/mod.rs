@@ -3,6 +3,7 @@
 
 mod errors;
 mod registry;
+mod sim;
 mod spec;
 
 use pyo3::prelude::*;
@@ -14,6 +15,8 @@ pub mod _core {
 
     #[pymodule_export]
     use super::registry::{PyLoRARegistry, PyStepPlan};
+    #[pymodule_export]
+    use super::sim::{simulate, PyTrace};
     #[pymodule_export]
     use super::spec::{check_limits, parse_lora_paths, PyLoRARef};
 

@@ -1,0 +1,185 @@
+//! `Trace` and `simulate` for Python: the capacity planner behind `lora-pin simulate`. Every number
+//! comes from the core's replay (`crate::sim`); the GIL is released while it runs.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use super::errors::new_error;
+use super::{detached, shielded};
+use crate::plan::StepPlan;
+use crate::sim::{simulate_with, SimConfig, SimReport, TierReport, Trace, Workload};
+
+/// A request trace: adapter names and requests (adapter or None, tokens, optional arrival time).
+/// Build one with `Trace.generate` or `Trace.from_jsonl`.
+#[pyclass(frozen, name = "Trace", module = "lora_pin")]
+pub struct PyTrace(Trace);
+
+fn non_negative(py: Python<'_>, what: &str, v: i64) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| new_error(py, "SpecError", format!("{what} must be at least 0 (got {v})")))
+}
+
+#[pymethods]
+impl PyTrace {
+    /// `requests` requests over `adapters` adapters (`adapter-000`, ...) following `workload`:
+    /// `zipf:ALPHA`, `uniform`, `shifting`, `bursty` or `scan`; one token each; the same arguments
+    /// give the same trace.
+    ///
+    /// Raises:
+    ///     SpecError: an unknown workload, a bad alpha, or a count out of range (the value named).
+    #[staticmethod]
+    #[pyo3(signature = (workload, *, adapters, requests, seed = 0))]
+    fn generate(py: Python<'_>, workload: &str, adapters: i64, requests: i64, seed: u64) -> PyResult<Self> {
+        let adapters = non_negative(py, "adapters", adapters)?;
+        let requests = non_negative(py, "requests", requests)?;
+        let workload = workload.to_owned();
+        detached(py, move || {
+            Ok(Self(Trace::generate(Workload::parse(&workload)?, adapters, requests, seed)?))
+        })
+    }
+
+    /// Parses JSONL text: one request per line, `{"adapter": NAME or null, "tokens": N}` with an
+    /// optional `"arrival": SECONDS` (non-decreasing). `source` names the text in errors.
+    ///
+    /// Raises:
+    ///     SpecError: naming `source`, the line and the field that is wrong.
+    #[staticmethod]
+    #[pyo3(signature = (text, source = "<trace>"))]
+    fn from_jsonl(py: Python<'_>, text: &str, source: &str) -> PyResult<Self> {
+        detached(py, || Ok(Self(Trace::from_jsonl(text, source)?)))
+    }
+
+    /// The adapters' names, in order of first use (generated traces: by index).
+    #[getter]
+    fn names(&self) -> Vec<String> {
+        self.0.names().to_vec()
+    }
+
+    /// The `k` most requested adapters, most requested first (ties: the earlier name first).
+    fn most_requested(&self, k: usize) -> Vec<String> {
+        self.0.most_requested(k)
+    }
+
+    /// The requests as `(adapter name or None, tokens, arrival or None)` tuples.
+    fn requests(&self) -> Vec<(Option<String>, u32, Option<f64>)> {
+        let names = self.0.names();
+        self.0
+            .requests()
+            .iter()
+            .map(|r| (r.adapter.map(|a| names[a as usize].clone()), r.tokens, r.arrival))
+            .collect()
+    }
+
+    fn __len__(&self) -> usize {
+        self.0.requests().len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Trace(adapters={}, requests={})", self.0.names().len(), self.0.requests().len())
+    }
+}
+
+fn tier<'py>(py: Python<'py>, t: &TierReport, uses: Option<u64>) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("hits", t.hits)?;
+    d.set_item("misses", t.misses)?;
+    d.set_item("evictions", t.evictions)?;
+    d.set_item("bytes_moved", t.bytes_moved)?;
+    d.set_item("belady_misses", t.belady_misses)?;
+    if let Some(uses) = uses {
+        let rate = |misses: u64| if uses == 0 { 0.0 } else { (uses - misses) as f64 / uses as f64 };
+        d.set_item("hit_rate", rate(t.misses))?;
+        d.set_item("belady_hit_rate", t.belady_misses.map(rate))?;
+    }
+    Ok(d)
+}
+
+fn step_record<'py>(py: Python<'py>, batch: &[u32], plan: &StepPlan) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("batch", batch)?;
+    d.set_item("admitted", &plan.admitted)?;
+    d.set_item("deferred", &plan.deferred)?;
+    let loads: Vec<(&str, u32, &str)> =
+        plan.loads.iter().map(|l| (l.name.as_str(), l.slot, l.source.as_str())).collect();
+    d.set_item("loads", loads)?;
+    let evictions: Vec<(&str, &str, Option<u32>)> =
+        plan.evictions.iter().map(|e| (e.name.as_str(), e.tier.as_str(), e.slot)).collect();
+    d.set_item("evictions", evictions)?;
+    Ok(d)
+}
+
+/// Replays `trace` through the registry's planner — the calls `LoRAManager` makes per step: plan the
+/// first `batch_size` waiting requests, acquire the admitted ones, load, release; deferred requests
+/// run first next step — and reports both tiers beside Belady's offline-optimal bound.
+///
+/// A **use** is one (step, adapter) pair: the distinct adapters a step admitted. Device `hits` are
+/// uses whose adapter was already in a slot, `misses` the slot loads; `hit_rate` is hits / uses.
+/// `belady_misses` is the fewest misses any policy could have on the same uses with the same
+/// capacity (device: the slots, pinned adapters holding theirs; host: `max_loaded_loras`, None when
+/// unbounded). Host hits are slot loads copied from host memory, host misses reads from disk.
+///
+/// Returns a dict: `steps`, `requests`, `adapter_requests`, `deferrals`, `tokens`, `uses`, `device`
+/// and `host` (each `hits`, `misses`, `evictions`, `bytes_moved`, `belady_misses`; the device also
+/// `hit_rate` and `belady_hit_rate`), and with `record=True` a `steps_log` list of per-step dicts
+/// (`batch`: trace indices, `admitted` / `deferred`: positions in the batch, `loads`: (name, slot,
+/// source), `evictions`: (name, tier, slot or None)).
+///
+/// Raises:
+///     SpecError: slots or batch_size of 0, max_loaded_loras below slots, an unknown policy, a pin the
+///         trace never names or beyond the pin limit, a negative step time.
+#[pyfunction]
+#[pyo3(signature = (
+    trace, *, slots, max_loaded_loras = None, policy = "lru", pins = Vec::new(), batch_size = 8,
+    step_seconds = 0.02, adapter_bytes = 33554432, record = false
+))]
+#[allow(clippy::too_many_arguments)]
+pub fn simulate<'py>(
+    py: Python<'py>,
+    trace: &Bound<'py, PyTrace>,
+    slots: i64,
+    max_loaded_loras: Option<i64>,
+    policy: &str,
+    pins: Vec<String>,
+    batch_size: i64,
+    step_seconds: f64,
+    adapter_bytes: u64,
+    record: bool,
+) -> PyResult<Bound<'py, PyDict>> {
+    shielded(py, || {
+        let config = SimConfig {
+            slots: non_negative(py, "slots", slots)?,
+            max_loaded: max_loaded_loras.map(|v| non_negative(py, "max_loaded_loras", v)).transpose()?,
+            policy: policy.to_owned(),
+            pins,
+            batch_size: non_negative(py, "batch_size", batch_size)?,
+            step_seconds,
+            adapter_bytes,
+        };
+        let trace = &trace.get().0;
+        let (report, log): (SimReport, Vec<(Vec<u32>, StepPlan)>) = detached(py, || {
+            let mut log = Vec::new();
+            let report = simulate_with(trace, &config, |batch, plan| {
+                if record {
+                    log.push((batch.to_vec(), plan.clone()));
+                }
+            })?;
+            Ok((report, log))
+        })?;
+        let d = PyDict::new(py);
+        d.set_item("steps", report.steps)?;
+        d.set_item("requests", report.requests)?;
+        d.set_item("adapter_requests", report.adapter_requests)?;
+        d.set_item("deferrals", report.deferrals)?;
+        d.set_item("tokens", report.tokens)?;
+        d.set_item("uses", report.uses)?;
+        d.set_item("device", tier(py, &report.device, Some(report.uses))?)?;
+        d.set_item("host", tier(py, &report.host, None)?)?;
+        if record {
+            let steps = PyList::empty(py);
+            for (batch, plan) in &log {
+                steps.append(step_record(py, batch, plan)?)?;
+            }
+            d.set_item("steps_log", steps)?;
+        }
+        Ok(d)
+    })
+}
