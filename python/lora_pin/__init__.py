@@ -24,7 +24,9 @@ from lora_pin.errors import (
     StalePlanError,
     UnloadTimeoutError,
     UnsafeFormatError,
+    UsageError,
 )
+from lora_pin.registry import unload_async
 
 if TYPE_CHECKING:
     from lora_pin.model import LoRAManager, Step
@@ -76,10 +78,12 @@ __all__ = [
     "StepPlan",
     "UnloadTimeoutError",
     "UnsafeFormatError",
+    "UsageError",
     "__version__",
     "add_lora_args",
     "check_limits",
     "load_adapter",
     "lora_config_from_args",
     "parse_lora_paths",
+    "unload_async",
 ]

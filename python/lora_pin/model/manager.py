@@ -24,6 +24,7 @@ from lora_pin.errors import AdapterLoadError, CapacityError, LoraPinError, SpecE
 from lora_pin.model.attach import FusedSpec, attach, detach, model_targets
 from lora_pin.model.layers import StepSegments
 from lora_pin.ops import SegmentBatch
+from lora_pin.registry import unload_async
 from lora_pin.weights import DEFAULT_TARGET_MODULES, DevicePool, HostTier, read_adapter_config
 from lora_pin.weights.reader import resolve_adapter_dir
 
@@ -203,14 +204,12 @@ class LoRAManager:
         self._forget(name)
 
     async def unload_async(self, name: str, timeout: float | None = None) -> None:
-        """:meth:`unload` for asyncio code: waits in a worker thread, never blocking the event loop.
+        """:meth:`unload` for asyncio code: polls without blocking the event loop or tying up a thread.
 
         Raises:
             AdapterNotFoundError, UnloadTimeoutError: as :meth:`unload`.
         """
-        import asyncio
-
-        await asyncio.to_thread(self.registry.unload, name, timeout)
+        await unload_async(self.registry, name, timeout)
         self._forget(name)
 
     def stats(self) -> dict[str, Any]:
