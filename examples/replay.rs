@@ -2,7 +2,7 @@
 //! workload and policy, the requests per second, the device hit rate and Belady's bound.
 //!
 //! `cargo run --release --example replay -- [REQUESTS] [SLOTS] [BATCH] [WORKLOAD...]`
-//! (defaults: 1000000 requests, 16 slots, batches of 8, all five workloads; 128 adapters, seed 0).
+//! (defaults: 1000000 requests, 16 slots, batches of 4, all five workloads; 128 adapters, seed 0).
 
 use std::time::Instant;
 
@@ -13,7 +13,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let requests: usize = args.first().map_or(Ok(1_000_000), |a| a.parse())?;
     let slots: usize = args.get(1).map_or(Ok(16), |a| a.parse())?;
-    let batch: usize = args.get(2).map_or(Ok(8), |a| a.parse())?;
+    let batch: usize = args.get(2).map_or(Ok(4), |a| a.parse())?;
     let workloads: Vec<String> = if args.len() > 3 {
         args[3..].to_vec()
     } else {

@@ -144,7 +144,7 @@ def simulate(
     max_loaded_loras: int | None = None,
     policy: str = "lru",
     pins: Sequence[str] = ...,
-    batch_size: int = 8,
+    batch_size: int = 4,
     step_seconds: float = 0.02,
     adapter_bytes: int = 33554432,
     record: bool = False,

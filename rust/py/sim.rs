@@ -128,7 +128,7 @@ fn step_record<'py>(py: Python<'py>, batch: &[u32], plan: &StepPlan) -> PyResult
 ///         trace never names or beyond the pin limit, a negative step time.
 #[pyfunction]
 #[pyo3(signature = (
-    trace, *, slots, max_loaded_loras = None, policy = "lru", pins = Vec::new(), batch_size = 8,
+    trace, *, slots, max_loaded_loras = None, policy = "lru", pins = Vec::new(), batch_size = 4,
     step_seconds = 0.02, adapter_bytes = 33554432, record = false
 ))]
 #[allow(clippy::too_many_arguments)]

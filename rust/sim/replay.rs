@@ -39,14 +39,14 @@ pub struct SimConfig {
 }
 
 impl SimConfig {
-    /// `slots` slots, unbounded host tier, `policy`, no pins, batches of 8, 20 ms steps, 32 MiB adapters.
+    /// `slots` slots, unbounded host tier, `policy`, no pins, batches of 4, 20 ms steps, 32 MiB adapters.
     pub fn new(slots: usize, policy: &str) -> Self {
         Self {
             slots,
             max_loaded: None,
             policy: policy.to_owned(),
             pins: Vec::new(),
-            batch_size: 8,
+            batch_size: 4,
             step_seconds: 0.02,
             adapter_bytes: 32 << 20,
         }

@@ -7,12 +7,12 @@ import sys
 from collections.abc import Sequence
 
 from lora_pin import __version__
-from lora_pin.cli import demo_cmd, inspect_cmd, parse_cmd
+from lora_pin.cli import demo_cmd, inspect_cmd, parse_cmd, simulate_cmd
 from lora_pin.errors import LoraPinError
 
 __all__ = ["main"]
 
-_SUBCOMMANDS = (demo_cmd, parse_cmd, inspect_cmd)
+_SUBCOMMANDS = (demo_cmd, parse_cmd, inspect_cmd, simulate_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

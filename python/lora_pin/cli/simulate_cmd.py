@@ -1,0 +1,195 @@
+"""``lora-pin simulate``: replay a request trace through the Rust planner and report, per tier, what
+each eviction policy does for each configuration, beside Belady's offline-optimal bound."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from lora_pin._core import Trace, simulate
+from lora_pin.errors import SpecError
+
+__all__ = ["add_parser", "run"]
+
+_POLICIES = ("lru", "fifo", "reuse")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Registers ``simulate`` on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "simulate",
+        help="replay a request trace: hit rates, loads, evictions and bytes moved per tier and policy",
+        description=(
+            "Replay a request trace through the same planner the serving manager uses, for every "
+            "combination of --slots, --host and --policy, and print per tier the hit rate, loads, "
+            "evictions, bytes moved and deferred requests, beside Belady's offline-optimal hit rate for "
+            "the same trace and capacity (the limit no online policy can pass). A use is one adapter in "
+            "one step; the device hit rate is the share of uses whose adapter was already in a slot."
+        ),
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--trace", metavar="FILE", help='JSONL, one request a line: {"adapter": NAME|null, "tokens": N}'
+    )
+    src.add_argument(
+        "--workload",
+        default="zipf:1.0",
+        help="generate a trace: zipf:ALPHA, uniform, shifting, bursty or scan (default %(default)s)",
+    )
+    p.add_argument("--adapters", default="128", help="adapters in a generated trace (default %(default)s)")
+    p.add_argument("--requests", default="100000", help="requests in a generated trace (default %(default)s)")
+    p.add_argument("--seed", default="0", help="seed of a generated trace (default %(default)s)")
+    p.add_argument("--batch-size", default="4", help="requests a step takes (default %(default)s)")
+    p.add_argument(
+        "--slots", default="8,16", help="device slots to sweep, e.g. 4,8,16,32 (default %(default)s)"
+    )
+    p.add_argument(
+        "--host",
+        default="none",
+        help="host-tier capacities in adapters to sweep; none = unbounded (default none)",
+    )
+    pins = p.add_mutually_exclusive_group()
+    pins.add_argument("--pin", nargs="+", metavar="NAME", default=[], help="adapters to pin")
+    pins.add_argument("--pin-top", default="0", metavar="K", help="pin the K most requested adapters")
+    p.add_argument(
+        "--policy", default=",".join(_POLICIES), help="eviction policies to compare (default %(default)s)"
+    )
+    p.add_argument("--step-ms", default="20", help="step time for traces with arrivals (default %(default)s)")
+    p.add_argument("--adapter-mb", default="32", help="size of every adapter in MiB (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(run=run)
+
+
+def _int(flag: str, text: str, *, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least or not text.strip().lstrip("+").isdigit():
+        raise SpecError(f"{flag}: {text!r} is not an integer >= {least}")
+    return value
+
+
+def _number(flag: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise SpecError(f"{flag}: {text!r} is not a number >= 0")
+    return value
+
+
+def _list(flag: str, text: str) -> list[str]:
+    items = [t.strip() for t in text.split(",")]
+    if not all(items):
+        raise SpecError(f"{flag}: {text!r} has an empty item; give a comma-separated list")
+    return items
+
+
+def _trace(args: argparse.Namespace) -> tuple[Trace, dict[str, Any]]:
+    if args.trace is not None:
+        try:
+            with open(args.trace, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SpecError(f"--trace: cannot read {args.trace!r}: {e}") from e
+        trace = Trace.from_jsonl(text, args.trace)
+        return trace, {"file": args.trace, "requests": len(trace), "adapters": len(trace.names)}
+    adapters = _int("--adapters", args.adapters, least=1)
+    requests = _int("--requests", args.requests, least=0)
+    seed = _int("--seed", args.seed, least=0)
+    trace = Trace.generate(args.workload, adapters=adapters, requests=requests, seed=seed)
+    return trace, {"workload": args.workload, "requests": requests, "adapters": adapters, "seed": seed}
+
+
+def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
+    slots = [_int("--slots", s, least=1) for s in _list("--slots", args.slots)]
+    hosts = [None if h == "none" else _int("--host", h, least=1) for h in _list("--host", args.host)]
+    policies = _list("--policy", args.policy)
+    for policy in policies:
+        if policy not in _POLICIES:
+            raise SpecError(
+                f"--policy: {policy!r} is not an eviction policy; choose from {', '.join(_POLICIES)}"
+            )
+    pin_top = _int("--pin-top", args.pin_top, least=0)
+    pins = list(args.pin) or trace.most_requested(pin_top)
+    batch = _int("--batch-size", args.batch_size, least=1)
+    step_seconds = _number("--step-ms", args.step_ms) / 1000
+    adapter_bytes = int(_number("--adapter-mb", args.adapter_mb) * (1 << 20))
+    rows = []
+    for s in slots:
+        for h in hosts:
+            for policy in policies:
+                report = simulate(
+                    trace,
+                    slots=s,
+                    max_loaded_loras=h,
+                    policy=policy,
+                    pins=pins,
+                    batch_size=batch,
+                    step_seconds=step_seconds,
+                    adapter_bytes=adapter_bytes,
+                )
+                rows.append({"slots": s, "max_loaded_loras": h, "pins": pins, "policy": policy, **report})
+    return rows
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f}"
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    out: list[str] = []
+    header = (
+        f"{'policy':<7} {'hit rate':>9} {'belady':>9} {'gap':>8} {'loads':>9} {'evictions':>9} "
+        f"{'GiB moved':>10} {'disk reads':>10} {'belady':>8} {'deferred':>9}"
+    )
+    current = None
+    for r in rows:
+        key = (r["slots"], r["max_loaded_loras"])
+        if key != current:
+            current = key
+            cap = r["max_loaded_loras"]
+            host = "unbounded" if cap is None else f"{cap} adapters"
+            pins = ", ".join(r["pins"]) or "none"
+            out += [
+                "",
+                f"slots={r['slots']}  host={host}  pinned={pins}  uses={r['uses']}  steps={r['steps']}",
+            ]
+            out += [header]
+        d, h = r["device"], r["host"]
+        gap = d["belady_hit_rate"] - d["hit_rate"]
+        belady_reads = "-" if h["belady_misses"] is None else str(h["belady_misses"])
+        out.append(
+            f"{r['policy']:<7} {_pct(d['hit_rate']):>9} {_pct(d['belady_hit_rate']):>9} {100 * gap:>6.2f}pp "
+            f"{d['misses']:>9} {d['evictions']:>9} {_gib(d['bytes_moved'] + h['bytes_moved']):>10} "
+            f"{h['misses']:>10} {belady_reads:>8} {r['deferrals']:>9}"
+        )
+    return "\n".join(out[1:]) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints one table per (slots, host) configuration, or ``--json``; returns 0.
+
+    Raises:
+        SpecError: a bad argument (a list item that is not a number, an unknown workload or policy, a pin
+            the trace never names or beyond max_loras_per_batch - 1) or an unreadable or malformed trace;
+            the CLI prints the message on one line and exits 2.
+    """
+    trace, about = _trace(args)
+    rows = _rows(args, trace)
+    if args.json:
+        json.dump({"trace": about, "results": rows}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        name = about.get("file") or about["workload"]
+        sys.stdout.write(f"trace: {name}, {about['requests']} requests over {about['adapters']} adapters\n")
+        sys.stdout.write(_table(rows))
+    return 0

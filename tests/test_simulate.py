@@ -1,0 +1,199 @@
+"""``lora-pin simulate`` and ``lora_pin._core.simulate``: the CLI's table and ``--json``, its exit codes,
+JSONL traces, and the simulator against the live ``LoRARegistry`` driven the way ``LoRAManager`` drives it."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lora_pin._core import LoRARef, LoRARegistry, Trace, simulate
+from lora_pin.args import EVICTION_POLICIES
+from lora_pin.cli import main
+
+POLICIES = ("lru", "fifo", "reuse")
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["simulate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_table_lists_every_policy_beside_belady(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "--workload", "scan", "--requests", "4000", "--slots", "8,16")
+    assert (code, err) == (0, "")
+    assert out.startswith("trace: scan, 4000 requests over 128 adapters\n")
+    assert out.count("slots=8  host=unbounded") == 1 and out.count("slots=16  host=unbounded") == 1
+    rows = {(line.split()[0], i) for i, block in enumerate(out.split("\n\n")) for line in block.splitlines()}
+    assert {(p, i) for p in POLICIES for i in (0, 1)} <= rows
+    # A cyclic sweep: LRU and FIFO never hit; the bound and reuse keep (slots - batch) of 128 adapters.
+    for line in out.splitlines():
+        if line.startswith(("lru ", "fifo ")):
+            assert line.split()[1] == "0.00%", line
+    trace = Trace.generate("scan", adapters=128, requests=4000)
+    for slots in (8, 16):
+        r = simulate(trace, slots=slots, policy="reuse")
+        assert r["device"]["hit_rate"] == pytest.approx(r["device"]["belady_hit_rate"])
+        assert r["device"]["hit_rate"] == pytest.approx((slots - 4) / 128, abs=0.01)
+
+
+def test_json_matches_the_core_and_respects_the_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--workload", "zipf:1.1", "--requests", "3000", "--adapters", "40", "--seed", "3"]
+    code, out, _ = run_cli(capsys, *argv, "--slots", "4,8", "--host", "none,12", "--pin-top", "2", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["trace"] == {"workload": "zipf:1.1", "requests": 3000, "adapters": 40, "seed": 3}
+    results: list[dict[str, Any]] = doc["results"]
+    assert [(r["slots"], r["max_loaded_loras"], r["policy"]) for r in results] == [
+        (s, h, p) for s in (4, 8) for h in (None, 12) for p in POLICIES
+    ]
+    trace = Trace.generate("zipf:1.1", adapters=40, requests=3000, seed=3)
+    top = trace.most_requested(2)
+    for r in results:
+        assert r["pins"] == top
+        direct = simulate(
+            trace, slots=r["slots"], max_loaded_loras=r["max_loaded_loras"], policy=r["policy"], pins=top
+        )
+        assert {
+            k: v for k, v in r.items() if k not in ("slots", "max_loaded_loras", "pins", "policy")
+        } == direct
+        dev, host = r["device"], r["host"]
+        assert dev["hits"] + dev["misses"] == r["uses"]
+        assert dev["misses"] >= dev["belady_misses"]
+        assert dev["hit_rate"] <= dev["belady_hit_rate"]
+        assert dev["bytes_moved"] == dev["misses"] * 32 * 2**20
+        assert (host["belady_misses"] is None) == (r["max_loaded_loras"] is None)
+        if host["belady_misses"] is not None:
+            assert host["misses"] >= host["belady_misses"]
+        assert r["requests"] == r["tokens"] == 3000
+
+
+def test_jsonl_trace_with_base_rows_and_arrivals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = [{"adapter": n, "tokens": 5, "arrival": i * 0.01} for i, n in enumerate("abcabcab")]
+    lines.insert(3, {"adapter": None, "tokens": 2})
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    code, out, _ = run_cli(capsys, "--trace", str(path), "--slots", "2", "--batch-size", "1", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["trace"] == {"file": str(path), "requests": 9, "adapters": 3}
+    for r in doc["results"]:
+        assert (r["requests"], r["adapter_requests"], r["tokens"], r["uses"]) == (9, 8, 42, 8)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--slots", "8,x"], "--slots: 'x' is not an integer >= 1"),
+        (["--slots", "0"], "--slots: '0' is not an integer >= 1"),
+        (["--slots", "8,,16"], "--slots: '8,,16' has an empty item"),
+        (["--workload", "zipf:-1"], "ALPHA must be a finite number above 0"),
+        (["--workload", "loop"], 'workload "loop" is not a workload'),
+        (["--policy", "lru,lfu"], "--policy: 'lfu' is not an eviction policy"),
+        (["--pin", "nobody"], 'cannot pin adapter "nobody": the trace never names it'),
+        (["--slots", "2", "--pin-top", "2"], "cannot pin adapter"),
+        (["--slots", "4", "--host", "2"], "max_loaded_loras"),
+        (["--batch-size", "0"], "--batch-size: '0' is not an integer >= 1"),
+        (["--step-ms", "-1"], "--step-ms: '-1' is not a number >= 0"),
+        (["--trace", "/nonexistent/t.jsonl"], "--trace: cannot read '/nonexistent/t.jsonl'"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    code, out, err = run_cli(capsys, "--requests", "50", *argv)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("lora-pin simulate: error: ")
+    assert message in err, err
+
+
+def test_a_malformed_trace_names_the_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"adapter": "a", "tokens": 1}\n{"adapter": "a", "tokens": "many"}\n')
+    code, _, err = run_cli(capsys, "--trace", str(path))
+    assert code == 2
+    assert f'{path}:2: field "tokens" must be an integer' in err
+
+
+def test_the_serving_args_accept_the_new_policy() -> None:
+    assert EVICTION_POLICIES == POLICIES
+    LoRARegistry(4, eviction_policy="reuse", host_eviction_policy="reuse")
+
+
+def live_log(
+    trace: Trace, *, slots: int, max_loaded: int | None, policy: str, pins: list[str], batch: int
+) -> list[Any]:
+    """The live path, written here without the simulator: a ``LoRARegistry`` driven like ``LoRAManager``
+    (plan the step's names, acquire the admitted ones, report each load done, release), deferred
+    requests first in the next step."""
+    reg = LoRARegistry(slots, max_loaded, eviction_policy=policy, host_eviction_policy=policy)
+    names = trace.names
+    for n in [n for n in names if n in pins] + [n for n in names if n not in pins]:
+        reg.register(LoRARef.new(n, f"sim://{n}", n in pins), rank=16, host_bytes=2**25, device_bytes=2**25)
+    requests = trace.requests()
+    waiting: deque[int] = deque()
+    nxt = 0
+    log = []
+    while nxt < len(requests) or waiting:
+        while len(waiting) < batch and nxt < len(requests):
+            waiting.append(nxt)
+            nxt += 1
+        step = list(waiting)
+        waiting.clear()
+        step_names = [requests[i][0] for i in step]
+        plan = reg.plan(step_names, [requests[i][1] for i in step])
+        ids = reg.acquire([step_names[i] for i in plan.admitted])
+        for name, _lora_id, _slot, _source in plan.loads:
+            reg.load_done(name)
+        reg.release(ids)
+        waiting.extend(step[i] for i in plan.deferred)
+        log.append(
+            {
+                "batch": step,
+                "admitted": plan.admitted,
+                "deferred": plan.deferred,
+                "loads": [(n, slot, src) for n, _i, slot, src in plan.loads],
+                "evictions": [(n, tier, None if slot < 0 else slot) for n, tier, slot in plan.evictions],
+            }
+        )
+    reg.audit()
+    return log
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(
+    ("workload", "slots", "max_loaded", "pin_top", "batch"),
+    [
+        ("zipf:0.8", 4, None, 1, 6),
+        ("bursty", 3, 5, 0, 3),
+        ("shifting", 5, 7, 2, 8),
+    ],
+)
+def test_the_simulator_decides_exactly_as_the_live_registry(
+    policy: str, workload: str, slots: int, max_loaded: int | None, pin_top: int, batch: int
+) -> None:
+    trace = Trace.generate(workload, adapters=20, requests=1500, seed=5)
+    pins = trace.most_requested(pin_top)
+    sim = simulate(
+        trace,
+        slots=slots,
+        max_loaded_loras=max_loaded,
+        policy=policy,
+        pins=pins,
+        batch_size=batch,
+        record=True,
+    )
+    live = live_log(trace, slots=slots, max_loaded=max_loaded, policy=policy, pins=pins, batch=batch)
+    assert len(sim["steps_log"]) == len(live) == sim["steps"]
+    for t, (s, lv) in enumerate(zip(sim["steps_log"], live, strict=True)):
+        assert s == lv, f"step {t}"
+    evicted = [e for s in live for e in s["evictions"]]
+    assert evicted, "the trace must exercise eviction"
+    assert not [e for e in evicted if e[0] in pins], "a pinned adapter was evicted"
