@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from lora_pin.weights.config import AdapterConfig, read_adapter_config
 from lora_pin.weights.host import HostAdapter, HostModule, HostTier, load_adapter
+from lora_pin.weights.limits import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_TENSORS,
+    MAX_ADAPTER_RANK,
+    MAX_CONFIG_BYTES,
+)
 from lora_pin.weights.pool import DevicePool, GroupBuffers
 from lora_pin.weights.reader import AdapterFile, LoraTensorPair, open_adapter, resolve_adapter_dir
 from lora_pin.weights.targets import (
@@ -15,8 +21,12 @@ from lora_pin.weights.targets import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_FILE_BYTES",
+    "DEFAULT_MAX_TENSORS",
     "DEFAULT_TARGET_MODULES",
     "FUSED_GROUPS",
+    "MAX_ADAPTER_RANK",
+    "MAX_CONFIG_BYTES",
     "AdapterConfig",
     "AdapterFile",
     "DevicePool",

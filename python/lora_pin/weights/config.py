@@ -9,12 +9,20 @@ Matching follows PEFT 0.21 exactly (``peft/utils/other.py`` and ``peft/tuners/tu
   ``re.match(rf"(.*\\.)?({key})$", module_key)`` succeeds gives the value; otherwise ``r`` / ``lora_alpha``.
 * scaling is ``alpha / sqrt(r)`` with ``use_rslora``, else ``alpha / r``, with the module's own r and alpha.
 
+Stricter than PEFT where PEFT's leniency serves wrong output silently: ``lora_alpha`` (PEFT's default 8 when
+the key is absent, as PEFT itself loads such a file) and every ``alpha_pattern`` value must be positive and
+finite (zero turns the adapter into the base model, a negative value inverts it; ``null`` or a string is
+what a broken export looks like). Ranks above :data:`~lora_pin.weights.limits.MAX_ADAPTER_RANK` and
+config files above :data:`~lora_pin.weights.limits.MAX_CONFIG_BYTES` are refused before anything is sized
+from them.
+
 Module keys are relative to the base model, e.g. ``model.layers.0.self_attn.q_proj``.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,6 +32,7 @@ from typing import Any
 import orjson
 
 from lora_pin.errors import AdapterLoadError
+from lora_pin.weights.limits import MAX_ADAPTER_RANK, MAX_CONFIG_BYTES, check_file_size
 
 __all__ = ["AdapterConfig", "layer_index", "read_adapter_config"]
 
@@ -120,9 +129,11 @@ class AdapterConfig:
         r = data.get("r", 8)
         if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
             raise fail("r", f"must be a positive integer, got {r!r}")
+        if r > MAX_ADAPTER_RANK:
+            raise fail("r", f"is {r}, above the limit MAX_ADAPTER_RANK={MAX_ADAPTER_RANK}")
         alpha = data.get("lora_alpha", 8)
-        if isinstance(alpha, bool) or not isinstance(alpha, int | float):
-            raise fail("lora_alpha", f"must be a number, got {alpha!r}")
+        if not _positive_finite(alpha):
+            raise fail("lora_alpha", f"must be a positive finite number, got {alpha!r}")
 
         rank_pattern = data.get("rank_pattern") or {}
         alpha_pattern = data.get("alpha_pattern") or {}
@@ -131,10 +142,19 @@ class AdapterConfig:
                 raise fail(key, f"must be an object, got {pattern!r}")
             for pattern_key, value in pattern.items():
                 is_rank = key == "rank_pattern"
-                bad = isinstance(value, bool) or not isinstance(value, int if is_rank else int | float)
-                if bad or (is_rank and value <= 0):
+                if is_rank:
+                    bad = isinstance(value, bool) or not isinstance(value, int) or value <= 0
+                    kind = "integer"
+                else:
+                    bad = not _positive_finite(value)
+                    kind = "finite number"
+                if bad:
+                    raise fail(key, f"entry {pattern_key!r} must be a positive {kind}, got {value!r}")
+                if is_rank and value > MAX_ADAPTER_RANK:
                     raise fail(
-                        key, f"entry {pattern_key!r} must be a positive {'integer' if is_rank else 'number'}"
+                        key,
+                        f"entry {pattern_key!r} is {value}, above the limit "
+                        f"MAX_ADAPTER_RANK={MAX_ADAPTER_RANK}",
                     )
                 try:
                     re.compile(pattern_key)
@@ -234,20 +254,36 @@ class AdapterConfig:
         return index is not None and index in self.layers_to_transform
 
 
+def _positive_finite(value: object) -> bool:
+    return (
+        not isinstance(value, bool) and isinstance(value, int | float) and value > 0 and math.isfinite(value)
+    )
+
+
 def read_adapter_config(name: str, directory: Path) -> AdapterConfig:
     """Read and validate ``directory / "adapter_config.json"`` with orjson.
 
     Raises:
-        AdapterLoadError: the file is missing or not JSON, or a field is refused (see
+        AdapterLoadError: the file is missing, unreadable, larger than
+            :data:`~lora_pin.weights.limits.MAX_CONFIG_BYTES` or not JSON, or a field is refused (see
             :meth:`AdapterConfig.from_mapping`); the message names the adapter and the file.
     """
     path = directory / "adapter_config.json"
+    if not os.path.lexists(path):
+        raise AdapterLoadError(f"adapter {name!r}: {path} does not exist; not a PEFT adapter directory")
+    check_file_size(name, path, MAX_CONFIG_BYTES, "MAX_CONFIG_BYTES")
     try:
-        data = orjson.loads(path.read_bytes())
-    except FileNotFoundError:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise AdapterLoadError(f"adapter {name!r} ({path}): cannot read the config: {exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        # The file grew after it was measured: still never read more than the limit.
         raise AdapterLoadError(
-            f"adapter {name!r}: {path} does not exist; not a PEFT adapter directory"
-        ) from None
+            f"adapter {name!r} ({path}): file is above the limit MAX_CONFIG_BYTES={MAX_CONFIG_BYTES}"
+        )
+    try:
+        data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise AdapterLoadError(f"adapter {name!r} ({path}): not valid JSON: {exc}") from None
     return AdapterConfig.from_mapping(name, str(path), data)

@@ -6,6 +6,10 @@ rank among the group's slices in this adapter) in place of the pool's max rank: 
 ``[s * rank, s * rank + r_s)`` and B rows ``[off_s, off_{s+1})``, columns ``[0, r_s)``; everything else is
 zero, so a slice the adapter lacks contributes nothing. The tensors are page-locked when CUDA is available,
 so copies into the device pool can be asynchronous.
+
+Weights that are NaN or infinite after conversion to the serving dtype (also finite values that overflow it,
+e.g. 1e5 in float16) are refused, not warned about: one such value turns every output of every request
+using the adapter into NaN, and nothing downstream could tell a user why.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from lora_pin.errors import AdapterLoadError, AdapterNotFoundError, DuplicateAdapterError
 from lora_pin.weights.config import AdapterConfig
+from lora_pin.weights.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TENSORS
 from lora_pin.weights.reader import AdapterFile, LoraTensorPair, open_adapter
 from lora_pin.weights.targets import LinearTarget, LoRATargets, TargetGroup
 
@@ -213,8 +218,17 @@ def _build_module(
     for s, member in enumerate(group.members):
         if slice_ranks[s]:
             pair = file.pairs[member.key]
-            a[s * rank : s * rank + slice_ranks[s]].copy_(file.tensor(pair.a_name))
-            b[offsets[s] : offsets[s + 1], : slice_ranks[s]].copy_(file.tensor(pair.b_name))
+            a_rows = a[s * rank : s * rank + slice_ranks[s]]
+            b_cols = b[offsets[s] : offsets[s + 1], : slice_ranks[s]]
+            a_rows.copy_(file.tensor(pair.a_name))
+            b_cols.copy_(file.tensor(pair.b_name))
+            for tensor_name, copied in ((pair.a_name, a_rows), (pair.b_name, b_cols)):
+                if not bool(torch.isfinite(copied).all()):
+                    raise AdapterLoadError(
+                        f"adapter {file.name!r} ({file.weights_path}): tensor {tensor_name!r} has "
+                        f"{int((~torch.isfinite(copied)).sum())} NaN/Inf value(s) in the serving dtype "
+                        f"{copied.dtype} (stored as {file.dtype}); refused"
+                    )
     rank_tensor = torch.tensor(slice_ranks, dtype=torch.int32)
     scaling_tensor = torch.tensor(scalings, dtype=torch.float32)
     if pin:
@@ -232,6 +246,8 @@ def load_adapter(
     allowed_roots: Iterable[str | os.PathLike[str]] | None = None,
     allow_pickle: bool = False,
     pin_memory: bool | None = None,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_tensors: int = DEFAULT_MAX_TENSORS,
 ) -> HostAdapter:
     """Read, validate and normalise the PEFT adapter at ``path`` into host tensors for ``targets``.
 
@@ -246,23 +262,34 @@ def load_adapter(
         AdapterLoadError: a refused config field (DoRA, bias, modules_to_save, non-LORA ...), a target
             module the model lacks, a rank above ``max_rank`` or different from the config's, a tensor shape
             that does not fit its module, tensors matching no module, any unused tensor, or a targeted module
-            without tensors. Messages name the adapter, the file and the field or tensor.
+            without tensors; a weight file above ``max_file_bytes`` or with more than ``max_tensors``
+            tensors (checked before any tensor is read); a NaN/Inf weight in the serving dtype; a weight
+            file that changed while it was read. Messages name the adapter, the file and the field or tensor.
     """
     if not dtype.is_floating_point:
         raise AdapterLoadError(f"adapter {name!r}: serving dtype must be floating point, got {dtype}")
-    file = open_adapter(name, path, allowed_roots=allowed_roots, allow_pickle=allow_pickle)
+    file = open_adapter(
+        name,
+        path,
+        allowed_roots=allowed_roots,
+        allow_pickle=allow_pickle,
+        max_file_bytes=max_file_bytes,
+        max_tensors=max_tensors,
+    )
     ranks = _check_against_model(file, targets, max_rank)
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
     touched = [g for g in targets.groups if any(m.key in ranks for m in g.members)]
     slab = _Slab(sum(_group_numel(g, ranks) for g in touched), dtype, pin)
     modules = {(g.layer, g.name): _build_module(file, g, ranks, slab, pin) for g in touched}
+    file.check_unchanged()
     return HostAdapter(name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks))
 
 
 class HostTier:
     """The adapters held in host memory, by name; :meth:`load` adds one only if it loads completely.
 
-    Which adapters stay is decided by the Rust core; this class only holds their tensors.
+    Which adapters stay is decided by the Rust core; this class only holds their tensors. ``max_file_bytes``
+    and ``max_tensors`` are the per-adapter limits of :func:`load_adapter`.
     """
 
     def __init__(
@@ -273,12 +300,16 @@ class HostTier:
         dtype: torch.dtype,
         allowed_roots: Iterable[str | os.PathLike[str]] | None = None,
         allow_pickle: bool = False,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        max_tensors: int = DEFAULT_MAX_TENSORS,
     ) -> None:
         self.targets = targets
         self.max_rank = max_rank
         self.dtype = dtype
         self.allowed_roots = None if allowed_roots is None else tuple(allowed_roots)
         self.allow_pickle = allow_pickle
+        self.max_file_bytes = max_file_bytes
+        self.max_tensors = max_tensors
         self._adapters: dict[str, HostAdapter] = {}
 
     def load(self, name: str, path: str | os.PathLike[str]) -> HostAdapter:
@@ -300,6 +331,8 @@ class HostTier:
             dtype=self.dtype,
             allowed_roots=self.allowed_roots,
             allow_pickle=self.allow_pickle,
+            max_file_bytes=self.max_file_bytes,
+            max_tensors=self.max_tensors,
         )
         self._adapters[name] = adapter
         return adapter

@@ -5,6 +5,11 @@ real path of every file read from it) must lie inside the real path of one root,
 the root is refused. Weights: ``adapter_model.safetensors`` is memory-mapped with ``safe_open`` and only the
 tensors needed are materialised; ``adapter_model.bin`` is a pickle (loading one from an untrusted path runs
 arbitrary code) and is read only with ``allow_pickle=True``, then with ``torch.load(weights_only=True)``.
+
+Untrusted files: the weight file's size and tensor count are checked against limits (see
+:mod:`lora_pin.weights.limits`) before any tensor is read, and the file's identity (inode, size,
+modification time) is recorded so :meth:`AdapterFile.check_unchanged` can refuse an adapter whose file was
+replaced or rewritten while its tensors were being read.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from safetensors import safe_open
 
 from lora_pin.errors import AdapterLoadError, PathNotAllowedError, UnsafeFormatError
 from lora_pin.weights.config import AdapterConfig, read_adapter_config
+from lora_pin.weights.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TENSORS, check_count, check_file_size
 
 __all__ = ["AdapterFile", "LoraTensorPair", "open_adapter", "resolve_adapter_dir"]
 
@@ -89,12 +95,35 @@ class AdapterFile:
     unused: list[str]
     _safetensors: Any = field(default=None, repr=False)
     _loaded: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    _stamp: tuple[int, int, int] | None = field(default=None, repr=False)
 
     def tensor(self, tensor_name: str) -> torch.Tensor:
         """One stored tensor, as stored (dtype and layout of the file)."""
         if self._loaded is not None:
             return self._loaded[tensor_name]
         return self._safetensors.get_tensor(tensor_name)
+
+    def check_unchanged(self) -> None:
+        """Refuse the adapter if its weight file was replaced or rewritten since it was opened.
+
+        Call it after every tensor was copied out: what was read then came from one version of the file.
+
+        Raises:
+            AdapterLoadError: the file's inode, size or modification time differs from when it was opened,
+                or it is gone.
+        """
+        try:
+            now = _stamp(self.weights_path)
+        except OSError as exc:
+            raise AdapterLoadError(
+                f"adapter {self.name!r} ({self.weights_path}): the file vanished while it was read: {exc}"
+            ) from None
+        if now != self._stamp:
+            raise AdapterLoadError(
+                f"adapter {self.name!r} ({self.weights_path}): the file changed while it was read "
+                f"(inode, size, mtime_ns {self._stamp} -> {now}); write adapters elsewhere and rename them "
+                "into place"
+            )
 
     @property
     def file_bytes(self) -> int:
@@ -108,6 +137,11 @@ def _numel(shape: tuple[int, ...]) -> int:
     for dim in shape:
         count *= dim
     return count
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    stat = os.stat(path)
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _checked_file(name: str, path: Path, roots: list[str] | None) -> Path:
@@ -125,14 +159,17 @@ def open_adapter(
     *,
     allowed_roots: Iterable[str | os.PathLike[str]] | None = None,
     allow_pickle: bool = False,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_tensors: int = DEFAULT_MAX_TENSORS,
 ) -> AdapterFile:
     """Resolve, read the config of and index the weights of the adapter at ``path``; no tensor is read yet.
 
     Raises:
         PathNotAllowedError: the directory or a file in it resolves outside ``allowed_roots``.
         UnsafeFormatError: only ``adapter_model.bin`` exists and ``allow_pickle`` is False.
-        AdapterLoadError: the config is refused, there is no weight file, the file cannot be read, tensors
-            have mixed dtypes or are not 2-D.
+        AdapterLoadError: the config is refused, there is no weight file, the file cannot be read, is larger
+            than ``max_file_bytes`` or holds more than ``max_tensors`` tensors, tensors have mixed dtypes or
+            are not 2-D.
     """
     roots = None if allowed_roots is None else [os.path.realpath(os.fspath(r)) for r in allowed_roots]
     directory = resolve_adapter_dir(name, path, roots)
@@ -147,13 +184,19 @@ def open_adapter(
     pickle_path = directory / PICKLE_NAME
     if safetensors_path.exists():
         weights_path = _checked_file(name, safetensors_path, roots)
+        check_file_size(name, weights_path, max_file_bytes, "max_file_bytes")
         try:
+            stamp = _stamp(weights_path)
             handle = safe_open(str(weights_path), framework="pt")
-            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+            keys = handle.keys()
+            check_count(name, weights_path, len(keys), max_tensors)
+            for key in keys:
                 tensor_slice = handle.get_slice(key)
                 shapes[key] = tuple(tensor_slice.get_shape())
                 stored = tensor_slice.get_dtype()
                 dtypes[key] = _SAFETENSORS_DTYPES.get(stored, stored)
+        except AdapterLoadError:
+            raise
         except Exception as exc:  # safetensors raises its own SafetensorError and OSErrors
             raise AdapterLoadError(
                 f"adapter {name!r} ({weights_path}): cannot read safetensors: {exc}"
@@ -166,7 +209,9 @@ def open_adapter(
                 "file from an untrusted path can run arbitrary code. Convert it to adapter_model.safetensors "
                 "or pass allow_pickle=True to load it with torch.load(weights_only=True)"
             )
+        check_file_size(name, weights_path, max_file_bytes, "max_file_bytes")
         try:
+            stamp = _stamp(weights_path)
             state = torch.load(str(weights_path), map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # torch.load raises UnpicklingError, RuntimeError, OSError ...
             raise AdapterLoadError(
@@ -174,6 +219,7 @@ def open_adapter(
             ) from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise AdapterLoadError(f"adapter {name!r} ({weights_path}): expected a dict of tensors")
+        check_count(name, weights_path, len(state), max_tensors)
         loaded = {str(k): v for k, v in state.items()}
         shapes = {k: tuple(v.shape) for k, v in loaded.items()}
         dtypes = {k: v.dtype for k, v in loaded.items()}
@@ -216,7 +262,9 @@ def open_adapter(
         raise AdapterLoadError(
             f"adapter {name!r} ({weights_path}): LoRA tensors have non-float dtype {dtype}"
         )
-    return AdapterFile(name, directory, config, weights_path, dtype, pairs, sorted(unused), handle, loaded)
+    return AdapterFile(
+        name, directory, config, weights_path, dtype, pairs, sorted(unused), handle, loaded, stamp
+    )
 
 
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
