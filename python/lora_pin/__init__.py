@@ -9,7 +9,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lora_pin._core import LoRARef, LoRARegistry, StepPlan, __version__, check_limits, parse_lora_paths
+from lora_pin._core import (
+    LoRARef,
+    LoRARegistry,
+    StepPlan,
+    Trace,
+    __version__,
+    check_limits,
+    parse_lora_paths,
+    simulate,
+)
 from lora_pin.args import LoRAConfig, add_lora_args, lora_config_from_args
 from lora_pin.errors import (
     AdapterInUseError,
@@ -76,6 +85,7 @@ __all__ = [
     "StalePlanError",
     "Step",
     "StepPlan",
+    "Trace",
     "UnloadTimeoutError",
     "UnsafeFormatError",
     "UsageError",
@@ -85,5 +95,6 @@ __all__ = [
     "load_adapter",
     "lora_config_from_args",
     "parse_lora_paths",
+    "simulate",
     "unload_async",
 ]

@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from lora_pin.args import EVICTION_POLICIES
 from lora_pin.errors import SpecError
 
 
@@ -33,7 +34,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--cache-dir", type=Path, default=None, help="where the generated demo assets live")
     p.add_argument("--max-loras-per-batch", type=int, default=4)
     p.add_argument("--max-loaded-loras", type=int, default=8)
-    p.add_argument("--eviction-policy", default="lru")
+    p.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES)
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--prefill-len", type=int, default=32)

@@ -20,12 +20,27 @@ import torch
 
 from lora_pin._core import LoRARef, LoRARegistry, parse_lora_paths
 from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, lora_config_from_args
-from lora_pin.errors import AdapterLoadError, CapacityError, LoraPinError, SpecError
+from lora_pin.errors import (
+    AdapterLoadError,
+    AdapterNotFoundError,
+    CapacityError,
+    LoraPinError,
+    SpecError,
+    StalePlanError,
+    UsageError,
+)
 from lora_pin.model.attach import FusedSpec, attach, detach, model_targets
 from lora_pin.model.layers import StepSegments
 from lora_pin.ops import SegmentBatch
 from lora_pin.registry import unload_async
-from lora_pin.weights import DEFAULT_TARGET_MODULES, DevicePool, HostTier, read_adapter_config
+from lora_pin.weights import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_TENSORS,
+    DEFAULT_TARGET_MODULES,
+    DevicePool,
+    HostTier,
+    read_adapter_config,
+)
 from lora_pin.weights.reader import resolve_adapter_dir
 
 __all__ = ["LoRAManager", "Step"]
@@ -50,6 +65,7 @@ class Step:
     segments: SegmentBatch
     num_tokens: int
     _ids: tuple[str | None, ...]
+    _slot_writes: tuple[tuple[int, int], ...] = ()
 
 
 def _buffer(data: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -71,7 +87,7 @@ class LoRAManager:
         max_lora_rank: the slot pool's rank; None takes the largest start-up adapter's.
         lora_target_modules: module names to wrap; None (or ``["all"]``) takes every supported module the
             start-up adapters use (all of ``q/k/v/o, gate/up/down`` when one uses a regex).
-        eviction_policy: the device tier's policy (``"lru"`` or ``"fifo"``); the host tier uses LRU.
+        eviction_policy: the device tier's policy: ``"lru"``, ``"fifo"`` or ``"reuse"`` (host tier: LRU).
         max_host_bytes: optional host-tier capacity in bytes.
         allowed_roots: if given, every adapter path must resolve under one of these folders.
         allow_pickle: allow ``adapter_model.bin`` (loaded with ``torch.load(weights_only=True)``).
@@ -81,6 +97,13 @@ class LoRAManager:
             ``{"qkv_proj": [("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)],
             "gate_up_proj": [("gate_proj", 14336), ("up_proj", 14336)]}``; one shrink then serves the
             whole fused output. Leave None for models with separate projections (Hugging Face Llama ...).
+        max_file_bytes, max_tensors: per-adapter limits on the weight file (see
+            :mod:`lora_pin.weights.limits`), checked before any tensor is read.
+
+    Thread safety: loads, unloads, pins and unpins may run from other threads while a step is active. Every
+    write into the device pool and every host-tier change happens under one lock, and each step checks that
+    every slot it uses holds the contents its plan's slot generation names (:class:`StalePlanError`
+    otherwise), both when it starts and when it finishes.
 
     Raises:
         SpecError: the specs or limits are invalid, or the rank/target modules cannot be determined.
@@ -104,6 +127,8 @@ class LoRAManager:
         allow_pickle: bool = False,
         chunk_size: int | None = None,
         fused_modules: FusedSpec | None = None,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        max_tensors: int = DEFAULT_MAX_TENSORS,
     ) -> None:
         refs = parse_lora_paths(
             lora_paths, max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras
@@ -123,6 +148,8 @@ class LoRAManager:
             dtype=self.dtype,
             allowed_roots=self._allowed_roots,
             allow_pickle=allow_pickle,
+            max_file_bytes=max_file_bytes,
+            max_tensors=max_tensors,
         )
         self.registry = LoRARegistry(
             max_loras_per_batch,
@@ -134,6 +161,10 @@ class LoRAManager:
         self._paths: dict[str, str] = {}
         self._evictions: Counter[tuple[str, str]] = Counter()
         self._step_lock = threading.Lock()
+        # Guards the host tier's dict, the pool's writes and the bookkeeping below against other threads.
+        self._tier_lock = threading.RLock()
+        # Per slot: (registry slot generation, pool write count) right after the manager filled it.
+        self._filled: list[tuple[int, int] | None] = [None] * max_loras_per_batch
         self._active: StepSegments | None = None
         self._wrapped: dict[str, torch.nn.Module] = {}
         for r in refs:
@@ -218,7 +249,8 @@ class LoRAManager:
         stats = dict(self.registry.stats())
         stats["pool_bytes"] = self.pool.nbytes
         stats["evictions_by_adapter"] = {f"{n}/{tier}": c for (n, tier), c in sorted(self._evictions.items())}
-        stats["host_bytes"] = sum(self.host[n].nbytes for n in self.host)
+        with self._tier_lock:
+            stats["host_bytes"] = self.host.nbytes
         return stats
 
     # ---- steps ----------------------------------------------------------------------------------
@@ -244,10 +276,20 @@ class LoRAManager:
 
         Raises:
             LoraPinError: ``step`` is not the active step or was finished already.
+            StalePlanError: a slot the step used was written while it ran, so its outputs may have been
+                computed with weights that are not their adapter's; the step is ended all the same.
         """
-        self.registry.release(list(step._ids))
-        self._active = None
-        self._step_lock.release()
+        try:
+            self.registry.release(list(step._ids))
+        finally:
+            self._active = None
+            self._step_lock.release()
+        with self._tier_lock:
+            changed = [slot for slot, writes in step._slot_writes if self.pool.writes(slot) != writes]
+        if changed:
+            raise StalePlanError(
+                f"slot(s) {changed} were written while the step using them ran; discard its outputs"
+            )
 
     @contextlib.contextmanager
     def batch(self, names: Sequence[str | None]) -> Iterator[Step]:
@@ -338,32 +380,36 @@ class LoRAManager:
         return max_rank, tuple(modules)
 
     def _load_ref(self, ref: LoRARef) -> None:
+        # Read outside the lock (it can take long); registering and dropping the victims happen at once.
         adapter = self.host.load(ref.lora_name, ref.lora_path)
-        try:
-            evicted = self.registry.register(
-                ref,
-                rank=adapter.max_rank,
-                host_bytes=adapter.nbytes,
-                device_bytes=self.pool.slot_nbytes,
-            )
-        except BaseException:
-            self.host.drop(ref.lora_name)
-            raise
-        for name in evicted:
-            self._evictions[(name, "host")] += 1
-            self._drop_host(name)
-        self._paths[ref.lora_name] = ref.lora_path
+        with self._tier_lock:
+            try:
+                evicted = self.registry.register(
+                    ref,
+                    rank=adapter.max_rank,
+                    host_bytes=adapter.nbytes,
+                    device_bytes=self.pool.slot_nbytes,
+                )
+            except BaseException:
+                self.host.drop(ref.lora_name)
+                raise
+            for name in evicted:
+                self._evictions[(name, "host")] += 1
+                self._drop_host(name)
+            self._paths[ref.lora_name] = ref.lora_path
 
     def _drop_host(self, name: str) -> None:
         if name in self.host:
             self.host.drop(name)
 
     def _forget(self, name: str) -> None:
-        self._drop_host(name)
-        self._paths.pop(name, None)
-        for slot in range(self.pool.slots):
-            if self.pool.occupant(slot) == name:
-                self.pool.clear(slot)
+        with self._tier_lock:
+            self._drop_host(name)
+            self._paths.pop(name, None)
+            for slot in range(self.pool.slots):
+                if self.pool.occupant(slot) == name:
+                    self.pool.clear(slot)
+                    self._filled[slot] = None
 
     def _active_segments(self) -> StepSegments | None:
         return self._active
@@ -377,8 +423,14 @@ class LoRAManager:
             if per_sequence and len(self.split(names)) > 1:
                 raise CapacityError(self._too_many(names))
             plan = self.registry.plan(list(names), list(num_tokens))
-            ids = tuple(self.registry.acquire([names[i] for i in plan.admitted]))
-            self._apply(plan, ids)
+            try:
+                ids = tuple(self.registry.acquire([names[i] for i in plan.admitted]))
+            except BaseException:
+                # An admitted adapter was unloaded between plan and acquire: no planned load may stay
+                # pending, or a later plan would take its never-filled slot for resident.
+                self._abandon(plan.loads)
+                raise
+            slot_writes = self._apply(plan, ids, [names[i] for i in plan.admitted])
             if per_sequence and plan.deferred:
                 # The host tier could not make room (its adapters are all in use): nothing ran yet.
                 self.registry.release(list(ids))
@@ -400,7 +452,15 @@ class LoRAManager:
             )
         else:
             self._active = StepSegments(segments=segments, any_adapter=any_adapter)
-        return Step(tuple(plan.admitted), tuple(plan.deferred), request_slots, segments, plan.num_tokens, ids)
+        return Step(
+            tuple(plan.admitted),
+            tuple(plan.deferred),
+            request_slots,
+            segments,
+            plan.num_tokens,
+            ids,
+            slot_writes,
+        )
 
     def _pinned(self) -> set[str]:
         return set(self.registry.stats()["host"]["pinned"])
@@ -414,20 +474,55 @@ class LoRAManager:
             f"{self.pool.slots - len(pinned)}; use LoRAManager.split(names) to cut it into batches that fit"
         )
 
-    def _apply(self, plan: Any, ids: tuple[str | None, ...]) -> None:
-        for name, tier, _slot in plan.evictions:
-            self._evictions[(name, tier)] += 1
-            if tier == "host":
-                self._drop_host(name)
-        for name, _lora_id, slot, source in plan.loads:
-            try:
-                if source == "disk" or name not in self.host:
-                    self.host.load(name, self._paths[name])
-                self.pool.fill(slot, self.host[name])
-            except BaseException as exc:
+    def _abandon(self, loads: Sequence[tuple[str, str, int, str]]) -> None:
+        for name, _lora_id, _slot, _source in loads:
+            # An adapter unloaded meanwhile is forgotten with its slot: nothing is pending for it.
+            with contextlib.suppress(AdapterNotFoundError):
                 self.registry.load_failed(name)
+
+    def _apply(
+        self, plan: Any, ids: tuple[str | None, ...], plan_names: Sequence[str | None]
+    ) -> tuple[tuple[int, int], ...]:
+        """Perform the plan's evictions and loads; return ``(slot, pool writes)`` of every slot the step
+        uses, after checking each holds what the plan's slot generation says."""
+        generations = memoryview(plan.slot_generations).cast("q")
+        with self._tier_lock:
+            for name, tier, _slot in plan.evictions:
+                self._evictions[(name, tier)] += 1
+                if tier == "host":
+                    self._drop_host(name)
+            loads = list(plan.loads)
+            for done, (name, _lora_id, slot, source) in enumerate(loads):
+                try:
+                    if source == "disk" or name not in self.host:
+                        self.host.load(name, self._paths[name])
+                    self.pool.fill(slot, self.host[name])
+                except BaseException as exc:
+                    # The slot may be half written: empty it, so no later step can read the remains.
+                    self._filled[slot] = None
+                    self.pool.clear(slot)
+                    self._abandon(loads[done:])
+                    self.registry.release(list(ids))
+                    if isinstance(exc, LoraPinError):
+                        raise
+                    raise AdapterLoadError(
+                        f"adapter {name!r}: loading into slot {slot} failed: {exc!r}"
+                    ) from exc
+                self._filled[slot] = (generations[slot], self.pool.writes(slot))
+                self.registry.load_done(name)
+            used = sorted({s for s in memoryview(plan.request_slots).cast("i") if s >= 0})
+            stale = [s for s in used if self._filled[s] != (generations[s], self.pool.writes(s))]
+            if stale:
                 self.registry.release(list(ids))
-                if isinstance(exc, LoraPinError):
-                    raise
-                raise AdapterLoadError(f"adapter {name!r}: loading into slot {slot} failed: {exc}") from exc
-            self.registry.load_done(name)
+                # Mark the stale slots' adapters not resident, so the next plan loads them again.
+                slots = memoryview(plan.request_slots).cast("i")
+                owners = {slots[i]: plan_names[i] for i in range(len(slots)) if slots[i] in stale}
+                for name in owners.values():
+                    with contextlib.suppress(AdapterNotFoundError, UsageError):
+                        self.registry.load_failed(name)
+                raise StalePlanError(
+                    f"the step's plan names slot generation(s) "
+                    f"{ {s: generations[s] for s in stale} } but the pool holds "
+                    f"{ {s: self._filled[s] for s in stale} } (generation, writes) there; no step ran"
+                )
+            return tuple((s, self.pool.writes(s)) for s in used)
