@@ -517,7 +517,7 @@ class LoRAManager:
                 # Mark the stale slots' adapters not resident, so the next plan loads them again.
                 slots = memoryview(plan.request_slots).cast("i")
                 owners = {slots[i]: plan_names[i] for i in range(len(slots)) if slots[i] in stale}
-                for name in owners.values():
+                for name in filter(None, owners.values()):
                     with contextlib.suppress(AdapterNotFoundError, UsageError):
                         self.registry.load_failed(name)
                 raise StalePlanError(

@@ -95,6 +95,9 @@ class DevicePool:
                 f"{exc}"
             ) from None
         self._occupant: list[str | None] = [None] * slots
+        # Bumped by every write to a slot (fill or clear), so a caller can tell whether a slot's contents are
+        # still the ones it saw: the manager checks it against the registry's slot generations.
+        self._writes: list[int] = [0] * slots
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Keeps each slot's host tensors alive until its asynchronous copy has run.
         self._in_flight: dict[int, tuple[torch.cuda.Event, HostAdapter]] = {}
@@ -112,6 +115,17 @@ class DevicePool:
         """
         self._check_slot(slot)
         return self._occupant[slot]
+
+    def writes(self, slot: int) -> int:
+        """How many times ``slot`` was written (filled or cleared) since the pool was allocated.
+
+        A write that raised half-way counts too: the slot's contents are then unknown.
+
+        Raises:
+            PoolError: ``slot`` is out of range.
+        """
+        self._check_slot(slot)
+        return self._writes[slot]
 
     def buffers(
         self, layer: int, module: str
@@ -170,6 +184,7 @@ class DevicePool:
                 rank above ``max_rank``; nothing is written then.
         """
         self._validate(slot, adapter)
+        self._writes[slot] += 1
         if self._copy_stream is None:
             self._write(slot, adapter, non_blocking=False)
             self._occupant[slot] = adapter.name
@@ -193,6 +208,7 @@ class DevicePool:
             PoolError: ``slot`` is out of range.
         """
         self._check_slot(slot)
+        self._writes[slot] += 1
         for buf in self._buffers.values():
             buf.a[slot].zero_()
             buf.b[slot].zero_()
