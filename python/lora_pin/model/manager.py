@@ -279,13 +279,14 @@ class LoRAManager:
             StalePlanError: a slot the step used was written while it ran, so its outputs may have been
                 computed with weights that are not their adapter's; the step is ended all the same.
         """
+        # Checked before the release: once the step's adapters are released, an unload may clear their slots.
+        with self._tier_lock:
+            changed = [slot for slot, writes in step._slot_writes if self.pool.writes(slot) != writes]
         try:
             self.registry.release(list(step._ids))
         finally:
             self._active = None
             self._step_lock.release()
-        with self._tier_lock:
-            changed = [slot for slot, writes in step._slot_writes if self.pool.writes(slot) != writes]
         if changed:
             raise StalePlanError(
                 f"slot(s) {changed} were written while the step using them ran; discard its outputs"
