@@ -16,6 +16,7 @@ __all__ = [
     "CapacityError",
     "DuplicateAdapterError",
     "LoraPinError",
+    "OpArgumentError",
     "PathNotAllowedError",
     "PoolError",
     "SpecError",
@@ -77,6 +78,10 @@ class UnsafeFormatError(AdapterLoadError):
 
 class PathNotAllowedError(AdapterLoadError, PermissionError):
     """An adapter path resolves outside every allowed root."""
+
+
+class OpArgumentError(LoraPinError, ValueError):
+    """An argument of a ``lora_pin`` op has the wrong shape, dtype or device; the message names it."""
 
 
 class PoolError(LoraPinError):

@@ -1,0 +1,87 @@
+"""Segment arrays: which tokens use which device slot, grouped so each group is one small GEMM.
+
+The Rust planner produces these arrays for every scheduler step; :func:`segments_from_slots` builds the
+same arrays in pure torch for tests, benchmarks and callers that run without the planner.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["SegmentBatch", "segments_from_slots"]
+
+
+class SegmentBatch(NamedTuple):
+    """The token grouping the ``lora_pin`` ops are driven by.
+
+    - ``perm``: int64 ``[N]``, token indices (into the ``T`` rows of the layer input) of the rows that
+      use an adapter, grouped by segment; within a segment in ascending token order.
+    - ``seg_indptr``: int32 ``[S + 1]``; segment ``s`` is ``perm[seg_indptr[s]:seg_indptr[s + 1]]``.
+    - ``seg_slots``: int32 ``[S]``, the device slot of each segment (``-1``: no adapter, skipped).
+    """
+
+    perm: torch.Tensor
+    seg_indptr: torch.Tensor
+    seg_slots: torch.Tensor
+
+
+def segments_from_slots(
+    token_slots: torch.Tensor,
+    chunk_size: int | None = None,
+    device: torch.device | str | None = None,
+) -> SegmentBatch:
+    """Groups tokens by slot: a stable sort by slot, rows of slot ``-1`` dropped, runs cut into chunks.
+
+    Args:
+        token_slots: integer ``[T]``, the device slot of each token, ``-1`` for a token without adapter.
+        chunk_size: if given, no segment holds more than this many tokens (a slot's run is cut into
+            consecutive chunks; SGLang's Triton backend uses 16). ``None`` keeps one segment per slot.
+        device: where the arrays are put; defaults to ``token_slots.device``.
+
+    Returns:
+        A :class:`SegmentBatch`; segments appear in ascending slot order. Its shapes depend on the
+        data, so this is not for use inside a CUDA graph (the planner's arrays are).
+
+    Raises:
+        ValueError: ``token_slots`` is not a 1-D integer tensor, holds a value below ``-1``, or
+            ``chunk_size`` is not positive.
+    """
+    if token_slots.dim() != 1 or token_slots.dtype.is_floating_point or token_slots.dtype == torch.bool:
+        raise ValueError(
+            f"token_slots must be a 1-D integer tensor, got {tuple(token_slots.shape)} {token_slots.dtype}"
+        )
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive or None, got {chunk_size}")
+    device = token_slots.device if device is None else torch.device(device)
+    slots = token_slots.to(torch.int64)
+    if slots.numel() and int(slots.min()) < -1:
+        raise ValueError(f"token_slots holds {int(slots.min())}; slots are >= 0, or -1 for no adapter")
+
+    sorted_slots, order = torch.sort(slots, stable=True)
+    keep = sorted_slots >= 0
+    perm = order[keep]
+    run_slots, run_counts = torch.unique_consecutive(sorted_slots[keep], return_counts=True)
+
+    if chunk_size is None:
+        seg_slots = run_slots
+        seg_sizes = run_counts
+    else:
+        # Run i becomes ceil(count_i / chunk) chunks: all full but the last.
+        n_chunks = (run_counts + chunk_size - 1) // chunk_size
+        seg_slots = torch.repeat_interleave(run_slots, n_chunks)
+        first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
+        chunk_index = torch.arange(int(n_chunks.sum()), device=slots.device) - torch.repeat_interleave(
+            first_chunk, n_chunks
+        )
+        remaining = torch.repeat_interleave(run_counts, n_chunks) - chunk_index * chunk_size
+        seg_sizes = torch.clamp(remaining, max=chunk_size)
+
+    seg_indptr = torch.zeros(seg_sizes.numel() + 1, dtype=torch.int64, device=slots.device)
+    torch.cumsum(seg_sizes, 0, out=seg_indptr[1:])
+    return SegmentBatch(
+        perm=perm.to(device=device, dtype=torch.int64),
+        seg_indptr=seg_indptr.to(device=device, dtype=torch.int32),
+        seg_slots=seg_slots.to(device=device, dtype=torch.int32),
+    )

@@ -1,0 +1,129 @@
+"""Inputs for tests and benchmarks of the ops: adapter popularity patterns and random stacked pools.
+
+Punica's and S-LoRA's kernel evaluations use the same families: every request its own adapter
+(``distinct``), adapters drawn uniformly (``uniform``), a power law (``zipf``), one adapter for all
+(``identical``), and ``skewed``: one hot adapter holding most of the batch while every other slot
+gets a single request (the most unbalanced segments; punica's own skewed case found a deadlock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["PATTERNS", "StackedLayer", "random_layer", "request_slots"]
+
+PATTERNS = ("distinct", "uniform", "zipf", "identical", "skewed")
+
+_ZIPF_EXPONENT = 1.5
+
+
+def request_slots(
+    pattern: str,
+    n_requests: int,
+    n_slots: int,
+    generator: torch.Generator | None = None,
+    base_fraction: float = 0.0,
+) -> torch.Tensor:
+    """The device slot of each request in a batch: int64 ``[n_requests]``, ``-1`` for a base-model request.
+
+    Args:
+        pattern: one of :data:`PATTERNS`.
+        n_requests: batch size in requests.
+        n_slots: slots to draw from; ``distinct`` uses ``min(n_requests, n_slots)`` of them.
+        generator: source of randomness, for reproducible batches.
+        base_fraction: share of requests (rounded down) that use no adapter (slot ``-1``).
+
+    Returns:
+        The slots in a random order, so that a slot's requests are not adjacent in the batch.
+
+    Raises:
+        ValueError: unknown pattern, ``n_slots < 1``, or ``base_fraction`` outside ``[0, 1]``.
+    """
+    if pattern not in PATTERNS:
+        raise ValueError(f"unknown popularity pattern {pattern!r}; expected one of {', '.join(PATTERNS)}")
+    if n_slots < 1:
+        raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+    if not 0.0 <= base_fraction <= 1.0:
+        raise ValueError(f"base_fraction must be in [0, 1], got {base_fraction}")
+    n = n_requests
+    if pattern == "distinct":
+        slots = torch.arange(n) % n_slots
+    elif pattern == "uniform":
+        slots = torch.randint(0, n_slots, (n,), generator=generator)
+    elif pattern == "zipf":
+        weights = 1.0 / torch.arange(1, n_slots + 1, dtype=torch.float64) ** _ZIPF_EXPONENT
+        slots = torch.multinomial(weights, n, replacement=True, generator=generator) if n else torch.zeros(0)
+    elif pattern == "identical":
+        slots = torch.zeros(n, dtype=torch.int64)
+    else:
+        tail = min(n_slots - 1, n // 2)
+        slots = torch.cat([torch.zeros(n - tail, dtype=torch.int64), torch.arange(1, tail + 1)])
+    slots = slots.to(torch.int64)
+    n_base = int(n * base_fraction)
+    if n_base:
+        slots[:n_base] = -1
+    return slots[torch.randperm(n, generator=generator)]
+
+
+class StackedLayer(NamedTuple):
+    """One LoRA layer's device pool, in the layout the ops read."""
+
+    a: torch.Tensor  # [slots, n_slices * R, in]
+    b: torch.Tensor  # [slots, out_total, R]
+    slot_ranks: torch.Tensor  # int32 [slots, n_slices]
+    slot_scalings: torch.Tensor  # float32 [slots, n_slices]
+    slice_offsets: list[int]  # n_slices + 1
+
+
+def random_layer(
+    n_slots: int,
+    in_features: int,
+    slice_widths: Sequence[int],
+    ranks: Sequence[int | Sequence[int]],
+    dtype: torch.dtype = torch.float32,
+    generator: torch.Generator | None = None,
+    max_rank: int | None = None,
+    device: torch.device | str = "cpu",
+) -> StackedLayer:
+    """A stacked pool of random adapters whose outputs are O(1) for O(1) inputs.
+
+    Args:
+        n_slots: slots in the pool.
+        in_features: the layer's input width.
+        slice_widths: output width of each slice (``[out]`` for a plain layer, three for q/k/v).
+        ranks: cycled over the slots; an int gives the slot that rank in every slice, a sequence one
+            rank per slice (0: the slice is absent).
+        dtype: of ``a`` and ``b``.
+        generator: source of randomness.
+        max_rank: the pool's padded rank ``R``; defaults to the largest rank given.
+        device: where the tensors are put.
+
+    Returns:
+        A :class:`StackedLayer` whose rows and columns past each slot's rank are zero, as the device
+        pool leaves them.
+    """
+    n_slices = len(slice_widths)
+    per_slot = [[r] * n_slices if isinstance(r, int) else list(r) for r in ranks]
+    slot_ranks = torch.tensor([per_slot[k % len(per_slot)] for k in range(n_slots)], dtype=torch.int32)
+    pool_rank = int(slot_ranks.max()) if max_rank is None else max_rank
+    offsets = [0]
+    for width in slice_widths:
+        offsets.append(offsets[-1] + width)
+    a = torch.randn(n_slots, n_slices * pool_rank, in_features, generator=generator) / in_features**0.5
+    b = torch.randn(n_slots, offsets[-1], pool_rank, generator=generator) / max(pool_rank, 1) ** 0.5
+    for k in range(n_slots):
+        for s in range(n_slices):
+            rank = int(slot_ranks[k, s])
+            a[k, s * pool_rank + rank : (s + 1) * pool_rank] = 0
+            b[k, offsets[s] : offsets[s + 1], rank:] = 0
+    scalings = torch.rand(n_slots, n_slices, generator=generator) + 0.5
+    return StackedLayer(
+        a.to(device=device, dtype=dtype),
+        b.to(device=device, dtype=dtype),
+        slot_ranks.to(device),
+        scalings.to(device),
+        offsets,
+    )

@@ -1,0 +1,404 @@
+"""SGMV kernels in Triton: multi-adapter shrink and expand driven by segment arrays.
+
+One program per (segment, slice, block): it reads its segment's slot and the slot's rank for the slice
+from device memory and exits at once for slot ``-1``, a rank of 0, or a block past the rank (shrink) or
+the slice width (expand). The rank is also the bound of every weight load, so a rank-8 adapter in a
+rank-64 pool reads 8 rows. Shrink splits the long ``in`` dimension across programs (fp32 atomics into a
+workspace) when segments alone would leave the GPU idle; expand fuses the scaling and the add into
+``out`` and covers every slice of a fused layer (q/k/v, gate/up) in one launch. The launchers read
+shapes only, never tensor contents, so a CUDA graph can capture them.
+
+The kernels are kept as plain functions and wrapped twice: ``triton.jit`` for CUDA and the Triton
+interpreter for CPU tensors (tests), so the interpreter needs no ``TRITON_INTERPRET`` in the
+environment and never changes how ``triton.jit`` behaves for anyone else in the process. For that they
+call only ``triton.language`` builtins, none of its ``@jit`` helpers (``tl.cdiv``, ``tl.zeros``, ...),
+which were compiled-mode functions when ``triton`` was imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from lora_pin.ops._checks import MAX_SLICES, check_expand_args, check_shrink_args
+
+__all__ = ["sgmv_expand", "sgmv_shrink"]
+
+
+def _sgmv_shrink_kernel(
+    x_ptr,  # [T, in]
+    a_ptr,  # [slots, n_slices * R, in]
+    v_ptr,  # [T, n_slices * R]: v's dtype, or fp32 when SPLIT_K > 1 (atomics)
+    perm_ptr,  # int64 [N]
+    seg_indptr_ptr,  # int32 [S + 1]
+    seg_slots_ptr,  # int32 [S]
+    slot_ranks_ptr,  # int32 [slots, n_slices]
+    in_features,
+    max_rank,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    stride_vt,
+    stride_vr,
+    N_SLICES: tl.constexpr,
+    RANK_BLOCKS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    slice_idx = tl.program_id(1) // RANK_BLOCKS
+    r_start = (tl.program_id(1) % RANK_BLOCKS) * BLOCK_R
+    slot = tl.load(seg_slots_ptr + seg)
+    if slot < 0:
+        return
+    rank = tl.minimum(tl.load(slot_ranks_ptr + slot * N_SLICES + slice_idx), max_rank)
+    if r_start >= rank:
+        return
+    seg_lo = tl.load(seg_indptr_ptr + seg)
+    seg_hi = tl.load(seg_indptr_ptr + seg + 1)
+
+    k_per_split = ((in_features + SPLIT_K * BLOCK_K - 1) // (SPLIT_K * BLOCK_K)) * BLOCK_K
+    k_lo = tl.program_id(2) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, in_features)
+    offs_r = r_start + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    cols = slice_idx * max_rank + offs_r
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + cols[:, None] * stride_ar  # [BLOCK_R, 1]
+    offs_k = tl.arange(0, BLOCK_K)
+
+    for m_lo in range(seg_lo, seg_hi, BLOCK_M):
+        offs_m = m_lo + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < seg_hi
+        tokens = tl.load(perm_ptr + offs_m, mask=m_mask, other=0)
+        x_rows = x_ptr + tokens[:, None] * stride_xt  # [BLOCK_M, 1]
+        acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            ks = k + offs_k
+            k_mask = ks < k_hi
+            x_tile = tl.load(
+                x_rows + ks[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            a_tile = tl.load(
+                a_rows + ks[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            acc += tl.dot(x_tile, tl.trans(a_tile), input_precision=DOT_PRECISION)
+        v_ptrs = v_ptr + tokens[:, None] * stride_vt + cols[None, :] * stride_vr
+        mask = m_mask[:, None] & r_mask[None, :]
+        if SPLIT_K == 1:
+            tl.store(v_ptrs, acc.to(v_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(v_ptrs, acc, mask=mask)
+
+
+def _sgmv_expand_kernel(
+    out_ptr,  # [T, out_total], read and written in place
+    v_ptr,  # [T, n_slices * R]
+    b_ptr,  # [slots, out_total, R]
+    perm_ptr,  # int64 [N]
+    seg_indptr_ptr,  # int32 [S + 1]
+    seg_slots_ptr,  # int32 [S]
+    slot_ranks_ptr,  # int32 [slots, n_slices]
+    slot_scalings_ptr,  # float32 [slots, n_slices]
+    max_rank,
+    stride_ot,
+    stride_on,
+    stride_vt,
+    stride_vr,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    # slice_offsets as scalars (unused ones repeat out_total): no device copy of a host list.
+    off0,
+    off1,
+    off2,
+    off3,
+    off4,
+    off5,
+    off6,
+    off7,
+    off8,
+    N_SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    slice_idx = tl.program_id(1)
+    slot = tl.load(seg_slots_ptr + seg)
+    if slot < 0:
+        return
+    rank = tl.minimum(tl.load(slot_ranks_ptr + slot * N_SLICES + slice_idx), max_rank)
+    if rank <= 0:
+        return
+    col_lo = tl.where(
+        slice_idx == 0,
+        off0,
+        tl.where(
+            slice_idx == 1,
+            off1,
+            tl.where(
+                slice_idx == 2,
+                off2,
+                tl.where(
+                    slice_idx == 3,
+                    off3,
+                    tl.where(
+                        slice_idx == 4,
+                        off4,
+                        tl.where(slice_idx == 5, off5, tl.where(slice_idx == 6, off6, off7)),
+                    ),
+                ),
+            ),
+        ),
+    )
+    col_hi = tl.where(
+        slice_idx == 0,
+        off1,
+        tl.where(
+            slice_idx == 1,
+            off2,
+            tl.where(
+                slice_idx == 2,
+                off3,
+                tl.where(
+                    slice_idx == 3,
+                    off4,
+                    tl.where(
+                        slice_idx == 4,
+                        off5,
+                        tl.where(slice_idx == 5, off6, tl.where(slice_idx == 6, off7, off8)),
+                    ),
+                ),
+            ),
+        ),
+    )
+    n_start = col_lo + tl.program_id(2) * BLOCK_N
+    if n_start >= col_hi:
+        return
+    seg_lo = tl.load(seg_indptr_ptr + seg)
+    seg_hi = tl.load(seg_indptr_ptr + seg + 1)
+    scaling = tl.load(slot_scalings_ptr + slot * N_SLICES + slice_idx)
+
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < col_hi
+    offs_r = tl.arange(0, BLOCK_R)
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bn  # [BLOCK_N, 1]
+    v_col0 = slice_idx * max_rank
+
+    for m_lo in range(seg_lo, seg_hi, BLOCK_M):
+        offs_m = m_lo + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < seg_hi
+        tokens = tl.load(perm_ptr + offs_m, mask=m_mask, other=0)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for r in range(0, rank, BLOCK_R):
+            rs = r + offs_r
+            r_mask = rs < rank
+            v_tile = tl.load(
+                v_ptr + tokens[:, None] * stride_vt + (v_col0 + rs)[None, :] * stride_vr,
+                mask=m_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )
+            b_tile = tl.load(
+                b_rows + rs[None, :] * stride_br, mask=n_mask[:, None] & r_mask[None, :], other=0.0
+            )
+            acc += tl.dot(v_tile, tl.trans(b_tile), input_precision=DOT_PRECISION)
+        out_ptrs = out_ptr + tokens[:, None] * stride_ot + offs_n[None, :] * stride_on
+        mask = m_mask[:, None] & n_mask[None, :]
+        base = tl.load(out_ptrs, mask=mask, other=0.0)
+        tl.store(out_ptrs, (base.to(tl.float32) + scaling * acc).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_COMPILED: dict[Callable[..., None], Any] = {}
+
+# Triton 3.9 warns when FMA contraction is left to its changing default; ask for it (today's default).
+_COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
+
+@functools.cache
+def _interpreted(kernel: Callable[..., None]) -> Any:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(kernel)
+
+
+def _launchable(kernel: Callable[..., None], interpret: bool) -> Any:
+    """The kernel as a launchable object (``kernel[grid](...)``), compiled or interpreted."""
+    if interpret:
+        return _interpreted(kernel)
+    if kernel not in _COMPILED:
+        _COMPILED[kernel] = triton.jit(kernel)
+    return _COMPILED[kernel]
+
+
+def _use_interpreter(device: torch.device, interpret: bool | None) -> bool:
+    if interpret is None:
+        return device.type != "cuda"
+    if not interpret and device.type != "cuda":
+        raise ValueError(f"compiled Triton kernels need CUDA tensors, got {device}; pass interpret=True")
+    return interpret
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 follows torch's own TF32 switch for matmuls (off by default).
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _block_m(n_rows: int, n_segments: int) -> int:
+    # Shapes only (no data read): the mean segment length picks the row tile.
+    mean = n_rows // max(n_segments, 1)
+    return 16 if mean <= 16 else 32 if mean <= 32 else 64
+
+
+def sgmv_shrink(
+    x: torch.Tensor,  # [T, in]
+    a: torch.Tensor,  # [slots, n_slices * R, in]
+    perm: torch.Tensor,  # int64 [N]
+    seg_indptr: torch.Tensor,  # int32 [S + 1]
+    seg_slots: torch.Tensor,  # int32 [S]
+    slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
+    n_slices: int,
+    *,
+    split_k: int | None = None,
+    interpret: bool | None = None,
+) -> torch.Tensor:
+    """Triton :func:`lora_pin.ops.shrink`: returns ``v`` ``[T, n_slices * R]`` in ``x.dtype``.
+
+    Args:
+        split_k: programs per segment along ``in`` (fp32 atomics); ``None`` picks from the shapes.
+        interpret: run under the Triton interpreter (CPU tensors); ``None`` means "unless on CUDA".
+
+    Raises:
+        OpArgumentError: a shape, dtype or device mismatch (see ``check_shrink_args``).
+        ValueError: ``interpret=False`` with CPU tensors.
+    """
+    max_rank = check_shrink_args(x, a, perm, seg_indptr, seg_slots, slot_ranks, n_slices)
+    interpret = _use_interpreter(x.device, interpret)
+    n_tokens, in_features = x.shape
+    n_segments = seg_slots.shape[0]
+    block_r = 16 if max_rank <= 16 else 32 if max_rank <= 32 else 64
+    rank_blocks = triton.cdiv(max_rank, block_r)
+    block_k = 64 if x.dtype == torch.float32 or block_r == 64 else 128
+    if interpret:
+        block_k = 32
+    if split_k is None:
+        programs = max(n_segments * n_slices * rank_blocks, 1)
+        target = 4 if interpret else 2 * _sm_count(x.device.index or 0)
+        split_k = 1
+        while split_k < 16 and programs * split_k < target and in_features >= 4 * block_k * split_k:
+            split_k *= 2
+    if split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+
+    # Rows no segment covers stay zero, as do the columns past each slice's rank.
+    v = x.new_zeros(n_tokens, n_slices * max_rank, dtype=torch.float32 if split_k > 1 else x.dtype)
+    if n_segments == 0 or n_tokens == 0 or max_rank == 0:
+        return v.to(x.dtype)
+    grid = (n_segments, n_slices * rank_blocks, split_k)
+    _launchable(_sgmv_shrink_kernel, interpret)[grid](
+        x,
+        a,
+        v,
+        perm.contiguous(),
+        seg_indptr.contiguous(),
+        seg_slots.contiguous(),
+        slot_ranks.contiguous(),
+        in_features,
+        max_rank,
+        x.stride(0),
+        x.stride(1),
+        a.stride(0),
+        a.stride(1),
+        a.stride(2),
+        v.stride(0),
+        v.stride(1),
+        N_SLICES=n_slices,
+        RANK_BLOCKS=rank_blocks,
+        SPLIT_K=split_k,
+        BLOCK_M=16 if interpret else _block_m(perm.shape[0], n_segments),
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        DOT_PRECISION=_dot_precision(x.dtype),
+        **_COMPILE_OPTIONS,
+    )
+    return v.to(x.dtype)
+
+
+def sgmv_expand(
+    out: torch.Tensor,  # [T, out_total], updated in place
+    v: torch.Tensor,  # [T, n_slices * R]
+    b: torch.Tensor,  # [slots, out_total, R]
+    perm: torch.Tensor,  # int64 [N]
+    seg_indptr: torch.Tensor,  # int32 [S + 1]
+    seg_slots: torch.Tensor,  # int32 [S]
+    slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
+    slot_scalings: torch.Tensor,  # float32 [slots, n_slices]
+    slice_offsets: Sequence[int],  # n_slices + 1 ints, 0 .. out_total
+    *,
+    interpret: bool | None = None,
+) -> None:
+    """Triton :func:`lora_pin.ops.expand`: ``out[rows, slice] += scaling * v @ bᵀ``, in place.
+
+    Args:
+        interpret: run under the Triton interpreter (CPU tensors); ``None`` means "unless on CUDA".
+
+    Raises:
+        OpArgumentError: a shape, dtype or device mismatch (see ``check_expand_args``).
+        ValueError: ``interpret=False`` with CPU tensors.
+    """
+    max_rank = check_expand_args(
+        out, v, b, perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets
+    )
+    interpret = _use_interpreter(out.device, interpret)
+    n_slices = len(slice_offsets) - 1
+    n_segments = seg_slots.shape[0]
+    max_width = max(hi - lo for lo, hi in itertools.pairwise(slice_offsets))
+    if n_segments == 0 or out.shape[0] == 0 or max_rank == 0 or max_width == 0:
+        return
+    block_r = 16 if max_rank <= 16 else 32 if max_rank <= 32 else 64
+    block_n = 32 if interpret else 128 if max_rank <= 32 else 64
+    offsets = [*slice_offsets] + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
+    grid = (n_segments, n_slices, triton.cdiv(max_width, block_n))
+    _launchable(_sgmv_expand_kernel, interpret)[grid](
+        out,
+        v,
+        b,
+        perm.contiguous(),
+        seg_indptr.contiguous(),
+        seg_slots.contiguous(),
+        slot_ranks.contiguous(),
+        slot_scalings.contiguous(),
+        max_rank,
+        out.stride(0),
+        out.stride(1),
+        v.stride(0),
+        v.stride(1),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        *offsets,
+        N_SLICES=n_slices,
+        BLOCK_M=16 if interpret else _block_m(perm.shape[0], n_segments),
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        DOT_PRECISION=_dot_precision(out.dtype),
+        **_COMPILE_OPTIONS,
+    )
