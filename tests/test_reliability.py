@@ -564,3 +564,19 @@ def test_allowed_roots_end_to_end(world: World, tmp_path: Path) -> None:
         LoRAManager(copy.deepcopy(world.model), [f"x={outside}"], max_loras_per_batch=2, allowed_roots=[root])
     mgr.load("ok2", root / "ok")
     assert sorted(mgr.host) == ["ok", "ok2"]
+
+
+def test_manager_passes_limits_through(world: World) -> None:
+    with pytest.raises(AdapterLoadError, match=r"'b'.*above the limit max_tensors=3"):
+        manager(world, ["b"], slots=2, max_tensors=3)
+    mgr, _model = manager(world, ["b"], slots=2, max_file_bytes=1 << 20)
+    with pytest.raises(AdapterLoadError, match=r"'big'.*above the limit max_file_bytes=1024"):
+        LoRAManager(
+            copy.deepcopy(world.model),
+            [f"big={world.paths['a']}"],
+            max_loras_per_batch=2,
+            max_lora_rank=8,
+            lora_target_modules=ATTN + MLP,
+            max_file_bytes=1024,
+        )
+    assert "b" in mgr.registry
