@@ -13,6 +13,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::io::Read as _;
 
 use serde_json::{Map, Value};
 use uuid::Uuid;
@@ -350,12 +351,25 @@ fn checked_path<'a>(path: &'a str, loc: &Loc) -> Result<&'a str> {
     Ok(path)
 }
 
+/// The largest `@FILE` list read (64 MiB: some hundred thousand adapters), so a wrong path such as
+/// `@/dev/zero` cannot exhaust memory.
+pub const MAX_LIST_FILE_BYTES: u64 = 64 << 20;
+
 fn read_list_file(file: &str, loc: &Loc) -> Result<Vec<Value>> {
     if file.is_empty() {
         return Err(loc.error("'@' must be followed by the path of a JSON file"));
     }
-    let text = std::fs::read_to_string(file)
-        .map_err(|e| loc.error(&format!("cannot read the adapter list file {file:?}: {e}")))?;
+    let cannot = |e: std::io::Error| loc.error(&format!("cannot read the adapter list file {file:?}: {e}"));
+    let mut text = String::new();
+    // Read at most one byte past the limit: a device file such as /dev/zero reports no size.
+    std::fs::File::open(file)
+        .and_then(|f| f.take(MAX_LIST_FILE_BYTES + 1).read_to_string(&mut text))
+        .map_err(cannot)?;
+    if text.len() as u64 > MAX_LIST_FILE_BYTES {
+        return Err(loc.error(&format!(
+            "the adapter list file {file:?} is larger than {MAX_LIST_FILE_BYTES} bytes; split it"
+        )));
+    }
     match serde_json::from_str::<Value>(&text) {
         Ok(Value::Array(entries)) => Ok(entries),
         Ok(other) => Err(loc.error(&format!(

@@ -91,6 +91,9 @@ fn at_file_expands_in_place() {
     assert!(err(&[&at]).contains("cannot name another @FILE"));
     std::fs::remove_dir_all(&dir).unwrap();
     assert!(err(&[&at]).contains("cannot read the adapter list file"));
+    if std::path::Path::new("/dev/zero").exists() {
+        assert!(err(&["@/dev/zero"]).contains("is larger than"));
+    }
     assert!(err(&["@"]).contains("must be followed by the path"));
 }
 
