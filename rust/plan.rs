@@ -66,6 +66,13 @@ impl StepPlan {
     }
 }
 
+/// A key's mark before admission looks at it.
+const UNSEEN: i32 = i32::MIN;
+/// A key's mark once admitted, until it has its slot (then the mark is the slot).
+const ADMITTED: i32 = -3;
+/// A deferred key's mark.
+const DEFERRED: i32 = -2;
+
 /// Why an adapter was deferred.
 #[derive(Clone, Copy)]
 enum Refusal {
@@ -129,24 +136,30 @@ impl Registry {
         // Adapters in both the previous step and this one stay protected throughout: ending the old
         // step first would put them back among the candidates only to take them out again.
         let previous = std::mem::take(&mut self.step);
-        self.plan_epoch += 1;
-        let epoch = self.plan_epoch;
+        // This plan's decision per adapter key, in a dense table the per-request loops read instead
+        // of the adapters themselves.
+        let mut marks = std::mem::take(&mut self.plan_marks);
+        marks.clear();
+        marks.resize(self.adapters.len(), UNSEEN);
+        // The base model's mark, last: requests without an adapter read it.
+        marks.push(-1);
         let mut plan = StepPlan::default();
 
         // Admission by budget, in batch order.
         let budget = self.config.slots - self.pinned;
         let mut unpinned = 0;
         for &key in adapters.iter().flatten() {
-            let a = self.get_mut(key);
-            if a.plan_epoch == epoch {
+            let mark = &mut marks[key.index()];
+            if *mark != UNSEEN {
                 continue;
             }
-            a.plan_epoch = epoch;
-            a.plan_admitted = a.r.pinned || unpinned < budget;
-            if !a.plan_admitted {
+            let a = self.get_mut(key);
+            if !(a.r.pinned || unpinned < budget) {
+                *mark = DEFERRED;
                 self.device.counters.refusals += 1;
                 continue;
             }
+            *mark = ADMITTED;
             unpinned += usize::from(!a.r.pinned);
             let newly = !std::mem::replace(&mut a.in_step, true);
             self.step.push(key);
@@ -155,16 +168,17 @@ impl Registry {
             }
         }
         for key in previous {
-            let a = self.get_mut(key);
-            if !(a.plan_epoch == epoch && a.plan_admitted) {
-                a.in_step = false;
+            if marks[key.index()] != ADMITTED {
+                self.get_mut(key).in_step = false;
                 self.refresh(key);
             }
         }
 
-        // A slot (and a host place) for every admitted adapter, in batch order.
-        let admitted_keys = self.step.clone();
-        for key in admitted_keys {
+        // A slot (and a host place) for every admitted adapter, in batch order. Refused ones leave
+        // `self.step`, so it is walked by position.
+        let mut at = 0;
+        while let Some(&key) = self.step.get(at) {
+            at += 1;
             if self.get(key).slot.is_some() {
                 self.device.counters.hits += 1;
             } else if let Err(refusal) = self.bring_in(key, &mut plan) {
@@ -172,10 +186,10 @@ impl Registry {
                     Refusal::Host => self.host.counters.refusals += 1,
                     Refusal::Device => self.device.counters.refusals += 1,
                 }
-                let a = self.get_mut(key);
-                a.plan_admitted = false;
-                a.in_step = false;
-                self.step.retain(|&k| k != key);
+                marks[key.index()] = DEFERRED;
+                self.get_mut(key).in_step = false;
+                at -= 1;
+                self.step.remove(at);
                 self.refresh(key);
                 continue;
             }
@@ -184,8 +198,13 @@ impl Registry {
             a.last_used = now;
             a.uses += 1;
         }
+        // Admitted adapters are protected, so no later load took their slots.
+        for &key in &self.step {
+            marks[key.index()] = self.get(key).slot.expect("an admitted adapter has a slot") as i32;
+        }
 
-        self.fill_outputs(adapters, num_tokens, &mut plan);
+        self.fill_outputs(&marks, adapters, num_tokens, total as usize, &mut plan);
+        self.plan_marks = marks;
         Ok(plan)
     }
 
@@ -220,47 +239,75 @@ impl Registry {
         Ok(())
     }
 
-    fn fill_outputs(&self, adapters: &[Option<AdapterKey>], num_tokens: &[u32], plan: &mut StepPlan) {
+    /// The plan's arrays, from each adapter key's mark (its slot, or [`DEFERRED`]).
+    fn fill_outputs(
+        &self,
+        marks: &[i32],
+        adapters: &[Option<AdapterKey>],
+        num_tokens: &[u32],
+        total: usize,
+        plan: &mut StepPlan,
+    ) {
         let slots = self.config.slots;
-        let epoch = self.plan_epoch;
-        let mut per_slot = vec![0i32; slots];
-        for (i, (&key, &n)) in adapters.iter().zip(num_tokens).enumerate() {
-            let slot = match key {
-                None => -1,
-                Some(key) => {
-                    let a = self.get(key);
-                    debug_assert_eq!(a.plan_epoch, epoch);
-                    if !a.plan_admitted {
-                        plan.deferred.push(i as u32);
-                        continue;
-                    }
-                    let slot = a.slot.expect("an admitted adapter has a slot");
-                    per_slot[slot as usize] += n as i32;
-                    slot as i32
-                }
-            };
-            plan.admitted.push(i as u32);
-            plan.request_slots.push(slot);
-            plan.token_slots.extend(std::iter::repeat_n(slot, n as usize));
+        // Buckets: one per slot, then one for base-model tokens, so the per-request and per-token
+        // loops index instead of branching on -1 (base rows are mixed in unpredictably).
+        let bucket = |slot: i32| (slot as u32 as usize).min(slots);
+        // Per bucket: its tokens, then where its run starts in `token_perm`, then the next free
+        // place in that run (one allocation for the three).
+        let mut counts = vec![0i32; 3 * (slots + 1)];
+        let (per_bucket, rest) = counts.split_at_mut(slots + 1);
+        let (start, fill) = rest.split_at_mut(slots + 1);
+        // Simple passes, each with few live values (pushing to several vectors in one loop spills
+        // their lengths to memory and chains every request through it).
+        let base_mark = marks.len() - 1;
+        let mut request_slots: Vec<i32> =
+            adapters.iter().map(|key| marks[key.map_or(base_mark, AdapterKey::index)]).collect();
+        let mut admitted: Vec<u32> = (0..adapters.len() as u32).collect();
+        let mut deferred = Vec::new();
+        if request_slots.contains(&DEFERRED) {
+            deferred = admitted.iter().copied().filter(|&i| request_slots[i as usize] == DEFERRED).collect();
+            admitted.retain(|&i| request_slots[i as usize] != DEFERRED);
         }
-        // Counting sort of the adapter tokens by slot.
-        let mut start = vec![0i32; slots];
+        let mut token_slots = Vec::with_capacity(total);
+        if deferred.is_empty() && num_tokens.iter().all(|&n| n == 1) {
+            token_slots.extend_from_slice(&request_slots);
+        } else {
+            for (&slot, &n) in request_slots.iter().zip(num_tokens) {
+                if slot != DEFERRED {
+                    token_slots.extend(std::iter::repeat_n(slot, n as usize));
+                }
+            }
+            request_slots.retain(|&slot| slot != DEFERRED);
+        }
+        for &slot in &token_slots {
+            per_bucket[bucket(slot)] += 1;
+        }
+        // Counting sort of the tokens by bucket; the base bucket's run, last, is cut off.
         let mut next = 0;
-        for (s, &count) in per_slot.iter().enumerate() {
-            start[s] = next;
+        for (b, &count) in per_bucket.iter().enumerate() {
+            start[b] = next;
             next += count;
         }
-        plan.token_perm = vec![0; next as usize];
-        let mut fill = start.clone();
-        for (t, &slot) in plan.token_slots.iter().enumerate() {
-            if slot >= 0 {
-                plan.token_perm[fill[slot as usize] as usize] = t as i32;
-                fill[slot as usize] += 1;
-            }
+        fill.copy_from_slice(start);
+        let mut token_perm = vec![0; next as usize];
+        for (t, &slot) in token_slots.iter().enumerate() {
+            let b = bucket(slot);
+            token_perm[fill[b] as usize] = t as i32;
+            fill[b] += 1;
         }
+        token_perm.truncate(start[slots] as usize);
+        plan.admitted = admitted;
+        plan.deferred = deferred;
+        plan.request_slots = request_slots;
+        plan.token_slots = token_slots;
+        plan.token_perm = token_perm;
+        let (per_slot, start) = (&per_bucket[..slots], &start[..slots]);
         let chunk = self.config.chunk_size.map_or(i32::MAX, |c| c.min(i32::MAX as usize) as i32);
+        let segments = per_slot.iter().filter(|&&c| c > 0).count();
+        plan.seg_indptr.reserve_exact(segments + 1);
+        plan.seg_slots.reserve_exact(segments);
         plan.seg_indptr.push(0);
-        for (s, (&begin, &count)) in start.iter().zip(&per_slot).enumerate() {
+        for (s, (&begin, &count)) in start.iter().zip(per_slot).enumerate() {
             let mut at = begin;
             while at < begin + count {
                 at = (at + chunk.min(begin + count - at)).min(begin + count);
@@ -268,6 +315,9 @@ impl Registry {
                 plan.seg_slots.push(s as i32);
             }
         }
+        plan.slot_ranks.reserve_exact(slots);
+        plan.slot_scalings.reserve_exact(slots);
+        plan.slot_generations.reserve_exact(slots);
         for (s, key) in self.device.slots.iter().enumerate() {
             let (rank, scaling) = key.map_or((0, 0.0), |k| {
                 let a = self.get(k);

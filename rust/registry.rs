@@ -104,9 +104,6 @@ pub(crate) struct Adapter {
     pub(crate) uses: u64,
     pub(crate) host_candidate: bool,
     pub(crate) device_candidate: DeviceCandidate,
-    /// The plan that last looked at it, and what it decided (planning scratch).
-    pub(crate) plan_epoch: u64,
-    pub(crate) plan_admitted: bool,
 }
 
 /// What an unload found.
@@ -136,7 +133,9 @@ pub struct Registry {
     pub(crate) pinned: usize,
     pinned_host_bytes: u64,
     pub(crate) step: Vec<AdapterKey>,
-    pub(crate) plan_epoch: u64,
+    /// Per adapter key, the latest plan's decision (planning scratch, kept to reuse its memory).
+    pub(crate) plan_marks: Vec<i32>,
+    names_epoch: u64,
 }
 
 impl Registry {
@@ -181,7 +180,8 @@ impl Registry {
             pinned: 0,
             pinned_host_bytes: 0,
             step: Vec::new(),
-            plan_epoch: 0,
+            plan_marks: Vec::new(),
+            names_epoch: 0,
         })
     }
 
@@ -208,6 +208,13 @@ impl Registry {
             self.adapters.iter().flatten().filter(|a| !a.draining).map(|a| a.r.lora_name.clone()).collect();
         registered.sort_unstable();
         Error::AdapterNotFound { name: name.to_owned(), registered }
+    }
+
+    /// A counter that changes whenever a name starts or stops naming a key (a register, a forget),
+    /// so a caller may keep `name -> key` answers of [`Registry::lookup`] for as long as it is
+    /// unchanged (keys are reused after a forget).
+    pub fn names_epoch(&self) -> u64 {
+        self.names_epoch
     }
 
     /// The key of a registered adapter, or of one being unloaded when `draining_too`.
@@ -311,6 +318,7 @@ impl Registry {
             self.pinned_host_bytes += size.host_bytes;
         }
         self.unloaded.remove(r.lora_name.as_str());
+        self.names_epoch += 1;
         self.by_name.insert(name.clone(), key);
         self.by_id.insert(id.clone(), key);
         self.adapters[key.index()] = Some(Adapter {
@@ -329,8 +337,6 @@ impl Registry {
             uses: 0,
             host_candidate: false,
             device_candidate: DeviceCandidate::No,
-            plan_epoch: 0,
-            plan_admitted: false,
         });
         self.host.count += 1;
         self.host.bytes += size.host_bytes;
@@ -506,6 +512,7 @@ impl Registry {
         self.refresh(key);
         self.step.retain(|&k| k != key);
         let a = self.adapters[key.index()].take().expect("a live adapter key");
+        self.names_epoch += 1;
         self.by_name.remove(&a.name);
         self.by_id.remove(&a.id);
         self.unloaded.insert(a.r.lora_name);

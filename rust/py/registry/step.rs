@@ -1,0 +1,197 @@
+//! `StepPlan` for Python: the core's plan, its arrays as `bytearray`s and its request indices as
+//! lists built from a shared list of ints by C-level slicing, not one int at a time.
+
+use parking_lot::Mutex;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyList, PyString};
+
+use crate::cache::Tier;
+use crate::plan::StepPlan;
+use crate::registry::LoadSource;
+
+/// Past this many deferred requests, `admitted` is built item by item instead of by deleting them
+/// from a slice (each deletion moves the list's tail).
+const DELETE_AT_MOST: usize = 32;
+
+/// The ints `0..len` as one Python list that plans slice their request indices from; it grows
+/// (doubling) to the longest step seen. Never handed out itself, so never mutated.
+pub(super) struct RequestIndices(Mutex<Option<Py<PyList>>>);
+
+impl RequestIndices {
+    pub(super) fn new() -> Self {
+        Self(Mutex::new(None))
+    }
+
+    /// A list of at least `0..n`. `try_lock`: only a re-entrant call can find it locked, and that
+    /// one gets a list of its own.
+    pub(super) fn at_least<'py>(&self, py: Python<'py>, n: usize) -> PyResult<Py<PyList>> {
+        let Some(mut shared) = self.0.try_lock() else {
+            return Ok(PyList::new(py, 0..n)?.unbind());
+        };
+        match shared.as_ref() {
+            Some(list) if list.bind(py).len() >= n => Ok(list.clone_ref(py)),
+            _ => {
+                let longer = shared.as_ref().map_or(0, |l| l.bind(py).len() * 2).max(n).max(256);
+                let list = PyList::new(py, 0..longer)?.unbind();
+                let old = shared.replace(list.clone_ref(py));
+                drop(shared);
+                drop(old);
+                Ok(list)
+            }
+        }
+    }
+}
+
+/// One committed step plan. Token indices count the admitted requests' tokens only (each request's
+/// tokens contiguous, requests in `admitted` order). The array properties are native-endian
+/// `bytearray`s: `torch.frombuffer(plan.seg_indptr, dtype=torch.int32)` (int32 unless noted; an empty
+/// array is an empty `bytearray`, which `torch.frombuffer` rejects: use `torch.empty(0)` then).
+#[pyclass(frozen, name = "StepPlan", module = "lora_pin")]
+pub struct PyStepPlan {
+    plan: StepPlan,
+    /// At least `0..len(admitted) + len(deferred)`, shared with other plans.
+    indices: Py<PyList>,
+}
+
+impl PyStepPlan {
+    pub(super) fn new(plan: StepPlan, indices: Py<PyList>) -> Self {
+        Self { plan, indices }
+    }
+}
+
+/// The raw bytes of a slice of plain numbers.
+fn byte_array<'py, T: Copy>(py: Python<'py>, values: &[T]) -> Bound<'py, PyByteArray> {
+    // SAFETY: only instantiated with i32, f32 and i64, which have no padding and no invalid bit
+    // patterns; the byte slice covers exactly the slice's memory and lives as long as `values`.
+    let bytes =
+        unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) };
+    PyByteArray::new(py, bytes)
+}
+
+#[pymethods]
+impl PyStepPlan {
+    /// Indices of the admitted requests, in batch order.
+    #[getter]
+    fn admitted<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let deferred = &self.plan.deferred;
+        if deferred.len() > DELETE_AT_MOST {
+            return PyList::new(py, &self.plan.admitted);
+        }
+        let list = self.indices.bind(py).get_slice(0, self.plan.admitted.len() + deferred.len());
+        // Runs of consecutive deferred requests, from the back so earlier indices stay put.
+        let mut end = deferred.len();
+        while end > 0 {
+            let mut start = end - 1;
+            while start > 0 && deferred[start - 1] + 1 == deferred[start] {
+                start -= 1;
+            }
+            list.del_slice(deferred[start] as usize, deferred[end - 1] as usize + 1)?;
+            end = start;
+        }
+        Ok(list)
+    }
+
+    /// Indices of the deferred requests, in batch order.
+    #[getter]
+    fn deferred(&self) -> Vec<u32> {
+        self.plan.deferred.clone()
+    }
+
+    /// `[len(admitted)]` int32: each admitted request's slot, -1 for the base model.
+    #[getter]
+    fn request_slots<'py>(&self, py: Python<'py>) -> Bound<'py, PyByteArray> {
+        byte_array(py, &self.plan.request_slots)
+    }
+
+    /// `[T]` int32: each admitted token's slot, -1 for the base model.
+    #[getter]
+    fn token_slots<'py>(&self, py: Python<'py>) -> Bound<'py, PyByteArray> {
+        byte_array(py, &self.plan.token_slots)
+    }
+
+    /// `[N]` int32: indices of the tokens with an adapter, grouped by slot (ascending); base tokens left out.
+    #[getter]
+    fn token_perm<'py>(&self, py: Python<'py>) -> Bound<'py, PyByteArray> {
+        byte_array(py, &self.plan.token_perm)
+    }
+
+    /// `[S + 1]` int32: segment s is `token_perm[seg_indptr[s]:seg_indptr[s + 1]]`.
+    #[getter]
+    fn seg_indptr<'py>(&self, py: Python<'py>) -> Bound<'py, PyByteArray> {
+        byte_array(py, &self.plan.seg_indptr)
+    }
+
+    /// `[S]` int32: each segment's slot.
+    #[getter]
+    fn seg_slots<'py>(&self, py: Python<'py>) -> Bound<'py, PyByteArray> {
+        byte_array(py, &self.plan.seg_slots)
+    }
+
+    /// `[slots]` int32: the rank of each slot's adapter, 0 for an empty slot.
+    #[getter]
+    fn slot_ranks<'py>(&self, py: Python<'py>) -> Bound<'py, PyByteArray> {
+        byte_array(py, &self.plan.slot_ranks)
+    }
+
+    /// `[slots]` float32: the scaling of each slot's adapter, 0 for an empty slot.
+    #[getter]
+    fn slot_scalings<'py>(&self, py: Python<'py>) -> Bound<'py, PyByteArray> {
+        byte_array(py, &self.plan.slot_scalings)
+    }
+
+    /// `[slots]` int64: each slot's generation, bumped whenever its occupant changes.
+    #[getter]
+    fn slot_generations<'py>(&self, py: Python<'py>) -> Bound<'py, PyByteArray> {
+        byte_array(py, &self.plan.slot_generations)
+    }
+
+    /// `T`: the admitted requests' tokens.
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.plan.num_tokens()
+    }
+
+    /// Loads to perform before the step runs: `(name, lora_id, slot, source)`, source "host" (copy
+    /// from the host tier) or "disk" (read the adapter again, then copy).
+    #[getter]
+    fn loads<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.plan.loads.iter().map(|l| {
+                let source = match l.source {
+                    LoadSource::Host => intern!(py, "host"),
+                    LoadSource::Disk => intern!(py, "disk"),
+                };
+                (PyString::new(py, &l.name), PyString::new(py, &l.lora_id), l.slot, source)
+            }),
+        )
+    }
+
+    /// Evictions made while planning: `(name, tier, slot)`, tier "device" or "host", slot -1 for host.
+    #[getter]
+    fn evictions<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.plan.evictions.iter().map(|e| {
+                let tier = match e.tier {
+                    Tier::Host => intern!(py, "host"),
+                    Tier::Device => intern!(py, "device"),
+                };
+                (PyString::new(py, &e.name), tier, e.slot.map_or(-1, i64::from))
+            }),
+        )
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "StepPlan(admitted={}, deferred={}, tokens={}, segments={}, loads={}, evictions={})",
+            self.plan.admitted.len(),
+            self.plan.deferred.len(),
+            self.plan.num_tokens(),
+            self.plan.seg_slots.len(),
+            self.plan.loads.len(),
+            self.plan.evictions.len()
+        )
+    }
+}

@@ -1,0 +1,161 @@
+"""How `LoRARegistry.plan` reads its arguments: names recognised by identity (a cache that must never
+map a name to a stale adapter), `num_tokens` as one int or any sequence, and `admitted` built by
+slicing; every result compared with the same step given in the plain form."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lora_pin._core import LoRARef, LoRARegistry, StepPlan
+from lora_pin.errors import AdapterNotFoundError, UsageError
+
+
+def make(slots: int = 4, names: str = "abcdef") -> LoRARegistry:
+    reg = LoRARegistry(slots)
+    for i, n in enumerate(names):
+        reg.register(LoRARef(n, f"/srv/{n}"), rank=1 + i, host_bytes=10, device_bytes=10)
+    return reg
+
+
+def outputs(plan: StepPlan) -> tuple[object, ...]:
+    return (
+        plan.admitted,
+        plan.deferred,
+        bytes(plan.request_slots),
+        bytes(plan.token_slots),
+        bytes(plan.token_perm),
+        bytes(plan.seg_indptr),
+        bytes(plan.seg_slots),
+        bytes(plan.slot_ranks),
+        plan.loads,
+        plan.evictions,
+    )
+
+
+def fresh(name: str | None) -> str | None:
+    """An equal str that is a different object from any earlier one."""
+    return None if name is None else "".join(list(name))
+
+
+def test_same_objects_fresh_objects_tuples_and_generators_plan_alike() -> None:
+    rng = random.Random(1)
+    steps = [[rng.choice("abcdef") if rng.random() > 0.2 else None for _ in range(40)] for _ in range(30)]
+    regs = [make() for _ in range(4)]
+    for step in steps:
+        tokens = [rng.randint(0, 3) for _ in step]
+        plans = [
+            regs[0].plan(step, tokens),
+            regs[1].plan([fresh(n) for n in step], tokens),
+            regs[2].plan(tuple(step), tuple(tokens)),
+            regs[3].plan((n for n in step), iter(tokens)),
+        ]
+        first = outputs(plans[0])
+        assert all(outputs(p) == first for p in plans[1:]), step
+        for reg, plan in zip(regs, plans, strict=True):
+            for load in plan.loads:
+                reg.load_done(load[0])
+
+
+def test_one_int_is_every_requests_token_count() -> None:
+    step = ["a", None, "b", "c", "a", "d", "e", None]
+    for n in (0, 1, 3):
+        assert outputs(make().plan(step, n)) == outputs(make().plan(step, [n] * len(step)))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "message"),
+    [
+        ([1, -1], r"num_tokens\[1\] must be in 0..=4294967295 \(got -1\)"),
+        ([1, 2**40], r"num_tokens\[1\] must be in 0..=4294967295 \(got 1099511627776\)"),
+        ([1, 2**70], r"num_tokens\[1\] must be in 0..=4294967295 \(got 1180591620717411303424\)"),
+        ([1.0, 1], r"num_tokens\[0\] must be an int, got float"),
+        (-2, r"num_tokens must be in 0..=4294967295 \(got -2\)"),
+        (2.5, r"num_tokens must be an int or a sequence of ints, got float"),
+        ([1], r"plan got 2 adapter names but 1 token counts"),
+    ],
+)
+def test_bad_token_counts_name_the_value(tokens: object, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        make().plan(["a", "b"], tokens)  # type: ignore[arg-type]
+
+
+def test_bad_names_name_the_item() -> None:
+    reg = make()
+    with pytest.raises(UsageError, match=r"names\[1\] must be an adapter name \(str\) or None, got int"):
+        reg.plan(["a", 7], 1)  # type: ignore[list-item]
+    with pytest.raises(UsageError, match="names must be a sequence of adapter names"):
+        reg.plan(5, 1)  # type: ignore[arg-type]
+    with pytest.raises(AdapterNotFoundError, match='"zz"'):
+        reg.plan(["a", "zz"], 1)
+
+
+def test_a_str_subclass_is_a_name() -> None:
+    class Name(str):
+        pass
+
+    reg = make()
+    plan = reg.plan([Name("a"), Name("a"), "b"], 1)
+    assert [load[0] for load in plan.loads] == ["a", "b"]
+
+
+def test_a_cached_name_object_follows_unload_and_register() -> None:
+    reg = make(slots=4, names="ab")
+    a = fresh("a")
+    assert reg.plan([a], 1).loads[0][0] == "a"
+    reg.load_done("a")
+    reg.end_step()
+    reg.unload("a")
+    # Its key is free now; a new adapter takes it. The cached object must not resolve to it.
+    reg.register(LoRARef("c", "/srv/c"), rank=7, host_bytes=10, device_bytes=10)
+    with pytest.raises(AdapterNotFoundError, match='"a"'):
+        reg.plan([a], 1)
+    reg.register(LoRARef("a", "/srv/a2"), rank=9, host_bytes=10, device_bytes=10)
+    plan = reg.plan([a, "c"], 1)
+    assert [(n, i) for n, i, _, _ in plan.loads] == [
+        ("a", LoRARef("a", "/srv/a2").lora_id),
+        ("c", LoRARef("c", "/srv/c").lora_id),
+    ]
+    slots = {name: slot for name, _, slot, _ in plan.loads}
+    ranks = memoryview(plan.slot_ranks).cast("i")
+    assert ranks[slots["a"]] == 9 and ranks[slots["c"]] == 7
+
+
+def test_try_unload_of_a_draining_adapter_keeps_planning_its_requests() -> None:
+    reg = make(names="ab")
+    a = fresh("a")
+    reg.plan([a], 1)
+    ids = reg.acquire(["a"])
+    assert reg.try_unload("a") is False
+    assert reg.plan([a, "b"], 1).admitted == [0, 1]
+    reg.release(ids)
+    assert reg.try_unload("a") is True
+    with pytest.raises(AdapterNotFoundError):
+        reg.plan([a], 1)
+
+
+@pytest.mark.parametrize(("distinct", "length"), [(3, 200), (5, 30), (10, 200), (60, 200)])
+def test_admitted_and_deferred_partition_the_requests(distinct: int, length: int) -> None:
+    names = [f"n{i}" for i in range(distinct)]
+    reg = LoRARegistry(4)
+    for n in names:
+        reg.register(LoRARef(n, f"/srv/{n}"), rank=2, host_bytes=1, device_bytes=1)
+    rng = random.Random(distinct)
+    for _ in range(10):
+        step = [rng.choice(names) if rng.random() > 0.3 else None for _ in range(length)]
+        plan = reg.plan(step, 1)
+        admitted, deferred = plan.admitted, plan.deferred
+        assert sorted(admitted + deferred) == list(range(len(step)))
+        assert admitted == sorted(admitted) and deferred == sorted(deferred)
+        kept = {step[i] for i in admitted} - {None}
+        assert len(kept) <= 4 and all(step[i] not in kept and step[i] is not None for i in deferred)
+        slots = memoryview(plan.request_slots).cast("i").tolist()
+        slot_of = {step[i]: s for i, s in zip(admitted, slots, strict=True)}
+        assert len(slot_of) == len({step[i] for i in admitted})  # one slot per name
+        assert slot_of.get(None, -1) == -1 and len(set(slot_of.values())) == len(slot_of)
+        first = plan.admitted
+        first.append(-1)  # a fresh list per read, built from a shared one that must stay intact
+        assert plan.admitted == admitted
+        for load in plan.loads:
+            reg.load_done(load[0])
