@@ -135,7 +135,8 @@ impl Registry {
         }
         // Adapters in both the previous step and this one stay protected throughout: ending the old
         // step first would put them back among the candidates only to take them out again.
-        let previous = std::mem::take(&mut self.step);
+        let spare = std::mem::take(&mut self.spare_step);
+        let mut previous = std::mem::replace(&mut self.step, spare);
         // This plan's decision per adapter key, in a dense table the per-request loops read instead
         // of the adapters themselves.
         let mut marks = std::mem::take(&mut self.plan_marks);
@@ -167,12 +168,14 @@ impl Registry {
                 self.refresh(key);
             }
         }
-        for key in previous {
+        for &key in &previous {
             if marks[key.index()] != ADMITTED {
                 self.get_mut(key).in_step = false;
                 self.refresh(key);
             }
         }
+        previous.clear();
+        self.spare_step = previous;
 
         // A slot (and a host place) for every admitted adapter, in batch order. Refused ones leave
         // `self.step`, so it is walked by position.
@@ -279,8 +282,14 @@ impl Registry {
             }
             request_slots.retain(|&slot| slot != DEFERRED);
         }
-        for &slot in &token_slots {
-            per_bucket[bucket(slot)] += 1;
+        // Four interleaved counters per bucket, so runs of one slot do not chain every increment
+        // through one memory cell.
+        let mut lanes = vec![[0i32; 4]; slots + 1];
+        for (t, &slot) in token_slots.iter().enumerate() {
+            lanes[bucket(slot)][t & 3] += 1;
+        }
+        for (count, lane) in per_bucket.iter_mut().zip(&lanes) {
+            *count = lane.iter().sum();
         }
         // Counting sort of the tokens by bucket; the base bucket's run, last, is cut off.
         let mut next = 0;

@@ -135,6 +135,8 @@ pub struct Registry {
     pub(crate) step: Vec<AdapterKey>,
     /// Per adapter key, the latest plan's decision (planning scratch, kept to reuse its memory).
     pub(crate) plan_marks: Vec<i32>,
+    /// An empty buffer for the next plan's `step` (the previous step's, kept to reuse its memory).
+    pub(crate) spare_step: Vec<AdapterKey>,
     names_epoch: u64,
 }
 
@@ -181,6 +183,7 @@ impl Registry {
             pinned_host_bytes: 0,
             step: Vec::new(),
             plan_marks: Vec::new(),
+            spare_step: Vec::new(),
             names_epoch: 0,
         })
     }

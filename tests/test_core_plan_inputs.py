@@ -159,3 +159,21 @@ def test_admitted_and_deferred_partition_the_requests(distinct: int, length: int
         assert plan.admitted == admitted
         for load in plan.loads:
             reg.load_done(load[0])
+
+
+def test_many_cached_names_resolve_to_their_own_adapters() -> None:
+    # More names than the cache's direct-mapped front has room for without collisions.
+    names = [f"adapter-{i}" for i in range(700)]
+    regs = [LoRARegistry(800) for _ in range(2)]
+    for reg in regs:
+        for i, n in enumerate(names):
+            reg.register(LoRARef(n, f"/srv/{n}"), rank=1 + i % 50, host_bytes=1, device_bytes=1)
+    rng = random.Random(7)
+    for _ in range(5):
+        step = rng.sample(names, 300) + rng.sample(names, 300)
+        same, new = regs[0].plan(step, 1), regs[1].plan([fresh(n) for n in step], 1)
+        assert outputs(same) == outputs(new)
+        assert [regs[0].lora_ref(n).lora_id for n, _, _, _ in same.loads] == [i for _, i, _, _ in same.loads]
+        for reg, plan in zip(regs, (same, new), strict=True):
+            for load in plan.loads:
+                reg.load_done(load[0])

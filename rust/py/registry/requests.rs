@@ -53,21 +53,43 @@ const NAME_CACHE_CAPACITY: usize = 1024;
 /// objects are cached: dropping one runs no Python code.
 ///
 /// Locked only with the GIL held and never across a GIL release, so it is never contended.
-#[derive(Default)]
 pub(super) struct NameCache {
     epoch: u64,
     keys: AddressMap<(Py<PyString>, AdapterKey)>,
+    /// A direct-mapped index into `keys` by address bits, checked first: one load and compare per
+    /// request instead of a hash probe. An entry's address is always one that `keys` holds.
+    front: Box<[(usize, AdapterKey); FRONT_SIZE]>,
+}
+
+/// Entries of [`NameCache::front`] (a power of two, well above the adapters one step names).
+const FRONT_SIZE: usize = 1024;
+
+fn front_index(address: usize) -> usize {
+    // Objects are 16-byte aligned; higher bits are folded in so that neighbours spread.
+    ((address >> 4) ^ (address >> 14)) & (FRONT_SIZE - 1)
+}
+
+impl Default for NameCache {
+    fn default() -> Self {
+        Self { epoch: 0, keys: AddressMap::default(), front: Box::new([(0, AdapterKey(0)); FRONT_SIZE]) }
+    }
 }
 
 impl NameCache {
     /// Empties the cache (the registry calls this when a name may have changed its key, so the
     /// cached strings are freed early; correctness rests on the epoch check alone).
     pub(super) fn take(&mut self) -> AddressMap<(Py<PyString>, AdapterKey)> {
+        self.front.fill((0, AdapterKey(0)));
         std::mem::take(&mut self.keys)
     }
 
     /// The key cached for the str object at `address`.
+    #[inline(always)]
     fn get(&self, address: usize) -> Option<AdapterKey> {
+        let (front, key) = self.front[front_index(address)];
+        if front == address {
+            return Some(key);
+        }
         self.keys.get(&address).map(|&(_, key)| key)
     }
 
@@ -91,7 +113,9 @@ impl NameCache {
         for (name, &key) in names.iter().zip(keys) {
             let name = name.as_py_str().bind(py);
             if name.is_exact_instance_of::<PyString>() {
-                self.keys.insert(name.as_ptr() as usize, (name.clone().unbind(), key));
+                let address = name.as_ptr() as usize;
+                self.keys.insert(address, (name.clone().unbind(), key));
+                self.front[front_index(address)] = (address, key);
             }
         }
         old
@@ -132,7 +156,6 @@ impl Requests {
         let mut reader = Reader {
             cache,
             seen: AddressMap::default(),
-            last_hit: (0, AdapterKey(0)),
             requests: Requests {
                 adapters: Vec::with_capacity(names.len().unwrap_or(0)),
                 misses: Vec::new(),
@@ -176,32 +199,31 @@ struct Reader<'c> {
     cache: Option<&'c NameCache>,
     /// Miss objects met in this step, by address (each held by `requests.misses`).
     seen: AddressMap<u32>,
-    /// The address and key of the latest cache hit: batches often name one adapter several times in
-    /// a row, and this skips the cache's hashing for those.
-    last_hit: (usize, AdapterKey),
     requests: Requests,
 }
 
 impl Reader<'_> {
+    #[inline(always)]
     fn add(&mut self, py: Python<'_>, i: usize, item: Borrowed<'_, '_, PyAny>) -> PyResult<()> {
-        let requests = &mut self.requests;
         if item.is_none() {
-            requests.adapters.push(None);
-            return Ok(());
-        }
-        let address = item.as_ptr() as usize;
-        if address == self.last_hit.0 {
-            requests.adapters.push(Some(self.last_hit.1));
+            self.requests.adapters.push(None);
             return Ok(());
         }
         if let Some(cache) = self.cache {
-            if let Some(key) = cache.get(address) {
-                requests.hits_epoch = Some(cache.epoch);
-                requests.adapters.push(Some(key));
-                self.last_hit = (address, key);
+            if let Some(key) = cache.get(item.as_ptr() as usize) {
+                self.requests.hits_epoch = Some(cache.epoch);
+                self.requests.adapters.push(Some(key));
                 return Ok(());
             }
         }
+        self.add_miss(py, i, item)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn add_miss(&mut self, py: Python<'_>, i: usize, item: Borrowed<'_, '_, PyAny>) -> PyResult<()> {
+        let requests = &mut self.requests;
+        let address = item.as_ptr() as usize;
         let miss = match self.seen.get(&address) {
             Some(&miss) => miss,
             None => {
@@ -284,6 +306,7 @@ pub(super) fn token_counts(py: Python<'_>, num_tokens: &Bound<'_, PyAny>, n: usi
 ///
 /// Errors: what `visit` returns; `UsageError` when `seq` is not iterable (`what` names the
 /// argument, `expected` what it should be); what iterating raises.
+#[inline(always)]
 fn for_each_item<'py>(
     py: Python<'py>,
     seq: &Bound<'py, PyAny>,
