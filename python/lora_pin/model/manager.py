@@ -255,10 +255,11 @@ class LoRAManager:
 
     # ---- steps ----------------------------------------------------------------------------------
 
-    def prepare_step(self, names: Sequence[str | None], num_tokens: Sequence[int]) -> Step:
+    def prepare_step(self, names: Sequence[str | None], num_tokens: Sequence[int] | int) -> Step:
         """Plan one step of packed tokens and make it the active step.
 
-        ``names[i]`` is request i's adapter (None: the base model) and ``num_tokens[i]`` its tokens this step.
+        ``names[i]`` is request i's adapter (None: the base model) and ``num_tokens[i]`` its tokens this step
+        (one int: every request has that many, the fast form for decode steps).
         Requests that do not fit (more distinct adapters than free slots) are deferred, never failed. The
         planned loads are done before this returns. The model then sees ``[T, in]`` inputs whose rows are the
         admitted requests' tokens in ``admitted`` order; call :meth:`finish` when its requests are done.
@@ -304,7 +305,7 @@ class LoRAManager:
             CapacityError: the batch does not fit the slots (nothing changes; the message gives the numbers).
             AdapterNotFoundError, AdapterLoadError: as :meth:`prepare_step`.
         """
-        step = self._start(names, [1] * len(names), per_sequence=True)
+        step = self._start(names, 1, per_sequence=True)
         try:
             yield step
         finally:
@@ -415,7 +416,9 @@ class LoRAManager:
     def _active_segments(self) -> StepSegments | None:
         return self._active
 
-    def _start(self, names: Sequence[str | None], num_tokens: Sequence[int], *, per_sequence: bool) -> Step:
+    def _start(
+        self, names: Sequence[str | None], num_tokens: Sequence[int] | int, *, per_sequence: bool
+    ) -> Step:
         if not self._wrapped:
             raise LoraPinError("the manager is detached")
         if not self._step_lock.acquire(blocking=False):
@@ -423,7 +426,7 @@ class LoRAManager:
         try:
             if per_sequence and len(self.split(names)) > 1:
                 raise CapacityError(self._too_many(names))
-            plan = self.registry.plan(list(names), list(num_tokens))
+            plan = self.registry.plan(names, num_tokens)
             try:
                 ids = tuple(self.registry.acquire([names[i] for i in plan.admitted]))
             except BaseException:
