@@ -1,4 +1,4 @@
-"""The grouped torch path: one GEMM per (slot, slice) over contiguous row blocks, for CPU tensors.
+"""The grouped torch path: few GEMMs per (slot, slice) over contiguous row blocks, for CPU tensors.
 
 Adjacent segments of one slot (the planner's chunks) are merged into one group. A group whose tokens
 form long runs of consecutive tokens (prefill requests; any single decode token) is computed run by run
@@ -7,14 +7,25 @@ one adapter spread over the batch) are gathered once, computed on contiguous vie
 block, and written back once. Each GEMM's inner dimension is the slot's real rank, and the expand GEMM
 accumulates into ``out`` in place (``addmm_``: fp32 accumulation, one rounding; a single bf16/fp16 row
 is a product then an add, two roundings, because that is faster there). Nothing is done per
-token in Python. It reads the segment arrays on the host: the ops run it for every device but CUDA
-(where it would synchronise; ``benches/gpu_ops.py`` times it there as the baseline).
+token in Python.
+
+Decode batches over a block of consecutive slots that all share one rank (every slot of a full pool
+used by one or a few tokens) take a batched path instead: the tokens are scattered into a zero-padded
+``[slots, tokens_per_slot, in]`` block and each op is one ``bmm`` per slice on views of the pool, with
+no weight gathered and nothing read past the shared rank.
+
+The plan (groups, gathered rows) is derived from the segment arrays on the host and cached by their
+contents, so the shrink and expand of every layer of one step plan once. The ops run this path for
+every device but CUDA (where reading the arrays would synchronise; ``benches/gpu_ops.py`` times it
+there as the baseline).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -28,27 +39,130 @@ __all__ = ["expand_grouped", "shrink_grouped"]
 # 4096, rank 16, 4 slots x 8 runs of L tokens, 1 thread): gathering wins by 15-70% for L <= 8, they tie at
 # 16, views win 2x at 32 and 3x at 64 (gathering copies out's rows twice).
 _MIN_RUN = 16
+# The batched path pads every slot of its block to the busiest slot's token count. Measured (fp32 and
+# bf16, hidden 4096, q/k/v, rank 16, 1 thread): with one token per slot it is 10-25% (fp32) and 2x
+# (bf16: one oneDNN call instead of four per slot) faster than the per-slot GEMMs; an idle slot in the
+# block costs a full read of its weights and a padded row costs about half a row's GEMM, so it is taken
+# only for decode-sized groups with little padding.
+_DENSE_MAX_TOKENS = 4
+_DENSE_MAX_PADDING = 1.25
+# Distinct plans kept: one per (step, layer group with its own ranks); a model has a handful of groups.
+_PLAN_CACHE_SIZE = 16
 
 
-class _Group(NamedTuple):
-    """One GEMM's rows: a run of consecutive tokens, or a slot's block in the gathered rows."""
+class _Run(NamedTuple):
+    """One GEMM's rows taken as views: ``size`` consecutive tokens from ``start``, all of ``slot``."""
 
     slot: int
-    size: int
-    # First token of the run when the rows are consecutive tokens of the input, else -1.
     start: int
-    # Offset of the group's rows in the gathered block (meaningful when start == -1).
-    gathered_at: int
+    size: int
+
+
+class _Dense(NamedTuple):
+    """Slots ``[first_slot, first_slot + n_slots)``, all used, at one ``rank`` in every slice."""
+
+    first_slot: int
+    n_slots: int
+    tokens_per_slot: int
+    rank: int
+    # int64 [N]: the tokens, by slot.
+    rows: torch.Tensor
+    # int64 [N]: each token's row in the padded [n_slots * tokens_per_slot] block; None: row i is i.
+    positions: torch.Tensor | None
 
 
 class _Plan(NamedTuple):
-    groups: list[_Group]
     ranks: list[list[int]]
-    # Token indices of the gathered block, in order; None when every group is a run.
+    runs: list[_Run]
+    # Token indices of the gathered block, in order; None when nothing is gathered.
     gathered_rows: torch.Tensor | None
+    # Slot and row count of each group of the gathered block, in block order.
+    gathered_slots: list[int]
+    gathered_sizes: list[int]
+    # Set when the whole batch takes the batched path (then runs and the gathered block are empty).
+    dense: _Dense | None
 
 
-def _plan(
+def _content(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
+    return str(t.dtype), tuple(t.shape), t.detach().cpu().contiguous().numpy().tobytes()
+
+
+class _PlanCache:
+    """Plans keyed by the contents of the segment arrays and ranks (never by identity: a buffer the
+    planner refills in place, or a new tensor at a freed address, must not hit a stale plan)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._plans: OrderedDict[Hashable, _Plan] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(
+        self,
+        perm: torch.Tensor,  # int64 [N]
+        seg_indptr: torch.Tensor,  # int32 [S + 1]
+        seg_slots: torch.Tensor,  # int32 [S]
+        slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
+        n_tokens: int,
+        max_rank: int,
+    ) -> _Plan:
+        key = (
+            str(perm.device),
+            n_tokens,
+            max_rank,
+            *(_content(t) for t in (perm, seg_indptr, seg_slots, slot_ranks)),
+        )
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                return plan
+        plan = _build_plan(perm, seg_indptr, seg_slots, slot_ranks, n_tokens, max_rank)
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > self._size:
+                self._plans.popitem(last=False)
+        return plan
+
+
+_PLANS = _PlanCache(_PLAN_CACHE_SIZE)
+
+
+def _dense(spans: list[list[int]], perm: torch.Tensor, ranks: list[list[int]], n_rows: int) -> _Dense | None:
+    """The batched path's layout, or None when the spans do not fit it (see ``_DENSE_MAX_*``)."""
+    counts: dict[int, int] = {}
+    for slot, lo, hi in spans:
+        counts[slot] = counts.get(slot, 0) + hi - lo
+    first, last = min(counts), max(counts)
+    n_slots, tokens_per_slot = last - first + 1, max(counts.values())
+    covered = sum(counts.values())
+    rank = ranks[first][0]
+    if (
+        len(counts) != n_slots
+        or tokens_per_slot > _DENSE_MAX_TOKENS
+        or n_slots * tokens_per_slot > _DENSE_MAX_PADDING * covered
+        or any(r != rank for slot in counts for r in ranks[slot])
+    ):
+        return None
+    by_slot = sorted(spans, key=lambda span: span[0])  # stable: a slot's spans keep their order
+    rows = (
+        perm if len(by_slot) == 1 and covered == n_rows else torch.cat([perm[lo:hi] for _, lo, hi in by_slot])
+    )
+    if tokens_per_slot == 1:
+        return _Dense(first, n_slots, 1, rank, rows, None)
+    positions = [
+        (slot - first) * tokens_per_slot + i for slot in range(first, last + 1) for i in range(counts[slot])
+    ]
+    return _Dense(
+        first,
+        n_slots,
+        tokens_per_slot,
+        rank,
+        rows,
+        torch.tensor(positions, dtype=torch.int64, device=perm.device),
+    )
+
+
+def _build_plan(
     perm: torch.Tensor,  # int64 [N]
     seg_indptr: torch.Tensor,  # int32 [S + 1]
     seg_slots: torch.Tensor,  # int32 [S]
@@ -56,7 +170,7 @@ def _plan(
     n_tokens: int,
     max_rank: int,
 ) -> _Plan:
-    """Reads the segment arrays once and decides, per group, views or the gathered block."""
+    """Reads the segment arrays once and decides: the batched path, or per group views or gathering."""
     indptr, seg_slot_list, ranks = seg_indptr.tolist(), seg_slots.tolist(), slot_ranks.tolist()
     n_rows, n_slots = perm.shape[0], len(ranks)
     if indptr[0] != 0 or indptr[-1] != n_rows or any(lo > hi for lo, hi in itertools.pairwise(indptr)):
@@ -81,7 +195,10 @@ def _plan(
         else:
             spans.append([slot, lo, hi])
     if not spans:
-        return _Plan([], ranks, None)
+        return _Plan(ranks, [], None, [], [], None)
+    dense = _dense(spans, perm, ranks, n_rows)
+    if dense is not None:
+        return _Plan(ranks, [], None, [], [], dense)
 
     # Cut every span into runs of consecutive tokens. Runs long enough for a GEMM to pay become views
     # (no copy); a span of short runs (decode tokens of one adapter spread over the batch) is gathered.
@@ -90,7 +207,9 @@ def _plan(
     run_starts = torch.nonzero(breaks).flatten()
     starts, start_tokens = torch.stack([run_starts, perm[run_starts]]).tolist()
 
-    groups, gathered_spans, gathered = [], [], 0
+    runs: list[_Run] = []
+    gathered_spans: list[tuple[int, int]] = []
+    gathered_slots: list[int] = []
     run = 0  # index into starts of the run holding the current span's first row
     for slot, lo, hi in spans:
         while run + 1 < len(starts) and starts[run + 1] <= lo:
@@ -104,18 +223,76 @@ def _plan(
             first_token = start_tokens[run] + lo - starts[run]
             tokens = [first_token] + [start_tokens[i] for i in range(run + 1, nxt)]
             for cut_lo, cut_hi, token in zip(cuts, [*cuts[1:], hi], tokens, strict=True):
-                groups.append(_Group(slot, cut_hi - cut_lo, token, 0))
+                runs.append(_Run(slot, token, cut_hi - cut_lo))
         else:
-            groups.append(_Group(slot, hi - lo, -1, gathered))
             gathered_spans.append((lo, hi))
-            gathered += hi - lo
+            gathered_slots.append(slot)
     if not gathered_spans:
         rows = None
-    elif gathered == n_rows:
-        rows = perm
+    elif sum(hi - lo for lo, hi in gathered_spans) == n_rows:
+        rows = perm  # the spans are in perm's order and cover it
     else:
         rows = torch.cat([perm[lo:hi] for lo, hi in gathered_spans])
-    return _Plan(groups, ranks, rows)
+    return _Plan(ranks, runs, rows, gathered_slots, [hi - lo for lo, hi in gathered_spans], None)
+
+
+def _shrink_dense(
+    x: torch.Tensor,  # [T, in]
+    a: torch.Tensor,  # [slots, n_slices * R, in]
+    v: torch.Tensor,  # [T, n_slices * R], zero, written
+    d: _Dense,
+    n_slices: int,
+) -> None:
+    max_rank = a.shape[1] // n_slices
+    n, per_slot = d.n_slots, d.tokens_per_slot
+    x_rows = x.index_select(0, d.rows)
+    if d.positions is not None:
+        x_rows = x.new_zeros(n * per_slot, x.shape[1]).index_copy_(0, d.positions, x_rows)
+    x_block = x_rows.view(n, per_slot, x.shape[1])
+    a_t = a[d.first_slot : d.first_slot + n].transpose(1, 2)  # [n, in, n_slices * R], a view
+    if d.rank == max_rank:
+        v_block = torch.bmm(x_block, a_t)  # [n, per_slot, n_slices * R]
+    else:
+        v_block = x.new_zeros(n, per_slot, n_slices * max_rank)
+        for s in range(n_slices):
+            cols = slice(s * max_rank, s * max_rank + d.rank)
+            v_block[:, :, cols] = torch.bmm(x_block, a_t[:, :, cols])
+    v_rows = v_block.view(n * per_slot, -1)
+    if d.positions is not None:
+        v_rows = v_rows.index_select(0, d.positions)
+    v.index_copy_(0, d.rows, v_rows)
+
+
+def _expand_dense(
+    out: torch.Tensor,  # [T, out_total], updated in place
+    v: torch.Tensor,  # [T, n_slices * R]
+    b: torch.Tensor,  # [slots, out_total, R]
+    slot_scalings: torch.Tensor,  # float32 [slots, n_slices]
+    slice_offsets: Sequence[int],
+    d: _Dense,
+) -> None:
+    max_rank, n_slices = b.shape[2], len(slice_offsets) - 1
+    n, per_slot, rank = d.n_slots, d.tokens_per_slot, d.rank
+    v_rows = v.index_select(0, d.rows)
+    if d.positions is not None:
+        v_rows = v.new_zeros(n * per_slot, v.shape[1]).index_copy_(0, d.positions, v_rows)
+    # Scaled in fp32 and rounded once, so the GEMM's product is the only other rounding.
+    scalings = slot_scalings[d.first_slot : d.first_slot + n].view(n, 1, n_slices, 1)
+    v_block = (v_rows.view(n, per_slot, n_slices, max_rank)[..., :rank].float() * scalings).to(v.dtype)
+    b_block = b[d.first_slot : d.first_slot + n, :, :rank]  # [n, out_total, rank], a view
+    for s in range(n_slices):
+        lo, hi = slice_offsets[s], slice_offsets[s + 1]
+        if lo == hi:
+            continue
+        if out.dtype == torch.float32:
+            delta = torch.bmm(v_block[:, :, s], b_block[:, lo:hi].transpose(1, 2))  # [n, per_slot, width]
+        else:
+            # oneDNN's reduced-precision bmm is ~1.7x faster with the weights as the left operand.
+            delta = torch.bmm(b_block[:, lo:hi], v_block[:, :, s].transpose(1, 2)).transpose(1, 2)
+        delta_rows = delta.reshape(n * per_slot, hi - lo)
+        if d.positions is not None:
+            delta_rows = delta_rows.index_select(0, d.positions)
+        out[:, lo:hi].index_add_(0, d.rows, delta_rows)
 
 
 def shrink_grouped(
@@ -130,28 +307,33 @@ def shrink_grouped(
     """:func:`lora_pin.ops.shrink` on CPU; arguments already checked by ``check_shrink_args``."""
     max_rank = a.shape[1] // n_slices
     v = x.new_zeros(x.shape[0], n_slices * max_rank)  # [T, n_slices * R]
-    plan = _plan(perm, seg_indptr, seg_slots, slot_ranks, x.shape[0], max_rank)
-    if plan.gathered_rows is not None:
-        x_gathered = x.index_select(0, plan.gathered_rows)
-        v_gathered = x.new_zeros(plan.gathered_rows.shape[0], n_slices * max_rank)
+    plan = _PLANS.get(perm, seg_indptr, seg_slots, slot_ranks, x.shape[0], max_rank)
+    if plan.dense is not None:
+        _shrink_dense(x, a, v, plan.dense, n_slices)
+        return v
     a_t = a.transpose(1, 2)  # [slots, in, n_slices * R]; views are made once per call, not per group
-    for g in plan.groups:
-        if g.start >= 0:
-            xs, vs = x[g.start : g.start + g.size], v[g.start : g.start + g.size]
-        else:
-            xs, vs = (
-                x_gathered[g.gathered_at : g.gathered_at + g.size],
-                v_gathered[g.gathered_at : g.gathered_at + g.size],
-            )
-        ranks = plan.ranks[g.slot]
+
+    def shrink_rows(xs: torch.Tensor, vs: torch.Tensor, slot: int) -> None:
+        ranks = plan.ranks[slot]
         if all(r == max_rank for r in ranks):
-            torch.mm(xs, a_t[g.slot], out=vs)
-            continue
+            torch.mm(xs, a_t[slot], out=vs)
+            return
         for s, rank in enumerate(ranks):
             if rank:
                 cols = slice(s * max_rank, s * max_rank + rank)
-                torch.mm(xs, a_t[g.slot, :, cols], out=vs[:, cols])
+                torch.mm(xs, a_t[slot, :, cols], out=vs[:, cols])
+
+    for run in plan.runs:
+        rows = slice(run.start, run.start + run.size)
+        shrink_rows(x[rows], v[rows], run.slot)
     if plan.gathered_rows is not None:
+        x_gathered = x.index_select(0, plan.gathered_rows)
+        v_gathered = x.new_zeros(plan.gathered_rows.shape[0], n_slices * max_rank)
+        sizes = plan.gathered_sizes
+        for xs, vs, slot in zip(
+            x_gathered.split(sizes), v_gathered.split(sizes), plan.gathered_slots, strict=True
+        ):
+            shrink_rows(xs, vs, slot)
         v.index_copy_(0, plan.gathered_rows, v_gathered)
     return v
 
@@ -170,38 +352,48 @@ def expand_grouped(
     """:func:`lora_pin.ops.expand` on CPU; arguments already checked by ``check_expand_args``."""
     max_rank = b.shape[2]
     n_slices = len(slice_offsets) - 1
-    plan = _plan(perm, seg_indptr, seg_slots, slot_ranks, out.shape[0], max_rank)
+    plan = _PLANS.get(perm, seg_indptr, seg_slots, slot_ranks, out.shape[0], max_rank)
+    if plan.dense is not None:
+        _expand_dense(out, v, b, slot_scalings, slice_offsets, plan.dense)
+        return
+    if not plan.runs and plan.gathered_rows is None:
+        return
     scalings = slot_scalings.tolist()
-    if plan.gathered_rows is not None:
-        out_gathered = out.index_select(0, plan.gathered_rows)
-        v_gathered = v.index_select(0, plan.gathered_rows)
-    # Per-slice views, made once per call: the loop below then slices each only once.
-    live = [s for s in range(n_slices) if slice_offsets[s + 1] > slice_offsets[s]]
-    widths = {s: slice(slice_offsets[s], slice_offsets[s + 1]) for s in live}
-    b_t = {s: b[:, widths[s]].transpose(1, 2) for s in live}  # [slots, R, width_s]
-    out_s = {s: out[:, widths[s]] for s in live}
-    v_s = {s: v[:, s * max_rank : (s + 1) * max_rank] for s in live}
-    if plan.gathered_rows is not None:
-        out_gathered_s = {s: out_gathered[:, widths[s]] for s in live}
-        v_gathered_s = {s: v_gathered[:, s * max_rank : (s + 1) * max_rank] for s in live}
     # A one-row bf16/fp16 addmm_ with K = rank pays a large fixed cost on CPU; a product then an add is
     # ~20% faster there, and slower in fp32 or with more rows (measured: benches/cpu_ops.py --dtype bf16).
     reduced_precision = out.dtype != torch.float32
-    for g in plan.groups:
-        ranks, slot_scaling = plan.ranks[g.slot], scalings[g.slot]
-        product_then_add = reduced_precision and g.size == 1
-        if g.start >= 0:
-            rows, outs, vs = slice(g.start, g.start + g.size), out_s, v_s
+
+    def expand_rows(outs: torch.Tensor, vs: torch.Tensor, b_t: torch.Tensor, slot: int, s: int) -> None:
+        # outs: [rows, width_s]; vs: [rows, R] (slice s of v); b_t: [slots, R, width_s]
+        rank = plan.ranks[slot][s]
+        if not rank:
+            return
+        if rank < max_rank:
+            vs, b_slot = vs[:, :rank], b_t[slot, :rank]
         else:
-            rows, outs, vs = slice(g.gathered_at, g.gathered_at + g.size), out_gathered_s, v_gathered_s
-        for s in live:
-            rank = ranks[s]
-            if not rank:
-                continue
-            if product_then_add:
-                delta = torch.mm(vs[s][rows, :rank], b_t[s][g.slot, :rank])
-                outs[s][rows].add_(delta, alpha=slot_scaling[s])
-            else:
-                outs[s][rows].addmm_(vs[s][rows, :rank], b_t[s][g.slot, :rank], alpha=slot_scaling[s])
+            b_slot = b_t[slot]
+        if reduced_precision and outs.shape[0] == 1:
+            outs.add_(torch.mm(vs, b_slot), alpha=scalings[slot][s])
+        else:
+            outs.addmm_(vs, b_slot, alpha=scalings[slot][s])
+
+    if plan.gathered_rows is not None:
+        out_gathered = out.index_select(0, plan.gathered_rows)
+        v_gathered = v.index_select(0, plan.gathered_rows)
+    sizes = plan.gathered_sizes
+    for s in range(n_slices):
+        lo, hi = slice_offsets[s], slice_offsets[s + 1]
+        if lo == hi:
+            continue
+        b_t = b[:, lo:hi].transpose(1, 2)  # [slots, R, width_s]
+        out_s, v_s = out[:, lo:hi], v[:, s * max_rank : (s + 1) * max_rank]
+        for run in plan.runs:
+            rows = slice(run.start, run.start + run.size)
+            expand_rows(out_s[rows], v_s[rows], b_t, run.slot, s)
+        if plan.gathered_rows is not None:
+            outs_g = out_gathered[:, lo:hi].split(sizes)
+            vs_g = v_gathered[:, s * max_rank : (s + 1) * max_rank].split(sizes)
+            for outs, vs, slot in zip(outs_g, vs_g, plan.gathered_slots, strict=True):
+                expand_rows(outs, vs, b_t, slot, s)
     if plan.gathered_rows is not None:
         out.index_copy_(0, plan.gathered_rows, out_gathered)
