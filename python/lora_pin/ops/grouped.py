@@ -6,7 +6,7 @@ on views of ``x`` / ``v`` / ``out`` directly; the tokens of groups made of short
 one adapter spread over the batch) are gathered once, computed on contiguous views of the gathered
 block, and written back once. Each GEMM's inner dimension is the slot's real rank, and the expand GEMM
 accumulates into ``out`` in place (``addmm_``: fp32 accumulation, one rounding; a single bf16/fp16 row
-is a product then an add, two roundings, because that is faster there). Nothing is done per
+is a product in fp32 then one add, because that is faster there). Nothing is done per
 token in Python.
 
 Decode batches over a block of consecutive slots that all share one rank (every slot of a full pool
@@ -46,6 +46,7 @@ _MIN_RUN = 16
 # only for decode-sized groups with little padding.
 _DENSE_MAX_TOKENS = 4
 _DENSE_MAX_PADDING = 1.25
+_DENSE_MAX_PADDING_REDUCED = 2.0
 # Distinct plans kept: one per (step, layer group with its own ranks); a model has a handful of groups.
 _PLAN_CACHE_SIZE = 16
 
@@ -79,8 +80,8 @@ class _Plan(NamedTuple):
     # Slot and row count of each group of the gathered block, in block order.
     gathered_slots: list[int]
     gathered_sizes: list[int]
-    # Set when the whole batch takes the batched path (then runs and the gathered block are empty).
-    dense: _Dense | None
+    # Blocks of slots taken by the batched path (none of their tokens is in runs or the gathered block).
+    dense: list[_Dense]
 
 
 def _content(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
@@ -104,11 +105,14 @@ class _PlanCache:
         slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
         n_tokens: int,
         max_rank: int,
+        dtype: torch.dtype,
     ) -> _Plan:
+        max_padding = _DENSE_MAX_PADDING if dtype == torch.float32 else _DENSE_MAX_PADDING_REDUCED
         key = (
             str(perm.device),
             n_tokens,
             max_rank,
+            max_padding,
             *(_content(t) for t in (perm, seg_indptr, seg_slots, slot_ranks)),
         )
         with self._lock:
@@ -116,7 +120,7 @@ class _PlanCache:
             if plan is not None:
                 self._plans.move_to_end(key)
                 return plan
-        plan = _build_plan(perm, seg_indptr, seg_slots, slot_ranks, n_tokens, max_rank)
+        plan = _build_plan(perm, seg_indptr, seg_slots, slot_ranks, n_tokens, max_rank, max_padding)
         with self._lock:
             self._plans[key] = plan
             while len(self._plans) > self._size:
@@ -127,39 +131,56 @@ class _PlanCache:
 _PLANS = _PlanCache(_PLAN_CACHE_SIZE)
 
 
-def _dense(spans: list[list[int]], perm: torch.Tensor, ranks: list[list[int]], n_rows: int) -> _Dense | None:
-    """The batched path's layout, or None when the spans do not fit it (see ``_DENSE_MAX_*``)."""
+def _dense_blocks(
+    spans: list[list[int]], perm: torch.Tensor, ranks: list[list[int]], max_padding: float
+) -> tuple[list[_Dense], list[list[int]]]:
+    """Picks the slots the batched path takes; returns its blocks and the spans left to the other paths.
+
+    Candidates are the slots with at most ``_DENSE_MAX_TOKENS`` tokens and one rank in every slice;
+    per rank, the block is the candidates with at most ``T`` tokens, over the slot range they span, for
+    the ``T`` that takes the most slots while the padded rows (idle slots of the range included) stay
+    within ``max_padding`` times the real ones.
+    """
     counts: dict[int, int] = {}
     for slot, lo, hi in spans:
         counts[slot] = counts.get(slot, 0) + hi - lo
-    first, last = min(counts), max(counts)
-    n_slots, tokens_per_slot = last - first + 1, max(counts.values())
-    covered = sum(counts.values())
-    rank = ranks[first][0]
-    if (
-        len(counts) != n_slots
-        or tokens_per_slot > _DENSE_MAX_TOKENS
-        or n_slots * tokens_per_slot > _DENSE_MAX_PADDING * covered
-        or any(r != rank for slot in counts for r in ranks[slot])
-    ):
-        return None
-    by_slot = sorted(spans, key=lambda span: span[0])  # stable: a slot's spans keep their order
-    rows = (
-        perm if len(by_slot) == 1 and covered == n_rows else torch.cat([perm[lo:hi] for _, lo, hi in by_slot])
-    )
-    if tokens_per_slot == 1:
-        return _Dense(first, n_slots, 1, rank, rows, None)
-    positions = [
-        (slot - first) * tokens_per_slot + i for slot in range(first, last + 1) for i in range(counts[slot])
-    ]
-    return _Dense(
-        first,
-        n_slots,
-        tokens_per_slot,
-        rank,
-        rows,
-        torch.tensor(positions, dtype=torch.int64, device=perm.device),
-    )
+    by_rank: dict[int, list[int]] = {}
+    for slot, count in counts.items():
+        rank = ranks[slot][0]
+        if count <= _DENSE_MAX_TOKENS and all(r == rank for r in ranks[slot]):
+            by_rank.setdefault(rank, []).append(slot)
+    blocks: list[_Dense] = []
+    taken: set[int] = set()
+    for rank, candidates in by_rank.items():
+        best: list[int] = []
+        for per_slot in range(1, _DENSE_MAX_TOKENS + 1):
+            members = [slot for slot in candidates if counts[slot] <= per_slot]
+            if len(members) < 2 or len(members) <= len(best):
+                continue
+            padded = (max(members) - min(members) + 1) * per_slot
+            if padded <= max_padding * sum(counts[slot] for slot in members):
+                best = members
+        if not best:
+            continue
+        first, last, per_slot = min(best), max(best), max(counts[slot] for slot in best)
+        chosen = set(best)
+        by_slot = sorted((span for span in spans if span[0] in chosen), key=lambda span: span[0])
+        rows = torch.cat([perm[lo:hi] for _, lo, hi in by_slot])
+        positions = None
+        if per_slot > 1 or last - first + 1 != len(best):
+            positions = torch.tensor(
+                [
+                    (slot - first) * per_slot + i
+                    for slot in range(first, last + 1)
+                    if slot in chosen
+                    for i in range(counts[slot])
+                ],
+                dtype=torch.int64,
+                device=perm.device,
+            )
+        blocks.append(_Dense(first, last - first + 1, per_slot, rank, rows, positions))
+        taken |= chosen
+    return blocks, [span for span in spans if span[0] not in taken]
 
 
 def _build_plan(
@@ -169,6 +190,7 @@ def _build_plan(
     slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
     n_tokens: int,
     max_rank: int,
+    max_padding: float,
 ) -> _Plan:
     """Reads the segment arrays once and decides: the batched path, or per group views or gathering."""
     indptr, seg_slot_list, ranks = seg_indptr.tolist(), seg_slots.tolist(), slot_ranks.tolist()
@@ -195,9 +217,9 @@ def _build_plan(
         else:
             spans.append([slot, lo, hi])
     if not spans:
-        return _Plan(ranks, [], None, [], [], None)
-    dense = _dense(spans, perm, ranks, n_rows)
-    if dense is not None:
+        return _Plan(ranks, [], None, [], [], [])
+    dense, spans = _dense_blocks(spans, perm, ranks, max_padding)
+    if not spans:
         return _Plan(ranks, [], None, [], [], dense)
 
     # Cut every span into runs of consecutive tokens. Runs long enough for a GEMM to pay become views
@@ -233,7 +255,7 @@ def _build_plan(
         rows = perm  # the spans are in perm's order and cover it
     else:
         rows = torch.cat([perm[lo:hi] for lo, hi in gathered_spans])
-    return _Plan(ranks, runs, rows, gathered_slots, [hi - lo for lo, hi in gathered_spans], None)
+    return _Plan(ranks, runs, rows, gathered_slots, [hi - lo for lo, hi in gathered_spans], dense)
 
 
 def _shrink_dense(
@@ -307,10 +329,9 @@ def shrink_grouped(
     """:func:`lora_pin.ops.shrink` on CPU; arguments already checked by ``check_shrink_args``."""
     max_rank = a.shape[1] // n_slices
     v = x.new_zeros(x.shape[0], n_slices * max_rank)  # [T, n_slices * R]
-    plan = _PLANS.get(perm, seg_indptr, seg_slots, slot_ranks, x.shape[0], max_rank)
-    if plan.dense is not None:
-        _shrink_dense(x, a, v, plan.dense, n_slices)
-        return v
+    plan = _PLANS.get(perm, seg_indptr, seg_slots, slot_ranks, x.shape[0], max_rank, x.dtype)
+    for block in plan.dense:
+        _shrink_dense(x, a, v, block, n_slices)
     a_t = a.transpose(1, 2)  # [slots, in, n_slices * R]; views are made once per call, not per group
 
     def shrink_rows(xs: torch.Tensor, vs: torch.Tensor, slot: int) -> None:
@@ -352,15 +373,15 @@ def expand_grouped(
     """:func:`lora_pin.ops.expand` on CPU; arguments already checked by ``check_expand_args``."""
     max_rank = b.shape[2]
     n_slices = len(slice_offsets) - 1
-    plan = _PLANS.get(perm, seg_indptr, seg_slots, slot_ranks, out.shape[0], max_rank)
-    if plan.dense is not None:
-        _expand_dense(out, v, b, slot_scalings, slice_offsets, plan.dense)
-        return
+    plan = _PLANS.get(perm, seg_indptr, seg_slots, slot_ranks, out.shape[0], max_rank, out.dtype)
+    for block in plan.dense:
+        _expand_dense(out, v, b, slot_scalings, slice_offsets, block)
     if not plan.runs and plan.gathered_rows is None:
         return
     scalings = slot_scalings.tolist()
-    # A one-row bf16/fp16 addmm_ with K = rank pays a large fixed cost on CPU; a product then an add is
-    # ~20% faster there, and slower in fp32 or with more rows (measured: benches/cpu_ops.py --dtype bf16).
+    # A bf16/fp16 addmm_ of a few rows with K = rank pays a large fixed cost in oneDNN; the product in
+    # fp32, added once, is ~1.3-1.5x faster there (one rounding, too) up to a few rows, and slower with
+    # many (measured: 1 thread, hidden 4096, q/k/v, rank 16: 84 -> 56 us per slot at 1 row, 96 -> 75 at 3).
     reduced_precision = out.dtype != torch.float32
 
     def expand_rows(outs: torch.Tensor, vs: torch.Tensor, b_t: torch.Tensor, slot: int, s: int) -> None:
@@ -372,8 +393,8 @@ def expand_grouped(
             vs, b_slot = vs[:, :rank], b_t[slot, :rank]
         else:
             b_slot = b_t[slot]
-        if reduced_precision and outs.shape[0] == 1:
-            outs.add_(torch.mm(vs, b_slot), alpha=scalings[slot][s])
+        if reduced_precision and outs.shape[0] <= _DENSE_MAX_TOKENS:
+            outs.add_(torch.mm(vs.float(), b_slot.float()), alpha=scalings[slot][s])
         else:
             outs.addmm_(vs, b_slot, alpha=scalings[slot][s])
 
