@@ -39,14 +39,14 @@ __all__ = ["expand_grouped", "shrink_grouped"]
 # 4096, rank 16, 4 slots x 8 runs of L tokens, 1 thread): gathering wins by 15-70% for L <= 8, they tie at
 # 16, views win 2x at 32 and 3x at 64 (gathering copies out's rows twice).
 _MIN_RUN = 16
-# The batched path pads every slot of its block to the busiest slot's token count. Measured (fp32 and
-# bf16, hidden 4096, q/k/v, rank 16, 1 thread): with one token per slot it is 10-25% (fp32) and 2x
-# (bf16: one oneDNN call instead of four per slot) faster than the per-slot GEMMs; an idle slot in the
-# block costs a full read of its weights and a padded row costs about half a row's GEMM, so it is taken
-# only for decode-sized groups with little padding.
+# The batched path pads every slot of its block to the busiest slot's token count, and an idle slot
+# inside the block costs a full read of its weights. Measured per slot (hidden 4096, q/k/v, rank 16,
+# 1 token, 1 thread, caches cold): fp32 ~58 us batched vs ~66 us one GEMM per slice and slot; bf16
+# ~50 us vs ~90 us (oneDNN's fixed cost per call). So the padded rows may exceed the real ones by these
+# factors, and only decode-sized groups are taken (a padded row costs about half a row's GEMM).
 _DENSE_MAX_TOKENS = 4
-_DENSE_MAX_PADDING = 1.25
-_DENSE_MAX_PADDING_REDUCED = 2.0
+_DENSE_MAX_PADDING = 1.1
+_DENSE_MAX_PADDING_REDUCED = 1.75
 # Distinct plans kept: one per (step, layer group with its own ranks); a model has a handful of groups.
 _PLAN_CACHE_SIZE = 16
 
@@ -296,25 +296,29 @@ def _expand_dense(
     max_rank, n_slices = b.shape[2], len(slice_offsets) - 1
     n, per_slot, rank = d.n_slots, d.tokens_per_slot, d.rank
     v_rows = v.index_select(0, d.rows)
+    out_rows = out.index_select(0, d.rows)
     if d.positions is not None:
         v_rows = v.new_zeros(n * per_slot, v.shape[1]).index_copy_(0, d.positions, v_rows)
-    # Scaled in fp32 and rounded once, so the GEMM's product is the only other rounding.
+        out_rows = out.new_zeros(n * per_slot, out.shape[1]).index_copy_(0, d.positions, out_rows)
+    # Scaled in fp32 and rounded once; the GEMMs then accumulate into out's rows in place.
     scalings = slot_scalings[d.first_slot : d.first_slot + n].view(n, 1, n_slices, 1)
     v_block = (v_rows.view(n, per_slot, n_slices, max_rank)[..., :rank].float() * scalings).to(v.dtype)
+    out_block = out_rows.view(n, per_slot, out.shape[1])
     b_block = b[d.first_slot : d.first_slot + n, :, :rank]  # [n, out_total, rank], a view
     for s in range(n_slices):
         lo, hi = slice_offsets[s], slice_offsets[s + 1]
         if lo == hi:
             continue
         if out.dtype == torch.float32:
-            delta = torch.bmm(v_block[:, :, s], b_block[:, lo:hi].transpose(1, 2))  # [n, per_slot, width]
+            out_block[:, :, lo:hi].baddbmm_(v_block[:, :, s], b_block[:, lo:hi].transpose(1, 2))
         else:
-            # oneDNN's reduced-precision bmm is ~1.7x faster with the weights as the left operand.
-            delta = torch.bmm(b_block[:, lo:hi], v_block[:, :, s].transpose(1, 2)).transpose(1, 2)
-        delta_rows = delta.reshape(n * per_slot, hi - lo)
-        if d.positions is not None:
-            delta_rows = delta_rows.index_select(0, d.positions)
-        out[:, lo:hi].index_add_(0, d.rows, delta_rows)
+            # oneDNN's reduced-precision bmm is ~1.7x faster with the weights as the left operand, and
+            # its baddbmm_ into a transposed view falls off a cliff (~30x), so the product is added after.
+            delta = torch.bmm(b_block[:, lo:hi], v_block[:, :, s].transpose(1, 2))  # [n, width, per_slot]
+            out_block[:, :, lo:hi].add_(delta.transpose(1, 2))
+    if d.positions is not None:
+        out_rows = out_rows.index_select(0, d.positions)
+    out.index_copy_(0, d.rows, out_rows)
 
 
 def shrink_grouped(
