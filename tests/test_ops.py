@@ -221,6 +221,106 @@ def test_strided_inputs_and_outputs():
     _assert_close(out, want)
 
 
+# --- the batched decode path and the plan cache ---------------------------------------------------
+
+
+def _dense_blocks(token_slots, layer, dtype):
+    """White box: the batched path's blocks for this batch, as (first slot, slots, tokens per slot)."""
+    from lora_pin.ops.grouped import _PLANS
+
+    batch = segments_from_slots(token_slots, 2)
+    max_rank = layer.b.shape[2]
+    plan = _PLANS.get(*batch, layer.slot_ranks, token_slots.shape[0], max_rank, dtype)
+    return [(d.first_slot, d.n_slots, d.tokens_per_slot) for d in plan.dense], batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_a_full_decode_block_runs_batched_and_matches_the_reference(dtype):
+    gen = torch.Generator().manual_seed(9)
+    layer = random_layer(6, 64, QKV_GQA, [8], dtype, gen)
+    token_slots = torch.tensor([3, -1, 0, 5, 1, -1, 4, 2])
+    blocks, batch = _dense_blocks(token_slots, layer, dtype)
+    assert blocks == [(0, 6, 1)]
+    x = torch.randn(8, 64, generator=gen).to(dtype)
+    out = torch.randn(8, layer.slice_offsets[-1], generator=gen).to(dtype)
+    v = shrink(x, layer.a, *batch, layer.slot_ranks, 3)
+    want_v = shrink_reference(x, layer.a, *batch, layer.slot_ranks, 3)
+    _assert_close(v, want_v)
+    assert torch.equal(v == 0, want_v == 0)
+    got = out.clone()
+    lora_delta_(got, x, layer.a, layer.b, batch, *layer[2:])
+    _assert_close(got, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
+    base = token_slots < 0
+    assert torch.equal(_bits(got[base]), _bits(out[base]))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "token_slots", "block"),
+    [
+        # Every slot of 1..5 holds two tokens: padded rows = real rows.
+        (torch.float32, [1, 2, 0, 3, 4, 5, 0, 1, 2, 0, 3, -1, 4, 5, 0, 0], (1, 5, 2)),
+        # bf16 allows idle slots in the block: slot 3 is idle, slot 0 is too busy to be batched.
+        (torch.bfloat16, [1, 2, 0, 4, 5, 0, 1, 2, 0, -1, 4, 5, 0, 0], (1, 5, 2)),
+    ],
+    ids=["fp32-two-tokens", "bf16-idle-slot"],
+)
+def test_a_padded_block_beside_a_busy_slot_never_reads_past_rank_or_idle_slots(dtype, token_slots, block):
+    gen = torch.Generator().manual_seed(10)
+    # Slot 0 has rank 8 (so R = 8); slots 1..5 share rank 4, so the block stops at column 4.
+    layer = random_layer(6, 40, [24, 8], [8, 4, 4, 4, 4, 4], dtype, gen)
+    token_slots = torch.tensor(token_slots)
+    blocks, batch = _dense_blocks(token_slots, layer, dtype)
+    assert blocks == [block]
+    x = torch.randn(token_slots.shape[0], 40, generator=gen).to(dtype)
+    out = torch.randn(token_slots.shape[0], 32, generator=gen).to(dtype)
+    want = lora_reference(out, x, *layer[:2], token_slots, *layer[2:])
+    for slot in range(1, 6):
+        for s in range(2):
+            layer.a[slot, s * 8 + 4 : s * 8 + 8] = float("nan")
+        layer.b[slot, :, 4:] = float("nan")
+    if 3 not in token_slots.tolist():
+        layer.a[3] = float("nan")
+        layer.b[3] = float("nan")
+    v = shrink(x, layer.a, *batch, layer.slot_ranks, 2)
+    assert not v.isnan().any()
+    got = out.clone()
+    expand(got, v, layer.b, *batch, *layer[2:])
+    _assert_close(got, want)
+    base = token_slots < 0
+    assert torch.equal(_bits(got[base]), _bits(out[base]))
+
+
+def test_mixed_ranks_split_into_one_block_per_rank():
+    gen = torch.Generator().manual_seed(11)
+    layer = random_layer(8, 32, [16, 16], [4, 4, 4, 4, 8, 8, 8, 8], torch.float32, gen)
+    token_slots = torch.tensor([0, 3, 1, 3, 2, 3, 4, 3, 5, 3, 6, 7])
+    blocks, batch = _dense_blocks(token_slots, layer, torch.float32)
+    assert sorted(blocks) == [(0, 3, 1), (4, 4, 1)]  # slot 3 (six tokens) is left to the grouped path
+    x, out = torch.randn(12, 32, generator=gen), torch.randn(12, 32, generator=gen)
+    got = out.clone()
+    lora_delta_(got, x, layer.a, layer.b, batch, *layer[2:])
+    _assert_close(got, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
+
+
+def test_plans_are_cached_by_content_so_a_buffer_refilled_in_place_is_replanned():
+    gen = torch.Generator().manual_seed(12)
+    layer = random_layer(4, 16, [8], [4], torch.float32, gen)
+    x, out = torch.randn(6, 16, generator=gen), torch.randn(6, 8, generator=gen)
+    first, second = torch.tensor([0, 1, 2, 3, 0, 1]), torch.tensor([3, 3, 1, 0, 2, 2])
+    batch = segments_from_slots(first)
+    got = out.clone()
+    lora_delta_(got, x, layer.a, layer.b, batch, *layer[2:])
+    _assert_close(got, lora_reference(out, x, *layer[:2], first, *layer[2:]))
+    # The planner's next step reuses the same tensors; numpy writes do not bump torch's version counter.
+    refilled = segments_from_slots(second)
+    for old, new in zip(batch, refilled, strict=True):
+        assert old.shape == new.shape
+        old.numpy()[:] = new.numpy()
+    got = out.clone()
+    lora_delta_(got, x, layer.a, layer.b, batch, *layer[2:])
+    _assert_close(got, lora_reference(out, x, *layer[:2], second, *layer[2:]))
+
+
 # --- contract ----------------------------------------------------------------------------------
 
 
