@@ -5,14 +5,15 @@ form long runs of consecutive tokens (prefill requests; any single decode token)
 on views of ``x`` / ``v`` / ``out`` directly; the tokens of groups made of short runs (decode tokens of
 one adapter spread over the batch) are gathered once, computed on contiguous views of the gathered
 block, and written back once. Each GEMM's inner dimension is the slot's real rank, and the expand GEMM
-accumulates into ``out`` in place (``addmm_``: fp32 accumulation, one rounding; a single bf16/fp16 row
-is a product in fp32 then one add, because that is faster there). Nothing is done per
-token in Python.
+accumulates into ``out`` in place (``addmm_``: fp32 accumulation, one rounding; a bf16/fp16 group of
+up to a dozen rows multiplies in fp32 and adds once, because that is faster there). Nothing is done
+per token in Python.
 
-Decode batches over a block of consecutive slots that all share one rank (every slot of a full pool
-used by one or a few tokens) take a batched path instead: the tokens are scattered into a zero-padded
-``[slots, tokens_per_slot, in]`` block and each op is one ``bmm`` per slice on views of the pool, with
-no weight gathered and nothing read past the shared rank.
+Decode-sized slots (a few tokens each) that share one rank take a batched path instead, one block per
+rank over the range of slots they span: their tokens are scattered into a zero-padded
+``[slots, tokens_per_slot, in]`` block and each op is one ``bmm`` per slice on views of the pool. No
+weight is gathered and nothing past the shared rank is read; idle slots inside the range (allowed
+within a padding budget) are computed on zero rows and discarded.
 
 The plan (groups, gathered rows) is derived from the segment arrays on the host and cached by their
 contents, so the shrink and expand of every layer of one step plan once. The ops run this path for
@@ -47,6 +48,8 @@ _MIN_RUN = 16
 _DENSE_MAX_TOKENS = 4
 _DENSE_MAX_PADDING = 1.1
 _DENSE_MAX_PADDING_REDUCED = 1.75
+# A bf16/fp16 expand of at most this many rows multiplies in fp32 (measured in expand_grouped).
+_FP32_PRODUCT_MAX_ROWS = 12
 # Distinct plans kept: one per (step, layer group with its own ranks); a model has a handful of groups.
 _PLAN_CACHE_SIZE = 16
 
@@ -60,7 +63,10 @@ class _Run(NamedTuple):
 
 
 class _Dense(NamedTuple):
-    """Slots ``[first_slot, first_slot + n_slots)``, all used, at one ``rank`` in every slice."""
+    """Slots ``[first_slot, first_slot + n_slots)`` batched at one ``rank`` in every slice.
+
+    Slots of the range with no token in ``rows`` are idle: computed on zero rows, never written back.
+    """
 
     first_slot: int
     n_slots: int
@@ -73,6 +79,8 @@ class _Dense(NamedTuple):
 
 
 class _Plan(NamedTuple):
+    """How one call runs: which slots are batched, which rows are views, which are gathered."""
+
     ranks: list[list[int]]
     runs: list[_Run]
     # Token indices of the gathered block, in order; None when nothing is gathered.
@@ -167,7 +175,7 @@ def _dense_blocks(
         by_slot = sorted((span for span in spans if span[0] in chosen), key=lambda span: span[0])
         rows = torch.cat([perm[lo:hi] for _, lo, hi in by_slot])
         positions = None
-        if per_slot > 1 or last - first + 1 != len(best):
+        if (last - first + 1) * per_slot != rows.shape[0]:  # else every padded row is a token, in order
             positions = torch.tensor(
                 [
                     (slot - first) * per_slot + i
@@ -384,8 +392,8 @@ def expand_grouped(
         return
     scalings = slot_scalings.tolist()
     # A bf16/fp16 addmm_ of a few rows with K = rank pays a large fixed cost in oneDNN; the product in
-    # fp32, added once, is ~1.3-1.5x faster there (one rounding, too) up to a few rows, and slower with
-    # many (measured: 1 thread, hidden 4096, q/k/v, rank 16: 84 -> 56 us per slot at 1 row, 96 -> 75 at 3).
+    # fp32, added once, is faster there (and rounds once) up to about a dozen rows (measured, 1 thread,
+    # hidden 4096, q/k/v, rank 16, us per slot: 84 -> 56 at 1 row, 103 -> 81 at 8, 124 -> 149 at 24).
     reduced_precision = out.dtype != torch.float32
 
     def expand_rows(outs: torch.Tensor, vs: torch.Tensor, b_t: torch.Tensor, slot: int, s: int) -> None:
@@ -397,7 +405,7 @@ def expand_grouped(
             vs, b_slot = vs[:, :rank], b_t[slot, :rank]
         else:
             b_slot = b_t[slot]
-        if reduced_precision and outs.shape[0] <= _DENSE_MAX_TOKENS:
+        if reduced_precision and outs.shape[0] <= _FP32_PRODUCT_MAX_ROWS:
             outs.add_(torch.mm(vs.float(), b_slot.float()), alpha=scalings[slot][s])
         else:
             outs.addmm_(vs, b_slot, alpha=scalings[slot][s])
