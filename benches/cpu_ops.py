@@ -104,7 +104,8 @@ def time_interleaved(
 ) -> dict[str, float]:
     """Best seconds of one call of each over interleaved rounds, caches flushed before every call.
 
-    The methods take turns within every round, so a noisy neighbour slows them all alike; the best
+    The methods take turns within every round, in an order that rotates from round to round, so a noisy
+    neighbour slows them all alike; the best
     round (timeit's advice) is the one least disturbed. Writing ``flush`` (larger than the last-level
     cache) before each call makes every method start cold, as in a model where each layer's adapter
     weights come from memory once per step, and keeps one method from warming the cache for the next.
@@ -114,8 +115,13 @@ def time_interleaved(
     samples: dict[str, list[float]] = {name: [] for name in fns}
     deadline = time.perf_counter() + budget_s * len(fns)
     rounds = 0
+    names = list(fns)
     while rounds < max_reps and (rounds < 5 or time.perf_counter() < deadline):
-        for name, fn in fns.items():
+        # The order rotates every round, so each method follows every other equally often: on this VM a
+        # call made right after a long one runs measurably slower whatever it is.
+        for i in range(len(names)):
+            name = names[(rounds + i) % len(names)]
+            fn = fns[name]
             flush.add_(1)
             start = time.perf_counter()
             fn()

@@ -7,7 +7,7 @@ graph capture and under fake tensors; with symbolic shapes they become guards.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -22,9 +22,10 @@ MAX_SLICES = 8
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _require(ok: bool, message: str) -> None:
+def _require(ok: bool, message: Callable[[], str]) -> None:
+    # The message is built only on failure: the checks run on every op call.
     if not ok:
-        raise OpArgumentError(message)
+        raise OpArgumentError(message())
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -42,25 +43,31 @@ def _check_segments(
 ) -> None:
     _require(
         perm.dim() == 1 and perm.dtype == torch.int64,
-        f"perm must be int64 [N], got {_shape(perm)} {perm.dtype}",
+        lambda: f"perm must be int64 [N], got {_shape(perm)} {perm.dtype}",
     )
     _require(
-        perm.shape[0] <= n_tokens, f"perm has {perm.shape[0]} rows but the input has only {n_tokens} tokens"
+        perm.shape[0] <= n_tokens,
+        lambda: f"perm has {perm.shape[0]} rows but the input has only {n_tokens} tokens",
     )
     _require(
         seg_indptr.dim() == 1 and seg_indptr.dtype == torch.int32 and seg_indptr.shape[0] >= 1,
-        f"seg_indptr must be int32 [S + 1], got {_shape(seg_indptr)} {seg_indptr.dtype}",
+        lambda: f"seg_indptr must be int32 [S + 1], got {_shape(seg_indptr)} {seg_indptr.dtype}",
     )
     _require(
         seg_slots.dim() == 1
         and seg_slots.dtype == torch.int32
         and seg_slots.shape[0] == seg_indptr.shape[0] - 1,
-        f"seg_slots must be int32 [S] with S = len(seg_indptr) - 1 = {seg_indptr.shape[0] - 1}, "
-        f"got {_shape(seg_slots)} {seg_slots.dtype}",
+        lambda: (
+            f"seg_slots must be int32 [S] with S = len(seg_indptr) - 1 = {seg_indptr.shape[0] - 1}, "
+            f"got {_shape(seg_slots)} {seg_slots.dtype}"
+        ),
     )
     _require(
         slot_ranks.dim() == 2 and slot_ranks.dtype == torch.int32 and slot_ranks.shape[1] == n_slices,
-        f"slot_ranks must be int32 [slots, n_slices={n_slices}], got {_shape(slot_ranks)} {slot_ranks.dtype}",
+        lambda: (
+            f"slot_ranks must be int32 [slots, n_slices={n_slices}], "
+            f"got {_shape(slot_ranks)} {slot_ranks.dtype}"
+        ),
     )
     for name, t in (
         ("perm", perm),
@@ -68,7 +75,8 @@ def _check_segments(
         ("seg_slots", seg_slots),
         ("slot_ranks", slot_ranks),
     ):
-        _require(t.device == device, f"{name} is on {t.device} but the activations are on {device}")
+        if t.device != device:
+            raise OpArgumentError(f"{name} is on {t.device} but the activations are on {device}")
 
 
 def check_shrink_args(
@@ -87,17 +95,21 @@ def check_shrink_args(
     """
     _require(
         x.dim() == 2 and x.dtype in _FLOAT_DTYPES,
-        f"x must be fp16/bf16/fp32 [T, in], got {_shape(x)} {x.dtype}",
+        lambda: f"x must be fp16/bf16/fp32 [T, in], got {_shape(x)} {x.dtype}",
     )
     _require(
         a.dim() == 3 and a.dtype == x.dtype and a.shape[2] == x.shape[1],
-        f"a must be {x.dtype} [slots, n_slices * R, in={x.shape[1]}], got {_shape(a)} {a.dtype}",
+        lambda: f"a must be {x.dtype} [slots, n_slices * R, in={x.shape[1]}], got {_shape(a)} {a.dtype}",
     )
-    _require(a.device == x.device, f"a is on {a.device} but x is on {x.device}")
-    _require(1 <= n_slices <= MAX_SLICES, f"n_slices must be in [1, {MAX_SLICES}], got {n_slices}")
-    _require(a.shape[1] % n_slices == 0, f"a.shape[1]={a.shape[1]} is not a multiple of n_slices={n_slices}")
+    _require(a.device == x.device, lambda: f"a is on {a.device} but x is on {x.device}")
+    _require(1 <= n_slices <= MAX_SLICES, lambda: f"n_slices must be in [1, {MAX_SLICES}], got {n_slices}")
     _require(
-        slot_ranks.shape[0] == a.shape[0], f"slot_ranks has {slot_ranks.shape[0]} slots, a has {a.shape[0]}"
+        a.shape[1] % n_slices == 0,
+        lambda: f"a.shape[1]={a.shape[1]} is not a multiple of n_slices={n_slices}",
+    )
+    _require(
+        slot_ranks.shape[0] == a.shape[0],
+        lambda: f"slot_ranks has {slot_ranks.shape[0]} slots, a has {a.shape[0]}",
     )
     _check_segments(x.device, perm, seg_indptr, seg_slots, slot_ranks, n_slices, x.shape[0])
     return a.shape[1] // n_slices
@@ -122,21 +134,21 @@ def check_expand_args(
     n_slices = len(slice_offsets) - 1
     _require(
         out.dim() == 2 and out.dtype in _FLOAT_DTYPES,
-        f"out must be fp16/bf16/fp32 [T, out_total], got {_shape(out)} {out.dtype}",
+        lambda: f"out must be fp16/bf16/fp32 [T, out_total], got {_shape(out)} {out.dtype}",
     )
     _require(
         1 <= n_slices <= MAX_SLICES,
-        f"slice_offsets must hold 2..{MAX_SLICES + 1} ints, got {list(slice_offsets)}",
+        lambda: f"slice_offsets must hold 2..{MAX_SLICES + 1} ints, got {list(slice_offsets)}",
     )
     _require(
         slice_offsets[0] == 0
         and slice_offsets[-1] == out.shape[1]
         and all(lo <= hi for lo, hi in itertools.pairwise(slice_offsets)),
-        f"slice_offsets must rise from 0 to out_total={out.shape[1]}, got {list(slice_offsets)}",
+        lambda: f"slice_offsets must rise from 0 to out_total={out.shape[1]}, got {list(slice_offsets)}",
     )
     _require(
         b.dim() == 3 and b.dtype == out.dtype and b.shape[1] == out.shape[1],
-        f"b must be {out.dtype} [slots, out_total={out.shape[1]}, R], got {_shape(b)} {b.dtype}",
+        lambda: f"b must be {out.dtype} [slots, out_total={out.shape[1]}, R], got {_shape(b)} {b.dtype}",
     )
     max_rank = b.shape[2]
     _require(
@@ -144,18 +156,24 @@ def check_expand_args(
         and v.dtype == out.dtype
         and v.shape[0] == out.shape[0]
         and v.shape[1] == n_slices * max_rank,
-        f"v must be {out.dtype} [T={out.shape[0]}, n_slices * R={n_slices * max_rank}], "
-        f"got {_shape(v)} {v.dtype}",
+        lambda: (
+            f"v must be {out.dtype} [T={out.shape[0]}, n_slices * R={n_slices * max_rank}], "
+            f"got {_shape(v)} {v.dtype}"
+        ),
     )
     _require(
-        slot_ranks.shape[0] == b.shape[0], f"slot_ranks has {slot_ranks.shape[0]} slots, b has {b.shape[0]}"
+        slot_ranks.shape[0] == b.shape[0],
+        lambda: f"slot_ranks has {slot_ranks.shape[0]} slots, b has {b.shape[0]}",
     )
     _require(
         slot_scalings.dtype == torch.float32 and _shape(slot_scalings) == (b.shape[0], n_slices),
-        f"slot_scalings must be float32 [slots={b.shape[0]}, n_slices={n_slices}], "
-        f"got {_shape(slot_scalings)} {slot_scalings.dtype}",
+        lambda: (
+            f"slot_scalings must be float32 [slots={b.shape[0]}, n_slices={n_slices}], "
+            f"got {_shape(slot_scalings)} {slot_scalings.dtype}"
+        ),
     )
     for name, t in (("v", v), ("b", b), ("slot_scalings", slot_scalings)):
-        _require(t.device == out.device, f"{name} is on {t.device} but out is on {out.device}")
+        if t.device != out.device:
+            raise OpArgumentError(f"{name} is on {t.device} but out is on {out.device}")
     _check_segments(out.device, perm, seg_indptr, seg_slots, slot_ranks, n_slices, out.shape[0])
     return max_rank
