@@ -266,3 +266,53 @@ def test_fused_modules_are_checked(world: World) -> None:
         )
     with pytest.raises(lora_pin.SpecError, match="must stack one of"):
         LoRAManager(toy, items(world), fused_modules={"qkv_proj": [("q_proj", 64), ("v_proj", 64)]})
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_model_families_equal_peft(family: str, tmp_path: Path) -> None:
+    """Qwen2 (q/k/v with bias) and Mistral models are wrapped by module name like Llama."""
+    from peft import PeftModel
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model_cls, config = (
+        (Qwen2ForCausalLM, Qwen2Config(**shape))
+        if family == "qwen2"
+        else (MistralForCausalLM, MistralConfig(**shape))
+    )
+    base = model_cls(config).eval()
+    base.save_pretrained(tmp_path / "base")
+    adapters = {
+        "x": make_peft_adapter(base, tmp_path / "x", r=8, lora_alpha=16, target_modules=ATTN + MLP, seed=11),
+        "y": make_peft_adapter(
+            base, tmp_path / "y", r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"], seed=12
+        ),
+    }
+    peft = PeftModel.from_pretrained(
+        model_cls.from_pretrained(tmp_path / "base"), adapters["x"], adapter_name="x"
+    )
+    peft.load_adapter(adapters["y"], adapter_name="y")
+    peft.eval()
+    model = model_cls.from_pretrained(tmp_path / "base").eval()
+    mgr = LoRAManager(model, [f"{n}={p}" for n, p in adapters.items()], max_loras_per_batch=2)
+    names: list[str | None] = ["y", None, "x"]
+    ids = tokens(3, 5, 21)
+    with torch.no_grad(), mgr.batch(names):
+        got = model(ids).logits
+    with torch.no_grad():
+        want = peft(ids, adapter_names=[n or "__base__" for n in names]).logits
+    assert_close(got, want)
+    with torch.no_grad():
+        base_logits = model(ids).logits  # no active step: the wrapped model is the base model
+    assert torch.equal(got[1], base_logits[1]), "the base-model row was touched"
+    assert not torch.equal(got[0], base_logits[0]) and not torch.equal(got[2], base_logits[2])
