@@ -48,3 +48,17 @@ def test_demo_bad_arguments_exit_2(cache: Path) -> None:
     out = run_demo("--cache-dir", str(cache), "--lora-paths", "a=/nowhere")
     assert out.returncode == 2
     assert "--lora-paths needs --model" in out.stderr
+
+
+def test_demo_on_a_users_own_model_and_adapters(cache: Path) -> None:
+    from lora_pin.demo.assets import ensure_demo_assets
+
+    assets = ensure_demo_assets(cache)
+    items = [f"mine={assets.adapter_dirs['law']}", f"other={assets.adapter_dirs['code']}"]
+    out = run_demo(
+        "--model", str(assets.model_dir), "--lora-paths", *items, "--requests", "20", "--check-every", "2",
+        "--max-loras-per-batch", "2", "--max-loaded-loras", "2", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = orjson.loads(out.stdout)
+    assert report["ok"] and report["checked_steps"] >= 2 and report["pinned"] == []
