@@ -3,6 +3,7 @@
 //! even briefly: victims leave before anything enters.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use crate::policy::{AdapterKey, EvictionPolicy, Usage};
 use crate::registry::Registry;
@@ -44,8 +45,8 @@ impl Tier {
 /// An adapter that left a tier to make room.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Eviction {
-    /// The adapter's name.
-    pub name: String,
+    /// The adapter's name (shared with the registry: no copy per eviction).
+    pub name: Arc<str>,
     /// The tier it left.
     pub tier: Tier,
     /// The slot it left (device evictions only).
@@ -209,7 +210,7 @@ impl Registry {
             if self.get(victim).slot.is_some() {
                 self.evict_device(victim, evicted);
             }
-            let name = self.get(victim).r.lora_name.clone();
+            let name = Arc::clone(&self.get(victim).name);
             self.leave_host(victim);
             self.refresh(victim);
             self.host.counters.evictions += 1;
@@ -256,7 +257,7 @@ impl Registry {
         let slot = self.free_slot(key);
         self.device.counters.evictions += 1;
         evicted.push(Eviction {
-            name: self.get(key).r.lora_name.clone(),
+            name: Arc::clone(&self.get(key).name),
             tier: Tier::Device,
             slot: Some(slot),
         });

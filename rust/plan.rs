@@ -8,6 +8,8 @@
 //! whose tier cannot make room is deferred with all its requests, so every admitted request has a
 //! slot and a plan never fails half-way.
 
+use std::sync::Arc;
+
 use crate::cache::Eviction;
 use crate::error::{Error, Result};
 use crate::hash::FxHashMap;
@@ -17,10 +19,10 @@ use crate::registry::{LoadSource, Registry};
 /// A load the caller must perform before running the step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Load {
-    /// The adapter's name.
-    pub name: String,
-    /// The adapter's id.
-    pub lora_id: String,
+    /// The adapter's name (shared with the registry: no copy per load).
+    pub name: Arc<str>,
+    /// The adapter's id (shared likewise).
+    pub lora_id: Arc<str>,
     /// The slot to copy it into.
     pub slot: u32,
     /// Where its weights are now.
@@ -149,11 +151,15 @@ impl Registry {
         // Admission by budget, in batch order.
         let budget = self.config.slots - self.pinned;
         let mut unpinned = 0;
-        for &key in adapters.iter().flatten() {
-            let mark = &mut marks[key.index()];
-            if *mark != UNSEEN {
+        let base_mark = marks.len() - 1;
+        for &request in adapters {
+            // Base-model requests read the base mark (never UNSEEN) instead of branching on None,
+            // which base rows mixed in at random would mispredict.
+            let index = request.map_or(base_mark, AdapterKey::index);
+            let (UNSEEN, Some(key)) = (marks[index], request) else {
                 continue;
-            }
+            };
+            let mark = &mut marks[index];
             let a = self.get_mut(key);
             if !(a.r.pinned || unpinned < budget) {
                 *mark = DEFERRED;
@@ -238,7 +244,7 @@ impl Registry {
         self.device.counters.misses += 1;
         self.device.counters.loads += 1;
         let a = self.get(key);
-        plan.loads.push(Load { name: a.r.lora_name.clone(), lora_id: a.r.lora_id.clone(), slot, source });
+        plan.loads.push(Load { name: Arc::clone(&a.name), lora_id: Arc::clone(&a.id), slot, source });
         Ok(())
     }
 
@@ -272,15 +278,20 @@ impl Registry {
             admitted.retain(|&i| request_slots[i as usize] != DEFERRED);
         }
         let mut token_slots = Vec::with_capacity(total);
-        if deferred.is_empty() && num_tokens.iter().all(|&n| n == 1) {
-            token_slots.extend_from_slice(&request_slots);
-        } else {
+        // One token per request (a decode step): the token slots are the admitted requests' slots.
+        let single = num_tokens.iter().all(|&n| n == 1);
+        if !single {
             for (&slot, &n) in request_slots.iter().zip(num_tokens) {
                 if slot != DEFERRED {
                     token_slots.extend(std::iter::repeat_n(slot, n as usize));
                 }
             }
+        }
+        if !deferred.is_empty() {
             request_slots.retain(|&slot| slot != DEFERRED);
+        }
+        if single {
+            token_slots.extend_from_slice(&request_slots);
         }
         // Four interleaved counters per bucket, so runs of one slot do not chain every increment
         // through one memory cell.

@@ -49,7 +49,7 @@ fn step(reg: &mut Registry, names: &[Option<&str>]) {
 }
 
 fn evicted(p: &crate::plan::StepPlan, tier: Tier) -> Vec<&str> {
-    p.evictions.iter().filter(|e| e.tier == tier).map(|e| e.name.as_str()).collect()
+    p.evictions.iter().filter(|e| e.tier == tier).map(|e| &*e.name).collect()
 }
 
 #[test]
@@ -66,9 +66,9 @@ fn segments_group_tokens_by_slot_and_skip_base_rows() {
     assert_eq!(p.slot_ranks, [4, 5]);
     assert_eq!(p.slot_scalings, [0.5, 0.5]);
     assert_eq!(p.slot_generations, [1, 1]);
-    let loads: Vec<_> = p.loads.iter().map(|l| (l.name.as_str(), l.slot, l.source)).collect();
+    let loads: Vec<_> = p.loads.iter().map(|l| (&*l.name, l.slot, l.source)).collect();
     assert_eq!(loads, [("a", 0, LoadSource::Host), ("b", 1, LoadSource::Host)]);
-    assert_eq!(p.loads[0].lora_id, lora("a").lora_id);
+    assert_eq!(&*p.loads[0].lora_id, &*lora("a").lora_id);
 }
 
 #[test]
@@ -340,9 +340,9 @@ fn check_plan(
     let admitted_names: HashSet<String> =
         p.admitted.iter().filter_map(|&i| req[i as usize].0).map(|n| format!("n{n}")).collect();
     for e in &p.evictions {
-        let (pinned, loading, _, in_flight) = before[&e.name];
+        let (pinned, loading, _, in_flight) = before[&*e.name];
         assert!(!pinned && !loading, "{e:?} was protected");
-        assert!(!admitted_names.contains(&e.name), "{e:?} is in the step");
+        assert!(!admitted_names.contains(&*e.name), "{e:?} is in the step");
         assert!(e.tier == Tier::Device || !in_flight, "{e:?} had requests in flight");
     }
     let mut unpinned = HashSet::new();

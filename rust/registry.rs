@@ -345,7 +345,7 @@ impl Registry {
         self.host.bytes += size.host_bytes;
         self.host.counters.loads += 1;
         self.refresh(key);
-        Ok(evicted.into_iter().filter(|e| e.tier == Tier::Host).map(|e| e.name).collect())
+        Ok(evicted.into_iter().filter(|e| e.tier == Tier::Host).map(|e| e.name.to_string()).collect())
     }
 
     fn check_pin(&mut self, name: &str, host_bytes: u64) -> Result<()> {

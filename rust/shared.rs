@@ -26,6 +26,11 @@ impl SharedRegistry {
         self.inner.lock()
     }
 
+    /// Locks the registry if no one holds the lock, without waiting.
+    pub fn try_lock(&self) -> Option<MutexGuard<'_, Registry>> {
+        self.inner.try_lock()
+    }
+
     /// [`Registry::release`], waking unloads when an adapter being unloaded drained.
     ///
     /// Errors: as [`Registry::release`].

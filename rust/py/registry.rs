@@ -322,6 +322,11 @@ impl PyLoRARegistry {
     ///     AdapterNotFoundError: the name is unknown.
     ///     UsageError: no load of it is pending.
     fn load_done(&self, py: Python<'_>, name: &str) -> PyResult<()> {
+        // O(1) (a lookup and a policy update): done with the GIL held when the lock is free, which
+        // saves releasing and taking back the GIL per load; waiting for the lock releases it.
+        if let Some(mut reg) = self.shared.try_lock() {
+            return shielded(py, || reg.load_done(name).map_err(PyErr::from));
+        }
         detached(py, || self.shared.lock().load_done(name))
     }
 

@@ -99,10 +99,10 @@ fn step_record<'py>(py: Python<'py>, batch: &[u32], plan: &StepPlan) -> PyResult
     d.set_item("admitted", &plan.admitted)?;
     d.set_item("deferred", &plan.deferred)?;
     let loads: Vec<(&str, u32, &str)> =
-        plan.loads.iter().map(|l| (l.name.as_str(), l.slot, l.source.as_str())).collect();
+        plan.loads.iter().map(|l| (&*l.name, l.slot, l.source.as_str())).collect();
     d.set_item("loads", loads)?;
     let evictions: Vec<(&str, &str, Option<u32>)> =
-        plan.evictions.iter().map(|e| (e.name.as_str(), e.tier.as_str(), e.slot)).collect();
+        plan.evictions.iter().map(|e| (&*e.name, e.tier.as_str(), e.slot)).collect();
     d.set_item("evictions", evictions)?;
     Ok(d)
 }

@@ -239,9 +239,9 @@ proptest! {
         let mut loads: HashMap<String, u32> = HashMap::new();
         let mut bad = Vec::new();
         let r = simulate_with(&trace, &config, |_, plan| {
-            bad.extend(plan.evictions.iter().filter(|e| pins.contains(&e.name)).map(|e| e.name.clone()));
-            for l in plan.loads.iter().filter(|l| pins.contains(&l.name)) {
-                *loads.entry(l.name.clone()).or_default() += 1;
+            bad.extend(plan.evictions.iter().filter(|e| pins.iter().any(|p| **p == *e.name)).map(|e| e.name.to_string()));
+            for l in plan.loads.iter().filter(|l| pins.iter().any(|p| **p == *l.name)) {
+                *loads.entry(l.name.to_string()).or_default() += 1;
             }
         }).unwrap();
         prop_assert!(bad.is_empty(), "pinned adapters evicted: {:?}", bad);
