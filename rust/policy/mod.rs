@@ -7,6 +7,7 @@
 //! [`EvictionPolicy`] (usually over [`Ranked`]) and add it to [`by_name`].
 
 mod fifo;
+mod hybrid;
 mod lru;
 mod reuse;
 
@@ -14,6 +15,7 @@ use std::collections::BTreeSet;
 use std::fmt;
 
 pub use fifo::Fifo;
+pub use hybrid::ReuseFrequency;
 pub use lru::Lru;
 pub use reuse::ReuseDistance;
 
@@ -67,7 +69,7 @@ pub trait EvictionPolicy: Send + Sync + fmt::Debug {
 }
 
 /// The names [`by_name`] accepts.
-pub const POLICY_NAMES: &[&str] = &["lru", "fifo", "reuse"];
+pub const POLICY_NAMES: &[&str] = &["lru", "fifo", "reuse", "hybrid"];
 
 /// A fresh policy by name.
 ///
@@ -77,6 +79,7 @@ pub fn by_name(what: &str, name: &str) -> Result<Box<dyn EvictionPolicy>> {
         "lru" => Ok(Box::new(Lru::default())),
         "fifo" => Ok(Box::new(Fifo::default())),
         "reuse" => Ok(Box::new(ReuseDistance::default())),
+        "hybrid" => Ok(Box::new(ReuseFrequency::default())),
         _ => Err(Error::Spec(format!(
             "{what}={name:?} is not an eviction policy; choose one of {}",
             POLICY_NAMES.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(", ")

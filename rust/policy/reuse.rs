@@ -27,7 +27,7 @@ use super::{AdapterKey, EvictionPolicy, Usage};
 const UNKNOWN: u32 = u32::MAX;
 
 /// `floor(4 * log2(d))` for `d >= 1` (0 for 0): distances in quarter-octave classes.
-fn class(d: u64) -> u32 {
+pub(super) fn class(d: u64) -> u32 {
     if d == 0 {
         return 0;
     }
