@@ -14,7 +14,7 @@ from lora_pin._core import LoRARef, LoRARegistry, Trace, simulate
 from lora_pin.args import EVICTION_POLICIES
 from lora_pin.cli import main
 
-POLICIES = ("lru", "fifo", "reuse")
+POLICIES = ("lru", "fifo", "reuse", "hybrid")
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -124,7 +124,8 @@ def test_a_malformed_trace_names_the_file_and_line(
 
 def test_the_serving_args_accept_the_new_policy() -> None:
     assert EVICTION_POLICIES == POLICIES
-    LoRARegistry(4, eviction_policy="reuse", host_eviction_policy="reuse")
+    for policy in ("reuse", "hybrid"):
+        LoRARegistry(4, eviction_policy=policy, host_eviction_policy=policy)
 
 
 def live_log(

@@ -25,7 +25,7 @@ __all__ = [
 
 DEFAULT_MAX_LORAS_PER_BATCH = 8
 #: Eviction policies accepted by ``--lora-eviction-policy`` (SGLang's choices).
-EVICTION_POLICIES = ("lru", "fifo", "reuse")
+EVICTION_POLICIES = ("lru", "fifo", "reuse", "hybrid")
 
 _SPEC_HELP = (
     "Adapters to serve. Each item: PATH (the name is the path), NAME=PATH, "

@@ -9,11 +9,10 @@ import sys
 from typing import Any
 
 from lora_pin._core import Trace, simulate
+from lora_pin.args import EVICTION_POLICIES
 from lora_pin.errors import SpecError
 
 __all__ = ["add_parser", "run"]
-
-_POLICIES = ("lru", "fifo", "reuse")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -54,7 +53,9 @@ def add_parser(subparsers: Any) -> None:
     pins.add_argument("--pin", nargs="+", metavar="NAME", default=[], help="adapters to pin")
     pins.add_argument("--pin-top", default="0", metavar="K", help="pin the K most requested adapters")
     p.add_argument(
-        "--policy", default=",".join(_POLICIES), help="eviction policies to compare (default %(default)s)"
+        "--policy",
+        default=",".join(EVICTION_POLICIES),
+        help="eviction policies to compare (default %(default)s)",
     )
     p.add_argument("--step-ms", default="20", help="step time for traces with arrivals (default %(default)s)")
     p.add_argument("--adapter-mb", default="32", help="size of every adapter in MiB (default %(default)s)")
@@ -110,9 +111,9 @@ def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
     hosts = [None if h == "none" else _int("--host", h, least=1) for h in _list("--host", args.host)]
     policies = _list("--policy", args.policy)
     for policy in policies:
-        if policy not in _POLICIES:
+        if policy not in EVICTION_POLICIES:
             raise SpecError(
-                f"--policy: {policy!r} is not an eviction policy; choose from {', '.join(_POLICIES)}"
+                f"--policy: {policy!r} is not an eviction policy; choose from {', '.join(EVICTION_POLICIES)}"
             )
     pin_top = _int("--pin-top", args.pin_top, least=0)
     pins = list(args.pin) or trace.most_requested(pin_top)

@@ -87,7 +87,8 @@ class LoRAManager:
         max_lora_rank: the slot pool's rank; None takes the largest start-up adapter's.
         lora_target_modules: module names to wrap; None (or ``["all"]``) takes every supported module the
             start-up adapters use (all of ``q/k/v/o, gate/up/down`` when one uses a regex).
-        eviction_policy: the device tier's policy: ``"lru"``, ``"fifo"`` or ``"reuse"`` (host tier: LRU).
+        eviction_policy: the device tier's policy: ``"lru"``, ``"fifo"``, ``"reuse"`` or ``"hybrid"``
+            (host tier: LRU).
         max_host_bytes: optional host-tier capacity in bytes.
         allowed_roots: if given, every adapter path must resolve under one of these folders.
         allow_pickle: allow ``adapter_model.bin`` (loaded with ``torch.load(weights_only=True)``).
