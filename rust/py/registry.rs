@@ -13,7 +13,7 @@ use pyo3::types::PyDict;
 
 use self::requests::{token_counts, NameCache, Requests, Resolved};
 pub use self::step::PyStepPlan;
-use self::step::RequestIndices;
+use self::step::{NameStrs, RequestIndices};
 
 use super::errors::new_error;
 use super::spec::PyLoRARef;
@@ -43,6 +43,7 @@ pub struct PyLoRARegistry {
     shared: SharedRegistry,
     names: Mutex<NameCache>,
     indices: RequestIndices,
+    strs: NameStrs,
 }
 
 fn count(py: Python<'_>, what: &str, v: i64) -> PyResult<u64> {
@@ -94,6 +95,7 @@ impl PyLoRARegistry {
                 shared: SharedRegistry::new(Registry::new(config)?),
                 names: Mutex::default(),
                 indices: RequestIndices::new(),
+                strs: NameStrs::default(),
             })
         })
     }
@@ -304,7 +306,7 @@ impl PyLoRARegistry {
                 drop(released);
             }
             let indices = self.indices.at_least(py, requests.len())?;
-            return Ok(PyStepPlan::new(plan, indices));
+            return Ok(PyStepPlan::new(plan, indices, self.strs.clone()));
         }
     }
 

@@ -41,7 +41,7 @@ impl Hasher for AddressHasher {
     }
 }
 
-type AddressMap<V> = HashMap<usize, V, BuildHasherDefault<AddressHasher>>;
+pub(super) type AddressMap<V> = HashMap<usize, V, BuildHasherDefault<AddressHasher>>;
 
 /// The most name objects the cache holds; past it, it starts over (a loop that makes new name
 /// objects every step gains nothing from the cache, and must not grow it without bound).

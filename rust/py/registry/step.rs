@@ -1,11 +1,14 @@
 //! `StepPlan` for Python: the core's plan, its arrays as `bytearray`s and its request indices as
 //! lists built from a shared list of ints by C-level slicing, not one int at a time.
 
+use std::sync::Arc;
+
 use parking_lot::Mutex;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyList, PyString};
 
+use super::requests::AddressMap;
 use crate::cache::Tier;
 use crate::plan::StepPlan;
 use crate::registry::LoadSource;
@@ -43,6 +46,40 @@ impl RequestIndices {
     }
 }
 
+/// The most names [`NameStrs`] holds; past it, it starts over.
+const NAME_STRS_CAPACITY: usize = 1024;
+
+/// The Python strs that `loads` and `evictions` hand out for the core's names, by the address of
+/// the name's `Arc<str>` (shared with the registry, so a name's address is the same in every plan).
+/// Each entry holds a clone of its `Arc`, so the address cannot be reused by another name while
+/// cached. Locked only with the GIL held and never across a GIL release, so it is never contended.
+#[derive(Clone, Default)]
+pub(super) struct NameStrs(Arc<Mutex<AddressMap<NameStr>>>);
+
+/// A cached name and its Python str.
+type NameStr = (Arc<str>, Py<PyString>);
+
+impl NameStrs {
+    /// The Python str for `name`, made once per name. `try_lock`: only a re-entrant call can find
+    /// it locked, and that one makes a str of its own.
+    fn get<'py>(&self, py: Python<'py>, name: &Arc<str>) -> Bound<'py, PyString> {
+        let Some(mut strs) = self.0.try_lock() else {
+            return PyString::new(py, name);
+        };
+        let address = Arc::as_ptr(name).cast::<u8>() as usize;
+        if let Some((_, s)) = strs.get(&address) {
+            return s.bind(py).clone();
+        }
+        if strs.len() >= NAME_STRS_CAPACITY {
+            // Exact strs and `Arc`s: dropping them runs no Python code.
+            strs.clear();
+        }
+        let s = PyString::new(py, name);
+        strs.insert(address, (Arc::clone(name), s.clone().unbind()));
+        s
+    }
+}
+
 /// One committed step plan. Token indices count the admitted requests' tokens only (each request's
 /// tokens contiguous, requests in `admitted` order). The array properties are native-endian
 /// `bytearray`s: `torch.frombuffer(plan.seg_indptr, dtype=torch.int32)` (int32 unless noted; an empty
@@ -52,11 +89,13 @@ pub struct PyStepPlan {
     plan: StepPlan,
     /// At least `0..len(admitted) + len(deferred)`, shared with other plans.
     indices: Py<PyList>,
+    /// The registry's strs for names.
+    strs: NameStrs,
 }
 
 impl PyStepPlan {
-    pub(super) fn new(plan: StepPlan, indices: Py<PyList>) -> Self {
-        Self { plan, indices }
+    pub(super) fn new(plan: StepPlan, indices: Py<PyList>, strs: NameStrs) -> Self {
+        Self { plan, indices, strs }
     }
 }
 
@@ -163,7 +202,7 @@ impl PyStepPlan {
                     LoadSource::Host => intern!(py, "host"),
                     LoadSource::Disk => intern!(py, "disk"),
                 };
-                (PyString::new(py, &l.name), PyString::new(py, &l.lora_id), l.slot, source)
+                (self.strs.get(py, &l.name), self.strs.get(py, &l.lora_id), l.slot, source)
             }),
         )
     }
@@ -178,7 +217,7 @@ impl PyStepPlan {
                     Tier::Host => intern!(py, "host"),
                     Tier::Device => intern!(py, "device"),
                 };
-                (PyString::new(py, &e.name), tier, e.slot.map_or(-1, i64::from))
+                (self.strs.get(py, &e.name), tier, e.slot.map_or(-1, i64::from))
             }),
         )
     }
