@@ -30,7 +30,7 @@ pub struct Config {
     pub max_loaded: Option<usize>,
     /// Host-tier capacity in bytes; `None` is unbounded.
     pub max_host_bytes: Option<u64>,
-    /// The device tier's eviction policy (`lru`, `fifo` or `reuse`; see [`crate::policy`]).
+    /// The device tier's eviction policy (`lru`, `fifo`, `reuse` or `hybrid`; see [`crate::policy`]).
     pub device_policy: String,
     /// The host tier's eviction policy.
     pub host_policy: String,

@@ -32,8 +32,8 @@ const UNLOAD_SLICE: Duration = Duration::from_millis(50);
 ///     max_loras_per_batch: device slots (adapters one step can use), at least 1.
 ///     max_loaded_loras: host-tier capacity in adapters (>= max_loras_per_batch); None is unbounded.
 ///     max_host_bytes: host-tier capacity in bytes; None is unbounded.
-///     eviction_policy: the device tier's policy, "lru", "fifo" or "reuse".
-///     host_eviction_policy: the host tier's policy, "lru", "fifo" or "reuse".
+///     eviction_policy: the device tier's policy, "lru", "fifo", "reuse" or "hybrid".
+///     host_eviction_policy: the host tier's policy, "lru", "fifo", "reuse" or "hybrid".
 ///     chunk_size: longest segment, in tokens, in a plan's segment arrays; None leaves them whole.
 ///
 /// Raises:
