@@ -455,6 +455,8 @@ class LoRAManager:
             self._active = StepSegments(
                 sequence_slots=request_slots.long(), chunk_size=self.chunk_size, any_adapter=any_adapter
             )
+            # The plan was made with one token per sequence: its segments already serve decode inputs.
+            self._active._by_length[1] = segments
         else:
             self._active = StepSegments(segments=segments, any_adapter=any_adapter)
         return Step(
