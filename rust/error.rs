@@ -38,6 +38,8 @@ pub enum Error {
     /// A call's arguments contradict the registry's state or each other (a release without an
     /// acquire, lists of different lengths, a load that is not pending).
     Usage(String),
+    /// An argument of a CPU LoRA kernel (`sgmv`) has the wrong length, dtype or an index out of range.
+    OpArgument(String),
 }
 
 impl fmt::Display for Error {
@@ -55,7 +57,9 @@ impl fmt::Display for Error {
             Error::DuplicateAdapter { new, existing } => {
                 write!(f, "cannot register {new}: {existing} is already registered")
             }
-            Error::Capacity(msg) | Error::AdapterInUse(msg) | Error::Usage(msg) => f.write_str(msg),
+            Error::Capacity(msg) | Error::AdapterInUse(msg) | Error::Usage(msg) | Error::OpArgument(msg) => {
+                f.write_str(msg)
+            }
             Error::UnloadTimeout { name, in_flight, waited } => write!(
                 f,
                 "unloading adapter {name:?} timed out after {:.3} s with {in_flight} request(s) \

@@ -11,6 +11,7 @@ pub mod hash;
 pub mod plan;
 pub mod policy;
 pub mod registry;
+pub mod sgmv;
 pub mod shared;
 pub mod sim;
 pub mod spec;

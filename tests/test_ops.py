@@ -1,6 +1,13 @@
-"""The lora_pin custom ops on CPU (the grouped torch path): correctness, contract, opcheck, torch.compile."""
+"""The lora_pin custom ops on CPU: correctness, contract, opcheck, torch.compile.
+
+Every test runs twice: with the native CPU kernels (``rust/sgmv``, decode-sized slots) and with the
+grouped torch path alone (``LORA_PIN_CPU_KERNELS=0``).
+"""
 
 from __future__ import annotations
+
+import os
+import platform
 
 import pytest
 import torch
@@ -12,6 +19,7 @@ from lora_pin.ops import (
     SegmentBatch,
     expand,
     expand_reference,
+    grouped,
     lora_delta_,
     lora_reference,
     random_layer,
@@ -24,6 +32,23 @@ from lora_pin.ops import (
 # Against a float64 reference, with O(1) values: peers use fp16 ~1e-3..5e-3 and bf16 ~2e-2..3e-2.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 QKV_GQA = [64, 16, 16]  # q, k, v output widths under grouped-query attention
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def cpu_path(request, monkeypatch):
+    """Runs the test on the native kernels and on the torch path alone."""
+    native = request.param == "native"
+    if native and not grouped.sgmv_cpu_available():
+        pytest.skip("this CPU lacks AVX-512: only the torch path runs here")
+    monkeypatch.setattr(grouped, "use_cpu_kernels", native)
+    return request.param
+
+
+def test_ci_runs_the_native_kernels(cpu_path):
+    # CI's machine is x86-64 with AVX-512; a silent fall back to the torch path there would leave the
+    # kernels untested.
+    if os.environ.get("CI") and platform.machine() == "x86_64":
+        assert grouped.sgmv_cpu_available()
 
 
 def _batch_inputs(
@@ -219,6 +244,39 @@ def test_strided_inputs_and_outputs():
     want = lora_reference(out, x, *layer[:2], token_slots, *layer[2:])
     lora_delta_(out, x, layer.a, layer.b, segments_from_slots(token_slots), *layer[2:])
     _assert_close(out, want)
+
+
+# --- the native kernels ---------------------------------------------------------------------------------
+
+
+def test_decode_slots_go_to_the_native_kernels_and_long_ones_stay_on_torch(cpu_path):
+    from lora_pin.ops.grouped import _KERNEL_MAX_TOKENS, _PLANS
+
+    # Slot 0: one token; slot 1: three spread over the batch; slot 2: a prefill run past the limit.
+    long = _KERNEL_MAX_TOKENS[torch.float32] + 1
+    token_slots = torch.tensor([0, 1, -1, 1] + [2] * long + [1])
+    batch = segments_from_slots(token_slots, 4)
+    ranks = torch.full((3, 3), 8, dtype=torch.int32)
+    plan = _PLANS.get(*batch, ranks, token_slots.shape[0], 8, torch.float32, grouped.use_cpu_kernels)
+    if cpu_path == "native":
+        assert plan.kernel is not None and plan.kernel.n_rows == 4
+        assert [(r.slot, r.size) for r in plan.runs] == [(2, long)]
+    else:
+        assert plan.kernel is None
+
+
+def test_a_repeated_token_is_refused():
+    layer, batch, x, out = _small_case()
+    perm = batch.perm.clone()
+    perm[1] = perm[0]
+    _expect_error(lambda: shrink(x, layer.a, perm, *batch[1:], layer.slot_ranks, 3), "perm repeats token")
+    v = torch.zeros(8, 12)
+    _expect_error(
+        lambda: expand(
+            out, v, layer.b, perm, *batch[1:], layer.slot_ranks, layer.slot_scalings, [0, 12, 16, 20]
+        ),
+        "perm repeats token",
+    )
 
 
 # --- the batched decode path and the plan cache ---------------------------------------------------

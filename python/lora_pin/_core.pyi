@@ -3,6 +3,7 @@ from os import PathLike
 from typing import Any, TypeAlias, final
 
 __all__ = [
+    "CpuSgmvPlan",
     "LoRARef",
     "LoRARegistry",
     "StepPlan",
@@ -10,6 +11,7 @@ __all__ = [
     "__version__",
     "check_limits",
     "parse_lora_paths",
+    "sgmv_cpu_available",
     "simulate",
 ]
 __version__: str
@@ -149,3 +151,32 @@ def simulate(
     adapter_bytes: int = 33554432,
     record: bool = False,
 ) -> dict[str, Any]: ...
+def sgmv_cpu_available() -> bool: ...
+
+@final
+class CpuSgmvPlan:
+    def __new__(
+        cls,
+        n_tokens: int,
+        tokens: Sequence[int],
+        group_indptr: Sequence[int],
+        group_slots: Sequence[int],
+        ranks: Sequence[int],
+        *,
+        n_slices: int,
+        max_rank: int,
+    ) -> CpuSgmvPlan: ...
+    @property
+    def n_rows(self) -> int: ...
+    def shrink(
+        self, dtype: str, x: tuple[int, int], in_features: int, a: tuple[int, int], v: tuple[int, int]
+    ) -> None: ...
+    def expand(
+        self,
+        dtype: str,
+        out: tuple[int, int],
+        v: tuple[int, int],
+        b: tuple[int, int],
+        scalings: tuple[int, int],
+        slice_offsets: Sequence[int],
+    ) -> None: ...

@@ -31,6 +31,7 @@ impl From<Error> for PyErr {
             Error::AdapterInUse(_) => "AdapterInUseError",
             Error::UnloadTimeout { .. } => "UnloadTimeoutError",
             Error::Usage(_) => "UsageError",
+            Error::OpArgument(_) => "OpArgumentError",
         };
         Python::attach(|py| new_error(py, class, err.to_string()))
     }

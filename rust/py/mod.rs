@@ -3,6 +3,7 @@
 
 mod errors;
 mod registry;
+mod sgmv;
 mod sim;
 mod spec;
 
@@ -15,6 +16,8 @@ pub mod _core {
 
     #[pymodule_export]
     use super::registry::{PyLoRARegistry, PyStepPlan};
+    #[pymodule_export]
+    use super::sgmv::{sgmv_cpu_available, PyCpuSgmvPlan};
     #[pymodule_export]
     use super::sim::{simulate, PyTrace};
     #[pymodule_export]

@@ -15,6 +15,11 @@ rank over the range of slots they span: their tokens are scattered into a zero-p
 weight is gathered and nothing past the shared rank is read; idle slots inside the range (allowed
 within a padding budget) are computed on zero rows and discarded.
 
+On an x86-64 CPU with AVX-512, slots with few tokens (decode) run in the native kernels instead
+(``lora_pin._core.CpuSgmvPlan``, ``rust/sgmv/``): one call per op streams each slot's weights once with
+all its tokens in registers, where BLAS would run one matrix-vector product per slot and slice well
+below the memory bandwidth. Set ``LORA_PIN_CPU_KERNELS=0`` to keep everything on the torch path.
+
 The plan (groups, gathered rows) is derived from the segment arrays on the host and cached by their
 contents, so the shrink and expand of every layer of one step plan once. The ops run this path for
 every device but CUDA (where reading the arrays would synchronise; ``benches/gpu_ops.py`` times it
@@ -24,6 +29,7 @@ there as the baseline).
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -31,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from lora_pin._core import CpuSgmvPlan, sgmv_cpu_available
 from lora_pin.ops._checks import OpArgumentError
 
 __all__ = ["expand_grouped", "shrink_grouped"]
@@ -50,6 +57,14 @@ _DENSE_MAX_PADDING = 1.1
 _DENSE_MAX_PADDING_REDUCED = 1.75
 # A bf16/fp16 expand of at most this many rows multiplies in fp32 (measured in expand_grouped).
 _FP32_PRODUCT_MAX_ROWS = 12
+# Slots with at most this many tokens go to the native kernels (where the CPU has them); busier slots
+# stay on BLAS, whose GEMMs win once a slot has enough rows. Measured with benches/cpu_ops.py (q/k/v of
+# hidden 4096, rank 16, 1 thread; BENCHMARKS.md, "GEMM ops"): in fp32 the kernels still beat BLAS on a
+# slot of 64 tokens, in bf16 they lose there (0.95 vs 0.69 ms) and win at 32.
+_KERNEL_MAX_TOKENS = {torch.float32: 64, torch.bfloat16: 32, torch.float16: 32}
+_KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# Whether the native kernels run at all: the CPU must have them, and LORA_PIN_CPU_KERNELS=0 turns them off.
+use_cpu_kernels = sgmv_cpu_available() and os.environ.get("LORA_PIN_CPU_KERNELS", "1") != "0"
 # Distinct plans kept: one per (step, layer group with its own ranks); a model has a handful of groups.
 _PLAN_CACHE_SIZE = 16
 
@@ -90,6 +105,8 @@ class _Plan(NamedTuple):
     gathered_sizes: list[int]
     # Blocks of slots taken by the batched path (none of their tokens is in runs or the gathered block).
     dense: list[_Dense]
+    # Slots run by the native kernels (none of their tokens is anywhere else); None when there are none.
+    kernel: CpuSgmvPlan | None = None
 
 
 def _content(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
@@ -114,13 +131,16 @@ class _PlanCache:
         n_tokens: int,
         max_rank: int,
         dtype: torch.dtype,
+        kernel: bool = False,
     ) -> _Plan:
         max_padding = _DENSE_MAX_PADDING if dtype == torch.float32 else _DENSE_MAX_PADDING_REDUCED
+        kernel_tokens = _KERNEL_MAX_TOKENS[dtype] if kernel else 0
         key = (
             str(perm.device),
             n_tokens,
             max_rank,
             max_padding,
+            kernel_tokens,
             *(_content(t) for t in (perm, seg_indptr, seg_slots, slot_ranks)),
         )
         with self._lock:
@@ -128,7 +148,9 @@ class _PlanCache:
             if plan is not None:
                 self._plans.move_to_end(key)
                 return plan
-        plan = _build_plan(perm, seg_indptr, seg_slots, slot_ranks, n_tokens, max_rank, max_padding)
+        plan = _build_plan(
+            perm, seg_indptr, seg_slots, slot_ranks, n_tokens, max_rank, max_padding, kernel_tokens
+        )
         with self._lock:
             self._plans[key] = plan
             while len(self._plans) > self._size:
@@ -199,8 +221,10 @@ def _build_plan(
     n_tokens: int,
     max_rank: int,
     max_padding: float,
+    kernel_tokens: int,
 ) -> _Plan:
-    """Reads the segment arrays once and decides: the batched path, or per group views or gathering."""
+    """Reads the segment arrays once and decides: the native kernels, the batched path, or per group
+    views or gathering."""
     indptr, seg_slot_list, ranks = seg_indptr.tolist(), seg_slots.tolist(), slot_ranks.tolist()
     n_rows, n_slots = perm.shape[0], len(ranks)
     if indptr[0] != 0 or indptr[-1] != n_rows or any(lo > hi for lo, hi in itertools.pairwise(indptr)):
@@ -213,6 +237,11 @@ def _build_plan(
         lowest, highest = torch.aminmax(perm)
         if int(lowest) < 0 or int(highest) >= n_tokens:
             raise OpArgumentError(f"perm holds tokens outside [0, {n_tokens}): {int(lowest)}..{int(highest)}")
+        counts = torch.bincount(perm, minlength=n_tokens)
+        if int(counts.max()) > 1:
+            raise OpArgumentError(
+                f"perm repeats token {int(counts.argmax())}: a token belongs to one segment"
+            )
 
     # (slot, lo, hi) into perm, with adjacent segments of one slot merged and no-op slots dropped.
     spans: list[list[int]] = []
@@ -226,9 +255,14 @@ def _build_plan(
             spans.append([slot, lo, hi])
     if not spans:
         return _Plan(ranks, [], None, [], [], [])
+    native = None
+    if kernel_tokens:
+        native, spans = _kernel_groups(spans, perm, ranks, n_tokens, max_rank, kernel_tokens)
+        if not spans:
+            return _Plan(ranks, [], None, [], [], [], native)
     dense, spans = _dense_blocks(spans, perm, ranks, max_padding)
     if not spans:
-        return _Plan(ranks, [], None, [], [], dense)
+        return _Plan(ranks, [], None, [], [], dense, native)
 
     # Cut every span into runs of consecutive tokens. Runs long enough for a GEMM to pay become views
     # (no copy); a span of short runs (decode tokens of one adapter spread over the batch) is gathered.
@@ -263,7 +297,54 @@ def _build_plan(
         rows = perm  # the spans are in perm's order and cover it
     else:
         rows = torch.cat([perm[lo:hi] for lo, hi in gathered_spans])
-    return _Plan(ranks, runs, rows, gathered_slots, [hi - lo for lo, hi in gathered_spans], dense)
+    return _Plan(ranks, runs, rows, gathered_slots, [hi - lo for lo, hi in gathered_spans], dense, native)
+
+
+def _kernel_groups(
+    spans: list[list[int]],
+    perm: torch.Tensor,
+    ranks: list[list[int]],
+    n_tokens: int,
+    max_rank: int,
+    max_tokens: int,
+) -> tuple[CpuSgmvPlan | None, list[list[int]]]:
+    """Hands the slots with at most ``max_tokens`` tokens to the native kernels; returns their plan
+    (None if there are none) and the spans left to the torch paths."""
+    counts: dict[int, int] = {}
+    for slot, lo, hi in spans:
+        counts[slot] = counts.get(slot, 0) + hi - lo
+    mine = [span for span in spans if counts[span[0]] <= max_tokens]
+    if not mine:
+        return None, spans
+    indptr = [0]
+    for _, lo, hi in mine:
+        indptr.append(indptr[-1] + hi - lo)
+    tokens = torch.cat([perm[lo:hi] for _, lo, hi in mine]).tolist()
+    native = CpuSgmvPlan(
+        n_tokens,
+        tokens,
+        indptr,
+        [slot for slot, _, _ in mine],
+        [r for row in ranks for r in row],
+        n_slices=len(ranks[0]),
+        max_rank=max_rank,
+    )
+    return native, [span for span in spans if counts[span[0]] > max_tokens]
+
+
+def _raw(t: torch.Tensor) -> tuple[int, int]:
+    """A contiguous CPU tensor's memory as the native kernels take it: address and element count."""
+    return t.data_ptr(), t.numel()
+
+
+def _kernel_ok(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
+    """Whether this call may run the native kernels: a CPU that has them, a dtype they take, and CPU
+    tensors they can read in place (contiguous)."""
+    return (
+        use_cpu_kernels
+        and dtype in _KERNEL_MAX_TOKENS
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    )
 
 
 def _shrink_dense(
@@ -341,7 +422,11 @@ def shrink_grouped(
     """:func:`lora_pin.ops.shrink` on CPU; arguments already checked by ``check_shrink_args``."""
     max_rank = a.shape[1] // n_slices
     v = x.new_zeros(x.shape[0], n_slices * max_rank)  # [T, n_slices * R]
-    plan = _PLANS.get(perm, seg_indptr, seg_slots, slot_ranks, x.shape[0], max_rank, x.dtype)
+    kernel = x.device.type == "cpu" and _kernel_ok(x.dtype, a)
+    plan = _PLANS.get(perm, seg_indptr, seg_slots, slot_ranks, x.shape[0], max_rank, x.dtype, kernel)
+    if plan.kernel is not None:
+        xc = x.contiguous()
+        plan.kernel.shrink(_KERNEL_DTYPES[x.dtype], _raw(xc), xc.shape[1], _raw(a), _raw(v))
     for block in plan.dense:
         _shrink_dense(x, a, v, block, n_slices)
     a_t = a.transpose(1, 2)  # [slots, in, n_slices * R]; views are made once per call, not per group
@@ -385,7 +470,18 @@ def expand_grouped(
     """:func:`lora_pin.ops.expand` on CPU; arguments already checked by ``check_expand_args``."""
     max_rank = b.shape[2]
     n_slices = len(slice_offsets) - 1
-    plan = _PLANS.get(perm, seg_indptr, seg_slots, slot_ranks, out.shape[0], max_rank, out.dtype)
+    kernel = _kernel_ok(out.dtype, out, b, slot_scalings)
+    plan = _PLANS.get(perm, seg_indptr, seg_slots, slot_ranks, out.shape[0], max_rank, out.dtype, kernel)
+    if plan.kernel is not None:
+        vc = v.contiguous()
+        plan.kernel.expand(
+            _KERNEL_DTYPES[out.dtype],
+            _raw(out),
+            _raw(vc),
+            _raw(b),
+            _raw(slot_scalings),
+            [int(o) for o in slice_offsets],
+        )
     for block in plan.dense:
         _expand_dense(out, v, b, slot_scalings, slice_offsets, block)
     if not plan.runs and plan.gathered_rows is None:

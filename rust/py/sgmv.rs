@@ -1,0 +1,229 @@
+//! `CpuSgmvPlan`: the CPU LoRA kernels (`crate::sgmv`) for `lora_pin.ops.grouped`.
+//!
+//! Python owns the tensors; a call borrows their memory by address for its duration, with the GIL
+//! released. The addresses must come from live, contiguous CPU tensors of the named dtype, which
+//! `lora_pin/ops/grouped.py` checks before every call: this class is private for that reason.
+
+use std::ptr::NonNull;
+
+use pyo3::prelude::*;
+
+use super::errors::new_error;
+use super::{detached, shielded};
+use crate::sgmv::{available, CpuPlan, Data, DataMut};
+
+/// One tensor's memory as Python hands it over: address and element count.
+type Raw = (usize, usize);
+
+/// Whether this CPU runs the kernels (x86-64 with AVX-512 F, BW and VL).
+#[pyfunction]
+pub fn sgmv_cpu_available() -> bool {
+    available()
+}
+
+/// One step's layout for the CPU kernels: groups of tokens by slot, each slot's ranks.
+///
+/// Args:
+///     n_tokens: rows of the activations.
+///     tokens: the tokens of every group, group by group.
+///     group_indptr: ``len(groups) + 1`` offsets into ``tokens``, rising from 0.
+///     group_slots: the slot of each group.
+///     ranks: ``[slots, n_slices]`` row-major, each in ``[0, max_rank]``.
+///     n_slices: 1 to 8.
+///     max_rank: the pool's rank ``R``.
+///
+/// Raises:
+///     OpArgumentError: naming the token, slot, rank or offset out of range.
+#[pyclass(frozen, name = "CpuSgmvPlan", module = "lora_pin._core")]
+pub struct PyCpuSgmvPlan(CpuPlan);
+
+fn elem_size(py: Python<'_>, dtype: &str) -> PyResult<usize> {
+    match dtype {
+        "float32" => Ok(4),
+        "bfloat16" | "float16" => Ok(2),
+        _ => Err(new_error(
+            py,
+            "OpArgumentError",
+            format!("the CPU kernels take float32, bfloat16 or float16, not {dtype}"),
+        )),
+    }
+}
+
+/// Checks one buffer's address: aligned for its dtype, and not overlapping `written`.
+fn check(py: Python<'_>, what: &str, raw: Raw, size: usize, written: Option<Raw>) -> PyResult<()> {
+    let (addr, n) = raw;
+    if n > 0 && (addr == 0 || addr % size != 0) {
+        return Err(new_error(
+            py,
+            "OpArgumentError",
+            format!("{what} is not aligned for its dtype (address {addr:#x})"),
+        ));
+    }
+    if let Some((w, wn)) = written {
+        let overlap = n > 0 && wn > 0 && addr < w + wn * size && w < addr + n * size;
+        if overlap {
+            return Err(new_error(
+                py,
+                "OpArgumentError",
+                format!("{what} overlaps the tensor the kernel writes"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The memory at `raw` as a slice of `T`.
+///
+/// # Safety
+/// `raw` is the address and length of a live tensor of element type `T` that nothing else writes
+/// during the slice's life (checked by the Python caller).
+unsafe fn view<'a, T>(raw: Raw) -> &'a [T] {
+    let ptr = if raw.1 == 0 { NonNull::dangling().as_ptr() } else { raw.0 as *const T };
+    // SAFETY: the function's contract.
+    unsafe { std::slice::from_raw_parts(ptr, raw.1) }
+}
+
+/// As [`view`], writable.
+///
+/// # Safety
+/// As for [`view`], and no other slice overlaps it (checked by [`check`]).
+unsafe fn view_mut<'a, T>(raw: Raw) -> &'a mut [T] {
+    let ptr = if raw.1 == 0 { NonNull::dangling().as_ptr() } else { raw.0 as *mut T };
+    // SAFETY: the function's contract.
+    unsafe { std::slice::from_raw_parts_mut(ptr, raw.1) }
+}
+
+/// The read-only buffer `raw` by dtype.
+///
+/// # Safety
+/// As for [`view`].
+unsafe fn data<'a>(dtype: &str, raw: Raw) -> Data<'a> {
+    // SAFETY: the function's contract; `dtype` was checked by `elem_size`.
+    unsafe {
+        match dtype {
+            "float32" => Data::F32(view(raw)),
+            "bfloat16" => Data::Bf16(view(raw)),
+            _ => Data::F16(view(raw)),
+        }
+    }
+}
+
+/// The written buffer `raw` by dtype.
+///
+/// # Safety
+/// As for [`view_mut`].
+unsafe fn data_mut<'a>(dtype: &str, raw: Raw) -> DataMut<'a> {
+    // SAFETY: the function's contract; `dtype` was checked by `elem_size`.
+    unsafe {
+        match dtype {
+            "float32" => DataMut::F32(view_mut(raw)),
+            "bfloat16" => DataMut::Bf16(view_mut(raw)),
+            _ => DataMut::F16(view_mut(raw)),
+        }
+    }
+}
+
+#[pymethods]
+impl PyCpuSgmvPlan {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (n_tokens, tokens, group_indptr, group_slots, ranks, *, n_slices, max_rank))]
+    fn new(
+        py: Python<'_>,
+        n_tokens: usize,
+        tokens: Vec<i64>,
+        group_indptr: Vec<i64>,
+        group_slots: Vec<i64>,
+        ranks: Vec<i64>,
+        n_slices: usize,
+        max_rank: usize,
+    ) -> PyResult<Self> {
+        shielded(py, || {
+            Ok(Self(CpuPlan::new(
+                n_tokens,
+                &tokens,
+                &group_indptr,
+                &group_slots,
+                &ranks,
+                n_slices,
+                max_rank,
+            )?))
+        })
+    }
+
+    /// The number of tokens the groups cover.
+    #[getter]
+    fn n_rows(&self) -> usize {
+        self.0.n_rows()
+    }
+
+    /// Shrink into ``v`` (zeroed by the caller): ``v[t, s*R + j] = x[t] · a[slot(t), s*R + j]`` below
+    /// each slice's rank, for the plan's tokens only.
+    ///
+    /// Each buffer is ``(address, numel)`` of a contiguous CPU tensor of ``dtype``: ``x``
+    /// ``[n_tokens, in_features]``, ``a`` ``[slots, n_slices * R, in_features]``, ``v``
+    /// ``[n_tokens, n_slices * R]``.
+    ///
+    /// Raises:
+    ///     OpArgumentError: a length, dtype, alignment or overlap mismatch (nothing written).
+    ///     UsageError: this CPU lacks AVX-512.
+    fn shrink(
+        &self,
+        py: Python<'_>,
+        dtype: &str,
+        x: Raw,
+        in_features: usize,
+        a: Raw,
+        v: Raw,
+    ) -> PyResult<()> {
+        let size = elem_size(py, dtype)?;
+        check(py, "v", v, size, None)?;
+        check(py, "x", x, size, Some(v))?;
+        check(py, "a", a, size, Some(v))?;
+        let plan = &self.0;
+        detached(py, move || {
+            // SAFETY: the caller's contract (live contiguous tensors of `dtype`); `check` ruled out
+            // misalignment and overlap with the written buffer.
+            let (x, a, v) = unsafe { (data(dtype, x), data(dtype, a), data_mut(dtype, v)) };
+            plan.shrink(x, in_features, a, v)
+        })
+    }
+
+    /// Expand into ``out`` in place: ``out[t, o_s:o_{s+1}] += scaling[slot, s] · v[t, slice s] @
+    /// b[slot, o_s:o_{s+1}]ᵀ`` for the plan's tokens; other rows untouched.
+    ///
+    /// Buffers as for ``shrink``: ``out`` ``[n_tokens, out_total]``, ``v`` ``[n_tokens, n_slices * R]``,
+    /// ``b`` ``[slots, out_total, R]`` of ``dtype``, ``scalings`` float32 ``[slots, n_slices]``.
+    ///
+    /// Raises:
+    ///     OpArgumentError: as for ``shrink``, or bad ``slice_offsets``.
+    ///     UsageError: this CPU lacks AVX-512.
+    #[allow(clippy::too_many_arguments)]
+    fn expand(
+        &self,
+        py: Python<'_>,
+        dtype: &str,
+        out: Raw,
+        v: Raw,
+        b: Raw,
+        scalings: Raw,
+        slice_offsets: Vec<usize>,
+    ) -> PyResult<()> {
+        let size = elem_size(py, dtype)?;
+        check(py, "out", out, size, None)?;
+        check(py, "v", v, size, Some(out))?;
+        check(py, "b", b, size, Some(out))?;
+        check(py, "slot_scalings", scalings, 4, Some(out))?;
+        let plan = &self.0;
+        detached(py, move || {
+            // SAFETY: as in `shrink`.
+            let (out, v, b, scalings) =
+                unsafe { (data_mut(dtype, out), data(dtype, v), data(dtype, b), view::<f32>(scalings)) };
+            plan.expand(out, v, b, scalings, &slice_offsets)
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("CpuSgmvPlan(rows={})", self.0.n_rows())
+    }
+}

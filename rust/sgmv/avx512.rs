@@ -1,0 +1,372 @@
+//! The AVX-512 kernels behind [`CpuPlan::shrink`] and [`CpuPlan::expand`].
+//!
+//! Every function here is `unsafe`: its caller guarantees that the CPU has the features [`detected`]
+//! checks and that the buffers' lengths match the plan's shapes (`CpuPlan` checks both before it calls
+//! in). Under those, every pointer below stays inside its buffer: token indices, slots and ranks were
+//! bounded when the plan was built, and every partial vector is read and written through a mask.
+#![allow(unsafe_op_in_unsafe_fn)]
+
+use std::arch::x86_64::*;
+
+use super::CpuPlan;
+
+/// Whether this CPU has everything the kernels use.
+pub(super) fn detected() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+/// bfloat16 bits.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub(super) struct Bf16(u16);
+
+/// float16 bits.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub(super) struct F16(u16);
+
+pub(super) fn bf16(s: &[u16]) -> &[Bf16] {
+    // SAFETY: `Bf16` is a transparent `u16`.
+    unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), s.len()) }
+}
+
+pub(super) fn bf16_mut(s: &mut [u16]) -> &mut [Bf16] {
+    // SAFETY: `Bf16` is a transparent `u16`.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), s.len()) }
+}
+
+pub(super) fn f16(s: &[u16]) -> &[F16] {
+    // SAFETY: `F16` is a transparent `u16`.
+    unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), s.len()) }
+}
+
+pub(super) fn f16_mut(s: &mut [u16]) -> &mut [F16] {
+    // SAFETY: `F16` is a transparent `u16`.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), s.len()) }
+}
+
+/// A storage dtype: 16 elements load into one fp32 vector and store back rounded to nearest even.
+pub(super) trait Elem: Copy {
+    /// Loads the 16 elements at `p`.
+    unsafe fn load(p: *const Self) -> __m512;
+    /// Loads the elements at `p` whose mask bit is set; the other lanes are zero and never read.
+    unsafe fn load_masked(p: *const Self, m: __mmask16) -> __m512;
+    /// Stores the lanes whose mask bit is set.
+    unsafe fn store_masked(p: *mut Self, m: __mmask16, v: __m512);
+    /// One value, rounded to nearest even.
+    unsafe fn from_f32(x: f32) -> Self;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    unsafe fn load(p: *const Self) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+
+    #[inline(always)]
+    unsafe fn load_masked(p: *const Self, m: __mmask16) -> __m512 {
+        _mm512_maskz_loadu_ps(m, p)
+    }
+
+    #[inline(always)]
+    unsafe fn store_masked(p: *mut Self, m: __mmask16, v: __m512) {
+        _mm512_mask_storeu_ps(p, m, v)
+    }
+
+    #[inline(always)]
+    unsafe fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+#[inline(always)]
+unsafe fn widen_bf16(bits: __m256i) -> __m512 {
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
+}
+
+impl Elem for Bf16 {
+    #[inline(always)]
+    unsafe fn load(p: *const Self) -> __m512 {
+        widen_bf16(_mm256_loadu_si256(p.cast()))
+    }
+
+    #[inline(always)]
+    unsafe fn load_masked(p: *const Self, m: __mmask16) -> __m512 {
+        widen_bf16(_mm256_maskz_loadu_epi16(m, p.cast()))
+    }
+
+    #[inline(always)]
+    unsafe fn store_masked(p: *mut Self, m: __mmask16, v: __m512) {
+        // Round to nearest even (torch's rule); a NaN stays a quiet NaN.
+        let bits = _mm512_castps_si512(v);
+        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+        let rounded =
+            _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)));
+        let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x40));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+        let h = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+        _mm256_mask_storeu_epi16(p.cast(), m, h)
+    }
+
+    #[inline(always)]
+    unsafe fn from_f32(x: f32) -> Self {
+        let bits = x.to_bits();
+        if x.is_nan() {
+            return Bf16((bits >> 16) as u16 | 0x40);
+        }
+        Bf16((bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16)
+    }
+}
+
+impl Elem for F16 {
+    #[inline(always)]
+    unsafe fn load(p: *const Self) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+    }
+
+    #[inline(always)]
+    unsafe fn load_masked(p: *const Self, m: __mmask16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p.cast()))
+    }
+
+    #[inline(always)]
+    unsafe fn store_masked(p: *mut Self, m: __mmask16, v: __m512) {
+        let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
+        _mm256_mask_storeu_epi16(p.cast(), m, h)
+    }
+
+    #[inline(always)]
+    unsafe fn from_f32(x: f32) -> Self {
+        let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x));
+        F16(_mm_extract_epi16::<0>(h) as u16)
+    }
+}
+
+/// The mask of the first `n` lanes (`n <= 16`).
+#[inline(always)]
+fn first(n: usize) -> __mmask16 {
+    ((1u32 << n) - 1) as __mmask16
+}
+
+/// Rows of A per register block (the tokens of a block: 1 to 4).
+const ROWS: usize = 4;
+
+/// `[Σ_i a_r[i] · x_t[i]]` for 4 rows of A and `NT` token rows of x, all `n` long.
+#[inline(always)]
+unsafe fn dot_block<E: Elem, const NT: usize>(
+    rows: [*const E; ROWS],
+    xs: [*const E; NT],
+    n: usize,
+) -> [[f32; NT]; ROWS] {
+    let mut acc = [[_mm512_setzero_ps(); NT]; ROWS];
+    let mut xv = [_mm512_setzero_ps(); NT];
+    let full = n / 16;
+    for c in 0..full {
+        let off = c * 16;
+        for t in 0..NT {
+            xv[t] = E::load(xs[t].add(off));
+        }
+        for r in 0..ROWS {
+            let av = E::load(rows[r].add(off));
+            for t in 0..NT {
+                acc[r][t] = _mm512_fmadd_ps(av, xv[t], acc[r][t]);
+            }
+        }
+    }
+    if !n.is_multiple_of(16) {
+        let (off, m) = (full * 16, first(n % 16));
+        for t in 0..NT {
+            xv[t] = E::load_masked(xs[t].add(off), m);
+        }
+        for r in 0..ROWS {
+            let av = E::load_masked(rows[r].add(off), m);
+            for t in 0..NT {
+                acc[r][t] = _mm512_fmadd_ps(av, xv[t], acc[r][t]);
+            }
+        }
+    }
+    let mut sums = [[0f32; NT]; ROWS];
+    for r in 0..ROWS {
+        for t in 0..NT {
+            sums[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+        }
+    }
+    sums
+}
+
+/// Rounds one fp32 value to `E` and stores it. A scalar store on purpose: LLVM folds a one-lane masked
+/// store of a truncated vector into a 32-bit store, which overwrote the next 16-bit element.
+#[inline(always)]
+unsafe fn store_one<E: Elem>(p: *mut E, value: f32) {
+    p.write(E::from_f32(value))
+}
+
+/// See [`CpuPlan::shrink`]. Safety: the module's contract.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+pub(super) unsafe fn shrink<E: Elem>(plan: &CpuPlan, x: &[E], in_features: usize, a: &[E], v: &mut [E]) {
+    let (n_slices, max_rank) = (plan.n_slices, plan.max_rank);
+    let v_stride = n_slices * max_rank;
+    let (x, a, v) = (x.as_ptr(), a.as_ptr(), v.as_mut_ptr());
+    for g in &plan.groups {
+        let tokens = &plan.tokens[g.start..g.end];
+        for s in 0..n_slices {
+            let rank = plan.rank(g.slot, s);
+            let a_slice = a.add((g.slot * n_slices + s) * max_rank * in_features);
+            for j0 in (0..rank).step_by(ROWS) {
+                // A short last block repeats its last row; the repeats are computed and dropped.
+                let nr = (rank - j0).min(ROWS);
+                let mut rows = [a_slice; ROWS];
+                for (r, row) in rows.iter_mut().enumerate() {
+                    *row = a_slice.add((j0 + r.min(nr - 1)) * in_features);
+                }
+                for block in tokens.chunks(4) {
+                    let out = Out { v, v_stride, col: s * max_rank + j0, n_rows: nr };
+                    match block.len() {
+                        1 => rows_times_tokens::<E, 1>(rows, x, in_features, block, out),
+                        2 => rows_times_tokens::<E, 2>(rows, x, in_features, block, out),
+                        3 => rows_times_tokens::<E, 3>(rows, x, in_features, block, out),
+                        _ => rows_times_tokens::<E, 4>(rows, x, in_features, block, out),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Where a shrink block's sums go: `v[token * v_stride + col + r]` for the first `n_rows` rows `r`.
+#[derive(Clone, Copy)]
+struct Out<E> {
+    v: *mut E,
+    v_stride: usize,
+    col: usize,
+    n_rows: usize,
+}
+
+/// One register block of the shrink: 4 rows of A against the `NT` tokens of `block`.
+#[inline(always)]
+unsafe fn rows_times_tokens<E: Elem, const NT: usize>(
+    rows: [*const E; ROWS],
+    x: *const E,
+    in_features: usize,
+    block: &[usize],
+    out: Out<E>,
+) {
+    let mut xs = [x; NT];
+    for t in 0..NT {
+        xs[t] = x.add(block[t] * in_features);
+    }
+    let sums = dot_block::<E, NT>(rows, xs, in_features);
+    for (r, row) in sums.iter().enumerate().take(out.n_rows) {
+        for t in 0..NT {
+            store_one(out.v.add(block[t] * out.v_stride + out.col + r), row[t]);
+        }
+    }
+}
+
+/// Lane `i` of the result is the sum of `p[i]`'s 16 lanes.
+#[inline(always)]
+unsafe fn transpose_sum(p: &[__m512; 16]) -> __m512 {
+    // Pairs: per 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3].
+    let mut q = [_mm512_setzero_ps(); 8];
+    for i in 0..8 {
+        let (a, b) = (p[2 * i], p[2 * i + 1]);
+        q[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    }
+    // Quads: per 128-bit lane, the partial sums of p[4i..4i+4] in order.
+    let mut w = [_mm512_setzero_ps(); 4];
+    for i in 0..4 {
+        let (a, b) = (_mm512_castps_pd(q[2 * i]), _mm512_castps_pd(q[2 * i + 1]));
+        w[i] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+        );
+    }
+    // Fold the four 128-bit lanes: [w0, w1] then [w2, w3] to half sums, then to whole ones.
+    fold_lanes(fold_lanes(w[0], w[1]), fold_lanes(w[2], w[3]))
+}
+
+/// `[a.L0 + a.L1, a.L2 + a.L3, b.L0 + b.L1, b.L2 + b.L3]` over 128-bit lanes.
+#[inline(always)]
+unsafe fn fold_lanes(a: __m512, b: __m512) -> __m512 {
+    _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(a, b), _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b))
+}
+
+/// See [`CpuPlan::expand`]. Safety: the module's contract.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+pub(super) unsafe fn expand<E: Elem>(
+    plan: &CpuPlan,
+    out: &mut [E],
+    v: &[E],
+    b: &[E],
+    scalings: &[f32],
+    slice_offsets: &[usize],
+) {
+    let (n_slices, max_rank) = (plan.n_slices, plan.max_rank);
+    let out_total = slice_offsets[n_slices];
+    let v_stride = n_slices * max_rank;
+    let (out, v, b) = (out.as_mut_ptr(), v.as_ptr(), b.as_ptr());
+    for g in &plan.groups {
+        let tokens = &plan.tokens[g.start..g.end];
+        for s in 0..n_slices {
+            let rank = plan.rank(g.slot, s);
+            let (lo, hi) = (slice_offsets[s], slice_offsets[s + 1]);
+            if rank == 0 || lo == hi {
+                continue;
+            }
+            let scale = _mm512_set1_ps(scalings[g.slot * n_slices + s]);
+            let b_rows = b.add((g.slot * out_total + lo) * max_rank);
+            let width = hi - lo;
+            for o0 in (0..width).step_by(16) {
+                let n_out = (width - o0).min(16);
+                let block = b_rows.add(o0 * max_rank);
+                let m = first(n_out);
+                for &t in tokens {
+                    let v_row = v.add(t * v_stride + s * max_rank);
+                    let p = if n_out == 16 {
+                        row_products::<E>(block, max_rank, 15, v_row, rank)
+                    } else {
+                        row_products::<E>(block, max_rank, n_out - 1, v_row, rank)
+                    };
+                    let dst = out.add(t * out_total + lo + o0);
+                    let sum = _mm512_fmadd_ps(transpose_sum(&p), scale, E::load_masked(dst, m));
+                    E::store_masked(dst, m, sum);
+                }
+            }
+        }
+    }
+}
+
+/// How far ahead of the rows being read the expand asks for B's lines (one stream, read once).
+const PREFETCH_BYTES: usize = 4096;
+
+/// `p[o] = b_row(o)[..rank] ⊙ v[..rank]`, folded to 16 lanes, for the 16 rows of a block (`stride`
+/// apart); rows past `last` repeat row `last` (their sums are never stored).
+#[inline(always)]
+unsafe fn row_products<E: Elem>(
+    block: *const E,
+    stride: usize,
+    last: usize,
+    v_row: *const E,
+    rank: usize,
+) -> [__m512; 16] {
+    let mut p = [_mm512_setzero_ps(); 16];
+    let mut j0 = 0;
+    while j0 < rank {
+        let m = first((rank - j0).min(16));
+        let vv = E::load_masked(v_row.add(j0), m);
+        let mut row = block.add(j0);
+        for (o, acc) in p.iter_mut().enumerate() {
+            _mm_prefetch::<_MM_HINT_T0>(row.cast::<i8>().wrapping_add(PREFETCH_BYTES));
+            *acc = _mm512_fmadd_ps(E::load_masked(row, m), vv, *acc);
+            if o < last {
+                row = row.add(stride);
+            }
+        }
+        j0 += 16;
+    }
+    p
+}

@@ -1,0 +1,349 @@
+//! The multi-adapter LoRA GEMM on the CPU (SGMV: segmented gather matrix-vector): shrink and expand for
+//! decode-sized groups of tokens, in one call per op for a whole batch.
+//!
+//! The torch path (`lora_pin/ops/grouped.py`) runs one BLAS call per slot and slice. For a few tokens
+//! per adapter those calls are matrix-vector products that BLAS runs well below the memory bandwidth,
+//! plus a fixed cost per call; this module instead streams each adapter's weights once, with every
+//! token of the adapter in registers, and converts bf16/fp16 on the fly (fp32 accumulation, one
+//! rounding). Python owns every buffer: a call borrows the memory of tensors the caller has checked
+//! (CPU, contiguous, one dtype) for its duration and never keeps it.
+//!
+//! [`CpuPlan`] is the validated shape of one step (which tokens use which slot, each slot's ranks);
+//! [`CpuPlan::shrink`] and [`CpuPlan::expand`] check every buffer's length against it, so no index can
+//! leave a buffer. The kernels need AVX-512 (F, BW, VL); [`available`] says whether this CPU has it,
+//! and elsewhere Python keeps the torch path.
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+use crate::error::{Error, Result};
+
+/// One buffer's elements, by dtype: what Python's tensor holds (bf16 and fp16 as their bits).
+#[derive(Debug, Clone, Copy)]
+pub enum Data<'a> {
+    /// float32.
+    F32(&'a [f32]),
+    /// bfloat16, as its bits.
+    Bf16(&'a [u16]),
+    /// float16, as its bits.
+    F16(&'a [u16]),
+}
+
+/// A buffer a kernel writes, by dtype.
+#[derive(Debug)]
+pub enum DataMut<'a> {
+    /// float32.
+    F32(&'a mut [f32]),
+    /// bfloat16, as its bits.
+    Bf16(&'a mut [u16]),
+    /// float16, as its bits.
+    F16(&'a mut [u16]),
+}
+
+impl Data<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Data::F32(s) => s.len(),
+            Data::Bf16(s) | Data::F16(s) => s.len(),
+        }
+    }
+
+    fn dtype(&self) -> &'static str {
+        match self {
+            Data::F32(_) => "float32",
+            Data::Bf16(_) => "bfloat16",
+            Data::F16(_) => "float16",
+        }
+    }
+}
+
+impl DataMut<'_> {
+    fn len(&self) -> usize {
+        match self {
+            DataMut::F32(s) => s.len(),
+            DataMut::Bf16(s) | DataMut::F16(s) => s.len(),
+        }
+    }
+
+    fn dtype(&self) -> &'static str {
+        match self {
+            DataMut::F32(_) => "float32",
+            DataMut::Bf16(_) => "bfloat16",
+            DataMut::F16(_) => "float16",
+        }
+    }
+}
+
+/// Whether this CPU runs the kernels (x86-64 with AVX-512 F, BW and VL, plus FMA and F16C).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx512::detected()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The tokens of one slot, `tokens[start..end]` of the plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Group {
+    pub(crate) slot: usize,
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+}
+
+/// One step's validated layout: groups of tokens by slot, and each slot's rank per slice.
+#[derive(Debug, Clone)]
+pub struct CpuPlan {
+    n_tokens: usize,
+    n_slices: usize,
+    max_rank: usize,
+    n_slots: usize,
+    // [n_slots * n_slices], each in [0, max_rank].
+    ranks: Vec<usize>,
+    tokens: Vec<usize>,
+    groups: Vec<Group>,
+}
+
+fn arg(msg: String) -> Error {
+    Error::OpArgument(msg)
+}
+
+impl CpuPlan {
+    /// Validates a step's layout. `tokens[group_indptr[g]..group_indptr[g + 1]]` are the tokens of
+    /// group `g`, which uses `group_slots[g]`; `ranks` is `[n_slots, n_slices]` row-major.
+    ///
+    /// Groups whose slot has rank 0 in every slice are dropped (no work); a token may appear in one
+    /// group only.
+    ///
+    /// Errors: [`Error::OpArgument`] naming the value out of range (a token outside `[0, n_tokens)` or
+    /// repeated, a slot outside `[0, n_slots)`, a rank outside `[0, max_rank]`, an `indptr` that does
+    /// not rise from 0 to `len(tokens)`, `n_slices` outside 1..=8).
+    pub fn new(
+        n_tokens: usize,
+        tokens: &[i64],
+        group_indptr: &[i64],
+        group_slots: &[i64],
+        ranks: &[i64],
+        n_slices: usize,
+        max_rank: usize,
+    ) -> Result<Self> {
+        if !(1..=8).contains(&n_slices) {
+            return Err(arg(format!("n_slices must be in 1..=8, got {n_slices}")));
+        }
+        if !ranks.len().is_multiple_of(n_slices) {
+            return Err(arg(format!(
+                "slot_ranks has {} values, not a multiple of n_slices={n_slices}",
+                ranks.len()
+            )));
+        }
+        let n_slots = ranks.len() / n_slices;
+        let ranks = ranks
+            .iter()
+            .map(|&r| {
+                usize::try_from(r)
+                    .ok()
+                    .filter(|&r| r <= max_rank)
+                    .ok_or_else(|| arg(format!("slot_ranks must lie in [0, max_rank={max_rank}], got {r}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if group_indptr.len() != group_slots.len() + 1 {
+            return Err(arg(format!(
+                "group_indptr has {} entries for {} groups (expected groups + 1)",
+                group_indptr.len(),
+                group_slots.len()
+            )));
+        }
+        if group_indptr.first() != Some(&0)
+            || group_indptr.last() != Some(&(tokens.len() as i64))
+            || group_indptr.windows(2).any(|w| w[0] > w[1])
+        {
+            return Err(arg(format!(
+                "group_indptr must rise from 0 to len(tokens)={}, got {group_indptr:?}",
+                tokens.len()
+            )));
+        }
+        let mut seen = vec![false; n_tokens];
+        let tokens = tokens
+            .iter()
+            .map(|&t| {
+                let i = usize::try_from(t)
+                    .ok()
+                    .filter(|&i| i < n_tokens)
+                    .ok_or_else(|| arg(format!("token {t} lies outside [0, {n_tokens})")))?;
+                if std::mem::replace(&mut seen[i], true) {
+                    return Err(arg(format!("token {t} appears in more than one row")));
+                }
+                Ok(i)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut groups = Vec::with_capacity(group_slots.len());
+        for (g, &slot) in group_slots.iter().enumerate() {
+            let slot = usize::try_from(slot)
+                .ok()
+                .filter(|&s| s < n_slots)
+                .ok_or_else(|| arg(format!("group {g} uses slot {slot}, outside [0, {n_slots})")))?;
+            let (start, end) = (group_indptr[g] as usize, group_indptr[g + 1] as usize);
+            let busy = ranks[slot * n_slices..(slot + 1) * n_slices].iter().any(|&r| r > 0);
+            if start < end && busy {
+                groups.push(Group { slot, start, end });
+            }
+        }
+        Ok(Self { n_tokens, n_slices, max_rank, n_slots, ranks, tokens, groups })
+    }
+
+    /// The number of tokens the plan's groups cover.
+    pub fn n_rows(&self) -> usize {
+        self.groups.iter().map(|g| g.end - g.start).sum()
+    }
+
+    fn rank(&self, slot: usize, slice: usize) -> usize {
+        self.ranks[slot * self.n_slices + slice]
+    }
+
+    fn check_len(&self, what: &str, len: usize, expected: usize, shape: &str) -> Result<()> {
+        if len == expected {
+            Ok(())
+        } else {
+            Err(arg(format!("{what} has {len} elements, expected {expected} ({shape})")))
+        }
+    }
+
+    /// Shrink: `v[t, s*R + j] = Σ_i x[t, i] · a[slot(t), s*R + j, i]` for `j < rank(slot(t), s)`, fp32
+    /// accumulation, rounded once to `v`'s dtype. Only the plan's tokens' rows of `v` are written, and
+    /// in them only the columns below each slice's rank: the caller passes `v` zeroed.
+    ///
+    /// Shapes (row-major): `x` `[n_tokens, in_features]`, `a` `[n_slots, n_slices * R, in_features]`,
+    /// `v` `[n_tokens, n_slices * R]`, `R = max_rank`; one dtype for all three.
+    ///
+    /// Errors: [`Error::OpArgument`] for a length or dtype mismatch (nothing written), or
+    /// [`Error::Usage`] where this CPU lacks the kernels ([`available`]).
+    pub fn shrink(&self, x: Data<'_>, in_features: usize, a: Data<'_>, mut v: DataMut<'_>) -> Result<()> {
+        let (t, s, r) = (self.n_tokens, self.n_slices, self.max_rank);
+        self.check_len("x", x.len(), t * in_features, "n_tokens x in_features")?;
+        self.check_len("a", a.len(), self.n_slots * s * r * in_features, "slots x n_slices*R x in_features")?;
+        self.check_len("v", v.len(), t * s * r, "n_tokens x n_slices*R")?;
+        if x.dtype() != a.dtype() || x.dtype() != v.dtype() {
+            return Err(arg(format!(
+                "x, a and v must share one dtype, got {}, {} and {}",
+                x.dtype(),
+                a.dtype(),
+                v.dtype()
+            )));
+        }
+        if self.groups.is_empty() || in_features == 0 {
+            return Ok(());
+        }
+        self.run(|| {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `run` checked the CPU features; the lengths above match the plan's shapes, whose
+            // every token, slot and rank `new` bounded, so each access stays inside its buffer.
+            unsafe {
+                match (x, a, &mut v) {
+                    (Data::F32(x), Data::F32(a), DataMut::F32(v)) => {
+                        avx512::shrink(self, x, in_features, a, v)
+                    }
+                    (Data::Bf16(x), Data::Bf16(a), DataMut::Bf16(v)) => avx512::shrink(
+                        self,
+                        avx512::bf16(x),
+                        in_features,
+                        avx512::bf16(a),
+                        avx512::bf16_mut(v),
+                    ),
+                    (Data::F16(x), Data::F16(a), DataMut::F16(v)) => {
+                        avx512::shrink(self, avx512::f16(x), in_features, avx512::f16(a), avx512::f16_mut(v))
+                    }
+                    _ => unreachable!("dtypes were checked equal"),
+                }
+            }
+        })
+    }
+
+    /// Expand: `out[t, o_s + o] += scaling[slot, s] · Σ_j v[t, s*R + j] · b[slot, o_s + o, j]` over
+    /// `j < rank(slot, s)`, for every token of the plan and every slice `s` (`o < o_{s+1} − o_s`), fp32
+    /// accumulation with `out`'s value, rounded once. Rows of `out` outside the plan are not touched.
+    ///
+    /// Shapes (row-major): `out` `[n_tokens, out_total]`, `v` `[n_tokens, n_slices * R]`, `b`
+    /// `[n_slots, out_total, R]`, `scalings` `[n_slots, n_slices]`; `slice_offsets` holds
+    /// `n_slices + 1` offsets rising from 0 to `out_total`.
+    ///
+    /// Errors: as for [`CpuPlan::shrink`], and for bad `slice_offsets`.
+    pub fn expand(
+        &self,
+        mut out: DataMut<'_>,
+        v: Data<'_>,
+        b: Data<'_>,
+        scalings: &[f32],
+        slice_offsets: &[usize],
+    ) -> Result<()> {
+        let (t, s, r) = (self.n_tokens, self.n_slices, self.max_rank);
+        if slice_offsets.len() != s + 1
+            || slice_offsets[0] != 0
+            || slice_offsets.windows(2).any(|w| w[0] > w[1])
+        {
+            return Err(arg(format!(
+                "slice_offsets must be n_slices + 1 = {} offsets rising from 0, got {slice_offsets:?}",
+                s + 1
+            )));
+        }
+        let out_total = slice_offsets[s];
+        self.check_len("out", out.len(), t * out_total, "n_tokens x out_total")?;
+        self.check_len("v", v.len(), t * s * r, "n_tokens x n_slices*R")?;
+        self.check_len("b", b.len(), self.n_slots * out_total * r, "slots x out_total x R")?;
+        self.check_len("slot_scalings", scalings.len(), self.n_slots * s, "slots x n_slices")?;
+        if out.dtype() != v.dtype() || out.dtype() != b.dtype() {
+            return Err(arg(format!(
+                "out, v and b must share one dtype, got {}, {} and {}",
+                out.dtype(),
+                v.dtype(),
+                b.dtype()
+            )));
+        }
+        if self.groups.is_empty() || out_total == 0 {
+            return Ok(());
+        }
+        self.run(|| {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as in `shrink`; `slice_offsets` rise to `out_total`, which sized `out` and `b`.
+            unsafe {
+                match (&mut out, v, b) {
+                    (DataMut::F32(o), Data::F32(v), Data::F32(b)) => {
+                        avx512::expand(self, o, v, b, scalings, slice_offsets)
+                    }
+                    (DataMut::Bf16(o), Data::Bf16(v), Data::Bf16(b)) => avx512::expand(
+                        self,
+                        avx512::bf16_mut(o),
+                        avx512::bf16(v),
+                        avx512::bf16(b),
+                        scalings,
+                        slice_offsets,
+                    ),
+                    (DataMut::F16(o), Data::F16(v), Data::F16(b)) => avx512::expand(
+                        self,
+                        avx512::f16_mut(o),
+                        avx512::f16(v),
+                        avx512::f16(b),
+                        scalings,
+                        slice_offsets,
+                    ),
+                    _ => unreachable!("dtypes were checked equal"),
+                }
+            }
+        })
+    }
+
+    fn run(&self, kernel: impl FnOnce()) -> Result<()> {
+        if !available() {
+            return Err(Error::Usage(
+                "the CPU SGMV kernels need x86-64 with AVX-512 (F, BW, VL); use the torch path".into(),
+            ));
+        }
+        kernel();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod sgmv_tests;
