@@ -169,7 +169,14 @@ class CpuSgmvPlan:
     @property
     def n_rows(self) -> int: ...
     def shrink(
-        self, dtype: str, x: tuple[int, int], in_features: int, a: tuple[int, int], v: tuple[int, int]
+        self,
+        dtype: str,
+        x: tuple[int, int],
+        in_features: int,
+        a: tuple[int, int],
+        v: tuple[int, int],
+        *,
+        threads: int = 1,
     ) -> None: ...
     def expand(
         self,
@@ -179,4 +186,6 @@ class CpuSgmvPlan:
         b: tuple[int, int],
         scalings: tuple[int, int],
         slice_offsets: Sequence[int],
+        *,
+        threads: int = 1,
     ) -> None: ...

@@ -164,9 +164,14 @@ impl PyCpuSgmvPlan {
     /// ``[n_tokens, in_features]``, ``a`` ``[slots, n_slices * R, in_features]``, ``v``
     /// ``[n_tokens, n_slices * R]``.
     ///
+    /// ``threads``: the most threads to share the work among (the caller's included); small work runs
+    /// on one.
+    ///
     /// Raises:
     ///     OpArgumentError: a length, dtype, alignment or overlap mismatch (nothing written).
     ///     UsageError: this CPU lacks AVX-512.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (dtype, x, in_features, a, v, *, threads = 1))]
     fn shrink(
         &self,
         py: Python<'_>,
@@ -175,6 +180,7 @@ impl PyCpuSgmvPlan {
         in_features: usize,
         a: Raw,
         v: Raw,
+        threads: usize,
     ) -> PyResult<()> {
         let size = elem_size(py, dtype)?;
         check(py, "v", v, size, None)?;
@@ -185,7 +191,7 @@ impl PyCpuSgmvPlan {
             // SAFETY: the caller's contract (live contiguous tensors of `dtype`); `check` ruled out
             // misalignment and overlap with the written buffer.
             let (x, a, v) = unsafe { (data(dtype, x), data(dtype, a), data_mut(dtype, v)) };
-            plan.shrink(x, in_features, a, v)
+            plan.shrink(x, in_features, a, v, threads)
         })
     }
 
@@ -199,6 +205,7 @@ impl PyCpuSgmvPlan {
     ///     OpArgumentError: as for ``shrink``, or bad ``slice_offsets``.
     ///     UsageError: this CPU lacks AVX-512.
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (dtype, out, v, b, scalings, slice_offsets, *, threads = 1))]
     fn expand(
         &self,
         py: Python<'_>,
@@ -208,6 +215,7 @@ impl PyCpuSgmvPlan {
         b: Raw,
         scalings: Raw,
         slice_offsets: Vec<usize>,
+        threads: usize,
     ) -> PyResult<()> {
         let size = elem_size(py, dtype)?;
         check(py, "out", out, size, None)?;
@@ -219,7 +227,7 @@ impl PyCpuSgmvPlan {
             // SAFETY: as in `shrink`.
             let (out, v, b, scalings) =
                 unsafe { (data_mut(dtype, out), data(dtype, v), data(dtype, b), view::<f32>(scalings)) };
-            plan.expand(out, v, b, scalings, &slice_offsets)
+            plan.expand(out, v, b, scalings, &slice_offsets, threads)
         })
     }
 

@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::CpuPlan;
+use super::{CpuPlan, Group};
 
 /// Whether this CPU has everything the kernels use.
 pub(super) fn detected() -> bool {
@@ -28,6 +28,23 @@ pub(super) struct Bf16(u16);
 #[derive(Clone, Copy)]
 #[repr(transparent)]
 pub(super) struct F16(u16);
+
+/// A buffer's address, shared by the threads of one call (each writes only its own groups' rows).
+#[derive(Clone, Copy)]
+pub(super) struct Shared<T>(pub(super) T);
+
+// SAFETY: only addresses of buffers that outlive the call's scoped threads are wrapped, and the
+// threads write disjoint rows (a token belongs to one group, and each group to one thread).
+unsafe impl<T> Send for Shared<T> {}
+// SAFETY: as for `Send`.
+unsafe impl<T> Sync for Shared<T> {}
+
+impl<T: Copy> Shared<T> {
+    /// The address (a method, so that closures capture the whole `Shared`).
+    pub(super) fn get(&self) -> T {
+        self.0
+    }
+}
 
 pub(super) fn bf16(s: &[u16]) -> &[Bf16] {
     // SAFETY: `Bf16` is a transparent `u16`.
@@ -205,13 +222,20 @@ unsafe fn store_one<E: Elem>(p: *mut E, value: f32) {
     p.write(E::from_f32(value))
 }
 
-/// See [`CpuPlan::shrink`]. Safety: the module's contract.
+/// [`CpuPlan::shrink`] for `groups` (the plan's, or a share of them: groups write disjoint rows of `v`).
+/// Safety: the module's contract; `x`, `a` and `v` are the buffers `CpuPlan::shrink` checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-pub(super) unsafe fn shrink<E: Elem>(plan: &CpuPlan, x: &[E], in_features: usize, a: &[E], v: &mut [E]) {
+pub(super) unsafe fn shrink<E: Elem>(
+    plan: &CpuPlan,
+    groups: &[Group],
+    x: *const E,
+    in_features: usize,
+    a: *const E,
+    v: *mut E,
+) {
     let (n_slices, max_rank) = (plan.n_slices, plan.max_rank);
     let v_stride = n_slices * max_rank;
-    let (x, a, v) = (x.as_ptr(), a.as_ptr(), v.as_mut_ptr());
-    for g in &plan.groups {
+    for g in groups {
         let tokens = &plan.tokens[g.start..g.end];
         for s in 0..n_slices {
             let rank = plan.rank(g.slot, s);
@@ -295,21 +319,22 @@ unsafe fn fold_lanes(a: __m512, b: __m512) -> __m512 {
     _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(a, b), _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b))
 }
 
-/// See [`CpuPlan::expand`]. Safety: the module's contract.
+/// [`CpuPlan::expand`] for `groups` (the plan's, or a share: groups write disjoint rows of `out`).
+/// Safety: the module's contract; the buffers are the ones `CpuPlan::expand` checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
 pub(super) unsafe fn expand<E: Elem>(
     plan: &CpuPlan,
-    out: &mut [E],
-    v: &[E],
-    b: &[E],
+    groups: &[Group],
+    out: *mut E,
+    v: *const E,
+    b: *const E,
     scalings: &[f32],
     slice_offsets: &[usize],
 ) {
     let (n_slices, max_rank) = (plan.n_slices, plan.max_rank);
     let out_total = slice_offsets[n_slices];
     let v_stride = n_slices * max_rank;
-    let (out, v, b) = (out.as_mut_ptr(), v.as_ptr(), b.as_ptr());
-    for g in &plan.groups {
+    for g in groups {
         let tokens = &plan.tokens[g.start..g.end];
         for s in 0..n_slices {
             let rank = plan.rank(g.slot, s);

@@ -105,6 +105,8 @@ pub struct CpuPlan {
     ranks: Vec<usize>,
     tokens: Vec<usize>,
     groups: Vec<Group>,
+    // The least work worth a thread ([`MIN_SHARE`]; tests lower it to run tiny shapes threaded).
+    min_share: usize,
 }
 
 fn arg(msg: String) -> Error {
@@ -191,7 +193,7 @@ impl CpuPlan {
                 groups.push(Group { slot, start, end });
             }
         }
-        Ok(Self { n_tokens, n_slices, max_rank, n_slots, ranks, tokens, groups })
+        Ok(Self { n_tokens, n_slices, max_rank, n_slots, ranks, tokens, groups, min_share: MIN_SHARE })
     }
 
     /// The number of tokens the plan's groups cover.
@@ -218,9 +220,19 @@ impl CpuPlan {
     /// Shapes (row-major): `x` `[n_tokens, in_features]`, `a` `[n_slots, n_slices * R, in_features]`,
     /// `v` `[n_tokens, n_slices * R]`, `R = max_rank`; one dtype for all three.
     ///
+    /// The work is shared among up to `threads` threads (the caller's included) when there is enough
+    /// of it; each thread takes whole groups.
+    ///
     /// Errors: [`Error::OpArgument`] for a length or dtype mismatch (nothing written), or
     /// [`Error::Usage`] where this CPU lacks the kernels ([`available`]).
-    pub fn shrink(&self, x: Data<'_>, in_features: usize, a: Data<'_>, mut v: DataMut<'_>) -> Result<()> {
+    pub fn shrink(
+        &self,
+        x: Data<'_>,
+        in_features: usize,
+        a: Data<'_>,
+        mut v: DataMut<'_>,
+        threads: usize,
+    ) -> Result<()> {
         let (t, s, r) = (self.n_tokens, self.n_slices, self.max_rank);
         self.check_len("x", x.len(), t * in_features, "n_tokens x in_features")?;
         self.check_len("a", a.len(), self.n_slots * s * r * in_features, "slots x n_slices*R x in_features")?;
@@ -236,29 +248,38 @@ impl CpuPlan {
         if self.groups.is_empty() || in_features == 0 {
             return Ok(());
         }
-        self.run(|| {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `run` checked the CPU features; the lengths above match the plan's shapes, whose
-            // every token, slot and rank `new` bounded, so each access stays inside its buffer.
-            unsafe {
-                match (x, a, &mut v) {
-                    (Data::F32(x), Data::F32(a), DataMut::F32(v)) => {
-                        avx512::shrink(self, x, in_features, a, v)
-                    }
-                    (Data::Bf16(x), Data::Bf16(a), DataMut::Bf16(v)) => avx512::shrink(
-                        self,
-                        avx512::bf16(x),
-                        in_features,
-                        avx512::bf16(a),
-                        avx512::bf16_mut(v),
-                    ),
-                    (Data::F16(x), Data::F16(a), DataMut::F16(v)) => {
-                        avx512::shrink(self, avx512::f16(x), in_features, avx512::f16(a), avx512::f16_mut(v))
-                    }
-                    _ => unreachable!("dtypes were checked equal"),
-                }
+        self.require_kernels()?;
+        #[cfg(target_arch = "x86_64")]
+        match (x, a, &mut v) {
+            (Data::F32(x), Data::F32(a), DataMut::F32(v)) => self.shrink_typed(x, in_features, a, v, threads),
+            (Data::Bf16(x), Data::Bf16(a), DataMut::Bf16(v)) => {
+                self.shrink_typed(avx512::bf16(x), in_features, avx512::bf16(a), avx512::bf16_mut(v), threads)
             }
-        })
+            (Data::F16(x), Data::F16(a), DataMut::F16(v)) => {
+                self.shrink_typed(avx512::f16(x), in_features, avx512::f16(a), avx512::f16_mut(v), threads)
+            }
+            _ => unreachable!("dtypes were checked equal"),
+        }
+        Ok(())
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn shrink_typed<E: avx512::Elem>(
+        &self,
+        x: &[E],
+        in_features: usize,
+        a: &[E],
+        v: &mut [E],
+        threads: usize,
+    ) {
+        let (x, a, v) =
+            (avx512::Shared(x.as_ptr()), avx512::Shared(a.as_ptr()), avx512::Shared(v.as_mut_ptr()));
+        let cost = |g: &Group| self.weights(g.slot, |_| in_features) * work_factor(g);
+        self.in_parallel(threads, cost, |groups| {
+            // SAFETY: `shrink` checked the CPU (`require_kernels`) and every length against the plan,
+            // whose tokens, slots and ranks `new` bounded; the threads' groups write disjoint rows.
+            unsafe { avx512::shrink(self, groups, x.get(), in_features, a.get(), v.get()) }
+        });
     }
 
     /// Expand: `out[t, o_s + o] += scaling[slot, s] · Σ_j v[t, s*R + j] · b[slot, o_s + o, j]` over
@@ -277,6 +298,7 @@ impl CpuPlan {
         b: Data<'_>,
         scalings: &[f32],
         slice_offsets: &[usize],
+        threads: usize,
     ) -> Result<()> {
         let (t, s, r) = (self.n_tokens, self.n_slices, self.max_rank);
         if slice_offsets.len() != s + 1
@@ -304,45 +326,112 @@ impl CpuPlan {
         if self.groups.is_empty() || out_total == 0 {
             return Ok(());
         }
-        self.run(|| {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as in `shrink`; `slice_offsets` rise to `out_total`, which sized `out` and `b`.
-            unsafe {
-                match (&mut out, v, b) {
-                    (DataMut::F32(o), Data::F32(v), Data::F32(b)) => {
-                        avx512::expand(self, o, v, b, scalings, slice_offsets)
-                    }
-                    (DataMut::Bf16(o), Data::Bf16(v), Data::Bf16(b)) => avx512::expand(
-                        self,
-                        avx512::bf16_mut(o),
-                        avx512::bf16(v),
-                        avx512::bf16(b),
-                        scalings,
-                        slice_offsets,
-                    ),
-                    (DataMut::F16(o), Data::F16(v), Data::F16(b)) => avx512::expand(
-                        self,
-                        avx512::f16_mut(o),
-                        avx512::f16(v),
-                        avx512::f16(b),
-                        scalings,
-                        slice_offsets,
-                    ),
-                    _ => unreachable!("dtypes were checked equal"),
-                }
+        self.require_kernels()?;
+        #[cfg(target_arch = "x86_64")]
+        match (&mut out, v, b) {
+            (DataMut::F32(o), Data::F32(v), Data::F32(b)) => {
+                self.expand_typed(o, v, b, scalings, slice_offsets, threads)
             }
-        })
-    }
-
-    fn run(&self, kernel: impl FnOnce()) -> Result<()> {
-        if !available() {
-            return Err(Error::Usage(
-                "the CPU SGMV kernels need x86-64 with AVX-512 (F, BW, VL); use the torch path".into(),
-            ));
+            (DataMut::Bf16(o), Data::Bf16(v), Data::Bf16(b)) => self.expand_typed(
+                avx512::bf16_mut(o),
+                avx512::bf16(v),
+                avx512::bf16(b),
+                scalings,
+                slice_offsets,
+                threads,
+            ),
+            (DataMut::F16(o), Data::F16(v), Data::F16(b)) => self.expand_typed(
+                avx512::f16_mut(o),
+                avx512::f16(v),
+                avx512::f16(b),
+                scalings,
+                slice_offsets,
+                threads,
+            ),
+            _ => unreachable!("dtypes were checked equal"),
         }
-        kernel();
         Ok(())
     }
+
+    #[cfg(target_arch = "x86_64")]
+    fn expand_typed<E: avx512::Elem>(
+        &self,
+        out: &mut [E],
+        v: &[E],
+        b: &[E],
+        scalings: &[f32],
+        slice_offsets: &[usize],
+        threads: usize,
+    ) {
+        let (out, v, b) =
+            (avx512::Shared(out.as_mut_ptr()), avx512::Shared(v.as_ptr()), avx512::Shared(b.as_ptr()));
+        let cost =
+            |g: &Group| self.weights(g.slot, |s| slice_offsets[s + 1] - slice_offsets[s]) * work_factor(g);
+        self.in_parallel(threads, cost, |groups| {
+            // SAFETY: as in `shrink_typed`; `slice_offsets` rise to `out_total`, which sized `out` and `b`.
+            unsafe { avx512::expand(self, groups, out.get(), v.get(), b.get(), scalings, slice_offsets) }
+        });
+    }
+
+    /// Weight elements a slot's group reads: its rank times `per_rank(slice)` over the slices.
+    fn weights(&self, slot: usize, per_rank: impl Fn(usize) -> usize) -> usize {
+        (0..self.n_slices).map(|s| self.rank(slot, s) * per_rank(s)).sum()
+    }
+
+    /// Runs `kernel` over the plan's groups on up to `threads` threads (the calling one included), in
+    /// contiguous shares of about equal `cost`, each share at least [`MIN_SHARE`].
+    fn in_parallel(&self, threads: usize, cost: impl Fn(&Group) -> usize, kernel: impl Fn(&[Group]) + Sync) {
+        let costs: Vec<usize> = self.groups.iter().map(cost).collect();
+        let total: usize = costs.iter().sum();
+        let threads = threads.min(self.groups.len()).min(total / self.min_share).max(1);
+        if threads == 1 {
+            return kernel(&self.groups);
+        }
+        let mut shares = Vec::with_capacity(threads);
+        let (mut start, mut done) = (0, 0);
+        for (i, c) in costs.iter().enumerate() {
+            done += c;
+            if shares.len() + 1 < threads && done * threads >= total * (shares.len() + 1) {
+                shares.push(&self.groups[start..=i]);
+                start = i + 1;
+            }
+        }
+        shares.push(&self.groups[start..]);
+        let kernel = &kernel;
+        std::thread::scope(|scope| {
+            for share in &shares[1..] {
+                scope.spawn(move || kernel(share));
+            }
+            kernel(shares[0]);
+        });
+    }
+
+    /// The same plan, sharing work among threads from `min_share` up (tests: tiny shapes, threaded).
+    #[cfg(test)]
+    pub(crate) fn with_min_share(mut self, min_share: usize) -> Self {
+        self.min_share = min_share.max(1);
+        self
+    }
+
+    fn require_kernels(&self) -> Result<()> {
+        if available() {
+            Ok(())
+        } else {
+            Err(Error::Usage(
+                "the CPU SGMV kernels need x86-64 with AVX-512 (F, BW, VL); use the torch path".into(),
+            ))
+        }
+    }
+}
+
+/// The least work (weight elements, scaled by [`work_factor`]) worth a thread of its own: about
+/// 50 µs of streaming, well above the cost of starting one.
+const MIN_SHARE: usize = 1 << 19;
+
+/// How a group's cost grows with its tokens: the kernels read its weights once per 4 tokens from
+/// cache, and the first pass from memory dominates.
+fn work_factor(g: &Group) -> usize {
+    4 + (g.end - g.start)
 }
 
 #[cfg(test)]

@@ -122,6 +122,8 @@ struct Case {
     indptr: Vec<i64>,
     slots: Vec<i64>,
     seed: u64,
+    // 1: one thread; more: that many, with every group worth a thread.
+    threads: usize,
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -149,24 +151,28 @@ fn case() -> impl Strategy<Value = Case> {
                     (order, indptr, slots)
                 }),
                 any::<u64>(),
+                1usize..4,
             )
         })
-        .prop_map(|((n_slices, n_slots, max_rank, n_tokens), in_features, widths, ranks, groups, seed)| {
-            let (tokens, indptr, slots) = groups;
-            Case {
-                n_tokens,
-                n_slots,
-                n_slices,
-                max_rank,
-                in_features,
-                widths,
-                ranks,
-                tokens,
-                indptr,
-                slots,
-                seed: seed | 1,
-            }
-        })
+        .prop_map(
+            |((n_slices, n_slots, max_rank, n_tokens), in_features, widths, ranks, groups, seed, threads)| {
+                let (tokens, indptr, slots) = groups;
+                Case {
+                    n_tokens,
+                    n_slots,
+                    n_slices,
+                    max_rank,
+                    in_features,
+                    widths,
+                    ranks,
+                    tokens,
+                    indptr,
+                    slots,
+                    seed: seed | 1,
+                    threads,
+                }
+            },
+        )
 }
 
 impl Case {
@@ -181,6 +187,7 @@ impl Case {
             self.max_rank,
         )
         .unwrap()
+        .with_min_share(if self.threads > 1 { 1 } else { usize::MAX })
     }
 
     /// The slot of each token, `None` for tokens no group covers.
@@ -216,7 +223,7 @@ impl Case {
         );
         let sentinel = 7.0;
         let mut v = Tensor::new(dtype, (0..t * s * r).map(|_| sentinel));
-        self.plan().shrink(x.data(), n, a.data(), v.data_mut()).unwrap();
+        self.plan().shrink(x.data(), n, a.data(), v.data_mut(), self.threads).unwrap();
         for (tok, slot) in self.slot_of().into_iter().enumerate() {
             for col in 0..s * r {
                 let (slice, j) = (col / r, col % r);
@@ -271,7 +278,7 @@ impl Case {
         let scalings: Vec<f32> = (0..self.n_slots * s).map(|_| rng.uniform() * 4.0).collect();
         let before = Tensor::new(dtype, (0..t * out_total).map(|_| rng.uniform()));
         let mut out = Tensor::new(dtype, before.values.iter().copied());
-        self.plan().expand(out.data_mut(), v.data(), b.data(), &scalings, &offsets).unwrap();
+        self.plan().expand(out.data_mut(), v.data(), b.data(), &scalings, &offsets, self.threads).unwrap();
         for (tok, slot) in self.slot_of().into_iter().enumerate() {
             for slice in 0..s {
                 for o in offsets[slice]..offsets[slice + 1] {
@@ -367,16 +374,16 @@ fn bad_buffers_are_refused_and_nothing_is_written() {
     let plan = CpuPlan::new(2, &[1], &[0, 1], &[0], &[2], 1, 2).unwrap();
     let (x, a) = (vec![1f32; 2 * 3], vec![1f32; 2 * 3]);
     let mut v = vec![9f32; 2 * 2];
-    let short = plan.shrink(Data::F32(&x[..5]), 3, Data::F32(&a), DataMut::F32(&mut v));
+    let short = plan.shrink(Data::F32(&x[..5]), 3, Data::F32(&a), DataMut::F32(&mut v), 1);
     assert!(matches!(short, Err(Error::OpArgument(ref m)) if m.starts_with("x has 5 elements")));
     let bits = vec![0u16; 2 * 3];
-    let mixed = plan.shrink(Data::Bf16(&bits), 3, Data::F32(&a), DataMut::F32(&mut v));
+    let mixed = plan.shrink(Data::Bf16(&bits), 3, Data::F32(&a), DataMut::F32(&mut v), 1);
     assert!(matches!(mixed, Err(Error::OpArgument(ref m)) if m.contains("one dtype")));
     assert_eq!(v, vec![9f32; 4]);
     let mut out = vec![5f32; 2 * 3];
-    let offsets = plan.expand(DataMut::F32(&mut out), Data::F32(&v), Data::F32(&a), &[1.0], &[1, 3]);
+    let offsets = plan.expand(DataMut::F32(&mut out), Data::F32(&v), Data::F32(&a), &[1.0], &[1, 3], 1);
     assert!(matches!(offsets, Err(Error::OpArgument(ref m)) if m.contains("slice_offsets")));
-    let scalings = plan.expand(DataMut::F32(&mut out), Data::F32(&v), Data::F32(&a), &[], &[0, 3]);
+    let scalings = plan.expand(DataMut::F32(&mut out), Data::F32(&v), Data::F32(&a), &[], &[0, 3], 1);
     assert!(matches!(scalings, Err(Error::OpArgument(ref m)) if m.contains("slot_scalings")));
     assert_eq!(out, vec![5f32; 6]);
 }

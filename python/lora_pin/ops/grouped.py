@@ -426,7 +426,9 @@ def shrink_grouped(
     plan = _PLANS.get(perm, seg_indptr, seg_slots, slot_ranks, x.shape[0], max_rank, x.dtype, kernel)
     if plan.kernel is not None:
         xc = x.contiguous()
-        plan.kernel.shrink(_KERNEL_DTYPES[x.dtype], _raw(xc), xc.shape[1], _raw(a), _raw(v))
+        plan.kernel.shrink(
+            _KERNEL_DTYPES[x.dtype], _raw(xc), xc.shape[1], _raw(a), _raw(v), threads=torch.get_num_threads()
+        )
     for block in plan.dense:
         _shrink_dense(x, a, v, block, n_slices)
     a_t = a.transpose(1, 2)  # [slots, in, n_slices * R]; views are made once per call, not per group
@@ -481,6 +483,7 @@ def expand_grouped(
             _raw(b),
             _raw(slot_scalings),
             [int(o) for o in slice_offsets],
+            threads=torch.get_num_threads(),
         )
     for block in plan.dense:
         _expand_dense(out, v, b, slot_scalings, slice_offsets, block)
