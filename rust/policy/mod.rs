@@ -8,8 +8,6 @@
 
 mod fifo;
 mod hybrid;
-mod lecar;
-mod lirs;
 mod lru;
 mod reuse;
 
@@ -82,20 +80,6 @@ pub fn by_name(what: &str, name: &str) -> Result<Box<dyn EvictionPolicy>> {
         "fifo" => Ok(Box::new(Fifo::default())),
         "reuse" => Ok(Box::new(ReuseDistance::default())),
         "hybrid" => Ok(Box::new(ReuseFrequency::default())),
-        // Scratch attempts for issue #7 (not in POLICY_NAMES; see BENCHMARKS.md).
-        "lecar" => Ok(Box::new(lecar::Mixed::new(
-            "lecar",
-            Box::new(Lru::default()),
-            Box::new(lecar::Lfu::default()),
-        ))),
-        "lirs" => Ok(Box::new(lirs::Lirs::new("lirs", 10))),
-        "lirs-50" => Ok(Box::new(lirs::Lirs::new("lirs-50", 500))),
-        "lirs-25" => Ok(Box::new(lirs::Lirs::new("lirs-25", 250))),
-        "lecar-hybrid" => Ok(Box::new(lecar::Mixed::new(
-            "lecar-hybrid",
-            Box::new(Lru::default()),
-            Box::new(ReuseFrequency::default()),
-        ))),
         _ => Err(Error::Spec(format!(
             "{what}={name:?} is not an eviction policy; choose one of {}",
             POLICY_NAMES.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(", ")
