@@ -140,6 +140,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
             }
         }
+        for (s, slots) in SLOTS.iter().enumerate() {
+            let wins: Vec<usize> = (0..seeds)
+                .map(|seed| {
+                    (0..WORKLOADS.len())
+                        .filter(|&w| {
+                            let c = &results[&(w, s, seed)];
+                            c.hits[p] > c.hits[0].max(c.hits[1])
+                        })
+                        .count()
+                })
+                .collect();
+            let at_least_four = wins.iter().filter(|&&k| k >= 4).count();
+            let spread: Vec<String> = (0..=WORKLOADS.len())
+                .map(|k| format!("{k}:{}", wins.iter().filter(|&&x| x == k).count()))
+                .collect();
+            println!(
+                "{slots} slots: {challenger} strictly best on >= 4 of 5 workloads on {at_least_four}/{seeds} seeds \
+                 (seeds by workloads won: {})",
+                spread.join(" ")
+            );
+        }
     }
     println!();
     println!("{} simulations in {elapsed:.1} s on 2 threads", seeds as usize * 10 * policies.len());
