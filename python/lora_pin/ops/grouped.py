@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -60,8 +61,9 @@ _FP32_PRODUCT_MAX_ROWS = 12
 # Slots with at most this many tokens go to the native kernels (where the CPU has them); busier slots
 # stay on BLAS, whose GEMMs win once a slot has enough rows. Measured with benches/cpu_ops.py (q/k/v of
 # hidden 4096, rank 16, 1 thread; BENCHMARKS.md, "GEMM ops"): in fp32 the kernels still beat BLAS on a
-# slot of 64 tokens, in bf16 they lose there (0.95 vs 0.69 ms) and win at 32.
-_KERNEL_MAX_TOKENS = {torch.float32: 64, torch.bfloat16: 32, torch.float16: 32}
+# slot of 64 tokens, in bf16 they lose there (0.95 vs 0.69 ms) and win at 32. torch's fp16 matmul on
+# CPUs without AVX512-FP16 is 15-30x slower than the kernels even for prefill, so fp16 always takes them.
+_KERNEL_MAX_TOKENS = {torch.float32: 64, torch.bfloat16: 32, torch.float16: sys.maxsize}
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Whether the native kernels run at all: the CPU must have them, and LORA_PIN_CPU_KERNELS=0 turns them off.
 use_cpu_kernels = sgmv_cpu_available() and os.environ.get("LORA_PIN_CPU_KERNELS", "1") != "0"
