@@ -37,20 +37,39 @@ pub fn sgmv_cpu_available() -> bool {
 #[pyclass(frozen, name = "CpuSgmvPlan", module = "lora_pin._core")]
 pub struct PyCpuSgmvPlan(CpuPlan);
 
-fn elem_size(py: Python<'_>, dtype: &str) -> PyResult<usize> {
-    match dtype {
-        "float32" => Ok(4),
-        "bfloat16" | "float16" => Ok(2),
-        _ => Err(new_error(
-            py,
-            "OpArgumentError",
-            format!("the CPU kernels take float32, bfloat16 or float16, not {dtype}"),
-        )),
+/// The dtypes the kernels take, by their torch names.
+#[derive(Clone, Copy)]
+enum Dtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Dtype {
+    fn parse(py: Python<'_>, name: &str) -> PyResult<Self> {
+        match name {
+            "float32" => Ok(Dtype::F32),
+            "bfloat16" => Ok(Dtype::Bf16),
+            "float16" => Ok(Dtype::F16),
+            _ => Err(new_error(
+                py,
+                "OpArgumentError",
+                format!("the CPU kernels take float32, bfloat16 or float16, not {name}"),
+            )),
+        }
+    }
+
+    fn size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 | Dtype::F16 => 2,
+        }
     }
 }
 
-/// Checks one buffer's address: aligned for its dtype, and not overlapping `written`.
-fn check(py: Python<'_>, what: &str, raw: Raw, size: usize, written: Option<Raw>) -> PyResult<()> {
+/// Checks one buffer of `size`-byte elements: aligned, and not overlapping `written` (a buffer of
+/// `written_size`-byte elements).
+fn check(py: Python<'_>, what: &str, raw: Raw, size: usize, written: Option<(Raw, usize)>) -> PyResult<()> {
     let (addr, n) = raw;
     if n > 0 && (addr == 0 || addr % size != 0) {
         return Err(new_error(
@@ -59,8 +78,8 @@ fn check(py: Python<'_>, what: &str, raw: Raw, size: usize, written: Option<Raw>
             format!("{what} is not aligned for its dtype (address {addr:#x})"),
         ));
     }
-    if let Some((w, wn)) = written {
-        let overlap = n > 0 && wn > 0 && addr < w + wn * size && w < addr + n * size;
+    if let Some(((w, wn), w_size)) = written {
+        let overlap = n > 0 && wn > 0 && addr < w + wn * w_size && w < addr + n * size;
         if overlap {
             return Err(new_error(
                 py,
@@ -97,13 +116,13 @@ unsafe fn view_mut<'a, T>(raw: Raw) -> &'a mut [T] {
 ///
 /// # Safety
 /// As for [`view`].
-unsafe fn data<'a>(dtype: &str, raw: Raw) -> Data<'a> {
-    // SAFETY: the function's contract; `dtype` was checked by `elem_size`.
+unsafe fn data<'a>(dtype: Dtype, raw: Raw) -> Data<'a> {
+    // SAFETY: the function's contract.
     unsafe {
         match dtype {
-            "float32" => Data::F32(view(raw)),
-            "bfloat16" => Data::Bf16(view(raw)),
-            _ => Data::F16(view(raw)),
+            Dtype::F32 => Data::F32(view(raw)),
+            Dtype::Bf16 => Data::Bf16(view(raw)),
+            Dtype::F16 => Data::F16(view(raw)),
         }
     }
 }
@@ -112,13 +131,13 @@ unsafe fn data<'a>(dtype: &str, raw: Raw) -> Data<'a> {
 ///
 /// # Safety
 /// As for [`view_mut`].
-unsafe fn data_mut<'a>(dtype: &str, raw: Raw) -> DataMut<'a> {
-    // SAFETY: the function's contract; `dtype` was checked by `elem_size`.
+unsafe fn data_mut<'a>(dtype: Dtype, raw: Raw) -> DataMut<'a> {
+    // SAFETY: the function's contract.
     unsafe {
         match dtype {
-            "float32" => DataMut::F32(view_mut(raw)),
-            "bfloat16" => DataMut::Bf16(view_mut(raw)),
-            _ => DataMut::F16(view_mut(raw)),
+            Dtype::F32 => DataMut::F32(view_mut(raw)),
+            Dtype::Bf16 => DataMut::Bf16(view_mut(raw)),
+            Dtype::F16 => DataMut::F16(view_mut(raw)),
         }
     }
 }
@@ -182,10 +201,11 @@ impl PyCpuSgmvPlan {
         v: Raw,
         threads: usize,
     ) -> PyResult<()> {
-        let size = elem_size(py, dtype)?;
+        let dtype = Dtype::parse(py, dtype)?;
+        let size = dtype.size();
         check(py, "v", v, size, None)?;
-        check(py, "x", x, size, Some(v))?;
-        check(py, "a", a, size, Some(v))?;
+        check(py, "x", x, size, Some((v, size)))?;
+        check(py, "a", a, size, Some((v, size)))?;
         let plan = &self.0;
         detached(py, move || {
             // SAFETY: the caller's contract (live contiguous tensors of `dtype`); `check` ruled out
@@ -217,11 +237,12 @@ impl PyCpuSgmvPlan {
         slice_offsets: Vec<usize>,
         threads: usize,
     ) -> PyResult<()> {
-        let size = elem_size(py, dtype)?;
+        let dtype = Dtype::parse(py, dtype)?;
+        let size = dtype.size();
         check(py, "out", out, size, None)?;
-        check(py, "v", v, size, Some(out))?;
-        check(py, "b", b, size, Some(out))?;
-        check(py, "slot_scalings", scalings, 4, Some(out))?;
+        check(py, "v", v, size, Some((out, size)))?;
+        check(py, "b", b, size, Some((out, size)))?;
+        check(py, "slot_scalings", scalings, 4, Some((out, size)))?;
         let plan = &self.0;
         detached(py, move || {
             // SAFETY: as in `shrink`.

@@ -58,18 +58,12 @@ impl Data<'_> {
 }
 
 impl DataMut<'_> {
-    fn len(&self) -> usize {
+    /// The same buffer, read-only (for its length and dtype).
+    fn as_data(&self) -> Data<'_> {
         match self {
-            DataMut::F32(s) => s.len(),
-            DataMut::Bf16(s) | DataMut::F16(s) => s.len(),
-        }
-    }
-
-    fn dtype(&self) -> &'static str {
-        match self {
-            DataMut::F32(_) => "float32",
-            DataMut::Bf16(_) => "bfloat16",
-            DataMut::F16(_) => "float16",
+            DataMut::F32(s) => Data::F32(s),
+            DataMut::Bf16(s) => Data::Bf16(s),
+            DataMut::F16(s) => Data::F16(s),
         }
     }
 }
@@ -236,13 +230,13 @@ impl CpuPlan {
         let (t, s, r) = (self.n_tokens, self.n_slices, self.max_rank);
         self.check_len("x", x.len(), t * in_features, "n_tokens x in_features")?;
         self.check_len("a", a.len(), self.n_slots * s * r * in_features, "slots x n_slices*R x in_features")?;
-        self.check_len("v", v.len(), t * s * r, "n_tokens x n_slices*R")?;
-        if x.dtype() != a.dtype() || x.dtype() != v.dtype() {
+        self.check_len("v", v.as_data().len(), t * s * r, "n_tokens x n_slices*R")?;
+        if x.dtype() != a.dtype() || x.dtype() != v.as_data().dtype() {
             return Err(arg(format!(
                 "x, a and v must share one dtype, got {}, {} and {}",
                 x.dtype(),
                 a.dtype(),
-                v.dtype()
+                v.as_data().dtype()
             )));
         }
         if self.groups.is_empty() || in_features == 0 {
@@ -311,14 +305,15 @@ impl CpuPlan {
             )));
         }
         let out_total = slice_offsets[s];
-        self.check_len("out", out.len(), t * out_total, "n_tokens x out_total")?;
+        self.check_len("out", out.as_data().len(), t * out_total, "n_tokens x out_total")?;
         self.check_len("v", v.len(), t * s * r, "n_tokens x n_slices*R")?;
         self.check_len("b", b.len(), self.n_slots * out_total * r, "slots x out_total x R")?;
         self.check_len("slot_scalings", scalings.len(), self.n_slots * s, "slots x n_slices")?;
-        if out.dtype() != v.dtype() || out.dtype() != b.dtype() {
+        let out_dtype = out.as_data().dtype();
+        if out_dtype != v.dtype() || out_dtype != b.dtype() {
             return Err(arg(format!(
                 "out, v and b must share one dtype, got {}, {} and {}",
-                out.dtype(),
+                out_dtype,
                 v.dtype(),
                 b.dtype()
             )));

@@ -484,7 +484,7 @@ def expand_grouped(
             _raw(vc),
             _raw(b),
             _raw(slot_scalings),
-            [int(o) for o in slice_offsets],
+            slice_offsets,
             threads=torch.get_num_threads(),
         )
     for block in plan.dense:
