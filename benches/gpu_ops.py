@@ -14,8 +14,10 @@ On a CUDA machine it:
 Everything fits in 10 minutes on one H200 (``--budget-s`` stops early, listing what it skipped).
 
     python benches/gpu_ops.py                 # everything
-    python benches/gpu_ops.py --dry-run       # no GPU needed: the case list, and one tiny case
-                                              # through the Triton interpreter on CPU
+    python benches/gpu_ops.py --dry-run       # no GPU needed: the case list, every kernel the run
+                                              # launches built for sm_90 (registers, spills, shared
+                                              # memory), and one tiny case through the Triton
+                                              # interpreter on CPU
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from lora_pin.ops import (
+    CUDA_CHUNK_SIZE,
     PATTERNS,
     SegmentBatch,
     StackedLayer,
@@ -42,6 +45,7 @@ from lora_pin.ops import (
     segments_from_slots,
 )
 from lora_pin.ops.grouped import expand_grouped, shrink_grouped
+from lora_pin.ops.triton_sgmv import expand_launch, shrink_launch, shrink_split_k
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 1e-4}
@@ -79,7 +83,8 @@ def build_cases(
 
 
 def make_inputs(case: Case, dtype: torch.dtype, device: str, gen: torch.Generator):
-    """A plain (one-slice) hidden -> hidden layer; tokens spread evenly over case.adapters slots."""
+    """A plain (one-slice) hidden -> hidden layer; tokens spread evenly over case.adapters slots, in
+    segments of at most CUDA_CHUNK_SIZE tokens (what LoRAManager plans on CUDA)."""
     layer = random_layer(
         max(case.adapters, 1), case.hidden, [case.hidden], [case.rank], dtype, gen, device=device
     )
@@ -96,7 +101,7 @@ def make_inputs(case: Case, dtype: torch.dtype, device: str, gen: torch.Generato
     x = torch.randn(case.tokens, case.hidden, generator=gen).to(device=device, dtype=dtype)
     out = torch.randn(case.tokens, case.hidden, generator=gen).to(device=device, dtype=dtype)
     token_slots = token_slots.to(device)
-    return layer, token_slots, segments_from_slots(token_slots, chunk_size=16), x, out
+    return layer, token_slots, segments_from_slots(token_slots, CUDA_CHUNK_SIZE), x, out
 
 
 def grouped_path(out: torch.Tensor, x: torch.Tensor, layer: StackedLayer, batch: SegmentBatch) -> None:
@@ -244,14 +249,70 @@ def print_rows(rows: list[dict]) -> tuple[bool, bool]:
     return bandwidth_ok, speedup_ok
 
 
+def case_launches(
+    layer: StackedLayer, batch: SegmentBatch, x: torch.Tensor, out: torch.Tensor, sm_count: int
+):
+    """The shrink and expand launches the CUDA ops would make for these inputs on a GPU with
+    ``sm_count`` multiprocessors (built from shapes and strides; the tensors may be on the CPU)."""
+    n_slices = len(layer.slice_offsets) - 1
+    max_rank = layer.a.shape[1] // n_slices
+    split = shrink_split_k(x.shape[1], batch.seg_slots.shape[0], n_slices, max_rank, x.dtype, 2 * sm_count)
+    v = x.new_zeros(x.shape[0], n_slices * max_rank, dtype=torch.float32 if split > 1 else x.dtype)
+    shrink = shrink_launch(
+        x, layer.a, v, *batch, layer.slot_ranks, n_slices, max_rank, split, interpret=False
+    )
+    v = x.new_zeros(x.shape[0], n_slices * max_rank)
+    expand = expand_launch(out, v, layer.b, *batch, *layer[2:], max_rank, interpret=False)
+    return shrink, expand
+
+
+def build_all(cases: list[Case], args: argparse.Namespace) -> bool:
+    """Compile, for sm_{args.arch}, every kernel specialization this script would launch; print the
+    resource use of each distinct one. No GPU needed. True when all compile with no spills and fit."""
+    from lora_pin.ops.triton_aot import compile_launch
+
+    gen = torch.Generator().manual_seed(args.seed)
+    dtype = _DTYPES[args.dtype]
+    inputs = []
+    for dt in _DTYPES.values():  # the correctness and graph-capture shapes
+        layer = random_layer(8, 512, [512, 128, 128], [8, 16, 64, (16, 0, 8), 1], dt, gen)
+        token_slots = request_slots("zipf", 64, 8, gen)
+        x = torch.randn(64, 512, generator=gen).to(dt)
+        inputs.append((layer, segments_from_slots(token_slots, 16), x, torch.zeros(64, 768, dtype=dt)))
+    seen: dict[str, object] = {}
+    ok = True
+    builds = [launch for inp in inputs for launch in case_launches(*inp, args.sm_count)]
+    for case in cases:
+        layer, _, batch, x, out = make_inputs(case, dtype, "cpu", gen)
+        builds.extend(case_launches(layer, batch, x, out, args.sm_count))
+    print(f"sm_{args.arch} builds of {len(builds)} launches ({args.sm_count} SMs assumed):")
+    for launch in builds:
+        build = compile_launch(launch, args.arch)
+        if build.key in seen:
+            continue
+        seen[build.key] = build
+        ok &= build.fits
+        consts = " ".join(f"{k}={v}" for k, v in build.constexprs.items() if k != "DOT_PRECISION")
+        dtype = str(launch.args[0].dtype).removeprefix("torch.")
+        print(
+            f"  {build.name:20} {dtype:8} {consts:70} warps {build.num_warps} regs {build.registers:3} "
+            f"spill {build.local_bytes:3} B smem {build.shared_bytes / 1024:6.1f} KiB"
+            + ("" if build.fits else "  <- does not fit")
+        )
+    print(f"{len(seen)} distinct kernels; all compile, no spills, shared memory fits: {ok}")
+    return ok
+
+
 def dry_run(cases: list[Case], args: argparse.Namespace) -> int:
-    """Without a GPU: the case list, then one tiny case through the Triton interpreter on CPU."""
+    """Without a GPU: the case list, every kernel built for sm_90, then one tiny case through the
+    Triton interpreter on CPU."""
     from lora_pin.ops.triton_sgmv import sgmv_expand, sgmv_shrink
 
     element = torch.finfo(_DTYPES[args.dtype]).bits // 8
     print(f"{len(cases)} cases; weight traffic per case {args.dtype}:")
     for case in cases:
         print(f"  {case}  weights {case.weight_bytes(element) / 1e6:.1f} MB")
+    built = build_all(cases, args)
     gen = torch.Generator().manual_seed(args.seed)
     tiny = Case(hidden=64, rank=16, phase="decode", tokens=8, adapters=4)
     layer, token_slots, batch, x, out = make_inputs(tiny, torch.float16, "cpu", gen)
@@ -262,7 +323,7 @@ def dry_run(cases: list[Case], args: argparse.Namespace) -> int:
     want = lora_reference(out, x, layer.a, layer.b, token_slots, *layer[2:])
     err = (got.double() - want.double()).abs().max().item()
     print(f"tiny case under the Triton interpreter: max err {err:.1e}")
-    return 0 if err <= _TOLERANCE[torch.float16] else 1
+    return 0 if built and err <= _TOLERANCE[torch.float16] else 1
 
 
 def _ints(text: str) -> list[int]:
@@ -284,8 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--dry-run", action="store_true", help="no GPU: list the cases, run one tiny case on CPU"
+        "--dry-run",
+        action="store_true",
+        help="no GPU: list the cases, build every kernel for --arch, run one tiny case on CPU",
     )
+    parser.add_argument("--arch", type=int, default=90, help="--dry-run: compute capability to build for")
+    parser.add_argument("--sm-count", type=int, default=132, help="--dry-run: multiprocessors (H200: 132)")
     args = parser.parse_args(argv)
     cases = build_cases(args.hidden, args.ranks, args.decode_batches, args.adapters, args.prefill_tokens)
     if args.dry_run:

@@ -15,6 +15,7 @@ import torch
 import lora_pin
 from lora_pin import AdapterNotFoundError, CapacityError, LoRAManager
 from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
+from lora_pin.ops import CUDA_CHUNK_SIZE
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -102,6 +103,19 @@ def test_mixed_batch_equals_peft_and_base_rows_equal_base(world: World) -> None:
         if n is None:
             assert torch.equal(got[i], base[i]), "a base-model row was touched"
     assert not torch.equal(got[0], base[0]), "adapters changed nothing: the test would prove nothing"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_prefill_is_chunked_and_equals_peft(world: World) -> None:
+    # On CUDA the Triton kernels run, and long segments are cut into CUDA_CHUNK_SIZE chunks.
+    model = fresh_model(world).cuda()
+    mgr = LoRAManager(model, items(world), max_loras_per_batch=6)
+    assert mgr.chunk_size == CUDA_CHUNK_SIZE
+    names: list[str | None] = ["a8", None, "rs16", "pat", "a8"]
+    ids = tokens(len(names), 150, 1)  # segments of 150 and 300 tokens: several chunks each
+    with torch.no_grad(), mgr.batch(names):
+        got = model(ids.cuda()).logits.cpu()
+    torch.testing.assert_close(got, oracle(world, ids, names), rtol=1e-3, atol=1e-4)
 
 
 def test_fewer_slots_than_adapters_evicts_between_steps(world: World) -> None:

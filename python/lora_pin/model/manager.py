@@ -31,7 +31,7 @@ from lora_pin.errors import (
 )
 from lora_pin.model.attach import FusedSpec, attach, detach, model_targets
 from lora_pin.model.layers import StepSegments
-from lora_pin.ops import SegmentBatch
+from lora_pin.ops import CUDA_CHUNK_SIZE, SegmentBatch
 from lora_pin.registry import unload_async
 from lora_pin.weights import (
     DEFAULT_MAX_FILE_BYTES,
@@ -92,7 +92,10 @@ class LoRAManager:
         max_host_bytes: optional host-tier capacity in bytes.
         allowed_roots: if given, every adapter path must resolve under one of these folders.
         allow_pickle: allow ``adapter_model.bin`` (loaded with ``torch.load(weights_only=True)``).
-        chunk_size: longest segment the kernels see, in tokens (None: whole segments).
+        chunk_size: longest segment the kernels see, in tokens. None picks by device: whole segments
+            on CPU (the grouped path merges chunks again anyway), :data:`lora_pin.ops.CUDA_CHUNK_SIZE`
+            on CUDA, where each segment's rows go to one program: whole segments would leave most
+            multiprocessors idle in a prefill step with few adapters.
         fused_modules: for models whose projections are fused (a ``qkv_proj`` computing ``[q | k | v]``),
             the adapter modules stacked in each fused module's output with their widths, e.g.
             ``{"qkv_proj": [("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)],
@@ -139,6 +142,8 @@ class LoRAManager:
         param = next(model.parameters())
         self.model = model
         self.dtype, self.device = param.dtype, param.device
+        if chunk_size is None and self.device.type == "cuda":
+            chunk_size = CUDA_CHUNK_SIZE
         self.targets, self._module_of = model_targets(model, modules, fused_modules)
         self.max_rank = rank
         self.chunk_size = chunk_size

@@ -10,10 +10,11 @@ also run on CPU tensors under the Triton interpreter through :mod:`lora_pin.ops.
 from lora_pin.ops._checks import OpArgumentError
 from lora_pin.ops.custom_ops import expand, lora_delta_, shrink
 from lora_pin.ops.reference import expand_reference, lora_reference, shrink_reference
-from lora_pin.ops.segments import SegmentBatch, segments_from_slots
+from lora_pin.ops.segments import CUDA_CHUNK_SIZE, SegmentBatch, segments_from_slots
 from lora_pin.ops.testing import PATTERNS, StackedLayer, random_layer, request_slots
 
 __all__ = [
+    "CUDA_CHUNK_SIZE",
     "PATTERNS",
     "OpArgumentError",
     "SegmentBatch",

@@ -10,7 +10,11 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SegmentBatch", "segments_from_slots"]
+__all__ = ["CUDA_CHUNK_SIZE", "SegmentBatch", "segments_from_slots"]
+
+# Segment length for the CUDA kernels: their largest row tile, so a long segment (a prefill) is spread
+# over many programs, one chunk each, instead of being looped over by one.
+CUDA_CHUNK_SIZE = 64
 
 
 class SegmentBatch(NamedTuple):

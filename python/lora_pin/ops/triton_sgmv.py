@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +29,14 @@ import triton.language as tl
 
 from lora_pin.ops._checks import MAX_SLICES, check_expand_args, check_shrink_args
 
-__all__ = ["sgmv_expand", "sgmv_shrink"]
+__all__ = [
+    "KernelLaunch",
+    "expand_launch",
+    "sgmv_expand",
+    "sgmv_shrink",
+    "shrink_launch",
+    "shrink_split_k",
+]
 
 
 def _sgmv_shrink_kernel(
@@ -262,10 +270,175 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
+def _block_r(max_rank: int) -> int:
+    return 16 if max_rank <= 16 else 32 if max_rank <= 32 else 64
+
+
+def _shrink_block_k(dtype: torch.dtype, block_r: int, interpret: bool) -> int:
+    if interpret:
+        return 32
+    return 64 if dtype == torch.float32 or block_r == 64 else 128
+
+
+def _expand_block_n(dtype: torch.dtype, max_rank: int, block_m: int) -> int:
+    # Register use decides it (tests/test_triton_aot.py builds every choice made here for sm_90):
+    # fp32 multiplies on the FMA units with its tiles in registers, and wider tiles spill; in fp16/bf16
+    # a 64 x 128 tile takes 228 registers a thread, two blocks a multiprocessor, too few loads in
+    # flight for a kernel that streams ``out``.
+    if dtype == torch.float32:
+        return 32 if block_m == 64 else 64
+    return 128 if max_rank <= 32 and block_m <= 32 else 64
+
+
 def _block_m(n_rows: int, n_segments: int) -> int:
     # Shapes only (no data read): the mean segment length picks the row tile.
     mean = n_rows // max(n_segments, 1)
     return 16 if mean <= 16 else 32 if mean <= 32 else 64
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch, fully described: what :func:`sgmv_shrink` / :func:`sgmv_expand` run.
+
+    ``kernel`` is the plain kernel function (wrap it with ``triton.jit`` or the interpreter), ``grid`` the
+    program grid, ``args`` the positional arguments and ``constexprs`` the compile-time ones (with the
+    compile options). Built from shapes and strides only, never tensor contents.
+    """
+
+    kernel: Callable[..., None]
+    grid: tuple[int, int, int]
+    args: tuple[Any, ...]
+    constexprs: dict[str, Any]
+
+
+def shrink_launch(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    v: torch.Tensor,
+    perm: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    n_slices: int,
+    max_rank: int,
+    split_k: int,
+    *,
+    interpret: bool,
+) -> KernelLaunch:
+    """The shrink kernel's launch writing ``v`` (fp32 when ``split_k > 1``); arguments already checked."""
+    in_features = x.shape[1]
+    block_r = _block_r(max_rank)
+    rank_blocks = triton.cdiv(max_rank, block_r)
+    return KernelLaunch(
+        _sgmv_shrink_kernel,
+        (seg_slots.shape[0], n_slices * rank_blocks, split_k),
+        (
+            x,
+            a,
+            v,
+            perm,
+            seg_indptr,
+            seg_slots,
+            slot_ranks,
+            in_features,
+            max_rank,
+            x.stride(0),
+            x.stride(1),
+            a.stride(0),
+            a.stride(1),
+            a.stride(2),
+            v.stride(0),
+            v.stride(1),
+        ),
+        {
+            "N_SLICES": n_slices,
+            "RANK_BLOCKS": rank_blocks,
+            "SPLIT_K": split_k,
+            "BLOCK_M": 16 if interpret else _block_m(perm.shape[0], seg_slots.shape[0]),
+            "BLOCK_R": block_r,
+            "BLOCK_K": _shrink_block_k(x.dtype, block_r, interpret),
+            "DOT_PRECISION": _dot_precision(x.dtype),
+            **_COMPILE_OPTIONS,
+        },
+    )
+
+
+def shrink_split_k(
+    in_features: int,
+    n_segments: int,
+    n_slices: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    target_programs: int,
+    *,
+    interpret: bool = False,
+) -> int:
+    """Programs per segment along ``in``: doubled (up to 16) while the grid has fewer than
+    ``target_programs`` programs and each split keeps at least four ``BLOCK_K`` tiles."""
+    block_r = _block_r(max_rank)
+    block_k = _shrink_block_k(dtype, block_r, interpret)
+    programs = max(n_segments * n_slices * triton.cdiv(max_rank, block_r), 1)
+    split_k = 1
+    while split_k < 16 and programs * split_k < target_programs and in_features >= 4 * block_k * split_k:
+        split_k *= 2
+    return split_k
+
+
+def expand_launch(
+    out: torch.Tensor,
+    v: torch.Tensor,
+    b: torch.Tensor,
+    perm: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    slice_offsets: Sequence[int],
+    max_rank: int,
+    *,
+    interpret: bool,
+) -> KernelLaunch:
+    """The expand kernel's launch; arguments already checked."""
+    n_slices = len(slice_offsets) - 1
+    max_width = max(hi - lo for lo, hi in itertools.pairwise(slice_offsets))
+    block_m = 16 if interpret else _block_m(perm.shape[0], seg_slots.shape[0])
+    block_n = 32 if interpret else _expand_block_n(out.dtype, max_rank, block_m)
+    offsets = [*slice_offsets] + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
+    return KernelLaunch(
+        _sgmv_expand_kernel,
+        (seg_slots.shape[0], n_slices, triton.cdiv(max_width, block_n)),
+        (
+            out,
+            v,
+            b,
+            perm,
+            seg_indptr,
+            seg_slots,
+            slot_ranks,
+            slot_scalings,
+            max_rank,
+            out.stride(0),
+            out.stride(1),
+            v.stride(0),
+            v.stride(1),
+            b.stride(0),
+            b.stride(1),
+            b.stride(2),
+            *offsets,
+        ),
+        {
+            "N_SLICES": n_slices,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "BLOCK_R": _block_r(max_rank),
+            "DOT_PRECISION": _dot_precision(out.dtype),
+            **_COMPILE_OPTIONS,
+        },
+    )
+
+
+def _run(launch: KernelLaunch, interpret: bool) -> None:
+    _launchable(launch.kernel, interpret)[launch.grid](*launch.args, **launch.constexprs)
 
 
 def sgmv_shrink(
@@ -294,17 +467,12 @@ def sgmv_shrink(
     interpret = _use_interpreter(x.device, interpret)
     n_tokens, in_features = x.shape
     n_segments = seg_slots.shape[0]
-    block_r = 16 if max_rank <= 16 else 32 if max_rank <= 32 else 64
-    rank_blocks = triton.cdiv(max_rank, block_r)
-    block_k = 64 if x.dtype == torch.float32 or block_r == 64 else 128
-    if interpret:
-        block_k = 32
     if split_k is None:
-        programs = max(n_segments * n_slices * rank_blocks, 1)
+        # Two waves of programs over the GPU's multiprocessors; a few under the interpreter.
         target = 4 if interpret else 2 * _sm_count(x.device.index or 0)
-        split_k = 1
-        while split_k < 16 and programs * split_k < target and in_features >= 4 * block_k * split_k:
-            split_k *= 2
+        split_k = shrink_split_k(
+            in_features, n_segments, n_slices, max_rank, x.dtype, target, interpret=interpret
+        )
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
 
@@ -312,8 +480,7 @@ def sgmv_shrink(
     v = x.new_zeros(n_tokens, n_slices * max_rank, dtype=torch.float32 if split_k > 1 else x.dtype)
     if n_segments == 0 or n_tokens == 0 or max_rank == 0:
         return v.to(x.dtype)
-    grid = (n_segments, n_slices * rank_blocks, split_k)
-    _launchable(_sgmv_shrink_kernel, interpret)[grid](
+    launch = shrink_launch(
         x,
         a,
         v,
@@ -321,24 +488,12 @@ def sgmv_shrink(
         seg_indptr.contiguous(),
         seg_slots.contiguous(),
         slot_ranks.contiguous(),
-        in_features,
+        n_slices,
         max_rank,
-        x.stride(0),
-        x.stride(1),
-        a.stride(0),
-        a.stride(1),
-        a.stride(2),
-        v.stride(0),
-        v.stride(1),
-        N_SLICES=n_slices,
-        RANK_BLOCKS=rank_blocks,
-        SPLIT_K=split_k,
-        BLOCK_M=16 if interpret else _block_m(perm.shape[0], n_segments),
-        BLOCK_R=block_r,
-        BLOCK_K=block_k,
-        DOT_PRECISION=_dot_precision(x.dtype),
-        **_COMPILE_OPTIONS,
+        split_k,
+        interpret=interpret,
     )
+    _run(launch, interpret)
     return v.to(x.dtype)
 
 
@@ -368,16 +523,10 @@ def sgmv_expand(
         out, v, b, perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets
     )
     interpret = _use_interpreter(out.device, interpret)
-    n_slices = len(slice_offsets) - 1
-    n_segments = seg_slots.shape[0]
     max_width = max(hi - lo for lo, hi in itertools.pairwise(slice_offsets))
-    if n_segments == 0 or out.shape[0] == 0 or max_rank == 0 or max_width == 0:
+    if seg_slots.shape[0] == 0 or out.shape[0] == 0 or max_rank == 0 or max_width == 0:
         return
-    block_r = 16 if max_rank <= 16 else 32 if max_rank <= 32 else 64
-    block_n = 32 if interpret else 128 if max_rank <= 32 else 64
-    offsets = [*slice_offsets] + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
-    grid = (n_segments, n_slices, triton.cdiv(max_width, block_n))
-    _launchable(_sgmv_expand_kernel, interpret)[grid](
+    launch = expand_launch(
         out,
         v,
         b,
@@ -386,19 +535,8 @@ def sgmv_expand(
         seg_slots.contiguous(),
         slot_ranks.contiguous(),
         slot_scalings.contiguous(),
+        slice_offsets,
         max_rank,
-        out.stride(0),
-        out.stride(1),
-        v.stride(0),
-        v.stride(1),
-        b.stride(0),
-        b.stride(1),
-        b.stride(2),
-        *offsets,
-        N_SLICES=n_slices,
-        BLOCK_M=16 if interpret else _block_m(perm.shape[0], n_segments),
-        BLOCK_N=block_n,
-        BLOCK_R=block_r,
-        DOT_PRECISION=_dot_precision(out.dtype),
-        **_COMPILE_OPTIONS,
+        interpret=interpret,
     )
+    _run(launch, interpret)
