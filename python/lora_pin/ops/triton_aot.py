@@ -86,7 +86,7 @@ def _target(arch: int) -> Iterator[None]:
     # DriverConfig keeps the active driver in `_active`; None means "create the default on next use",
     # which is what a process without a GPU must go back to (creating it here would raise).
     saved = driver._active
-    driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", arch, _WARP_SIZE)))  # type: ignore[arg-type]
+    driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", arch, _WARP_SIZE)))
     try:
         yield
     finally:
