@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,14 @@ import pytest
 import torch
 
 import lora_pin
-from lora_pin import AdapterNotFoundError, CapacityError, LoRAManager
+from lora_pin import (
+    AdapterLoadError,
+    AdapterNotFoundError,
+    CapacityError,
+    LoRAManager,
+    PathNotAllowedError,
+    SpecError,
+)
 from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
 from lora_pin.ops import CUDA_CHUNK_SIZE
 
@@ -191,6 +199,93 @@ def test_unload_reload_and_detach(world: World) -> None:
         assert torch.equal(model(ids).logits, world.base(ids).logits)
     for (k, v), (k2, v2) in zip(model.state_dict().items(), world.base.state_dict().items(), strict=True):
         assert k == k2 and torch.equal(v, v2)
+
+
+def discovering(world: World, adapter_dir: Path, **kwargs: Any) -> tuple[torch.nn.Module, LoRAManager]:
+    model = fresh_model(world)
+    options: dict[str, Any] = {"max_loras_per_batch": 4, "max_lora_rank": 16, **kwargs}
+    mgr = LoRAManager(model, None, lora_target_modules=ATTN + MLP, adapter_dir=adapter_dir, **options)
+    return model, mgr
+
+
+def test_adapters_are_discovered_on_first_use(world: World, tmp_path: Path) -> None:
+    root = tmp_path / "adapters"
+    (root / "team").mkdir(parents=True)
+    shutil.copytree(world.adapters["a8"], root / "a8")
+    shutil.copytree(world.adapters["pat"], root / "team" / "pat")
+    model, mgr = discovering(world, root)
+    assert len(mgr.registry) == 0
+    names: list[str | None] = ["a8", None, "team/pat", "a8"]
+    ids = tokens(len(names), 5, 21)
+    with torch.no_grad(), mgr.batch(names):
+        got = model(ids).logits
+    assert_close(got, oracle(world, ids, ["a8", None, "pat", "a8"]))
+    assert sorted(mgr.stats()["host"]["resident"]) == ["a8", "team/pat"]
+    assert mgr.discover(["a8", "team/pat", None]) == []  # registered now: nothing to do
+
+
+def test_discovery_refuses_unknown_and_escaping_names_and_changes_nothing(
+    world: World, tmp_path: Path
+) -> None:
+    root = tmp_path / "adapters"
+    root.mkdir()
+    shutil.copytree(world.adapters["a8"], root / "a8")
+    (root / "link").symlink_to(world.adapters["rs16"], target_is_directory=True)  # points out of root
+    _, mgr = discovering(world, root)
+    with pytest.raises(AdapterNotFoundError, match="missing"), mgr.batch(["a8", "missing"]):
+        pass
+    for bad in ["../a8", "/etc", "a8/../a8", "", "a\\b", "./a8", "a8/"]:
+        with pytest.raises(PathNotAllowedError, match="folder name"):
+            mgr.discover(["a8", bad])
+    with pytest.raises(PathNotAllowedError, match="outside"):
+        mgr.split(["a8", "link"])
+    assert len(mgr.registry) == 0 and len(mgr.host) == 0, "a refused name left an adapter behind"
+    # Without adapter_dir, an unknown name is still just unknown.
+    plain = LoRAManager(fresh_model(world), items(world)[:1], max_loras_per_batch=2)
+    with pytest.raises(AdapterNotFoundError, match="rs16"):
+        plain.discover(["a8", "rs16"])
+
+
+def test_discovery_is_all_or_nothing(world: World, tmp_path: Path) -> None:
+    root = tmp_path / "adapters"
+    root.mkdir()
+    shutil.copytree(world.adapters["a8"], root / "a8")
+    shutil.copytree(world.adapters["rs16"], root / "broken")
+    (root / "broken" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    model, mgr = discovering(world, root)
+    with pytest.raises(AdapterLoadError, match="broken"), mgr.batch(["a8", "broken"]):
+        pass
+    assert "a8" not in mgr.registry and len(mgr.host) == 0
+    with torch.no_grad(), mgr.batch(["a8"]):  # and the manager still serves
+        got = model(tokens(1, 3, 22)).logits
+    assert_close(got, oracle(world, tokens(1, 3, 22), ["a8"]))
+
+
+def test_a_discovered_adapter_stays_confined_when_read_again(world: World, tmp_path: Path) -> None:
+    root = tmp_path / "adapters"
+    root.mkdir()
+    for name in ("a8", "rs16", "qv2"):
+        shutil.copytree(world.adapters[name], root / name)
+    model, mgr = discovering(world, root, max_loras_per_batch=1, max_loaded_loras=2)
+    for name in ("a8", "rs16", "qv2"):  # the host tier keeps two: a8 is evicted, read again on use
+        with torch.no_grad(), mgr.batch([name]):
+            model(tokens(1, 2, 23))
+    assert "a8" not in mgr.host
+    shutil.rmtree(root / "a8")
+    (root / "a8").symlink_to(world.adapters["a8"], target_is_directory=True)  # swapped for an escape
+    with pytest.raises(PathNotAllowedError, match="outside"), mgr.batch(["a8"]):
+        pass
+
+
+def test_adapter_dir_must_be_a_folder_inside_allowed_roots(world: World, tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="not a directory"):
+        discovering(world, tmp_path / "nope")
+    (tmp_path / "inside").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(SpecError, match="outside every allowed root"):
+        discovering(world, tmp_path / "elsewhere", allowed_roots=[tmp_path / "inside"])
+    _, mgr = discovering(world, tmp_path / "inside", allowed_roots=[tmp_path])
+    assert mgr.adapter_dir == (tmp_path / "inside").resolve()
 
 
 def test_from_args(world: World) -> None:

@@ -14,6 +14,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from lora_pin.errors import (
     AdapterLoadError,
     AdapterNotFoundError,
     CapacityError,
+    DuplicateAdapterError,
     LoraPinError,
     SpecError,
     StalePlanError,
@@ -41,7 +43,7 @@ from lora_pin.weights import (
     HostTier,
     read_adapter_config,
 )
-from lora_pin.weights.reader import resolve_adapter_dir
+from lora_pin.weights.reader import adapter_dir_for_name, resolve_adapter_dir
 
 __all__ = ["LoRAManager", "Step"]
 
@@ -91,6 +93,10 @@ class LoRAManager:
             (host tier: LRU).
         max_host_bytes: optional host-tier capacity in bytes.
         allowed_roots: if given, every adapter path must resolve under one of these folders.
+        adapter_dir: a folder of adapters loaded on first use: a step (or :meth:`discover`) naming an
+            adapter that is not registered loads ``adapter_dir/<name>`` (names may be nested,
+            ``org/style``). Each such adapter is confined to ``adapter_dir``: no ``..``, no absolute
+            name, no symlink out of it. Must lie under ``allowed_roots`` when both are given.
         allow_pickle: allow ``adapter_model.bin`` (loaded with ``torch.load(weights_only=True)``).
         chunk_size: longest segment the kernels see, in tokens. None picks by device: whole segments
             on CPU (the grouped path merges chunks again anyway), :data:`lora_pin.ops.CUDA_CHUNK_SIZE`
@@ -110,7 +116,8 @@ class LoRAManager:
     otherwise), both when it starts and when it finishes.
 
     Raises:
-        SpecError: the specs or limits are invalid, or the rank/target modules cannot be determined.
+        SpecError: the specs or limits are invalid, the rank/target modules cannot be determined, or
+            ``adapter_dir`` is not a folder (or lies outside ``allowed_roots``).
         AdapterLoadError: a start-up adapter cannot be served (the message names it and why); nothing is
             attached then.
         PoolError: the device pool cannot be allocated.
@@ -128,6 +135,7 @@ class LoRAManager:
         eviction_policy: str = "lru",
         max_host_bytes: int | None = None,
         allowed_roots: Iterable[str | os.PathLike[str]] | None = None,
+        adapter_dir: str | os.PathLike[str] | None = None,
         allow_pickle: bool = False,
         chunk_size: int | None = None,
         fused_modules: FusedSpec | None = None,
@@ -138,6 +146,9 @@ class LoRAManager:
             lora_paths, max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras
         )
         self._allowed_roots = None if allowed_roots is None else tuple(allowed_roots)
+        self.adapter_dir = (
+            None if adapter_dir is None else _checked_adapter_dir(adapter_dir, self._allowed_roots)
+        )
         rank, modules = self._infer_shape(refs, max_lora_rank, lora_target_modules)
         param = next(model.parameters())
         self.model = model
@@ -164,7 +175,8 @@ class LoRAManager:
             eviction_policy=eviction_policy,
             chunk_size=chunk_size,
         )
-        self._paths: dict[str, str] = {}
+        # Per registered adapter: its path, and the folder it is confined to when discovered.
+        self._paths: dict[str, tuple[str, Path | None]] = {}
         self._evictions: Counter[tuple[str, str]] = Counter()
         self._step_lock = threading.Lock()
         # Guards the host tier's dict, the pool's writes and the bookkeeping below against other threads.
@@ -210,6 +222,54 @@ class LoRAManager:
         ref = LoRARef.new(name, os.fspath(path), pinned)
         self._load_ref(ref)
         return ref
+
+    def discover(self, names: Iterable[str | None]) -> list[str]:
+        """Load from ``adapter_dir`` every adapter of ``names`` that is not registered yet (None entries
+        and registered names are skipped); returns the names loaded, in order.
+
+        Steps call this themselves; call it ahead of time to keep the disk reads out of a step. All or
+        nothing: every name is checked before any is read, and if one fails to load, those this call
+        loaded are unloaded again (the host tier may still have evicted idle adapters to make room;
+        they are read again on demand).
+
+        Raises:
+            AdapterNotFoundError: a name is not registered and there is no ``adapter_dir`` or no
+                folder ``adapter_dir/<name>``.
+            PathNotAllowedError: a name is not a plain (possibly nested) folder name, or its folder
+                resolves outside ``adapter_dir``.
+            AdapterLoadError, CapacityError: as :meth:`load`.
+        """
+        todo = list(dict.fromkeys(n for n in names if n is not None and n not in self.registry))
+        if not todo:
+            return []
+        root = self.adapter_dir
+        if root is None:
+            for name in todo:
+                self.registry.lora_ref(name)  # raises AdapterNotFoundError, listing what is registered
+            return []
+        found: list[tuple[str, Path]] = []
+        for name in todo:
+            directory = adapter_dir_for_name(root, name)
+            if directory is None:
+                raise AdapterNotFoundError(
+                    f"adapter {name!r} is not registered, and {str(root / name)!r} does not exist"
+                )
+            found.append((name, directory))
+        loaded: list[str] = []
+        try:
+            for name, directory in found:
+                try:
+                    self._load_ref(LoRARef.new(name, str(directory), False), root=root)
+                except DuplicateAdapterError:
+                    continue  # registered meanwhile by another thread: theirs stands
+                loaded.append(name)
+        except BaseException:
+            for name in loaded:
+                with contextlib.suppress(LoraPinError):
+                    self.registry.unload(name, 0)
+                self._forget(name)
+            raise
+        return loaded
 
     def pin(self, name: str) -> None:
         """Keep ``name`` resident in both tiers until :meth:`unpin`.
@@ -271,7 +331,8 @@ class LoRAManager:
         admitted requests' tokens in ``admitted`` order; call :meth:`finish` when its requests are done.
 
         Raises:
-            AdapterNotFoundError: a name is not registered (nothing is planned).
+            AdapterNotFoundError: a name is not registered (nor found in ``adapter_dir``; nothing is
+                planned). Adapters found there are loaded first, as :meth:`discover`.
             AdapterLoadError: an adapter evicted from host memory could not be read again; the step is
                 released and nothing else changes.
             LoraPinError: a step is already active.
@@ -321,8 +382,10 @@ class LoRAManager:
         """Cut a batch into groups of request indices, in order, each of which fits the slots at once.
 
         Raises:
-            AdapterNotFoundError: a name is not registered.
+            AdapterNotFoundError, PathNotAllowedError, AdapterLoadError: as :meth:`discover`, for names
+                not registered yet.
         """
+        self.discover(names)
         pinned = self._pinned()
         budget = self.pool.slots - len(pinned)
         groups: list[list[int]] = []
@@ -387,9 +450,9 @@ class LoRAManager:
             raise SpecError(f"max_lora_rank must be at least 1 (got {max_rank})")
         return max_rank, tuple(modules)
 
-    def _load_ref(self, ref: LoRARef) -> None:
+    def _load_ref(self, ref: LoRARef, root: Path | None = None) -> None:
         # Read outside the lock (it can take long); registering and dropping the victims happen at once.
-        adapter = self.host.load(ref.lora_name, ref.lora_path)
+        adapter = self.host.load(ref.lora_name, ref.lora_path, root=root)
         with self._tier_lock:
             try:
                 evicted = self.registry.register(
@@ -404,7 +467,7 @@ class LoRAManager:
             for name in evicted:
                 self._evictions[(name, "host")] += 1
                 self._drop_host(name)
-            self._paths[ref.lora_name] = ref.lora_path
+            self._paths[ref.lora_name] = (ref.lora_path, root)
 
     def _drop_host(self, name: str) -> None:
         if name in self.host:
@@ -430,6 +493,7 @@ class LoRAManager:
         if not self._step_lock.acquire(blocking=False):
             raise LoraPinError("a step is already active; finish it before preparing another")
         try:
+            self.discover(names)
             if per_sequence and len(self.split(names)) > 1:
                 raise CapacityError(self._too_many(names))
             plan = self.registry.plan(names, num_tokens)
@@ -507,7 +571,8 @@ class LoRAManager:
             for done, (name, _lora_id, slot, source) in enumerate(loads):
                 try:
                     if source == "disk" or name not in self.host:
-                        self.host.load(name, self._paths[name])
+                        path, root = self._paths[name]
+                        self.host.load(name, path, root=root)
                     self.pool.fill(slot, self.host[name])
                 except BaseException as exc:
                     # The slot may be half written: empty it, so no later step can read the remains.
@@ -538,3 +603,19 @@ class LoRAManager:
                     f"{ {s: self._filled[s] for s in stale} } (generation, writes) there; no step ran"
                 )
             return tuple((s, self.pool.writes(s)) for s in used)
+
+
+def _checked_adapter_dir(
+    adapter_dir: str | os.PathLike[str], allowed_roots: tuple[str | os.PathLike[str], ...] | None
+) -> Path:
+    real = Path(os.path.realpath(adapter_dir))
+    if not real.is_dir():
+        raise SpecError(f"adapter_dir {os.fspath(adapter_dir)!r} is not a directory")
+    if allowed_roots is not None:
+        roots = [Path(os.path.realpath(r)) for r in allowed_roots]
+        if not any(real == r or r in real.parents for r in roots):
+            raise SpecError(
+                f"adapter_dir {os.fspath(adapter_dir)!r} resolves to {str(real)!r}, outside every allowed "
+                f"root {[str(r) for r in roots]}"
+            )
+    return real

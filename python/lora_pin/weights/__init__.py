@@ -11,7 +11,13 @@ from lora_pin.weights.limits import (
     MAX_CONFIG_BYTES,
 )
 from lora_pin.weights.pool import DevicePool, GroupBuffers
-from lora_pin.weights.reader import AdapterFile, LoraTensorPair, open_adapter, resolve_adapter_dir
+from lora_pin.weights.reader import (
+    AdapterFile,
+    LoraTensorPair,
+    adapter_dir_for_name,
+    open_adapter,
+    resolve_adapter_dir,
+)
 from lora_pin.weights.targets import (
     DEFAULT_TARGET_MODULES,
     FUSED_GROUPS,
@@ -38,6 +44,7 @@ __all__ = [
     "LoRATargets",
     "LoraTensorPair",
     "TargetGroup",
+    "adapter_dir_for_name",
     "load_adapter",
     "open_adapter",
     "read_adapter_config",

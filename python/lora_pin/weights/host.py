@@ -324,8 +324,13 @@ class HostTier:
         self.max_tensors = max_tensors
         self._adapters: dict[str, HostAdapter] = {}
 
-    def load(self, name: str, path: str | os.PathLike[str]) -> HostAdapter:
+    def load(
+        self, name: str, path: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None
+    ) -> HostAdapter:
         """Load the adapter at ``path`` as ``name`` (see :func:`load_adapter`); on failure nothing changes.
+
+        ``root``, if given, confines this adapter (its folder and every file read from it) to that one
+        folder instead of the tier's ``allowed_roots``.
 
         Raises:
             DuplicateAdapterError: ``name`` is already held.
@@ -341,7 +346,7 @@ class HostTier:
             self.targets,
             max_rank=self.max_rank,
             dtype=self.dtype,
-            allowed_roots=self.allowed_roots,
+            allowed_roots=self.allowed_roots if root is None else (root,),
             allow_pickle=self.allow_pickle,
             max_file_bytes=self.max_file_bytes,
             max_tensors=self.max_tensors,

@@ -27,7 +27,13 @@ from lora_pin.errors import AdapterLoadError, PathNotAllowedError, UnsafeFormatE
 from lora_pin.weights.config import AdapterConfig, read_adapter_config
 from lora_pin.weights.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TENSORS, check_count, check_file_size
 
-__all__ = ["AdapterFile", "LoraTensorPair", "open_adapter", "resolve_adapter_dir"]
+__all__ = [
+    "AdapterFile",
+    "LoraTensorPair",
+    "adapter_dir_for_name",
+    "open_adapter",
+    "resolve_adapter_dir",
+]
 
 SAFETENSORS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
@@ -65,6 +71,33 @@ def resolve_adapter_dir(
             f"adapter {name!r}: {raw!r} is not a directory (expected a PEFT adapter directory)"
         )
     return Path(real)
+
+
+def adapter_dir_for_name(root: str | os.PathLike[str], name: str) -> Path | None:
+    """The folder of adapter ``name`` under ``root`` (``root/name``; a name may be nested, ``org/style``),
+    or None when there is no such folder. The real path is checked to stay inside ``root``.
+
+    Raises:
+        PathNotAllowedError: ``name`` is empty, absolute, has an empty, ``.`` or ``..`` component, a
+            backslash or a NUL; or ``root/name`` resolves (through a symlink) outside ``root``.
+        AdapterLoadError: ``root/name`` exists but is not a directory.
+    """
+    parts = name.split("/")
+    if (
+        not name
+        or "\\" in name
+        or "\0" in name
+        or os.path.isabs(name)
+        or any(part in ("", ".", "..") for part in parts)
+    ):
+        raise PathNotAllowedError(
+            f"adapter {name!r}: not usable as a folder name under {os.fspath(root)!r} (one or more "
+            "'/'-separated components, none empty, '.' or '..', no backslash or NUL)"
+        )
+    path = Path(root, *parts)
+    if not os.path.lexists(path):
+        return None
+    return resolve_adapter_dir(name, path, [root])
 
 
 @dataclass(frozen=True)
