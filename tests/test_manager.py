@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -275,6 +277,38 @@ def test_a_discovered_adapter_stays_confined_when_read_again(world: World, tmp_p
     (root / "a8").symlink_to(world.adapters["a8"], target_is_directory=True)  # swapped for an escape
     with pytest.raises(PathNotAllowedError, match="outside"), mgr.batch(["a8"]):
         pass
+
+
+def test_threads_discovering_one_adapter_load_it_once(
+    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "adapters"
+    root.mkdir()
+    shutil.copytree(world.adapters["a8"], root / "a8")
+    model, mgr = discovering(world, root)
+    # Both threads are made to be inside the (real) file read at once: the race, every time.
+    import lora_pin.weights.host as host_module
+
+    real_load, both_reading = host_module.load_adapter, threading.Barrier(2, timeout=10)
+
+    def load_together(*args: Any, **kwargs: Any) -> Any:
+        both_reading.wait()
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(host_module, "load_adapter", load_together)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(mgr.discover, ["a8"]) for _ in range(2)]
+        results = [f.result() for f in futures]
+    assert sorted(map(len, results)) == [0, 1], results
+    assert "a8" in mgr.host and "a8" in mgr.registry, "the losing thread dropped the winner's weights"
+    mgr.registry.audit()
+    assert mgr.stats()["host_bytes"] == mgr.host["a8"].nbytes
+    monkeypatch.undo()
+    ids = tokens(1, 3, 24)
+    with torch.no_grad(), mgr.batch(["a8"]):
+        got = model(ids).logits
+    assert_close(got, oracle(world, ids, ["a8"]))
+    assert mgr.stats()["host"]["loads"] == 1, "the adapter was read from disk again"
 
 
 def test_adapter_dir_must_be_a_folder_inside_allowed_roots(world: World, tmp_path: Path) -> None:

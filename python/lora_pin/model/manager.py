@@ -451,19 +451,21 @@ class LoRAManager:
         return max_rank, tuple(modules)
 
     def _load_ref(self, ref: LoRARef, root: Path | None = None) -> None:
-        # Read outside the lock (it can take long); registering and dropping the victims happen at once.
-        adapter = self.host.load(ref.lora_name, ref.lora_path, root=root)
+        # Read outside the lock (it can take long); registering, holding the weights and dropping the
+        # victims happen at once under it, so two threads loading one name cannot drop each other's copy.
+        adapter = self.host.read(ref.lora_name, ref.lora_path, root=root)
         with self._tier_lock:
-            try:
-                evicted = self.registry.register(
-                    ref,
-                    rank=adapter.max_rank,
-                    host_bytes=adapter.nbytes,
-                    device_bytes=self.pool.slot_nbytes,
+            if ref.lora_name in self.host:
+                raise DuplicateAdapterError(
+                    f"adapter {ref.lora_name!r} is already loaded ({self.host[ref.lora_name].path})"
                 )
-            except BaseException:
-                self.host.drop(ref.lora_name)
-                raise
+            evicted = self.registry.register(
+                ref,
+                rank=adapter.max_rank,
+                host_bytes=adapter.nbytes,
+                device_bytes=self.pool.slot_nbytes,
+            )
+            self.host.add(adapter)
             for name in evicted:
                 self._evictions[(name, "host")] += 1
                 self._drop_host(name)

@@ -327,20 +327,28 @@ class HostTier:
     def load(
         self, name: str, path: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None
     ) -> HostAdapter:
-        """Load the adapter at ``path`` as ``name`` (see :func:`load_adapter`); on failure nothing changes.
-
-        ``root``, if given, confines this adapter (its folder and every file read from it) to that one
-        folder instead of the tier's ``allowed_roots``.
+        """Load the adapter at ``path`` as ``name`` (:meth:`read`, then :meth:`add`); on failure nothing
+        changes.
 
         Raises:
             DuplicateAdapterError: ``name`` is already held.
             AdapterLoadError: and its subclasses, as :func:`load_adapter`.
         """
-        if name in self._adapters:
-            raise DuplicateAdapterError(
-                f"adapter {name!r} is already in the host tier ({self._adapters[name].path})"
-            )
-        adapter = load_adapter(
+        self._refuse_held(name)
+        return self.add(self.read(name, path, root=root))
+
+    def read(
+        self, name: str, path: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None
+    ) -> HostAdapter:
+        """Read the adapter at ``path`` as ``name`` (see :func:`load_adapter`) without adding it.
+
+        ``root``, if given, confines this adapter (its folder and every file read from it) to that one
+        folder instead of the tier's ``allowed_roots``.
+
+        Raises:
+            AdapterLoadError: and its subclasses, as :func:`load_adapter`.
+        """
+        return load_adapter(
             name,
             path,
             self.targets,
@@ -351,8 +359,22 @@ class HostTier:
             max_file_bytes=self.max_file_bytes,
             max_tensors=self.max_tensors,
         )
-        self._adapters[name] = adapter
+
+    def add(self, adapter: HostAdapter) -> HostAdapter:
+        """Hold ``adapter`` (from :meth:`read`) under its name.
+
+        Raises:
+            DuplicateAdapterError: an adapter of that name is already held.
+        """
+        self._refuse_held(adapter.name)
+        self._adapters[adapter.name] = adapter
         return adapter
+
+    def _refuse_held(self, name: str) -> None:
+        if name in self._adapters:
+            raise DuplicateAdapterError(
+                f"adapter {name!r} is already in the host tier ({self._adapters[name].path})"
+            )
 
     def drop(self, name: str) -> HostAdapter:
         """Remove and return adapter ``name``.
