@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_pin.ops import random_layer, request_slots, segments_from_slots
+from lora_pin.ops import lora_reference, random_layer, request_slots, segments_from_slots
 
 triton_sgmv = pytest.importorskip("lora_pin.ops.triton_sgmv")
 triton_aot = pytest.importorskip("lora_pin.ops.triton_aot")
@@ -38,25 +38,53 @@ SHAPES = [
 DECODE, PREFILL, RANK_128 = SHAPES[3], SHAPES[-2], SHAPES[-1]
 
 
-def _launches(dtype, hidden, widths, rank, n_requests, tokens, chunk_size):
+def _inputs(dtype, hidden, widths, rank, n_requests, tokens, chunk_size):
+    """A pool of rank ``rank`` holding mixed ranks (full, a quarter, 0, and for fused layers a slot with
+    absent slices), a fifth of the requests (at least one) on the base model, ``tokens`` tokens each."""
     gen = torch.Generator().manual_seed(0)
-    layer = random_layer(8, hidden, widths, [rank], dtype, gen)
-    token_slots = torch.repeat_interleave(request_slots("uniform", n_requests, 8, gen), tokens)
+    n_slices = len(widths)
+    ranks = [rank, max(1, rank // 4), 0] + ([(rank,) + (0,) * (n_slices - 1)] if n_slices > 1 else [])
+    layer = random_layer(8, hidden, widths, ranks, dtype, gen, max_rank=rank)
+    slots = request_slots("uniform", n_requests, 8, gen, base_fraction=max(0.2, 1 / n_requests))
+    token_slots = torch.repeat_interleave(slots, tokens)
     batch = segments_from_slots(token_slots, chunk_size)
     x = torch.randn(token_slots.shape[0], hidden, generator=gen).to(dtype)
-    out = torch.zeros(token_slots.shape[0], sum(widths), dtype=dtype)
-    n_slices = len(widths)
-    split = triton_sgmv.shrink_split_k(hidden, batch.seg_slots.shape[0], n_slices, rank, dtype, 2 * H200_SMS)
-    v = x.new_zeros(x.shape[0], n_slices * rank, dtype=torch.float32 if split > 1 else dtype)
-    shrink = triton_sgmv.shrink_launch(
+    out = torch.randn(token_slots.shape[0], sum(widths), generator=gen).to(dtype)
+    return layer, token_slots, batch, x, out
+
+
+def _shrink(layer, batch, x):
+    """The shrink launch the CUDA op would make on an H200 (its ``v`` is ``args[2]``)."""
+    n_slices = len(layer.slice_offsets) - 1
+    rank = layer.a.shape[1] // n_slices
+    segments = batch.seg_slots.shape[0]
+    split = triton_sgmv.shrink_split_k(x.shape[1], segments, n_slices, rank, x.dtype, 2 * H200_SMS)
+    v = x.new_zeros(x.shape[0], n_slices * rank, dtype=torch.float32 if split > 1 else x.dtype)
+    return triton_sgmv.shrink_launch(
         x, layer.a, v, *batch, layer.slot_ranks, n_slices, rank, split, interpret=False
     )
-    v = x.new_zeros(x.shape[0], n_slices * rank)
-    expand = triton_sgmv.expand_launch(out, v, layer.b, *batch, *layer[2:], rank, interpret=False)
-    return shrink, expand
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{str(s[0])[6:]}-x{len(s[2])}-r{s[3]}-{s[4]}x{s[5]}")
+def _expand(layer, batch, v, out):
+    """The expand launch the CUDA op would make on an H200."""
+    rank = layer.b.shape[2]
+    return triton_sgmv.expand_launch(out, v, layer.b, *batch, *layer[2:], rank, interpret=False)
+
+
+def _launches(*shape):
+    layer, _, batch, x, out = _inputs(*shape)
+    return _shrink(layer, batch, x), _expand(layer, batch, x.new_zeros(x.shape[0], layer.a.shape[1]), out)
+
+
+def _id(shape) -> str:
+    return f"{str(shape[0])[6:]}-x{len(shape[2])}-r{shape[3]}-{shape[4]}x{shape[5]}"
+
+
+# The interpreter has no bf16 arithmetic: the fp16 and fp32 shapes, and the special ones in fp16.
+INTERPRETED = [s for s in SHAPES if s[0] != torch.bfloat16] + [(torch.float16, *s[1:]) for s in SHAPES[-3:]]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_id)
 def test_every_launch_builds_for_sm90_without_spills(shape):
     for launch in _launches(*shape):
         build = triton_aot.compile_launch(launch, arch=90)
@@ -65,6 +93,22 @@ def test_every_launch_builds_for_sm90_without_spills(shape):
         assert 0 < build.shared_bytes <= triton_aot.MAX_SHARED_BYTES[90], build
         assert build.registers <= 255
         assert build.fits
+
+
+@pytest.mark.parametrize("shape", INTERPRETED, ids=_id)
+def test_the_sm90_launches_equal_the_reference_under_the_interpreter(shape):
+    # The interpreter tests in test_ops_triton.py use small tiles; these run the GPU's own tile sizes,
+    # split-K and row tiles, as built above, on the same inputs.
+    layer, token_slots, batch, x, out = _inputs(*shape)
+    shrink = _shrink(layer, batch, x)
+    shrink.run(interpret=True)
+    got = out.clone()
+    _expand(layer, batch, shrink.args[2].to(x.dtype), got).run(interpret=True)
+    want = lora_reference(out, x, layer.a, layer.b, token_slots, *layer[2:])
+    tol = {torch.float32: 1e-4, torch.float16: 5e-3}[x.dtype] * want.abs().max().item()
+    torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=0)
+    base = token_slots < 0
+    assert base.any() and torch.equal(got[base], out[base]), "a base-model row was touched"
 
 
 def test_the_launchers_pick_the_regimes_the_shapes_claim():

@@ -310,6 +310,11 @@ class KernelLaunch:
     args: tuple[Any, ...]
     constexprs: dict[str, Any]
 
+    def run(self, *, interpret: bool) -> None:
+        """Launch it: compiled for CUDA tensors, or under the Triton interpreter for CPU tensors (the
+        interpreter runs any tile configuration, so GPU launches can be checked on a CPU)."""
+        _launchable(self.kernel, interpret)[self.grid](*self.args, **self.constexprs)
+
 
 def shrink_launch(
     x: torch.Tensor,
@@ -437,10 +442,6 @@ def expand_launch(
     )
 
 
-def _run(launch: KernelLaunch, interpret: bool) -> None:
-    _launchable(launch.kernel, interpret)[launch.grid](*launch.args, **launch.constexprs)
-
-
 def sgmv_shrink(
     x: torch.Tensor,  # [T, in]
     a: torch.Tensor,  # [slots, n_slices * R, in]
@@ -493,7 +494,7 @@ def sgmv_shrink(
         split_k,
         interpret=interpret,
     )
-    _run(launch, interpret)
+    launch.run(interpret=interpret)
     return v.to(x.dtype)
 
 
@@ -539,4 +540,4 @@ def sgmv_expand(
         max_rank,
         interpret=interpret,
     )
-    _run(launch, interpret)
+    launch.run(interpret=interpret)
