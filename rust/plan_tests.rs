@@ -281,6 +281,32 @@ fn unload_waits_for_requests_and_is_idempotent() {
 }
 
 #[test]
+fn a_continued_unload_leaves_a_later_adapter_of_the_same_name_alone() {
+    let mut reg = registry(2, None, "lru", &["a"]);
+    let id: Arc<str> = reg.acquire(&[Some("a")]).unwrap()[0].clone().unwrap();
+    let Unload::Draining { in_flight: 1, serial } = reg.unload("a").unwrap() else { panic!("not draining") };
+    reg.release(&[Some(&id)]).unwrap();
+    // Another caller finishes the unload by name, and "a" is registered again.
+    assert_eq!(reg.unload("a").unwrap(), Unload::Done);
+    reg.register(lora("a"), size(8, 1)).unwrap();
+    // The first unloader goes on with its registration: done, and the new "a" stays.
+    assert_eq!(reg.continue_unload(serial), Unload::Done);
+    assert!(reg.contains("a"));
+    assert_eq!(reg.lookup("a", false).map(|k| reg.get(k).size.rank), Ok(8));
+    reg.audit().unwrap();
+}
+
+#[test]
+fn a_drained_unload_that_timed_out_says_to_unload_again() {
+    let mut reg = registry(2, None, "lru", &["a"]);
+    let id: Arc<str> = reg.acquire(&[Some("a")]).unwrap()[0].clone().unwrap();
+    assert!(matches!(reg.unload("a").unwrap(), Unload::Draining { .. }));
+    reg.release(&[Some(&id)]).unwrap();
+    let err = reg.register(lora("a"), size(4, 1)).unwrap_err();
+    assert!(err.to_string().contains("unload(\"a\") again"), "{err}");
+}
+
+#[test]
 fn limits_are_checked() {
     assert!(Registry::new(Config::new(0)).is_err());
     let mut c = Config::new(4);

@@ -94,6 +94,8 @@ pub(crate) struct Adapter {
     pub(crate) in_flight: u64,
     /// Unregistered: no new acquires; forgotten once `in_flight` is 0 and an unload asks.
     pub(crate) draining: bool,
+    /// Which registration this is: unique for the registry's life, unlike names, ids and keys.
+    pub(crate) serial: u64,
     pub(crate) loading: Option<LoadSource>,
     pub(crate) in_step: bool,
     /// Logical time it entered the host tier, when resident there.
@@ -115,6 +117,9 @@ pub enum Unload {
     Draining {
         /// Requests still using it.
         in_flight: u64,
+        /// The registration being unloaded: [`Registry::continue_unload`] goes on with this one,
+        /// not with a later adapter registered under the same name.
+        serial: u64,
     },
 }
 
@@ -138,6 +143,7 @@ pub struct Registry {
     /// An empty buffer for the next plan's `step` (the previous step's, kept to reuse its memory).
     pub(crate) spare_step: Vec<AdapterKey>,
     names_epoch: u64,
+    registrations: u64,
 }
 
 impl Registry {
@@ -185,6 +191,7 @@ impl Registry {
             plan_marks: Vec::new(),
             spare_step: Vec::new(),
             names_epoch: 0,
+            registrations: 0,
         })
     }
 
@@ -279,13 +286,22 @@ impl Registry {
         }
         if let Some(&key) = self.by_name.get(r.lora_name.as_str()) {
             let existing = self.get(key);
-            if existing.draining {
+            if existing.draining && existing.in_flight > 0 {
                 return Err(Error::AdapterInUse(format!(
                     "cannot register {}: an adapter named {:?} is being unloaded and {} request(s) still \
                      use it; finish the unload first",
                     describe(&r),
                     r.lora_name,
                     existing.in_flight
+                )));
+            }
+            if existing.draining {
+                return Err(Error::AdapterInUse(format!(
+                    "cannot register {}: an earlier unload of {:?} timed out; its requests have finished \
+                     since, so unload({:?}) again to finish it first",
+                    describe(&r),
+                    r.lora_name,
+                    r.lora_name
                 )));
             }
             return Err(Error::DuplicateAdapter { new: describe(&r), existing: describe(&existing.r) });
@@ -322,6 +338,7 @@ impl Registry {
         }
         self.unloaded.remove(r.lora_name.as_str());
         self.names_epoch += 1;
+        self.registrations += 1;
         self.by_name.insert(name.clone(), key);
         self.by_id.insert(id.clone(), key);
         self.adapters[key.index()] = Some(Adapter {
@@ -331,6 +348,7 @@ impl Registry {
             size,
             in_flight: 0,
             draining: false,
+            serial: self.registrations,
             loading: None,
             in_step: false,
             host_since: Some(now),
@@ -494,12 +512,28 @@ impl Registry {
         };
         self.get_mut(key).draining = true;
         self.drop_pin(key);
-        let in_flight = self.get(key).in_flight;
-        if in_flight > 0 {
-            return Ok(Unload::Draining { in_flight });
+        Ok(self.finish_unload(key))
+    }
+
+    /// Goes on with an unload [`Registry::unload`] started: `serial` is from its
+    /// [`Unload::Draining`]. [`Unload::Done`] once that registration is forgotten (now, or already:
+    /// an adapter registered since under the same name is left alone).
+    pub fn continue_unload(&mut self, serial: u64) -> Unload {
+        let key =
+            self.adapters.iter().position(|a| a.as_ref().is_some_and(|a| a.serial == serial && a.draining));
+        match key {
+            Some(index) => self.finish_unload(AdapterKey(index as u32)),
+            None => Unload::Done,
+        }
+    }
+
+    fn finish_unload(&mut self, key: AdapterKey) -> Unload {
+        let a = self.get(key);
+        if a.in_flight > 0 {
+            return Unload::Draining { in_flight: a.in_flight, serial: a.serial };
         }
         self.forget(key);
-        Ok(Unload::Done)
+        Unload::Done
     }
 
     fn forget(&mut self, key: AdapterKey) {

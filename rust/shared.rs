@@ -42,17 +42,28 @@ impl SharedRegistry {
     }
 
     /// Unregisters `name` and waits up to `wait` for its requests to drain, then forgets it.
-    /// Returns [`Unload::Draining`] if requests are still in flight after `wait`.
+    /// Returns [`Unload::Draining`] if requests are still in flight after `wait`; go on with
+    /// [`SharedRegistry::continue_unload_for`] and its serial.
     ///
     /// Errors: [`Error::AdapterNotFound`] for a name never registered.
     pub fn unload_for(&self, name: &str, wait: Duration) -> Result<Unload> {
+        let state = self.inner.lock().unload(name)?;
+        Ok(match state {
+            Unload::Done => Unload::Done,
+            Unload::Draining { serial, .. } => self.continue_unload_for(serial, wait),
+        })
+    }
+
+    /// Waits up to `wait` for the unload of registration `serial` (from [`Unload::Draining`]) to
+    /// drain, then forgets it; an adapter registered meanwhile under the same name is left alone.
+    pub fn continue_unload_for(&self, serial: u64, wait: Duration) -> Unload {
         let deadline = Instant::now().checked_add(wait);
         let mut reg = self.inner.lock();
         loop {
-            let state = reg.unload(name)?;
-            let Unload::Draining { .. } = state else { return Ok(state) };
+            let state = reg.continue_unload(serial);
+            let Unload::Draining { .. } = state else { return state };
             match deadline {
-                Some(d) if Instant::now() >= d => return Ok(state),
+                Some(d) if Instant::now() >= d => return state,
                 Some(d) => {
                     self.drained.wait_until(&mut reg, d);
                 }
@@ -70,7 +81,7 @@ impl SharedRegistry {
         let started = Instant::now();
         match self.unload_for(name, timeout.unwrap_or(Duration::MAX))? {
             Unload::Done => Ok(()),
-            Unload::Draining { in_flight } => {
+            Unload::Draining { in_flight, .. } => {
                 Err(Error::UnloadTimeout { name: name.to_owned(), in_flight, waited: started.elapsed() })
             }
         }

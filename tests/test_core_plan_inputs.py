@@ -58,6 +58,15 @@ def test_same_objects_fresh_objects_tuples_and_generators_plan_alike() -> None:
                 reg.load_done(load[0])
 
 
+def test_token_counts_from_a_generator_of_fresh_ints_are_each_read() -> None:
+    # Each int is freed once read, and the next may be made at the same address: no identity shortcut.
+    reg = make()
+    counts = [1000 + i for i in range(6)]
+    plan = reg.plan(["a"] * 6, (1000 + i for i in range(6)))
+    assert plan.num_tokens == sum(counts)
+    assert list(memoryview(plan.seg_indptr).cast("i"))[-1] == sum(counts)
+
+
 def test_one_int_is_every_requests_token_count() -> None:
     step = ["a", None, "b", "c", "a", "d", "e", None]
     for n in (0, 1, 3):
@@ -87,6 +96,8 @@ def test_bad_names_name_the_item() -> None:
         reg.plan(["a", 7], 1)  # type: ignore[list-item]
     with pytest.raises(UsageError, match="names must be a sequence of adapter names"):
         reg.plan(5, 1)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="got the str 'ab'"):
+        reg.plan("ab", 1)
     with pytest.raises(AdapterNotFoundError, match='"zz"'):
         reg.plan(["a", "zz"], 1)
 
@@ -120,6 +131,28 @@ def test_a_cached_name_object_follows_unload_and_register() -> None:
     slots = {name: slot for name, _, slot, _ in plan.loads}
     ranks = memoryview(plan.slot_ranks).cast("i")
     assert ranks[slots["a"]] == 9 and ranks[slots["c"]] == 7
+
+
+def test_a_polled_unload_never_unloads_a_later_adapter_of_the_same_name() -> None:
+    reg = make(names="ab")
+    ids = reg.acquire(["a"])
+    handle = reg.begin_unload("a")
+    assert handle is not None and reg.finish_unload(handle) == 1
+    reg.release(ids)
+    assert reg.try_unload("a") is True  # someone else finishes it by name...
+    reg.register(LoRARef("a", "/srv/a2"), rank=9, host_bytes=10, device_bytes=10)  # ...and loads anew
+    assert reg.finish_unload(handle) == 0  # done: the new "a" is not this unload's
+    assert "a" in reg and reg.lora_ref("a").lora_path == "/srv/a2"
+    assert reg.begin_unload("b") is None and "b" not in reg
+    reg.audit()
+
+
+def test_an_unload_timeout_too_long_for_a_clock_waits_without_failing() -> None:
+    reg = make(names="ab")
+    reg.unload("a", timeout=1e19)  # nothing in flight: done at once (was an overflow panic)
+    assert "a" not in reg
+    with pytest.raises(AdapterNotFoundError):
+        reg.unload("never", timeout=1e19)
 
 
 def test_try_unload_of_a_draining_adapter_keeps_planning_its_requests() -> None:

@@ -1,7 +1,7 @@
 """Awaiting an adapter's unload from asyncio code without blocking the event loop.
 
 ``LoRARegistry.unload`` blocks its thread (with the GIL released) until the adapter's in-flight
-requests finish; inside an event loop use :func:`unload_async`, which polls ``try_unload`` with a
+requests finish; inside an event loop use :func:`unload_async`, which polls ``finish_unload`` with a
 short, growing sleep so cancellation takes effect at once and no thread is tied up.
 """
 
@@ -30,13 +30,14 @@ async def unload_async(registry: LoRARegistry, name: str, timeout: float | None 
     """
     started = time.monotonic()
     delay = _FIRST_POLL_S
-    while not registry.try_unload(name):
+    handle = registry.begin_unload(name)
+    # Polled by handle: a later adapter registered under the same name is never unloaded by this.
+    while handle is not None and (in_flight := registry.finish_unload(handle)) > 0:
         waited = time.monotonic() - started
         if timeout is not None and waited >= timeout:
             raise UnloadTimeoutError(
-                f"unloading adapter {name!r} timed out after {waited:.3f} s with "
-                f"{registry.in_flight(name)} request(s) still in flight; it stays unregistered "
-                "(no new requests) and a later unload finishes it"
+                f"unloading adapter {name!r} timed out after {waited:.3f} s with {in_flight} request(s) "
+                "still in flight; it stays unregistered (no new requests) and a later unload finishes it"
             )
         sleep = delay if timeout is None else min(delay, max(timeout - waited, 0.0))
         await asyncio.sleep(sleep)

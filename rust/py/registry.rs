@@ -212,20 +212,26 @@ impl PyLoRARegistry {
         let started = Instant::now();
         let deadline = match timeout {
             None => None,
-            Some(t) if t >= 0.0 => {
-                Some(started + Duration::try_from_secs_f64(t).unwrap_or(Duration::MAX / 4))
-            }
+            // A timeout too long to represent as an instant waits forever.
+            Some(t) if t >= 0.0 => Duration::try_from_secs_f64(t).ok().and_then(|d| started.checked_add(d)),
             Some(t) => return Err(usage(py, format!("timeout must be >= 0 seconds or None (got {t})"))),
         };
+        // The first slice unregisters the adapter by name; later ones go on with that registration
+        // (its serial), never with an adapter registered meanwhile under the same name.
+        let mut serial = None;
         loop {
             let wait = deadline
                 .map_or(UNLOAD_SLICE, |d| d.saturating_duration_since(Instant::now()).min(UNLOAD_SLICE));
-            match detached(py, || self.shared.unload_for(name, wait))? {
+            let state = match serial {
+                None => detached(py, || self.shared.unload_for(name, wait))?,
+                Some(s) => detached(py, || Ok::<_, crate::Error>(self.shared.continue_unload_for(s, wait)))?,
+            };
+            match state {
                 Unload::Done => {
                     self.clear_names();
                     return Ok(());
                 }
-                Unload::Draining { in_flight } => {
+                Unload::Draining { in_flight, serial: s } => {
                     if deadline.is_some_and(|d| Instant::now() >= d) {
                         return Err(crate::Error::UnloadTimeout {
                             name: name.to_owned(),
@@ -234,6 +240,7 @@ impl PyLoRARegistry {
                         }
                         .into());
                     }
+                    serial = Some(s);
                     py.check_signals()?;
                 }
             }
@@ -241,7 +248,8 @@ impl PyLoRARegistry {
     }
 
     /// Unregisters an adapter and forgets it if no request is in flight, without waiting. Returns
-    /// whether it is forgotten; `lora_pin.registry.unload_async` awaits this.
+    /// whether it is forgotten. To poll until it is, use `begin_unload` and `finish_unload`: a
+    /// second `try_unload` of the name would unregister an adapter registered under it meanwhile.
     ///
     /// Raises:
     ///     AdapterNotFoundError: the name was never registered.
@@ -251,6 +259,35 @@ impl PyLoRARegistry {
             self.clear_names();
         }
         Ok(done)
+    }
+
+    /// Unregisters an adapter (no new acquires; its pin is dropped) and forgets it if no request is
+    /// in flight. Returns None once it is forgotten, else a handle for `finish_unload`, which goes on
+    /// with this registration only. `lora_pin.registry.unload_async` polls with these.
+    ///
+    /// Raises:
+    ///     AdapterNotFoundError: the name was never registered.
+    fn begin_unload(&self, py: Python<'_>, name: &str) -> PyResult<Option<u64>> {
+        match detached(py, || self.shared.unload_for(name, Duration::ZERO))? {
+            Unload::Done => {
+                self.clear_names();
+                Ok(None)
+            }
+            Unload::Draining { serial, .. } => Ok(Some(serial)),
+        }
+    }
+
+    /// Forgets the adapter `begin_unload` returned `handle` for, if its requests have finished.
+    /// Returns how many are still in flight: 0 means it is forgotten (now, or before).
+    fn finish_unload(&self, py: Python<'_>, handle: u64) -> PyResult<u64> {
+        match detached(py, || Ok::<_, crate::Error>(self.shared.continue_unload_for(handle, Duration::ZERO)))?
+        {
+            Unload::Done => {
+                self.clear_names();
+                Ok(0)
+            }
+            Unload::Draining { in_flight, .. } => Ok(in_flight),
+        }
     }
 
     /// Plans one scheduler step and commits it.

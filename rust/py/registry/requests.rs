@@ -153,6 +153,13 @@ impl Requests {
         names: &Bound<'_, PyAny>,
         cache: Option<&NameCache>,
     ) -> PyResult<Self> {
+        if names.is_instance_of::<PyString>() {
+            // A str is a sequence of one-character names: surely a missing list.
+            return Err(usage(
+                py,
+                format!("names must be a sequence of adapter names, got the str {}", names.repr()?),
+            ));
+        }
         let mut reader = Reader {
             cache,
             seen: AddressMap::default(),
@@ -262,12 +269,14 @@ pub(super) fn token_counts(py: Python<'_>, num_tokens: &Bound<'_, PyAny>, n: usi
     }
     let mut counts = Vec::with_capacity(n);
     // The previous item if it was an exact int: lists of counts repeat small ints, which are shared
-    // objects, so an item that is the same object has the same value. (No Python code runs between
-    // two items read on this path, so the previous one is still alive and in the list.)
+    // objects, so an item that is the same object has the same value. Only for a list or tuple, which
+    // keeps the previous item alive (no Python code runs between two items read on this path); an
+    // iterator's items are freed as it goes, and the next one may be a new int at the same address.
+    let held = num_tokens.cast::<PyList>().is_ok() || num_tokens.cast::<PyTuple>().is_ok();
     let mut previous: Option<(usize, u32)> = None;
     for_each_item(py, num_tokens, "num_tokens", "an int or a sequence of ints", |i, item| {
         let address = item.as_ptr() as usize;
-        if let Some((_, v)) = previous.filter(|&(a, _)| a == address) {
+        if let Some((_, v)) = previous.filter(|&(a, _)| held && a == address) {
             counts.push(v);
             return Ok(());
         }
