@@ -91,6 +91,8 @@ pub enum SpecItem {
         /// The adapter path.
         path: String,
     },
+    /// An adapter reference made already (its id, random or chosen, is kept).
+    Ref(LoRARef),
 }
 
 /// The start-up limits that specs are cross-checked against, when known.
@@ -123,6 +125,10 @@ pub fn parse_items(items: &[SpecItem], limits: Limits) -> Result<Vec<LoRARef>> {
                 let path = checked_path(path, &loc)?;
                 refs.push(LoRARef::build(name, path, false, None));
                 locs.push(loc);
+            }
+            SpecItem::Ref(r) => {
+                refs.push(r.clone());
+                locs.push(Loc::item(index, Quote::Pair(&r.lora_name, &r.lora_path)));
             }
         }
     }
@@ -256,6 +262,10 @@ fn parse_line(text: &str, loc: &Loc) -> Result<LoRARef> {
     }
     if item.starts_with('{') {
         return match serde_json::from_str::<Value>(item) {
+            Ok(Value::Object(_)) if duplicate_key(item).is_some() => Err(loc.error(&format!(
+                "the key {:?} appears twice in the object; give each key once",
+                duplicate_key(item).unwrap_or_default()
+            ))),
             Ok(Value::Object(map)) => parse_object(&map, loc),
             Ok(other) => Err(loc.error(&format!("expected a JSON object, got {}", json_type(&other)))),
             Err(e) => Err(loc.error(&format!("malformed JSON: {e}"))),
@@ -371,6 +381,11 @@ fn read_list_file(file: &str, loc: &Loc) -> Result<Vec<Value>> {
         )));
     }
     match serde_json::from_str::<Value>(&text) {
+        Ok(Value::Array(_)) if duplicate_key(&text).is_some() => Err(loc.error(&format!(
+            "the adapter list file {file:?} has an object in which the key {:?} appears twice; give each \
+             key once",
+            duplicate_key(&text).unwrap_or_default()
+        ))),
         Ok(Value::Array(entries)) => Ok(entries),
         Ok(other) => Err(loc.error(&format!(
             "the adapter list file {file:?} must hold a JSON array, got {}",
@@ -378,6 +393,64 @@ fn read_list_file(file: &str, loc: &Loc) -> Result<Vec<Value>> {
         ))),
         Err(e) => Err(loc.error(&format!("the adapter list file {file:?} is malformed JSON: {e}"))),
     }
+}
+
+/// The first key that appears twice in one object anywhere in `text` (valid JSON): `serde_json`
+/// keeps the last silently, which would make `{"lora_name": "a", "lora_name": "b"}` adapter "b".
+fn duplicate_key(text: &str) -> Option<String> {
+    use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+
+    struct Walk;
+    impl<'de> DeserializeSeed<'de> for Walk {
+        type Value = Option<String>;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<Self::Value, D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Walk {
+        type Value = Option<String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("JSON")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Self::Value, A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            let mut found = None;
+            while let Some(key) = map.next_key::<String>()? {
+                let inner = map.next_value_seed(Walk)?;
+                if found.is_none() && !seen.insert(key.clone()) {
+                    found = Some(key);
+                }
+                found = found.or(inner);
+            }
+            Ok(found)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Self::Value, A::Error> {
+            let mut found = None;
+            while let Some(inner) = seq.next_element_seed(Walk)? {
+                found = found.or(inner);
+            }
+            Ok(found)
+        }
+        fn visit_bool<E>(self, _: bool) -> std::result::Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_i64<E>(self, _: i64) -> std::result::Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_u64<E>(self, _: u64) -> std::result::Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_f64<E>(self, _: f64) -> std::result::Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_str<E>(self, _: &str) -> std::result::Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_unit<E>(self) -> std::result::Result<Self::Value, E> {
+            Ok(None)
+        }
+    }
+    Walk.deserialize(&mut serde_json::Deserializer::from_str(text)).ok().flatten()
 }
 
 fn json_type(v: &Value) -> &'static str {

@@ -87,6 +87,8 @@ fn at_file_expands_in_place() {
     assert!(msg.contains("item 1") && msg.contains("entry 1") && msg.contains("a number"), "{msg}");
     std::fs::write(&file, r#"{"a": 1}"#).unwrap();
     assert!(err(&[&at]).contains("must hold a JSON array"));
+    std::fs::write(&file, r#"["a=/a", {"name": "b", "path": "/b", "name": "c"}]"#).unwrap();
+    assert!(err(&[&at]).contains("the key \"name\" appears twice"));
     std::fs::write(&file, r#"["@other.json"]"#).unwrap();
     assert!(err(&[&at]).contains("cannot name another @FILE"));
     std::fs::remove_dir_all(&dir).unwrap();
@@ -131,6 +133,11 @@ fn errors_name_the_index_and_quote_the_item() {
         (&[r#"{"lora_name": "a", "path": "/a"}"#], &["mixes"]),
         (&[r#"{"lora_name": "a=b", "lora_path": "/a"}"#], &["contains '='"]),
         (&[r#"{"lora_name": "  ", "lora_path": "/a"}"#], &["name is empty"]),
+        (&[r#"{"lora_name": "a", "lora_path": "/a", "lora_name": "b"}"#], &["\"lora_name\" appears twice"]),
+        (
+            &[r#"{"name": "a", "path": "/a", "base_model_name": null, "path": "/b"}"#],
+            &["\"path\" appears twice"],
+        ),
     ];
     for (items, needles) in cases {
         let msg = err(items);

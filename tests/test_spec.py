@@ -74,6 +74,9 @@ def test_ref_value_semantics() -> None:
     assert LoRARef("m", "/p", pinned=True, base_model_name="llama").to_dict()["base_model_name"] == "llama"
     with pytest.raises(SpecError, match="contains '='"):
         LoRARef("a=b", "/p")
+    # A ref passed in keeps its own id (random or chosen) and pin.
+    mine = LoRARef("k", "/p", lora_id="my-id", pinned=True)
+    assert parse_lora_paths([fresh, mine, "n=/q"])[:2] == [fresh, mine]
 
 
 ERROR_CASES = [
@@ -89,6 +92,9 @@ ERROR_CASES = [
     ([{"lora_name": "a", "lora_path": "/a", "pinned": 1}], r"item 0 .*JSON boolean"),
     ([{"lora_name": "a", "lora_path": "/a", "pinned": [1]}], r"item 0 .*has type list"),
     ([{1: "a"}], r"item 0 .*keys must be strings"),
+    ([{"name": "a", "path": "/a", "base_model_name": float("nan")}], r"item 0 .*\"base_model_name\" \(nan\)"),
+    ([{"lora_name": "a", "lora_path": "/a", "pinned": 2**70}], r"item 0 .*JSON boolean.*1\.18"),
+    (['{"lora_name": "a", "lora_path": "/a", "lora_name": "b"}'], r"item 0 .*\"lora_name\" appears twice"),
     ([42], r"item 0 \(42\): expected a string or a dict, got int"),
     (["a=/x", "b=/y", "a=/z"], r"duplicate adapter name \"a\": item 0 .* and item 2"),
     ("a=/x", r"single string"),

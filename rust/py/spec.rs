@@ -218,8 +218,7 @@ fn spec_items(py: Python<'_>, values: &Bound<'_, PyAny>) -> PyResult<Vec<SpecIte
         } else if let Ok(d) = item.cast::<PyDict>() {
             items.push(SpecItem::Object(json_object(py, index, d)?));
         } else if let Ok(r) = item.cast::<PyLoRARef>() {
-            let r = &r.get().0;
-            items.push(SpecItem::Text(spec::format_ref(r)));
+            items.push(SpecItem::Ref(r.get().0.clone()));
         } else {
             let ty = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
             return Err(spec_error(
@@ -248,12 +247,25 @@ fn json_object(py: Python<'_>, index: usize, d: &Bound<'_, PyDict>) -> PyResult<
         } else if let Ok(s) = v.cast::<PyString>() {
             Value::String(s.to_str()?.to_owned())
         } else if v.is_instance_of::<PyInt>() {
-            Value::Number(Number::from(v.extract::<i64>().unwrap_or(i64::MAX)))
+            // No spec key takes a number: any one is refused later, with its value quoted, so an int
+            // past i64 keeps its magnitude as a float rather than turn into another number.
+            match (v.extract::<i64>(), v.extract::<f64>()) {
+                (Ok(i), _) => Value::Number(Number::from(i)),
+                (_, Ok(f)) => Number::from_f64(f).map_or(Value::Null, Value::Number),
+                _ => return Err(bad_value(py, index, d, &key, &v)?),
+            }
         } else if let Ok(f) = v.cast::<PyFloat>() {
-            Number::from_f64(f.value()).map_or(Value::Null, Value::Number)
+            // NaN and infinities have no JSON number: refused here, never taken for null.
+            match Number::from_f64(f.value()) {
+                Some(n) => Value::Number(n),
+                None => return Err(bad_value(py, index, d, &key, &v)?),
+            }
         } else if v.hasattr("__fspath__")? {
             let os = py.import("os")?;
-            Value::String(os.call_method1("fspath", (&v,))?.extract::<String>()?)
+            match os.call_method1("fspath", (&v,))?.extract::<String>() {
+                Ok(path) => Value::String(path),
+                Err(_) => return Err(bad_value(py, index, d, &key, &v)?),
+            }
         } else {
             let ty = v.get_type().name().map(|n| n.to_string()).unwrap_or_default();
             return Err(spec_error(
@@ -267,6 +279,23 @@ fn json_object(py: Python<'_>, index: usize, d: &Bound<'_, PyDict>) -> PyResult<
         map.insert(key, value);
     }
     Ok(map)
+}
+
+fn bad_value(
+    py: Python<'_>,
+    index: usize,
+    d: &Bound<'_, PyDict>,
+    key: &str,
+    v: &Bound<'_, PyAny>,
+) -> PyResult<PyErr> {
+    Ok(spec_error(
+        py,
+        format!(
+            "item {index} ({}): the value of {key:?} ({}) is not one a spec key takes",
+            d.repr()?,
+            v.repr()?
+        ),
+    ))
 }
 
 fn spec_error(py: Python<'_>, msg: String) -> PyErr {
