@@ -320,6 +320,14 @@ CONFIG_REFUSALS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         r"'target_modules' names 'c_attn', which is not",
     ),
     ("rank", lambda c: c.update(rank_pattern={}), r"has rank 4 but field 'r'/'rank_pattern' gives 8"),
+    *[
+        (
+            init,
+            lambda c, init=init: c.update(init_lora_weights=init),
+            rf"'init_lora_weights' is '{init}'.*base",
+        )
+        for init in ("pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga")
+    ],
 ]
 
 
@@ -331,6 +339,12 @@ def test_config_refusals(
     with pytest.raises(AdapterLoadError, match=message) as info:
         load_adapter(f"ad-{case}", d, world.targets, max_rank=MAX_RANK, dtype=torch.float32)
     assert f"'ad-{case}'" in str(info.value)
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "orthogonal", "eva", "mica"])
+def test_inits_that_leave_the_base_weights_alone_load(world: World, tmp_path: Path, init: Any) -> None:
+    d = copy_adapter(world, tmp_path / "init", config=lambda c: c.update(init_lora_weights=init))
+    assert load_adapter("init", d, world.targets, max_rank=MAX_RANK, dtype=torch.float32).modules
 
 
 TENSOR_REFUSALS: list[tuple[str, Callable[[dict[str, Any]], None] | None, Callable[..., None], str]] = [

@@ -60,6 +60,11 @@ def _pattern_value(patterns: Mapping[str, float], module_key: str) -> float | No
     return None
 
 
+# init_lora_weights values whose PEFT initialisation also rewrites the base layer's weight (PiSSA and its
+# pissa_niter_N form, OLoRA, CorDA, LoftQ, LoRA-GA).
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+
 @dataclass(frozen=True)
 class AdapterConfig:
     """The servable part of a PEFT LoRA ``adapter_config.json``.
@@ -125,6 +130,15 @@ class AdapterConfig:
         for key, why in unsupported.items():
             if data.get(key):
                 raise fail(key, f"is {data[key]!r}; the adapter {why}, which cannot be served")
+        init = data.get("init_lora_weights", True)
+        if isinstance(init, str) and init.startswith(_BASE_CHANGING_INITS):
+            raise fail(
+                "init_lora_weights",
+                f"is {init!r}: that initialisation rewrites the base weights (PEFT rebuilds them when it "
+                "loads the adapter), so the adapter is only correct over a base model lora_pin does not "
+                "serve; convert it to a plain LoRA first (PEFT's save_pretrained with "
+                "path_initial_model_for_weight_conversion)",
+            )
 
         r = data.get("r", 8)
         if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
