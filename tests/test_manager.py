@@ -322,6 +322,67 @@ def test_adapter_dir_must_be_a_folder_inside_allowed_roots(world: World, tmp_pat
     assert mgr.adapter_dir == (tmp_path / "inside").resolve()
 
 
+def test_finish_takes_only_the_active_step_once(world: World) -> None:
+    model = fresh_model(world)
+    mgr = LoRAManager(model, items(world), max_loras_per_batch=3)
+    old = mgr.prepare_step(["a8"], 1)
+    mgr.finish(old)
+    with pytest.raises(lora_pin.LoraPinError, match="not the active one"):
+        mgr.finish(old)  # twice
+    current = mgr.prepare_step(["rs16", "a8"], 1)
+    with pytest.raises(lora_pin.LoraPinError, match="not the active one"):
+        mgr.finish(old)  # a stale step must not end the running one
+    assert mgr.registry.in_flight("rs16") == 1 and mgr.registry.in_flight("a8") == 1
+    with pytest.raises(lora_pin.LoraPinError, match="already active"):
+        mgr.prepare_step(["a8"], 1)
+    mgr.finish(current)
+    assert mgr.registry.in_flight("a8") == 0
+    mgr.registry.audit()
+
+
+def test_a_model_with_two_target_modules_of_one_name_in_a_layer_is_refused(world: World) -> None:
+    class WithTower(torch.nn.Module):  # a vision tower beside the language model, both numbered
+        def __init__(self, lm: torch.nn.Module) -> None:
+            super().__init__()
+            self.language_model = lm
+            self.vision = torch.nn.Module()
+            self.vision.layers = copy.deepcopy(lm.model.layers)
+
+    with pytest.raises(
+        SpecError, match=r"two target modules named 'q_proj'.*vision\.layers\.0\.self_attn\.q_proj"
+    ):
+        LoRAManager(WithTower(fresh_model(world)), items(world)[:1], max_loras_per_batch=2)
+
+
+def test_an_unload_racing_a_load_of_the_same_name_keeps_the_new_adapter(world: World) -> None:
+    model = fresh_model(world)
+    mgr = LoRAManager(model, items(world)[:2], max_loras_per_batch=2)
+    real = mgr.registry
+
+    class LoadsDuringUnload:
+        """The registry, but another thread's load lands between the unload and the manager's cleanup."""
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(real, attr)
+
+        def __contains__(self, name: str) -> bool:
+            return name in real
+
+        def unload(self, name: str, timeout: float | None = None) -> None:
+            real.unload(name, timeout)
+            mgr.registry = real
+            mgr.load("a8", world.adapters["pat"])  # the name reused for other weights
+
+    mgr.registry = LoadsDuringUnload()  # type: ignore[assignment]
+    mgr.unload("a8")
+    assert mgr.registry is real and "a8" in real and "a8" in mgr.host
+    ids = tokens(2, 4, 25)
+    with torch.no_grad(), mgr.batch(["a8", "rs16"]):
+        got = model(ids).logits
+    assert_close(got, oracle(world, ids, ["pat", "rs16"]))
+    real.audit()
+
+
 def test_from_args(world: World) -> None:
     import argparse
 

@@ -57,10 +57,10 @@ def model_targets(
                 )
             for member, width in spec:
                 linears.append(LinearTarget(index, member, f"{parent}.{member}", features[0], width))
-            module_of[(index, group)] = key
+            _claim(module_of, index, group, key)
         elif name in modules:
             linears.append(LinearTarget(index, name, key, features[0], features[1]))
-            module_of[(index, name)] = key
+            _claim(module_of, index, name, key)
     if not linears:
         raise SpecError(
             f"the model has no linear layer named {sorted(set(modules) | set(fused))} inside a numbered layer"
@@ -74,6 +74,18 @@ def model_targets(
                 "for a model with separate projections"
             )
     return targets, module_of
+
+
+def _claim(module_of: dict[tuple[int, str], str], index: int, name: str, key: str) -> None:
+    # Adapter weights are kept per (layer, module name): two modules sharing both would share weights.
+    other = module_of.setdefault((index, name), key)
+    if other != key:
+        raise SpecError(
+            f"layer {index} has two target modules named {name!r}: {other!r} and {key!r} (GPT-2's "
+            "attn.c_proj and mlp.c_proj, or a vision tower beside the language model, say); lora_pin keys "
+            "adapter weights by layer and module name, so such a model cannot be served with "
+            f"{name!r} as a target module"
+        )
 
 
 def attach(

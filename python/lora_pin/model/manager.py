@@ -184,6 +184,7 @@ class LoRAManager:
         # Per slot: (registry slot generation, pool write count) right after the manager filled it.
         self._filled: list[tuple[int, int] | None] = [None] * max_loras_per_batch
         self._active: StepSegments | None = None
+        self._active_step: Step | None = None
         self._wrapped: dict[str, torch.nn.Module] = {}
         for r in refs:
             self._load_ref(r)
@@ -347,8 +348,14 @@ class LoRAManager:
             StalePlanError: a slot the step used was written while it ran, so its outputs may have been
                 computed with weights that are not their adapter's; the step is ended all the same.
         """
-        # Checked before the release: once the step's adapters are released, an unload may clear their slots.
         with self._tier_lock:
+            if step is not self._active_step:
+                raise LoraPinError(
+                    "finish: that step is not the active one (finished already, or another manager's)"
+                )
+            self._active_step = None
+            # Checked before the release: once the step's adapters are released, an unload may clear
+            # their slots.
             changed = [slot for slot, writes in step._slot_writes if self.pool.writes(slot) != writes]
         try:
             self.registry.release(list(step._ids))
@@ -410,10 +417,13 @@ class LoRAManager:
         Raises:
             LoraPinError: a step is active.
         """
-        if self._active is not None:
+        if not self._step_lock.acquire(blocking=False):
             raise LoraPinError("detach: a step is active; finish it first")
-        detach(self.model, self._wrapped)
-        self._wrapped = {}
+        try:
+            detach(self.model, self._wrapped)
+            self._wrapped = {}
+        finally:
+            self._step_lock.release()
 
     def __repr__(self) -> str:
         return f"LoRAManager(slots={self.pool.slots}, max_rank={self.max_rank}, {self.registry!r})"
@@ -455,16 +465,16 @@ class LoRAManager:
         # victims happen at once under it, so two threads loading one name cannot drop each other's copy.
         adapter = self.host.read(ref.lora_name, ref.lora_path, root=root)
         with self._tier_lock:
-            if ref.lora_name in self.host:
-                raise DuplicateAdapterError(
-                    f"adapter {ref.lora_name!r} is already loaded ({self.host[ref.lora_name].path})"
-                )
+            # Raises for a name registered or still draining (its weights are in use).
             evicted = self.registry.register(
                 ref,
                 rank=adapter.max_rank,
                 host_bytes=adapter.nbytes,
                 device_bytes=self.pool.slot_nbytes,
             )
+            # Weights still held under the name belong to a registration an unload has just forgotten
+            # (its _forget has not run yet): stale, replaced.
+            self._drop_host(ref.lora_name)
             self.host.add(adapter)
             for name in evicted:
                 self._evictions[(name, "host")] += 1
@@ -476,7 +486,10 @@ class LoRAManager:
             self.host.drop(name)
 
     def _forget(self, name: str) -> None:
+        """Free what the manager holds for ``name`` once the registry has forgotten it."""
         with self._tier_lock:
+            if name in self.registry:
+                return  # registered again since the unload: what is held is the new adapter's
             self._drop_host(name)
             self._paths.pop(name, None)
             for slot in range(self.pool.slots):
@@ -490,11 +503,11 @@ class LoRAManager:
     def _start(
         self, names: Sequence[str | None], num_tokens: Sequence[int] | int, *, per_sequence: bool
     ) -> Step:
-        if not self._wrapped:
-            raise LoraPinError("the manager is detached")
         if not self._step_lock.acquire(blocking=False):
             raise LoraPinError("a step is already active; finish it before preparing another")
         try:
+            if not self._wrapped:
+                raise LoraPinError("the manager is detached")
             self.discover(names)
             if per_sequence and len(self.split(names)) > 1:
                 raise CapacityError(self._too_many(names))
@@ -511,9 +524,23 @@ class LoRAManager:
                 # The host tier could not make room (its adapters are all in use): nothing ran yet.
                 self.registry.release(list(ids))
                 raise CapacityError(self._too_many(names))
+            try:
+                step = self._activate(plan, ids, slot_writes, per_sequence)
+            except BaseException:
+                self.registry.release(list(ids))
+                raise
         except BaseException:
             self._step_lock.release()
             raise
+        return step
+
+    def _activate(
+        self,
+        plan: Any,
+        ids: tuple[str | None, ...],
+        slot_writes: tuple[tuple[int, int], ...],
+        per_sequence: bool,
+    ) -> Step:
         dev = self.device
         request_slots = _buffer(plan.request_slots, torch.int32, dev)
         segments = SegmentBatch(
@@ -523,14 +550,14 @@ class LoRAManager:
         )
         any_adapter = segments.perm.numel() > 0
         if per_sequence:
-            self._active = StepSegments(
+            active = StepSegments(
                 sequence_slots=request_slots.long(), chunk_size=self.chunk_size, any_adapter=any_adapter
             )
             # The plan was made with one token per sequence: its segments already serve decode inputs.
-            self._active._by_length[1] = segments
+            active._by_length[1] = segments
         else:
-            self._active = StepSegments(segments=segments, any_adapter=any_adapter)
-        return Step(
+            active = StepSegments(segments=segments, any_adapter=any_adapter)
+        step = Step(
             tuple(plan.admitted),
             tuple(plan.deferred),
             request_slots,
@@ -539,6 +566,9 @@ class LoRAManager:
             ids,
             slot_writes,
         )
+        with self._tier_lock:
+            self._active, self._active_step = active, step
+        return step
 
     def _pinned(self) -> set[str]:
         return set(self.registry.stats()["host"]["pinned"])
