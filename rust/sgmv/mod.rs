@@ -161,20 +161,21 @@ impl CpuPlan {
                 tokens.len()
             )));
         }
-        let mut seen = vec![false; n_tokens];
         let tokens = tokens
             .iter()
             .map(|&t| {
-                let i = usize::try_from(t)
+                usize::try_from(t)
                     .ok()
                     .filter(|&i| i < n_tokens)
-                    .ok_or_else(|| arg(format!("token {t} lies outside [0, {n_tokens})")))?;
-                if std::mem::replace(&mut seen[i], true) {
-                    return Err(arg(format!("token {t} appears in more than one row")));
-                }
-                Ok(i)
+                    .ok_or_else(|| arg(format!("token {t} lies outside [0, {n_tokens})")))
             })
             .collect::<Result<Vec<_>>>()?;
+        // Sorted, not a flag per token: n_tokens is the caller's word, the tokens are what is here.
+        let mut sorted = tokens.clone();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(arg(format!("token {} appears in more than one row", w[0])));
+        }
         let mut groups = Vec::with_capacity(group_slots.len());
         for (g, &slot) in group_slots.iter().enumerate() {
             let slot = usize::try_from(slot)
@@ -199,11 +200,13 @@ impl CpuPlan {
         self.ranks[slot * self.n_slices + slice]
     }
 
-    fn check_len(&self, what: &str, len: usize, expected: usize, shape: &str) -> Result<()> {
-        if len == expected {
-            Ok(())
-        } else {
-            Err(arg(format!("{what} has {len} elements, expected {expected} ({shape})")))
+    /// `len` must be the product of `dims` (checked: an overflowing product is an error, never a
+    /// wrapped length that a short buffer would pass).
+    fn check_len(&self, what: &str, len: usize, dims: &[usize], shape: &str) -> Result<()> {
+        match dims.iter().try_fold(1usize, |p, &d| p.checked_mul(d)) {
+            Some(expected) if expected == len => Ok(()),
+            Some(expected) => Err(arg(format!("{what} has {len} elements, expected {expected} ({shape})"))),
+            None => Err(arg(format!("{what}: {shape} = {dims:?} overflows the address space"))),
         }
     }
 
@@ -228,9 +231,9 @@ impl CpuPlan {
         threads: usize,
     ) -> Result<()> {
         let (t, s, r) = (self.n_tokens, self.n_slices, self.max_rank);
-        self.check_len("x", x.len(), t * in_features, "n_tokens x in_features")?;
-        self.check_len("a", a.len(), self.n_slots * s * r * in_features, "slots x n_slices*R x in_features")?;
-        self.check_len("v", v.as_data().len(), t * s * r, "n_tokens x n_slices*R")?;
+        self.check_len("x", x.len(), &[t, in_features], "n_tokens x in_features")?;
+        self.check_len("a", a.len(), &[self.n_slots, s, r, in_features], "slots x n_slices*R x in_features")?;
+        self.check_len("v", v.as_data().len(), &[t, s, r], "n_tokens x n_slices*R")?;
         if x.dtype() != a.dtype() || x.dtype() != v.as_data().dtype() {
             return Err(arg(format!(
                 "x, a and v must share one dtype, got {}, {} and {}",
@@ -305,10 +308,10 @@ impl CpuPlan {
             )));
         }
         let out_total = slice_offsets[s];
-        self.check_len("out", out.as_data().len(), t * out_total, "n_tokens x out_total")?;
-        self.check_len("v", v.len(), t * s * r, "n_tokens x n_slices*R")?;
-        self.check_len("b", b.len(), self.n_slots * out_total * r, "slots x out_total x R")?;
-        self.check_len("slot_scalings", scalings.len(), self.n_slots * s, "slots x n_slices")?;
+        self.check_len("out", out.as_data().len(), &[t, out_total], "n_tokens x out_total")?;
+        self.check_len("v", v.len(), &[t, s, r], "n_tokens x n_slices*R")?;
+        self.check_len("b", b.len(), &[self.n_slots, out_total, r], "slots x out_total x R")?;
+        self.check_len("slot_scalings", scalings.len(), &[self.n_slots, s], "slots x n_slices")?;
         let out_dtype = out.as_data().dtype();
         if out_dtype != v.dtype() || out_dtype != b.dtype() {
             return Err(arg(format!(

@@ -386,4 +386,19 @@ fn bad_buffers_are_refused_and_nothing_is_written() {
     let scalings = plan.expand(DataMut::F32(&mut out), Data::F32(&v), Data::F32(&a), &[], &[0, 3], 1);
     assert!(matches!(scalings, Err(Error::OpArgument(ref m)) if m.contains("slot_scalings")));
     assert_eq!(out, vec![5f32; 6]);
+    // Lengths whose product overflows are refused, not wrapped to a size a short buffer passes.
+    let wrapped = plan.shrink(Data::F32(&[]), 1 << 63, Data::F32(&a), DataMut::F32(&mut v), 1);
+    assert!(matches!(wrapped, Err(Error::OpArgument(ref m)) if m.contains("overflows")), "{wrapped:?}");
+    let wide = plan.expand(DataMut::F32(&mut out), Data::F32(&v), Data::F32(&[]), &[1.0], &[0, 1 << 63], 1);
+    assert!(matches!(wide, Err(Error::OpArgument(ref m)) if m.contains("overflows")), "{wide:?}");
+    assert_eq!(out, vec![5f32; 6]);
+}
+
+#[test]
+fn a_huge_token_count_allocates_nothing_per_token() {
+    // n_tokens is the caller's word; the plan's memory follows the tokens given, not it.
+    let plan = CpuPlan::new(1 << 45, &[7, 3], &[0, 2], &[0], &[2], 1, 2).unwrap();
+    assert_eq!(plan.n_rows(), 2);
+    let repeated = CpuPlan::new(1 << 45, &[7, 7], &[0, 2], &[0], &[2], 1, 2);
+    assert!(matches!(repeated, Err(Error::OpArgument(ref m)) if m.contains("token 7 appears")));
 }
