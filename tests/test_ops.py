@@ -482,6 +482,45 @@ def test_expand_refuses_to_drop_a_gradient_silently():
     _expect_error(lambda: expand(out, v, layer.b, *batch, *layer[2:]), "no autograd formula")
     with torch.no_grad():
         expand(out, v, layer.b, *batch, *layer[2:])
+    v = v.detach()
+    b = layer.b.clone().requires_grad_()
+    _expect_error(lambda: expand(out, v, b, *batch, *layer[2:]), "no autograd formula")
+    base = out.clone().requires_grad_() * 1.0  # a non-leaf base output in a graph
+    _expect_error(lambda: expand(base, v, layer.b, *batch, *layer[2:]), "no autograd formula")
+
+
+def test_expand_refuses_an_out_that_overlaps_what_it_reads():
+    layer, batch, x, out = _small_case()
+    v = shrink(x, layer.a, *batch, layer.slot_ranks, 3)
+    shared = torch.zeros(out.shape[0], out.shape[1])
+    # v's columns are out's first ones: the add would read what it has just written.
+    _expect_error(
+        lambda: expand(shared, shared[:, : v.shape[1]], layer.b, *batch, *layer[2:]), "out overlaps v"
+    )
+    assert not shared.any(), "the refused call wrote"
+    memory = torch.zeros(3 * 20 * 4)
+    b, out_in_b = memory.view(3, 20, 4), memory[:160].view(8, 20)
+    _expect_error(lambda: expand(out_in_b, v, b, *batch, *layer[2:]), "out overlaps b")
+
+
+def test_slice_offsets_must_be_ints():
+    layer, batch, x, out = _small_case()
+    v = shrink(x, layer.a, *batch, layer.slot_ranks, 3)
+    _expect_error(lambda: expand(out, v, layer.b, *batch, *layer[2:4], [0, 12.0, 16, 20]), "must be ints")
+
+
+def test_fp16_expand_of_large_activations_does_not_overflow():
+    # v * scaling = 80000 passes fp16's largest value (65504); the result, 80, does not.
+    out = torch.zeros(2, 4, dtype=torch.float16)
+    v = torch.full((2, 1), 40000.0, dtype=torch.float16)
+    b = torch.full((2, 4, 1), 1e-3, dtype=torch.float16)
+    ranks, scalings = torch.ones(2, 1, dtype=torch.int32), torch.full((2, 1), 2.0)
+    batch = segments_from_slots(torch.tensor([0, 1]))  # one token a slot: the batched decode path
+    got = out.clone()
+    expand(got, v, b, *batch, ranks, scalings, [0, 4])
+    want = expand_reference(out, v, b, *batch, ranks, scalings, [0, 4])
+    assert torch.isfinite(got).all(), got
+    _assert_close(got, want)
 
 
 def test_bad_segment_contents_are_refused_on_cpu():

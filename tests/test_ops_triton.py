@@ -13,6 +13,7 @@ import torch
 
 from lora_pin.ops import (
     PATTERNS,
+    OpArgumentError,
     expand_reference,
     lora_reference,
     random_layer,
@@ -239,3 +240,28 @@ def test_cuda_ops_never_synchronise_and_replay_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     _assert_close(work, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
+
+
+def test_the_interpreter_checks_what_the_segment_arrays_hold_and_refuses_bf16():
+    # It indexes host memory with whatever they hold: a bad index would read or write out of bounds.
+    layer, token_slots, x, out = _case("uniform", torch.float32, 3)
+    perm, seg_indptr, seg_slots = segments_from_slots(token_slots, None)
+    n_slices = len(layer.slice_offsets) - 1
+    far = perm.clone()
+    far[0] = 10**9
+    with pytest.raises(OpArgumentError, match="perm holds tokens outside"):
+        triton_sgmv.sgmv_shrink(x, layer.a, far, seg_indptr, seg_slots, layer.slot_ranks, n_slices)
+    with pytest.raises(OpArgumentError, match="seg_slots must lie in"):
+        triton_sgmv.sgmv_expand(
+            out,
+            torch.zeros(out.shape[0], layer.a.shape[1]),
+            layer.b,
+            perm,
+            seg_indptr,
+            torch.full_like(seg_slots, 10**6),
+            *layer[2:],
+        )
+    with pytest.raises(OpArgumentError, match="bf16"):
+        triton_sgmv.sgmv_shrink(
+            x.bfloat16(), layer.a.bfloat16(), perm, seg_indptr, seg_slots, layer.slot_ranks, n_slices
+        )

@@ -79,6 +79,40 @@ def _check_segments(
             raise OpArgumentError(f"{name} is on {t.device} but the activations are on {device}")
 
 
+def check_segment_contents(
+    perm: torch.Tensor,  # int64 [N]
+    indptr: list[int],  # seg_indptr's values
+    seg_slots: list[int],  # seg_slots' values
+    ranks: list[list[int]],  # slot_ranks' values
+    n_tokens: int,
+    max_rank: int,
+) -> None:
+    """Validates what the segment arrays hold (their shapes were checked already). Reads their
+    contents, so it is for CPU tensors only: the CUDA path never does.
+
+    Raises:
+        OpArgumentError: ``seg_indptr`` does not rise from 0 to ``len(perm)``, a rank is outside
+            ``[0, max_rank]``, a slot outside ``[-1, slots)``, or ``perm`` holds a token outside
+            ``[0, n_tokens)`` or twice.
+    """
+    n_rows, n_slots = perm.shape[0], len(ranks)
+    if indptr[0] != 0 or indptr[-1] != n_rows or any(lo > hi for lo, hi in itertools.pairwise(indptr)):
+        raise OpArgumentError(f"seg_indptr must rise from 0 to len(perm)={n_rows}, got {indptr}")
+    if any(not 0 <= r <= max_rank for row in ranks for r in row):
+        raise OpArgumentError(f"slot_ranks must lie in [0, max_rank={max_rank}], got {ranks}")
+    if any(not -1 <= s < n_slots for s in seg_slots):
+        raise OpArgumentError(f"seg_slots must lie in [-1, {n_slots}), got {seg_slots}")
+    if n_rows:
+        lowest, highest = torch.aminmax(perm)
+        if int(lowest) < 0 or int(highest) >= n_tokens:
+            raise OpArgumentError(f"perm holds tokens outside [0, {n_tokens}): {int(lowest)}..{int(highest)}")
+        counts = torch.bincount(perm, minlength=n_tokens)
+        if int(counts.max()) > 1:
+            raise OpArgumentError(
+                f"perm repeats token {int(counts.argmax())}: a token belongs to one segment"
+            )
+
+
 def check_shrink_args(
     x: torch.Tensor,  # [T, in]
     a: torch.Tensor,  # [slots, n_slices * R, in]
@@ -177,3 +211,31 @@ def check_expand_args(
             raise OpArgumentError(f"{name} is on {t.device} but out is on {out.device}")
     _check_segments(out.device, perm, seg_indptr, seg_slots, slot_ranks, n_slices, out.shape[0])
     return max_rank
+
+
+def check_expand_memory(out: torch.Tensor, **read: torch.Tensor) -> None:
+    """Refuses an ``out`` that shares memory with a tensor expand reads (real tensors only: it looks at
+    their storage, so the fake impls used in tracing do not call it).
+
+    Raises:
+        OpArgumentError: naming the tensor ``out`` overlaps.
+    """
+    for name, t in read.items():
+        if _overlap(out, t):
+            raise OpArgumentError(f"out overlaps {name} in memory: expand writes out while it reads {name}")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share bytes (by the extents of their strided views; no data is read)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def extent(t: torch.Tensor) -> tuple[int, int]:
+        lo = t.storage_offset() * t.element_size()
+        span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+        return lo, lo + (span + 1) * t.element_size()
+
+    (a_lo, a_hi), (b_lo, b_hi) = extent(a), extent(b)
+    return a_lo < b_hi and b_lo < a_hi

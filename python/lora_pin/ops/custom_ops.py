@@ -8,11 +8,17 @@ formula is registered.
 
 # No `from __future__ import annotations` here: torch.library reads the op schema from the annotations.
 
+import operator
 from collections.abc import Sequence
 
 import torch
 
-from lora_pin.ops._checks import OpArgumentError, check_expand_args, check_shrink_args
+from lora_pin.ops._checks import (
+    OpArgumentError,
+    check_expand_args,
+    check_expand_memory,
+    check_shrink_args,
+)
 from lora_pin.ops.grouped import expand_grouped, shrink_grouped
 from lora_pin.ops.segments import SegmentBatch
 
@@ -91,6 +97,7 @@ def _expand_op(
     slice_offsets: list[int],
 ) -> None:
     check_expand_args(out, v, b, perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    check_expand_memory(out, v=v, b=b, slot_scalings=slot_scalings)
     expand_grouped(out, v, b, perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
 
 
@@ -108,6 +115,7 @@ def _expand_cuda(
 ) -> None:
     from lora_pin.ops.triton_sgmv import sgmv_expand
 
+    check_expand_memory(out, v=v, b=b, slot_scalings=slot_scalings)
     sgmv_expand(
         out, v, b, perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets, interpret=False
     )
@@ -176,16 +184,19 @@ def expand(
             under GQA have different widths, e.g. ``[0, 64, 80, 96]``.
 
     Raises:
-        OpArgumentError: as for :func:`shrink`, or ``v`` requires grad with grad mode on: the ops are
-            for inference and the in-place add would silently drop the LoRA path from the gradient.
+        OpArgumentError: as for :func:`shrink`; ``out`` overlaps ``v`` or ``b``; a slice offset is not
+            an int; or ``out``, ``v`` or ``b`` requires grad with grad mode on: the ops are for inference
+            and the in-place add would silently drop the LoRA path from the gradient.
     """
-    if v.requires_grad and torch.is_grad_enabled():
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (out, v, b)):
         raise OpArgumentError(
             "lora_pin ops have no autograd formula; run them under torch.inference_mode() or torch.no_grad()"
         )
-    torch.ops.lora_pin.expand(
-        out, v, b, perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, [int(o) for o in slice_offsets]
-    )
+    try:
+        offsets = [operator.index(o) for o in slice_offsets]
+    except TypeError:
+        raise OpArgumentError(f"slice_offsets must be ints, got {list(slice_offsets)}") from None
+    torch.ops.lora_pin.expand(out, v, b, perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, offsets)
 
 
 def lora_delta_(

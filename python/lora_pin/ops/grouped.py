@@ -28,7 +28,6 @@ there as the baseline).
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 import threading
@@ -39,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from lora_pin._core import CpuSgmvPlan, sgmv_cpu_available
-from lora_pin.ops._checks import OpArgumentError
+from lora_pin.ops._checks import check_segment_contents
 
 __all__ = ["expand_grouped", "shrink_grouped"]
 
@@ -228,22 +227,8 @@ def _build_plan(
     """Reads the segment arrays once and decides: the native kernels, the batched path, or per group
     views or gathering."""
     indptr, seg_slot_list, ranks = seg_indptr.tolist(), seg_slots.tolist(), slot_ranks.tolist()
-    n_rows, n_slots = perm.shape[0], len(ranks)
-    if indptr[0] != 0 or indptr[-1] != n_rows or any(lo > hi for lo, hi in itertools.pairwise(indptr)):
-        raise OpArgumentError(f"seg_indptr must rise from 0 to len(perm)={n_rows}, got {indptr}")
-    if any(not 0 <= r <= max_rank for row in ranks for r in row):
-        raise OpArgumentError(f"slot_ranks must lie in [0, max_rank={max_rank}], got {ranks}")
-    if any(not -1 <= s < n_slots for s in seg_slot_list):
-        raise OpArgumentError(f"seg_slots must lie in [-1, {n_slots}), got {seg_slot_list}")
-    if n_rows:
-        lowest, highest = torch.aminmax(perm)
-        if int(lowest) < 0 or int(highest) >= n_tokens:
-            raise OpArgumentError(f"perm holds tokens outside [0, {n_tokens}): {int(lowest)}..{int(highest)}")
-        counts = torch.bincount(perm, minlength=n_tokens)
-        if int(counts.max()) > 1:
-            raise OpArgumentError(
-                f"perm repeats token {int(counts.argmax())}: a token belongs to one segment"
-            )
+    check_segment_contents(perm, indptr, seg_slot_list, ranks, n_tokens, max_rank)
+    n_rows = perm.shape[0]
 
     # (slot, lo, hi) into perm, with adjacent segments of one slot merged and no-op slots dropped.
     spans: list[list[int]] = []
@@ -391,9 +376,13 @@ def _expand_dense(
     if d.positions is not None:
         v_rows = v.new_zeros(n * per_slot, v.shape[1]).index_copy_(0, d.positions, v_rows)
         out_rows = out.new_zeros(n * per_slot, out.shape[1]).index_copy_(0, d.positions, out_rows)
-    # Scaled in fp32 and rounded once; the GEMMs then accumulate into out's rows in place.
+    # Scaled in fp32 and rounded once; the GEMMs then accumulate into out's rows in place. fp16 stays in
+    # fp32: v * scaling can pass fp16's largest value (65504) where the result does not, and torch's fp16
+    # matmul on CPU is the slow one anyway.
     scalings = slot_scalings[d.first_slot : d.first_slot + n].view(n, 1, n_slices, 1)
-    v_block = (v_rows.view(n, per_slot, n_slices, max_rank)[..., :rank].float() * scalings).to(v.dtype)
+    v_block = v_rows.view(n, per_slot, n_slices, max_rank)[..., :rank].float() * scalings
+    if out.dtype == torch.bfloat16:
+        v_block = v_block.to(v.dtype)
     out_block = out_rows.view(n, per_slot, out.shape[1])
     b_block = b[d.first_slot : d.first_slot + n, :, :rank]  # [n, out_total, rank], a view
     for s in range(n_slices):
@@ -402,6 +391,9 @@ def _expand_dense(
             continue
         if out.dtype == torch.float32:
             out_block[:, :, lo:hi].baddbmm_(v_block[:, :, s], b_block[:, lo:hi].transpose(1, 2))
+        elif out.dtype == torch.float16:
+            delta = torch.bmm(v_block[:, :, s], b_block[:, lo:hi].float().transpose(1, 2))
+            out_block[:, :, lo:hi].add_(delta)  # added in fp32, rounded once
         else:
             # oneDNN's reduced-precision bmm is ~1.7x faster with the weights as the left operand, and
             # its baddbmm_ into a transposed view falls off a cliff (~30x), so the product is added after.

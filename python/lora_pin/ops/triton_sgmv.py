@@ -27,7 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-from lora_pin.ops._checks import MAX_SLICES, check_expand_args, check_shrink_args
+from lora_pin.ops._checks import (
+    MAX_SLICES,
+    OpArgumentError,
+    check_expand_args,
+    check_segment_contents,
+    check_shrink_args,
+)
 
 __all__ = [
     "KernelLaunch",
@@ -250,11 +256,26 @@ def _launchable(kernel: Callable[..., None], interpret: bool) -> Any:
     return _COMPILED[kernel]
 
 
-def _use_interpreter(device: torch.device, interpret: bool | None) -> bool:
+def _use_interpreter(
+    device: torch.device,
+    interpret: bool | None,
+    dtype: torch.dtype,
+    segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    n_tokens: int,
+    max_rank: int,
+) -> bool:
     if interpret is None:
-        return device.type != "cuda"
+        interpret = device.type != "cuda"
     if not interpret and device.type != "cuda":
         raise ValueError(f"compiled Triton kernels need CUDA tensors, got {device}; pass interpret=True")
+    if interpret:
+        # The interpreter indexes host memory with whatever the arrays hold, and has no bf16 arithmetic.
+        if dtype == torch.bfloat16:
+            raise OpArgumentError("the Triton interpreter computes bf16 wrongly; use fp16 or fp32 there")
+        perm, seg_indptr, seg_slots, slot_ranks = segments
+        check_segment_contents(
+            perm, seg_indptr.tolist(), seg_slots.tolist(), slot_ranks.tolist(), n_tokens, max_rank
+        )
     return interpret
 
 
@@ -461,11 +482,13 @@ def sgmv_shrink(
         interpret: run under the Triton interpreter (CPU tensors); ``None`` means "unless on CUDA".
 
     Raises:
-        OpArgumentError: a shape, dtype or device mismatch (see ``check_shrink_args``).
+        OpArgumentError: a shape, dtype or device mismatch (see ``check_shrink_args``); under the
+            interpreter also bad segment contents, or bf16.
         ValueError: ``interpret=False`` with CPU tensors.
     """
     max_rank = check_shrink_args(x, a, perm, seg_indptr, seg_slots, slot_ranks, n_slices)
-    interpret = _use_interpreter(x.device, interpret)
+    segments = (perm, seg_indptr, seg_slots, slot_ranks)
+    interpret = _use_interpreter(x.device, interpret, x.dtype, segments, x.shape[0], max_rank)
     n_tokens, in_features = x.shape
     n_segments = seg_slots.shape[0]
     if split_k is None:
@@ -517,13 +540,15 @@ def sgmv_expand(
         interpret: run under the Triton interpreter (CPU tensors); ``None`` means "unless on CUDA".
 
     Raises:
-        OpArgumentError: a shape, dtype or device mismatch (see ``check_expand_args``).
+        OpArgumentError: a shape, dtype or device mismatch (see ``check_expand_args``); under the
+            interpreter also bad segment contents, or bf16.
         ValueError: ``interpret=False`` with CPU tensors.
     """
     max_rank = check_expand_args(
         out, v, b, perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets
     )
-    interpret = _use_interpreter(out.device, interpret)
+    segments = (perm, seg_indptr, seg_slots, slot_ranks)
+    interpret = _use_interpreter(out.device, interpret, out.dtype, segments, out.shape[0], max_rank)
     max_width = max(hi - lo for lo, hi in itertools.pairwise(slice_offsets))
     if seg_slots.shape[0] == 0 or out.shape[0] == 0 or max_rank == 0 or max_width == 0:
         return
