@@ -291,9 +291,11 @@ impl Registry {
         let mut bytes = 0;
         let mut pinned = 0;
         let (mut host_cands, mut idle, mut queued) = (0, 0, 0);
+        let mut registered = (0u64, 0u64);
         for (index, a) in self.adapters.iter().enumerate() {
             let Some(a) = a else { continue };
             let name = &a.r.lora_name;
+            registered = (registered.0 + a.size.host_bytes, registered.1 + a.size.device_bytes);
             if a.host_since.is_some() {
                 count += 1;
                 bytes += a.size.host_bytes;
@@ -327,6 +329,12 @@ impl Registry {
             if a.in_step != self.step.contains(&AdapterKey(index as u32)) {
                 return Err(format!("{name:?} disagrees with the step list"));
             }
+        }
+        if registered != self.bytes_registered {
+            return Err(format!(
+                "registered adapters hold {registered:?} (host, device) bytes, the total says {:?}",
+                self.bytes_registered
+            ));
         }
         for (slot, key) in self.device.slots.iter().enumerate() {
             let occupied_ok = match key {

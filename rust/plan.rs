@@ -135,6 +135,14 @@ impl Registry {
                 i32::MAX
             )));
         }
+        if total > 1 << 24 {
+            // A huge step's token arrays (a few of 4 bytes a token) may not fit in memory: refused
+            // here rather than aborting the process when one is allocated.
+            let mut probe: Vec<[i32; 4]> = Vec::new();
+            probe.try_reserve_exact(total as usize).map_err(|_| {
+                Error::Capacity(format!("plan got {total} tokens; their token arrays cannot be allocated"))
+            })?;
+        }
         // Adapters in both the previous step and this one stay protected throughout: ending the old
         // step first would put them back among the candidates only to take them out again.
         let spare = std::mem::take(&mut self.spare_step);

@@ -21,6 +21,9 @@ use crate::hash::FxHashMap;
 use crate::policy::{self, AdapterKey};
 use crate::spec::{self, Limits, LoRARef};
 
+/// The most device slots a registry has (each is a LoRA-sized buffer on the GPU: far more than fit).
+pub const MAX_SLOTS: usize = 1 << 16;
+
 /// How the registry is sized and which policies it uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -144,13 +147,16 @@ pub struct Registry {
     pub(crate) spare_step: Vec<AdapterKey>,
     names_epoch: u64,
     registrations: u64,
+    /// Host and device bytes of every registered adapter: every byte count the tiers keep is a part
+    /// of these, so checking them at register keeps all the sums from overflowing.
+    pub(crate) bytes_registered: (u64, u64),
 }
 
 impl Registry {
     /// An empty registry.
     ///
-    /// Errors: [`Error::Spec`] when `slots` is 0, `max_loaded < slots`, `max_host_bytes` or
-    /// `chunk_size` is 0, or a policy name is unknown.
+    /// Errors: [`Error::Spec`] when `slots` is 0 or above [`MAX_SLOTS`], `max_loaded < slots`,
+    /// `max_host_bytes` or `chunk_size` is 0, or a policy name is unknown.
     pub fn new(config: Config) -> Result<Self> {
         spec::check_limits(
             0,
@@ -163,8 +169,13 @@ impl Registry {
         if config.chunk_size == Some(0) {
             return Err(Error::Spec("chunk_size must be at least 1 (got 0)".into()));
         }
-        let slots = u32::try_from(config.slots)
-            .map_err(|_| Error::Spec(format!("max_loras_per_batch={} is too large", config.slots)))?;
+        if config.slots > MAX_SLOTS {
+            return Err(Error::Spec(format!(
+                "max_loras_per_batch={} is too large: at most {MAX_SLOTS} device slots",
+                config.slots
+            )));
+        }
+        let slots = config.slots as u32;
         let host = HostTier::new(
             config.max_loaded,
             config.max_host_bytes,
@@ -192,6 +203,7 @@ impl Registry {
             spare_step: Vec::new(),
             names_epoch: 0,
             registrations: 0,
+            bytes_registered: (0, 0),
         })
     }
 
@@ -309,6 +321,17 @@ impl Registry {
         if let Some(&key) = self.by_id.get(r.lora_id.as_str()) {
             return Err(Error::DuplicateAdapter { new: describe(&r), existing: describe(&self.get(key).r) });
         }
+        let (host_total, device_total) = self.bytes_registered;
+        let totals = host_total.checked_add(size.host_bytes).zip(device_total.checked_add(size.device_bytes));
+        let Some(totals) = totals else {
+            return Err(Error::Spec(format!(
+                "cannot register {}: its host_bytes={} or device_bytes={} would take the registered \
+                 adapters' total past 2^64 bytes",
+                describe(&r),
+                size.host_bytes,
+                size.device_bytes
+            )));
+        };
         if r.pinned {
             self.check_pin(&r.lora_name, size.host_bytes)?;
         }
@@ -339,6 +362,7 @@ impl Registry {
         self.unloaded.remove(r.lora_name.as_str());
         self.names_epoch += 1;
         self.registrations += 1;
+        self.bytes_registered = totals;
         self.by_name.insert(name.clone(), key);
         self.by_id.insert(id.clone(), key);
         self.adapters[key.index()] = Some(Adapter {
@@ -549,6 +573,8 @@ impl Registry {
         self.refresh(key);
         self.step.retain(|&k| k != key);
         let a = self.adapters[key.index()].take().expect("a live adapter key");
+        self.bytes_registered.0 -= a.size.host_bytes;
+        self.bytes_registered.1 -= a.size.device_bytes;
         self.names_epoch += 1;
         self.by_name.remove(&a.name);
         self.by_id.remove(&a.id);

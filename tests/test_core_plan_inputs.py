@@ -9,7 +9,7 @@ import random
 import pytest
 
 from lora_pin._core import LoRARef, LoRARegistry, StepPlan
-from lora_pin.errors import AdapterNotFoundError, UsageError
+from lora_pin.errors import AdapterNotFoundError, SpecError, UsageError
 
 
 def make(slots: int = 4, names: str = "abcdef") -> LoRARegistry:
@@ -67,7 +67,26 @@ def test_token_counts_from_a_generator_of_fresh_ints_are_each_read() -> None:
     assert list(memoryview(plan.seg_indptr).cast("i"))[-1] == sum(counts)
 
 
-def test_one_int_is_every_requests_token_count() -> None:
+def test_bools_are_not_token_counts() -> None:
+    reg = make()
+    with pytest.raises(UsageError, match="num_tokens must be an int"):
+        reg.plan(["a"], True)
+    with pytest.raises(UsageError, match=r"num_tokens\[1\] must be an int, got True"):
+        reg.plan(["a", "b"], [1, True])
+
+
+def test_limits_name_their_minimum_and_the_slot_ceiling() -> None:
+    with pytest.raises(SpecError, match=r"max_loras_per_batch must be at least 1 \(got -1\)"):
+        LoRARegistry(-1)
+    with pytest.raises(SpecError, match="at most 65536 device slots"):
+        LoRARegistry(2**32 - 1)
+    reg = make()
+    with pytest.raises(SpecError, match="past 2\\^64 bytes"):
+        for i in range(3):
+            reg.register(LoRARef(f"big{i}", f"/b/{i}"), rank=1, host_bytes=2**63 - 1, device_bytes=1)
+    assert "big2" not in reg
+    reg.audit()
+
     step = ["a", None, "b", "c", "a", "d", "e", None]
     for n in (0, 1, 3):
         assert outputs(make().plan(step, n)) == outputs(make().plan(step, [n] * len(step)))

@@ -46,8 +46,11 @@ pub struct PyLoRARegistry {
     strs: NameStrs,
 }
 
-fn count(py: Python<'_>, what: &str, v: i64) -> PyResult<u64> {
-    u64::try_from(v).map_err(|_| new_error(py, "SpecError", format!("{what} must be at least 0 (got {v})")))
+fn count(py: Python<'_>, what: &str, v: i64, min: u64) -> PyResult<u64> {
+    u64::try_from(v)
+        .ok()
+        .filter(|&c| c >= min)
+        .ok_or_else(|| new_error(py, "SpecError", format!("{what} must be at least {min} (got {v})")))
 }
 
 fn usage(py: Python<'_>, msg: String) -> PyErr {
@@ -81,15 +84,18 @@ impl PyLoRARegistry {
     ) -> PyResult<Self> {
         shielded(py, || {
             let config = Config {
-                slots: count(py, "max_loras_per_batch", max_loras_per_batch)? as usize,
+                slots: count(py, "max_loras_per_batch", max_loras_per_batch, 1)? as usize,
                 max_loaded: max_loaded_loras
-                    .map(|v| count(py, "max_loaded_loras", v))
+                    .map(|v| count(py, "max_loaded_loras", v, 1))
                     .transpose()?
                     .map(|v| v as usize),
-                max_host_bytes: max_host_bytes.map(|v| count(py, "max_host_bytes", v)).transpose()?,
+                max_host_bytes: max_host_bytes.map(|v| count(py, "max_host_bytes", v, 1)).transpose()?,
                 device_policy: eviction_policy.to_owned(),
                 host_policy: host_eviction_policy.to_owned(),
-                chunk_size: chunk_size.map(|v| count(py, "chunk_size", v)).transpose()?.map(|v| v as usize),
+                chunk_size: chunk_size
+                    .map(|v| count(py, "chunk_size", v, 1))
+                    .transpose()?
+                    .map(|v| v as usize),
             };
             Ok(Self {
                 shared: SharedRegistry::new(Registry::new(config)?),
@@ -146,8 +152,8 @@ impl PyLoRARegistry {
         };
         let size = AdapterSize {
             rank,
-            host_bytes: count(py, "host_bytes", host_bytes)?,
-            device_bytes: count(py, "device_bytes", device_bytes)?,
+            host_bytes: count(py, "host_bytes", host_bytes, 0)?,
+            device_bytes: count(py, "device_bytes", device_bytes, 0)?,
             scaling: scaling as f32,
         };
         let evicted = detached(py, || self.shared.lock().register(r, size));

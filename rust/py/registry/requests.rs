@@ -9,7 +9,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
-use pyo3::types::{PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyInt, PyList, PyString, PyTuple};
 
 use super::usage;
 use crate::policy::AdapterKey;
@@ -261,6 +261,9 @@ pub(super) fn token_counts(py: Python<'_>, num_tokens: &Bound<'_, PyAny>, n: usi
     let in_range = |what: &dyn std::fmt::Display, v: i64| {
         u32::try_from(v).map_err(|_| usage(py, format!("{what} must be in 0..=4294967295 (got {v})")))
     };
+    if num_tokens.is_instance_of::<PyBool>() {
+        return Err(usage(py, format!("num_tokens must be an int or a sequence of ints, got {num_tokens}")));
+    }
     if num_tokens.is_instance_of::<PyInt>() {
         let all: i64 = num_tokens
             .extract()
@@ -296,6 +299,9 @@ pub(super) fn token_counts(py: Python<'_>, num_tokens: &Bound<'_, PyAny>, n: usi
             }
         }
         let item = item.to_owned();
+        if item.is_instance_of::<PyBool>() {
+            return Err(usage(py, format!("num_tokens[{i}] must be an int, got {item}")));
+        }
         let v: i64 = item.extract().map_err(|_| {
             if item.is_instance_of::<PyInt>() {
                 usage(py, format!("num_tokens[{i}] must be in 0..=4294967295 (got {item})"))
