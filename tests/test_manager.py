@@ -322,6 +322,18 @@ def test_adapter_dir_must_be_a_folder_inside_allowed_roots(world: World, tmp_pat
     assert mgr.adapter_dir == (tmp_path / "inside").resolve()
 
 
+def test_names_that_are_not_names_are_refused_by_position(world: World) -> None:
+    mgr = LoRAManager(fresh_model(world), items(world)[:2], max_loras_per_batch=2)
+    with pytest.raises(
+        lora_pin.UsageError, match=r"names\[1\] must be an adapter name \(str\) or None, got int"
+    ):
+        mgr.prepare_step(["a8", 5], 1)  # type: ignore[list-item]
+    with pytest.raises(lora_pin.UsageError, match="got the str 'a8'"), mgr.batch("a8"):
+        pass
+    mgr.registry.audit()
+    assert mgr.registry.in_flight("a8") == 0
+
+
 def test_finish_takes_only_the_active_step_once(world: World) -> None:
     model = fresh_model(world)
     mgr = LoRAManager(model, items(world), max_loras_per_batch=3)

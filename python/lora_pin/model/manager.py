@@ -234,12 +234,19 @@ class LoRAManager:
         they are read again on demand).
 
         Raises:
+            UsageError: ``names`` is a str, or an entry is neither a str nor None.
             AdapterNotFoundError: a name is not registered and there is no ``adapter_dir`` or no
                 folder ``adapter_dir/<name>``.
             PathNotAllowedError: a name is not a plain (possibly nested) folder name, or its folder
                 resolves outside ``adapter_dir``.
             AdapterLoadError, CapacityError: as :meth:`load`.
         """
+        if isinstance(names, str):
+            raise UsageError(f"names must be a sequence of adapter names, got the str {names!r}")
+        names = list(names)
+        for i, n in enumerate(names):
+            if n is not None and not isinstance(n, str):
+                raise UsageError(f"names[{i}] must be an adapter name (str) or None, got {type(n).__name__}")
         todo = list(dict.fromkeys(n for n in names if n is not None and n not in self.registry))
         if not todo:
             return []
