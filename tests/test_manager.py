@@ -170,6 +170,16 @@ def test_pinned_adapters_stay_and_batches_split(world: World) -> None:
     assert not any(key.startswith("a8/") for key in stats["evictions_by_adapter"]), stats
 
 
+def test_a_finished_steps_adapters_can_be_evicted_by_a_load_between_steps(world: World) -> None:
+    model = fresh_model(world)
+    mgr = LoRAManager(model, items(world)[:2], max_loras_per_batch=2, max_loaded_loras=2)
+    with torch.no_grad(), mgr.batch(["a8", "rs16"]):
+        model(tokens(2, 2, 26))
+    mgr.load("pat", world.adapters["pat"])  # the host tier is full of the finished step's adapters
+    assert "pat" in mgr.host and len(mgr.host) == 2
+    mgr.registry.audit()
+
+
 def test_prepare_step_packs_tokens_and_defers(world: World) -> None:
     model = fresh_model(world)
     mgr = LoRAManager(model, items(world), max_loras_per_batch=2)

@@ -367,8 +367,13 @@ class LoRAManager:
         try:
             self.registry.release(list(step._ids))
         finally:
-            self._active = None
-            self._step_lock.release()
+            try:
+                # Its adapters stop being protected as "in the step" now, not at the next plan: a load
+                # between steps may evict them from a full host tier.
+                self.registry.end_step()
+            finally:
+                self._active = None
+                self._step_lock.release()
         if changed:
             raise StalePlanError(
                 f"slot(s) {changed} were written while the step using them ran; discard its outputs"
