@@ -44,10 +44,21 @@ def test_demo_serves_checks_and_reports(cache: Path) -> None:
     assert "result          OK" in again.stdout and "pinned          chat, math" in again.stdout
 
 
-def test_demo_bad_arguments_exit_2(cache: Path) -> None:
-    out = run_demo("--cache-dir", str(cache), "--lora-paths", "a=/nowhere")
-    assert out.returncode == 2
-    assert "--lora-paths needs --model" in out.stderr
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lora-paths", "a=/nowhere"], "--lora-paths needs --model"),
+        (["--batch-size", "0"], "--batch-size must be at least 1 (got 0)"),
+        (["--requests", "-5"], "--requests must be at least 1 (got -5)"),
+        (["--zipf-alpha", "nan"], "--zipf-alpha must be a finite number"),
+        (["--model", "/nonexistent", "--lora-paths", "a=/x"], "--model: '/nonexistent' is not a folder"),
+        (["--model", "/tmp", "--lora-paths", "a=/x"], "--model: '/tmp' has no config.json"),
+    ],
+)
+def test_demo_bad_arguments_exit_2_with_one_line(cache: Path, argv: list[str], message: str) -> None:
+    out = run_demo("--cache-dir", str(cache), *argv)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
 
 
 def test_demo_on_a_users_own_model_and_adapters(cache: Path) -> None:

@@ -332,6 +332,13 @@ def test_adapter_dir_must_be_a_folder_inside_allowed_roots(world: World, tmp_pat
     assert mgr.adapter_dir == (tmp_path / "inside").resolve()
 
 
+def test_a_target_module_the_model_lacks_is_refused(world: World) -> None:
+    with pytest.raises(SpecError, match=r"lora_target_modules names \['v_porj'\]"):
+        LoRAManager(fresh_model(world), None, max_lora_rank=4, lora_target_modules=["q_proj", "v_porj"])
+    with pytest.raises(SpecError, match=r"max_lora_rank must be in 1\.\.16384"):
+        LoRAManager(fresh_model(world), None, max_lora_rank=10**8, lora_target_modules=["q_proj"])
+
+
 def test_names_that_are_not_names_are_refused_by_position(world: World) -> None:
     mgr = LoRAManager(fresh_model(world), items(world)[:2], max_loras_per_batch=2)
     with pytest.raises(

@@ -165,6 +165,12 @@ def test_server_args_defaults_and_config() -> None:
             r"max_loaded_loras=2",
         ),
         (["--lora-paths", "a=/a", "a=/b"], r"duplicate adapter name"),
+        (
+            ["--lora-paths", "a=/a", "--max-loras-per-batch", "100000"],
+            r"must be in 1\.\.65536 \(got 100000\)",
+        ),
+        (["--lora-paths", "a=/a", "--max-loras-per-batch", "9" * 21], r"--max-loras-per-batch must be in"),
+        (["--lora-paths", "a=/a", "--max-loaded-loras", "9" * 21], r"--max-loaded-loras must be in"),
     ],
 )
 def test_server_args_errors(argv: list[str], pattern: str) -> None:

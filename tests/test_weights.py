@@ -21,6 +21,7 @@ from lora_pin.errors import (
     AdapterNotFoundError,
     DuplicateAdapterError,
     PathNotAllowedError,
+    SpecError,
     UnsafeFormatError,
 )
 from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
@@ -548,6 +549,11 @@ def test_inspect_reports_why_not(world: World, tmp_path: Path) -> None:
         run_inspect(str(world.adapters["mixed"]), "--max-rank", "4")
     with pytest.raises(AdapterLoadError, match=r"max rank 4"):
         run_inspect(str(world.adapters["mixed"]), "--max-rank", "4", "--model", str(world.base_dir))
+    # --model must be a local model folder: transformers would take anything else for a Hub id.
+    with pytest.raises(SpecError, match="is not a folder"):
+        run_inspect(str(world.adapters["mixed"]), "--model", str(tmp_path / "nowhere"))
+    with pytest.raises(SpecError, match=r"has no config\.json"):
+        run_inspect(str(world.adapters["mixed"]), "--model", str(tmp_path))
 
 
 def test_open_adapter_reads_no_tensor(world: World) -> None:

@@ -3,6 +3,7 @@ from os import PathLike
 from typing import Any, TypeAlias, final
 
 __all__ = [
+    "MAX_SLOTS",
     "CpuSgmvPlan",
     "LoRARef",
     "LoRARegistry",
@@ -15,6 +16,7 @@ __all__ = [
     "simulate",
 ]
 __version__: str
+MAX_SLOTS: int
 
 @final
 class LoRARef:

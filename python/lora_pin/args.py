@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from lora_pin._core import LoRARef, parse_lora_paths
+from lora_pin._core import MAX_SLOTS, LoRARef, parse_lora_paths
 from lora_pin.errors import SpecError
 
 __all__ = [
@@ -114,6 +114,11 @@ def lora_config_from_args(ns: argparse.Namespace) -> LoRAConfig:
     """
     slots = ns.max_loras_per_batch
     loaded = ns.max_loaded_loras
+    # Checked here with the flag's name: past 2^64 the core could not even take the number.
+    if not 1 <= slots <= MAX_SLOTS:
+        raise SpecError(f"--max-loras-per-batch must be in 1..{MAX_SLOTS} (got {slots})")
+    if loaded is not None and not 1 <= loaded < 2**63:
+        raise SpecError(f"--max-loaded-loras must be in 1..{2**63 - 1} (got {loaded})")
     refs = tuple(parse_lora_paths(ns.lora_paths, max_loras_per_batch=slots, max_loaded_loras=loaded))
     rank = ns.max_lora_rank
     if rank is not None and rank < 1:

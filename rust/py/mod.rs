@@ -25,7 +25,8 @@ pub mod _core {
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
-        m.add("__version__", env!("CARGO_PKG_VERSION"))
+        m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        m.add("MAX_SLOTS", crate::registry::MAX_SLOTS)
     }
 }
 

@@ -153,7 +153,7 @@ pub fn simulate_with(
         .collect();
     let mut report = SimReport { requests: requests.len() as u64, ..SimReport::default() };
     let mut demand = Demand::new();
-    let mut queue: VecDeque<u32> = VecDeque::with_capacity(config.batch_size);
+    let mut queue: VecDeque<u32> = VecDeque::with_capacity(config.batch_size.min(requests.len()));
     let mut next = 0usize;
     let mut clock = 0.0f64;
     let (mut batch, mut step_keys, mut tokens) = (Vec::new(), Vec::new(), Vec::new());

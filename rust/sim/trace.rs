@@ -236,16 +236,22 @@ impl Trace {
     /// `requests` requests over `adapters` adapters named `adapter-000`, ... following `workload`,
     /// one token each, all waiting from the start; the same arguments give the same trace.
     ///
-    /// Errors: [`Error::Spec`] when `adapters` is 0 or above 4294967295.
+    /// Errors: [`Error::Spec`] when `adapters` is 0 or above 4294967295; [`Error::Capacity`] when the
+    /// trace cannot be allocated.
     pub fn generate(workload: Workload, adapters: usize, requests: usize, seed: u64) -> Result<Self> {
         if adapters == 0 || u32::try_from(adapters).is_err() {
             return Err(Error::Spec(format!("adapters must be in 1..=4294967295 (got {adapters})")));
         }
         let width = adapters.saturating_sub(1).to_string().len().max(3);
-        let names = (0..adapters).map(|i| format!("adapter-{i:0width$}")).collect();
+        let too_big =
+            |what: &str| Error::Capacity(format!("a generated trace of {what} cannot be allocated"));
+        let mut names = Vec::new();
+        names.try_reserve_exact(adapters).map_err(|_| too_big(&format!("{adapters} adapters")))?;
+        names.extend((0..adapters).map(|i| format!("adapter-{i:0width$}")));
         let mut rng = SplitMix::new(seed);
         let n = adapters;
-        let mut picks: Vec<usize> = Vec::with_capacity(requests);
+        let mut picks: Vec<usize> = Vec::new();
+        picks.try_reserve_exact(requests).map_err(|_| too_big(&format!("{requests} requests")))?;
         match workload {
             Workload::Uniform => picks.extend((0..requests).map(|_| rng.below(n))),
             Workload::Scan => picks.extend((0..requests).map(|i| i % n)),

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from lora_pin.args import EVICTION_POLICIES
+from lora_pin.cli._model_dir import local_model_dir
 from lora_pin.errors import SpecError
 
 
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from lora_pin.demo.workload import make_requests
     from lora_pin.model import LoRAManager
 
+    _check_numbers(args)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         assets = ensure_demo_assets(args.cache_dir)
         model_dir, items = assets.model_dir, assets.lora_paths
     else:
-        model_dir, items = args.model, args.lora_paths or []
+        model_dir, items = local_model_dir(args.model), args.lora_paths or []
         if not items:
             raise SpecError("--model needs --lora-paths naming at least one adapter")
     refs = parse_lora_paths(items)
@@ -79,7 +81,10 @@ def run(args: argparse.Namespace) -> int:
     # server would, and is then evicted from host memory and read again from disk as popularity moves.
     refs.sort(key=lambda r: not r.pinned)
     startup, later = refs[: args.max_loaded_loras], refs[args.max_loaded_loras :]
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    except (OSError, ValueError) as e:
+        raise SpecError(f"--model: cannot load a causal LM from {str(model_dir)!r}: {e}") from e
     manager = LoRAManager(
         model,
         startup,
@@ -111,6 +116,20 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_report(report, manager, len(refs))
     return 0 if report.ok else 1
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for flag, value, least in (
+        ("--requests", args.requests, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--prefill-len", args.prefill_len, 1),
+        ("--check-every", args.check_every, 0),
+        ("--seed", args.seed, 0),
+    ):
+        if value < least:
+            raise SpecError(f"{flag} must be at least {least} (got {value})")
+    if not 0 <= args.zipf_alpha < float("inf"):
+        raise SpecError(f"--zipf-alpha must be a finite number >= 0 (got {args.zipf_alpha})")
 
 
 def _rank(path: str) -> int:

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from lora_pin.errors import AdapterLoadError
+from lora_pin.cli._model_dir import local_model_dir
+from lora_pin.errors import AdapterLoadError, SpecError
 from lora_pin.weights.config import layer_index
 from lora_pin.weights.host import load_adapter
 from lora_pin.weights.reader import AdapterFile, open_adapter
@@ -63,8 +64,12 @@ def _check_standalone(file: AdapterFile) -> None:
 def _model_targets(model_dir: str) -> LoRATargets:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    model_dir = local_model_dir(model_dir)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    except (OSError, ValueError) as e:
+        raise SpecError(f"--model: cannot build a causal LM from {model_dir!r}: {e}") from e
     return LoRATargets.from_model(model)
 
 

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from lora_pin._core import Trace, simulate
+from lora_pin._core import MAX_SLOTS, Trace, simulate
 from lora_pin.args import EVICTION_POLICIES
 from lora_pin.errors import SpecError
 
@@ -63,23 +63,23 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _int(flag: str, text: str, *, least: int) -> int:
+def _int(flag: str, text: str, *, least: int, most: int = 2**63 - 1) -> int:
     try:
         value = int(text)
     except ValueError:
         value = least - 1
-    if value < least or not text.strip().lstrip("+").isdigit():
-        raise SpecError(f"{flag}: {text!r} is not an integer >= {least}")
+    if not least <= value <= most or not text.strip().lstrip("+").isdigit():
+        raise SpecError(f"{flag}: {text!r} is not an integer in {least}..{most}")
     return value
 
 
-def _number(flag: str, text: str) -> float:
+def _number(flag: str, text: str, *, most: float = float("inf")) -> float:
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise SpecError(f"{flag}: {text!r} is not a number >= 0")
+    if not 0 <= value <= most or value == float("inf"):
+        raise SpecError(f"{flag}: {text!r} is not a number in 0..{most:g}")
     return value
 
 
@@ -99,15 +99,15 @@ def _trace(args: argparse.Namespace) -> tuple[Trace, dict[str, Any]]:
             raise SpecError(f"--trace: cannot read {args.trace!r}: {e}") from e
         trace = Trace.from_jsonl(text, args.trace)
         return trace, {"file": args.trace, "requests": len(trace), "adapters": len(trace.names)}
-    adapters = _int("--adapters", args.adapters, least=1)
+    adapters = _int("--adapters", args.adapters, least=1, most=2**32 - 1)
     requests = _int("--requests", args.requests, least=0)
-    seed = _int("--seed", args.seed, least=0)
+    seed = _int("--seed", args.seed, least=0, most=2**64 - 1)
     trace = Trace.generate(args.workload, adapters=adapters, requests=requests, seed=seed)
     return trace, {"workload": args.workload, "requests": requests, "adapters": adapters, "seed": seed}
 
 
 def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
-    slots = [_int("--slots", s, least=1) for s in _list("--slots", args.slots)]
+    slots = [_int("--slots", s, least=1, most=MAX_SLOTS) for s in _list("--slots", args.slots)]
     hosts = [None if h == "none" else _int("--host", h, least=1) for h in _list("--host", args.host)]
     policies = _list("--policy", args.policy)
     for policy in policies:
@@ -119,7 +119,7 @@ def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
     pins = list(args.pin) or trace.most_requested(pin_top)
     batch = _int("--batch-size", args.batch_size, least=1)
     step_seconds = _number("--step-ms", args.step_ms) / 1000
-    adapter_bytes = int(_number("--adapter-mb", args.adapter_mb) * (1 << 20))
+    adapter_bytes = int(_number("--adapter-mb", args.adapter_mb, most=2**43) * (1 << 20))
     rows = []
     for s in slots:
         for h in hosts:

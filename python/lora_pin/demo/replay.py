@@ -145,7 +145,8 @@ def replay(
     bar.close()
     stats = manager.stats()
     report.stats = stats
-    report.pinned = list(stats["device"]["pinned"])
+    # Every pinned adapter (the host tier holds them all), not only those in a device slot now.
+    report.pinned = list(stats["host"]["pinned"])
     report.pinned_evictions = {
         key: count
         for key, count in stats["evictions_by_adapter"].items()

@@ -39,6 +39,7 @@ from lora_pin.weights import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_TENSORS,
     DEFAULT_TARGET_MODULES,
+    MAX_ADAPTER_RANK,
     DevicePool,
     HostTier,
     read_adapter_config,
@@ -156,6 +157,14 @@ class LoRAManager:
         if chunk_size is None and self.device.type == "cuda":
             chunk_size = CUDA_CHUNK_SIZE
         self.targets, self._module_of = model_targets(model, modules, fused_modules)
+        if lora_target_modules is not None and list(lora_target_modules) != ["all"]:
+            found = {t.module for t in self.targets.linears}
+            missing = [m for m in lora_target_modules if m not in found]
+            if missing:
+                raise SpecError(
+                    f"lora_target_modules names {missing}, which the model has no linear layer for inside "
+                    f"a numbered layer (it has {sorted(found)})"
+                )
         self.max_rank = rank
         self.chunk_size = chunk_size
         self.pool = DevicePool(self.targets, max_loras_per_batch, rank, self.dtype, self.device)
@@ -468,8 +477,8 @@ class LoRAManager:
                 "with no start-up adapters, both max_lora_rank and lora_target_modules are required to size "
                 f"the slot pool (got max_lora_rank={max_rank}, lora_target_modules={modules})"
             )
-        if max_rank < 1:
-            raise SpecError(f"max_lora_rank must be at least 1 (got {max_rank})")
+        if not 1 <= max_rank <= MAX_ADAPTER_RANK:
+            raise SpecError(f"max_lora_rank must be in 1..{MAX_ADAPTER_RANK} (got {max_rank})")
         return max_rank, tuple(modules)
 
     def _load_ref(self, ref: LoRARef, root: Path | None = None) -> None:
