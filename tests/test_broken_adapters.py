@@ -222,6 +222,25 @@ def _replace_by_directory(name: str) -> Callable[[Path, Served], Path]:
     return edit
 
 
+def _replace_by_fifo(name: str) -> Callable[[Path, Served], Path]:
+    # Opening a FIFO for reading blocks until a writer comes: the load must refuse it, not hang.
+    def edit(path: Path, _: Served) -> Path:
+        (path / name).unlink()
+        os.mkfifo(path / name)
+        return path
+
+    return edit
+
+
+def _unprefixed_twin(path: Path, _: Served) -> Path:
+    # A second lora_A for a module under the bare name (no "base_model.model."): PEFT ignores it.
+    tensors = load_file(path / WEIGHTS)
+    first = _first(tensors, "A")
+    tensors[first.removeprefix("base_model.model.")] = torch.ones_like(tensors[first])
+    save_file(tensors, path / WEIGHTS)
+    return path
+
+
 def _pickle_only(path: Path, _: Served) -> Path:
     torch.save(load_file(path / WEIGHTS), path / "adapter_model.bin")
     (path / WEIGHTS).unlink()
@@ -329,8 +348,37 @@ CASES: dict[str, tuple[Callable[[Path, Served], Path], type[Exception], str]] = 
         "would be unused",
     ),
     "no_weights": (_remove(WEIGHTS), AdapterLoadError, "no adapter_model.safetensors"),
-    "weights_unreadable": (_replace_by_directory(WEIGHTS), AdapterLoadError, "cannot (read|stat)"),
-    "config_unreadable": (_replace_by_directory(CONFIG), AdapterLoadError, "cannot read the config"),
+    "weights_fifo": (_replace_by_fifo(WEIGHTS), AdapterLoadError, "not a regular file"),
+    "config_fifo": (_replace_by_fifo(CONFIG), AdapterLoadError, "not a regular file"),
+    "unprefixed_twin_tensor": (_unprefixed_twin, AdapterLoadError, "would be unused"),
+    "target_regex_exponential": (
+        _edit_config(target_modules=r"(([a-z_.0-9]*)*)*!"),
+        AdapterLoadError,
+        "could take exponential time to match: it has a repetition inside a repetition",
+    ),
+    "rank_pattern_key_exponential": (
+        _edit_config(rank_pattern={"(a|ab)*c": 4}),
+        AdapterLoadError,
+        "key '\\(a\\|ab\\)\\*c' could take exponential time",
+    ),
+    "regex_with_many_repetitions": (
+        _edit_config(target_modules=r".*.*.*.*!"),
+        AdapterLoadError,
+        "4 repetitions",
+    ),
+    "layers_pattern_not_text": (
+        _edit_config(layers_pattern=5, layers_to_transform=[0]),
+        AdapterLoadError,
+        "'layers_pattern' must be a string or a list of strings, got 5",
+    ),
+    "exclude_modules_not_text": (
+        _edit_config(exclude_modules=5),
+        AdapterLoadError,
+        "'exclude_modules' must be a regex string or a list of names, got 5",
+    ),
+    "exclude_modules_bad_regex": (_edit_config(exclude_modules="(q"), AdapterLoadError, "not a valid regex"),
+    "weights_unreadable": (_replace_by_directory(WEIGHTS), AdapterLoadError, "not a regular file"),
+    "config_unreadable": (_replace_by_directory(CONFIG), AdapterLoadError, "not a regular file"),
     "file_too_large": (_huge_sparse, AdapterLoadError, r"above the limit max_file_bytes=17179869184"),
     "too_many_tensors": (_many_tensors, AdapterLoadError, "70000 tensors, above the limit max_tensors"),
     "pickle_only": (_pickle_only, UnsafeFormatError, "pickle"),
@@ -410,3 +458,31 @@ def test_limits_are_keyword_arguments(served: Served) -> None:
     with pytest.raises(AdapterLoadError, match="max_tensors=15"):
         tier.load("tight", served.good)
     assert len(tier) == 0
+
+
+def test_a_file_rewritten_in_place_with_its_mtime_put_back_is_refused(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copy = served.root / "rewritten_in_place"
+    shutil.copytree(served.good, copy)
+    original = AdapterFile.tensor
+    rewritten: list[str] = []
+
+    def rewrite_then_read(self: AdapterFile, tensor_name: str) -> torch.Tensor:
+        if not rewritten:
+            # Same inode, same size, mtime restored: only the change time tells.
+            before = os.stat(self.weights_path)
+            data = bytearray(self.weights_path.read_bytes())
+            data[-4:] = bytes(4)
+            with open(self.weights_path, "r+b") as f:
+                f.write(data)
+            os.utime(self.weights_path, ns=(before.st_atime_ns, before.st_mtime_ns))
+            rewritten.append(tensor_name)
+        return original(self, tensor_name)
+
+    monkeypatch.setattr(AdapterFile, "tensor", rewrite_then_read)
+    before = snapshot(served.mgr)
+    with pytest.raises(AdapterLoadError, match=r"'rewritten_in_place'.*changed while it was read"):
+        served.mgr.load("rewritten_in_place", copy)
+    assert rewritten
+    assert_same(before, snapshot(served.mgr))

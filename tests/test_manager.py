@@ -321,6 +321,20 @@ def test_threads_discovering_one_adapter_load_it_once(
     assert mgr.stats()["host"]["loads"] == 1, "the adapter was read from disk again"
 
 
+def test_a_startup_config_linked_out_of_the_roots_is_refused_before_it_is_read(
+    world: World, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(world.adapters["a8"], root / "a8")
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"r": "s3cr3t-outside-the-root"}')
+    (root / "a8" / "adapter_config.json").unlink()
+    (root / "a8" / "adapter_config.json").symlink_to(secret)
+    with pytest.raises(PathNotAllowedError, match="outside every allowed root") as info:
+        LoRAManager(fresh_model(world), [f"a8={root / 'a8'}"], max_loras_per_batch=2, allowed_roots=[root])
+    assert "s3cr3t" not in str(info.value)
+
+
 def test_adapter_dir_must_be_a_folder_inside_allowed_roots(world: World, tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="not a directory"):
         discovering(world, tmp_path / "nope")

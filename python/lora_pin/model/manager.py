@@ -42,9 +42,8 @@ from lora_pin.weights import (
     MAX_ADAPTER_RANK,
     DevicePool,
     HostTier,
-    read_adapter_config,
 )
-from lora_pin.weights.reader import adapter_dir_for_name, resolve_adapter_dir
+from lora_pin.weights.reader import adapter_dir_for_name, read_contained_config
 
 __all__ = ["LoRAManager", "Step"]
 
@@ -461,8 +460,7 @@ class LoRAManager:
             names: set[str] = set()
             regex = False
             for r in refs:
-                directory = resolve_adapter_dir(r.lora_name, r.lora_path, self._allowed_roots)
-                config = read_adapter_config(r.lora_name, directory)
+                config = read_contained_config(r.lora_name, r.lora_path, self._allowed_roots)
                 ranks.append(max([config.r, *config.rank_pattern.values()]))
                 if isinstance(config.target_modules, str):
                     regex = True

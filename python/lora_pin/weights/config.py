@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ import orjson
 
 from lora_pin.errors import AdapterLoadError
 from lora_pin.weights.limits import MAX_ADAPTER_RANK, MAX_CONFIG_BYTES, check_file_size
+from lora_pin.weights.patterns import regex_refusal
 
 __all__ = ["AdapterConfig", "layer_index", "read_adapter_config"]
 
@@ -170,17 +172,17 @@ class AdapterConfig:
                         f"entry {pattern_key!r} is {value}, above the limit "
                         f"MAX_ADAPTER_RANK={MAX_ADAPTER_RANK}",
                     )
-                try:
-                    re.compile(pattern_key)
-                except re.error as exc:
-                    raise fail(key, f"key {pattern_key!r} is not a valid regex: {exc}") from None
+                if not isinstance(pattern_key, str):
+                    raise fail(key, f"key {pattern_key!r} must be a string")
+                why = regex_refusal(pattern_key) or regex_refusal(rf"(.*\.)?({pattern_key})$")
+                if why:
+                    raise fail(key, f"key {pattern_key!r} {why}")
 
         raw_targets = data.get("target_modules")
         if isinstance(raw_targets, str):
-            try:
-                re.compile(raw_targets)
-            except re.error as exc:
-                raise fail("target_modules", f"{raw_targets!r} is not a valid regex: {exc}") from None
+            why = regex_refusal(raw_targets)
+            if why:
+                raise fail("target_modules", f"{raw_targets!r} {why}")
             targets: tuple[str, ...] | str = raw_targets
         elif isinstance(raw_targets, list) and raw_targets and all(isinstance(t, str) for t in raw_targets):
             targets = tuple(raw_targets)
@@ -199,14 +201,28 @@ class AdapterConfig:
         layers_pattern = data.get("layers_pattern") or ()
         if isinstance(layers_pattern, str):
             layers_pattern = (layers_pattern,)
+        if not isinstance(layers_pattern, (list, tuple)) or not all(
+            isinstance(p, str) for p in layers_pattern
+        ):
+            raise fail("layers_pattern", f"must be a string or a list of strings, got {layers_pattern!r}")
+        for pattern in layers_pattern:
+            why = regex_refusal(pattern) or regex_refusal(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.")
+            if why:
+                raise fail("layers_pattern", f"{pattern!r} {why}")
         if isinstance(targets, str) and (layers or layers_pattern):
             raise fail(
                 "layers_to_transform", "cannot be used when target_modules is a regex string (PEFT rule)"
             )
 
         exclude = data.get("exclude_modules") or ()
-        if not isinstance(exclude, str):
+        if isinstance(exclude, str):
+            why = regex_refusal(exclude)
+            if why:
+                raise fail("exclude_modules", f"{exclude!r} {why}")
+        elif isinstance(exclude, (list, tuple)) and all(isinstance(m, str) for m in exclude):
             exclude = tuple(exclude)
+        else:
+            raise fail("exclude_modules", f"must be a regex string or a list of names, got {exclude!r}")
         fan_in_fan_out = data.get("fan_in_fan_out", False)
         if not isinstance(fan_in_fan_out, bool):
             raise fail("fan_in_fan_out", f"must be a boolean, got {fan_in_fan_out!r}")
@@ -287,7 +303,11 @@ def read_adapter_config(name: str, directory: Path) -> AdapterConfig:
         raise AdapterLoadError(f"adapter {name!r}: {path} does not exist; not a PEFT adapter directory")
     check_file_size(name, path, MAX_CONFIG_BYTES, "MAX_CONFIG_BYTES")
     try:
-        with open(path, "rb") as handle:
+        # Non-blocking, and checked again on the open file: swapped for a FIFO since the check above,
+        # it is refused instead of blocking the loading thread.
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise AdapterLoadError(f"adapter {name!r} ({path}): not a regular file")
             raw = handle.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise AdapterLoadError(f"adapter {name!r} ({path}): cannot read the config: {exc}") from None

@@ -15,6 +15,7 @@ is the slot pool's ``max_rank``; :data:`MAX_ADAPTER_RANK` bounds what a config m
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from lora_pin.errors import AdapterLoadError
@@ -46,13 +47,17 @@ def check_file_size(name: str, path: Path, limit: int, what: str) -> int:
     """The size of ``path`` in bytes, refused above ``limit``.
 
     Raises:
-        AdapterLoadError: the file is larger than ``limit`` (the message names ``what`` the limit is), or
-            it cannot be stat-ed.
+        AdapterLoadError: the file is larger than ``limit`` (the message names ``what`` the limit is), is
+            not a regular file, or cannot be stat-ed.
     """
     try:
-        size = os.stat(path).st_size
+        info = os.stat(path)
     except OSError as exc:
         raise AdapterLoadError(f"adapter {name!r} ({path}): cannot stat the file: {exc}") from None
+    if not stat.S_ISREG(info.st_mode):
+        # Opening a FIFO would block until someone writes to it; a device could be endless.
+        raise AdapterLoadError(f"adapter {name!r} ({path}): not a regular file (a FIFO, device or folder)")
+    size = info.st_size
     if size > limit:
         raise AdapterLoadError(
             f"adapter {name!r} ({path}): file is {size} bytes, above the limit {what}={limit}"

@@ -8,8 +8,9 @@ arbitrary code) and is read only with ``allow_pickle=True``, then with ``torch.l
 
 Untrusted files: the weight file's size and tensor count are checked against limits (see
 :mod:`lora_pin.weights.limits`) before any tensor is read, and the file's identity (inode, size,
-modification time) is recorded so :meth:`AdapterFile.check_unchanged` can refuse an adapter whose file was
-replaced or rewritten while its tensors were being read.
+modification and change times; a writer can set the first back, not the second) is recorded so
+:meth:`AdapterFile.check_unchanged` can refuse an adapter whose file was replaced or rewritten while its
+tensors were being read.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "LoraTensorPair",
     "adapter_dir_for_name",
     "open_adapter",
+    "read_contained_config",
     "resolve_adapter_dir",
 ]
 
@@ -128,7 +130,7 @@ class AdapterFile:
     unused: list[str]
     _safetensors: Any = field(default=None, repr=False)
     _loaded: dict[str, torch.Tensor] | None = field(default=None, repr=False)
-    _stamp: tuple[int, int, int] | None = field(default=None, repr=False)
+    _stamp: tuple[int, int, int, int] | None = field(default=None, repr=False)
 
     def tensor(self, tensor_name: str) -> torch.Tensor:
         """One stored tensor, as stored (dtype and layout of the file)."""
@@ -142,8 +144,8 @@ class AdapterFile:
         Call it after every tensor was copied out: what was read then came from one version of the file.
 
         Raises:
-            AdapterLoadError: the file's inode, size or modification time differs from when it was opened,
-                or it is gone.
+            AdapterLoadError: the file's inode, size, modification or change time differs from when it
+                was opened, or it is gone.
         """
         try:
             now = _stamp(self.weights_path)
@@ -154,8 +156,8 @@ class AdapterFile:
         if now != self._stamp:
             raise AdapterLoadError(
                 f"adapter {self.name!r} ({self.weights_path}): the file changed while it was read "
-                f"(inode, size, mtime_ns {self._stamp} -> {now}); write adapters elsewhere and rename them "
-                "into place"
+                f"(inode, size, mtime_ns, ctime_ns {self._stamp} -> {now}); write adapters elsewhere and "
+                "rename them into place"
             )
 
     @property
@@ -172,9 +174,10 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def _stamp(path: Path) -> tuple[int, int, int]:
+def _stamp(path: Path) -> tuple[int, int, int, int]:
     stat = os.stat(path)
-    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+    # ctime as well: a writer can put mtime back (os.utime), but not the change time.
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
 def _checked_file(name: str, path: Path, roots: list[str] | None) -> Path:
@@ -184,6 +187,22 @@ def _checked_file(name: str, path: Path, roots: list[str] | None) -> Path:
             f"adapter {name!r}: {path} resolves to {real!r}, outside every allowed root {roots}"
         )
     return Path(real)
+
+
+def read_contained_config(
+    name: str, path: str | os.PathLike[str], allowed_roots: Iterable[str | os.PathLike[str]] | None = None
+) -> AdapterConfig:
+    """The config of the adapter at ``path``, its folder and ``adapter_config.json`` both checked against
+    ``allowed_roots`` (as :func:`open_adapter` checks them) before a byte is read.
+
+    Raises:
+        PathNotAllowedError: the folder or the config resolves outside every root.
+        AdapterLoadError: as :func:`~lora_pin.weights.config.read_adapter_config`.
+    """
+    roots = None if allowed_roots is None else [os.path.realpath(os.fspath(r)) for r in allowed_roots]
+    directory = resolve_adapter_dir(name, path, roots)
+    _checked_file(name, directory / "adapter_config.json", roots)
+    return read_adapter_config(name, directory)
 
 
 def open_adapter(
@@ -252,6 +271,12 @@ def open_adapter(
             ) from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise AdapterLoadError(f"adapter {name!r} ({weights_path}): expected a dict of tensors")
+        odd = [k for k, v in state.items() if v.layout != torch.strided or v.device.type != "cpu"]
+        if odd:
+            raise AdapterLoadError(
+                f"adapter {name!r} ({weights_path}): tensor(s) {sorted(map(str, odd))[:4]} are not dense "
+                "CPU tensors (sparse, meta or on a device)"
+            )
         check_count(name, weights_path, len(state), max_tensors)
         loaded = {str(k): v for k, v in state.items()}
         shapes = {k: tuple(v.shape) for k, v in loaded.items()}
@@ -265,8 +290,10 @@ def open_adapter(
     unused: list[str] = []
     for key in shapes:
         for suffix, half in _SUFFIXES.items():
-            if key.endswith(suffix):
-                module_key = key[: -len(suffix)].removeprefix(_PREFIX)
+            # PEFT saves every LoRA tensor under the prefix and loads nothing without it: a tensor
+            # without it is unused (refused), never a second copy of a module's half.
+            if key.endswith(suffix) and key.startswith(_PREFIX):
+                module_key = key[len(_PREFIX) : -len(suffix)]
                 halves.setdefault(module_key, {})[half] = key
                 break
         else:
