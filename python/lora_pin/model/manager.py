@@ -249,13 +249,9 @@ class LoRAManager:
                 resolves outside ``adapter_dir``.
             AdapterLoadError, CapacityError: as :meth:`load`.
         """
-        if isinstance(names, str):
-            raise UsageError(f"names must be a sequence of adapter names, got the str {names!r}")
-        names = list(names)
-        for i, n in enumerate(names):
-            if n is not None and not isinstance(n, str):
-                raise UsageError(f"names[{i}] must be an adapter name (str) or None, got {type(n).__name__}")
-        todo = list(dict.fromkeys(n for n in names if n is not None and n not in self.registry))
+        names = _checked_names(names)
+        # Each distinct name once: a step repeats a few names many times.
+        todo = [n for n in dict.fromkeys(names) if n is not None and n not in self.registry]
         if not todo:
             return []
         root = self.adapter_dir
@@ -412,7 +408,8 @@ class LoRAManager:
             AdapterNotFoundError, PathNotAllowedError, AdapterLoadError: as :meth:`discover`, for names
                 not registered yet.
         """
-        self.discover(names)
+        if self.adapter_dir is not None:
+            self.discover(names)
         pinned = self._pinned()
         budget = self.pool.slots - len(pinned)
         groups: list[list[int]] = []
@@ -527,7 +524,10 @@ class LoRAManager:
         try:
             if not self._wrapped:
                 raise LoraPinError("the manager is detached")
-            self.discover(names)
+            if self.adapter_dir is not None:
+                self.discover(names)
+            elif isinstance(names, str):  # the planner refuses every other bad entry itself
+                _checked_names(names)
             if per_sequence and len(self.split(names)) > 1:
                 raise CapacityError(self._too_many(names))
             plan = self.registry.plan(names, num_tokens)
@@ -670,3 +670,18 @@ def _checked_adapter_dir(
                 f"root {[str(r) for r in roots]}"
             )
     return real
+
+
+def _checked_names(names: Iterable[str | None]) -> list[str | None]:
+    """``names`` as a list, each a str or None.
+
+    Raises:
+        UsageError: ``names`` is a str, or an entry is neither (named by its position).
+    """
+    if isinstance(names, str):
+        raise UsageError(f"names must be a sequence of adapter names, got the str {names!r}")
+    names = list(names)
+    for i, n in enumerate(names):
+        if n is not None and not isinstance(n, str):
+            raise UsageError(f"names[{i}] must be an adapter name (str) or None, got {type(n).__name__}")
+    return names
