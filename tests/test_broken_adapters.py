@@ -354,7 +354,7 @@ CASES: dict[str, tuple[Callable[[Path, Served], Path], type[Exception], str]] = 
     "target_regex_exponential": (
         _edit_config(target_modules=r"(([a-z_.0-9]*)*)*!"),
         AdapterLoadError,
-        "could take exponential time to match: it has a repetition inside a repetition",
+        "could take exponential time to match: it has a variable repetition or optional part inside",
     ),
     "rank_pattern_key_exponential": (
         _edit_config(rank_pattern={"(a|ab)*c": 4}),
@@ -362,9 +362,14 @@ CASES: dict[str, tuple[Callable[[Path, Served], Path], type[Exception], str]] = 
         "key '\\(a\\|ab\\)\\*c' could take exponential time",
     ),
     "regex_with_many_repetitions": (
-        _edit_config(target_modules=r".*.*.*.*!"),
+        _edit_config(target_modules=".?" * 24 + ".{19}X"),
         AdapterLoadError,
-        "4 repetitions",
+        "24 variable repetitions in a row",
+    ),
+    "regex_optional_inside_repetition": (
+        _edit_config(target_modules=r"(?:.?){26}.{18}X"),
+        AdapterLoadError,
+        "optional part inside a repetition",
     ),
     "layers_pattern_not_text": (
         _edit_config(layers_pattern=5, layers_to_transform=[0]),

@@ -8,6 +8,7 @@ import concurrent.futures
 import copy
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -271,6 +272,57 @@ def test_discovery_is_all_or_nothing(world: World, tmp_path: Path) -> None:
     with torch.no_grad(), mgr.batch(["a8"]):  # and the manager still serves
         got = model(tokens(1, 3, 22)).logits
     assert_close(got, oracle(world, tokens(1, 3, 22), ["a8"]))
+
+
+def test_a_failed_discovery_keeps_an_adapter_a_step_took_up_meanwhile(
+    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "adapters"
+    root.mkdir()
+    shutil.copytree(world.adapters["a8"], root / "a8")
+    (root / "broken").mkdir()
+    (root / "broken" / "adapter_config.json").write_text("{")
+    model, mgr = discovering(world, root)
+    real_read, step_running = mgr.host.read, threading.Event()
+
+    def read(name: str, path: Any, root: Any = None) -> Any:
+        if name == "broken":
+            assert step_running.wait(10)  # a step on the other thread uses "a8" by now
+        return real_read(name, path, root=root)
+
+    monkeypatch.setattr(mgr.host, "read", read)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        failed = pool.submit(mgr.discover, ["a8", "broken"])
+        while "a8" not in mgr.registry:
+            time.sleep(0.001)
+        step = mgr.prepare_step(["a8"], 3)
+        step_running.set()
+        with pytest.raises(AdapterLoadError, match="broken"):
+            failed.result()
+    # The rollback left "a8" alone: the running step's weights are intact and it finishes cleanly.
+    assert "a8" in mgr.registry and "a8" in mgr.host
+    ids = tokens(1, 3, 27)
+    with torch.no_grad():
+        got = model(ids).logits
+    mgr.finish(step)
+    assert_close(got, oracle(world, ids, ["a8"]))
+    mgr.registry.audit()
+
+
+def test_a_name_being_unloaded_is_not_found_again(world: World, tmp_path: Path) -> None:
+    root = tmp_path / "adapters"
+    root.mkdir()
+    shutil.copytree(world.adapters["a8"], root / "a8")
+    _, mgr = discovering(world, root)
+    step = mgr.prepare_step(iter(["a8", None]), 1)  # an iterator of names is read once, as a list
+    assert step.admitted == (0, 1)
+    with pytest.raises(lora_pin.UnloadTimeoutError):
+        mgr.unload("a8", timeout=0)
+    with pytest.raises(AdapterNotFoundError, match="being unloaded"):
+        mgr.discover(["a8"])
+    mgr.finish(step)
+    mgr.unload("a8")
+    assert mgr.discover(["a8"]) == ["a8"]
 
 
 def test_a_discovered_adapter_stays_confined_when_read_again(world: World, tmp_path: Path) -> None:

@@ -562,3 +562,34 @@ def test_open_adapter_reads_no_tensor(world: World) -> None:
     assert file.config.rank_for("model.layers.0.self_attn.v_proj") == 4
     assert file.config.rank_for("model.layers.1.mlp.down_proj") == 2
     assert file.config.rank_for("model.layers.0.mlp.down_proj") == 8
+
+
+@pytest.mark.parametrize(
+    ("pattern", "refused"),
+    [
+        (r".*\.(q_proj|v_proj)", None),
+        (r"^(?!.*vision).*\.(q_proj|k_proj)$", None),
+        (r"(.*\.)?(.*q_proj)$", None),  # how rank_pattern keys are matched
+        (r"model\.layers\.\d+\.self_attn\.(q|k|v)_proj", None),
+        (r".*a.*b|.*c.*d", None),  # alternatives count their largest, not their sum
+        (
+            r"(?:.*?(?:language|text).*?(?:self_attn|mlp).*?(?:q_proj|v_proj).*?)|(?:\bmodel\.layers\.\d+\.mlp)",
+            None,
+        ),
+        (r"(([a-z_.0-9]*)*)*!", "variable repetition or optional part inside a repetition"),
+        (r"(a|ab)*c", "alternation inside a repetition"),
+        (r"(?:.?){26}.{18}X", "optional part inside a repetition"),
+        (".?" * 24 + ".{19}X", "24 variable repetitions"),
+        (r".*a.*a.*a.*a.*a!", "5 variable repetitions"),
+        ("(", "not a valid regex"),
+        ("q" * 1025, "1025 characters"),
+    ],
+)
+def test_regexes_that_could_stall_the_server_are_refused(pattern: str, refused: str | None) -> None:
+    from lora_pin.weights.patterns import regex_refusal
+
+    why = regex_refusal(pattern)
+    if refused is None:
+        assert why is None, why
+    else:
+        assert why is not None and refused in why, why

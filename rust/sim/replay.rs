@@ -63,7 +63,7 @@ pub struct TierReport {
     pub misses: u64,
     /// Adapters evicted to make room.
     pub evictions: u64,
-    /// Bytes brought into the tier (misses times the adapter size).
+    /// Bytes brought into the tier (misses times the adapter size; held at `u64::MAX` past it).
     pub bytes_moved: u64,
     /// Belady's fewest misses for the same demand and capacity; `None` when the tier is unbounded
     /// (host only: then the fewest disk reads are zero and no bound is worth printing).
@@ -231,14 +231,14 @@ pub fn simulate_with(
         hits: d.0.hits - d.1.hits,
         misses: d.0.misses - d.1.misses,
         evictions: d.0.evictions - d.1.evictions,
-        bytes_moved: (d.0.misses - d.1.misses) * config.adapter_bytes,
+        bytes_moved: (d.0.misses - d.1.misses).saturating_mul(config.adapter_bytes),
         belady_misses: Some(min_misses(&demand, config.slots, |a| pinned[a as usize], &[])?),
     };
     report.host = TierReport {
         hits: h.0.hits - h.1.hits,
         misses: h.0.misses - h.1.misses,
         evictions: h.0.evictions - h.1.evictions,
-        bytes_moved: (h.0.misses - h.1.misses) * config.adapter_bytes,
+        bytes_moved: (h.0.misses - h.1.misses).saturating_mul(config.adapter_bytes),
         belady_misses: config
             .max_loaded
             .map(|cap| min_misses(&demand, cap, |a| pinned[a as usize], &host_initial))

@@ -254,6 +254,12 @@ class LoRAManager:
         todo = [n for n in dict.fromkeys(names) if n is not None and n not in self.registry]
         if not todo:
             return []
+        for name in todo:
+            try:
+                self.registry.in_flight(name)  # known though not registered: being unloaded
+            except AdapterNotFoundError:
+                continue
+            raise AdapterNotFoundError(f"adapter {name!r} is being unloaded; it takes no new requests")
         root = self.adapter_dir
         if root is None:
             for name in todo:
@@ -277,9 +283,10 @@ class LoRAManager:
                 loaded.append(name)
         except BaseException:
             for name in loaded:
-                with contextlib.suppress(LoraPinError):
-                    self.registry.unload(name, 0)
-                self._forget(name)
+                # A step on another thread may have taken it up meanwhile: then it stays (it loaded
+                # fine), rather than be torn down under that step.
+                if self.registry.in_flight(name) == 0 and self.registry.try_unload(name):
+                    self._forget(name)
             raise
         return loaded
 
@@ -524,10 +531,12 @@ class LoRAManager:
         try:
             if not self._wrapped:
                 raise LoraPinError("the manager is detached")
+            if isinstance(names, str):  # the planner refuses every other bad entry itself
+                _checked_names(names)
+            if not isinstance(names, (list, tuple)):
+                names = list(names)  # read more than once below
             if self.adapter_dir is not None:
                 self.discover(names)
-            elif isinstance(names, str):  # the planner refuses every other bad entry itself
-                _checked_names(names)
             if per_sequence and len(self.split(names)) > 1:
                 raise CapacityError(self._too_many(names))
             plan = self.registry.plan(names, num_tokens)
