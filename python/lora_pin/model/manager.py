@@ -374,7 +374,8 @@ class LoRAManager:
             self._active_step = None
             # Checked before the release: once the step's adapters are released, an unload may clear
             # their slots.
-            changed = [slot for slot, writes in step._slot_writes if self.pool.writes(slot) != writes]
+            counts = self.pool.write_counts()
+            changed = [slot for slot, writes in step._slot_writes if counts[slot] != writes]
         try:
             self.registry.release(list(step._ids))
         finally:
@@ -540,14 +541,15 @@ class LoRAManager:
             if per_sequence and len(self.split(names)) > 1:
                 raise CapacityError(self._too_many(names))
             plan = self.registry.plan(names, num_tokens)
+            admitted_names = [names[i] for i in plan.admitted]
             try:
-                ids = tuple(self.registry.acquire([names[i] for i in plan.admitted]))
+                ids = tuple(self.registry.acquire(admitted_names))
             except BaseException:
                 # An admitted adapter was unloaded between plan and acquire: no planned load may stay
                 # pending, or a later plan would take its never-filled slot for resident.
                 self._abandon(plan.loads)
                 raise
-            slot_writes = self._apply(plan, ids, [names[i] for i in plan.admitted])
+            slot_writes = self._apply(plan, ids, admitted_names)
             if per_sequence and plan.deferred:
                 # The host tier could not make room (its adapters are all in use): nothing ran yet.
                 self.registry.release(list(ids))
@@ -647,8 +649,9 @@ class LoRAManager:
                     ) from exc
                 self._filled[slot] = (generations[slot], self.pool.writes(slot))
                 self.registry.load_done(name)
-            used = sorted({s for s in memoryview(plan.request_slots).cast("i") if s >= 0})
-            stale = [s for s in used if self._filled[s] != (generations[s], self.pool.writes(s))]
+            used = sorted(set(memoryview(plan.request_slots).cast("i")) - {-1})
+            counts = self.pool.write_counts()
+            stale = [s for s in used if self._filled[s] != (generations[s], counts[s])]
             if stale:
                 self.registry.release(list(ids))
                 # Mark the stale slots' adapters not resident, so the next plan loads them again.
@@ -662,7 +665,7 @@ class LoRAManager:
                     f"{ {s: generations[s] for s in stale} } but the pool holds "
                     f"{ {s: self._filled[s] for s in stale} } (generation, writes) there; no step ran"
                 )
-            return tuple((s, self.pool.writes(s)) for s in used)
+            return tuple((s, counts[s]) for s in used)
 
 
 def _checked_adapter_dir(

@@ -127,6 +127,10 @@ class DevicePool:
         self._check_slot(slot)
         return self._writes[slot]
 
+    def write_counts(self) -> tuple[int, ...]:
+        """:meth:`writes` of every slot at once (what a step checks, without a call per slot)."""
+        return tuple(self._writes)
+
     def buffers(
         self, layer: int, module: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
