@@ -129,6 +129,23 @@ def test_cuda_prefill_is_chunked_and_equals_peft(world: World) -> None:
     torch.testing.assert_close(got, oracle(world, ids, names), rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_steps_of_resident_adapters_make_no_host_device_sync(world: World) -> None:
+    # The planner's arrays go up from pinned memory without blocking, so the host can plan step N+1
+    # while the GPU still runs step N.
+    model = fresh_model(world).cuda()
+    mgr = LoRAManager(model, items(world), max_loras_per_batch=6)
+    names: list[str | None] = ["a8", None, "rs16", "pat", "a8"]
+    mgr.finish(mgr.prepare_step(names, [3, 1, 2, 5, 1]))  # loads every adapter once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step = mgr.prepare_step(names, [2, 4, 1, 1, 3])
+        mgr.finish(step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_fewer_slots_than_adapters_evicts_between_steps(world: World) -> None:
     model = fresh_model(world)
     startup = items(world)[:3]

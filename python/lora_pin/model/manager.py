@@ -75,7 +75,13 @@ def _buffer(data: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     view = memoryview(data)
     if view.nbytes == 0:
         return torch.empty(0, dtype=dtype, device=device)
-    return torch.frombuffer(bytearray(view), dtype=dtype).to(device)
+    host = torch.frombuffer(bytearray(view), dtype=dtype)
+    if device.type == "cuda":
+        # From pinned memory the copy is queued on the stream and the host goes on: a copy from pageable
+        # memory would wait for every kernel already queued, once per array per step. (The caching host
+        # allocator keeps the pinned block until the copy has run.)
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 class LoRAManager:
