@@ -422,6 +422,27 @@ def test_a_target_module_the_model_lacks_is_refused(world: World) -> None:
         LoRAManager(fresh_model(world), None, max_lora_rank=10**8, lora_target_modules=["q_proj"])
 
 
+def test_misuse_of_an_attached_model_is_refused_clearly(world: World) -> None:
+    model = fresh_model(world)
+    mgr = LoRAManager(model, items(world)[:2], max_loras_per_batch=2)
+    # A second manager would wrap the first's wrappers.
+    with pytest.raises(SpecError, match="already wrapped by another LoRAManager"):
+        LoRAManager(model, items(world)[:2], max_loras_per_batch=2)
+    # The step's batch is two sequences: one sequence of ten tokens does not split into them.
+    split = r"\(1, 10, 64\) does not split into the step's 2 sequences"
+    with pytest.raises(ValueError, match=split), torch.no_grad(), mgr.batch(["a8", None]):
+        model(tokens(1, 10, 28))
+    with torch.no_grad(), mgr.batch(["a8", None]):  # two beams a sequence, contiguous: served
+        model(tokens(4, 3, 29))
+    model.to(torch.float64)
+    changed = "dtype changed after the LoRAManager was built"
+    with pytest.raises(lora_pin.OpArgumentError, match=changed), torch.no_grad(), mgr.batch(["a8"]):
+        model(tokens(1, 3, 30))
+    model.to(torch.float32)
+    mgr.detach()
+    LoRAManager(model, items(world)[:2], max_loras_per_batch=2).detach()  # once detached, a new one may
+
+
 def test_names_that_are_not_names_are_refused_by_position(world: World) -> None:
     mgr = LoRAManager(fresh_model(world), items(world)[:2], max_loras_per_batch=2)
     with pytest.raises(

@@ -37,6 +37,11 @@ def model_targets(
     linears: list[LinearTarget] = []
     module_of: dict[tuple[int, str], str] = {}
     for key, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            raise SpecError(
+                f"{key!r} is already wrapped by another LoRAManager; detach() that one first (one manager "
+                "per model: a second would wrap the first's wrappers)"
+            )
         parent, _, name = key.rpartition(".")
         features = linear_features(module)
         index = layer_index(key)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lora_pin.ops import SegmentBatch, expand, segments_from_slots, shrink
+from lora_pin.ops import OpArgumentError, SegmentBatch, expand, segments_from_slots, shrink
 from lora_pin.weights.pool import GroupBuffers
 
 __all__ = ["LoRALinear", "StepSegments"]
@@ -26,7 +26,8 @@ class StepSegments:
     Two ways to describe a step:
 
     - *packed* (``segments`` set): the layers see ``[T, in]`` inputs whose rows are the step's tokens, in
-      the order the planner's segment arrays index;
+      the order the planner's segment arrays index; rows past them (padding to a CUDA-graph size, say)
+      get no adapter, so a deferred request's tokens must not be fed;
     - *per sequence* (``sequence_slots`` set): the layers see ``[B, L, in]`` (or ``[B * L, in]``) inputs
       with one slot per sequence; segments are derived for each ``L`` met (prefill, then decode steps)
       and cached.
@@ -44,16 +45,19 @@ class StepSegments:
         """The segments for layer input ``x`` (``[T, in]`` packed, ``[B, L, in]`` per sequence).
 
         Raises:
-            ValueError: ``x`` does not have the step's shape (another batch size than the step's).
+            ValueError: ``x`` does not have the step's shape: its rows (or, for ``[B, L, in]``, its batch
+                ``B``) are not a multiple of the step's sequences. A multiple is taken for that many
+                contiguous copies of each sequence, as beam search makes.
         """
         if self.segments is not None:
             return self.segments
         assert self.sequence_slots is not None
         batch = self.sequence_slots.shape[0]
         rows = x.numel() // x.shape[-1]
-        if rows % batch:
+        if rows % batch or (x.dim() == 3 and x.shape[0] % batch):
             raise ValueError(
-                f"LoRA step: the layer input has {rows} rows, not a multiple of the step's {batch} sequences"
+                f"LoRA step: the layer input {tuple(x.shape)} does not split into the step's {batch} "
+                "sequences (batch() was given one name per sequence of the batch)"
             )
         length = rows // batch
         cached = self._by_length.get(length)
@@ -99,6 +103,11 @@ class LoRALinear(torch.nn.Module):
             return out
         seg = step.for_input(x)
         buf = self._pool_buffers
+        if x.dtype != buf.a.dtype:
+            raise OpArgumentError(
+                f"{self.extra_repr()}: the input is {x.dtype} but the adapter pool is {buf.a.dtype}; the "
+                "model's dtype changed after the LoRAManager was built: build it after .to(dtype)"
+            )
         flat_x = x.reshape(-1, x.shape[-1])
         flat_out = out.view(-1, out.shape[-1])
         v = shrink(flat_x, buf.a, seg.perm, seg.seg_indptr, seg.seg_slots, buf.ranks, self._n_slices)
