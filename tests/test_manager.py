@@ -238,6 +238,15 @@ def discovering(world: World, adapter_dir: Path, **kwargs: Any) -> tuple[torch.n
     return model, mgr
 
 
+def adapter_folder(world: World, tmp_path: Path, *names: str) -> Path:
+    """A folder holding copies of the world's adapters ``names``, as an ``adapter_dir``."""
+    root = tmp_path / "adapters"
+    root.mkdir()
+    for name in names:
+        shutil.copytree(world.adapters[name], root / name)
+    return root
+
+
 def test_adapters_are_discovered_on_first_use(world: World, tmp_path: Path) -> None:
     root = tmp_path / "adapters"
     (root / "team").mkdir(parents=True)
@@ -257,9 +266,7 @@ def test_adapters_are_discovered_on_first_use(world: World, tmp_path: Path) -> N
 def test_discovery_refuses_unknown_and_escaping_names_and_changes_nothing(
     world: World, tmp_path: Path
 ) -> None:
-    root = tmp_path / "adapters"
-    root.mkdir()
-    shutil.copytree(world.adapters["a8"], root / "a8")
+    root = adapter_folder(world, tmp_path, "a8")
     (root / "link").symlink_to(world.adapters["rs16"], target_is_directory=True)  # points out of root
     _, mgr = discovering(world, root)
     with pytest.raises(AdapterNotFoundError, match="missing"), mgr.batch(["a8", "missing"]):
@@ -277,9 +284,7 @@ def test_discovery_refuses_unknown_and_escaping_names_and_changes_nothing(
 
 
 def test_discovery_is_all_or_nothing(world: World, tmp_path: Path) -> None:
-    root = tmp_path / "adapters"
-    root.mkdir()
-    shutil.copytree(world.adapters["a8"], root / "a8")
+    root = adapter_folder(world, tmp_path, "a8")
     shutil.copytree(world.adapters["rs16"], root / "broken")
     (root / "broken" / "adapter_model.safetensors").write_bytes(b"not safetensors")
     model, mgr = discovering(world, root)
@@ -294,9 +299,7 @@ def test_discovery_is_all_or_nothing(world: World, tmp_path: Path) -> None:
 def test_a_failed_discovery_keeps_an_adapter_a_step_took_up_meanwhile(
     world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    root = tmp_path / "adapters"
-    root.mkdir()
-    shutil.copytree(world.adapters["a8"], root / "a8")
+    root = adapter_folder(world, tmp_path, "a8")
     (root / "broken").mkdir()
     (root / "broken" / "adapter_config.json").write_text("{")
     model, mgr = discovering(world, root)
@@ -327,10 +330,7 @@ def test_a_failed_discovery_keeps_an_adapter_a_step_took_up_meanwhile(
 
 
 def test_a_name_being_unloaded_is_not_found_again(world: World, tmp_path: Path) -> None:
-    root = tmp_path / "adapters"
-    root.mkdir()
-    shutil.copytree(world.adapters["a8"], root / "a8")
-    _, mgr = discovering(world, root)
+    _, mgr = discovering(world, adapter_folder(world, tmp_path, "a8"))
     step = mgr.prepare_step(iter(["a8", None]), 1)  # an iterator of names is read once, as a list
     assert step.admitted == (0, 1)
     with pytest.raises(lora_pin.UnloadTimeoutError):
@@ -343,10 +343,7 @@ def test_a_name_being_unloaded_is_not_found_again(world: World, tmp_path: Path) 
 
 
 def test_a_discovered_adapter_stays_confined_when_read_again(world: World, tmp_path: Path) -> None:
-    root = tmp_path / "adapters"
-    root.mkdir()
-    for name in ("a8", "rs16", "qv2"):
-        shutil.copytree(world.adapters[name], root / name)
+    root = adapter_folder(world, tmp_path, "a8", "rs16", "qv2")
     model, mgr = discovering(world, root, max_loras_per_batch=1, max_loaded_loras=2)
     for name in ("a8", "rs16", "qv2"):  # the host tier keeps two: a8 is evicted, read again on use
         with torch.no_grad(), mgr.batch([name]):
@@ -361,10 +358,7 @@ def test_a_discovered_adapter_stays_confined_when_read_again(world: World, tmp_p
 def test_threads_discovering_one_adapter_load_it_once(
     world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    root = tmp_path / "adapters"
-    root.mkdir()
-    shutil.copytree(world.adapters["a8"], root / "a8")
-    model, mgr = discovering(world, root)
+    model, mgr = discovering(world, adapter_folder(world, tmp_path, "a8"))
     # Both threads are made to be inside the (real) file read at once: the race, every time.
     import lora_pin.weights.host as host_module
 
