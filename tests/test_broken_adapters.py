@@ -455,3 +455,30 @@ def test_file_changing_while_read_is_refused(
     if rewrite is _replace_with_doubled_weights:
         served.mgr.load(name, copy)  # the file is whole again: it loads
         served.mgr.unload(name)
+
+
+def test_the_corpus_is_big_enough_and_the_template_loads(served: Served) -> None:
+    assert len(CASES) + 1 >= 20
+    served.mgr.load("template_copy", served.good)
+    served.mgr.unload("template_copy")
+
+
+def test_limits_are_keyword_arguments(served: Served) -> None:
+    from lora_pin import HostTier, load_adapter
+
+    targets = served.mgr.targets
+    with pytest.raises(AdapterLoadError, match=r"'tight'.*16 tensors, above the limit max_tensors=15"):
+        load_adapter("tight", served.good, targets, max_rank=8, dtype=torch.float32, max_tensors=15)
+    size = (served.good / WEIGHTS).stat().st_size
+    with pytest.raises(
+        AdapterLoadError, match=rf"'tight'.*{size} bytes, above the limit max_file_bytes=1000"
+    ):
+        load_adapter("tight", served.good, targets, max_rank=8, dtype=torch.float32, max_file_bytes=1000)
+    adapter = load_adapter(
+        "exact", served.good, targets, max_rank=8, dtype=torch.float32, max_tensors=16, max_file_bytes=size
+    )
+    assert adapter.tensors_applied == 16
+    tier = HostTier(targets, max_rank=8, dtype=torch.float32, max_tensors=15)
+    with pytest.raises(AdapterLoadError, match="max_tensors=15"):
+        tier.load("tight", served.good)
+    assert len(tier) == 0
