@@ -375,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append(case)
             continue
         rows.append(run_case(case, args, gen, flush))
+        # Each row as it comes, and the JSON so far: a run stopped from outside keeps what it measured.
+        print(f"  measured {json.dumps(rows[-1])}", flush=True)
+        _write_json(args, rows, skipped)
     bandwidth_ok, speedup_ok = print_rows(rows)
     print(
         "eager/graph: Triton ops per call, eager and replayed from a CUDA graph; grouped: the grouped\n"
@@ -388,10 +391,14 @@ def main(argv: list[str] | None = None) -> int:
         f"correct: {correct}; graph capture: {graph_ok}; >= 50% copy bandwidth at >= 16 MB: {bandwidth_ok}; "
         f">= 3x grouped at 64 adapters: {speedup_ok}; {time.perf_counter() - started:.0f} s"
     )
+    _write_json(args, rows, skipped)
+    return 0 if correct and graph_ok else 1
+
+
+def _write_json(args: argparse.Namespace, rows: list[dict], skipped: list[Case]) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bandwidth": args.bandwidth, "rows": rows, "skipped": [asdict(c) for c in skipped]}, f)
-    return 0 if correct and graph_ok else 1
 
 
 if __name__ == "__main__":

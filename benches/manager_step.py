@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args(argv)
+    if args.slots < args.adapters:
+        parser.error("--slots must be at least --adapters: the step keeps every adapter resident")
 
     import transformers
 

@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu_prepare.sh
 #   then, with the device tool:  run(command="bash scripts/gpu_session.sh",
-#                                    carry=[".gpu_carry", "python/lora_pin/_core.abi3.so"], timeout_s=450)
+#                                    carry=[".gpu_carry", "python/lora_pin/_core.abi3.so"], timeout_s=480)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"

@@ -426,10 +426,12 @@ def test_misuse_of_an_attached_model_is_refused_clearly(world: World) -> None:
     split = r"\(1, 10, 64\) does not split into the step's 2 sequences"
     with pytest.raises(ValueError, match=split), torch.no_grad(), mgr.batch(["a8", None]):
         model(tokens(1, 10, 28))
+    beams = tokens(4, 3, 29)
     with torch.no_grad(), mgr.batch(["a8", None]):  # two beams a sequence, contiguous: served
-        model(tokens(4, 3, 29))
+        got = model(beams).logits
+    assert_close(got, oracle(world, beams, ["a8", "a8", None, None]))
     model.to(torch.float64)
-    changed = "dtype changed after the LoRAManager was built"
+    changed = "the model's dtype when the LoRAManager was built"
     with pytest.raises(lora_pin.OpArgumentError, match=changed), torch.no_grad(), mgr.batch(["a8"]):
         model(tokens(1, 3, 30))
     model.to(torch.float32)

@@ -105,8 +105,9 @@ class LoRALinear(torch.nn.Module):
         buf = self._pool_buffers
         if x.dtype != buf.a.dtype:
             raise OpArgumentError(
-                f"{self.extra_repr()}: the input is {x.dtype} but the adapter pool is {buf.a.dtype}; the "
-                "model's dtype changed after the LoRAManager was built: build it after .to(dtype)"
+                f"{self.extra_repr()}: the input is {x.dtype} but the adapter pool is {buf.a.dtype}, the "
+                "model's dtype when the LoRAManager was built: was the model moved with .to(dtype) since "
+                "(build the manager after it), or is autocast on (not supported)?"
             )
         flat_x = x.reshape(-1, x.shape[-1])
         flat_out = out.view(-1, out.shape[-1])

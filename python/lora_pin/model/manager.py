@@ -354,6 +354,8 @@ class LoRAManager:
         Requests that do not fit (more distinct adapters than free slots) are deferred, never failed. The
         planned loads are done before this returns. The model then sees ``[T, in]`` inputs whose rows are the
         admitted requests' tokens in ``admitted`` order; call :meth:`finish` when its requests are done.
+        On CUDA, the loads and the step's arrays are queued on the current stream without blocking: run the
+        forward on that stream (or one that waits for it).
 
         Raises:
             AdapterNotFoundError: a name is not registered (nor found in ``adapter_dir``; nothing is
