@@ -297,6 +297,32 @@ fn a_continued_unload_leaves_a_later_adapter_of_the_same_name_alone() {
 }
 
 #[test]
+fn unloaded_names_are_remembered_for_repeat_unloads_within_a_bound() {
+    use crate::registry::MAX_UNLOADED_NAMES;
+    let mut reg = registry(2, None, "lru", &[]);
+    for round in 0..2 {
+        // "keep" is unloaded, registered again and unloaded again: its latest forget counts.
+        reg.register(lora("keep"), size(4, 1)).unwrap();
+        assert_eq!(reg.unload("keep").unwrap(), Unload::Done);
+        if round == 0 {
+            for i in 0..MAX_UNLOADED_NAMES - 1 {
+                reg.register(lora(&format!("n{i}")), size(4, 1)).unwrap();
+                assert_eq!(reg.unload(&format!("n{i}")).unwrap(), Unload::Done);
+            }
+        }
+    }
+    // 65538 forgets so far counting this one: the two oldest entries, keep's first and n0's, are out.
+    reg.register(lora("extra"), size(4, 1)).unwrap();
+    assert_eq!(reg.unload("extra").unwrap(), Unload::Done);
+    assert_eq!(reg.unload("keep").unwrap(), Unload::Done, "its latest unload is within the bound");
+    assert!(matches!(reg.unload("n0"), Err(Error::AdapterNotFound { .. })), "the oldest name is gone");
+    assert_eq!(reg.unload("n1").unwrap(), Unload::Done);
+    assert_eq!(reg.unload(&format!("n{}", MAX_UNLOADED_NAMES - 2)).unwrap(), Unload::Done);
+    assert!(matches!(reg.unload("never"), Err(Error::AdapterNotFound { .. })));
+    reg.audit().unwrap();
+}
+
+#[test]
 fn a_drained_unload_that_timed_out_says_to_unload_again() {
     let mut reg = registry(2, None, "lru", &["a"]);
     let id: Arc<str> = reg.acquire(&[Some("a")]).unwrap()[0].clone().unwrap();

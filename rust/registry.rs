@@ -12,7 +12,7 @@
 //!   running, must not hold slots forever, or with more busy adapters than slots every other
 //!   adapter would starve.
 
-use std::collections::HashSet;
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::cache::{DeviceCandidate, DeviceTier, HostTier, Tier, TierCounters};
@@ -20,6 +20,10 @@ use crate::error::{Error, Result};
 use crate::hash::FxHashMap;
 use crate::policy::{self, AdapterKey};
 use crate::spec::{self, Limits, LoRARef};
+
+/// How many unloaded names a registry remembers, so that unloading one again is a no-op (older ones
+/// are then unknown: [`Error::AdapterNotFound`]).
+pub const MAX_UNLOADED_NAMES: usize = 1 << 16;
 
 /// The most device slots a registry has (each is a LoRA-sized buffer on the GPU: far more than fit).
 pub const MAX_SLOTS: usize = 1 << 16;
@@ -134,7 +138,12 @@ pub struct Registry {
     free_keys: Vec<u32>,
     by_name: FxHashMap<Arc<str>, AdapterKey>,
     by_id: FxHashMap<Arc<str>, AdapterKey>,
-    unloaded: HashSet<String>,
+    /// Names unloaded (and not registered again), so a repeated unload is a no-op, each with the
+    /// number of its latest forget; `unloaded_order` holds the latest [`MAX_UNLOADED_NAMES`] forgets,
+    /// oldest first, and a name leaves with its latest one.
+    unloaded: FxHashMap<String, u64>,
+    unloaded_order: VecDeque<(u64, String)>,
+    forgets: u64,
     pub(crate) host: HostTier,
     pub(crate) device: DeviceTier,
     pub(crate) clock: u64,
@@ -192,7 +201,9 @@ impl Registry {
             free_keys: Vec::new(),
             by_name: FxHashMap::default(),
             by_id: FxHashMap::default(),
-            unloaded: HashSet::new(),
+            unloaded: FxHashMap::default(),
+            unloaded_order: VecDeque::new(),
+            forgets: 0,
             host,
             device,
             clock: 0,
@@ -532,7 +543,11 @@ impl Registry {
     /// Errors: [`Error::AdapterNotFound`] for a name never registered.
     pub fn unload(&mut self, name: &str) -> Result<Unload> {
         let Some(&key) = self.by_name.get(name) else {
-            return if self.unloaded.contains(name) { Ok(Unload::Done) } else { Err(self.not_found(name)) };
+            return if self.unloaded.contains_key(name) {
+                Ok(Unload::Done)
+            } else {
+                Err(self.not_found(name))
+            };
         };
         self.get_mut(key).draining = true;
         self.drop_pin(key);
@@ -578,8 +593,22 @@ impl Registry {
         self.names_epoch += 1;
         self.by_name.remove(&a.name);
         self.by_id.remove(&a.id);
-        self.unloaded.insert(a.r.lora_name);
+        self.remember_unloaded(a.r.lora_name);
         self.free_keys.push(key.0);
+    }
+
+    fn remember_unloaded(&mut self, name: String) {
+        self.forgets += 1;
+        self.unloaded.insert(name.clone(), self.forgets);
+        self.unloaded_order.push_back((self.forgets, name));
+        // A server that unloads ever new names must not grow this without bound.
+        while self.unloaded_order.len() > MAX_UNLOADED_NAMES {
+            if let Some((forget, old)) = self.unloaded_order.pop_front() {
+                if self.unloaded.get(&old) == Some(&forget) {
+                    self.unloaded.remove(&old);
+                }
+            }
+        }
     }
 
     /// Ends the protection of the latest plan's adapters (the next plan does this itself).

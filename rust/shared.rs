@@ -73,7 +73,8 @@ impl SharedRegistry {
     }
 
     /// Unregisters `name`, waits for its requests to drain (at most `timeout`; forever with `None`),
-    /// then forgets it. Idempotent: unloading a forgotten adapter returns at once.
+    /// then forgets it. Idempotent: unloading a forgotten adapter returns at once (for the latest
+    /// [`crate::registry::MAX_UNLOADED_NAMES`] names unloaded).
     ///
     /// Errors: [`Error::AdapterNotFound`] for a name never registered; [`Error::UnloadTimeout`] when
     /// requests are still in flight after `timeout` (the adapter stays unregistered).

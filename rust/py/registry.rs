@@ -206,7 +206,7 @@ impl PyLoRARegistry {
 
     /// Unloads an adapter: unregisters it (no new acquires; its pin is dropped), waits with the GIL
     /// released until its in-flight requests finish, then forgets it (the caller frees its tensors).
-    /// Idempotent: unloading a forgotten adapter returns at once.
+    /// Idempotent: unloading a forgotten adapter returns at once (for the latest 65536 names unloaded).
     ///
     /// Raises:
     ///     AdapterNotFoundError: the name was never registered.
