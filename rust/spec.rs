@@ -268,11 +268,13 @@ fn parse_line(text: &str, loc: &Loc) -> Result<LoRARef> {
     }
     if item.starts_with('{') {
         return match serde_json::from_str::<Value>(item) {
-            Ok(Value::Object(_)) if duplicate_key(item).is_some() => Err(loc.error(&format!(
-                "the key {:?} appears twice in the object; give each key once",
-                duplicate_key(item).unwrap_or_default()
-            ))),
-            Ok(Value::Object(map)) => parse_object(&map, loc),
+            Ok(Value::Object(map)) => {
+                match duplicate_key(item) {
+                    Some(key) => Err(loc
+                        .error(&format!("the key {key:?} appears twice in the object; give each key once"))),
+                    None => parse_object(&map, loc),
+                }
+            }
             Ok(other) => Err(loc.error(&format!("expected a JSON object, got {}", json_type(&other)))),
             Err(e) => Err(loc.error(&format!("malformed JSON: {e}"))),
         };
@@ -387,12 +389,13 @@ fn read_list_file(file: &str, loc: &Loc) -> Result<Vec<Value>> {
         )));
     }
     match serde_json::from_str::<Value>(&text) {
-        Ok(Value::Array(_)) if duplicate_key(&text).is_some() => Err(loc.error(&format!(
-            "the adapter list file {file:?} has an object in which the key {:?} appears twice; give each \
-             key once",
-            duplicate_key(&text).unwrap_or_default()
-        ))),
-        Ok(Value::Array(entries)) => Ok(entries),
+        Ok(Value::Array(entries)) => match duplicate_key(&text) {
+            Some(key) => Err(loc.error(&format!(
+                "the adapter list file {file:?} has an object in which the key {key:?} appears twice; give \
+                 each key once"
+            ))),
+            None => Ok(entries),
+        },
         Ok(other) => Err(loc.error(&format!(
             "the adapter list file {file:?} must hold a JSON array, got {}",
             json_type(&other)

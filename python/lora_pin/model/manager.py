@@ -43,7 +43,7 @@ from lora_pin.weights import (
     DevicePool,
     HostTier,
 )
-from lora_pin.weights.reader import adapter_dir_for_name, read_contained_config
+from lora_pin.weights.reader import adapter_dir_for_name, path_within, read_contained_config
 
 __all__ = ["LoRAManager", "Step"]
 
@@ -426,6 +426,9 @@ class LoRAManager:
         """
         if self.adapter_dir is not None:
             self.discover(names)
+        return self._split(names)
+
+    def _split(self, names: Sequence[str | None]) -> list[list[int]]:
         pinned = self._pinned()
         budget = self.pool.slots - len(pinned)
         groups: list[list[int]] = []
@@ -540,13 +543,11 @@ class LoRAManager:
         try:
             if not self._wrapped:
                 raise LoraPinError("the manager is detached")
-            if isinstance(names, str):  # the planner refuses every other bad entry itself
-                _checked_names(names)
             if not isinstance(names, (list, tuple)):
-                names = list(names)  # read more than once below
+                names = _checked_names(names)  # read more than once below; a str is refused
             if self.adapter_dir is not None:
                 self.discover(names)
-            if per_sequence and len(self.split(names)) > 1:
+            if per_sequence and len(self._split(names)) > 1:
                 raise CapacityError(self._too_many(names))
             plan = self.registry.plan(names, num_tokens)
             admitted_names = [names[i] for i in plan.admitted]
@@ -679,17 +680,17 @@ class LoRAManager:
 def _checked_adapter_dir(
     adapter_dir: str | os.PathLike[str], allowed_roots: tuple[str | os.PathLike[str], ...] | None
 ) -> Path:
-    real = Path(os.path.realpath(adapter_dir))
-    if not real.is_dir():
+    real = os.path.realpath(adapter_dir)
+    if not os.path.isdir(real):
         raise SpecError(f"adapter_dir {os.fspath(adapter_dir)!r} is not a directory")
     if allowed_roots is not None:
-        roots = [Path(os.path.realpath(r)) for r in allowed_roots]
-        if not any(real == r or r in real.parents for r in roots):
+        roots = [os.path.realpath(r) for r in allowed_roots]
+        if not path_within(real, roots):
             raise SpecError(
-                f"adapter_dir {os.fspath(adapter_dir)!r} resolves to {str(real)!r}, outside every allowed "
-                f"root {[str(r) for r in roots]}"
+                f"adapter_dir {os.fspath(adapter_dir)!r} resolves to {real!r}, outside every allowed "
+                f"root {roots}"
             )
-    return real
+    return Path(real)
 
 
 def _checked_names(names: Iterable[str | None]) -> list[str | None]:

@@ -104,6 +104,12 @@ class AdapterConfig:
         def fail(field_name: str, why: str) -> AdapterLoadError:
             return AdapterLoadError(f"adapter {name!r} ({file}): field {field_name!r} {why}")
 
+        def check_regex(field_name: str, shown: str, *patterns: str) -> None:
+            # Each pattern as written and as it is matched (embedded in a larger one).
+            why = next(filter(None, map(regex_refusal, patterns)), None)
+            if why:
+                raise fail(field_name, f"{shown} {why}")
+
         if not isinstance(data, Mapping):
             raise AdapterLoadError(
                 f"adapter {name!r} ({file}): expected a JSON object, got {type(data).__name__}"
@@ -174,15 +180,11 @@ class AdapterConfig:
                     )
                 if not isinstance(pattern_key, str):
                     raise fail(key, f"key {pattern_key!r} must be a string")
-                why = regex_refusal(pattern_key) or regex_refusal(rf"(.*\.)?({pattern_key})$")
-                if why:
-                    raise fail(key, f"key {pattern_key!r} {why}")
+                check_regex(key, f"key {pattern_key!r}", pattern_key, rf"(.*\.)?({pattern_key})$")
 
         raw_targets = data.get("target_modules")
         if isinstance(raw_targets, str):
-            why = regex_refusal(raw_targets)
-            if why:
-                raise fail("target_modules", f"{raw_targets!r} {why}")
+            check_regex("target_modules", repr(raw_targets), raw_targets)
             targets: tuple[str, ...] | str = raw_targets
         elif isinstance(raw_targets, list) and raw_targets and all(isinstance(t, str) for t in raw_targets):
             targets = tuple(raw_targets)
@@ -206,9 +208,7 @@ class AdapterConfig:
         ):
             raise fail("layers_pattern", f"must be a string or a list of strings, got {layers_pattern!r}")
         for pattern in layers_pattern:
-            why = regex_refusal(pattern) or regex_refusal(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.")
-            if why:
-                raise fail("layers_pattern", f"{pattern!r} {why}")
+            check_regex("layers_pattern", repr(pattern), pattern, rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.")
         if isinstance(targets, str) and (layers or layers_pattern):
             raise fail(
                 "layers_to_transform", "cannot be used when target_modules is a regex string (PEFT rule)"
@@ -216,9 +216,7 @@ class AdapterConfig:
 
         exclude = data.get("exclude_modules") or ()
         if isinstance(exclude, str):
-            why = regex_refusal(exclude)
-            if why:
-                raise fail("exclude_modules", f"{exclude!r} {why}")
+            check_regex("exclude_modules", repr(exclude), exclude)
         elif isinstance(exclude, (list, tuple)) and all(isinstance(m, str) for m in exclude):
             exclude = tuple(exclude)
         else:

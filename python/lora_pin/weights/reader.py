@@ -33,6 +33,7 @@ __all__ = [
     "LoraTensorPair",
     "adapter_dir_for_name",
     "open_adapter",
+    "path_within",
     "read_contained_config",
     "resolve_adapter_dir",
 ]
@@ -43,7 +44,8 @@ _PREFIX = "base_model.model."
 _SUFFIXES = {".lora_A.weight": "a", ".lora_B.weight": "b"}
 
 
-def _contained(real: str, roots: list[str]) -> bool:
+def path_within(real: str, roots: list[str]) -> bool:
+    """Whether real path ``real`` is one of ``roots`` (real paths) or lies inside one."""
     return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
 
 
@@ -64,7 +66,7 @@ def resolve_adapter_dir(
             raise PathNotAllowedError(
                 f"adapter {name!r}: path {raw!r} contains '..'; refused under allowed_roots"
             )
-        if not _contained(real, roots):
+        if not path_within(real, roots):
             raise PathNotAllowedError(
                 f"adapter {name!r}: path {raw!r} resolves to {real!r}, outside every allowed root {roots}"
             )
@@ -182,7 +184,7 @@ def _stamp(path: Path) -> tuple[int, int, int, int]:
 
 def _checked_file(name: str, path: Path, roots: list[str] | None) -> Path:
     real = os.path.realpath(path)
-    if roots is not None and not _contained(real, roots):
+    if roots is not None and not path_within(real, roots):
         raise PathNotAllowedError(
             f"adapter {name!r}: {path} resolves to {real!r}, outside every allowed root {roots}"
         )
