@@ -5,7 +5,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use lora_pin::policy::{by_name, AdapterKey, POLICY_NAMES};
+use lora_pin::policy::{AdapterKey, PolicyKind, POLICY_NAMES};
 use lora_pin::sim::{min_misses, simulate, Demand, SimConfig, Trace, Workload};
 use lora_pin::Usage;
 
@@ -51,7 +51,7 @@ fn victim(c: &mut Criterion) {
         group.bench_function(format!("{policy}/{CANDIDATES}"), |b| {
             b.iter_batched_ref(
                 || {
-                    let mut p = by_name("policy", policy).unwrap();
+                    let mut p = PolicyKind::parse("policy", policy).unwrap().build();
                     for k in 0..CANDIDATES {
                         let t = u64::from(k) * 7 % 1031;
                         p.insert(

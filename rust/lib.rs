@@ -5,10 +5,9 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
-pub mod cache;
 pub mod error;
 pub mod hash;
-pub mod plan;
+pub mod limits;
 pub mod policy;
 pub mod registry;
 pub mod sgmv;
@@ -19,10 +18,11 @@ pub mod spec;
 #[cfg(feature = "python")]
 mod py;
 
-pub use cache::{Eviction, Tier, TierCounters};
 pub use error::{Error, Result};
-pub use plan::{Load, StepPlan};
-pub use policy::{AdapterKey, EvictionPolicy, Usage};
-pub use registry::{AdapterSize, Config, LoadSource, Registry, Stats, TierStats, Unload};
+pub use policy::{AdapterKey, EvictionPolicy, PolicyKind, Usage};
+pub use registry::tiers::{Eviction, Tier, TierCounters};
+pub use registry::{
+    AdapterSize, Config, Load, LoadSource, Registry, Stats, StepPlan, StepTicket, TierStats, Unload,
+};
 pub use shared::SharedRegistry;
 pub use spec::{Limits, LoRARef, SpecItem};

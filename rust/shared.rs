@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
-use crate::registry::{Registry, Unload};
+use crate::registry::{Registry, StepTicket, Unload};
 
 /// A thread-safe registry.
 #[derive(Debug)]
@@ -36,6 +36,16 @@ impl SharedRegistry {
     /// Errors: as [`Registry::release`].
     pub fn release(&self, ids: &[Option<&str>]) -> Result<()> {
         if self.inner.lock().release(ids)? {
+            self.drained.notify_all();
+        }
+        Ok(())
+    }
+
+    /// [`Registry::finish_step`], waking unloads when an adapter being unloaded drained.
+    ///
+    /// Errors: as [`Registry::finish_step`].
+    pub fn finish_step(&self, ticket: StepTicket) -> Result<()> {
+        if self.inner.lock().finish_step(ticket)? {
             self.drained.notify_all();
         }
         Ok(())
@@ -74,7 +84,7 @@ impl SharedRegistry {
 
     /// Unregisters `name`, waits for its requests to drain (at most `timeout`; forever with `None`),
     /// then forgets it. Idempotent: unloading a forgotten adapter returns at once (for the latest
-    /// [`crate::registry::MAX_UNLOADED_NAMES`] names unloaded).
+    /// [`crate::limits::MAX_UNLOADED_NAMES`] names unloaded).
     ///
     /// Errors: [`Error::AdapterNotFound`] for a name never registered; [`Error::UnloadTimeout`] when
     /// requests are still in flight after `timeout` (the adapter stays unregistered).

@@ -191,10 +191,10 @@ fn check_limit_values(limits: Limits) -> Result<()> {
     if limits.max_loras_per_batch == Some(0) {
         return Err(Error::Spec("max_loras_per_batch must be at least 1 (got 0)".into()));
     }
-    if let Some(slots) = limits.max_loras_per_batch.filter(|&s| s > crate::registry::MAX_SLOTS) {
+    if let Some(slots) = limits.max_loras_per_batch.filter(|&s| s > crate::limits::MAX_SLOTS) {
         return Err(Error::Spec(format!(
             "max_loras_per_batch={slots} is too large: at most {} device slots",
-            crate::registry::MAX_SLOTS
+            crate::limits::MAX_SLOTS
         )));
     }
     if let (Some(slots), Some(loaded)) = (limits.max_loras_per_batch, limits.max_loaded_loras) {

@@ -56,7 +56,7 @@ struct History {
 
 /// Largest `max(IRR, recency) - WEIGHT * min(F, CAP)` first; see the module docs.
 #[derive(Debug, Default, Clone)]
-pub struct ReuseFrequency {
+pub struct Hybrid {
     history: Vec<Option<History>>,
     by_score: BTreeSet<(i64, u64, AdapterKey)>,
     by_recency: [BTreeSet<(u64, AdapterKey)>; CAP as usize + 1],
@@ -65,7 +65,7 @@ pub struct ReuseFrequency {
     len: usize,
 }
 
-impl ReuseFrequency {
+impl Hybrid {
     /// Learns from an adapter that left the tier as a newcomer and is back with a new use.
     fn observe_return(&mut self, old: &History, usage: &Usage) {
         let left_as_newcomer = !old.candidate && old.count <= 1 && old.entered != usage.inserted_at;
@@ -79,7 +79,7 @@ impl ReuseFrequency {
     }
 }
 
-impl EvictionPolicy for ReuseFrequency {
+impl EvictionPolicy for Hybrid {
     fn name(&self) -> &'static str {
         "hybrid"
     }

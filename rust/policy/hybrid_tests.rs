@@ -1,7 +1,7 @@
 use super::*;
 use crate::policy::ReuseDistance;
 
-impl ReuseFrequency {
+impl Hybrid {
     fn entry(&self, key: AdapterKey) -> History {
         self.history[key.index()].expect("a known key")
     }
@@ -25,7 +25,7 @@ fn use_at(p: &mut dyn EvictionPolicy, key: u32, times: &[u64]) {
 fn a_capped_count_outweighs_a_long_gap_until_recency_passes_eight_octaves() {
     // a: ten uses at 0..=9 (IRR 1, count capped at 4). b: uses at 100 and 164 (IRR 64, count 2).
     // Now = 164. a: max(class 0, class(155) = 28) - 8 * 4 = -4. b: max(class(64) = 24, 0) - 8 * 2 = 8.
-    let mut p = ReuseFrequency::default();
+    let mut p = Hybrid::default();
     use_at(&mut p, 0, &(0..10).collect::<Vec<_>>());
     use_at(&mut p, 1, &[100, 164]);
     assert_eq!(p.entry(AdapterKey(0)).count, 4);
@@ -36,7 +36,7 @@ fn a_capped_count_outweighs_a_long_gap_until_recency_passes_eight_octaves() {
     use_at(&mut r, 1, &[100, 164]);
     assert_eq!(r.victim(), Some(AdapterKey(0)));
     // The same b at 2936 and 3000: a's recency class is class(2991) = 45, 45 - 32 = 13 > 8, so a goes.
-    let mut q = ReuseFrequency::default();
+    let mut q = Hybrid::default();
     use_at(&mut q, 0, &(0..10).collect::<Vec<_>>());
     use_at(&mut q, 1, &[2936, 3000]);
     assert_eq!(q.victim(), Some(AdapterKey(0)));
@@ -44,7 +44,7 @@ fn a_capped_count_outweighs_a_long_gap_until_recency_passes_eight_octaves() {
 
 #[test]
 fn a_newcomer_goes_first_until_an_evicted_newcomer_comes_back_quickly() {
-    let mut p = ReuseFrequency::default();
+    let mut p = Hybrid::default();
     // b: uses at 0 and 64 (rank 24 - 16 = 8). x: loaded at 65, used once: no measured distance.
     use_at(&mut p, 1, &[0, 64]);
     p.insert(AdapterKey(0), &at(65, 65, 1));
@@ -61,7 +61,7 @@ fn a_newcomer_goes_first_until_an_evicted_newcomer_comes_back_quickly() {
 
 #[test]
 fn slow_returns_in_a_row_restore_the_reuse_order_for_newcomers() {
-    let mut p = ReuseFrequency::default();
+    let mut p = Hybrid::default();
     // One quick return switches newcomer protection on.
     p.insert(AdapterKey(0), &at(1, 1, 1));
     p.remove(AdapterKey(0));
@@ -86,7 +86,7 @@ fn slow_returns_in_a_row_restore_the_reuse_order_for_newcomers() {
 
 #[test]
 fn reinsertion_without_a_new_use_keeps_count_and_distance() {
-    let mut p = ReuseFrequency::default();
+    let mut p = Hybrid::default();
     use_at(&mut p, 0, &[0, 4]);
     p.remove(AdapterKey(0));
     p.insert(AdapterKey(0), &at(0, 4, 2));
@@ -101,7 +101,7 @@ fn reinsertion_without_a_new_use_keeps_count_and_distance() {
 #[test]
 #[should_panic(expected = "is not a candidate")]
 fn removing_an_absent_key_is_a_bug() {
-    ReuseFrequency::default().remove(AdapterKey(1));
+    Hybrid::default().remove(AdapterKey(1));
 }
 
 proptest::proptest! {
@@ -111,7 +111,7 @@ proptest::proptest! {
     fn the_victim_has_the_largest_rank(
         ops in proptest::collection::vec((0u32..10, 1u64..300, 0u8..3), 1..200),
     ) {
-        let mut p = ReuseFrequency::default();
+        let mut p = Hybrid::default();
         let (mut now, mut state) = (0u64, vec![None::<(u64, u64, u64)>; 10]);
         for (key, step, op) in ops {
             now += step;

@@ -4,7 +4,7 @@
 //! protection class); the policy orders them. Protection changes remove an adapter and insert it
 //! again, so a candidate's [`Usage`] never changes while the policy holds it, and a policy may
 //! compute whatever score it likes once, at insertion. A new policy is one file: implement
-//! [`EvictionPolicy`] (usually over [`Ranked`]) and add it to [`by_name`].
+//! [`EvictionPolicy`] (usually over [`Ranked`]) and add it to [`PolicyKind`].
 
 mod fifo;
 mod hybrid;
@@ -15,7 +15,7 @@ use std::collections::BTreeSet;
 use std::fmt;
 
 pub use fifo::Fifo;
-pub use hybrid::ReuseFrequency;
+pub use hybrid::Hybrid;
 pub use lru::Lru;
 pub use reuse::ReuseDistance;
 
@@ -52,7 +52,7 @@ pub struct Usage {
 
 /// Orders one tier's eviction candidates. Every operation is O(log n) or better.
 pub trait EvictionPolicy: Send + Sync + fmt::Debug {
-    /// The policy's name, as `by_name` accepts it.
+    /// The policy's name, as [`PolicyKind::parse`] accepts it.
     fn name(&self) -> &'static str;
     /// `key` became a candidate. It is not a candidate already.
     fn insert(&mut self, key: AdapterKey, usage: &Usage);
@@ -68,24 +68,65 @@ pub trait EvictionPolicy: Send + Sync + fmt::Debug {
     }
 }
 
-/// The names [`by_name`] accepts.
-pub const POLICY_NAMES: &[&str] = &["lru", "fifo", "reuse", "hybrid"];
+/// An eviction policy by kind: parsed once from its name, then built per tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PolicyKind {
+    /// Least recently used first.
+    Lru,
+    /// First in, first out.
+    Fifo,
+    /// Reuse distance, after LIRS ([`ReuseDistance`]).
+    Reuse,
+    /// Reuse distance tempered by a capped use count ([`Hybrid`]).
+    Hybrid,
+}
 
-/// A fresh policy by name.
-///
-/// Errors: [`Error::Spec`] naming the value and the choices.
-pub fn by_name(what: &str, name: &str) -> Result<Box<dyn EvictionPolicy>> {
-    match name {
-        "lru" => Ok(Box::new(Lru::default())),
-        "fifo" => Ok(Box::new(Fifo::default())),
-        "reuse" => Ok(Box::new(ReuseDistance::default())),
-        "hybrid" => Ok(Box::new(ReuseFrequency::default())),
-        _ => Err(Error::Spec(format!(
-            "{what}={name:?} is not an eviction policy; choose one of {}",
-            POLICY_NAMES.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(", ")
-        ))),
+impl PolicyKind {
+    /// Every kind, in the order [`POLICY_NAMES`] lists their names.
+    pub const ALL: [PolicyKind; 4] =
+        [PolicyKind::Lru, PolicyKind::Fifo, PolicyKind::Reuse, PolicyKind::Hybrid];
+
+    /// The kind's name: what [`PolicyKind::parse`] accepts.
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::Lru => "lru",
+            PolicyKind::Fifo => "fifo",
+            PolicyKind::Reuse => "reuse",
+            PolicyKind::Hybrid => "hybrid",
+        }
+    }
+
+    /// The kind named `name`; `what` names the setting in the error.
+    ///
+    /// Errors: [`Error::Spec`] naming the value and the choices.
+    pub fn parse(what: &str, name: &str) -> Result<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == name).ok_or_else(|| {
+            Error::Spec(format!(
+                "{what}={name:?} is not an eviction policy; choose one of {}",
+                POLICY_NAMES.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(", ")
+            ))
+        })
+    }
+
+    /// A fresh, empty policy of this kind.
+    pub fn build(self) -> Box<dyn EvictionPolicy> {
+        match self {
+            PolicyKind::Lru => Box::new(Lru::default()),
+            PolicyKind::Fifo => Box::new(Fifo::default()),
+            PolicyKind::Reuse => Box::new(ReuseDistance::default()),
+            PolicyKind::Hybrid => Box::new(Hybrid::default()),
+        }
     }
 }
+
+impl fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The names [`PolicyKind::parse`] accepts: the one list Python's choices come from.
+pub const POLICY_NAMES: &[&str] = &["lru", "fifo", "reuse", "hybrid"];
 
 /// Candidates ordered by a score, smallest first (ties broken by key): the building block of
 /// score-based policies. O(log n) insert, remove and victim.

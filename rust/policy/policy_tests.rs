@@ -8,8 +8,8 @@ fn usage(inserted_at: u64, last_used: u64) -> Usage {
 
 #[test]
 fn lru_picks_the_oldest_use_and_fifo_the_oldest_arrival() {
-    let mut lru = by_name("policy", "lru").unwrap();
-    let mut fifo = by_name("policy", "fifo").unwrap();
+    let mut lru = PolicyKind::parse("policy", "lru").unwrap().build();
+    let mut fifo = PolicyKind::parse("policy", "fifo").unwrap().build();
     // key 0 arrived first but was used last; key 1 arrived second and was used first.
     for p in [&mut lru, &mut fifo] {
         p.insert(AdapterKey(0), &usage(1, 9));
@@ -27,7 +27,7 @@ fn lru_picks_the_oldest_use_and_fifo_the_oldest_arrival() {
 
 #[test]
 fn unknown_policy_names_the_choices() {
-    let err = by_name("eviction_policy", "lfu").unwrap_err().to_string();
+    let err = PolicyKind::parse("eviction_policy", "lfu").unwrap_err().to_string();
     assert!(err.contains("\"lfu\"") && err.contains("\"lru\", \"fifo\""), "{err}");
 }
 

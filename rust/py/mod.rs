@@ -26,7 +26,8 @@ pub mod _core {
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-        m.add("MAX_SLOTS", crate::registry::MAX_SLOTS)
+        m.add("MAX_SLOTS", crate::limits::MAX_SLOTS)?;
+        m.add("EVICTION_POLICIES", pyo3::types::PyTuple::new(m.py(), crate::policy::POLICY_NAMES)?)
     }
 }
 

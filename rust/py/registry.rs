@@ -18,8 +18,9 @@ use self::step::{NameStrs, RequestIndices};
 use super::errors::new_error;
 use super::spec::PyLoRARef;
 use super::{detached, shielded};
-use crate::cache::TierCounters;
-use crate::registry::{AdapterSize, Config, Registry, TierStats, Unload};
+use crate::policy::{AdapterKey, PolicyKind};
+use crate::registry::tiers::TierCounters;
+use crate::registry::{AdapterSize, Config, Registry, StepTicket, TierStats, Unload};
 use crate::shared::SharedRegistry;
 
 /// How long an unload waits with the GIL released before it checks for Ctrl-C.
@@ -58,6 +59,52 @@ fn usage(py: Python<'_>, msg: String) -> PyErr {
 }
 
 impl PyLoRARegistry {
+    /// Reads a step's names (and token counts, when given), resolves them to keys under the lock and
+    /// runs `f` there, with the GIL released; returns `f`'s result and the number of requests.
+    fn with_requests<R: Send>(
+        &self,
+        py: Python<'_>,
+        names: &Bound<'_, PyAny>,
+        num_tokens: Option<&Bound<'_, PyAny>>,
+        f: impl Fn(&mut Registry, &[Option<AdapterKey>], &[u32]) -> crate::Result<R> + Send + Sync,
+    ) -> PyResult<(R, usize)> {
+        let mut use_cache = true;
+        loop {
+            // `try_lock`: only a re-entrant call (Python code run by an error message) can find it
+            // locked, and that one simply reads without the cache.
+            let mut requests = {
+                let cache = if use_cache { self.names.try_lock() } else { None };
+                Requests::read(py, names, cache.as_deref())?
+            };
+            let tokens = match num_tokens {
+                Some(t) => token_counts(py, t, requests.len())?,
+                None => Vec::new(),
+            };
+            // Borrowed, not moved: the names must be dropped with the GIL held, after the closure.
+            let done = detached(py, || {
+                let mut reg = self.shared.lock();
+                match requests.resolve(&reg)? {
+                    Resolved::Stale => Ok(None),
+                    Resolved::Keys { epoch, keys } => {
+                        Ok(Some((f(&mut reg, requests.adapters(), &tokens)?, epoch, keys)))
+                    }
+                }
+            })?;
+            // A name changed its key since the cache was filled (a register or a forget): read the
+            // names again, all by text.
+            let Some((result, epoch, keys)) = done else {
+                use_cache = false;
+                continue;
+            };
+            if !requests.misses.is_empty() {
+                let released =
+                    self.names.try_lock().map(|mut c| c.insert(py, epoch, &requests.misses, &keys));
+                drop(released);
+            }
+            return Ok((result, requests.len()));
+        }
+    }
+
     /// Empties the name cache after a register or a forget, freeing the cached strs early (plans
     /// stay right without this: they check the registry's names epoch).
     fn clear_names(&self) {
@@ -90,8 +137,8 @@ impl PyLoRARegistry {
                     .transpose()?
                     .map(|v| v as usize),
                 max_host_bytes: max_host_bytes.map(|v| count(py, "max_host_bytes", v, 1)).transpose()?,
-                device_policy: eviction_policy.to_owned(),
-                host_policy: host_eviction_policy.to_owned(),
+                device_policy: PolicyKind::parse("eviction_policy", eviction_policy)?,
+                host_policy: PolicyKind::parse("host_eviction_policy", host_eviction_policy)?,
                 chunk_size: chunk_size
                     .map(|v| count(py, "chunk_size", v, 1))
                     .transpose()?
@@ -296,7 +343,9 @@ impl PyLoRARegistry {
         }
     }
 
-    /// Plans one scheduler step and commits it.
+    /// Plans one scheduler step and commits it, without acquiring its requests (a planner for
+    /// tests, simulations and benchmarks: a serving loop uses `begin_step`, which plans and acquires
+    /// at once).
     ///
     /// `names[i]` is request i's adapter (None for the base model) and `num_tokens[i]` its tokens this
     /// step; `num_tokens` may also be one int, every request's count (a decode step). Requests are
@@ -310,79 +359,138 @@ impl PyLoRARegistry {
     ///
     /// Raises:
     ///     AdapterNotFoundError: a name is unknown (nothing was planned).
-    ///     UsageError: the lengths differ, a token count is negative or not an int, or a name is not
-    ///         a str.
+    ///     UsageError: the lengths differ, a token count is negative or not an int, a name is not
+    ///         a str, or a step transaction is open.
     fn plan(
         &self,
         py: Python<'_>,
         names: &Bound<'_, PyAny>,
         num_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<PyStepPlan> {
-        let mut use_cache = true;
-        loop {
-            // `try_lock`: only a re-entrant call (Python code run by an error message) can find it
-            // locked, and that one simply reads without the cache.
-            let mut requests = {
-                let cache = if use_cache { self.names.try_lock() } else { None };
-                Requests::read(py, names, cache.as_deref())?
-            };
-            let tokens = token_counts(py, num_tokens, requests.len())?;
-            // Borrowed, not moved: the names must be dropped with the GIL held, after the closure.
-            let planned = detached(py, || {
-                let mut reg = self.shared.lock();
-                match requests.resolve(&reg)? {
-                    Resolved::Stale => Ok(None),
-                    Resolved::Keys { epoch, keys } => {
-                        Ok(Some((reg.plan(requests.adapters(), &tokens)?, epoch, keys)))
-                    }
-                }
+        let (plan, n) = self
+            .with_requests(py, names, Some(num_tokens), |reg, adapters, tokens| reg.plan(adapters, tokens))?;
+        let indices = self.indices.at_least(py, n)?;
+        Ok(PyStepPlan::new(plan, None, indices, self.strs.clone()))
+    }
+
+    /// Begins a step transaction: plans the step as `plan` does and, atomically with it, acquires
+    /// every admitted request, so no unload or re-registration can come between the two. The
+    /// returned plan's `ticket` identifies the step: report each planned load with
+    /// `report_load(ticket, index, ok)` and end the step with `finish_step(ticket)`, which releases
+    /// everything it holds (and fails any load not reported).
+    ///
+    /// With `all_or_nothing`, a step that cannot admit every request raises CapacityError and
+    /// changes nothing (a per-sequence batch must run whole).
+    ///
+    /// Raises:
+    ///     AdapterNotFoundError: a name is unknown or being unloaded (nothing was planned).
+    ///     CapacityError: `all_or_nothing` and not every request fits (the message has the numbers).
+    ///     UsageError: as `plan`, or a step is open already.
+    #[pyo3(signature = (names, num_tokens, *, all_or_nothing = false))]
+    fn begin_step(
+        &self,
+        py: Python<'_>,
+        names: &Bound<'_, PyAny>,
+        num_tokens: &Bound<'_, PyAny>,
+        all_or_nothing: bool,
+    ) -> PyResult<PyStepPlan> {
+        let ((plan, ticket), n) =
+            self.with_requests(py, names, Some(num_tokens), |reg, adapters, tokens| {
+                reg.begin_step(adapters, tokens, all_or_nothing)
             })?;
-            // A name changed its key since the cache was filled (a register or a forget): read the
-            // names again, all by text.
-            let Some((plan, epoch, keys)) = planned else {
-                use_cache = false;
-                continue;
-            };
-            if !requests.misses.is_empty() {
-                let released =
-                    self.names.try_lock().map(|mut c| c.insert(py, epoch, &requests.misses, &keys));
-                drop(released);
-            }
-            let indices = self.indices.at_least(py, requests.len())?;
-            return Ok(PyStepPlan::new(plan, indices, self.strs.clone()));
+        let indices = self.indices.at_least(py, n)?;
+        Ok(PyStepPlan::new(plan, Some(ticket.0), indices, self.strs.clone()))
+    }
+
+    /// Reports load `index` (into the step's `loads`) of the open step `ticket`: done (`ok`) or
+    /// failed (the adapter leaves its slot, and the host tier if it was to be read from disk).
+    ///
+    /// Raises:
+    ///     UsageError: `ticket` is not the open step, or that load is not pending.
+    fn report_load(&self, py: Python<'_>, ticket: u64, index: usize, ok: bool) -> PyResult<()> {
+        // O(1): done with the GIL held when the lock is free, which saves releasing and taking back
+        // the GIL per load; waiting for the lock releases it.
+        if let Some(mut reg) = self.shared.try_lock() {
+            return shielded(py, || reg.report_load(StepTicket(ticket), index, ok).map_err(PyErr::from));
         }
+        detached(py, || self.shared.lock().report_load(StepTicket(ticket), index, ok))
+    }
+
+    /// Ends step `ticket`: fails every load it did not report, releases its requests and ends its
+    /// adapters' step protection; wakes unloads waiting for them.
+    ///
+    /// Raises:
+    ///     UsageError: `ticket` is not the open step (finished already); nothing changes.
+    fn finish_step(&self, py: Python<'_>, ticket: u64) -> PyResult<()> {
+        detached(py, || self.shared.finish_step(StepTicket(ticket)))
+    }
+
+    /// Cuts a batch of adapter names (None: the base model) into groups of request indices, in
+    /// order, each of which fits the device slots at once (at most `max_loras_per_batch - pinned`
+    /// distinct unpinned adapters a group): the same rule `begin_step` admits by.
+    ///
+    /// Raises:
+    ///     AdapterNotFoundError: a name is unknown.
+    ///     UsageError: a name is not a str.
+    fn split(&self, py: Python<'_>, names: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
+        Ok(self.with_requests(py, names, None, |reg, adapters, _| Ok(reg.split(adapters)))?.0)
+    }
+
+    /// Why the batch `names` cannot run as one step, with the numbers, or None when it fits.
+    ///
+    /// Raises:
+    ///     AdapterNotFoundError: a name is unknown.
+    ///     UsageError: a name is not a str.
+    fn overflow(&self, py: Python<'_>, names: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+        Ok(self.with_requests(py, names, None, |reg, adapters, _| Ok(reg.overflow(adapters)))?.0)
     }
 
     /// Ends the protection of the latest plan's adapters (the next plan does this itself).
+    ///
+    /// Raises:
+    ///     UsageError: a step transaction is open (`finish_step` ends it).
     fn end_step(&self, py: Python<'_>) -> PyResult<()> {
-        detached(py, || {
-            self.shared.lock().end_step();
-            Ok(())
-        })
+        detached(py, || self.shared.lock().end_step())
     }
 
-    /// Reports a planned load finished: the adapter's loading protection ends.
+    /// Reports a load `plan` planned finished: the adapter's loading protection ends.
     ///
     /// Raises:
     ///     AdapterNotFoundError: the name is unknown.
-    ///     UsageError: no load of it is pending.
+    ///     UsageError: no load of it is pending, or it belongs to the open step transaction.
     fn load_done(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        // O(1) (a lookup and a policy update): done with the GIL held when the lock is free, which
-        // saves releasing and taking back the GIL per load; waiting for the lock releases it.
         if let Some(mut reg) = self.shared.try_lock() {
             return shielded(py, || reg.load_done(name).map_err(PyErr::from));
         }
         detached(py, || self.shared.lock().load_done(name))
     }
 
-    /// Reports a planned load failed: the adapter leaves its slot (and the host tier, if the load was
-    /// to read it from disk). Nothing else changes.
+    /// Reports a load `plan` planned failed: the adapter leaves its slot (and the host tier, if the
+    /// load was to read it from disk). Nothing else changes.
     ///
     /// Raises:
     ///     AdapterNotFoundError: the name is unknown.
-    ///     UsageError: no load of it is pending.
+    ///     UsageError: no load of it is pending, or it belongs to the open step transaction.
     fn load_failed(&self, py: Python<'_>, name: &str) -> PyResult<()> {
         detached(py, || self.shared.lock().load_failed(name))
+    }
+
+    /// Empties `slots` in the registry's view: each occupant leaves its slot and is loaded again on
+    /// its next use. For a caller that found a slot not holding what the registry says.
+    ///
+    /// Raises:
+    ///     UsageError: a step transaction is open.
+    fn invalidate_slots(&self, py: Python<'_>, slots: Vec<u32>) -> PyResult<()> {
+        detached(py, || self.shared.lock().invalidate_slots(&slots))
+    }
+
+    /// The registration serial of `name` (also while it is being unloaded): unique for the
+    /// registry's life, so it tells a re-registered name from an earlier registration.
+    ///
+    /// Raises:
+    ///     AdapterNotFoundError: the name is unknown.
+    fn serial(&self, py: Python<'_>, name: &str) -> PyResult<u64> {
+        detached(py, || self.shared.lock().serial(name))
     }
 
     /// The ref registered under `name` (also while it is being unloaded); `pinned` is the current state.
@@ -408,6 +516,7 @@ impl PyLoRARegistry {
         let d = PyDict::new(py);
         d.set_item("registered", s.registered)?;
         d.set_item("pinned", s.pinned)?;
+        d.set_item("pinned_names", s.pinned_names)?;
         d.set_item("unloading", s.unloading)?;
         d.set_item("host", tier_dict(py, &s.host)?)?;
         d.set_item("device", tier_dict(py, &s.device)?)?;

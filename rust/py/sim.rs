@@ -6,7 +6,7 @@ use pyo3::types::{PyDict, PyList};
 
 use super::errors::new_error;
 use super::{detached, shielded};
-use crate::plan::StepPlan;
+use crate::registry::StepPlan;
 use crate::sim::{simulate_with, SimConfig, SimReport, TierReport, Trace, Workload};
 
 /// A request trace: adapter names and requests (adapter or None, tokens, optional arrival time).

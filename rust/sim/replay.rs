@@ -3,8 +3,9 @@
 //! bound for the same demand.
 //!
 //! The serving loop modelled: requests wait in arrival order; each step takes the first
-//! `batch_size` waiting requests that have arrived, [`Registry::plan`]s them, acquires the admitted
-//! ones, performs the planned loads (reporting each done), runs, and releases them. Deferred
+//! `batch_size` waiting requests that have arrived, begins a step over them (one
+//! [`Registry::begin_step`] plans and acquires the admitted ones at once), performs the planned
+//! loads (reporting each done), runs, and finishes the step, releasing them. Deferred
 //! requests stay at the front of the queue for the next step. A request is served by one step.
 //! With arrival times the step clock advances `step_seconds` per step and jumps ahead to the next
 //! arrival when nothing waits; a request without one arrives with the request before it.
@@ -12,9 +13,8 @@
 use std::collections::{HashSet, VecDeque};
 
 use crate::error::{Error, Result};
-use crate::plan::StepPlan;
-use crate::policy::AdapterKey;
-use crate::registry::{AdapterSize, Config, Registry};
+use crate::policy::{AdapterKey, PolicyKind};
+use crate::registry::{AdapterSize, Config, Registry, StepPlan};
 use crate::sim::belady::{min_misses, Demand};
 use crate::sim::trace::Trace;
 use crate::spec::LoRARef;
@@ -137,10 +137,11 @@ pub fn simulate_with(
         return Err(Error::Spec(format!("step_seconds must be a number >= 0 (got {})", config.step_seconds)));
     }
     let (mut reg, keys) = setup(trace, config)?;
-    let names = trace.names();
-    let pinned: Vec<bool> = keys.iter().map(|&k| reg.get(k).r.pinned).collect();
-    let host_initial: Vec<u32> =
-        (0..keys.len()).filter(|&i| reg.get(keys[i]).host_since.is_some()).map(|i| i as u32).collect();
+    let pinned: Vec<bool> = keys.iter().map(|&k| reg.get(k).protection.pinned).collect();
+    let host_initial: Vec<u32> = (0..keys.len())
+        .filter(|&i| reg.get(keys[i]).residency.host_since.is_some())
+        .map(|i| i as u32)
+        .collect();
     let start = reg.stats();
 
     let requests = trace.requests();
@@ -157,7 +158,6 @@ pub fn simulate_with(
     let mut next = 0usize;
     let mut clock = 0.0f64;
     let (mut batch, mut step_keys, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
-    let mut names_in: Vec<Option<&str>> = Vec::new();
     while next < requests.len() || !queue.is_empty() {
         if queue.is_empty() {
             clock = clock.max(arrivals[next]);
@@ -175,26 +175,19 @@ pub fn simulate_with(
             step_keys.push(r.adapter.map(|a| keys[a as usize]));
             tokens.push(r.tokens);
         }
-        let plan = reg.plan(&step_keys, &tokens)?;
+        let (plan, ticket) = reg.begin_step(&step_keys, &tokens, false)?;
         if plan.admitted.is_empty() {
+            reg.finish_step(ticket)?;
             return Err(Error::Usage(format!(
                 "step {} admitted none of its {} request(s); the simulation cannot progress",
                 report.steps,
                 batch.len()
             )));
         }
-        names_in.clear();
-        names_in.extend(
-            plan.admitted
-                .iter()
-                .map(|&i| requests[batch[i as usize] as usize].adapter.map(|a| names[a as usize].as_str())),
-        );
-        let ids = reg.acquire(&names_in)?;
-        for load in &plan.loads {
-            reg.load_done(&load.name)?;
+        for index in 0..plan.loads.len() {
+            reg.report_load(ticket, index, true)?;
         }
-        let ids: Vec<Option<&str>> = ids.iter().map(|id| id.as_deref()).collect();
-        reg.release(&ids)?;
+        reg.finish_step(ticket)?;
 
         let mut used: Vec<u32> = Vec::new();
         for &i in &plan.admitted {
@@ -252,8 +245,8 @@ pub fn simulate_with(
 fn setup(trace: &Trace, config: &SimConfig) -> Result<(Registry, Vec<AdapterKey>)> {
     let mut rc = Config::new(config.slots);
     rc.max_loaded = config.max_loaded;
-    rc.device_policy = config.policy.clone();
-    rc.host_policy = config.policy.clone();
+    rc.device_policy = PolicyKind::parse("policy", &config.policy)?;
+    rc.host_policy = rc.device_policy;
     let mut reg = Registry::new(rc)?;
     let names = trace.names();
     let pins: HashSet<&str> = config.pins.iter().map(String::as_str).collect();

@@ -3,9 +3,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use proptest::prelude::*;
 
 use super::*;
-use crate::plan::StepPlan;
-use crate::policy::POLICY_NAMES;
-use crate::registry::{AdapterSize, Config, Registry};
+use crate::policy::{PolicyKind, POLICY_NAMES};
+use crate::registry::{AdapterSize, Config, Registry, StepPlan};
 use crate::shared::SharedRegistry;
 
 fn trace_of(names: &[&str]) -> Trace {
@@ -143,13 +142,13 @@ fn generators_are_deterministic_and_shaped_as_documented() {
 }
 
 /// The live path, written independently of the simulator: a [`SharedRegistry`] (what the Python
-/// `LoRARegistry` wraps) driven the way `LoRAManager` drives it — plan the step's names, acquire the
-/// admitted requests, report each load done, release — with deferred requests run again first.
+/// `LoRARegistry` wraps) driven the way `LoRAManager` drives it — begin a step over the names (plan
+/// and acquire at once), report each load done, finish the step — with deferred requests run again first.
 fn live_plans(trace: &Trace, config: &SimConfig) -> Vec<StepPlan> {
     let mut rc = Config::new(config.slots);
     rc.max_loaded = config.max_loaded;
-    rc.device_policy = config.policy.clone();
-    rc.host_policy = config.policy.clone();
+    rc.device_policy = PolicyKind::parse("policy", &config.policy).unwrap();
+    rc.host_policy = rc.device_policy;
     let live = SharedRegistry::new(Registry::new(rc).unwrap());
     let size = AdapterSize {
         rank: 16,
@@ -175,13 +174,12 @@ fn live_plans(trace: &Trace, config: &SimConfig) -> Vec<StepPlan> {
         let batch: Vec<u32> = waiting.drain(..).collect();
         let names: Vec<Option<&str>> = batch.iter().map(|&i| name(i)).collect();
         let tokens: Vec<u32> = batch.iter().map(|&i| trace.requests()[i as usize].tokens).collect();
-        let plan = live.lock().plan_names(&names, &tokens).unwrap();
-        let admitted: Vec<Option<&str>> = plan.admitted.iter().map(|&i| names[i as usize]).collect();
-        let ids = live.lock().acquire(&admitted).unwrap();
-        for load in &plan.loads {
-            live.lock().load_done(&load.name).unwrap();
+        let keys: Vec<_> = names.iter().map(|n| n.map(|n| live.lock().lookup(n, false).unwrap())).collect();
+        let (plan, ticket) = live.lock().begin_step(&keys, &tokens, false).unwrap();
+        for index in 0..plan.loads.len() {
+            live.lock().report_load(ticket, index, true).unwrap();
         }
-        live.release(&ids.iter().map(|id| id.as_deref()).collect::<Vec<_>>()).unwrap();
+        live.finish_step(ticket).unwrap();
         live.lock().audit().unwrap();
         waiting.extend(plan.deferred.iter().map(|&d| batch[d as usize]));
         plans.push(plan);

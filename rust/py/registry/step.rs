@@ -9,9 +9,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyList, PyString};
 
 use super::requests::AddressMap;
-use crate::cache::Tier;
-use crate::plan::StepPlan;
-use crate::registry::LoadSource;
+use crate::registry::tiers::Tier;
+use crate::registry::{LoadSource, StepPlan};
 
 /// Past this many deferred requests, `admitted` is built item by item instead of by deleting them
 /// from a slice (each deletion moves the list's tail).
@@ -87,6 +86,8 @@ impl NameStrs {
 #[pyclass(frozen, name = "StepPlan", module = "lora_pin")]
 pub struct PyStepPlan {
     plan: StepPlan,
+    /// The step transaction's ticket (`begin_step`), None for a bare `plan`.
+    ticket: Option<u64>,
     /// At least `0..len(admitted) + len(deferred)`, shared with other plans.
     indices: Py<PyList>,
     /// The registry's strs for names.
@@ -94,8 +95,8 @@ pub struct PyStepPlan {
 }
 
 impl PyStepPlan {
-    pub(super) fn new(plan: StepPlan, indices: Py<PyList>, strs: NameStrs) -> Self {
-        Self { plan, indices, strs }
+    pub(super) fn new(plan: StepPlan, ticket: Option<u64>, indices: Py<PyList>, strs: NameStrs) -> Self {
+        Self { plan, ticket, indices, strs }
     }
 }
 
@@ -110,6 +111,13 @@ fn byte_array<'py, T: Copy>(py: Python<'py>, values: &[T]) -> Bound<'py, PyByteA
 
 #[pymethods]
 impl PyStepPlan {
+    /// The step transaction's ticket (from `begin_step`), for `report_load` and `finish_step`;
+    /// None for a plan made by `plan`.
+    #[getter]
+    fn ticket(&self) -> Option<u64> {
+        self.ticket
+    }
+
     /// Indices of the admitted requests, in batch order.
     #[getter]
     fn admitted<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
@@ -192,7 +200,8 @@ impl PyStepPlan {
     }
 
     /// Loads to perform before the step runs: `(name, lora_id, slot, source)`, source "host" (copy
-    /// from the host tier) or "disk" (read the adapter again, then copy).
+    /// from the host tier) or "disk" (read the adapter again, then copy). A step transaction reports
+    /// each by its index in this list.
     #[getter]
     fn loads<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         PyList::new(

@@ -10,11 +10,11 @@
 
 use std::sync::Arc;
 
-use crate::cache::Eviction;
+use super::tiers::Eviction;
+use super::{LoadSource, Registry};
 use crate::error::{Error, Result};
 use crate::hash::FxHashMap;
 use crate::policy::AdapterKey;
-use crate::registry::{LoadSource, Registry};
 
 /// A load the caller must perform before running the step.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,6 +23,10 @@ pub struct Load {
     pub name: Arc<str>,
     /// The adapter's id (shared likewise).
     pub lora_id: Arc<str>,
+    /// The adapter's registration serial: tells it from a later registration of the same name.
+    pub serial: u64,
+    /// The adapter's key in the registry.
+    pub key: AdapterKey,
     /// The slot to copy it into.
     pub slot: u32,
     /// Where its weights are now.
@@ -118,35 +122,11 @@ impl Registry {
     /// `adapters[i]` and `num_tokens[i]` describe request `i` (adapters from [`Registry::lookup`];
     /// ones being unloaded are served, their requests are still running).
     ///
-    /// Errors: [`Error::Usage`] when the two slices differ in length or the admitted tokens overflow
-    /// an `i32` (nothing is planned then).
+    /// Errors: [`Error::Usage`] when the two slices differ in length, the admitted tokens overflow
+    /// an `i32`, or a step transaction is open (nothing is planned then).
     pub fn plan(&mut self, adapters: &[Option<AdapterKey>], num_tokens: &[u32]) -> Result<StepPlan> {
-        if adapters.len() != num_tokens.len() {
-            return Err(Error::Usage(format!(
-                "plan got {} adapter names but {} token counts; give one of each per request",
-                adapters.len(),
-                num_tokens.len()
-            )));
-        }
-        let total: u64 = num_tokens.iter().map(|&n| u64::from(n)).sum();
-        if total > i32::MAX as u64 {
-            return Err(Error::Usage(format!(
-                "plan got {total} tokens; at most {} fit the int32 segment arrays",
-                i32::MAX
-            )));
-        }
-        if total > 1 << 24 {
-            // A huge step's token arrays (a few of 4 bytes a token) may not fit in memory: refused
-            // here rather than aborting the process when one is allocated.
-            let mut probe: Vec<[i32; 4]> = Vec::new();
-            probe.try_reserve_exact(total as usize).map_err(|_| {
-                Error::Capacity(format!("plan got {total} tokens; their token arrays cannot be allocated"))
-            })?;
-        }
-        // Adapters in both the previous step and this one stay protected throughout: ending the old
-        // step first would put them back among the candidates only to take them out again.
-        let spare = std::mem::take(&mut self.spare_step);
-        let mut previous = std::mem::replace(&mut self.step, spare);
+        self.refuse_open_step("plan")?;
+        let total = check_step_size(adapters.len(), num_tokens)?;
         // This plan's decision per adapter key, in a dense table the per-request loops read instead
         // of the adapters themselves.
         let mut marks = std::mem::take(&mut self.plan_marks);
@@ -155,8 +135,21 @@ impl Registry {
         // The base model's mark, last: requests without an adapter read it.
         marks.push(-1);
         let mut plan = StepPlan::default();
+        self.admit(adapters, &mut marks);
+        self.place_admitted(&mut marks, &mut plan);
+        self.fill_outputs(&marks, adapters, num_tokens, total, &mut plan);
+        self.plan_marks = marks;
+        Ok(plan)
+    }
 
-        // Admission by budget, in batch order.
+    /// Admission by budget, in batch order: marks each admitted adapter [`ADMITTED`] and puts it in
+    /// the step, each refused one [`DEFERRED`]; the previous step's adapters not admitted again
+    /// lose their protection.
+    fn admit(&mut self, adapters: &[Option<AdapterKey>], marks: &mut [i32]) {
+        // Adapters in both the previous step and this one stay protected throughout: ending the old
+        // step first would put them back among the candidates only to take them out again.
+        let spare = std::mem::take(&mut self.spare_step);
+        let mut previous = std::mem::replace(&mut self.step, spare);
         let budget = self.config.slots - self.pinned;
         let mut unpinned = 0;
         let base_mark = marks.len() - 1;
@@ -169,14 +162,14 @@ impl Registry {
             };
             let mark = &mut marks[index];
             let a = self.get_mut(key);
-            if !(a.r.pinned || unpinned < budget) {
+            if !(a.protection.pinned || unpinned < budget) {
                 *mark = DEFERRED;
                 self.device.counters.refusals += 1;
                 continue;
             }
             *mark = ADMITTED;
-            unpinned += usize::from(!a.r.pinned);
-            let newly = !std::mem::replace(&mut a.in_step, true);
+            unpinned += usize::from(!a.protection.pinned);
+            let newly = !std::mem::replace(&mut a.protection.in_step, true);
             self.step.push(key);
             if newly {
                 self.refresh(key);
@@ -184,27 +177,30 @@ impl Registry {
         }
         for &key in &previous {
             if marks[key.index()] != ADMITTED {
-                self.get_mut(key).in_step = false;
+                self.get_mut(key).protection.in_step = false;
                 self.refresh(key);
             }
         }
         previous.clear();
         self.spare_step = previous;
+    }
 
-        // A slot (and a host place) for every admitted adapter, in batch order. Refused ones leave
-        // `self.step`, so it is walked by position.
+    /// A slot (and a host place) for every admitted adapter, in batch order; an adapter no tier can
+    /// make room for is deferred after all. Leaves each admitted adapter's slot as its mark.
+    fn place_admitted(&mut self, marks: &mut [i32], plan: &mut StepPlan) {
+        // Refused adapters leave `self.step`, so it is walked by position.
         let mut at = 0;
         while let Some(&key) = self.step.get(at) {
             at += 1;
-            if self.get(key).slot.is_some() {
+            if self.get(key).residency.slot.is_some() {
                 self.device.counters.hits += 1;
-            } else if let Err(refusal) = self.bring_in(key, &mut plan) {
+            } else if let Err(refusal) = self.bring_in(key, plan) {
                 match refusal {
                     Refusal::Host => self.host.counters.refusals += 1,
                     Refusal::Device => self.device.counters.refusals += 1,
                 }
                 marks[key.index()] = DEFERRED;
-                self.get_mut(key).in_step = false;
+                self.get_mut(key).protection.in_step = false;
                 at -= 1;
                 self.step.remove(at);
                 self.refresh(key);
@@ -212,25 +208,21 @@ impl Registry {
             }
             let now = self.tick();
             let a = self.get_mut(key);
-            a.last_used = now;
-            a.uses += 1;
+            a.residency.last_used = now;
+            a.residency.uses += 1;
         }
         // Admitted adapters are protected, so no later load took their slots.
         for &key in &self.step {
-            marks[key.index()] = self.get(key).slot.expect("an admitted adapter has a slot") as i32;
+            marks[key.index()] = self.get(key).residency.slot.expect("an admitted adapter has a slot") as i32;
         }
-
-        self.fill_outputs(&marks, adapters, num_tokens, total as usize, &mut plan);
-        self.plan_marks = marks;
-        Ok(plan)
     }
 
     /// Gives `key` (admitted, in the step, in no slot) a slot, reading it from disk first if it left
     /// the host tier; or says which tier refused.
     fn bring_in(&mut self, key: AdapterKey, plan: &mut StepPlan) -> std::result::Result<(), Refusal> {
         let a = self.get(key);
-        let source = if a.host_since.is_some() { LoadSource::Host } else { LoadSource::Disk };
-        let bytes = a.size.host_bytes;
+        let source = if a.residency.host_since.is_some() { LoadSource::Host } else { LoadSource::Disk };
+        let bytes = a.identity.size.host_bytes;
         if source == LoadSource::Disk && !self.host.room_possible(bytes) {
             return Err(Refusal::Host);
         }
@@ -247,12 +239,19 @@ impl Registry {
             LoadSource::Host => self.host.counters.hits += 1,
         }
         let slot = self.take_slot(&mut plan.evictions);
-        self.get_mut(key).loading = Some(source);
+        self.get_mut(key).protection.loading = Some(source);
         self.occupy_slot(key, slot);
         self.device.counters.misses += 1;
         self.device.counters.loads += 1;
         let a = self.get(key);
-        plan.loads.push(Load { name: Arc::clone(&a.name), lora_id: Arc::clone(&a.id), slot, source });
+        plan.loads.push(Load {
+            name: Arc::clone(&a.identity.name),
+            lora_id: Arc::clone(&a.identity.id),
+            serial: a.identity.serial,
+            key,
+            slot,
+            source,
+        });
         Ok(())
     }
 
@@ -349,13 +348,39 @@ impl Registry {
         for (s, key) in self.device.slots.iter().enumerate() {
             let (rank, scaling) = key.map_or((0, 0.0), |k| {
                 let a = self.get(k);
-                (a.size.rank as i32, a.size.scaling)
+                (a.identity.size.rank as i32, a.identity.size.scaling)
             });
             plan.slot_ranks.push(rank);
             plan.slot_scalings.push(scaling);
             plan.slot_generations.push(self.device.generations[s] as i64);
         }
     }
+}
+
+/// The step's total tokens, checked to fit the int32 segment arrays and memory.
+fn check_step_size(requests: usize, num_tokens: &[u32]) -> Result<usize> {
+    if requests != num_tokens.len() {
+        return Err(Error::Usage(format!(
+            "plan got {requests} adapter names but {} token counts; give one of each per request",
+            num_tokens.len()
+        )));
+    }
+    let total: u64 = num_tokens.iter().map(|&n| u64::from(n)).sum();
+    if total > i32::MAX as u64 {
+        return Err(Error::Usage(format!(
+            "plan got {total} tokens; at most {} fit the int32 segment arrays",
+            i32::MAX
+        )));
+    }
+    if total > 1 << 24 {
+        // A huge step's token arrays (a few of 4 bytes a token) may not fit in memory: refused
+        // here rather than aborting the process when one is allocated.
+        let mut probe: Vec<[i32; 4]> = Vec::new();
+        probe.try_reserve_exact(total as usize).map_err(|_| {
+            Error::Capacity(format!("plan got {total} tokens; their token arrays cannot be allocated"))
+        })?;
+    }
+    Ok(total as usize)
 }
 
 #[cfg(test)]

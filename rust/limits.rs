@@ -1,0 +1,9 @@
+//! Size limits that both the spec parser and the registry enforce, kept apart from both so neither
+//! depends on the other for them.
+
+/// The most device slots a registry has (each is a LoRA-sized buffer on the GPU: far more than fit).
+pub const MAX_SLOTS: usize = 1 << 16;
+
+/// How many unloaded names a registry remembers, so that unloading one again is a no-op (older ones
+/// are then unknown).
+pub const MAX_UNLOADED_NAMES: usize = 1 << 16;

@@ -1,0 +1,321 @@
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use proptest::prelude::*;
+
+use crate::error::Error;
+use crate::policy::PolicyKind;
+use crate::registry::tiers::Tier;
+use crate::registry::{AdapterSize, Config, Registry, StepPlan, Unload};
+use crate::spec::LoRARef;
+
+use crate::registry::testkit::*;
+
+#[test]
+fn pins_are_refused_with_the_numbers_and_reserve_their_slots() {
+    let mut reg = registry(2, None, "lru", &["a", "b", "c"]);
+    reg.pin("a").unwrap();
+    let err = reg.pin("b").unwrap_err();
+    assert!(matches!(err, Error::Capacity(_)));
+    assert!(err.to_string().contains("max_loras_per_batch=2 allows at most 1 pinned"), "{err}");
+    // One slot for unpinned adapters: b is admitted, c deferred, a (pinned) admitted.
+    let p = plan(&mut reg, &[Some("b"), Some("c"), Some("a")]);
+    assert_eq!(p.admitted, [0, 2]);
+    finish_loads(&mut reg, &p);
+    for step in [[Some("c")], [Some("b")]] {
+        let p = plan(&mut reg, &step);
+        assert!(!evicted(&p, Tier::Device).contains(&"a"));
+        finish_loads(&mut reg, &p);
+    }
+    reg.unpin("a").unwrap();
+    reg.pin("b").unwrap();
+    let p = plan(&mut reg, &[Some("c")]);
+    assert_eq!(evicted(&p, Tier::Device), ["a"]);
+}
+
+#[test]
+fn registration_errors_name_both_refs() {
+    let mut reg = registry(2, None, "lru", &["a"]);
+    let other = LoRARef::with_deterministic_id("a", "/elsewhere", false, None).unwrap();
+    let err = reg.register(other, size(4, 1)).unwrap_err().to_string();
+    assert!(err.contains("/elsewhere") && err.contains("/srv/a"), "{err}");
+    let mut same_id = lora("b");
+    same_id.lora_id = lora("a").lora_id;
+    assert!(matches!(reg.register(same_id, size(4, 1)), Err(Error::DuplicateAdapter { .. })));
+    assert!(matches!(reg.register(lora("z"), size(0, 1)), Err(Error::Spec(_))));
+    let err = reg.pin("nope").unwrap_err().to_string();
+    assert!(err.contains("\"nope\"") && err.contains("registered: \"a\""), "{err}");
+}
+
+#[test]
+fn release_is_atomic_and_never_goes_negative() {
+    let mut reg = registry(2, None, "lru", &["a", "b"]);
+    let ids = reg.acquire(&[Some("a"), None, Some("b")]).unwrap();
+    assert!(ids[1].is_none());
+    let a = ids[0].clone().unwrap();
+    let b = ids[2].clone().unwrap();
+    let err = reg.release(&[Some(&b), Some(&a), Some(&a)]).unwrap_err();
+    assert!(matches!(err, Error::Usage(_)), "{err}");
+    assert_eq!((reg.in_flight("a").unwrap(), reg.in_flight("b").unwrap()), (1, 1));
+    reg.release(&[Some(&a), Some(&b)]).unwrap();
+    assert!(matches!(reg.acquire(&[Some("a"), Some("x")]), Err(Error::AdapterNotFound { .. })));
+    assert_eq!(reg.in_flight("a").unwrap(), 0);
+}
+
+#[test]
+fn limits_are_checked() {
+    assert!(Registry::new(Config::new(0)).is_err());
+    let mut c = Config::new(4);
+    c.max_loaded = Some(3);
+    assert!(Registry::new(c).unwrap_err().to_string().contains("max_loaded_loras=3"));
+    assert!(matches!(PolicyKind::parse("eviction_policy", "lfu"), Err(Error::Spec(_))));
+}
+
+/// One operation of a random sequence.
+#[derive(Debug, Clone)]
+enum Op {
+    Register(u8, bool, u64),
+    Pin(u8),
+    Unpin(u8),
+    Acquire(u8),
+    Release(u8),
+    Unload(u8),
+    Plan(Vec<(Option<u8>, u32)>),
+    LoadDone(u8),
+    LoadFailed(u8),
+    EndStep,
+    BeginStep(Vec<(Option<u8>, u32)>, bool),
+    ReportLoad(usize, bool),
+    FinishStep,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let name = 0u8..8;
+    prop_oneof![
+        1 => (name.clone(), prop::bool::weighted(0.2), 1u64..400).prop_map(|(n, p, b)| Op::Register(n, p, b)),
+        1 => name.clone().prop_map(Op::Pin),
+        1 => name.clone().prop_map(Op::Unpin),
+        1 => name.clone().prop_map(Op::Acquire),
+        1 => name.clone().prop_map(Op::Release),
+        1 => name.clone().prop_map(Op::Unload),
+        4 => prop::collection::vec((prop::option::weighted(0.85, name.clone()), 0u32..4), 0..10).prop_map(Op::Plan),
+        2 => name.clone().prop_map(Op::LoadDone),
+        1 => name.clone().prop_map(Op::LoadFailed),
+        1 => Just(Op::EndStep),
+        4 => (prop::collection::vec((prop::option::weighted(0.85, name.clone()), 0u32..4), 0..10), prop::bool::weighted(0.2))
+            .prop_map(|(r, all)| Op::BeginStep(r, all)),
+        3 => (0usize..4, prop::bool::weighted(0.8)).prop_map(|(i, ok)| Op::ReportLoad(i, ok)),
+        3 => Just(Op::FinishStep),
+    ]
+}
+
+/// Who may not be evicted before an operation, by name: (pinned, loading, in step, in flight).
+fn protections(reg: &Registry) -> HashMap<String, (bool, bool, bool, bool)> {
+    reg.adapters
+        .iter()
+        .flatten()
+        .map(|a| {
+            (
+                a.identity.spec.lora_name.clone(),
+                (
+                    a.protection.pinned,
+                    a.protection.loading.is_some(),
+                    a.protection.in_step,
+                    a.protection.in_flight > 0,
+                ),
+            )
+        })
+        .collect()
+}
+
+fn check_plan(
+    reg: &Registry,
+    before: &HashMap<String, (bool, bool, bool, bool)>,
+    req: &[(Option<u8>, u32)],
+    p: &StepPlan,
+) {
+    let admitted_names: HashSet<String> =
+        p.admitted.iter().filter_map(|&i| req[i as usize].0).map(|n| format!("n{n}")).collect();
+    for e in &p.evictions {
+        let (pinned, loading, _, in_flight) = before[&*e.name];
+        assert!(!pinned && !loading, "{e:?} was protected");
+        assert!(!admitted_names.contains(&*e.name), "{e:?} is in the step");
+        assert!(e.tier == Tier::Device || !in_flight, "{e:?} had requests in flight");
+    }
+    let mut unpinned = HashSet::new();
+    for (j, &i) in p.admitted.iter().enumerate() {
+        let slot = p.request_slots[j];
+        match req[i as usize].0 {
+            None => assert_eq!(slot, -1),
+            Some(n) => {
+                let a = reg.get(reg.lookup(&format!("n{n}"), true).unwrap());
+                assert_eq!(
+                    a.residency.slot.map(|s| s as i32),
+                    Some(slot),
+                    "admitted request {i} has its adapter's slot"
+                );
+                if !a.protection.pinned {
+                    unpinned.insert(n);
+                }
+            }
+        }
+    }
+    assert!(unpinned.len() <= reg.config.slots - reg.pinned);
+    assert_eq!(p.admitted.len() + p.deferred.len(), req.len());
+    assert!(p.deferred.iter().all(|&i| req[i as usize].0.is_some()), "base rows are never deferred");
+    // The permutation covers every adapter token once, and segments agree with token_slots.
+    let mut seen = vec![false; p.num_tokens()];
+    for (s, w) in p.seg_indptr.windows(2).enumerate() {
+        assert!(w[0] < w[1]);
+        for &t in &p.token_perm[w[0] as usize..w[1] as usize] {
+            assert_eq!(p.token_slots[t as usize], p.seg_slots[s]);
+            assert!(!std::mem::replace(&mut seen[t as usize], true));
+        }
+    }
+    assert_eq!(seen.iter().filter(|&&x| x).count(), p.token_slots.iter().filter(|&&s| s >= 0).count());
+    assert_eq!(*p.seg_indptr.last().unwrap() as usize, p.token_perm.len());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_operations_keep_every_invariant(
+        slots in 1usize..4,
+        extra in prop::option::of(0usize..3),
+        max_bytes in prop::option::of(400u64..1200),
+        fifo in any::<bool>(),
+        ops in prop::collection::vec(op(), 1..60),
+    ) {
+        let mut config = Config::new(slots);
+        config.max_loaded = extra.map(|e| slots + e);
+        config.max_host_bytes = max_bytes;
+        config.chunk_size = Some(2);
+        if fifo {
+            config.device_policy = PolicyKind::Fifo;
+        }
+        let mut reg = Registry::new(config).unwrap();
+        let mut ids: HashMap<u8, Vec<Arc<str>>> = HashMap::new();
+        let mut resident_pinned: HashSet<String> = HashSet::new();
+        // The open step transaction: its ticket, and per adapter name the requests it acquired.
+        let mut open: Option<(crate::registry::StepTicket, HashMap<String, u64>)> = None;
+        for op in ops {
+            let before = protections(&reg);
+            let name = |n: u8| format!("n{n}");
+            match &op {
+                Op::Register(n, pinned, bytes) => {
+                    let r = LoRARef::with_deterministic_id(&name(*n), "/p", *pinned, None).unwrap();
+                    if let Ok(gone) = reg.register(r, AdapterSize { rank: 8, host_bytes: *bytes, device_bytes: *bytes, scaling: 1.0 }) {
+                        for g in gone {
+                            let (pinned, loading, in_step, in_flight) = before[&g];
+                            prop_assert!(!pinned && !loading && !in_step && !in_flight, "{g} was protected");
+                        }
+                    }
+                }
+                Op::Pin(n) => { let _ = reg.pin(&name(*n)); }
+                Op::Unpin(n) => { let _ = reg.unpin(&name(*n)); }
+                Op::Acquire(n) => {
+                    if let Ok(got) = reg.acquire(&[Some(&name(*n))]) {
+                        ids.entry(*n).or_default().push(got[0].clone().unwrap());
+                    }
+                }
+                Op::Release(n) => {
+                    if let Some(id) = ids.get_mut(n).and_then(Vec::pop) {
+                        reg.release(&[Some(&id)]).unwrap();
+                    } else if let Ok(key) = reg.lookup(&name(*n), true) {
+                        let id = reg.get(key).identity.id.clone();
+                        prop_assert!(matches!(reg.release(&[Some(&id)]), Err(Error::Usage(_))));
+                    }
+                }
+                Op::Unload(n) => {
+                    if let Ok(Unload::Done) = reg.unload(&name(*n)) {
+                        ids.remove(n);
+                        resident_pinned.remove(&name(*n));
+                    }
+                }
+                Op::Plan(req) => {
+                    let names: Vec<Option<String>> = req.iter().map(|(n, _)| n.map(name)).collect();
+                    let names: Vec<Option<&str>> = names.iter().map(Option::as_deref).collect();
+                    let tokens: Vec<u32> = req.iter().map(|&(_, t)| t).collect();
+                    match reg.plan_names(&names, &tokens) {
+                        Ok(p) => check_plan(&reg, &before, req, &p),
+                        Err(Error::Usage(_)) => prop_assert!(open.is_some(), "plan refused with no step open"),
+                        Err(e) => prop_assert!(matches!(e, Error::AdapterNotFound { .. }), "{e}"),
+                    }
+                }
+                Op::LoadDone(n) => { let _ = reg.load_done(&name(*n)); }
+                Op::LoadFailed(n) => {
+                    if reg.load_failed(&name(*n)).is_ok() {
+                        resident_pinned.remove(&name(*n));
+                    }
+                }
+                Op::EndStep => {
+                    prop_assert_eq!(reg.end_step().is_ok(), open.is_none());
+                }
+                Op::BeginStep(req, all) => {
+                    let names: Vec<Option<String>> = req.iter().map(|(n, _)| n.map(name)).collect();
+                    let keys: Result<Vec<_>, _> =
+                        names.iter().map(|n| n.as_deref().map(|n| reg.lookup(n, false)).transpose()).collect();
+                    let Ok(keys) = keys else { continue };
+                    let tokens: Vec<u32> = req.iter().map(|&(_, t)| t).collect();
+                    match reg.begin_step(&keys, &tokens, *all) {
+                        Ok((p, ticket)) => {
+                            prop_assert!(open.is_none(), "a second step began while one was open");
+                            prop_assert!(!*all || p.deferred.is_empty());
+                            check_plan(&reg, &before, req, &p);
+                            let mut held: HashMap<String, u64> = HashMap::new();
+                            for &i in &p.admitted {
+                                if let Some(n) = &names[i as usize] {
+                                    *held.entry(n.clone()).or_default() += 1;
+                                }
+                            }
+                            open = Some((ticket, held));
+                        }
+                        Err(Error::Usage(_)) => prop_assert!(open.is_some()),
+                        Err(e) => prop_assert!(*all && matches!(e, Error::Capacity(_)), "{e}"),
+                    }
+                }
+                Op::ReportLoad(i, ok) => {
+                    let ticket = open.as_ref().map_or(crate::registry::StepTicket(0), |o| o.0);
+                    let _ = reg.report_load(ticket, *i, *ok);
+                }
+                Op::FinishStep => {
+                    let ticket = open.as_ref().map_or(crate::registry::StepTicket(0), |o| o.0);
+                    prop_assert_eq!(reg.finish_step(ticket).is_ok(), open.is_some());
+                    open = None;
+                }
+            }
+            // Every adapter's count in flight is exactly what the model holds: the acquires not
+            // released, plus the open step's requests.
+            for a in reg.adapters.iter().flatten() {
+                let n = a.identity.spec.lora_name.trim_start_matches('n').parse::<u8>().unwrap();
+                let acquired = ids.get(&n).map_or(0, Vec::len) as u64;
+                let stepped = open.as_ref().and_then(|o| o.1.get(&a.identity.spec.lora_name)).copied().unwrap_or(0);
+                prop_assert_eq!(a.protection.in_flight, acquired + stepped, "{} after {:?}", a.identity.spec.lora_name, op);
+            }
+            if let Err(e) = reg.audit() {
+                return Err(TestCaseError::fail(format!("after {op:?}: {e}")));
+            }
+            // A pinned adapter, once in both tiers, stays there until unpinned or unloaded.
+            resident_pinned.retain(|n| reg.lookup(n, false).is_ok_and(|k| reg.get(k).protection.pinned));
+            for n in &resident_pinned {
+                let a = reg.get(reg.lookup(n, false).unwrap());
+                prop_assert!(a.residency.slot.is_some() && a.residency.host_since.is_some(), "pinned {n} was evicted by {op:?}");
+            }
+            for a in reg.adapters.iter().flatten() {
+                if a.protection.pinned && a.residency.slot.is_some() && a.protection.loading.is_none() {
+                    resident_pinned.insert(a.identity.spec.lora_name.clone());
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn register_names_a_victim_once_even_when_it_left_both_tiers() {
+    let mut reg = registry(1, Some(1), "lru", &["a"]);
+    step(&mut reg, &[Some("a")]);
+    reg.end_step().unwrap();
+    assert_eq!(reg.register(lora("b"), size(4, 100)).unwrap(), ["a"]);
+    assert_eq!(reg.stats().device.counters.evictions, 1);
+}

@@ -1,0 +1,139 @@
+//! Moving adapters between the tiers: entering and leaving host memory, taking and freeing slots,
+//! evicting, and keeping each tier's eviction candidates exact after every change ([`Registry::refresh`]).
+//! A tier never holds more than its capacity, not even briefly: victims leave before anything enters,
+//! and an adapter is in the device tier only if it is in the host tier.
+
+use std::sync::Arc;
+
+use super::tiers::{DeviceCandidate, Eviction, Tier};
+use super::Registry;
+use crate::policy::{AdapterKey, Usage};
+
+impl Registry {
+    /// Puts `key` into exactly the candidate sets its residency and protections call for.
+    pub(crate) fn refresh(&mut self, key: AdapterKey) {
+        let a = self.adapters[key.index()].as_mut().expect("a live adapter key");
+        let protected = a.protection.shields();
+        let host_wanted = a.residency.host_since.is_some() && !protected && a.protection.in_flight == 0;
+        let device_wanted = match (a.residency.slot, protected, a.protection.in_flight) {
+            (Some(_), false, 0) => DeviceCandidate::Idle,
+            (Some(_), false, _) => DeviceCandidate::Queued,
+            _ => DeviceCandidate::No,
+        };
+        let usage = |inserted_at: u64, bytes: u64| Usage {
+            inserted_at,
+            last_used: a.residency.last_used,
+            uses: a.residency.uses,
+            bytes,
+            rank: a.identity.size.rank,
+        };
+        if a.residency.host_candidate != host_wanted {
+            if host_wanted {
+                let u = usage(a.residency.host_since.unwrap_or_default(), a.identity.size.host_bytes);
+                self.host.candidates.insert(key, &u);
+                self.host.candidate_bytes += a.identity.size.host_bytes;
+            } else {
+                self.host.candidates.remove(key);
+                self.host.candidate_bytes -= a.identity.size.host_bytes;
+            }
+            a.residency.host_candidate = host_wanted;
+        }
+        if a.residency.device_candidate != device_wanted {
+            match a.residency.device_candidate {
+                DeviceCandidate::Idle => self.device.idle.remove(key),
+                DeviceCandidate::Queued => self.device.queued.remove(key),
+                DeviceCandidate::No => {}
+            }
+            let u = usage(a.residency.device_since, a.identity.size.device_bytes);
+            match device_wanted {
+                DeviceCandidate::Idle => self.device.idle.insert(key, &u),
+                DeviceCandidate::Queued => self.device.queued.insert(key, &u),
+                DeviceCandidate::No => {}
+            }
+            a.residency.device_candidate = device_wanted;
+        }
+    }
+
+    /// Evicts host candidates, in policy order, until an adapter of `bytes` fits. The caller has
+    /// checked [`super::tiers::HostLedger::room_possible`].
+    pub(crate) fn make_host_room(&mut self, bytes: u64, evicted: &mut Vec<Eviction>) {
+        while !self.host.has_room(bytes) {
+            let victim = self.host.candidates.victim().expect("room_possible promised a host victim");
+            if self.get(victim).residency.slot.is_some() {
+                self.evict_device(victim, evicted);
+            }
+            let name = Arc::clone(&self.get(victim).identity.name);
+            self.leave_host(victim);
+            self.refresh(victim);
+            self.host.counters.evictions += 1;
+            evicted.push(Eviction { name, tier: Tier::Host, slot: None });
+        }
+    }
+
+    /// A free slot, evicting a device candidate (idle ones first) when none is free. The caller has
+    /// checked [`DeviceTier::slot_possible`].
+    pub(crate) fn take_slot(&mut self, evicted: &mut Vec<Eviction>) -> u32 {
+        if let Some(slot) = self.device.free.pop_first() {
+            return slot;
+        }
+        let victim = self.device.idle.victim().or_else(|| self.device.queued.victim());
+        let slot = self.evict_device(victim.expect("slot_possible promised a device victim"), evicted);
+        self.device.free.remove(&slot);
+        slot
+    }
+
+    /// Puts `key` into `slot` (free, taken with [`Registry::take_slot`]).
+    pub(crate) fn occupy_slot(&mut self, key: AdapterKey, slot: u32) {
+        debug_assert!(self.device.slots[slot as usize].is_none());
+        let now = self.tick();
+        self.device.slots[slot as usize] = Some(key);
+        self.device.generations[slot as usize] += 1;
+        let a = self.get_mut(key);
+        a.residency.slot = Some(slot);
+        a.residency.device_since = now;
+        self.refresh(key);
+    }
+
+    /// Enters `key` into the host tier (room was made).
+    pub(crate) fn enter_host(&mut self, key: AdapterKey) {
+        let now = self.tick();
+        let a = self.get_mut(key);
+        a.residency.host_since = Some(now);
+        let bytes = a.identity.size.host_bytes;
+        self.host.count += 1;
+        self.host.bytes += bytes;
+        self.refresh(key);
+    }
+
+    fn evict_device(&mut self, key: AdapterKey, evicted: &mut Vec<Eviction>) -> u32 {
+        let slot = self.free_slot(key);
+        self.device.counters.evictions += 1;
+        evicted.push(Eviction {
+            name: Arc::clone(&self.get(key).identity.name),
+            tier: Tier::Device,
+            slot: Some(slot),
+        });
+        slot
+    }
+
+    /// Takes `key` out of its slot (which becomes free) and returns the slot.
+    pub(crate) fn free_slot(&mut self, key: AdapterKey) -> u32 {
+        let slot = self.get_mut(key).residency.slot.take().expect("the adapter has a slot");
+        self.device.slots[slot as usize] = None;
+        self.device.generations[slot as usize] += 1;
+        self.device.free.insert(slot);
+        self.refresh(key);
+        slot
+    }
+
+    /// Takes `key` out of the host tier (it must have left the device tier already).
+    pub(crate) fn leave_host(&mut self, key: AdapterKey) {
+        let a = self.get_mut(key);
+        debug_assert!(a.residency.slot.is_none(), "an adapter leaves the device tier before the host tier");
+        a.residency.host_since = None;
+        let bytes = a.identity.size.host_bytes;
+        self.host.count -= 1;
+        self.host.bytes -= bytes;
+        self.refresh(key);
+    }
+}

@@ -1,0 +1,295 @@
+//! The step transaction: one call plans a scheduler step and acquires its admitted requests at
+//! once, under the registry's lock, so no unload or re-registration can slip in between; the
+//! step's planned loads are reported by index; [`Registry::finish_step`] releases everything the
+//! step holds and fails every load it never reported. Also the budget rule's other faces: which
+//! batches fit ([`Registry::split`]) and why one does not ([`Registry::overflow`]).
+
+use super::plan::StepPlan;
+use super::Registry;
+use crate::error::{Error, Result};
+use crate::policy::AdapterKey;
+
+/// The handle of an open step transaction, from [`Registry::begin_step`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StepTicket(pub u64);
+
+/// What an open step holds.
+#[derive(Debug)]
+pub(super) struct OpenStep {
+    ticket: StepTicket,
+    /// The admitted adapters (each holds its `step_holds` requests) and their registration serials.
+    held: Vec<(AdapterKey, u64)>,
+    /// Per planned load, in the plan's order: its adapter and serial until it is reported.
+    pending: Vec<Option<(AdapterKey, u64)>>,
+}
+
+impl Registry {
+    /// Plans one step and acquires its admitted requests, atomically: the step transaction.
+    ///
+    /// As [`Registry::plan`], and then every admitted request counts as in flight until
+    /// [`Registry::finish_step`] (so an unload of one of its adapters waits for the step), and each
+    /// planned load stays protected until reported with [`Registry::report_load`] (or failed by the
+    /// finish). Adapters being unloaded take no new requests. With `all_or_nothing`, a step that
+    /// cannot admit every request changes nothing and fails with [`Error::Capacity`].
+    ///
+    /// Errors: [`Error::Usage`] when a step is open already, or as [`Registry::plan`];
+    /// [`Error::AdapterNotFound`] for an adapter being unloaded; [`Error::Capacity`] as above.
+    pub fn begin_step(
+        &mut self,
+        adapters: &[Option<AdapterKey>],
+        num_tokens: &[u32],
+        all_or_nothing: bool,
+    ) -> Result<(StepPlan, StepTicket)> {
+        if let Some(open) = &self.open_step {
+            return Err(Error::Usage(format!(
+                "step {} is open; finish it before beginning another",
+                open.ticket.0
+            )));
+        }
+        for key in adapters.iter().flatten() {
+            let a = self.get(*key);
+            if a.protection.draining {
+                return Err(Error::AdapterNotFound {
+                    name: format!("{} (being unloaded: it takes no new requests)", a.spec_name()),
+                    registered: self.not_found_list(),
+                });
+            }
+        }
+        if all_or_nothing {
+            if let Some(why) = self.overflow(adapters) {
+                return Err(Error::Capacity(why));
+            }
+        }
+        let plan = self.plan(adapters, num_tokens)?;
+        let ticket = StepTicket(self.steps_begun + 1);
+        self.steps_begun += 1;
+        let held = self.step.iter().map(|&k| (k, self.get(k).identity.serial)).collect();
+        let pending = plan.loads.iter().map(|l| Some((l.key, l.serial))).collect();
+        self.open_step = Some(OpenStep { ticket, held, pending });
+        for &i in &plan.admitted {
+            if let Some(key) = adapters[i as usize] {
+                let p = &mut self.get_mut(key).protection;
+                // In the step, hence no eviction candidate whatever its count: no refresh needed.
+                p.in_flight += 1;
+                p.step_holds += 1;
+            }
+        }
+        if all_or_nothing && !plan.deferred.is_empty() {
+            // Only a host tier full of protected adapters defers past the budget check above.
+            let why = format!(
+                "a batch of {} sequences cannot run at once: the host tier cannot make room for every \
+                 adapter it uses ({} request(s) would wait)",
+                adapters.len(),
+                plan.deferred.len()
+            );
+            self.finish_step(ticket)?;
+            return Err(Error::Capacity(why));
+        }
+        Ok((plan, ticket))
+    }
+
+    /// Reports planned load `index` (into the step's `loads`) of step `ticket`: done (`ok`: its
+    /// loading protection ends) or failed (it leaves its slot, and the host tier too when the load
+    /// was to read it from disk).
+    ///
+    /// Errors: [`Error::Usage`] when `ticket` is not the open step or that load is not pending.
+    pub fn report_load(&mut self, ticket: StepTicket, index: usize, ok: bool) -> Result<()> {
+        let open = self.open_step_mut(ticket)?;
+        let Some((key, serial)) = open.pending.get_mut(index).and_then(Option::take) else {
+            return Err(Error::Usage(format!("load {index} of step {} is not pending", ticket.0)));
+        };
+        // The step holds the adapter, so it cannot have been forgotten since it was planned.
+        debug_assert_eq!(self.get(key).identity.serial, serial);
+        if ok {
+            self.get_mut(key).protection.loading = None;
+            self.refresh(key);
+        } else {
+            self.fail_load(key);
+        }
+        Ok(())
+    }
+
+    /// Ends step `ticket`: every load it did not report fails, its requests are released and its
+    /// adapters stop being protected as in the step. Returns whether an adapter being unloaded
+    /// drained (waiters should be woken).
+    ///
+    /// Errors: [`Error::Usage`] when `ticket` is not the open step (nothing changes).
+    pub fn finish_step(&mut self, ticket: StepTicket) -> Result<bool> {
+        self.open_step_mut(ticket)?;
+        let open = self.open_step.take().expect("checked open");
+        for (key, _) in open.pending.into_iter().flatten() {
+            self.fail_load(key);
+        }
+        let mut drained = false;
+        for (key, _) in open.held {
+            let n = std::mem::take(&mut self.get_mut(key).protection.step_holds);
+            drained |= self.unhold(key, n);
+        }
+        self.end_protection();
+        Ok(drained)
+    }
+
+    /// Whether the open step holds `key`.
+    pub(super) fn step_holds(&self, key: AdapterKey) -> bool {
+        self.open_step.as_ref().is_some_and(|o| o.held.iter().any(|&(k, _)| k == key))
+    }
+
+    /// The open step's ticket, if one is open.
+    pub fn open_ticket(&self) -> Option<StepTicket> {
+        self.open_step.as_ref().map(|o| o.ticket)
+    }
+
+    fn open_step_mut(&mut self, ticket: StepTicket) -> Result<&mut OpenStep> {
+        let open = self.open_step.as_ref().map(|o| o.ticket);
+        match (open, &mut self.open_step) {
+            (Some(t), Some(step)) if t == ticket => Ok(step),
+            (Some(t), _) => Err(Error::Usage(format!(
+                "step {} is not the open step (step {} is); it was finished already",
+                ticket.0, t.0
+            ))),
+            _ => Err(Error::Usage(format!("step {} is not open; it was finished already", ticket.0))),
+        }
+    }
+
+    /// Cuts a batch into groups of request indices, in order, each of which fits the device slots
+    /// at once: at most `slots - pinned` distinct unpinned adapters a group (pinned ones always fit).
+    pub fn split(&self, adapters: &[Option<AdapterKey>]) -> Vec<Vec<u32>> {
+        let budget = self.config.slots - self.pinned;
+        let mut groups = Vec::new();
+        let mut current = Vec::new();
+        let mut distinct: Vec<AdapterKey> = Vec::new();
+        for (i, request) in adapters.iter().enumerate() {
+            if let Some(key) = *request {
+                if !self.get(key).protection.pinned && !distinct.contains(&key) {
+                    if distinct.len() == budget {
+                        groups.push(std::mem::take(&mut current));
+                        distinct.clear();
+                    }
+                    distinct.push(key);
+                }
+            }
+            current.push(i as u32);
+        }
+        if !current.is_empty() {
+            groups.push(current);
+        }
+        groups
+    }
+
+    /// Why a batch cannot run in one step (more distinct unpinned adapters than the slots left
+    /// by the pinned ones), with the numbers; `None` when it fits.
+    pub fn overflow(&self, adapters: &[Option<AdapterKey>]) -> Option<String> {
+        let mut distinct: Vec<AdapterKey> =
+            adapters.iter().flatten().copied().filter(|&k| !self.get(k).protection.pinned).collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let budget = self.config.slots - self.pinned;
+        (distinct.len() > budget).then(|| {
+            format!(
+                "a batch of {} sequences uses {} distinct unpinned adapters but {} slots minus {} pinned \
+                 leave room for {budget}; use LoRAManager.split(names) to cut it into batches that fit",
+                adapters.len(),
+                distinct.len(),
+                self.config.slots,
+                self.pinned
+            )
+        })
+    }
+
+    /// Empties `slots` in the registry's view: each occupant leaves its slot (it is loaded again on
+    /// its next use), its loading protection ended. For a caller that found a slot not holding what
+    /// the registry says (a stale plan); out-of-range and empty slots are skipped.
+    ///
+    /// Errors: [`Error::Usage`] while a step transaction is open (finish it first).
+    pub fn invalidate_slots(&mut self, slots: &[u32]) -> Result<()> {
+        self.refuse_open_step("invalidate_slots")?;
+        for &slot in slots {
+            if let Some(&Some(key)) = self.device.slots.get(slot as usize) {
+                self.get_mut(key).protection.loading = None;
+                self.free_slot(key);
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the protection of the latest plan's adapters (the next plan does this itself). For
+    /// callers of [`Registry::plan`]; a step transaction ends with [`Registry::finish_step`].
+    ///
+    /// Errors: [`Error::Usage`] while a step transaction is open.
+    pub fn end_step(&mut self) -> Result<()> {
+        self.refuse_open_step("end_step")?;
+        self.end_protection();
+        Ok(())
+    }
+
+    fn end_protection(&mut self) {
+        // In admission order, so equal candidates enter the policies in the order a later plan's
+        // admission would have released them.
+        let mut step = std::mem::take(&mut self.step);
+        for &key in &step {
+            self.get_mut(key).protection.in_step = false;
+            self.refresh(key);
+        }
+        step.clear();
+        self.step = step;
+    }
+
+    pub(super) fn refuse_open_step(&self, what: &str) -> Result<()> {
+        match &self.open_step {
+            Some(open) => Err(Error::Usage(format!(
+                "{what}: step {} is open; finish it first (a step transaction owns the step's protection)",
+                open.ticket.0
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// The planned load of `name` finished: its loading protection ends. For callers of
+    /// [`Registry::plan`]; a step transaction reports with [`Registry::report_load`].
+    ///
+    /// Errors: [`Error::AdapterNotFound`]; [`Error::Usage`] when no load of it is pending.
+    pub fn load_done(&mut self, name: &str) -> Result<()> {
+        let key = self.pending_load(name)?;
+        self.get_mut(key).protection.loading = None;
+        self.refresh(key);
+        Ok(())
+    }
+
+    /// The planned load of `name` failed: it is not in its device slot any more, nor in the host tier
+    /// if the load was to read it from disk. Nothing else changes.
+    ///
+    /// Errors: [`Error::AdapterNotFound`]; [`Error::Usage`] when no load of it is pending.
+    pub fn load_failed(&mut self, name: &str) -> Result<()> {
+        let key = self.pending_load(name)?;
+        self.fail_load(key);
+        Ok(())
+    }
+
+    fn fail_load(&mut self, key: AdapterKey) {
+        let source = self.get_mut(key).protection.loading.take();
+        if self.get(key).residency.slot.is_some() {
+            self.free_slot(key);
+        }
+        if source == Some(super::LoadSource::Disk) && self.get(key).residency.host_since.is_some() {
+            self.leave_host(key);
+        }
+        self.refresh(key);
+    }
+
+    fn pending_load(&self, name: &str) -> Result<AdapterKey> {
+        let key = self.lookup(name, true)?;
+        if self.get(key).protection.loading.is_none() {
+            return Err(Error::Usage(format!("no load of adapter {name:?} is pending")));
+        }
+        if self.open_step.as_ref().is_some_and(|o| o.pending.iter().flatten().any(|&(k, _)| k == key)) {
+            return Err(Error::Usage(format!(
+                "the load of adapter {name:?} belongs to the open step: report it with report_load"
+            )));
+        }
+        Ok(key)
+    }
+}
+
+#[cfg(test)]
+#[path = "step_tests.rs"]
+mod tests;

@@ -1,0 +1,135 @@
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::Error;
+use crate::registry::testkit::*;
+use crate::registry::{LoadSource, StepTicket, Unload};
+use crate::shared::SharedRegistry;
+
+#[test]
+fn a_step_holds_its_adapters_until_finished_so_an_unload_waits_for_it() {
+    let shared = Arc::new(SharedRegistry::new(registry(2, None, "lru", &["a", "b"])));
+    let a = shared.lock().lookup("a", false).unwrap();
+    let (plan, ticket) = shared.lock().begin_step(&[Some(a), None, Some(a)], &[1, 1, 1], false).unwrap();
+    assert_eq!(plan.admitted, [0, 1, 2]);
+    assert_eq!(shared.lock().in_flight("a").unwrap(), 2);
+    // Another thread unloads "a" and loads a new "a" meanwhile: the unload cannot finish, and the
+    // name cannot be taken, while the step holds the old registration.
+    assert!(matches!(shared.unload_for("a", Duration::ZERO).unwrap(), Unload::Draining { in_flight: 2, .. }));
+    let again = shared.lock().register(lora("a"), size(4, 100)).unwrap_err();
+    assert!(matches!(again, Error::AdapterInUse(_)), "{again}");
+    let waiter = {
+        let shared = Arc::clone(&shared);
+        std::thread::spawn(move || shared.unload("a", Some(Duration::from_secs(10))))
+    };
+    shared.lock().report_load(ticket, 0, true).unwrap();
+    shared.finish_step(ticket).unwrap();
+    waiter.join().unwrap().unwrap();
+    let mut reg = shared.lock();
+    assert!(!reg.contains("a"));
+    reg.register(lora("a"), size(4, 100)).unwrap();
+    assert_eq!(reg.in_flight("a").unwrap(), 0);
+    reg.audit().unwrap();
+}
+
+#[test]
+fn loads_are_reported_by_index_and_unreported_ones_fail_at_finish() {
+    let mut reg = registry(2, None, "lru", &["a", "b"]);
+    let (a, b) = (reg.lookup("a", false).unwrap(), reg.lookup("b", false).unwrap());
+    let (plan, ticket) = reg.begin_step(&[Some(a), Some(b)], &[2, 3], false).unwrap();
+    assert_eq!(plan.loads.len(), 2);
+    assert_eq!(plan.loads[0].serial, reg.serial("a").unwrap());
+    reg.report_load(ticket, 0, true).unwrap();
+    assert!(matches!(reg.report_load(ticket, 0, true), Err(Error::Usage(_))), "reported twice");
+    assert!(matches!(reg.report_load(StepTicket(ticket.0 + 1), 1, true), Err(Error::Usage(_))));
+    // The name-based calls cannot touch the transaction's loads.
+    assert!(matches!(reg.load_done("b"), Err(Error::Usage(_))));
+    reg.audit().unwrap();
+    reg.finish_step(ticket).unwrap();
+    let stats = reg.stats();
+    assert_eq!(stats.device.resident, ["a"], "b's load was never reported: it failed");
+    assert_eq!((reg.in_flight("a").unwrap(), reg.in_flight("b").unwrap()), (0, 0));
+    assert!(matches!(reg.finish_step(ticket), Err(Error::Usage(_))), "finished twice");
+    reg.audit().unwrap();
+}
+
+#[test]
+fn one_step_is_open_at_a_time_and_plain_plans_wait_for_it() {
+    let mut reg = registry(2, None, "lru", &["a"]);
+    let a = reg.lookup("a", false).unwrap();
+    let (_, ticket) = reg.begin_step(&[Some(a)], &[1], false).unwrap();
+    assert!(matches!(reg.begin_step(&[Some(a)], &[1], false), Err(Error::Usage(_))));
+    assert!(matches!(reg.plan(&[Some(a)], &[1]), Err(Error::Usage(_))));
+    assert!(matches!(reg.end_step(), Err(Error::Usage(_))));
+    assert_eq!(reg.in_flight("a").unwrap(), 1, "refused calls acquired nothing");
+    reg.finish_step(ticket).unwrap();
+    let (_, next) = reg.begin_step(&[Some(a)], &[1], false).unwrap();
+    assert_ne!(next, ticket);
+    reg.finish_step(next).unwrap();
+}
+
+#[test]
+fn a_failed_load_leaves_its_slot_and_a_disk_load_the_host_tier() {
+    let mut reg = registry(1, Some(1), "lru", &["a", "b"]);
+    let a = reg.lookup("a", false).unwrap();
+    let (plan, ticket) = reg.begin_step(&[Some(a)], &[1], false).unwrap();
+    assert_eq!(plan.loads[0].source, LoadSource::Disk, "b's registration evicted a from host memory");
+    reg.report_load(ticket, 0, false).unwrap();
+    reg.finish_step(ticket).unwrap();
+    let stats = reg.stats();
+    assert!(stats.device.resident.is_empty() && !stats.host.resident.contains(&"a".to_owned()));
+    assert_eq!(reg.in_flight("a").unwrap(), 0);
+    reg.audit().unwrap();
+}
+
+#[test]
+fn all_or_nothing_refuses_a_batch_that_does_not_fit_and_changes_nothing() {
+    let mut reg = registry(2, None, "lru", &["a", "b", "c"]);
+    let keys: Vec<_> = ["a", "b", "c"].iter().map(|n| Some(reg.lookup(n, false).unwrap())).collect();
+    let before = reg.stats();
+    let err = reg.begin_step(&keys, &[1, 1, 1], true).unwrap_err();
+    assert!(matches!(err, Error::Capacity(_)));
+    assert!(err.to_string().contains("3 distinct unpinned adapters but 2 slots minus 0 pinned"), "{err}");
+    assert_eq!(reg.stats(), before);
+    assert_eq!(reg.open_ticket(), None);
+    reg.audit().unwrap();
+}
+
+#[test]
+fn an_adapter_being_unloaded_takes_no_new_step() {
+    let mut reg = registry(2, None, "lru", &["a"]);
+    let a = reg.lookup("a", false).unwrap();
+    reg.acquire(&[Some("a")]).unwrap();
+    assert!(matches!(reg.unload("a").unwrap(), Unload::Draining { .. }));
+    let err = reg.begin_step(&[Some(a)], &[1], false).unwrap_err();
+    assert!(
+        matches!(err, Error::AdapterNotFound { .. }) && err.to_string().contains("being unloaded"),
+        "{err}"
+    );
+    assert_eq!(reg.in_flight("a").unwrap(), 1);
+}
+
+/// The budget counts every pinned adapter, also one evicted from host memory before it was pinned
+/// (a copy of the rule that read the host tier's pinned list missed those and split too coarsely).
+#[test]
+fn split_and_overflow_count_pins_outside_the_host_tier() {
+    let mut reg = registry(3, Some(3), "lru", &["a", "b", "c", "d"]);
+    assert!(!reg.stats().host.resident.contains(&"a".to_owned()), "d's registration evicted a");
+    reg.pin("a").unwrap();
+    let stats = reg.stats();
+    assert_eq!((stats.pinned, stats.pinned_names.clone()), (1, vec!["a".to_owned()]));
+    assert!(stats.host.pinned.is_empty());
+    let keys: Vec<_> = ["b", "c", "d"].iter().map(|n| Some(reg.lookup(n, false).unwrap())).collect();
+    assert_eq!(reg.split(&keys), [vec![0, 1], vec![2]]);
+    let why = reg.overflow(&keys).unwrap();
+    assert!(why.contains("3 slots minus 1 pinned leave room for 2"), "{why}");
+    for group in reg.split(&keys) {
+        let names: Vec<_> = group.iter().map(|&i| keys[i as usize]).collect();
+        let (plan, ticket) = reg.begin_step(&names, &vec![1; names.len()], true).unwrap();
+        assert!(plan.deferred.is_empty());
+        reg.finish_step(ticket).unwrap();
+    }
+    let with_pin = [Some(reg.lookup("a", false).unwrap()), keys[0], keys[1]];
+    assert_eq!(reg.split(&with_pin), [vec![0, 1, 2]], "a pinned adapter always fits");
+    reg.audit().unwrap();
+}

@@ -1,0 +1,48 @@
+//! Helpers shared by the registry's tests.
+
+use crate::policy::PolicyKind;
+use crate::registry::tiers::Tier;
+use crate::registry::{AdapterSize, Config, Registry, StepPlan};
+use crate::spec::LoRARef;
+
+pub(super) fn size(rank: u32, bytes: u64) -> AdapterSize {
+    AdapterSize { rank, host_bytes: bytes, device_bytes: bytes, scaling: 0.5 }
+}
+
+pub(super) fn lora(name: &str) -> LoRARef {
+    LoRARef::with_deterministic_id(name, &format!("/srv/{name}"), false, None).unwrap()
+}
+
+pub(super) fn registry(slots: usize, max_loaded: Option<usize>, policy: &str, names: &[&str]) -> Registry {
+    let mut config = Config::new(slots);
+    config.max_loaded = max_loaded;
+    config.device_policy = PolicyKind::parse("policy", policy).unwrap();
+    config.host_policy = config.device_policy;
+    let mut reg = Registry::new(config).unwrap();
+    for (i, n) in names.iter().enumerate() {
+        reg.register(lora(n), size(4 + i as u32, 100)).unwrap();
+    }
+    reg
+}
+
+pub(super) fn plan(reg: &mut Registry, names: &[Option<&str>]) -> StepPlan {
+    let plan = reg.plan_names(names, &vec![1; names.len()]).unwrap();
+    reg.audit().unwrap();
+    plan
+}
+
+pub(super) fn finish_loads(reg: &mut Registry, p: &StepPlan) {
+    for load in &p.loads {
+        reg.load_done(&load.name).unwrap();
+    }
+}
+
+/// Plans `names` and reports every load done.
+pub(super) fn step(reg: &mut Registry, names: &[Option<&str>]) {
+    let p = plan(reg, names);
+    finish_loads(reg, &p);
+}
+
+pub(super) fn evicted(p: &StepPlan, tier: Tier) -> Vec<&str> {
+    p.evictions.iter().filter(|e| e.tier == tier).map(|e| &*e.name).collect()
+}

@@ -1,0 +1,157 @@
+//! The two tiers' own bookkeeping: the host ledger (counts and bytes of host memory, bounded by
+//! count and bytes) and the device slot table, each with its eviction candidates. They know keys,
+//! not adapters: moving adapters between them is `residency`'s job.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use crate::policy::{AdapterKey, EvictionPolicy};
+
+/// A tier's running counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierCounters {
+    /// Planned uses that found the adapter resident (host: device misses served from host memory).
+    pub hits: u64,
+    /// Planned uses that had to load it (host: reads from disk).
+    pub misses: u64,
+    /// Adapters brought in (host: registrations and disk reads; device: slot loads).
+    pub loads: u64,
+    /// Adapters evicted to make room.
+    pub evictions: u64,
+    /// Times the tier refused room: deferred adapters in a plan, refused registrations and pins.
+    pub refusals: u64,
+}
+
+/// Which tier an eviction left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tier {
+    /// Host memory.
+    Host,
+    /// A device slot.
+    Device,
+}
+
+impl Tier {
+    /// `"host"` or `"device"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Host => "host",
+            Tier::Device => "device",
+        }
+    }
+}
+
+/// An adapter that left a tier to make room.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Eviction {
+    /// The adapter's name (shared with the registry: no copy per eviction).
+    pub name: Arc<str>,
+    /// The tier it left.
+    pub tier: Tier,
+    /// The slot it left (device evictions only).
+    pub slot: Option<u32>,
+}
+
+/// Which device candidate set an adapter is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DeviceCandidate {
+    /// Not a candidate.
+    No,
+    /// No request in flight: evicted first.
+    Idle,
+    /// Requests in flight but not in the step: evicted only when no idle candidate is left.
+    Queued,
+}
+
+/// Host memory: what it holds, counted (the tensors themselves live in Python).
+#[derive(Debug)]
+pub(crate) struct HostLedger {
+    pub(crate) max_count: Option<usize>,
+    pub(crate) max_bytes: Option<u64>,
+    pub(crate) count: usize,
+    pub(crate) bytes: u64,
+    pub(super) candidates: Box<dyn EvictionPolicy>,
+    pub(super) candidate_bytes: u64,
+    pub(crate) counters: TierCounters,
+}
+
+impl HostLedger {
+    pub(crate) fn new(
+        max_count: Option<usize>,
+        max_bytes: Option<u64>,
+        policy: Box<dyn EvictionPolicy>,
+    ) -> Self {
+        Self {
+            max_count,
+            max_bytes,
+            count: 0,
+            bytes: 0,
+            candidates: policy,
+            candidate_bytes: 0,
+            counters: TierCounters::default(),
+        }
+    }
+
+    /// Whether one more adapter of `bytes` fits now.
+    pub(super) fn has_room(&self, bytes: u64) -> bool {
+        self.max_count.is_none_or(|m| self.count < m)
+            && self.max_bytes.is_none_or(|m| self.bytes + bytes <= m)
+    }
+
+    /// Whether one more adapter of `bytes` would fit after evicting every candidate.
+    pub(crate) fn room_possible(&self, bytes: u64) -> bool {
+        let count = self.count - self.candidates.len();
+        let used = self.bytes - self.candidate_bytes;
+        self.max_count.is_none_or(|m| count < m) && self.max_bytes.is_none_or(|m| used + bytes <= m)
+    }
+
+    /// Why [`HostLedger::room_possible`] is false, with the numbers.
+    pub(crate) fn shortage(&self, bytes: u64) -> String {
+        let protected = self.count - self.candidates.len();
+        let mut why = format!(
+            "the host tier holds {} adapter(s) ({} bytes), {protected} of them protected (pinned, in flight, \
+             loading or in the current step)",
+            self.count, self.bytes
+        );
+        if let Some(m) = self.max_count {
+            why.push_str(&format!("; max_loaded_loras={m}"));
+        }
+        if let Some(m) = self.max_bytes {
+            why.push_str(&format!(
+                "; max_host_bytes={m}, of which protected adapters take {} and this one needs {bytes}",
+                self.bytes - self.candidate_bytes
+            ));
+        }
+        why
+    }
+}
+
+/// Device slots.
+#[derive(Debug)]
+pub(crate) struct DeviceTier {
+    pub(crate) slots: Vec<Option<AdapterKey>>,
+    /// Bumped whenever a slot's occupant changes, so a plan can be checked against later changes.
+    pub(crate) generations: Vec<u64>,
+    pub(super) free: BTreeSet<u32>,
+    pub(super) idle: Box<dyn EvictionPolicy>,
+    pub(super) queued: Box<dyn EvictionPolicy>,
+    pub(crate) counters: TierCounters,
+}
+
+impl DeviceTier {
+    pub(crate) fn new(slots: u32, idle: Box<dyn EvictionPolicy>, queued: Box<dyn EvictionPolicy>) -> Self {
+        Self {
+            slots: vec![None; slots as usize],
+            generations: vec![0; slots as usize],
+            free: (0..slots).collect(),
+            idle,
+            queued,
+            counters: TierCounters::default(),
+        }
+    }
+
+    /// Whether a slot is free or can be freed by an eviction.
+    pub(crate) fn slot_possible(&self) -> bool {
+        !self.free.is_empty() || !self.idle.is_empty() || !self.queued.is_empty()
+    }
+}
