@@ -22,7 +22,7 @@ from lora_pin.errors import (
     UnloadTimeoutError,
     UsageError,
 )
-from lora_pin.registry import unload_async
+from lora_pin.unloading import unload_async
 
 
 def make(slots: int = 2, loaded: int | None = None, names: str = "abc", **kw: object) -> LoRARegistry:

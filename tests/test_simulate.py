@@ -162,11 +162,10 @@ def live_log(
         step = list(waiting)
         waiting.clear()
         step_names = [requests[i][0] for i in step]
-        plan = reg.plan(step_names, [requests[i][1] for i in step])
-        ids = reg.acquire([step_names[i] for i in plan.admitted])
-        for name, _lora_id, _slot, _source in plan.loads:
-            reg.load_done(name)
-        reg.release(ids)
+        plan = reg.begin_step(step_names, [requests[i][1] for i in step])
+        for index in range(len(plan.loads)):
+            reg.report_load(plan.ticket, index, True)
+        reg.finish_step(plan.ticket)
         waiting.extend(step[i] for i in plan.deferred)
         log.append(
             {

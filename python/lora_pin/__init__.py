@@ -36,7 +36,7 @@ from lora_pin.errors import (
     UnsafeFormatError,
     UsageError,
 )
-from lora_pin.registry import unload_async
+from lora_pin.unloading import unload_async
 
 if TYPE_CHECKING:
     from lora_pin.model import LoRAManager, Step

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from lora_pin._core import MAX_SLOTS, LoRARef, parse_lora_paths
+from lora_pin._core import EVICTION_POLICIES, MAX_SLOTS, LoRARef, parse_lora_paths
 from lora_pin.errors import SpecError
 
 __all__ = [
@@ -24,8 +24,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_LORAS_PER_BATCH = 8
-#: Eviction policies accepted by ``--lora-eviction-policy`` (SGLang's choices).
-EVICTION_POLICIES = ("lru", "fifo", "reuse", "hybrid")
 
 _SPEC_HELP = (
     "Adapters to serve. Each item: PATH (the name is the path), NAME=PATH, "

@@ -60,7 +60,18 @@ class UnloadTimeoutError(LoraPinError, TimeoutError):
 
 
 class StalePlanError(LoraPinError):
-    """A step plan refers to a slot whose contents changed after the plan was made."""
+    """A step plan refers to a slot whose contents changed after the plan was made.
+
+    Attributes:
+        stale_slots: the slots found stale (empty when the error is raised by ``finish``, whose
+            message names them).
+    """
+
+    stale_slots: list[int]
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.stale_slots = []
 
 
 class UsageError(LoraPinError, ValueError):

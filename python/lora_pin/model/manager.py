@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import os
 import threading
-from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +21,7 @@ import torch
 from lora_pin._core import LoRARef, LoRARegistry, parse_lora_paths
 from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, lora_config_from_args
 from lora_pin.errors import (
-    AdapterLoadError,
     AdapterNotFoundError,
-    CapacityError,
     DuplicateAdapterError,
     LoraPinError,
     SpecError,
@@ -33,8 +30,9 @@ from lora_pin.errors import (
 )
 from lora_pin.model.attach import FusedSpec, attach, detach, model_targets
 from lora_pin.model.layers import StepSegments
+from lora_pin.model.residency import Residency
 from lora_pin.ops import CUDA_CHUNK_SIZE, SegmentBatch
-from lora_pin.registry import unload_async
+from lora_pin.unloading import unload_async
 from lora_pin.weights import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_TENSORS,
@@ -66,7 +64,7 @@ class Step:
     request_slots: torch.Tensor
     segments: SegmentBatch
     num_tokens: int
-    _ids: tuple[str | None, ...]
+    _ticket: int
     _slot_writes: tuple[tuple[int, int], ...] = ()
 
 
@@ -116,10 +114,13 @@ class LoRAManager:
         max_file_bytes, max_tensors: per-adapter limits on the weight file (see
             :mod:`lora_pin.weights.limits`), checked before any tensor is read.
 
-    Thread safety: loads, unloads, pins and unpins may run from other threads while a step is active. Every
-    write into the device pool and every host-tier change happens under one lock, and each step checks that
-    every slot it uses holds the contents its plan's slot generation names (:class:`StalePlanError`
-    otherwise), both when it starts and when it finishes.
+    Thread safety: loads, unloads, pins and unpins may run from other threads while a step is active. A
+    step is one core transaction: its plan and the acquisition of its requests happen at once, so an
+    unload of one of its adapters waits for the step to finish, and the name cannot be registered
+    again meanwhile. Every write into the device pool and every host-tier change happens under one
+    lock (:class:`~lora_pin.model.residency.Residency`), and each step checks that every slot it uses
+    holds the contents its plan's slot generation names (:class:`StalePlanError` otherwise), both when it
+    starts and when it finishes.
 
     Raises:
         SpecError: the specs or limits are invalid, the rank/target modules cannot be determined, or
@@ -172,8 +173,8 @@ class LoRAManager:
                 )
         self.max_rank = rank
         self.chunk_size = chunk_size
-        self.pool = DevicePool(self.targets, max_loras_per_batch, rank, self.dtype, self.device)
-        self.host = HostTier(
+        pool = DevicePool(self.targets, max_loras_per_batch, rank, self.dtype, self.device)
+        host = HostTier(
             self.targets,
             max_rank=rank,
             dtype=self.dtype,
@@ -189,19 +190,14 @@ class LoRAManager:
             eviction_policy=eviction_policy,
             chunk_size=chunk_size,
         )
-        # Per registered adapter: its path, and the folder it is confined to when discovered.
-        self._paths: dict[str, tuple[str, Path | None]] = {}
-        self._evictions: Counter[tuple[str, str]] = Counter()
+        self.residency = Residency(self.registry, host, pool)
+        self.pool, self.host = pool, host
         self._step_lock = threading.Lock()
-        # Guards the host tier's dict, the pool's writes and the bookkeeping below against other threads.
-        self._tier_lock = threading.RLock()
-        # Per slot: (registry slot generation, pool write count) right after the manager filled it.
-        self._filled: list[tuple[int, int] | None] = [None] * max_loras_per_batch
         self._active: StepSegments | None = None
         self._active_step: Step | None = None
         self._wrapped: dict[str, torch.nn.Module] = {}
         for r in refs:
-            self._load_ref(r)
+            self.residency.add(r)
         self._wrapped = attach(model, self.targets, self._module_of, self.pool, self._active_segments)
 
     @classmethod
@@ -235,7 +231,7 @@ class LoRAManager:
                 no slot for unpinned adapters. In every case nothing changes.
         """
         ref = LoRARef.new(name, os.fspath(path), pinned)
-        self._load_ref(ref)
+        self.residency.add(ref)
         return ref
 
     def discover(self, names: Iterable[str | None]) -> list[str]:
@@ -283,7 +279,7 @@ class LoRAManager:
         try:
             for name, directory in found:
                 try:
-                    self._load_ref(LoRARef.new(name, str(directory), False), root=root)
+                    self.residency.add(LoRARef.new(name, str(directory), False), root=root)
                 except DuplicateAdapterError:
                     continue  # registered meanwhile by another thread: theirs stands
                 loaded.append(name)
@@ -292,7 +288,7 @@ class LoRAManager:
                 # A step on another thread may have taken it up meanwhile: then it stays (it loaded
                 # fine), rather than be torn down under that step.
                 if self.registry.in_flight(name) == 0 and self.registry.try_unload(name):
-                    self._forget(name)
+                    self.residency.forget(name)
             raise
         return loaded
 
@@ -323,7 +319,7 @@ class LoRAManager:
             UnloadTimeoutError: requests still use it after ``timeout`` seconds (it stays unregistered).
         """
         self.registry.unload(name, timeout)
-        self._forget(name)
+        self.residency.forget(name)
 
     async def unload_async(self, name: str, timeout: float | None = None) -> None:
         """:meth:`unload` for asyncio code: polls without blocking the event loop or tying up a thread.
@@ -332,16 +328,16 @@ class LoRAManager:
             AdapterNotFoundError, UnloadTimeoutError: as :meth:`unload`.
         """
         await unload_async(self.registry, name, timeout)
-        self._forget(name)
+        self.residency.forget(name)
 
     def stats(self) -> dict[str, Any]:
         """Counters per tier (hits, misses, loads, evictions, refusals), resident and pinned sets, and the
         pool's size in bytes."""
         stats = dict(self.registry.stats())
         stats["pool_bytes"] = self.pool.nbytes
-        stats["evictions_by_adapter"] = {f"{n}/{tier}": c for (n, tier), c in sorted(self._evictions.items())}
-        with self._tier_lock:
-            stats["host_bytes"] = self.host.nbytes
+        evictions = sorted(self.residency.evictions.items())
+        stats["evictions_by_adapter"] = {f"{n}/{tier}": c for (n, tier), c in evictions}
+        stats["host_bytes"] = self.residency.host_bytes
         return stats
 
     # ---- steps ----------------------------------------------------------------------------------
@@ -360,8 +356,9 @@ class LoRAManager:
         Raises:
             AdapterNotFoundError: a name is not registered (nor found in ``adapter_dir``; nothing is
                 planned). Adapters found there are loaded first, as :meth:`discover`.
-            AdapterLoadError: an adapter evicted from host memory could not be read again; the step is
-                released and nothing else changes.
+            AdapterLoadError: an adapter evicted from host memory could not be read again (or its files
+                changed since it was registered); the step is released and nothing else changes.
+            StalePlanError: a slot the step would use does not hold what its plan says; nothing ran.
             LoraPinError: a step is already active.
         """
         return self._start(names, num_tokens, per_sequence=False)
@@ -374,23 +371,21 @@ class LoRAManager:
             StalePlanError: a slot the step used was written while it ran, so its outputs may have been
                 computed with weights that are not their adapter's; the step is ended all the same.
         """
-        with self._tier_lock:
+        with self.residency.lock:
             if step is not self._active_step:
                 raise LoraPinError(
                     "finish: that step is not the active one (finished already, or another manager's)"
                 )
             self._active_step = None
+        try:
             # Checked before the release: once the step's adapters are released, an unload may clear
             # their slots.
-            counts = self.pool.write_counts()
-            changed = [slot for slot, writes in step._slot_writes if counts[slot] != writes]
-        try:
-            self.registry.release(list(step._ids))
+            changed = self.residency.changed_slots(step._slot_writes)
         finally:
             try:
-                # Its adapters stop being protected as "in the step" now, not at the next plan: a load
-                # between steps may evict them from a full host tier.
-                self.registry.end_step()
+                # Releases its requests and ends its adapters' protection as "in the step" now, not at
+                # the next step: a load between steps may evict them from a full host tier.
+                self.registry.finish_step(step._ticket)
             finally:
                 self._active = None
                 self._step_lock.release()
@@ -426,26 +421,7 @@ class LoRAManager:
         """
         if self.adapter_dir is not None:
             self.discover(names)
-        return self._split(names)
-
-    def _split(self, names: Sequence[str | None]) -> list[list[int]]:
-        pinned = self._pinned()
-        budget = self.pool.slots - len(pinned)
-        groups: list[list[int]] = []
-        current: list[int] = []
-        distinct: set[str] = set()
-        for i, name in enumerate(names):
-            if name is not None:
-                self.registry.lora_ref(name)
-            if name is not None and name not in pinned and name not in distinct and len(distinct) == budget:
-                groups.append(current)
-                current, distinct = [], set()
-            if name is not None and name not in pinned:
-                distinct.add(name)
-            current.append(i)
-        if current:
-            groups.append(current)
-        return groups
+        return self.registry.split(names)
 
     def detach(self) -> None:
         """Restore the model exactly: every wrapped linear goes back in place. The manager is unusable after.
@@ -495,43 +471,6 @@ class LoRAManager:
             raise SpecError(f"max_lora_rank must be in 1..{MAX_ADAPTER_RANK} (got {max_rank})")
         return max_rank, tuple(modules)
 
-    def _load_ref(self, ref: LoRARef, root: Path | None = None) -> None:
-        # Read outside the lock (it can take long); registering, holding the weights and dropping the
-        # victims happen at once under it, so two threads loading one name cannot drop each other's copy.
-        adapter = self.host.read(ref.lora_name, ref.lora_path, root=root)
-        with self._tier_lock:
-            # Raises for a name registered or still draining (its weights are in use).
-            evicted = self.registry.register(
-                ref,
-                rank=adapter.max_rank,
-                host_bytes=adapter.nbytes,
-                device_bytes=self.pool.slot_nbytes,
-            )
-            # Weights still held under the name belong to a registration an unload has just forgotten
-            # (its _forget has not run yet): stale, replaced.
-            self._drop_host(ref.lora_name)
-            self.host.add(adapter)
-            for name in evicted:
-                self._evictions[(name, "host")] += 1
-                self._drop_host(name)
-            self._paths[ref.lora_name] = (ref.lora_path, root)
-
-    def _drop_host(self, name: str) -> None:
-        if name in self.host:
-            self.host.drop(name)
-
-    def _forget(self, name: str) -> None:
-        """Free what the manager holds for ``name`` once the registry has forgotten it."""
-        with self._tier_lock:
-            if name in self.registry:
-                return  # registered again since the unload: what is held is the new adapter's
-            self._drop_host(name)
-            self._paths.pop(name, None)
-            for slot in range(self.pool.slots):
-                if self.pool.occupant(slot) == name:
-                    self.pool.clear(slot)
-                    self._filled[slot] = None
-
     def _active_segments(self) -> StepSegments | None:
         return self._active
 
@@ -547,39 +486,24 @@ class LoRAManager:
                 names = _checked_names(names)  # read more than once below; a str is refused
             if self.adapter_dir is not None:
                 self.discover(names)
-            if per_sequence and len(self._split(names)) > 1:
-                raise CapacityError(self._too_many(names))
-            plan = self.registry.plan(names, num_tokens)
-            admitted_names = [names[i] for i in plan.admitted]
+            # One core transaction: admission, slots, loads and the acquisition of every admitted
+            # request; a per-sequence batch must run whole (CapacityError, nothing changed, if not).
+            plan = self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence)
             try:
-                ids = tuple(self.registry.acquire(admitted_names))
-            except BaseException:
-                # An admitted adapter was unloaded between plan and acquire: no planned load may stay
-                # pending, or a later plan would take its never-filled slot for resident.
-                self._abandon(plan.loads)
-                raise
-            slot_writes = self._apply(plan, ids, admitted_names)
-            if per_sequence and plan.deferred:
-                # The host tier could not make room (its adapters are all in use): nothing ran yet.
-                self.registry.release(list(ids))
-                raise CapacityError(self._too_many(names))
-            try:
-                step = self._activate(plan, ids, slot_writes, per_sequence)
-            except BaseException:
-                self.registry.release(list(ids))
+                slot_writes = self.residency.apply(plan)
+                step = self._activate(plan, slot_writes, per_sequence)
+            except BaseException as exc:
+                self.registry.finish_step(plan.ticket)
+                if isinstance(exc, StalePlanError):
+                    # Their occupants are loaded again by the next step that uses them.
+                    self.registry.invalidate_slots(exc.stale_slots)
                 raise
         except BaseException:
             self._step_lock.release()
             raise
         return step
 
-    def _activate(
-        self,
-        plan: Any,
-        ids: tuple[str | None, ...],
-        slot_writes: tuple[tuple[int, int], ...],
-        per_sequence: bool,
-    ) -> Step:
+    def _activate(self, plan: Any, slot_writes: tuple[tuple[int, int], ...], per_sequence: bool) -> Step:
         dev = self.device
         request_slots = _buffer(plan.request_slots, torch.int32, dev)
         segments = SegmentBatch(
@@ -602,79 +526,12 @@ class LoRAManager:
             request_slots,
             segments,
             plan.num_tokens,
-            ids,
+            plan.ticket,
             slot_writes,
         )
-        with self._tier_lock:
+        with self.residency.lock:
             self._active, self._active_step = active, step
         return step
-
-    def _pinned(self) -> set[str]:
-        return set(self.registry.stats()["host"]["pinned"])
-
-    def _too_many(self, names: Sequence[str | None]) -> str:
-        pinned = self._pinned()
-        distinct = {n for n in names if n is not None and n not in pinned}
-        return (
-            f"a batch of {len(names)} sequences uses {len(distinct)} distinct unpinned adapters but "
-            f"{self.pool.slots} slots minus {len(pinned)} pinned leave room for "
-            f"{self.pool.slots - len(pinned)}; use LoRAManager.split(names) to cut it into batches that fit"
-        )
-
-    def _abandon(self, loads: Sequence[tuple[str, str, int, str]]) -> None:
-        for name, _lora_id, _slot, _source in loads:
-            # An adapter unloaded meanwhile is forgotten with its slot: nothing is pending for it.
-            with contextlib.suppress(AdapterNotFoundError):
-                self.registry.load_failed(name)
-
-    def _apply(
-        self, plan: Any, ids: tuple[str | None, ...], plan_names: Sequence[str | None]
-    ) -> tuple[tuple[int, int], ...]:
-        """Perform the plan's evictions and loads; return ``(slot, pool writes)`` of every slot the step
-        uses, after checking each holds what the plan's slot generation says."""
-        generations = memoryview(plan.slot_generations).cast("q")
-        with self._tier_lock:
-            for name, tier, _slot in plan.evictions:
-                self._evictions[(name, tier)] += 1
-                if tier == "host":
-                    self._drop_host(name)
-            loads = list(plan.loads)
-            for done, (name, _lora_id, slot, source) in enumerate(loads):
-                try:
-                    if source == "disk" or name not in self.host:
-                        path, root = self._paths[name]
-                        self.host.load(name, path, root=root)
-                    self.pool.fill(slot, self.host[name])
-                except BaseException as exc:
-                    # The slot may be half written: empty it, so no later step can read the remains.
-                    self._filled[slot] = None
-                    self.pool.clear(slot)
-                    self._abandon(loads[done:])
-                    self.registry.release(list(ids))
-                    if isinstance(exc, LoraPinError):
-                        raise
-                    raise AdapterLoadError(
-                        f"adapter {name!r}: loading into slot {slot} failed: {exc!r}"
-                    ) from exc
-                self._filled[slot] = (generations[slot], self.pool.writes(slot))
-                self.registry.load_done(name)
-            used = sorted(set(memoryview(plan.request_slots).cast("i")) - {-1})
-            counts = self.pool.write_counts()
-            stale = [s for s in used if self._filled[s] != (generations[s], counts[s])]
-            if stale:
-                self.registry.release(list(ids))
-                # Mark the stale slots' adapters not resident, so the next plan loads them again.
-                slots = memoryview(plan.request_slots).cast("i")
-                owners = {slots[i]: plan_names[i] for i in range(len(slots)) if slots[i] in stale}
-                for name in filter(None, owners.values()):
-                    with contextlib.suppress(AdapterNotFoundError, UsageError):
-                        self.registry.load_failed(name)
-                raise StalePlanError(
-                    f"the step's plan names slot generation(s) "
-                    f"{ {s: generations[s] for s in stale} } but the pool holds "
-                    f"{ {s: self._filled[s] for s in stale} } (generation, writes) there; no step ran"
-                )
-            return tuple((s, counts[s]) for s in used)
 
 
 def _checked_adapter_dir(

@@ -1,0 +1,174 @@
+"""Residency: the tensors behind the registry's two tiers, kept in step with the Rust core's decisions.
+
+The core decides which adapters are in host memory and which device slot each holds; this object
+holds the matching tensors: the host tier's adapters (:class:`~lora_pin.weights.HostTier`), the
+device pool (:class:`~lora_pin.weights.DevicePool`), which registration filled each slot, and where
+each registered adapter is read from again after a host-tier eviction. Every change to them happens
+under one lock, so loads, unloads and steps on different threads never see half of one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lora_pin._core import LoRARef, LoRARegistry
+from lora_pin.errors import AdapterLoadError, LoraPinError, StalePlanError
+from lora_pin.weights import DevicePool, HostTier
+
+__all__ = ["Residency"]
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a registered adapter is read from again, and what it weighed when registered."""
+
+    path: str
+    root: Path | None
+    host_bytes: int
+
+
+class Residency:
+    """The host tier, the device pool and the slot bookkeeping of one manager.
+
+    Args:
+        registry: the core whose decisions this object carries out.
+        host: the host tier's tensors.
+        pool: the device slots' tensors (``registry.max_loras_per_batch`` slots).
+    """
+
+    def __init__(self, registry: LoRARegistry, host: HostTier, pool: DevicePool) -> None:
+        self.registry = registry
+        self.host = host
+        self.pool = pool
+        self.evictions: Counter[tuple[str, str]] = Counter()
+        # Guards the host tier's dict, the pool's writes and the bookkeeping below against other threads.
+        self.lock = threading.RLock()
+        self._sources: dict[str, _Source] = {}
+        # Per slot: (registry slot generation, pool write count) right after a step filled it.
+        self._filled: list[tuple[int, int] | None] = [None] * pool.slots
+
+    def add(self, ref: LoRARef, root: Path | None = None) -> None:
+        """Read the adapter ``ref`` names and register it, holding its weights in the host tier.
+
+        The read runs outside the lock (it can take long); registering, holding the weights and
+        dropping the host tier's victims happen at once under it, so two threads loading one name
+        cannot drop each other's copy.
+
+        Raises:
+            AdapterLoadError (and subclasses): the adapter cannot be read or served.
+            DuplicateAdapterError, AdapterInUseError, CapacityError: as ``LoRARegistry.register``;
+                nothing changes then.
+        """
+        adapter = self.host.read(ref.lora_name, ref.lora_path, root=root)
+        with self.lock:
+            evicted = self.registry.register(
+                ref,
+                rank=adapter.max_rank,
+                host_bytes=adapter.nbytes,
+                device_bytes=self.pool.slot_nbytes,
+            )
+            # Weights still held under the name belong to a registration an unload has just forgotten
+            # (its forget has not run yet): stale, replaced.
+            self._drop_host(ref.lora_name)
+            self.host.add(adapter)
+            for name in evicted:
+                self.evictions[(name, "host")] += 1
+                self._drop_host(name)
+            self._sources[ref.lora_name] = _Source(ref.lora_path, root, adapter.nbytes)
+
+    def forget(self, name: str) -> None:
+        """Free what is held for ``name`` once the registry has forgotten it (an unload finished)."""
+        with self.lock:
+            if name in self.registry:
+                return  # registered again since the unload: what is held is the new adapter's
+            self._drop_host(name)
+            self._sources.pop(name, None)
+            for slot in range(self.pool.slots):
+                if self.pool.occupant(slot) == name:
+                    self.pool.clear(slot)
+                    self._filled[slot] = None
+
+    def apply(self, plan: Any) -> tuple[tuple[int, int], ...]:
+        """Carry out the evictions and loads of step transaction ``plan`` (from ``begin_step``),
+        reporting each load to the registry; return ``(slot, pool writes)`` of every slot the step
+        uses, after checking each holds what the plan's slot generation says.
+
+        On any failure the step's remaining loads are left unreported (``finish_step`` fails them)
+        and the failed load's slot is emptied, so no later step reads a half-written slot.
+
+        Raises:
+            AdapterLoadError: an adapter evicted from host memory could not be read again, or was
+                changed on disk since it was registered (its size differs).
+            StalePlanError: a slot the step uses does not hold what the plan says; its ``stale_slots``
+                lists them, for :meth:`LoRARegistry.invalidate_slots` once the step is finished.
+            KeyboardInterrupt, SystemExit: as raised, with the same cleanup.
+        """
+        generations = memoryview(plan.slot_generations).cast("q")
+        ticket = plan.ticket
+        with self.lock:
+            for name, tier, _slot in plan.evictions:
+                self.evictions[(name, tier)] += 1
+                if tier == "host":
+                    self._drop_host(name)
+            for index, (name, _lora_id, slot, source) in enumerate(plan.loads):
+                try:
+                    if source == "disk" or name not in self.host:
+                        self._read_again(name)
+                    self.pool.fill(slot, self.host[name])
+                except BaseException as exc:
+                    # The slot may be half written: empty it, so no later step can read the remains.
+                    self._filled[slot] = None
+                    self.pool.clear(slot)
+                    self.registry.report_load(ticket, index, False)
+                    if isinstance(exc, LoraPinError) or not isinstance(exc, Exception):
+                        raise
+                    raise AdapterLoadError(
+                        f"adapter {name!r}: loading into slot {slot} failed: {exc!r}"
+                    ) from exc
+                self._filled[slot] = (generations[slot], self.pool.writes(slot))
+                self.registry.report_load(ticket, index, True)
+            used = sorted(set(memoryview(plan.request_slots).cast("i")) - {-1})
+            counts = self.pool.write_counts()
+            stale = [s for s in used if self._filled[s] != (generations[s], counts[s])]
+            if stale:
+                error = StalePlanError(
+                    f"the step's plan names slot generation(s) "
+                    f"{ {s: generations[s] for s in stale} } but the pool holds "
+                    f"{ {s: self._filled[s] for s in stale} } (generation, writes) there; no step ran"
+                )
+                error.stale_slots = stale
+                raise error
+            return tuple((s, counts[s]) for s in used)
+
+    def changed_slots(self, slot_writes: tuple[tuple[int, int], ...]) -> list[int]:
+        """The slots among ``slot_writes`` (from :meth:`apply`) written since."""
+        with self.lock:
+            counts = self.pool.write_counts()
+        return [slot for slot, writes in slot_writes if counts[slot] != writes]
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes the host tier holds."""
+        with self.lock:
+            return self.host.nbytes
+
+    def _read_again(self, name: str) -> None:
+        """Read ``name`` back into the host tier after an eviction, as it was registered."""
+        source = self._sources[name]
+        self._drop_host(name)
+        adapter = self.host.read(name, source.path, root=source.root)
+        if adapter.nbytes != source.host_bytes:
+            raise AdapterLoadError(
+                f"adapter {name!r} changed on disk since it was registered: it now takes "
+                f"{adapter.nbytes} host bytes, registered with {source.host_bytes} ({source.path}); "
+                "unload and load it again to serve the new files"
+            )
+        self.host.add(adapter)
+
+    def _drop_host(self, name: str) -> None:
+        if name in self.host:
+            self.host.drop(name)

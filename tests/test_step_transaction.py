@@ -1,0 +1,172 @@
+"""The step transaction at the Rust/Python seam: one core call plans a step and acquires its requests,
+``finish`` releases everything; the admission budget and the split come from the core alone.
+
+Each race test forces its interleaving deterministically: a stand-in for the registry runs the other
+thread's operations right after the step's planning call returns, where a plan-then-acquire step had
+its window.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lora_pin import LoRAManager
+from lora_pin.errors import AdapterInUseError, UnloadTimeoutError
+from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+IDS = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Path]]:
+    from transformers import AutoModelForCausalLM
+
+    base = make_tiny_llama(tmp_path_factory.mktemp("base") / "llama", layers=2)
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    root = tmp_path_factory.mktemp("adapters")
+    paths = {
+        n: make_peft_adapter(model, root / n, r=4, lora_alpha=8, target_modules=TARGETS, seed=i + 1)
+        for i, n in enumerate("abcd")
+    }
+    return model, paths
+
+
+def manager(world: tuple[Any, dict[str, Path]], names: str, **kwargs: Any) -> tuple[LoRAManager, Any]:
+    base, paths = world
+    model = copy.deepcopy(base)
+    mgr = LoRAManager(
+        model,
+        [f"{n}={paths[n]}" for n in names],
+        max_lora_rank=4,
+        lora_target_modules=TARGETS,
+        **kwargs,
+    )
+    return mgr, model
+
+
+def logits(mgr: LoRAManager, model: Any, names: list[str | None]) -> torch.Tensor:
+    with torch.no_grad(), mgr.batch(names):
+        return model(IDS.expand(len(names), -1)).logits
+
+
+class AfterPlanning:
+    """Stands in for the manager's registry and runs ``interleave`` once, right after the step's
+    planning call (``begin_step``, or ``plan`` where planning and acquiring are separate calls)."""
+
+    def __init__(self, registry: Any, interleave: Any) -> None:
+        self._registry = registry
+        self._interleave = interleave
+
+    def __getattr__(self, attr: str) -> Any:
+        real = getattr(self._registry, attr)
+        if attr not in ("begin_step", "plan") or self._interleave is None:
+            return real
+
+        def planned(*args: Any, **kwargs: Any) -> Any:
+            result = real(*args, **kwargs)
+            interleave, self._interleave = self._interleave, None
+            interleave()
+            return result
+
+        return planned
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._registry
+
+
+def install(mgr: LoRAManager, interleave: Any) -> None:
+    proxy = AfterPlanning(mgr.registry, interleave)
+    mgr.registry = proxy  # type: ignore[assignment]
+    residency = getattr(mgr, "residency", None)
+    if residency is not None:
+        residency.registry = proxy
+
+
+def on_another_thread(fn: Any) -> Any:
+    """Runs ``fn`` on a thread, waits for it, and returns what it returned or raised."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(fn())
+        except BaseException as exc:  # handed to the test
+            outcome.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the other thread hung"
+    return outcome[0]
+
+
+def test_a_reload_between_plan_and_acquire_never_serves_other_weights_nor_sticks(world: Any) -> None:
+    """Another thread unloads ``a`` and loads ``b``'s weights as ``a`` while a step over ``a`` is being
+    set up. The step must compute with the registration it was planned for (the old ``a``), the
+    other thread's unload must wait for the step rather than slip in, and ``in_flight`` must return
+    to zero so that the unload and the reload can complete afterwards."""
+    _, paths = world
+    mgr, model = manager(world, "ab", max_loras_per_batch=2)
+    want_a = logits(mgr, model, ["a"])
+    want_b = logits(mgr, model, ["b"])
+    mgr.unload("a")
+    mgr.load("a", paths["a"])  # not resident in a slot: the step plans a load
+    seen: list[Any] = []
+
+    def unload_and_reload() -> None:
+        seen.append(on_another_thread(lambda: mgr.unload("a", timeout=0.2)))
+        seen.append(on_another_thread(lambda: mgr.load("a", paths["b"])))
+
+    install(mgr, unload_and_reload)
+    got = logits(mgr, model, ["a"])
+    torch.testing.assert_close(got, want_a, rtol=1e-5, atol=1e-6)
+    assert isinstance(seen[0], UnloadTimeoutError), seen
+    assert isinstance(seen[1], AdapterInUseError), seen
+    assert mgr.registry.in_flight("a") == 0
+    # The unload goes on once the step is done, and the name can then be loaded again.
+    on_another_thread(lambda: mgr.unload("a", timeout=5))
+    mgr.load("a", paths["b"])
+    torch.testing.assert_close(logits(mgr, model, ["a"]), want_b, rtol=1e-5, atol=1e-6)
+    mgr.registry.audit()
+
+
+def test_a_step_whose_adapter_is_unloaded_meanwhile_keeps_its_weights(world: Any) -> None:
+    """The same interleaving on a prepared (packed) step, for a resident adapter: the step holds its
+    adapter, so an unload waits until ``finish``."""
+    mgr, model = manager(world, "ab", max_loras_per_batch=2)
+    want_b = logits(mgr, model, ["b"])
+    seen: list[Any] = []
+    install(mgr, lambda: seen.append(on_another_thread(lambda: mgr.unload("b", timeout=0.2))))
+    step = mgr.prepare_step(["b"], [5])
+    with torch.no_grad():
+        out = model(IDS).logits
+    mgr.finish(step)
+    torch.testing.assert_close(out, want_b, rtol=1e-5, atol=1e-6)
+    assert isinstance(seen[0], UnloadTimeoutError), seen
+    assert mgr.registry.in_flight("b") == 0
+    on_another_thread(lambda: mgr.unload("b", timeout=5))
+    assert "b" not in mgr.registry
+
+
+def test_split_and_batch_budget_count_pins_evicted_from_host_memory(world: Any) -> None:
+    """``a`` was evicted from the host tier (four adapters, room for three) and then pinned: the budget
+    for unpinned adapters is one slot less. A copy of the rule in Python read the host tier's pinned
+    list, missed ``a``, and split ``b, c, d`` into one batch that ``batch()`` then refused."""
+    _, paths = world
+    mgr, model = manager(world, "abc", max_loras_per_batch=3, max_loaded_loras=3)
+    mgr.load("d", paths["d"])
+    assert "a" not in mgr.registry.stats()["host"]["resident"]
+    mgr.pin("a")
+    names: list[str | None] = ["b", "c", "d"]
+    groups = mgr.split(names)
+    assert groups == [[0, 1], [2]]
+    for group in groups:
+        logits(mgr, model, [names[i] for i in group])
+    assert mgr.registry.stats()["pinned_names"] == ["a"]
+    mgr.registry.audit()
