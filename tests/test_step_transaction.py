@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lora_pin import LoRAManager
-from lora_pin.errors import AdapterInUseError, UnloadTimeoutError
+from lora_pin.errors import AdapterInUseError, AdapterLoadError, UnloadTimeoutError
 from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -170,3 +170,88 @@ def test_split_and_batch_budget_count_pins_evicted_from_host_memory(world: Any) 
         logits(mgr, model, [names[i] for i in group])
     assert mgr.registry.stats()["pinned_names"] == ["a"]
     mgr.registry.audit()
+
+
+def copy_adapter(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def residency(mgr: LoRAManager) -> tuple[list[str], list[str]]:
+    stats = mgr.registry.stats()
+    return sorted(stats["host"]["resident"]), sorted(stats["device"]["resident"])
+
+
+def test_a_failed_re_read_changes_no_other_adapter(world: Any, tmp_path: Path) -> None:
+    """``a`` was evicted from host memory and its files broke since: a step over it fails, and the
+    adapters the host tier would have evicted to make room for it stay in both tiers."""
+    _, paths = world
+    mgr, model = manager(world, "", max_loras_per_batch=2, max_loaded_loras=2)
+    mgr.load("a", copy_adapter(paths["a"], tmp_path / "a"))
+    mgr.load("b", paths["b"])
+    mgr.load("c", paths["c"])  # evicts a from the host tier
+    logits(mgr, model, ["b", "c"])  # b and c in both tiers
+    before = residency(mgr)
+    assert before == (["b", "c"], ["b", "c"])
+    (tmp_path / "a" / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(AdapterLoadError, match=r"adapter 'a'|adapter \"a\""):
+        logits(mgr, model, ["a"])
+    assert residency(mgr) == before
+    assert mgr.registry.in_flight("a") == 0
+    mgr.registry.audit()
+
+
+def test_a_re_read_of_changed_files_is_refused_and_counts_stay_true(world: Any, tmp_path: Path) -> None:
+    """``a``'s files were replaced by a larger adapter after it was evicted from host memory: reading
+    it back is refused as a changed adapter, so the host tier never holds more bytes than it counts
+    (nor than ``max_host_bytes``)."""
+    base, paths = world
+    small = make_peft_adapter(base, tmp_path / "a", r=2, lora_alpha=8, target_modules=["q_proj"], seed=5)
+    mgr, model = manager(world, "", max_loras_per_batch=2, max_loaded_loras=2)
+    mgr.load("a", small)
+    mgr.load("b", paths["b"])
+    mgr.load("c", paths["c"])  # evicts a from the host tier
+    registered = mgr.stats()["host"]["bytes"]
+    for f in paths["d"].iterdir():  # rank 4 on every target: more bytes than a was registered with
+        (small / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(AdapterLoadError, match="changed on disk"):
+        logits(mgr, model, ["a"])
+    stats = mgr.stats()
+    assert stats["host_bytes"] == stats["host"]["bytes"] == registered
+    assert residency(mgr)[0] == ["b", "c"]
+    mgr.registry.audit()
+
+
+def test_ctrl_c_during_a_slot_fill_propagates_and_keeps_state(
+    world: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt (or SystemExit) while a slot is filled is raised as itself, not wrapped
+    as an AdapterLoadError, and the step is released as for any failed load."""
+    mgr, model = manager(world, "abc", max_loras_per_batch=2)
+    logits(mgr, model, ["a", "b"])
+    original = mgr.pool.fill
+
+    def interrupted(slot: int, adapter: Any) -> Any:
+        original(slot, adapter)
+        raise KeyboardInterrupt
+
+    for exc in (KeyboardInterrupt, SystemExit):
+        monkeypatch.setattr(mgr.pool, "fill", interrupted if exc is KeyboardInterrupt else _exits(original))
+        with pytest.raises(exc):
+            logits(mgr, model, ["c"])
+        assert "c" not in mgr.registry.stats()["device"]["resident"]
+        assert all(mgr.registry.in_flight(n) == 0 for n in "abc")
+        mgr.registry.audit()
+    monkeypatch.undo()
+    want_c = logits(mgr, model, ["c"])
+    assert want_c.shape[0] == 1
+
+
+def _exits(original: Any) -> Any:
+    def exits(slot: int, adapter: Any) -> Any:
+        original(slot, adapter)
+        raise SystemExit(3)
+
+    return exits

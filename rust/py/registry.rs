@@ -380,26 +380,50 @@ impl PyLoRARegistry {
     /// everything it holds (and fails any load not reported).
     ///
     /// With `all_or_nothing`, a step that cannot admit every request raises CapacityError and
-    /// changes nothing (a per-sequence batch must run whole).
+    /// changes nothing (a per-sequence batch must run whole). With `read_first`, a step that would
+    /// read adapters from disk (evicted from the host tier) is not begun: the result has no
+    /// `ticket` and lists them in `to_read`; read each, `enter_host_tier` it, and begin again, so a
+    /// read that fails changes nothing.
     ///
     /// Raises:
     ///     AdapterNotFoundError: a name is unknown or being unloaded (nothing was planned).
     ///     CapacityError: `all_or_nothing` and not every request fits (the message has the numbers).
     ///     UsageError: as `plan`, or a step is open already.
-    #[pyo3(signature = (names, num_tokens, *, all_or_nothing = false))]
+    #[pyo3(signature = (names, num_tokens, *, all_or_nothing = false, read_first = false))]
     fn begin_step(
         &self,
         py: Python<'_>,
         names: &Bound<'_, PyAny>,
         num_tokens: &Bound<'_, PyAny>,
         all_or_nothing: bool,
+        read_first: bool,
     ) -> PyResult<PyStepPlan> {
-        let ((plan, ticket), n) =
-            self.with_requests(py, names, Some(num_tokens), |reg, adapters, tokens| {
-                reg.begin_step(adapters, tokens, all_or_nothing)
-            })?;
+        let (begun, n) = self.with_requests(py, names, Some(num_tokens), |reg, adapters, tokens| {
+            if read_first {
+                let misses = reg.host_misses(adapters);
+                if !misses.is_empty() {
+                    return Ok(Err(misses));
+                }
+            }
+            reg.begin_step(adapters, tokens, all_or_nothing).map(Ok)
+        })?;
         let indices = self.indices.at_least(py, n)?;
-        Ok(PyStepPlan::new(plan, Some(ticket.0), indices, self.strs.clone()))
+        Ok(match begun {
+            Ok((plan, ticket)) => PyStepPlan::new(plan, Some(ticket.0), indices, self.strs.clone()),
+            Err(misses) => PyStepPlan::reads_first(misses, indices, self.strs.clone()),
+        })
+    }
+
+    /// Enters `name`, whose weights the caller has just read again for registration `serial` (see
+    /// `serial`), into the host tier, evicting unprotected adapters to make room; returns their
+    /// names (free their host tensors).
+    ///
+    /// Raises:
+    ///     AdapterNotFoundError: the name is not registered, being unloaded, or registered again
+    ///         since (another serial).
+    ///     CapacityError: the host tier cannot make room (nothing was evicted).
+    fn enter_host_tier(&self, py: Python<'_>, name: &str, serial: u64) -> PyResult<Vec<String>> {
+        detached(py, || self.shared.lock().enter_host_tier(name, serial))
     }
 
     /// Reports load `index` (into the step's `loads`) of the open step `ticket`: done (`ok`) or

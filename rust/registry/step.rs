@@ -4,7 +4,10 @@
 //! step holds and fails every load it never reported. Also the budget rule's other faces: which
 //! batches fit ([`Registry::split`]) and why one does not ([`Registry::overflow`]).
 
+use std::sync::Arc;
+
 use super::plan::StepPlan;
+use super::tiers::Tier;
 use super::Registry;
 use crate::error::{Error, Result};
 use crate::policy::AdapterKey;
@@ -86,6 +89,63 @@ impl Registry {
             return Err(Error::Capacity(why));
         }
         Ok((plan, ticket))
+    }
+
+    /// The adapters among `adapters` that a step would admit now (the budget rule, in batch order)
+    /// but that are not in the host tier: a step over them would read them from disk. Changes
+    /// nothing. A caller that reads them first ([`Registry::enter_host_tier`]) keeps disk reads, and
+    /// the evictions that make room for them, out of the step: a read that fails then changes nothing.
+    pub fn host_misses(&self, adapters: &[Option<AdapterKey>]) -> Vec<Arc<str>> {
+        let budget = self.config.slots - self.pinned;
+        let mut unpinned: Vec<AdapterKey> = Vec::new();
+        let mut misses: Vec<Arc<str>> = Vec::new();
+        for key in adapters.iter().flatten() {
+            let a = self.get(*key);
+            if !a.protection.pinned && !unpinned.contains(key) {
+                if unpinned.len() == budget {
+                    continue;
+                }
+                unpinned.push(*key);
+            }
+            if a.residency.host_since.is_none() && !misses.contains(&a.identity.name) {
+                misses.push(Arc::clone(&a.identity.name));
+            }
+        }
+        misses
+    }
+
+    /// Enters `name`, whose weights the caller has just read again for registration `serial`, into
+    /// the host tier, evicting unprotected adapters to make room; returns their names so the caller
+    /// frees them. An adapter in the host tier already is left as it is.
+    ///
+    /// Errors: [`Error::AdapterNotFound`] (also while being unloaded, or when the name was
+    /// registered again since: its serial differs); [`Error::Capacity`] when the host tier cannot
+    /// make room (nothing is evicted then).
+    pub fn enter_host_tier(&mut self, name: &str, serial: u64) -> Result<Vec<String>> {
+        let key = self.lookup(name, false)?;
+        if self.get(key).identity.serial != serial {
+            return Err(Error::AdapterNotFound {
+                name: format!("{name} (registration {serial}: registered again since)"),
+                registered: self.not_found_list(),
+            });
+        }
+        let bytes = self.get(key).identity.size.host_bytes;
+        if self.get(key).residency.host_since.is_some() {
+            return Ok(Vec::new());
+        }
+        if !self.host.room_possible(bytes) {
+            self.host.counters.refusals += 1;
+            return Err(Error::Capacity(format!(
+                "cannot read adapter {name:?} again: {}",
+                self.host.shortage(bytes)
+            )));
+        }
+        let mut evicted = Vec::new();
+        self.make_host_room(bytes, &mut evicted);
+        self.enter_host(key);
+        self.host.counters.misses += 1;
+        self.host.counters.loads += 1;
+        Ok(evicted.into_iter().filter(|e| e.tier == Tier::Host).map(|e| e.name.to_string()).collect())
     }
 
     /// Reports planned load `index` (into the step's `loads`) of step `ticket`: done (`ok`: its

@@ -133,3 +133,28 @@ fn split_and_overflow_count_pins_outside_the_host_tier() {
     assert_eq!(reg.split(&with_pin), [vec![0, 1, 2]], "a pinned adapter always fits");
     reg.audit().unwrap();
 }
+
+#[test]
+fn host_misses_are_what_a_step_would_read_from_disk_and_entering_them_makes_room() {
+    let mut reg = registry(2, Some(2), "lru", &["a", "b", "c"]);
+    let keys: Vec<_> = ["a", "b", "c"].iter().map(|n| Some(reg.lookup(n, false).unwrap())).collect();
+    assert_eq!(reg.host_misses(&keys).iter().map(|n| &**n).collect::<Vec<_>>(), ["a"]);
+    // Past the budget (two slots, no pins) nothing counts: c would be deferred anyway.
+    let over = [keys[1], keys[2], keys[0]];
+    assert!(reg.host_misses(&over).is_empty());
+    let before = reg.stats();
+    let serial = reg.serial("a").unwrap();
+    assert!(matches!(reg.enter_host_tier("a", serial + 100), Err(Error::AdapterNotFound { .. })));
+    assert_eq!(reg.enter_host_tier("a", serial).unwrap(), ["b"]);
+    assert_eq!(reg.stats().host.counters.misses, before.host.counters.misses + 1);
+    assert!(reg.host_misses(&keys[..1]).is_empty());
+    assert!(reg.enter_host_tier("a", serial).unwrap().is_empty(), "resident already: nothing to do");
+    reg.audit().unwrap();
+    // A host tier full of protected adapters refuses, and nothing changes.
+    let (_, ticket) = reg.begin_step(&[keys[0], keys[2]], &[1, 1], false).unwrap();
+    let held = reg.stats();
+    let b = reg.serial("b").unwrap();
+    assert!(matches!(reg.enter_host_tier("b", b), Err(Error::Capacity(_))));
+    assert_eq!(reg.stats().host.resident, held.host.resident);
+    reg.finish_step(ticket).unwrap();
+}

@@ -45,6 +45,10 @@ from lora_pin.weights.reader import adapter_dir_for_name, path_within, read_cont
 
 __all__ = ["LoRAManager", "Step"]
 
+# How often a step reads adapters evicted from host memory before it begins, should other threads evict
+# them again meanwhile; then the step reads them itself.
+_READ_FIRST_ATTEMPTS = 2
+
 
 @dataclass(frozen=True)
 class Step:
@@ -486,9 +490,7 @@ class LoRAManager:
                 names = _checked_names(names)  # read more than once below; a str is refused
             if self.adapter_dir is not None:
                 self.discover(names)
-            # One core transaction: admission, slots, loads and the acquisition of every admitted
-            # request; a per-sequence batch must run whole (CapacityError, nothing changed, if not).
-            plan = self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence)
+            plan = self._begin(names, num_tokens, per_sequence)
             try:
                 slot_writes = self.residency.apply(plan)
                 step = self._activate(plan, slot_writes, per_sequence)
@@ -502,6 +504,22 @@ class LoRAManager:
             self._step_lock.release()
             raise
         return step
+
+    def _begin(self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool) -> Any:
+        """One core transaction: admission, slots, loads and the acquisition of every admitted request;
+        a per-sequence batch must run whole (CapacityError, nothing changed, if not).
+
+        Adapters the step would read from disk are read first, outside the transaction, so a read that
+        fails changes nothing; should other threads evict them again before the step begins (twice),
+        the step reads them itself.
+        """
+        for _ in range(_READ_FIRST_ATTEMPTS):
+            plan = self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence, read_first=True)
+            if plan.ticket is not None:
+                return plan
+            for name in plan.to_read:
+                self.residency.read_into_host(name)
+        return self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence)
 
     def _activate(self, plan: Any, slot_writes: tuple[tuple[int, int], ...], per_sequence: bool) -> Step:
         dev = self.device

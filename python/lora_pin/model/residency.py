@@ -16,8 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from lora_pin._core import LoRARef, LoRARegistry
-from lora_pin.errors import AdapterLoadError, LoraPinError, StalePlanError
+from lora_pin.errors import (
+    AdapterLoadError,
+    AdapterNotFoundError,
+    CapacityError,
+    LoraPinError,
+    StalePlanError,
+)
 from lora_pin.weights import DevicePool, HostTier
+from lora_pin.weights.host import HostAdapter
 
 __all__ = ["Residency"]
 
@@ -29,6 +36,7 @@ class _Source:
     path: str
     root: Path | None
     host_bytes: int
+    serial: int
 
 
 class Residency:
@@ -78,7 +86,35 @@ class Residency:
             for name in evicted:
                 self.evictions[(name, "host")] += 1
                 self._drop_host(name)
-            self._sources[ref.lora_name] = _Source(ref.lora_path, root, adapter.nbytes)
+            serial = self.registry.serial(ref.lora_name)
+            self._sources[ref.lora_name] = _Source(ref.lora_path, root, adapter.nbytes, serial)
+
+    def read_into_host(self, name: str) -> None:
+        """Read ``name`` (registered, evicted from host memory) again and enter it into the host tier.
+
+        The read runs outside the lock and changes nothing; only once it succeeded does the host tier
+        make room, so a read that fails leaves every other adapter where it was. An adapter the host
+        tier cannot take now (its adapters are all protected), or that was unloaded or registered
+        again meanwhile, is skipped: the step defers it, or reads it itself.
+
+        Raises:
+            AdapterLoadError (and subclasses): the adapter cannot be read, or its files changed since it
+                was registered.
+        """
+        source = self._sources.get(name)
+        if source is None:
+            return  # forgotten meanwhile
+        adapter = self._read_checked(name, source)
+        with self.lock:
+            try:
+                evicted = self.registry.enter_host_tier(name, source.serial)
+            except (AdapterNotFoundError, CapacityError):
+                return
+            self._drop_host(name)
+            self.host.add(adapter)
+            for victim in evicted:
+                self.evictions[(victim, "host")] += 1
+                self._drop_host(victim)
 
     def forget(self, name: str) -> None:
         """Free what is held for ``name`` once the registry has forgotten it (an unload finished)."""
@@ -158,8 +194,12 @@ class Residency:
 
     def _read_again(self, name: str) -> None:
         """Read ``name`` back into the host tier after an eviction, as it was registered."""
-        source = self._sources[name]
+        adapter = self._read_checked(name, self._sources[name])
         self._drop_host(name)
+        self.host.add(adapter)
+
+    def _read_checked(self, name: str, source: _Source) -> HostAdapter:
+        """Read ``name`` from its source, refused if its files changed since it was registered."""
         adapter = self.host.read(name, source.path, root=source.root)
         if adapter.nbytes != source.host_bytes:
             raise AdapterLoadError(
@@ -167,7 +207,7 @@ class Residency:
                 f"{adapter.nbytes} host bytes, registered with {source.host_bytes} ({source.path}); "
                 "unload and load it again to serve the new files"
             )
-        self.host.add(adapter)
+        return adapter
 
     def _drop_host(self, name: str) -> None:
         if name in self.host:

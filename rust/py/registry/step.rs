@@ -88,6 +88,8 @@ pub struct PyStepPlan {
     plan: StepPlan,
     /// The step transaction's ticket (`begin_step`), None for a bare `plan`.
     ticket: Option<u64>,
+    /// Adapters to read before the step can begin (`begin_step(read_first=True)`); empty otherwise.
+    to_read: Vec<Arc<str>>,
     /// At least `0..len(admitted) + len(deferred)`, shared with other plans.
     indices: Py<PyList>,
     /// The registry's strs for names.
@@ -96,7 +98,12 @@ pub struct PyStepPlan {
 
 impl PyStepPlan {
     pub(super) fn new(plan: StepPlan, ticket: Option<u64>, indices: Py<PyList>, strs: NameStrs) -> Self {
-        Self { plan, ticket, indices, strs }
+        Self { plan, ticket, to_read: Vec::new(), indices, strs }
+    }
+
+    /// No step: the adapters to read before one can begin.
+    pub(super) fn reads_first(names: Vec<Arc<str>>, indices: Py<PyList>, strs: NameStrs) -> Self {
+        Self { plan: StepPlan::default(), ticket: None, to_read: names, indices, strs }
     }
 }
 
@@ -116,6 +123,13 @@ impl PyStepPlan {
     #[getter]
     fn ticket(&self) -> Option<u64> {
         self.ticket
+    }
+
+    /// Adapters to read from disk before the step can begin (`begin_step(read_first=True)` found
+    /// them outside the host tier; nothing was planned then), else empty.
+    #[getter]
+    fn to_read<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.to_read.iter().map(|n| self.strs.get(py, n)))
     }
 
     /// Indices of the admitted requests, in batch order.
