@@ -255,3 +255,47 @@ def _exits(original: Any) -> Any:
         raise SystemExit(3)
 
     return exits
+
+
+_POOL_PEAK = """
+import json, resource, sys, torch, transformers
+from lora_pin import LoRAManager
+from lora_pin.errors import AdapterLoadError
+transformers.logging.set_verbosity_error()
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    LoRAManager(model, [f"a={sys.argv[2]}"])
+    outcome = "served"
+except AdapterLoadError as exc:
+    outcome = str(exc)
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"outcome": outcome, "grew_kib": grew}))
+"""
+
+
+def test_a_config_claiming_a_huge_rank_never_sizes_the_pool(world: Any, tmp_path: Path) -> None:
+    """Without ``max_lora_rank`` the pool was sized from a start-up adapter's config before its tensors
+    were checked: a config claiming rank 16,384 over rank-4 tensors cost +1.26 GiB of memory on a tiny
+    model, and only then was refused. Now the adapter is read and checked first."""
+    import json
+    import subprocess
+    import sys
+
+    base, _ = world
+    model_dir = tmp_path / "model"
+    base.save_pretrained(model_dir)
+    adapter = make_peft_adapter(base, tmp_path / "liar", r=4, lora_alpha=8, target_modules=TARGETS, seed=3)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["r"] = 16_384
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    out = subprocess.run(
+        [sys.executable, "-c", _POOL_PEAK, str(model_dir), str(adapter)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "16384" in report["outcome"] and "rank" in report["outcome"], report
+    assert report["grew_kib"] < 100 * 1024, report  # the pool alone would take over 1 GiB

@@ -94,7 +94,8 @@ class LoRAManager:
         lora_paths: start-up adapters, in any form :func:`lora_pin.parse_lora_paths` takes.
         max_loras_per_batch: device slots (distinct adapters one step can use).
         max_loaded_loras: host-tier capacity in adapters (None: unbounded).
-        max_lora_rank: the slot pool's rank; None takes the largest start-up adapter's.
+        max_lora_rank: the slot pool's rank; None takes the largest start-up adapter's, once each is
+            read and checked (tensors included: a config's claimed rank alone never sizes the pool).
         lora_target_modules: module names to wrap; None (or ``["all"]``) takes every supported module the
             start-up adapters use (all of ``q/k/v/o, gate/up/down`` when one uses a regex).
         eviction_policy: the device tier's policy: ``"lru"``, ``"fifo"``, ``"reuse"`` or ``"hybrid"``
@@ -175,18 +176,24 @@ class LoRAManager:
                     f"lora_target_modules names {missing}, which the model has no linear layer for inside "
                     f"a numbered layer (it has {sorted(found)})"
                 )
-        self.max_rank = rank
         self.chunk_size = chunk_size
-        pool = DevicePool(self.targets, max_loras_per_batch, rank, self.dtype, self.device)
         host = HostTier(
             self.targets,
-            max_rank=rank,
+            max_rank=MAX_ADAPTER_RANK if rank is None else rank,
             dtype=self.dtype,
             allowed_roots=self._allowed_roots,
             allow_pickle=allow_pickle,
             max_file_bytes=max_file_bytes,
             max_tensors=max_tensors,
         )
+        # Without max_lora_rank the pool is sized by the start-up adapters, read (and checked, tensors
+        # included) first: a config's claim alone never sizes it.
+        startup = [host.read(r.lora_name, r.lora_path) for r in refs] if rank is None else [None] * len(refs)
+        if rank is None:
+            rank = max(a.max_rank for a in startup if a is not None)
+            host.max_rank = rank
+        self.max_rank = rank
+        pool = DevicePool(self.targets, max_loras_per_batch, rank, self.dtype, self.device)
         self.registry = LoRARegistry(
             max_loras_per_batch,
             max_loaded_loras,
@@ -200,8 +207,8 @@ class LoRAManager:
         self._active: StepSegments | None = None
         self._active_step: Step | None = None
         self._wrapped: dict[str, torch.nn.Module] = {}
-        for r in refs:
-            self.residency.add(r)
+        for r, adapter in zip(refs, startup, strict=True):
+            self.residency.add(r, adapter=adapter)
         self._wrapped = attach(model, self.targets, self._module_of, self.pool, self._active_segments)
 
     @classmethod
@@ -448,30 +455,30 @@ class LoRAManager:
 
     def _infer_shape(
         self, refs: Sequence[LoRARef], max_rank: int | None, modules: Sequence[str] | None
-    ) -> tuple[int, tuple[str, ...]]:
+    ) -> tuple[int | None, tuple[str, ...]]:
+        """The pool's rank (None: the start-up adapters' largest, once read) and the modules to wrap.
+
+        Raises:
+            SpecError: with no start-up adapters, max_rank or modules is missing; max_rank is out of range.
+        """
         if modules is not None and list(modules) == ["all"]:
             modules = None
-        if refs and (max_rank is None or modules is None):
-            ranks: list[int] = []
-            names: set[str] = set()
-            regex = False
-            for r in refs:
-                config = read_contained_config(r.lora_name, r.lora_path, self._allowed_roots)
-                ranks.append(max([config.r, *config.rank_pattern.values()]))
-                if isinstance(config.target_modules, str):
-                    regex = True
-                else:
-                    names.update(t.rsplit(".", 1)[-1] for t in config.target_modules)
-            if max_rank is None:
-                max_rank = max(ranks)
-            if modules is None:
-                modules = DEFAULT_TARGET_MODULES if regex else tuple(sorted(names))
-        if max_rank is None or modules is None:
+        if not refs and (max_rank is None or modules is None):
             raise SpecError(
                 "with no start-up adapters, both max_lora_rank and lora_target_modules are required to size "
                 f"the slot pool (got max_lora_rank={max_rank}, lora_target_modules={modules})"
             )
-        if not 1 <= max_rank <= MAX_ADAPTER_RANK:
+        if modules is None:
+            names: set[str] = set()
+            regex = False
+            for r in refs:
+                config = read_contained_config(r.lora_name, r.lora_path, self._allowed_roots)
+                if isinstance(config.target_modules, str):
+                    regex = True
+                else:
+                    names.update(t.rsplit(".", 1)[-1] for t in config.target_modules)
+            modules = DEFAULT_TARGET_MODULES if regex else tuple(sorted(names))
+        if max_rank is not None and not 1 <= max_rank <= MAX_ADAPTER_RANK:
             raise SpecError(f"max_lora_rank must be in 1..{MAX_ADAPTER_RANK} (got {max_rank})")
         return max_rank, tuple(modules)
 

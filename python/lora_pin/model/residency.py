@@ -59,8 +59,9 @@ class Residency:
         # Per slot: (registry slot generation, pool write count) right after a step filled it.
         self._filled: list[tuple[int, int] | None] = [None] * pool.slots
 
-    def add(self, ref: LoRARef, root: Path | None = None) -> None:
-        """Read the adapter ``ref`` names and register it, holding its weights in the host tier.
+    def add(self, ref: LoRARef, root: Path | None = None, adapter: HostAdapter | None = None) -> None:
+        """Read the adapter ``ref`` names (unless ``adapter`` holds it read already) and register it,
+        holding its weights in the host tier.
 
         The read runs outside the lock (it can take long); registering, holding the weights and
         dropping the host tier's victims happen at once under it, so two threads loading one name
@@ -71,7 +72,8 @@ class Residency:
             DuplicateAdapterError, AdapterInUseError, CapacityError: as ``LoRARegistry.register``;
                 nothing changes then.
         """
-        adapter = self.host.read(ref.lora_name, ref.lora_path, root=root)
+        if adapter is None:
+            adapter = self.host.read(ref.lora_name, ref.lora_path, root=root)
         with self.lock:
             evicted = self.registry.register(
                 ref,
