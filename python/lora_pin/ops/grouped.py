@@ -43,25 +43,23 @@ from lora_pin.ops._checks import check_segment_contents
 __all__ = ["expand_grouped", "shrink_grouped"]
 
 # A slot's rows that split into runs of consecutive tokens at least this long on average are computed
-# run by run on views; shorter runs are gathered into one block instead. Measured (fp32, q/k/v of hidden
-# 4096, rank 16, 4 slots x 8 runs of L tokens, 1 thread): gathering wins by 15-70% for L <= 8, they tie at
-# 16, views win 2x at 32 and 3x at 64 (gathering copies out's rows twice).
+# run by run on views; shorter runs are gathered into one block instead. Gathering copies out's rows
+# twice, which pays only when the views would be many small GEMMs. The measurements behind this and the
+# other thresholds below are in BENCHMARKS.md (CPU ops, "The thresholds in python/lora_pin/ops/grouped.py").
 _MIN_RUN = 16
 # The batched path pads every slot of its block to the busiest slot's token count, and an idle slot
-# inside the block costs a full read of its weights. Measured per slot (hidden 4096, q/k/v, rank 16,
-# 1 token, 1 thread, caches cold): fp32 ~58 us batched vs ~66 us one GEMM per slice and slot; bf16
-# ~50 us vs ~90 us (oneDNN's fixed cost per call). So the padded rows may exceed the real ones by these
+# inside the block costs a full read of its weights. Batching saves a little per slot in fp32 and much
+# more in bf16/fp16 (oneDNN's fixed cost per call), so the padded rows may exceed the real ones by these
 # factors, and only decode-sized groups are taken (a padded row costs about half a row's GEMM).
 _DENSE_MAX_TOKENS = 4
 _DENSE_MAX_PADDING = 1.1
 _DENSE_MAX_PADDING_REDUCED = 1.75
-# A bf16/fp16 expand of at most this many rows multiplies in fp32 (measured in expand_grouped).
+# A bf16/fp16 expand of at most this many rows multiplies in fp32 (see expand_grouped).
 _FP32_PRODUCT_MAX_ROWS = 12
 # Slots with at most this many tokens go to the native kernels (where the CPU has them); busier slots
-# stay on BLAS, whose GEMMs win once a slot has enough rows. Measured with benches/cpu_ops.py (q/k/v of
-# hidden 4096, rank 16, 1 thread; BENCHMARKS.md, "GEMM ops"): in fp32 the kernels still beat BLAS on a
-# slot of 64 tokens, in bf16 they lose there (0.95 vs 0.69 ms) and win at 32. torch's fp16 matmul on
-# CPUs without AVX512-FP16 is 15-30x slower than the kernels even for prefill, so fp16 always takes them.
+# stay on BLAS, whose GEMMs win once a slot has enough rows: oneDNN's bf16 GEMMs catch up sooner than
+# fp32 BLAS does. torch's fp16 matmul on CPUs without AVX512-FP16 is far slower than the kernels even
+# for prefill, so fp16 always takes them.
 _KERNEL_MAX_TOKENS = {torch.float32: 64, torch.bfloat16: 32, torch.float16: sys.maxsize}
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Whether the native kernels run at all: the CPU must have them, and LORA_PIN_CPU_KERNELS=0 turns them off.
@@ -395,8 +393,8 @@ def _expand_dense(
             delta = torch.bmm(v_block[:, :, s], b_block[:, lo:hi].float().transpose(1, 2))
             out_block[:, :, lo:hi].add_(delta)  # added in fp32, rounded once
         else:
-            # oneDNN's reduced-precision bmm is ~1.7x faster with the weights as the left operand, and
-            # its baddbmm_ into a transposed view falls off a cliff (~30x), so the product is added after.
+            # oneDNN's reduced-precision bmm is faster with the weights as the left operand, and its
+            # baddbmm_ into a transposed view takes a slow path, so the product is added after.
             delta = torch.bmm(b_block[:, lo:hi], v_block[:, :, s].transpose(1, 2))  # [n, width, per_slot]
             out_block[:, :, lo:hi].add_(delta.transpose(1, 2))
     if d.positions is not None:
@@ -485,8 +483,7 @@ def expand_grouped(
         return
     scalings = slot_scalings.tolist()
     # A bf16/fp16 addmm_ of a few rows with K = rank pays a large fixed cost in oneDNN; the product in
-    # fp32, added once, is faster there (and rounds once) up to about a dozen rows (measured, 1 thread,
-    # hidden 4096, q/k/v, rank 16, us per slot: 84 -> 56 at 1 row, 103 -> 81 at 8, 124 -> 149 at 24).
+    # fp32, added once, is faster there (and rounds once) up to about a dozen rows.
     reduced_precision = out.dtype != torch.float32
 
     def expand_rows(outs: torch.Tensor, vs: torch.Tensor, b_t: torch.Tensor, slot: int, s: int) -> None:
