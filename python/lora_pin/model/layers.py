@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lora_pin.errors import UsageError
 from lora_pin.ops import OpArgumentError, SegmentBatch, expand, segments_from_slots, shrink
 from lora_pin.weights.pool import GroupBuffers
 
@@ -45,7 +46,7 @@ class StepSegments:
         """The segments for layer input ``x`` (``[T, in]`` packed, ``[B, L, in]`` per sequence).
 
         Raises:
-            ValueError: ``x`` does not have the step's shape: its rows (or, for ``[B, L, in]``, its batch
+            UsageError: ``x`` does not have the step's shape: its rows (or, for ``[B, L, in]``, its batch
                 ``B``) are not a multiple of the step's sequences. A multiple is taken for that many
                 contiguous copies of each sequence, as beam search makes.
         """
@@ -55,7 +56,7 @@ class StepSegments:
         batch = self.sequence_slots.shape[0]
         rows = x.numel() // x.shape[-1]
         if rows % batch or (x.dim() == 3 and x.shape[0] % batch):
-            raise ValueError(
+            raise UsageError(
                 f"LoRA step: the layer input {tuple(x.shape)} does not split into the step's {batch} "
                 "sequences (batch() was given one name per sequence of the batch)"
             )
