@@ -149,15 +149,13 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> dict
     n_tokens = token_slots.shape[0]
     x = torch.randn(n_tokens, args.hidden, generator=gen).to(dtype)
     out0 = torch.randn(n_tokens, layer.slice_offsets[-1], generator=gen).to(dtype)
-    batch = segments_from_slots(token_slots, args.chunk_size)
+    meta = layer.meta(segments_from_slots(token_slots, args.chunk_size))
     adapter_names = token_slots.tolist()
     methods: dict[str, Callable[[torch.Tensor], object]] = {
         "peft": lambda o: peft_mixed_batch(o, x, adapter_names, layer),
         "peft-masked": lambda o: peft_masked(o, x, token_slots, layer),
         "gather-bmm": lambda o: gather_bmm(o, x, token_slots, layer),
-        "lora_pin": lambda o: lora_delta_(
-            o, x, layer.a, layer.b, batch, layer.slot_ranks, layer.slot_scalings, layer.slice_offsets
-        ),
+        "lora_pin": lambda o: lora_delta_(o, x, layer.a, layer.b, meta),
     }
     results = {}
     for name, fn in methods.items():

@@ -39,6 +39,7 @@ import torch
 
 from lora_pin._core import CpuSgmvPlan, sgmv_cpu_available
 from lora_pin.ops._checks import check_segment_contents
+from lora_pin.ops.segments import KernelMeta
 
 __all__ = ["expand_grouped", "shrink_grouped"]
 
@@ -122,34 +123,24 @@ class _PlanCache:
         self._lock = threading.Lock()
 
     def get(
-        self,
-        perm: torch.Tensor,  # int64 [N]
-        seg_indptr: torch.Tensor,  # int32 [S + 1]
-        seg_slots: torch.Tensor,  # int32 [S]
-        slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
-        n_tokens: int,
-        max_rank: int,
-        dtype: torch.dtype,
-        kernel: bool = False,
+        self, meta: KernelMeta, n_tokens: int, max_rank: int, dtype: torch.dtype, kernel: bool = False
     ) -> _Plan:
         max_padding = _DENSE_MAX_PADDING if dtype == torch.float32 else _DENSE_MAX_PADDING_REDUCED
         kernel_tokens = _KERNEL_MAX_TOKENS[dtype] if kernel else 0
         key = (
-            str(perm.device),
+            str(meta.perm.device),
             n_tokens,
             max_rank,
             max_padding,
             kernel_tokens,
-            *(_content(t) for t in (perm, seg_indptr, seg_slots, slot_ranks)),
+            *(_content(t) for t in (meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks)),
         )
         with self._lock:
             plan = self._plans.get(key)
             if plan is not None:
                 self._plans.move_to_end(key)
                 return plan
-        plan = _build_plan(
-            perm, seg_indptr, seg_slots, slot_ranks, n_tokens, max_rank, max_padding, kernel_tokens
-        )
+        plan = _build_plan(meta, n_tokens, max_rank, max_padding, kernel_tokens)
         with self._lock:
             self._plans[key] = plan
             while len(self._plans) > self._size:
@@ -213,18 +204,12 @@ def _dense_blocks(
 
 
 def _build_plan(
-    perm: torch.Tensor,  # int64 [N]
-    seg_indptr: torch.Tensor,  # int32 [S + 1]
-    seg_slots: torch.Tensor,  # int32 [S]
-    slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
-    n_tokens: int,
-    max_rank: int,
-    max_padding: float,
-    kernel_tokens: int,
+    meta: KernelMeta, n_tokens: int, max_rank: int, max_padding: float, kernel_tokens: int
 ) -> _Plan:
     """Reads the segment arrays once and decides: the native kernels, the batched path, or per group
     views or gathering."""
-    indptr, seg_slot_list, ranks = seg_indptr.tolist(), seg_slots.tolist(), slot_ranks.tolist()
+    perm = meta.perm
+    indptr, seg_slot_list, ranks = meta.seg_indptr.tolist(), meta.seg_slots.tolist(), meta.slot_ranks.tolist()
     check_segment_contents(perm, indptr, seg_slot_list, ranks, n_tokens, max_rank)
     n_rows = perm.shape[0]
 
@@ -405,17 +390,14 @@ def _expand_dense(
 def shrink_grouped(
     x: torch.Tensor,  # [T, in]
     a: torch.Tensor,  # [slots, n_slices * R, in]
-    perm: torch.Tensor,  # int64 [N]
-    seg_indptr: torch.Tensor,  # int32 [S + 1]
-    seg_slots: torch.Tensor,  # int32 [S]
-    slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
-    n_slices: int,
+    meta: KernelMeta,
 ) -> torch.Tensor:
     """:func:`lora_pin.ops.shrink` on CPU; arguments already checked by ``check_shrink_args``."""
+    n_slices = meta.n_slices
     max_rank = a.shape[1] // n_slices
     v = x.new_zeros(x.shape[0], n_slices * max_rank)  # [T, n_slices * R]
     kernel = x.device.type == "cpu" and _kernel_ok(x.dtype, a)
-    plan = _PLANS.get(perm, seg_indptr, seg_slots, slot_ranks, x.shape[0], max_rank, x.dtype, kernel)
+    plan = _PLANS.get(meta, x.shape[0], max_rank, x.dtype, kernel)
     if plan.kernel is not None:
         xc = x.contiguous()
         plan.kernel.shrink(
@@ -454,18 +436,14 @@ def expand_grouped(
     out: torch.Tensor,  # [T, out_total], updated in place
     v: torch.Tensor,  # [T, n_slices * R]
     b: torch.Tensor,  # [slots, out_total, R]
-    perm: torch.Tensor,  # int64 [N]
-    seg_indptr: torch.Tensor,  # int32 [S + 1]
-    seg_slots: torch.Tensor,  # int32 [S]
-    slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
-    slot_scalings: torch.Tensor,  # float32 [slots, n_slices]
-    slice_offsets: Sequence[int],  # n_slices + 1 ints
+    meta: KernelMeta,
 ) -> None:
     """:func:`lora_pin.ops.expand` on CPU; arguments already checked by ``check_expand_args``."""
+    slot_scalings, slice_offsets = meta.expand_layout()
     max_rank = b.shape[2]
     n_slices = len(slice_offsets) - 1
     kernel = _kernel_ok(out.dtype, out, b, slot_scalings)
-    plan = _PLANS.get(perm, seg_indptr, seg_slots, slot_ranks, out.shape[0], max_rank, out.dtype, kernel)
+    plan = _PLANS.get(meta, out.shape[0], max_rank, out.dtype, kernel)
     if plan.kernel is not None:
         vc = v.contiguous()
         plan.kernel.expand(

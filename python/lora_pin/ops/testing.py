@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from lora_pin.ops.segments import KernelMeta, SegmentBatch
+
 __all__ = ["PATTERNS", "StackedLayer", "random_layer", "request_slots"]
 
 PATTERNS = ("distinct", "uniform", "zipf", "identical", "skewed")
@@ -76,6 +78,10 @@ class StackedLayer(NamedTuple):
     slot_ranks: torch.Tensor  # int32 [slots, n_slices]
     slot_scalings: torch.Tensor  # float32 [slots, n_slices]
     slice_offsets: list[int]  # n_slices + 1
+
+    def meta(self, segments: SegmentBatch) -> KernelMeta:
+        """What the ops read to run ``segments`` through this layer."""
+        return KernelMeta.for_layer(segments, self.slot_ranks, self.slot_scalings, self.slice_offsets)
 
 
 def random_layer(
