@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lora_pin.ops import PATTERNS, StackedLayer, lora_delta_, random_layer, request_slots, segments_from_slots
+from lora_pin._testing import PATTERNS, StackedLayer, random_layer, request_slots
+from lora_pin.ops import lora_delta_, segments_from_slots
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

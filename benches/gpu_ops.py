@@ -33,17 +33,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lora_pin.ops import (
-    CUDA_CHUNK_SIZE,
-    PATTERNS,
-    SegmentBatch,
-    StackedLayer,
-    lora_delta_,
-    lora_reference,
-    random_layer,
-    request_slots,
-    segments_from_slots,
-)
+from lora_pin._testing import PATTERNS, StackedLayer, random_layer, request_slots
+from lora_pin.ops import CUDA_CHUNK_SIZE, SegmentBatch, lora_delta_, lora_reference, segments_from_slots
 from lora_pin.ops.grouped import expand_grouped, shrink_grouped
 from lora_pin.ops.triton_sgmv import expand_launch, shrink_launch, shrink_split_k
 

@@ -12,9 +12,9 @@ import platform
 import pytest
 import torch
 
+from lora_pin._testing import PATTERNS, random_layer, request_slots
 from lora_pin.errors import LoraPinError
 from lora_pin.ops import (
-    PATTERNS,
     KernelMeta,
     OpArgumentError,
     SegmentBatch,
@@ -23,8 +23,6 @@ from lora_pin.ops import (
     grouped,
     lora_delta_,
     lora_reference,
-    random_layer,
-    request_slots,
     segments_from_slots,
     shrink,
     shrink_reference,

@@ -11,13 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lora_pin._testing import PATTERNS, random_layer, request_slots
 from lora_pin.ops import (
-    PATTERNS,
     OpArgumentError,
     expand_reference,
     lora_reference,
-    random_layer,
-    request_slots,
     segments_from_slots,
     shrink_reference,
 )

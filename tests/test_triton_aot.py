@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_pin.ops import lora_reference, random_layer, request_slots, segments_from_slots
+from lora_pin._testing import random_layer, request_slots
+from lora_pin.ops import lora_reference, segments_from_slots
 
 triton_sgmv = pytest.importorskip("lora_pin.ops.triton_sgmv")
 triton_aot = pytest.importorskip("lora_pin.ops.triton_aot")

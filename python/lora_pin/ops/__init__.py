@@ -13,21 +13,16 @@ from lora_pin.ops._checks import OpArgumentError
 from lora_pin.ops.custom_ops import expand, lora_delta_, shrink
 from lora_pin.ops.reference import expand_reference, lora_reference, shrink_reference
 from lora_pin.ops.segments import CUDA_CHUNK_SIZE, KernelMeta, SegmentBatch, segments_from_slots
-from lora_pin.ops.testing import PATTERNS, StackedLayer, random_layer, request_slots
 
 __all__ = [
     "CUDA_CHUNK_SIZE",
-    "PATTERNS",
     "KernelMeta",
     "OpArgumentError",
     "SegmentBatch",
-    "StackedLayer",
     "expand",
     "expand_reference",
     "lora_delta_",
     "lora_reference",
-    "random_layer",
-    "request_slots",
     "segments_from_slots",
     "shrink",
     "shrink_reference",

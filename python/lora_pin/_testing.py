@@ -1,5 +1,7 @@
 """Inputs for tests and benchmarks of the ops: adapter popularity patterns and random stacked pools.
 
+Private: for lora_pin's own tests and ``benches/`` (which run from the repository), not part of the API.
+
 Punica's and S-LoRA's kernel evaluations use the same families: every request its own adapter
 (``distinct``), adapters drawn uniformly (``uniform``), a power law (``zipf``), one adapter for all
 (``identical``), and ``skewed``: one hot adapter holding most of the batch while every other slot
