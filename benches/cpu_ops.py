@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lora_pin.ops import PATTERNS, StackedLayer, lora_delta_, random_layer, request_slots, segments_from_slots
+from lora_pin._testing import PATTERNS, StackedLayer, random_layer, request_slots
+from lora_pin.ops import lora_delta_, segments_from_slots
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -149,15 +150,13 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> dict
     n_tokens = token_slots.shape[0]
     x = torch.randn(n_tokens, args.hidden, generator=gen).to(dtype)
     out0 = torch.randn(n_tokens, layer.slice_offsets[-1], generator=gen).to(dtype)
-    batch = segments_from_slots(token_slots, args.chunk_size)
+    meta = layer.meta(segments_from_slots(token_slots, args.chunk_size))
     adapter_names = token_slots.tolist()
     methods: dict[str, Callable[[torch.Tensor], object]] = {
         "peft": lambda o: peft_mixed_batch(o, x, adapter_names, layer),
         "peft-masked": lambda o: peft_masked(o, x, token_slots, layer),
         "gather-bmm": lambda o: gather_bmm(o, x, token_slots, layer),
-        "lora_pin": lambda o: lora_delta_(
-            o, x, layer.a, layer.b, batch, layer.slot_ranks, layer.slot_scalings, layer.slice_offsets
-        ),
+        "lora_pin": lambda o: lora_delta_(o, x, layer.a, layer.b, meta),
     }
     results = {}
     for name, fn in methods.items():

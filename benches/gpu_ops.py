@@ -33,17 +33,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lora_pin.ops import (
-    CUDA_CHUNK_SIZE,
-    PATTERNS,
-    SegmentBatch,
-    StackedLayer,
-    lora_delta_,
-    lora_reference,
-    random_layer,
-    request_slots,
-    segments_from_slots,
-)
+from lora_pin._testing import PATTERNS, StackedLayer, random_layer, request_slots
+from lora_pin.ops import CUDA_CHUNK_SIZE, SegmentBatch, lora_delta_, lora_reference, segments_from_slots
 from lora_pin.ops.grouped import expand_grouped, shrink_grouped
 from lora_pin.ops.triton_sgmv import expand_launch, shrink_launch, shrink_split_k
 
@@ -106,9 +97,8 @@ def make_inputs(case: Case, dtype: torch.dtype, device: str, gen: torch.Generato
 
 def grouped_path(out: torch.Tensor, x: torch.Tensor, layer: StackedLayer, batch: SegmentBatch) -> None:
     """The grouped torch path (what CPU tensors run), here on the GPU: the baseline."""
-    n_slices = len(layer.slice_offsets) - 1
-    v = shrink_grouped(x, layer.a, *batch, layer.slot_ranks, n_slices)
-    expand_grouped(out, v, layer.b, *batch, *layer[2:])
+    meta = layer.meta(batch)
+    expand_grouped(out, shrink_grouped(x, layer.a, meta), layer.b, meta)
 
 
 def check_correctness(device: str, gen: torch.Generator, log: Callable[[str], None]) -> bool:
@@ -123,7 +113,7 @@ def check_correctness(device: str, gen: torch.Generator, log: Callable[[str], No
         out = torch.randn(token_slots.shape[0], 768, generator=gen).to(device=device, dtype=dtype)
         got = out.clone()
         with torch.inference_mode():
-            lora_delta_(got, x, layer.a, layer.b, segments_from_slots(token_slots, 16), *layer[2:])
+            lora_delta_(got, x, layer.a, layer.b, layer.meta(segments_from_slots(token_slots, 16)))
         want = lora_reference(out, x, layer.a, layer.b, token_slots, *layer[2:])
         err = (got.double() - want.double()).abs().max().item()
         tol = _TOLERANCE[dtype] * max(1.0, want.double().abs().max().item())
@@ -144,13 +134,13 @@ def check_graph_capture(device: str, gen: torch.Generator, log: Callable[[str], 
     out = torch.randn(64, 1536, generator=gen).to(device=device, dtype=torch.float16)
     eager, work = out.clone(), out.clone()
     with torch.inference_mode():
-        lora_delta_(eager, x, layer.a, layer.b, batch, *layer[2:])
+        lora_delta_(eager, x, layer.a, layer.b, layer.meta(batch))
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                lora_delta_(work, x, layer.a, layer.b, batch, *layer[2:])
+                lora_delta_(work, x, layer.a, layer.b, layer.meta(batch))
         finally:
             torch.cuda.set_sync_debug_mode("default")
         work.copy_(out)
@@ -199,7 +189,7 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator, flush: 
     work = out.clone()
 
     def triton_step():
-        lora_delta_(work, x, layer.a, layer.b, batch, *layer[2:])
+        lora_delta_(work, x, layer.a, layer.b, layer.meta(batch))
 
     with torch.inference_mode():
         eager = time_calls(triton_step, flush, args.reps)
@@ -258,11 +248,10 @@ def case_launches(
     max_rank = layer.a.shape[1] // n_slices
     split = shrink_split_k(x.shape[1], batch.seg_slots.shape[0], n_slices, max_rank, x.dtype, 2 * sm_count)
     v = x.new_zeros(x.shape[0], n_slices * max_rank, dtype=torch.float32 if split > 1 else x.dtype)
-    shrink = shrink_launch(
-        x, layer.a, v, *batch, layer.slot_ranks, n_slices, max_rank, split, interpret=False
-    )
+    meta = layer.meta(batch)
+    shrink = shrink_launch(x, layer.a, v, meta, max_rank, split, interpret=False)
     v = x.new_zeros(x.shape[0], n_slices * max_rank)
-    expand = expand_launch(out, v, layer.b, *batch, *layer[2:], max_rank, interpret=False)
+    expand = expand_launch(out, v, layer.b, meta, max_rank, interpret=False)
     return shrink, expand
 
 
@@ -316,10 +305,10 @@ def dry_run(cases: list[Case], args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     tiny = Case(hidden=64, rank=16, phase="decode", tokens=8, adapters=4)
     layer, token_slots, batch, x, out = make_inputs(tiny, torch.float16, "cpu", gen)
-    perm, seg_indptr, seg_slots = batch
-    v = sgmv_shrink(x, layer.a, perm, seg_indptr, seg_slots, layer.slot_ranks, 1, interpret=True)
+    meta = layer.meta(batch)
+    v = sgmv_shrink(x, layer.a, meta, interpret=True)
     got = out.clone()
-    sgmv_expand(got, v, layer.b, perm, seg_indptr, seg_slots, *layer[2:], interpret=True)
+    sgmv_expand(got, v, layer.b, meta, interpret=True)
     want = lora_reference(out, x, layer.a, layer.b, token_slots, *layer[2:])
     err = (got.double() - want.double()).abs().max().item()
     print(f"tiny case under the Triton interpreter: max err {err:.1e}")

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lora_pin import AdapterLoadError, LoRAManager, PathNotAllowedError, UnsafeFormatError
-from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
+from lora_pin.fixtures import make_peft_adapter
 from lora_pin.weights.reader import AdapterFile
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -43,13 +43,14 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
+def served(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, tiny_llama: torch.nn.Module
+) -> Served:
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("allowed")
     outside = tmp_path_factory.mktemp("outside")
-    base_dir = make_tiny_llama(tmp_path_factory.mktemp("base") / "llama", layers=2)
-    maker = AutoModelForCausalLM.from_pretrained(base_dir)
+    base_dir, maker = tiny_llama_dir, tiny_llama
     good = make_peft_adapter(maker, root / "template", r=4, lora_alpha=8, target_modules=ATTN, seed=1)
     paths = {
         "good_a": make_peft_adapter(maker, root / "a", r=4, lora_alpha=8, target_modules=ATTN, seed=2),

@@ -9,6 +9,7 @@ import copy
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from lora_pin import (
     PathNotAllowedError,
     SpecError,
 )
-from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
+from lora_pin.fixtures import make_peft_adapter
 from lora_pin.ops import CUDA_CHUNK_SIZE
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -57,14 +58,17 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+def world(
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_llama_dir: Path,
+    make_adapters: Callable[..., dict[str, Path]],
+) -> World:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("e2e")
-    base_dir = make_tiny_llama(root / "base", layers=2)
-    maker = AutoModelForCausalLM.from_pretrained(base_dir)
-    adapters = {n: make_peft_adapter(maker, root / n, **kw) for n, kw in ADAPTERS.items()}
+    base_dir = tiny_llama_dir
+    adapters = make_adapters(root, ADAPTERS)
     names = list(adapters)
     peft = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(base_dir), adapters[names[0]], adapter_name=names[0]

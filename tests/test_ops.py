@@ -12,9 +12,10 @@ import platform
 import pytest
 import torch
 
+from lora_pin._testing import PATTERNS, random_layer, request_slots
 from lora_pin.errors import LoraPinError
 from lora_pin.ops import (
-    PATTERNS,
+    KernelMeta,
     OpArgumentError,
     SegmentBatch,
     expand,
@@ -22,8 +23,6 @@ from lora_pin.ops import (
     grouped,
     lora_delta_,
     lora_reference,
-    random_layer,
-    request_slots,
     segments_from_slots,
     shrink,
     shrink_reference,
@@ -142,7 +141,7 @@ def test_lora_delta_matches_the_per_token_reference(pattern, phase, dtype):
     want = lora_reference(out, x, *layer[:2], token_slots, *layer[2:])
     for chunk_size in (None, 4):
         got = out.clone()
-        lora_delta_(got, x, layer.a, layer.b, segments_from_slots(token_slots, chunk_size), *layer[2:])
+        lora_delta_(got, x, layer.a, layer.b, layer.meta(segments_from_slots(token_slots, chunk_size)))
         _assert_close(got, want)
         base = token_slots < 0
         assert torch.equal(_bits(got[base]), _bits(out[base])), "rows without adapter must be untouched"
@@ -153,21 +152,21 @@ def test_shrink_and_expand_match_their_segment_references(pattern):
     gen = torch.Generator().manual_seed(7)
     layer, token_slots, x, out = _batch_inputs(pattern, "prefill", torch.float32, gen, ranks=(8, (4, 0, 8)))
     batch = segments_from_slots(token_slots, 8)
-    v = shrink(x, layer.a, *batch, layer.slot_ranks, 3)
-    want_v = shrink_reference(x, layer.a, *batch, layer.slot_ranks, 3)
+    v = shrink(x, layer.a, layer.meta(batch))
+    want_v = shrink_reference(x, layer.a, layer.meta(batch))
     _assert_close(v, want_v)
     assert torch.equal(v == 0, want_v == 0), "uncovered rows and columns past the rank must be exactly zero"
     got = out.clone()
-    expand(got, v, layer.b, *batch, *layer[2:])
-    _assert_close(got, expand_reference(out, v, layer.b, *batch, *layer[2:]))
+    expand(got, v, layer.b, layer.meta(batch))
+    _assert_close(got, expand_reference(out, v, layer.b, layer.meta(batch)))
 
 
 def test_segment_references_compose_to_the_per_token_reference():
     gen = torch.Generator().manual_seed(1)
     layer, token_slots, x, out = _batch_inputs("uniform", "decode", torch.float64, gen, ranks=(1, 8))
     batch = segments_from_slots(token_slots)
-    v = shrink_reference(x, layer.a, *batch, layer.slot_ranks, 3)
-    composed = expand_reference(out, v, layer.b, *batch, *layer[2:])
+    v = shrink_reference(x, layer.a, layer.meta(batch))
+    composed = expand_reference(out, v, layer.b, layer.meta(batch))
     torch.testing.assert_close(composed, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
 
 
@@ -181,7 +180,7 @@ def test_mixed_ranks_in_one_batch_use_each_slots_real_rank(dtype):
     x = torch.randn(token_slots.shape[0], 96, generator=gen).to(dtype)
     out = torch.randn(token_slots.shape[0], layer.slice_offsets[-1], generator=gen).to(dtype)
     got = out.clone()
-    lora_delta_(got, x, layer.a, layer.b, segments_from_slots(token_slots, 4), *layer[2:])
+    lora_delta_(got, x, layer.a, layer.b, layer.meta(segments_from_slots(token_slots, 4)))
     _assert_close(got, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
     untouched = (token_slots == -1) | (token_slots == 4)
     assert torch.equal(_bits(got[untouched]), _bits(out[untouched]))
@@ -200,7 +199,7 @@ def test_weights_past_a_slots_rank_are_never_read():
     layer.a[2] = float("nan")  # slot 2 has rank 0
     layer.b[2] = float("nan")
     got = out.clone()
-    lora_delta_(got, x, layer.a, layer.b, segments_from_slots(token_slots), *layer[2:])
+    lora_delta_(got, x, layer.a, layer.b, layer.meta(segments_from_slots(token_slots)))
     _assert_close(got, want)
 
 
@@ -215,7 +214,7 @@ def test_base_segments_in_perm_are_skipped_and_untouched():
         seg_slots=torch.tensor([1, -1, 0], dtype=torch.int32),
     )
     got = out.clone()
-    lora_delta_(got, x, layer.a, layer.b, batch, *layer[2:])
+    lora_delta_(got, x, layer.a, layer.b, layer.meta(batch))
     token_slots = torch.tensor([0, 1, 0, -1, 1, -1])
     _assert_close(got, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
     assert torch.equal(got[[3, 5]], out[[3, 5]])
@@ -230,7 +229,7 @@ def test_runs_gathers_and_merged_chunks_in_one_batch():
     x = torch.randn(token_slots.shape[0], 40, generator=gen)
     out = torch.randn(token_slots.shape[0], 40, generator=gen)
     got = out.clone()
-    lora_delta_(got, x, layer.a, layer.b, segments_from_slots(token_slots, 16), *layer[2:])
+    lora_delta_(got, x, layer.a, layer.b, layer.meta(segments_from_slots(token_slots, 16)))
     _assert_close(got, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
 
 
@@ -242,7 +241,7 @@ def test_strided_inputs_and_outputs():
     wide = torch.randn(7, 50, generator=gen)
     out = wide[:, 5:37]  # row stride 50
     want = lora_reference(out, x, *layer[:2], token_slots, *layer[2:])
-    lora_delta_(out, x, layer.a, layer.b, segments_from_slots(token_slots), *layer[2:])
+    lora_delta_(out, x, layer.a, layer.b, layer.meta(segments_from_slots(token_slots)))
     _assert_close(out, want)
 
 
@@ -257,7 +256,9 @@ def test_decode_slots_go_to_the_native_kernels_and_long_ones_stay_on_torch(cpu_p
     token_slots = torch.tensor([0, 1, -1, 1] + [2] * long + [1])
     batch = segments_from_slots(token_slots, 4)
     ranks = torch.full((3, 3), 8, dtype=torch.int32)
-    plan = _PLANS.get(*batch, ranks, token_slots.shape[0], 8, torch.float32, grouped.use_cpu_kernels)
+    plan = _PLANS.get(
+        KernelMeta(*batch, ranks, 3), token_slots.shape[0], 8, torch.float32, grouped.use_cpu_kernels
+    )
     if cpu_path == "native":
         assert plan.kernel is not None and plan.kernel.n_rows == 4
         assert [(r.slot, r.size) for r in plan.runs] == [(2, long)]
@@ -269,14 +270,10 @@ def test_a_repeated_token_is_refused():
     layer, batch, x, out = _small_case()
     perm = batch.perm.clone()
     perm[1] = perm[0]
-    _expect_error(lambda: shrink(x, layer.a, perm, *batch[1:], layer.slot_ranks, 3), "perm repeats token")
+    meta = layer.meta(batch)._replace(perm=perm)
+    _expect_error(lambda: shrink(x, layer.a, meta), "perm repeats token")
     v = torch.zeros(8, 12)
-    _expect_error(
-        lambda: expand(
-            out, v, layer.b, perm, *batch[1:], layer.slot_ranks, layer.slot_scalings, [0, 12, 16, 20]
-        ),
-        "perm repeats token",
-    )
+    _expect_error(lambda: expand(out, v, layer.b, meta), "perm repeats token")
 
 
 # --- the batched decode path and the plan cache ---------------------------------------------------
@@ -288,7 +285,7 @@ def _dense_blocks(token_slots, layer, dtype):
 
     batch = segments_from_slots(token_slots, 2)
     max_rank = layer.b.shape[2]
-    plan = _PLANS.get(*batch, layer.slot_ranks, token_slots.shape[0], max_rank, dtype)
+    plan = _PLANS.get(layer.meta(batch), token_slots.shape[0], max_rank, dtype)
     return [(d.first_slot, d.n_slots, d.tokens_per_slot) for d in plan.dense], batch
 
 
@@ -301,12 +298,12 @@ def test_a_full_decode_block_runs_batched_and_matches_the_reference(dtype):
     assert blocks == [(0, 6, 1)]
     x = torch.randn(8, 64, generator=gen).to(dtype)
     out = torch.randn(8, layer.slice_offsets[-1], generator=gen).to(dtype)
-    v = shrink(x, layer.a, *batch, layer.slot_ranks, 3)
-    want_v = shrink_reference(x, layer.a, *batch, layer.slot_ranks, 3)
+    v = shrink(x, layer.a, layer.meta(batch))
+    want_v = shrink_reference(x, layer.a, layer.meta(batch))
     _assert_close(v, want_v)
     assert torch.equal(v == 0, want_v == 0)
     got = out.clone()
-    lora_delta_(got, x, layer.a, layer.b, batch, *layer[2:])
+    lora_delta_(got, x, layer.a, layer.b, layer.meta(batch))
     _assert_close(got, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
     base = token_slots < 0
     assert torch.equal(_bits(got[base]), _bits(out[base]))
@@ -339,10 +336,10 @@ def test_a_padded_block_beside_a_busy_slot_never_reads_past_rank_or_idle_slots(d
     if 3 not in token_slots.tolist():
         layer.a[3] = float("nan")
         layer.b[3] = float("nan")
-    v = shrink(x, layer.a, *batch, layer.slot_ranks, 2)
+    v = shrink(x, layer.a, layer.meta(batch))
     assert not v.isnan().any()
     got = out.clone()
-    expand(got, v, layer.b, *batch, *layer[2:])
+    expand(got, v, layer.b, layer.meta(batch))
     _assert_close(got, want)
     base = token_slots < 0
     assert torch.equal(_bits(got[base]), _bits(out[base]))
@@ -356,7 +353,7 @@ def test_mixed_ranks_split_into_one_block_per_rank():
     assert sorted(blocks) == [(0, 3, 1), (4, 4, 1)]  # slot 3 (six tokens) is left to the grouped path
     x, out = torch.randn(12, 32, generator=gen), torch.randn(12, 32, generator=gen)
     got = out.clone()
-    lora_delta_(got, x, layer.a, layer.b, batch, *layer[2:])
+    lora_delta_(got, x, layer.a, layer.b, layer.meta(batch))
     _assert_close(got, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
 
 
@@ -367,7 +364,7 @@ def test_plans_are_cached_by_content_so_a_buffer_refilled_in_place_is_replanned(
     first, second = torch.tensor([0, 1, 2, 3, 0, 1]), torch.tensor([3, 3, 1, 0, 2, 2])
     batch = segments_from_slots(first)
     got = out.clone()
-    lora_delta_(got, x, layer.a, layer.b, batch, *layer[2:])
+    lora_delta_(got, x, layer.a, layer.b, layer.meta(batch))
     _assert_close(got, lora_reference(out, x, *layer[:2], first, *layer[2:]))
     # The planner's next step reuses the same tensors; numpy writes do not bump torch's version counter.
     refilled = segments_from_slots(second)
@@ -375,7 +372,7 @@ def test_plans_are_cached_by_content_so_a_buffer_refilled_in_place_is_replanned(
         assert old.shape == new.shape
         old.numpy()[:] = new.numpy()
     got = out.clone()
-    lora_delta_(got, x, layer.a, layer.b, batch, *layer[2:])
+    lora_delta_(got, x, layer.a, layer.b, layer.meta(batch))
     _assert_close(got, lora_reference(out, x, *layer[:2], second, *layer[2:]))
 
 
@@ -394,10 +391,10 @@ def _small_case(dtype=torch.float32):
 def test_ops_are_registered_in_the_lora_pin_namespace():
     layer, batch, x, out = _small_case()
     v = torch.ops.lora_pin.shrink(x, layer.a, *batch, layer.slot_ranks, 3)
-    assert torch.equal(v, shrink(x, layer.a, *batch, layer.slot_ranks, 3))
+    assert torch.equal(v, shrink(x, layer.a, layer.meta(batch)))
     via_op, via_python = out.clone(), out.clone()
     torch.ops.lora_pin.expand(via_op, v, layer.b, *batch, *layer[2:])
-    expand(via_python, v, layer.b, *batch, *layer[2:])
+    expand(via_python, v, layer.b, layer.meta(batch))
     assert torch.equal(via_op, via_python) and not torch.equal(via_op, out)
 
 
@@ -405,7 +402,7 @@ def test_ops_are_registered_in_the_lora_pin_namespace():
 def test_opcheck(dtype):
     layer, batch, x, out = _small_case(dtype)
     torch.library.opcheck(torch.ops.lora_pin.shrink.default, (x, layer.a, *batch, layer.slot_ranks, 3))
-    v = shrink(x, layer.a, *batch, layer.slot_ranks, 3)
+    v = shrink(x, layer.a, layer.meta(batch))
     torch.library.opcheck(torch.ops.lora_pin.expand.default, (out, v, layer.b, *batch, *layer[2:]))
 
 
@@ -423,10 +420,9 @@ class _LoRALinear(torch.nn.Module):
 
     def forward(self, x, perm, seg_indptr, seg_slots):
         y = self.base(x)
-        v = shrink(x, self.a, perm, seg_indptr, seg_slots, self.slot_ranks, len(self.slice_offsets) - 1)
-        expand(
-            y, v, self.b, perm, seg_indptr, seg_slots, self.slot_ranks, self.slot_scalings, self.slice_offsets
-        )
+        segments = SegmentBatch(perm, seg_indptr, seg_slots)
+        meta = KernelMeta.for_layer(segments, self.slot_ranks, self.slot_scalings, self.slice_offsets)
+        expand(y, shrink(x, self.a, meta), self.b, meta)
         return torch.nn.functional.silu(y)
 
 
@@ -457,56 +453,57 @@ def _expect_error(fn, match):
 
 def test_bad_arguments_are_named():
     layer, batch, x, out = _small_case()
-    a, b, ranks, scalings, offsets = layer
-    v = shrink(x, a, *batch, ranks, 3)
-    _expect_error(lambda: shrink(x.half(), a, *batch, ranks, 3), "a must be torch.float16")
-    _expect_error(lambda: shrink(x, a, *batch, ranks, 5), "not a multiple of n_slices")
-    _expect_error(lambda: shrink(x, a, batch.perm.int(), *batch[1:], ranks, 3), "perm must be int64")
-    _expect_error(
-        lambda: shrink(x, a, batch.perm, batch.seg_indptr, batch.seg_slots[:-1], ranks, 3), "seg_slots"
-    )
-    _expect_error(lambda: shrink(x[:2], a, *batch, ranks, 3), "perm has 6 rows")
-    _expect_error(
-        lambda: expand(out, v, b, *batch, ranks, scalings, [0, 12, 16, 19]), "slice_offsets must rise"
-    )
-    _expect_error(lambda: expand(out, v, b, *batch, ranks, scalings.double(), offsets), "slot_scalings")
-    _expect_error(lambda: expand(out, v[:, :8], b, *batch, ranks, scalings, offsets), "v must be")
-    _expect_error(
-        lambda: expand(out, v, b, *batch, ranks, scalings, [0, *[1] * 9, 20]), "slice_offsets must hold"
-    )
+    a, b, ranks, scalings, _ = layer
+    meta = layer.meta(batch)
+    v = shrink(x, a, meta)
+    _expect_error(lambda: shrink(x.half(), a, meta), "a must be torch.float16")
+    _expect_error(lambda: shrink(x, a, meta._replace(n_slices=5)), "not a multiple of n_slices")
+    _expect_error(lambda: shrink(x, a, meta._replace(perm=batch.perm.int())), "perm must be int64")
+    _expect_error(lambda: shrink(x, a, meta._replace(seg_slots=batch.seg_slots[:-1])), "seg_slots")
+    _expect_error(lambda: shrink(x[:2], a, meta), "perm has 6 rows")
+    rising = KernelMeta.for_layer(batch, ranks, scalings, [0, 12, 16, 19])
+    _expect_error(lambda: expand(out, v, b, rising), "slice_offsets must rise")
+    _expect_error(lambda: expand(out, v, b, meta._replace(slot_scalings=scalings.double())), "slot_scalings")
+    _expect_error(lambda: expand(out, v[:, :8], b, meta), "v must be")
+    too_many = KernelMeta.for_layer(batch, ranks, scalings, [0, *[1] * 9, 20])
+    _expect_error(lambda: expand(out, v, b, too_many), "slice_offsets must hold")
+    shrink_only = KernelMeta(*batch, ranks, 3)
+    _expect_error(lambda: expand(out, v, b, shrink_only), "expand needs slot_scalings and slice_offsets")
+    _expect_error(lambda: expand(out, v, b, meta._replace(n_slices=2)), "n_slices=2 but slice_offsets")
 
 
 def test_expand_refuses_to_drop_a_gradient_silently():
     layer, batch, x, out = _small_case()
-    v = shrink(x.requires_grad_(), layer.a, *batch, layer.slot_ranks, 3)
-    _expect_error(lambda: expand(out, v, layer.b, *batch, *layer[2:]), "no autograd formula")
+    v = shrink(x.requires_grad_(), layer.a, layer.meta(batch))
+    _expect_error(lambda: expand(out, v, layer.b, layer.meta(batch)), "no autograd formula")
     with torch.no_grad():
-        expand(out, v, layer.b, *batch, *layer[2:])
+        expand(out, v, layer.b, layer.meta(batch))
     v = v.detach()
     b = layer.b.clone().requires_grad_()
-    _expect_error(lambda: expand(out, v, b, *batch, *layer[2:]), "no autograd formula")
+    _expect_error(lambda: expand(out, v, b, layer.meta(batch)), "no autograd formula")
     base = out.clone().requires_grad_() * 1.0  # a non-leaf base output in a graph
-    _expect_error(lambda: expand(base, v, layer.b, *batch, *layer[2:]), "no autograd formula")
+    _expect_error(lambda: expand(base, v, layer.b, layer.meta(batch)), "no autograd formula")
 
 
 def test_expand_refuses_an_out_that_overlaps_what_it_reads():
     layer, batch, x, out = _small_case()
-    v = shrink(x, layer.a, *batch, layer.slot_ranks, 3)
+    v = shrink(x, layer.a, layer.meta(batch))
     shared = torch.zeros(out.shape[0], out.shape[1])
     # v's columns are out's first ones: the add would read what it has just written.
     _expect_error(
-        lambda: expand(shared, shared[:, : v.shape[1]], layer.b, *batch, *layer[2:]), "out overlaps v"
+        lambda: expand(shared, shared[:, : v.shape[1]], layer.b, layer.meta(batch)), "out overlaps v"
     )
     assert not shared.any(), "the refused call wrote"
     memory = torch.zeros(3 * 20 * 4)
     b, out_in_b = memory.view(3, 20, 4), memory[:160].view(8, 20)
-    _expect_error(lambda: expand(out_in_b, v, b, *batch, *layer[2:]), "out overlaps b")
+    _expect_error(lambda: expand(out_in_b, v, b, layer.meta(batch)), "out overlaps b")
 
 
 def test_slice_offsets_must_be_ints():
     layer, batch, x, out = _small_case()
-    v = shrink(x, layer.a, *batch, layer.slot_ranks, 3)
-    _expect_error(lambda: expand(out, v, layer.b, *batch, *layer[2:4], [0, 12.0, 16, 20]), "must be ints")
+    v = shrink(x, layer.a, layer.meta(batch))
+    floats = layer.meta(batch)._replace(slice_offsets=(0, 12.0, 16, 20))
+    _expect_error(lambda: expand(out, v, layer.b, floats), "must be ints")
 
 
 def test_fp16_expand_of_large_activations_does_not_overflow():
@@ -516,9 +513,10 @@ def test_fp16_expand_of_large_activations_does_not_overflow():
     b = torch.full((2, 4, 1), 1e-3, dtype=torch.float16)
     ranks, scalings = torch.ones(2, 1, dtype=torch.int32), torch.full((2, 1), 2.0)
     batch = segments_from_slots(torch.tensor([0, 1]))  # one token a slot: the batched decode path
+    meta = KernelMeta.for_layer(batch, ranks, scalings, [0, 4])
     got = out.clone()
-    expand(got, v, b, *batch, ranks, scalings, [0, 4])
-    want = expand_reference(out, v, b, *batch, ranks, scalings, [0, 4])
+    expand(got, v, b, meta)
+    want = expand_reference(out, v, b, meta)
     assert torch.isfinite(got).all(), got
     _assert_close(got, want)
 
@@ -527,19 +525,16 @@ def test_bad_segment_contents_are_refused_on_cpu():
     layer, batch, x, _ = _small_case()
     too_high = layer.slot_ranks.clone()
     too_high[0, 0] = 5
-    _expect_error(lambda: shrink(x, layer.a, *batch, too_high, 3), "slot_ranks must lie in")
+    meta = layer.meta(batch)
+    _expect_error(lambda: shrink(x, layer.a, meta._replace(slot_ranks=too_high)), "slot_ranks must lie in")
     bad_slots = batch.seg_slots.clone()
     bad_slots[0] = 3
-    _expect_error(
-        lambda: shrink(x, layer.a, batch.perm, batch.seg_indptr, bad_slots, layer.slot_ranks, 3), "seg_slots"
-    )
+    _expect_error(lambda: shrink(x, layer.a, meta._replace(seg_slots=bad_slots)), "seg_slots")
     bad_perm = batch.perm.clone()
     bad_perm[0] = 8
-    _expect_error(lambda: shrink(x, layer.a, bad_perm, *batch[1:], layer.slot_ranks, 3), "perm holds tokens")
+    _expect_error(lambda: shrink(x, layer.a, meta._replace(perm=bad_perm)), "perm holds tokens")
     bad_indptr = batch.seg_indptr.flip(0)
-    _expect_error(
-        lambda: shrink(x, layer.a, batch.perm, bad_indptr, batch.seg_slots, layer.slot_ranks, 3), "seg_indptr"
-    )
+    _expect_error(lambda: shrink(x, layer.a, meta._replace(seg_indptr=bad_indptr)), "seg_indptr")
 
 
 # --- the benchmark scripts stay runnable -------------------------------------------------------------

@@ -11,13 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lora_pin._testing import PATTERNS, random_layer, request_slots
 from lora_pin.ops import (
-    PATTERNS,
     OpArgumentError,
     expand_reference,
     lora_reference,
-    random_layer,
-    request_slots,
     segments_from_slots,
     shrink_reference,
 )
@@ -56,10 +54,9 @@ def _case(
 def _run(layer, token_slots, x, out, chunk_size, **launch):
     """shrink then expand through the Triton launchers; returns (v, new out)."""
     batch = segments_from_slots(token_slots, chunk_size)
-    n_slices = len(layer.slice_offsets) - 1
-    v = triton_sgmv.sgmv_shrink(x, layer.a, *batch, layer.slot_ranks, n_slices, **launch)
+    v = triton_sgmv.sgmv_shrink(x, layer.a, layer.meta(batch), **launch)
     got = out.clone()
-    triton_sgmv.sgmv_expand(got, v, layer.b, *batch, *layer[2:], interpret=launch.get("interpret"))
+    triton_sgmv.sgmv_expand(got, v, layer.b, layer.meta(batch), interpret=launch.get("interpret"))
     return batch, v, got
 
 
@@ -68,8 +65,8 @@ def _run(layer, token_slots, x, out, chunk_size, **launch):
 def test_shrink_and_expand_match_the_reference(pattern, dtype):
     layer, token_slots, x, out = _case(pattern, dtype, PATTERNS.index(pattern))
     batch, v, got = _run(layer, token_slots, x, out, chunk_size=4)
-    _assert_close(v, shrink_reference(x, layer.a, *batch, layer.slot_ranks, 3))
-    _assert_close(got, expand_reference(out, v, layer.b, *batch, *layer[2:]))
+    _assert_close(v, shrink_reference(x, layer.a, layer.meta(batch)))
+    _assert_close(got, expand_reference(out, v, layer.b, layer.meta(batch)))
     _assert_close(got, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
     base = token_slots < 0
     assert torch.equal(_bits(got[base]), _bits(out[base])), "rows without adapter must be untouched"
@@ -81,7 +78,7 @@ def test_split_k_and_long_segments(split_k, dtype):
     # Unchunked segments longer than BLOCK_M loop over row blocks; split-K accumulates with atomics.
     layer, token_slots, x, out = _case("zipf", dtype, 11, n_requests=6, tokens=7)
     batch, v, got = _run(layer, token_slots, x, out, chunk_size=None, split_k=split_k)
-    _assert_close(v, shrink_reference(x, layer.a, *batch, layer.slot_ranks, 3))
+    _assert_close(v, shrink_reference(x, layer.a, layer.meta(batch)))
     _assert_close(got, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
 
 
@@ -93,7 +90,7 @@ def test_mixed_ranks_absent_slices_and_rank_blocks(dtype):
         "uniform", dtype, 12, ranks=ranks, slice_widths=(64, 16, 16), n_requests=14
     )
     batch, v, got = _run(layer, token_slots, x, out, chunk_size=3)
-    want_v = shrink_reference(x, layer.a, *batch, layer.slot_ranks, 3)
+    want_v = shrink_reference(x, layer.a, layer.meta(batch))
     _assert_close(v, want_v)
     assert torch.equal(v == 0, want_v == 0), "columns past each rank and uncovered rows must be exactly zero"
     _assert_close(got, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
@@ -105,7 +102,7 @@ def test_ranks_above_one_rank_block():
     # R = 80 takes two rank blocks of 64 in shrink and two rank steps in expand; rank 8 exits block 2.
     layer, token_slots, x, out = _case("uniform", torch.float32, 18, ranks=[80, 8, (70, 0, 65)])
     batch, v, got = _run(layer, token_slots, x, out, chunk_size=4)
-    _assert_close(v, shrink_reference(x, layer.a, *batch, layer.slot_ranks, 3))
+    _assert_close(v, shrink_reference(x, layer.a, layer.meta(batch)))
     _assert_close(got, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
 
 
@@ -133,9 +130,7 @@ def test_single_slice_and_empty_batches():
 def test_compiled_kernels_need_cuda_tensors():
     layer, token_slots, x, _ = _case("uniform", torch.float32, 15)
     with pytest.raises(ValueError, match="need CUDA tensors"):
-        triton_sgmv.sgmv_shrink(
-            x, layer.a, *segments_from_slots(token_slots), layer.slot_ranks, 3, interpret=False
-        )
+        triton_sgmv.sgmv_shrink(x, layer.a, layer.meta(segments_from_slots(token_slots)), interpret=False)
 
 
 def test_the_interpreter_leaves_triton_jit_compiling():
@@ -214,7 +209,7 @@ def test_cuda_ops_match_the_reference(pattern, dtype):
 
     layer, token_slots, x, out = _case(pattern, dtype, 16, ranks=[8, 16, 64, (16, 0, 8)], device="cuda")
     got = out.clone()
-    lora_delta_(got, x, layer.a, layer.b, segments_from_slots(token_slots, 16), *layer[2:])
+    lora_delta_(got, x, layer.a, layer.b, layer.meta(segments_from_slots(token_slots, 16)))
     _assert_close(got, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
     base = token_slots < 0
     assert torch.equal(_bits(got[base]), _bits(out[base]))
@@ -227,13 +222,13 @@ def test_cuda_ops_never_synchronise_and_replay_in_a_cuda_graph():
     layer, token_slots, x, out = _case("zipf", torch.float16, 17, device="cuda")
     batch = segments_from_slots(token_slots, 16)
     work = out.clone()
-    lora_delta_(work, x, layer.a, layer.b, batch, *layer[2:])  # compile outside the capture
+    lora_delta_(work, x, layer.a, layer.b, layer.meta(batch))  # compile outside the capture
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            lora_delta_(work, x, layer.a, layer.b, batch, *layer[2:])
+            lora_delta_(work, x, layer.a, layer.b, layer.meta(batch))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     work.copy_(out)
@@ -245,23 +240,17 @@ def test_cuda_ops_never_synchronise_and_replay_in_a_cuda_graph():
 def test_the_interpreter_checks_what_the_segment_arrays_hold_and_refuses_bf16():
     # It indexes host memory with whatever they hold: a bad index would read or write out of bounds.
     layer, token_slots, x, out = _case("uniform", torch.float32, 3)
-    perm, seg_indptr, seg_slots = segments_from_slots(token_slots, None)
-    n_slices = len(layer.slice_offsets) - 1
-    far = perm.clone()
+    meta = layer.meta(segments_from_slots(token_slots, None))
+    far = meta.perm.clone()
     far[0] = 10**9
     with pytest.raises(OpArgumentError, match="perm holds tokens outside"):
-        triton_sgmv.sgmv_shrink(x, layer.a, far, seg_indptr, seg_slots, layer.slot_ranks, n_slices)
+        triton_sgmv.sgmv_shrink(x, layer.a, meta._replace(perm=far))
     with pytest.raises(OpArgumentError, match="seg_slots must lie in"):
         triton_sgmv.sgmv_expand(
             out,
             torch.zeros(out.shape[0], layer.a.shape[1]),
             layer.b,
-            perm,
-            seg_indptr,
-            torch.full_like(seg_slots, 10**6),
-            *layer[2:],
+            meta._replace(seg_slots=torch.full_like(meta.seg_slots, 10**6)),
         )
     with pytest.raises(OpArgumentError, match="bf16"):
-        triton_sgmv.sgmv_shrink(
-            x.bfloat16(), layer.a.bfloat16(), perm, seg_indptr, seg_slots, layer.slot_ranks, n_slices
-        )
+        triton_sgmv.sgmv_shrink(x.bfloat16(), layer.a.bfloat16(), meta)

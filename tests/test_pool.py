@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lora_pin.errors import PoolError
-from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
+from lora_pin.fixtures import make_peft_adapter
 from lora_pin.weights import DevicePool, HostAdapter, LoRATargets, load_adapter
 
 MAX_RANK = 8
@@ -25,11 +25,9 @@ class Setup:
 
 
 @pytest.fixture(scope="session")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
-    from transformers import AutoModelForCausalLM
-
+def setup(tmp_path_factory: pytest.TempPathFactory, tiny_llama: torch.nn.Module) -> Setup:
     root = tmp_path_factory.mktemp("pool")
-    base = AutoModelForCausalLM.from_pretrained(make_tiny_llama(root / "base", layers=2))
+    base = tiny_llama
     targets = LoRATargets.from_model(base)
     paths = {
         "full": make_peft_adapter(

@@ -18,7 +18,7 @@ import shutil
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,6 @@ from lora_pin import (
     StalePlanError,
     UnsafeFormatError,
 )
-from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
 from lora_pin.weights import AdapterConfig, open_adapter, read_adapter_config
 
 LONG = os.environ.get("LORA_PIN_LONG") == "1"
@@ -259,13 +258,16 @@ ADAPTERS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+def world(
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_llama_dir: Path,
+    make_adapters: Callable[..., dict[str, Path]],
+) -> World:
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("adapters")
-    base_dir = make_tiny_llama(tmp_path_factory.mktemp("base") / "llama", layers=2)
-    maker = AutoModelForCausalLM.from_pretrained(base_dir)
-    paths = {n: make_peft_adapter(maker, root / n, **kw) for n, kw in ADAPTERS.items()}
+    base_dir = tiny_llama_dir
+    paths = make_adapters(root, ADAPTERS)
     model = AutoModelForCausalLM.from_pretrained(base_dir).eval()
     return World(root, base_dir, paths, model)
 

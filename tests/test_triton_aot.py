@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_pin.ops import lora_reference, random_layer, request_slots, segments_from_slots
+from lora_pin._testing import random_layer, request_slots
+from lora_pin.ops import lora_reference, segments_from_slots
 
 triton_sgmv = pytest.importorskip("lora_pin.ops.triton_sgmv")
 triton_aot = pytest.importorskip("lora_pin.ops.triton_aot")
@@ -60,15 +61,13 @@ def _shrink(layer, batch, x):
     segments = batch.seg_slots.shape[0]
     split = triton_sgmv.shrink_split_k(x.shape[1], segments, n_slices, rank, x.dtype, 2 * H200_SMS)
     v = x.new_zeros(x.shape[0], n_slices * rank, dtype=torch.float32 if split > 1 else x.dtype)
-    return triton_sgmv.shrink_launch(
-        x, layer.a, v, *batch, layer.slot_ranks, n_slices, rank, split, interpret=False
-    )
+    return triton_sgmv.shrink_launch(x, layer.a, v, layer.meta(batch), rank, split, interpret=False)
 
 
 def _expand(layer, batch, v, out):
     """The expand launch the CUDA op would make on an H200."""
     rank = layer.b.shape[2]
-    return triton_sgmv.expand_launch(out, v, layer.b, *batch, *layer[2:], rank, interpret=False)
+    return triton_sgmv.expand_launch(out, v, layer.b, layer.meta(batch), rank, interpret=False)
 
 
 def _launches(*shape):
@@ -143,7 +142,7 @@ def test_building_leaves_triton_without_a_gpu_driver_and_the_interpreter_working
     token_slots = torch.tensor([0, 1, 1, -1])
     batch = segments_from_slots(token_slots, None)
     x = torch.randn(4, 32, generator=gen)
-    v = triton_sgmv.sgmv_shrink(x, layer.a, *batch, layer.slot_ranks, 1, interpret=True)
+    v = triton_sgmv.sgmv_shrink(x, layer.a, layer.meta(batch), interpret=True)
     want = torch.stack(
         [x[i] @ layer.a[s].T if s >= 0 else torch.zeros(16) for i, s in enumerate(token_slots)]
     )

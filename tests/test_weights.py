@@ -24,7 +24,7 @@ from lora_pin.errors import (
     SpecError,
     UnsafeFormatError,
 )
-from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
+from lora_pin.fixtures import make_peft_adapter
 from lora_pin.weights import DevicePool, HostTier, LoRATargets, load_adapter, open_adapter
 
 MAX_RANK = 16
@@ -66,15 +66,19 @@ class World:
 
 
 @pytest.fixture(scope="session")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+def world(
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_llama_dir: Path,
+    tiny_llama: torch.nn.Module,
+    make_adapters: Callable[..., dict[str, Path]],
+) -> World:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("weights")
-    base_dir = make_tiny_llama(root / "base", layers=2)
-    base = AutoModelForCausalLM.from_pretrained(base_dir)
-    targets = LoRATargets.from_model(base)
-    adapters = {n: make_peft_adapter(base, root / "adapters" / n, **kw) for n, kw in ADAPTERS.items()}
+    base_dir = tiny_llama_dir
+    targets = LoRATargets.from_model(tiny_llama)
+    adapters = make_adapters(root / "adapters", ADAPTERS)
     oracle_base = AutoModelForCausalLM.from_pretrained(base_dir)
     names = list(adapters)
     peft = PeftModel.from_pretrained(oracle_base, adapters[names[0]], adapter_name=names[0])

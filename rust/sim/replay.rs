@@ -14,9 +14,9 @@ use std::collections::{HashSet, VecDeque};
 
 use crate::error::{Error, Result};
 use crate::policy::{AdapterKey, PolicyKind};
-use crate::registry::{AdapterSize, Config, Registry, StepPlan};
+use crate::registry::{AdapterSize, Config, Registry, StepPlan, TierStats};
 use crate::sim::belady::{min_misses, Demand};
-use crate::sim::trace::Trace;
+use crate::sim::trace::{Request, Trace};
 use crate::spec::LoRARef;
 
 /// One configuration to simulate.
@@ -130,12 +130,7 @@ pub fn simulate_with(
     config: &SimConfig,
     mut on_step: impl FnMut(&[u32], &StepPlan),
 ) -> Result<SimReport> {
-    if config.batch_size == 0 {
-        return Err(Error::Spec("batch_size must be at least 1 (got 0)".into()));
-    }
-    if !config.step_seconds.is_finite() || config.step_seconds < 0.0 {
-        return Err(Error::Spec(format!("step_seconds must be a number >= 0 (got {})", config.step_seconds)));
-    }
+    check_config(config)?;
     let (mut reg, keys) = setup(trace, config)?;
     let pinned: Vec<bool> = keys.iter().map(|&k| reg.get(k).protection.pinned).collect();
     let host_initial: Vec<u32> = (0..keys.len())
@@ -145,19 +140,14 @@ pub fn simulate_with(
     let start = reg.stats();
 
     let requests = trace.requests();
-    let arrivals: Vec<f64> = requests
-        .iter()
-        .scan(0.0, |last, r| {
-            *last = r.arrival.unwrap_or(*last);
-            Some(*last)
-        })
-        .collect();
+    let arrivals = arrival_times(requests);
     let mut report = SimReport { requests: requests.len() as u64, ..SimReport::default() };
     let mut demand = Demand::new();
     let mut queue: VecDeque<u32> = VecDeque::with_capacity(config.batch_size.min(requests.len()));
     let mut next = 0usize;
     let mut clock = 0.0f64;
-    let (mut batch, mut step_keys, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+    let mut batch = Vec::new();
+    let mut step = StepInputs::default();
     while next < requests.len() || !queue.is_empty() {
         if queue.is_empty() {
             clock = clock.max(arrivals[next]);
@@ -168,19 +158,81 @@ pub fn simulate_with(
         }
         batch.clear();
         batch.extend(queue.iter().copied());
-        step_keys.clear();
-        tokens.clear();
-        for &i in &batch {
+        let plan = step.serve(&mut reg, trace, &keys, &batch, report.steps)?;
+        count_step(&mut report, &mut demand, requests, &batch, &plan);
+        on_step(&batch, &plan);
+        keep_deferred(&mut queue, &batch, &plan.deferred);
+        clock += config.step_seconds;
+    }
+
+    let end = reg.stats();
+    let bytes = config.adapter_bytes;
+    let device_bound = min_misses(&demand, config.slots, |a| pinned[a as usize], &[])?;
+    report.device = tier_report(&end.device, &start.device, bytes, Some(device_bound));
+    let host_bound = config
+        .max_loaded
+        .map(|cap| min_misses(&demand, cap, |a| pinned[a as usize], &host_initial))
+        .transpose()?;
+    report.host = tier_report(&end.host, &start.host, bytes, host_bound);
+    Ok(report)
+}
+
+/// Refuses a batch size of 0 and a negative or non-finite step time.
+fn check_config(config: &SimConfig) -> Result<()> {
+    if config.batch_size == 0 {
+        return Err(Error::Spec("batch_size must be at least 1 (got 0)".into()));
+    }
+    if !config.step_seconds.is_finite() || config.step_seconds < 0.0 {
+        return Err(Error::Spec(format!("step_seconds must be a number >= 0 (got {})", config.step_seconds)));
+    }
+    Ok(())
+}
+
+/// Each request's arrival time; one without a time arrives with the request before it (the first at 0).
+fn arrival_times(requests: &[Request]) -> Vec<f64> {
+    requests
+        .iter()
+        .scan(0.0, |last, r| {
+            *last = r.arrival.unwrap_or(*last);
+            Some(*last)
+        })
+        .collect()
+}
+
+/// The per-step argument lists of the registry calls, kept between steps so a step allocates none.
+#[derive(Default)]
+struct StepInputs {
+    keys: Vec<Option<AdapterKey>>,
+    tokens: Vec<u32>,
+}
+
+impl StepInputs {
+    /// One step of the live manager's loop for the requests `batch` (trace indices): begin the step
+    /// transaction (plan and acquire), report every planned load done, finish. Returns the plan.
+    ///
+    /// Errors: the registry's, and [`Error::Usage`] when the plan admits nothing (`step` numbers it in
+    /// the message), since the simulation could then never progress.
+    fn serve(
+        &mut self,
+        reg: &mut Registry,
+        trace: &Trace,
+        keys: &[AdapterKey],
+        batch: &[u32],
+        step: u64,
+    ) -> Result<StepPlan> {
+        let requests = trace.requests();
+        self.keys.clear();
+        self.tokens.clear();
+        for &i in batch {
             let r = &requests[i as usize];
-            step_keys.push(r.adapter.map(|a| keys[a as usize]));
-            tokens.push(r.tokens);
+            self.keys.push(r.adapter.map(|a| keys[a as usize]));
+            self.tokens.push(r.tokens);
         }
-        let (plan, ticket) = reg.begin_step(&step_keys, &tokens, false)?;
+        let (plan, ticket) = reg.begin_step(&self.keys, &self.tokens, false)?;
         if plan.admitted.is_empty() {
             reg.finish_step(ticket)?;
             return Err(Error::Usage(format!(
-                "step {} admitted none of its {} request(s); the simulation cannot progress",
-                report.steps,
+                "step {step} admitted none of its {} request(s); the simulation cannot progress",
                 batch.len()
             )));
         }
@@ -188,56 +240,66 @@ pub fn simulate_with(
             reg.report_load(ticket, index, true)?;
         }
         reg.finish_step(ticket)?;
-
-        let mut used: Vec<u32> = Vec::new();
-        for &i in &plan.admitted {
-            let r = &requests[batch[i as usize] as usize];
-            report.tokens += u64::from(r.tokens);
-            if let Some(a) = r.adapter {
-                report.adapter_requests += 1;
-                if !used.contains(&a) {
-                    used.push(a);
-                }
-            }
-        }
-        report.uses += used.len() as u64;
-        demand.push_step(used);
-        report.deferrals += plan.deferred.len() as u64;
-        report.steps += 1;
-        on_step(&batch, &plan);
-        let mut deferred = plan.deferred.iter().peekable();
-        let mut kept = 0;
-        for (pos, i) in batch.iter().enumerate() {
-            if deferred.next_if(|&&d| d as usize == pos).is_some() {
-                queue[kept] = *i;
-                kept += 1;
-            }
-        }
-        queue.truncate(kept);
-        clock += config.step_seconds;
+        Ok(plan)
     }
+}
 
-    let end = reg.stats();
-    let d = (end.device.counters, start.device.counters);
-    let h = (end.host.counters, start.host.counters);
-    report.device = TierReport {
-        hits: d.0.hits - d.1.hits,
-        misses: d.0.misses - d.1.misses,
-        evictions: d.0.evictions - d.1.evictions,
-        bytes_moved: (d.0.misses - d.1.misses).saturating_mul(config.adapter_bytes),
-        belady_misses: Some(min_misses(&demand, config.slots, |a| pinned[a as usize], &[])?),
-    };
-    report.host = TierReport {
-        hits: h.0.hits - h.1.hits,
-        misses: h.0.misses - h.1.misses,
-        evictions: h.0.evictions - h.1.evictions,
-        bytes_moved: (h.0.misses - h.1.misses).saturating_mul(config.adapter_bytes),
-        belady_misses: config
-            .max_loaded
-            .map(|cap| min_misses(&demand, cap, |a| pinned[a as usize], &host_initial))
-            .transpose()?,
-    };
-    Ok(report)
+/// Adds one step's admitted requests to `report` (tokens, adapter requests, uses, deferrals, the step)
+/// and its distinct adapters, in first-use order, to `demand`.
+fn count_step(
+    report: &mut SimReport,
+    demand: &mut Demand,
+    requests: &[Request],
+    batch: &[u32],
+    plan: &StepPlan,
+) {
+    let mut used: Vec<u32> = Vec::new();
+    for &i in &plan.admitted {
+        let r = &requests[batch[i as usize] as usize];
+        report.tokens += u64::from(r.tokens);
+        if let Some(a) = r.adapter {
+            report.adapter_requests += 1;
+            if !used.contains(&a) {
+                used.push(a);
+            }
+        }
+    }
+    report.uses += used.len() as u64;
+    demand.push_step(used);
+    report.deferrals += plan.deferred.len() as u64;
+    report.steps += 1;
+}
+
+/// Leaves in `queue` (which held `batch`) only the requests the step deferred, in order: they go first
+/// in the next step. `deferred` holds their positions in `batch`, ascending.
+fn keep_deferred(queue: &mut VecDeque<u32>, batch: &[u32], deferred: &[u32]) {
+    let mut deferred = deferred.iter().peekable();
+    let mut kept = 0;
+    for (pos, i) in batch.iter().enumerate() {
+        if deferred.next_if(|&&d| d as usize == pos).is_some() {
+            queue[kept] = *i;
+            kept += 1;
+        }
+    }
+    queue.truncate(kept);
+}
+
+/// What a tier did between the `start` and `end` snapshots, with `adapter_bytes` per miss and the
+/// Belady bound for the same demand.
+fn tier_report(
+    end: &TierStats,
+    start: &TierStats,
+    adapter_bytes: u64,
+    belady_misses: Option<u64>,
+) -> TierReport {
+    let (e, s) = (&end.counters, &start.counters);
+    TierReport {
+        hits: e.hits - s.hits,
+        misses: e.misses - s.misses,
+        evictions: e.evictions - s.evictions,
+        bytes_moved: (e.misses - s.misses).saturating_mul(adapter_bytes),
+        belady_misses,
+    }
 }
 
 /// A registry with the trace's adapters registered (pinned ones first, pinned) and their keys by

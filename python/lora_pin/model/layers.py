@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lora_pin.ops import OpArgumentError, SegmentBatch, expand, segments_from_slots, shrink
+from lora_pin.errors import UsageError
+from lora_pin.ops import KernelMeta, OpArgumentError, SegmentBatch, expand, segments_from_slots, shrink
 from lora_pin.weights.pool import GroupBuffers
 
 __all__ = ["LoRALinear", "StepSegments"]
@@ -45,7 +46,7 @@ class StepSegments:
         """The segments for layer input ``x`` (``[T, in]`` packed, ``[B, L, in]`` per sequence).
 
         Raises:
-            ValueError: ``x`` does not have the step's shape: its rows (or, for ``[B, L, in]``, its batch
+            UsageError: ``x`` does not have the step's shape: its rows (or, for ``[B, L, in]``, its batch
                 ``B``) are not a multiple of the step's sequences. A multiple is taken for that many
                 contiguous copies of each sequence, as beam search makes.
         """
@@ -55,7 +56,7 @@ class StepSegments:
         batch = self.sequence_slots.shape[0]
         rows = x.numel() // x.shape[-1]
         if rows % batch or (x.dim() == 3 and x.shape[0] % batch):
-            raise ValueError(
+            raise UsageError(
                 f"LoRA step: the layer input {tuple(x.shape)} does not split into the step's {batch} "
                 "sequences (batch() was given one name per sequence of the batch)"
             )
@@ -93,7 +94,9 @@ class LoRALinear(torch.nn.Module):
         self._pool_buffers = buffers
         self._active_step = active_step
         self._n_slices = buffers.group.n_slices
-        self._offsets = buffers.slice_offsets
+        # The kernel metadata of the last segments seen: every forward of one step reuses it. Keyed by
+        # identity, which is safe because the entry holds the segments it was made from.
+        self._meta: tuple[SegmentBatch, KernelMeta] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in] -> [..., out_total]``: the base output plus the step's adapter deltas, in place."""
@@ -109,20 +112,14 @@ class LoRALinear(torch.nn.Module):
                 "model's dtype when the LoRAManager was built: was the model moved with .to(dtype) since "
                 "(build the manager after it), or is autocast on (not supported)?"
             )
-        flat_x = x.reshape(-1, x.shape[-1])
+        cached = self._meta
+        if cached is not None and cached[0] is seg:
+            meta = cached[1]
+        else:
+            meta = KernelMeta.for_layer(seg, buf.ranks, buf.scalings, buf.slice_offsets)
+            self._meta = (seg, meta)
         flat_out = out.view(-1, out.shape[-1])
-        v = shrink(flat_x, buf.a, seg.perm, seg.seg_indptr, seg.seg_slots, buf.ranks, self._n_slices)
-        expand(
-            flat_out,
-            v,
-            buf.b,
-            seg.perm,
-            seg.seg_indptr,
-            seg.seg_slots,
-            buf.ranks,
-            buf.scalings,
-            self._offsets,
-        )
+        expand(flat_out, shrink(x.reshape(-1, x.shape[-1]), buf.a, meta), buf.b, meta)
         return out
 
     def extra_repr(self) -> str:

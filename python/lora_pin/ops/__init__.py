@@ -1,30 +1,28 @@
 """Multi-adapter LoRA GEMM as torch custom ops: ``torch.ops.lora_pin.shrink`` and ``.expand``.
 
 Every token of a batch may use a different adapter (or none). The ops are driven by segment arrays
-(:class:`SegmentBatch`, made by the Rust planner or :func:`segments_from_slots`) and read the adapters
-from the device pool's stacked ``A`` / ``B`` buffers. CUDA tensors run Triton SGMV kernels (CUDA-graph
-capturable: no host-device synchronisation); CPU tensors run grouped torch GEMMs. The Triton kernels
-also run on CPU tensors under the Triton interpreter through :mod:`lora_pin.ops.triton_sgmv` (tests).
+(:class:`SegmentBatch`, made by the Rust planner or :func:`segments_from_slots`), which a
+:class:`KernelMeta` joins with a layer group's per-slot ranks, scalings and slice layout; they read
+the adapters from the device pool's stacked ``A`` / ``B`` buffers. CUDA tensors run Triton SGMV
+kernels (CUDA-graph capturable: no host-device synchronisation); CPU tensors run grouped torch GEMMs.
+The Triton kernels also run on CPU tensors under the Triton interpreter through
+:mod:`lora_pin.ops.triton_sgmv` (tests).
 """
 
 from lora_pin.ops._checks import OpArgumentError
 from lora_pin.ops.custom_ops import expand, lora_delta_, shrink
 from lora_pin.ops.reference import expand_reference, lora_reference, shrink_reference
-from lora_pin.ops.segments import CUDA_CHUNK_SIZE, SegmentBatch, segments_from_slots
-from lora_pin.ops.testing import PATTERNS, StackedLayer, random_layer, request_slots
+from lora_pin.ops.segments import CUDA_CHUNK_SIZE, KernelMeta, SegmentBatch, segments_from_slots
 
 __all__ = [
     "CUDA_CHUNK_SIZE",
-    "PATTERNS",
+    "KernelMeta",
     "OpArgumentError",
     "SegmentBatch",
-    "StackedLayer",
     "expand",
     "expand_reference",
     "lora_delta_",
     "lora_reference",
-    "random_layer",
-    "request_slots",
     "segments_from_slots",
     "shrink",
     "shrink_reference",

@@ -7,11 +7,12 @@ graph capture and under fake tensors; with symbolic shapes they become guards.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 from lora_pin.errors import OpArgumentError
+from lora_pin.ops.segments import KernelMeta
 
 __all__ = ["MAX_SLICES", "OpArgumentError", "check_expand_args", "check_shrink_args"]
 
@@ -32,15 +33,8 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _check_segments(
-    device: torch.device,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    n_slices: int,
-    n_tokens: int,
-) -> None:
+def _check_segments(device: torch.device, meta: KernelMeta, n_tokens: int) -> None:
+    perm, seg_indptr, seg_slots, slot_ranks, n_slices = meta[:5]
     _require(
         perm.dim() == 1 and perm.dtype == torch.int64,
         lambda: f"perm must be int64 [N], got {_shape(perm)} {perm.dtype}",
@@ -116,11 +110,7 @@ def check_segment_contents(
 def check_shrink_args(
     x: torch.Tensor,  # [T, in]
     a: torch.Tensor,  # [slots, n_slices * R, in]
-    perm: torch.Tensor,  # int64 [N]
-    seg_indptr: torch.Tensor,  # int32 [S + 1]
-    seg_slots: torch.Tensor,  # int32 [S]
-    slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
-    n_slices: int,
+    meta: KernelMeta,
 ) -> int:
     """Validates :func:`lora_pin.ops.shrink`'s arguments; returns the max rank ``R``.
 
@@ -136,6 +126,7 @@ def check_shrink_args(
         lambda: f"a must be {x.dtype} [slots, n_slices * R, in={x.shape[1]}], got {_shape(a)} {a.dtype}",
     )
     _require(a.device == x.device, lambda: f"a is on {a.device} but x is on {x.device}")
+    n_slices, slot_ranks = meta.n_slices, meta.slot_ranks
     _require(1 <= n_slices <= MAX_SLICES, lambda: f"n_slices must be in [1, {MAX_SLICES}], got {n_slices}")
     _require(
         a.shape[1] % n_slices == 0,
@@ -145,7 +136,7 @@ def check_shrink_args(
         slot_ranks.shape[0] == a.shape[0],
         lambda: f"slot_ranks has {slot_ranks.shape[0]} slots, a has {a.shape[0]}",
     )
-    _check_segments(x.device, perm, seg_indptr, seg_slots, slot_ranks, n_slices, x.shape[0])
+    _check_segments(x.device, meta, x.shape[0])
     return a.shape[1] // n_slices
 
 
@@ -153,18 +144,15 @@ def check_expand_args(
     out: torch.Tensor,  # [T, out_total]
     v: torch.Tensor,  # [T, n_slices * R]
     b: torch.Tensor,  # [slots, out_total, R]
-    perm: torch.Tensor,  # int64 [N]
-    seg_indptr: torch.Tensor,  # int32 [S + 1]
-    seg_slots: torch.Tensor,  # int32 [S]
-    slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
-    slot_scalings: torch.Tensor,  # float32 [slots, n_slices]
-    slice_offsets: Sequence[int],  # n_slices + 1 ints, 0 .. out_total
+    meta: KernelMeta,
 ) -> int:
     """Validates :func:`lora_pin.ops.expand`'s arguments; returns the max rank ``R``.
 
     Raises:
-        OpArgumentError: the first mismatch found, naming the argument and its shape or dtype.
+        OpArgumentError: the first mismatch found, naming the argument and its shape or dtype; or
+            ``meta`` lacks the scalings or slice offsets.
     """
+    slot_scalings, slice_offsets = meta.expand_layout()
     n_slices = len(slice_offsets) - 1
     _require(
         out.dim() == 2 and out.dtype in _FLOAT_DTYPES,
@@ -173,6 +161,10 @@ def check_expand_args(
     _require(
         1 <= n_slices <= MAX_SLICES,
         lambda: f"slice_offsets must hold 2..{MAX_SLICES + 1} ints, got {list(slice_offsets)}",
+    )
+    _require(
+        meta.n_slices == n_slices,
+        lambda: f"n_slices={meta.n_slices} but slice_offsets {list(slice_offsets)} hold {n_slices} slices",
     )
     _require(
         slice_offsets[0] == 0
@@ -195,6 +187,7 @@ def check_expand_args(
             f"got {_shape(v)} {v.dtype}"
         ),
     )
+    slot_ranks = meta.slot_ranks
     _require(
         slot_ranks.shape[0] == b.shape[0],
         lambda: f"slot_ranks has {slot_ranks.shape[0]} slots, b has {b.shape[0]}",
@@ -209,7 +202,7 @@ def check_expand_args(
     for name, t in (("v", v), ("b", b), ("slot_scalings", slot_scalings)):
         if t.device != out.device:
             raise OpArgumentError(f"{name} is on {t.device} but out is on {out.device}")
-    _check_segments(out.device, perm, seg_indptr, seg_slots, slot_ranks, n_slices, out.shape[0])
+    _check_segments(out.device, meta, out.shape[0])
     return max_rank
 
 

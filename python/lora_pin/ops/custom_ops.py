@@ -9,7 +9,6 @@ formula is registered.
 # No `from __future__ import annotations` here: torch.library reads the op schema from the annotations.
 
 import operator
-from collections.abc import Sequence
 
 import torch
 
@@ -20,9 +19,35 @@ from lora_pin.ops._checks import (
     check_shrink_args,
 )
 from lora_pin.ops.grouped import expand_grouped, shrink_grouped
-from lora_pin.ops.segments import SegmentBatch
+from lora_pin.ops.segments import KernelMeta
 
 __all__ = ["expand", "lora_delta_", "shrink"]
+
+# The registered ops below are the torch.library boundary: their schemas spell out the KernelMeta's
+# fields one by one (torch.library has no type for it), and each implementation gathers them back into
+# one KernelMeta before anything else runs.
+
+
+def _shrink_meta(
+    perm: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    n_slices: int,
+) -> KernelMeta:
+    return KernelMeta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
+
+
+def _expand_meta(
+    perm: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    slice_offsets: list[int],
+) -> KernelMeta:
+    n_slices = len(slice_offsets) - 1
+    return KernelMeta(perm, seg_indptr, seg_slots, slot_ranks, n_slices, slot_scalings, tuple(slice_offsets))
 
 
 def _shrink_fake(
@@ -34,7 +59,7 @@ def _shrink_fake(
     slot_ranks: torch.Tensor,
     n_slices: int,
 ) -> torch.Tensor:
-    max_rank = check_shrink_args(x, a, perm, seg_indptr, seg_slots, slot_ranks, n_slices)
+    max_rank = check_shrink_args(x, a, _shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices))
     return x.new_empty(x.shape[0], n_slices * max_rank)
 
 
@@ -49,7 +74,8 @@ def _expand_fake(
     slot_scalings: torch.Tensor,
     slice_offsets: list[int],
 ) -> None:
-    check_expand_args(out, v, b, perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    meta = _expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    check_expand_args(out, v, b, meta)
 
 
 @torch.library.custom_op("lora_pin::shrink", mutates_args=())
@@ -62,8 +88,9 @@ def _shrink_op(
     slot_ranks: torch.Tensor,
     n_slices: int,
 ) -> torch.Tensor:
-    check_shrink_args(x, a, perm, seg_indptr, seg_slots, slot_ranks, n_slices)
-    return shrink_grouped(x, a, perm, seg_indptr, seg_slots, slot_ranks, n_slices)
+    meta = _shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
+    check_shrink_args(x, a, meta)
+    return shrink_grouped(x, a, meta)
 
 
 @_shrink_op.register_kernel("cuda")
@@ -78,7 +105,8 @@ def _shrink_cuda(
 ) -> torch.Tensor:
     from lora_pin.ops.triton_sgmv import sgmv_shrink
 
-    return sgmv_shrink(x, a, perm, seg_indptr, seg_slots, slot_ranks, n_slices, interpret=False)
+    meta = _shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
+    return sgmv_shrink(x, a, meta, interpret=False)
 
 
 _shrink_op.register_fake(_shrink_fake)
@@ -96,9 +124,10 @@ def _expand_op(
     slot_scalings: torch.Tensor,
     slice_offsets: list[int],
 ) -> None:
-    check_expand_args(out, v, b, perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    meta = _expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    check_expand_args(out, v, b, meta)
     check_expand_memory(out, v=v, b=b, slot_scalings=slot_scalings)
-    expand_grouped(out, v, b, perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    expand_grouped(out, v, b, meta)
 
 
 @_expand_op.register_kernel("cuda")
@@ -116,35 +145,25 @@ def _expand_cuda(
     from lora_pin.ops.triton_sgmv import sgmv_expand
 
     check_expand_memory(out, v=v, b=b, slot_scalings=slot_scalings)
-    sgmv_expand(
-        out, v, b, perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets, interpret=False
-    )
+    meta = _expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    sgmv_expand(out, v, b, meta, interpret=False)
 
 
 _expand_op.register_fake(_expand_fake)
 
 
-def shrink(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    n_slices: int,
-) -> torch.Tensor:
+def shrink(x: torch.Tensor, a: torch.Tensor, meta: KernelMeta) -> torch.Tensor:
     """LoRA shrink for a batch whose tokens use different adapters: ``v[t] = x[t] @ A[slot(t)]ᵀ``.
 
     Args:
         x: ``[T, in]`` fp16/bf16/fp32, the layer input with tokens flattened.
         a: ``[slots, n_slices * R, in]``, same dtype as ``x``: the device pool's stacked A buffer.
             Slice ``s`` of slot ``k`` is rows ``[s*R, s*R + slot_ranks[k, s])``; the rest is zero.
-        perm: int64 ``[N]``, ``N <= T``, token indices of the rows that use an adapter, by segment.
-        seg_indptr: int32 ``[S + 1]``, from 0 to ``N``; segment ``s`` is
-            ``perm[seg_indptr[s]:seg_indptr[s+1]]``.
-        seg_slots: int32 ``[S]``, slot of each segment; ``-1`` skips the segment.
-        slot_ranks: int32 ``[slots, n_slices]``, each slot's real rank per slice (0: no work).
-        n_slices: 1 for a plain layer, 3 for fused q/k/v, 2 for gate/up.
+        meta: the step's segments in this layer group (:class:`KernelMeta`): ``perm`` int64 ``[N]``,
+            ``N <= T``, the token indices of the rows that use an adapter, by segment; ``seg_indptr``
+            int32 ``[S + 1]`` from 0 to ``N``; ``seg_slots`` int32 ``[S]`` (``-1`` skips a segment);
+            ``slot_ranks`` int32 ``[slots, n_slices]``; ``n_slices``. Scalings and slice offsets are
+            not read.
 
     Returns:
         ``v``: ``[T, n_slices * R]`` in ``x.dtype`` (fp32 accumulation); rows no segment covers, and
@@ -154,20 +173,12 @@ def shrink(
         OpArgumentError: a shape, dtype or device mismatch, or (CPU only: the CUDA path never reads
             tensor contents) a rank, slot or index out of range.
     """
-    return torch.ops.lora_pin.shrink(x, a, perm, seg_indptr, seg_slots, slot_ranks, n_slices)
+    return torch.ops.lora_pin.shrink(
+        x, a, meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks, meta.n_slices
+    )
 
 
-def expand(
-    out: torch.Tensor,
-    v: torch.Tensor,
-    b: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
-    slice_offsets: Sequence[int],
-) -> None:
+def expand(out: torch.Tensor, v: torch.Tensor, b: torch.Tensor, meta: KernelMeta) -> None:
     """LoRA expand, fused with the scaling and the add into the base layer's output, in place.
 
     ``out[t, o_s:o_{s+1}] += scaling[slot, s] * v[t, s*R : s*R + rank] @ b[slot, o_s:o_{s+1}, :rank]ᵀ``
@@ -178,13 +189,13 @@ def expand(
         out: ``[T, out_total]`` fp16/bf16/fp32, mutated in place.
         v: ``[T, n_slices * R]``, :func:`shrink`'s output, same dtype as ``out``.
         b: ``[slots, out_total, R]``, same dtype as ``out``: the device pool's stacked B buffer.
-        perm, seg_indptr, seg_slots, slot_ranks: as for :func:`shrink`.
-        slot_scalings: float32 ``[slots, n_slices]``.
-        slice_offsets: ``n_slices + 1`` ints from 0 to ``out_total`` (at most 8 slices); fused q/k/v
-            under GQA have different widths, e.g. ``[0, 64, 80, 96]``.
+        meta: as for :func:`shrink`, with ``slot_scalings`` float32 ``[slots, n_slices]`` and
+            ``slice_offsets``, ``n_slices + 1`` ints from 0 to ``out_total`` (at most 8 slices; fused
+            q/k/v under GQA have different widths, e.g. ``(0, 64, 80, 96)``).
 
     Raises:
-        OpArgumentError: as for :func:`shrink`; ``out`` overlaps ``v`` or ``b``; a slice offset is not
+        OpArgumentError: as for :func:`shrink`; ``meta`` lacks scalings or slice offsets, or its
+            ``n_slices`` disagrees with them; ``out`` overlaps ``v`` or ``b``; a slice offset is not
             an int; or ``out``, ``v`` or ``b`` requires grad with grad mode on: the ops are for inference
             and the in-place add would silently drop the LoRA path from the gradient.
     """
@@ -192,30 +203,28 @@ def expand(
         raise OpArgumentError(
             "lora_pin ops have no autograd formula; run them under torch.inference_mode() or torch.no_grad()"
         )
+    slot_scalings, slice_offsets = meta.expand_layout()
     try:
         offsets = [operator.index(o) for o in slice_offsets]
     except TypeError:
         raise OpArgumentError(f"slice_offsets must be ints, got {list(slice_offsets)}") from None
-    torch.ops.lora_pin.expand(out, v, b, perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, offsets)
+    if meta.n_slices != len(offsets) - 1:
+        raise OpArgumentError(
+            f"n_slices={meta.n_slices} but slice_offsets {offsets} hold {len(offsets) - 1} slices"
+        )
+    torch.ops.lora_pin.expand(
+        out, v, b, meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks, slot_scalings, offsets
+    )
 
 
 def lora_delta_(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    batch: SegmentBatch,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
-    slice_offsets: Sequence[int],
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: KernelMeta
 ) -> torch.Tensor:
     """Adds every token's LoRA delta to ``out`` in place (:func:`shrink`, then :func:`expand`).
 
     Returns ``out``.
 
-    Shapes as for :func:`shrink` and :func:`expand`; ``n_slices = len(slice_offsets) - 1``.
+    Shapes as for :func:`shrink` and :func:`expand`.
     """
-    n_slices = len(slice_offsets) - 1
-    v = shrink(x, a, batch.perm, batch.seg_indptr, batch.seg_slots, slot_ranks, n_slices)
-    expand(out, v, b, batch.perm, batch.seg_indptr, batch.seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    expand(out, shrink(x, a, meta), b, meta)
     return out

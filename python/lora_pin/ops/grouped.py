@@ -39,29 +39,28 @@ import torch
 
 from lora_pin._core import CpuSgmvPlan, sgmv_cpu_available
 from lora_pin.ops._checks import check_segment_contents
+from lora_pin.ops.segments import KernelMeta
 
 __all__ = ["expand_grouped", "shrink_grouped"]
 
 # A slot's rows that split into runs of consecutive tokens at least this long on average are computed
-# run by run on views; shorter runs are gathered into one block instead. Measured (fp32, q/k/v of hidden
-# 4096, rank 16, 4 slots x 8 runs of L tokens, 1 thread): gathering wins by 15-70% for L <= 8, they tie at
-# 16, views win 2x at 32 and 3x at 64 (gathering copies out's rows twice).
+# run by run on views; shorter runs are gathered into one block instead. Gathering copies out's rows
+# twice, which pays only when the views would be many small GEMMs. The measurements behind this and the
+# other thresholds below are in BENCHMARKS.md (CPU ops, "The thresholds in python/lora_pin/ops/grouped.py").
 _MIN_RUN = 16
 # The batched path pads every slot of its block to the busiest slot's token count, and an idle slot
-# inside the block costs a full read of its weights. Measured per slot (hidden 4096, q/k/v, rank 16,
-# 1 token, 1 thread, caches cold): fp32 ~58 us batched vs ~66 us one GEMM per slice and slot; bf16
-# ~50 us vs ~90 us (oneDNN's fixed cost per call). So the padded rows may exceed the real ones by these
+# inside the block costs a full read of its weights. Batching saves a little per slot in fp32 and much
+# more in bf16/fp16 (oneDNN's fixed cost per call), so the padded rows may exceed the real ones by these
 # factors, and only decode-sized groups are taken (a padded row costs about half a row's GEMM).
 _DENSE_MAX_TOKENS = 4
 _DENSE_MAX_PADDING = 1.1
 _DENSE_MAX_PADDING_REDUCED = 1.75
-# A bf16/fp16 expand of at most this many rows multiplies in fp32 (measured in expand_grouped).
+# A bf16/fp16 expand of at most this many rows multiplies in fp32 (see expand_grouped).
 _FP32_PRODUCT_MAX_ROWS = 12
 # Slots with at most this many tokens go to the native kernels (where the CPU has them); busier slots
-# stay on BLAS, whose GEMMs win once a slot has enough rows. Measured with benches/cpu_ops.py (q/k/v of
-# hidden 4096, rank 16, 1 thread; BENCHMARKS.md, "GEMM ops"): in fp32 the kernels still beat BLAS on a
-# slot of 64 tokens, in bf16 they lose there (0.95 vs 0.69 ms) and win at 32. torch's fp16 matmul on
-# CPUs without AVX512-FP16 is 15-30x slower than the kernels even for prefill, so fp16 always takes them.
+# stay on BLAS, whose GEMMs win once a slot has enough rows: oneDNN's bf16 GEMMs catch up sooner than
+# fp32 BLAS does. torch's fp16 matmul on CPUs without AVX512-FP16 is far slower than the kernels even
+# for prefill, so fp16 always takes them.
 _KERNEL_MAX_TOKENS = {torch.float32: 64, torch.bfloat16: 32, torch.float16: sys.maxsize}
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Whether the native kernels run at all: the CPU must have them, and LORA_PIN_CPU_KERNELS=0 turns them off.
@@ -124,34 +123,24 @@ class _PlanCache:
         self._lock = threading.Lock()
 
     def get(
-        self,
-        perm: torch.Tensor,  # int64 [N]
-        seg_indptr: torch.Tensor,  # int32 [S + 1]
-        seg_slots: torch.Tensor,  # int32 [S]
-        slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
-        n_tokens: int,
-        max_rank: int,
-        dtype: torch.dtype,
-        kernel: bool = False,
+        self, meta: KernelMeta, n_tokens: int, max_rank: int, dtype: torch.dtype, kernel: bool = False
     ) -> _Plan:
         max_padding = _DENSE_MAX_PADDING if dtype == torch.float32 else _DENSE_MAX_PADDING_REDUCED
         kernel_tokens = _KERNEL_MAX_TOKENS[dtype] if kernel else 0
         key = (
-            str(perm.device),
+            str(meta.perm.device),
             n_tokens,
             max_rank,
             max_padding,
             kernel_tokens,
-            *(_content(t) for t in (perm, seg_indptr, seg_slots, slot_ranks)),
+            *(_content(t) for t in (meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks)),
         )
         with self._lock:
             plan = self._plans.get(key)
             if plan is not None:
                 self._plans.move_to_end(key)
                 return plan
-        plan = _build_plan(
-            perm, seg_indptr, seg_slots, slot_ranks, n_tokens, max_rank, max_padding, kernel_tokens
-        )
+        plan = _build_plan(meta, n_tokens, max_rank, max_padding, kernel_tokens)
         with self._lock:
             self._plans[key] = plan
             while len(self._plans) > self._size:
@@ -215,18 +204,12 @@ def _dense_blocks(
 
 
 def _build_plan(
-    perm: torch.Tensor,  # int64 [N]
-    seg_indptr: torch.Tensor,  # int32 [S + 1]
-    seg_slots: torch.Tensor,  # int32 [S]
-    slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
-    n_tokens: int,
-    max_rank: int,
-    max_padding: float,
-    kernel_tokens: int,
+    meta: KernelMeta, n_tokens: int, max_rank: int, max_padding: float, kernel_tokens: int
 ) -> _Plan:
     """Reads the segment arrays once and decides: the native kernels, the batched path, or per group
     views or gathering."""
-    indptr, seg_slot_list, ranks = seg_indptr.tolist(), seg_slots.tolist(), slot_ranks.tolist()
+    perm = meta.perm
+    indptr, seg_slot_list, ranks = meta.seg_indptr.tolist(), meta.seg_slots.tolist(), meta.slot_ranks.tolist()
     check_segment_contents(perm, indptr, seg_slot_list, ranks, n_tokens, max_rank)
     n_rows = perm.shape[0]
 
@@ -395,8 +378,8 @@ def _expand_dense(
             delta = torch.bmm(v_block[:, :, s], b_block[:, lo:hi].float().transpose(1, 2))
             out_block[:, :, lo:hi].add_(delta)  # added in fp32, rounded once
         else:
-            # oneDNN's reduced-precision bmm is ~1.7x faster with the weights as the left operand, and
-            # its baddbmm_ into a transposed view falls off a cliff (~30x), so the product is added after.
+            # oneDNN's reduced-precision bmm is faster with the weights as the left operand, and its
+            # baddbmm_ into a transposed view takes a slow path, so the product is added after.
             delta = torch.bmm(b_block[:, lo:hi], v_block[:, :, s].transpose(1, 2))  # [n, width, per_slot]
             out_block[:, :, lo:hi].add_(delta.transpose(1, 2))
     if d.positions is not None:
@@ -407,17 +390,14 @@ def _expand_dense(
 def shrink_grouped(
     x: torch.Tensor,  # [T, in]
     a: torch.Tensor,  # [slots, n_slices * R, in]
-    perm: torch.Tensor,  # int64 [N]
-    seg_indptr: torch.Tensor,  # int32 [S + 1]
-    seg_slots: torch.Tensor,  # int32 [S]
-    slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
-    n_slices: int,
+    meta: KernelMeta,
 ) -> torch.Tensor:
     """:func:`lora_pin.ops.shrink` on CPU; arguments already checked by ``check_shrink_args``."""
+    n_slices = meta.n_slices
     max_rank = a.shape[1] // n_slices
     v = x.new_zeros(x.shape[0], n_slices * max_rank)  # [T, n_slices * R]
     kernel = x.device.type == "cpu" and _kernel_ok(x.dtype, a)
-    plan = _PLANS.get(perm, seg_indptr, seg_slots, slot_ranks, x.shape[0], max_rank, x.dtype, kernel)
+    plan = _PLANS.get(meta, x.shape[0], max_rank, x.dtype, kernel)
     if plan.kernel is not None:
         xc = x.contiguous()
         plan.kernel.shrink(
@@ -456,18 +436,14 @@ def expand_grouped(
     out: torch.Tensor,  # [T, out_total], updated in place
     v: torch.Tensor,  # [T, n_slices * R]
     b: torch.Tensor,  # [slots, out_total, R]
-    perm: torch.Tensor,  # int64 [N]
-    seg_indptr: torch.Tensor,  # int32 [S + 1]
-    seg_slots: torch.Tensor,  # int32 [S]
-    slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
-    slot_scalings: torch.Tensor,  # float32 [slots, n_slices]
-    slice_offsets: Sequence[int],  # n_slices + 1 ints
+    meta: KernelMeta,
 ) -> None:
     """:func:`lora_pin.ops.expand` on CPU; arguments already checked by ``check_expand_args``."""
+    slot_scalings, slice_offsets = meta.expand_layout()
     max_rank = b.shape[2]
     n_slices = len(slice_offsets) - 1
     kernel = _kernel_ok(out.dtype, out, b, slot_scalings)
-    plan = _PLANS.get(perm, seg_indptr, seg_slots, slot_ranks, out.shape[0], max_rank, out.dtype, kernel)
+    plan = _PLANS.get(meta, out.shape[0], max_rank, out.dtype, kernel)
     if plan.kernel is not None:
         vc = v.contiguous()
         plan.kernel.expand(
@@ -485,8 +461,7 @@ def expand_grouped(
         return
     scalings = slot_scalings.tolist()
     # A bf16/fp16 addmm_ of a few rows with K = rank pays a large fixed cost in oneDNN; the product in
-    # fp32, added once, is faster there (and rounds once) up to about a dozen rows (measured, 1 thread,
-    # hidden 4096, q/k/v, rank 16, us per slot: 84 -> 56 at 1 row, 103 -> 81 at 8, 124 -> 149 at 24).
+    # fp32, added once, is faster there (and rounds once) up to about a dozen rows.
     reduced_precision = out.dtype != torch.float32
 
     def expand_rows(outs: torch.Tensor, vs: torch.Tensor, b_t: torch.Tensor, slot: int, s: int) -> None:

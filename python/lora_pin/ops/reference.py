@@ -10,12 +10,14 @@ from collections.abc import Sequence
 
 import torch
 
+from lora_pin.ops.segments import KernelMeta
+
 __all__ = ["expand_reference", "lora_reference", "shrink_reference"]
 
 
-def _segments(perm: torch.Tensor, seg_indptr: torch.Tensor, seg_slots: torch.Tensor) -> list[tuple[int, int]]:
+def _segments(meta: KernelMeta) -> list[tuple[int, int]]:
     """(token, slot) for every row covered by a segment with a slot (slot >= 0)."""
-    perm_l, indptr, slots = perm.tolist(), seg_indptr.tolist(), seg_slots.tolist()
+    perm_l, indptr, slots = meta.perm.tolist(), meta.seg_indptr.tolist(), meta.seg_slots.tolist()
     return [
         (perm_l[i], slot)
         for s, slot in enumerate(slots)
@@ -24,52 +26,36 @@ def _segments(perm: torch.Tensor, seg_indptr: torch.Tensor, seg_slots: torch.Ten
     ]
 
 
-def shrink_reference(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    n_slices: int,
-) -> torch.Tensor:
+def shrink_reference(x: torch.Tensor, a: torch.Tensor, meta: KernelMeta) -> torch.Tensor:
     """``v[t, s*R : s*R + rank] = x[t] @ a[slot, s*R : s*R + rank]ᵀ``; see :func:`lora_pin.ops.shrink`.
 
     Returns ``[T, n_slices * R]`` in ``x.dtype`` (``R = a.shape[1] // n_slices``), zero where no segment
     with a slot covers the row and beyond each slice's rank.
     """
+    n_slices = meta.n_slices
     max_rank = a.shape[1] // n_slices
-    ranks = slot_ranks.tolist()
+    ranks = meta.slot_ranks.tolist()
     v = torch.zeros(x.shape[0], n_slices * max_rank, dtype=torch.float64, device=x.device)
-    for token, slot in _segments(perm, seg_indptr, seg_slots):
+    for token, slot in _segments(meta):
         for s in range(n_slices):
             lo, hi = s * max_rank, s * max_rank + ranks[slot][s]
             v[token, lo:hi] = a[slot, lo:hi].double() @ x[token].double()
     return v.to(x.dtype)
 
 
-def expand_reference(
-    out: torch.Tensor,
-    v: torch.Tensor,
-    b: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
-    slice_offsets: Sequence[int],
-) -> torch.Tensor:
+def expand_reference(out: torch.Tensor, v: torch.Tensor, b: torch.Tensor, meta: KernelMeta) -> torch.Tensor:
     """What :func:`lora_pin.ops.expand` leaves in ``out``, as a new tensor (``out`` is not changed).
 
     For covered rows, slice ``s`` of ``new[t]`` is ``out[t, o_s:o_{s+1}]`` plus
     ``scaling[slot, s] * v[t, s*R : s*R + rank] @ b[slot, o_s:o_{s+1}, :rank]ᵀ``; every other row is a
     bit-exact copy of ``out``.
     """
+    slot_scalings, slice_offsets = meta.expand_layout()
     n_slices = len(slice_offsets) - 1
     max_rank = b.shape[2]
-    ranks, scalings = slot_ranks.tolist(), slot_scalings.tolist()
+    ranks, scalings = meta.slot_ranks.tolist(), slot_scalings.tolist()
     new = out.clone()
-    for token, slot in _segments(perm, seg_indptr, seg_slots):
+    for token, slot in _segments(meta):
         for s in range(n_slices):
             rank = ranks[slot][s]
             if rank == 0:

@@ -2,15 +2,20 @@
 
 The Rust planner produces these arrays for every scheduler step; :func:`segments_from_slots` builds the
 same arrays in pure torch for tests, benchmarks and callers that run without the planner.
+:class:`KernelMeta` joins them with one layer group's per-slot ranks, scalings and slice layout: the one
+object the ops take.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["CUDA_CHUNK_SIZE", "SegmentBatch", "segments_from_slots"]
+from lora_pin.errors import OpArgumentError
+
+__all__ = ["CUDA_CHUNK_SIZE", "KernelMeta", "SegmentBatch", "segments_from_slots"]
 
 # Segment length for the CUDA kernels: their largest row tile, so a long segment (a prefill) is spread
 # over many programs, one chunk each, instead of being looped over by one.
@@ -29,6 +34,61 @@ class SegmentBatch(NamedTuple):
     perm: torch.Tensor
     seg_indptr: torch.Tensor
     seg_slots: torch.Tensor
+
+
+class KernelMeta(NamedTuple):
+    """Everything the shrink and expand kernels read about one step in one layer group.
+
+    The step's token grouping (the fields of :class:`SegmentBatch`), each slot's rank and scaling per
+    slice, and the slices' layout. :meth:`for_layer` builds one from a step's segments and a layer
+    group's pool buffers; the ``lora_pin`` ops and everything behind them take it whole. The fields are
+    spelled out one by one only at the ``torch.library`` boundary (the registered ops' schemas).
+
+    - ``perm``, ``seg_indptr``, ``seg_slots``: as in :class:`SegmentBatch`.
+    - ``slot_ranks``: int32 ``[slots, n_slices]``, each slot's real rank per slice (0: no work).
+    - ``n_slices``: 1 for a plain layer, 3 for fused q/k/v, 2 for gate/up.
+    - ``slot_scalings``: float32 ``[slots, n_slices]``, read by expand only.
+    - ``slice_offsets``: ``n_slices + 1`` column offsets into expand's ``out``, from 0 to its width,
+      read by expand only.
+
+    A meta made for shrink alone (the registered shrink op's, which is given neither) leaves the last
+    two ``None``.
+    """
+
+    perm: torch.Tensor  # int64 [N]
+    seg_indptr: torch.Tensor  # int32 [S + 1]
+    seg_slots: torch.Tensor  # int32 [S]
+    slot_ranks: torch.Tensor  # int32 [slots, n_slices]
+    n_slices: int
+    slot_scalings: torch.Tensor | None = None  # float32 [slots, n_slices]
+    slice_offsets: tuple[int, ...] | None = None  # n_slices + 1 ints
+
+    @classmethod
+    def for_layer(
+        cls,
+        segments: SegmentBatch,
+        slot_ranks: torch.Tensor,
+        slot_scalings: torch.Tensor,
+        slice_offsets: Sequence[int],
+    ) -> KernelMeta:
+        """The meta of ``segments`` in a layer group whose pool holds ``slot_ranks`` (int32
+        ``[slots, n_slices]``) and ``slot_scalings`` (float32 ``[slots, n_slices]``) and whose output is
+        cut at ``slice_offsets`` (``n_slices + 1`` ints). Nothing is checked here: the ops check it."""
+        perm, seg_indptr, seg_slots = segments
+        offsets = tuple(slice_offsets)
+        return cls(perm, seg_indptr, seg_slots, slot_ranks, len(offsets) - 1, slot_scalings, offsets)
+
+    def expand_layout(self) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """``(slot_scalings, slice_offsets)``, the part only expand reads.
+
+        Raises:
+            OpArgumentError: this meta was made for shrink alone (either is ``None``).
+        """
+        if self.slot_scalings is None or self.slice_offsets is None:
+            raise OpArgumentError(
+                "expand needs slot_scalings and slice_offsets in its KernelMeta (KernelMeta.for_layer)"
+            )
+        return self.slot_scalings, self.slice_offsets
 
 
 def segments_from_slots(

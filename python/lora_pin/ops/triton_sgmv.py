@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from lora_pin.ops._checks import (
     check_segment_contents,
     check_shrink_args,
 )
+from lora_pin.ops.segments import KernelMeta
 
 __all__ = [
     "KernelLaunch",
@@ -260,7 +261,7 @@ def _use_interpreter(
     device: torch.device,
     interpret: bool | None,
     dtype: torch.dtype,
-    segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    meta: KernelMeta,
     n_tokens: int,
     max_rank: int,
 ) -> bool:
@@ -272,9 +273,13 @@ def _use_interpreter(
         # The interpreter indexes host memory with whatever the arrays hold, and has no bf16 arithmetic.
         if dtype == torch.bfloat16:
             raise OpArgumentError("the Triton interpreter computes bf16 wrongly; use fp16 or fp32 there")
-        perm, seg_indptr, seg_slots, slot_ranks = segments
         check_segment_contents(
-            perm, seg_indptr.tolist(), seg_slots.tolist(), slot_ranks.tolist(), n_tokens, max_rank
+            meta.perm,
+            meta.seg_indptr.tolist(),
+            meta.seg_slots.tolist(),
+            meta.slot_ranks.tolist(),
+            n_tokens,
+            max_rank,
         )
     return interpret
 
@@ -342,17 +347,14 @@ def shrink_launch(
     x: torch.Tensor,
     a: torch.Tensor,
     v: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    n_slices: int,
+    meta: KernelMeta,
     max_rank: int,
     split_k: int,
     *,
     interpret: bool,
 ) -> KernelLaunch:
     """The shrink kernel's launch writing ``v`` (fp32 when ``split_k > 1``); arguments already checked."""
+    n_slices, seg_slots = meta.n_slices, meta.seg_slots.contiguous()
     in_features = x.shape[1]
     block_r = _block_r(max_rank)
     rank_blocks = triton.cdiv(max_rank, block_r)
@@ -363,10 +365,10 @@ def shrink_launch(
             x,
             a,
             v,
-            perm,
-            seg_indptr,
+            meta.perm.contiguous(),
+            meta.seg_indptr.contiguous(),
             seg_slots,
-            slot_ranks,
+            meta.slot_ranks.contiguous(),
             in_features,
             max_rank,
             x.stride(0),
@@ -381,7 +383,7 @@ def shrink_launch(
             "N_SLICES": n_slices,
             "RANK_BLOCKS": rank_blocks,
             "SPLIT_K": split_k,
-            "BLOCK_M": 16 if interpret else _block_m(perm.shape[0], seg_slots.shape[0]),
+            "BLOCK_M": 16 if interpret else _block_m(meta.perm.shape[0], seg_slots.shape[0]),
             "BLOCK_R": block_r,
             "BLOCK_K": _shrink_block_k(x.dtype, block_r, interpret),
             "DOT_PRECISION": _dot_precision(x.dtype),
@@ -415,20 +417,17 @@ def expand_launch(
     out: torch.Tensor,
     v: torch.Tensor,
     b: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
-    slice_offsets: Sequence[int],
+    meta: KernelMeta,
     max_rank: int,
     *,
     interpret: bool,
 ) -> KernelLaunch:
     """The expand kernel's launch; arguments already checked."""
+    slot_scalings, slice_offsets = meta.expand_layout()
+    seg_slots = meta.seg_slots.contiguous()
     n_slices = len(slice_offsets) - 1
     max_width = max(hi - lo for lo, hi in itertools.pairwise(slice_offsets))
-    block_m = 16 if interpret else _block_m(perm.shape[0], seg_slots.shape[0])
+    block_m = 16 if interpret else _block_m(meta.perm.shape[0], seg_slots.shape[0])
     block_n = 32 if interpret else _expand_block_n(out.dtype, max_rank, block_m)
     offsets = [*slice_offsets] + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
     return KernelLaunch(
@@ -438,11 +437,11 @@ def expand_launch(
             out,
             v,
             b,
-            perm,
-            seg_indptr,
+            meta.perm.contiguous(),
+            meta.seg_indptr.contiguous(),
             seg_slots,
-            slot_ranks,
-            slot_scalings,
+            meta.slot_ranks.contiguous(),
+            slot_scalings.contiguous(),
             max_rank,
             out.stride(0),
             out.stride(1),
@@ -467,11 +466,7 @@ def expand_launch(
 def sgmv_shrink(
     x: torch.Tensor,  # [T, in]
     a: torch.Tensor,  # [slots, n_slices * R, in]
-    perm: torch.Tensor,  # int64 [N]
-    seg_indptr: torch.Tensor,  # int32 [S + 1]
-    seg_slots: torch.Tensor,  # int32 [S]
-    slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
-    n_slices: int,
+    meta: KernelMeta,
     *,
     split_k: int | None = None,
     interpret: bool | None = None,
@@ -487,11 +482,10 @@ def sgmv_shrink(
             interpreter also bad segment contents, or bf16.
         ValueError: ``interpret=False`` with CPU tensors.
     """
-    max_rank = check_shrink_args(x, a, perm, seg_indptr, seg_slots, slot_ranks, n_slices)
-    segments = (perm, seg_indptr, seg_slots, slot_ranks)
-    interpret = _use_interpreter(x.device, interpret, x.dtype, segments, x.shape[0], max_rank)
+    max_rank = check_shrink_args(x, a, meta)
+    interpret = _use_interpreter(x.device, interpret, x.dtype, meta, x.shape[0], max_rank)
     n_tokens, in_features = x.shape
-    n_segments = seg_slots.shape[0]
+    n_slices, n_segments = meta.n_slices, meta.seg_slots.shape[0]
     if split_k is None:
         # Two waves of programs over the GPU's multiprocessors; a few under the interpreter.
         target = 4 if interpret else 2 * _sm_count(x.device.index or 0)
@@ -505,19 +499,7 @@ def sgmv_shrink(
     v = x.new_zeros(n_tokens, n_slices * max_rank, dtype=torch.float32 if split_k > 1 else x.dtype)
     if n_segments == 0 or n_tokens == 0 or max_rank == 0:
         return v.to(x.dtype)
-    launch = shrink_launch(
-        x,
-        a,
-        v,
-        perm.contiguous(),
-        seg_indptr.contiguous(),
-        seg_slots.contiguous(),
-        slot_ranks.contiguous(),
-        n_slices,
-        max_rank,
-        split_k,
-        interpret=interpret,
-    )
+    launch = shrink_launch(x, a, v, meta, max_rank, split_k, interpret=interpret)
     launch.run(interpret=interpret)
     return v.to(x.dtype)
 
@@ -526,12 +508,7 @@ def sgmv_expand(
     out: torch.Tensor,  # [T, out_total], updated in place
     v: torch.Tensor,  # [T, n_slices * R]
     b: torch.Tensor,  # [slots, out_total, R]
-    perm: torch.Tensor,  # int64 [N]
-    seg_indptr: torch.Tensor,  # int32 [S + 1]
-    seg_slots: torch.Tensor,  # int32 [S]
-    slot_ranks: torch.Tensor,  # int32 [slots, n_slices]
-    slot_scalings: torch.Tensor,  # float32 [slots, n_slices]
-    slice_offsets: Sequence[int],  # n_slices + 1 ints, 0 .. out_total
+    meta: KernelMeta,
     *,
     interpret: bool | None = None,
 ) -> None:
@@ -545,25 +522,11 @@ def sgmv_expand(
             interpreter also bad segment contents, or bf16.
         ValueError: ``interpret=False`` with CPU tensors.
     """
-    max_rank = check_expand_args(
-        out, v, b, perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets
-    )
-    segments = (perm, seg_indptr, seg_slots, slot_ranks)
-    interpret = _use_interpreter(out.device, interpret, out.dtype, segments, out.shape[0], max_rank)
+    max_rank = check_expand_args(out, v, b, meta)
+    interpret = _use_interpreter(out.device, interpret, out.dtype, meta, out.shape[0], max_rank)
+    _, slice_offsets = meta.expand_layout()
     max_width = max(hi - lo for lo, hi in itertools.pairwise(slice_offsets))
-    if seg_slots.shape[0] == 0 or out.shape[0] == 0 or max_rank == 0 or max_width == 0:
+    if meta.seg_slots.shape[0] == 0 or out.shape[0] == 0 or max_rank == 0 or max_width == 0:
         return
-    launch = expand_launch(
-        out,
-        v,
-        b,
-        perm.contiguous(),
-        seg_indptr.contiguous(),
-        seg_slots.contiguous(),
-        slot_ranks.contiguous(),
-        slot_scalings.contiguous(),
-        slice_offsets,
-        max_rank,
-        interpret=interpret,
-    )
+    launch = expand_launch(out, v, b, meta, max_rank, interpret=interpret)
     launch.run(interpret=interpret)

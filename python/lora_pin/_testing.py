@@ -1,5 +1,7 @@
 """Inputs for tests and benchmarks of the ops: adapter popularity patterns and random stacked pools.
 
+Private: for lora_pin's own tests and ``benches/`` (which run from the repository), not part of the API.
+
 Punica's and S-LoRA's kernel evaluations use the same families: every request its own adapter
 (``distinct``), adapters drawn uniformly (``uniform``), a power law (``zipf``), one adapter for all
 (``identical``), and ``skewed``: one hot adapter holding most of the batch while every other slot
@@ -12,6 +14,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+
+from lora_pin.ops.segments import KernelMeta, SegmentBatch
 
 __all__ = ["PATTERNS", "StackedLayer", "random_layer", "request_slots"]
 
@@ -76,6 +80,10 @@ class StackedLayer(NamedTuple):
     slot_ranks: torch.Tensor  # int32 [slots, n_slices]
     slot_scalings: torch.Tensor  # float32 [slots, n_slices]
     slice_offsets: list[int]  # n_slices + 1
+
+    def meta(self, segments: SegmentBatch) -> KernelMeta:
+        """What the ops read to run ``segments`` through this layer."""
+        return KernelMeta.for_layer(segments, self.slot_ranks, self.slot_scalings, self.slice_offsets)
 
 
 def random_layer(

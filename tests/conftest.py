@@ -1,0 +1,50 @@
+"""Fixtures the test files share: one tiny Llama for the whole session, and PEFT adapters made over it.
+
+Every file that serves or loads adapters needs the same small base model (two layers, the defaults of
+``lora_pin.fixtures.make_tiny_llama``); it is written and loaded once here instead of once per file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
+
+MakeAdapters = Callable[[Path, Mapping[str, Mapping[str, Any]]], dict[str, Path]]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama's checkpoint folder (2 layers, hidden 64, vocab 128, fp32 safetensors).
+
+    Shared by the session: load models from it, never write into it.
+    """
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "base", layers=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_llama_dir: Path) -> torch.nn.Module:
+    """The tiny Llama loaded once, to make adapters over and to read targets from.
+
+    Shared by the session: never serve it or change it (load a model from ``tiny_llama_dir``, or deep
+    copy this one, for that). ``make_peft_adapter`` wraps it and unwraps it again.
+    """
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def make_adapters(tiny_llama: torch.nn.Module) -> MakeAdapters:
+    """``make(root, specs)``: one PEFT adapter over the tiny Llama per ``name -> make_peft_adapter
+    keyword arguments`` entry of ``specs``, saved in ``root / name``; returns ``name -> folder``."""
+
+    def make(root: Path, specs: Mapping[str, Mapping[str, Any]]) -> dict[str, Path]:
+        return {name: make_peft_adapter(tiny_llama, root / name, **kwargs) for name, kwargs in specs.items()}
+
+    return make
