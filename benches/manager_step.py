@@ -1,7 +1,8 @@
 """What a scheduler step costs in ``LoRAManager`` besides the model: ``prepare_step`` + ``finish`` for a
-decode step, against the registry's own ``plan`` + ``acquire`` + ``release`` on the same names (the part
-in Rust), so the ratio is the Python layer's share. All adapters stay resident (no loads), as in a
-steady decode loop; no forward pass runs.
+decode step, against the registry's own step transaction (``begin_step`` + ``finish_step``) on the same
+names (the part in Rust), so the ratio is the Python layer's share; the separate ``plan`` + ``acquire`` +
+``release`` + ``end_step`` calls a step made before the transaction are timed beside it. All adapters stay
+resident (no loads), as in a steady decode loop; no forward pass runs.
 
 Run: ``.venv/bin/python benches/manager_step.py`` (``--requests``, ``--adapters``, ``--slots``).
 """
@@ -63,20 +64,25 @@ def main(argv: list[str] | None = None) -> int:
         def manager_step() -> None:
             mgr.finish(mgr.prepare_step(names, 1))
 
-        def registry_step() -> None:
+        def transaction() -> None:
+            reg.finish_step(reg.begin_step(names, 1).ticket)
+
+        def separate_calls() -> None:
             plan = reg.plan(names, 1)
             ids = reg.acquire([names[i] for i in plan.admitted])
             reg.release(ids)
             reg.end_step()
 
         manager_step()  # the first step loads every adapter into a slot
-        registry_step()
+        transaction()
+        separate_calls()
         ours = best_us(manager_step, args.calls)
-        core = best_us(registry_step, args.calls)
+        core = best_us(transaction, args.calls)
+        separate = best_us(separate_calls, args.calls)
     print(
         f"{args.requests} requests, {args.adapters} adapters, {args.slots} slots, all resident: "
-        f"LoRAManager.prepare_step + finish {ours:.1f} us; registry plan + acquire + release {core:.1f} us "
-        f"({ours / core:.2f}x)"
+        f"LoRAManager.prepare_step + finish {ours:.1f} us; registry begin_step + finish_step {core:.1f} us "
+        f"({ours / core:.2f}x); plan + acquire + release + end_step {separate:.1f} us"
     )
     return 0
 

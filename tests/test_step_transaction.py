@@ -18,24 +18,20 @@ import torch
 
 from lora_pin import LoRAManager
 from lora_pin.errors import AdapterInUseError, AdapterLoadError, UnloadTimeoutError
-from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
+from lora_pin.fixtures import make_peft_adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 IDS = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(3))
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Path]]:
-    from transformers import AutoModelForCausalLM
-
-    base = make_tiny_llama(tmp_path_factory.mktemp("base") / "llama", layers=2)
-    model = AutoModelForCausalLM.from_pretrained(base).eval()
+def world(
+    tiny_llama: torch.nn.Module, make_adapters: Any, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Any, dict[str, Path]]:
+    """A model to copy for each manager (the session's tiny Llama, unserved) and adapters a-d."""
     root = tmp_path_factory.mktemp("adapters")
-    paths = {
-        n: make_peft_adapter(model, root / n, r=4, lora_alpha=8, target_modules=TARGETS, seed=i + 1)
-        for i, n in enumerate("abcd")
-    }
-    return model, paths
+    specs = {n: dict(r=4, lora_alpha=8, target_modules=TARGETS, seed=i + 1) for i, n in enumerate("abcd")}
+    return tiny_llama, make_adapters(root, specs)
 
 
 def manager(world: tuple[Any, dict[str, Path]], names: str, **kwargs: Any) -> tuple[LoRAManager, Any]:
