@@ -345,9 +345,15 @@ fn required_str<'a>(map: &'a Map<String, Value>, key: &str, loc: &Loc) -> Result
 }
 
 fn checked_name<'a>(name: &'a str, loc: &Loc) -> Result<&'a str> {
-    let name = name.trim();
-    if name.is_empty() {
+    if name.trim().is_empty() {
         return Err(loc.error("the adapter name is empty"));
+    }
+    // SGLang keeps the spaces (`a =/p` names `"a "`): trimming would serve another name, another id.
+    if name.trim() != name {
+        return Err(loc.error(&format!(
+            "the adapter name {name:?} has leading or trailing whitespace; remove it (servers differ on \
+             whether it is part of the name)"
+        )));
     }
     if name.contains('=') {
         return Err(loc.error(&format!("the adapter name {name:?} contains '='")));
@@ -359,9 +365,14 @@ fn checked_name<'a>(name: &'a str, loc: &Loc) -> Result<&'a str> {
 }
 
 fn checked_path<'a>(path: &'a str, loc: &Loc) -> Result<&'a str> {
-    let path = path.trim();
-    if path.is_empty() {
+    if path.trim().is_empty() {
         return Err(loc.error("the adapter path is empty"));
+    }
+    if path.trim() != path {
+        return Err(loc.error(&format!(
+            "the adapter path {path:?} has leading or trailing whitespace; remove it (as written it names \
+             another file)"
+        )));
     }
     if let Some(c) = path.chars().find(|c| c.is_control()) {
         return Err(loc.error(&format!("the adapter path {path:?} contains the control character {c:?}")));

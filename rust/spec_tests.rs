@@ -25,6 +25,26 @@ fn bare_path_is_its_own_name() {
 }
 
 #[test]
+fn whitespace_around_a_name_or_path_is_refused_not_trimmed() {
+    // SGLang keeps it (`a =/p` names "a "): trimming silently would serve another name.
+    for (item, what) in [
+        ("a =/p", "name \"a \""),
+        ("a= /p", "path \" /p\""),
+        (r#"{"lora_name": " a", "lora_path": "/p"}"#, "name \" a\""),
+        (r#"{"name": "a", "path": "/p\t"}"#, "path \"/p\\t\""),
+    ] {
+        let msg = err(&[item]);
+        assert!(msg.contains(what) && msg.contains("leading or trailing whitespace"), "{item}: {msg}");
+    }
+    assert!(LoRARef::with_deterministic_id("a ", "/p", false, None).is_err());
+    assert_eq!(
+        parse(&["  a=/p  "]).unwrap()[0].lora_name,
+        "a",
+        "the item itself is stripped, as SGLang does"
+    );
+}
+
+#[test]
 fn name_equals_path_splits_on_first_equals() {
     let refs = parse(&["math=/a/b=c"]).unwrap();
     assert_eq!(refs[0].lora_name, "math");
