@@ -156,7 +156,7 @@ def test_server_args_defaults_and_config() -> None:
 @pytest.mark.parametrize(
     ("argv", "pattern"),
     [
-        ([], r"both --max-lora-rank and --lora-target-modules are required"),
+        (["--enable-lora"], r"both --max-lora-rank and --lora-target-modules are required"),
         (["--max-lora-rank", "8"], r"are required .*--max-lora-rank=8, --lora-target-modules=None"),
         (["--lora-paths", "a=/a", "--lora-target-modules", "all", "q_proj"], r"'all' must stand alone"),
         (["--lora-paths", "a=/a", "--max-lora-rank", "0"], r"at least 1 \(got 0\)"),

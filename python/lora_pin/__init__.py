@@ -19,7 +19,13 @@ from lora_pin._core import (
     parse_lora_paths,
     simulate,
 )
-from lora_pin.args import LoRAConfig, add_lora_args, lora_config_from_args
+from lora_pin.args import (
+    LoRAConfig,
+    add_lora_args,
+    add_vllm_lora_args,
+    lora_config_from_args,
+    lora_config_from_vllm_args,
+)
 from lora_pin.errors import (
     AdapterInUseError,
     AdapterLoadError,
@@ -93,9 +99,11 @@ __all__ = [
     "UsageError",
     "__version__",
     "add_lora_args",
+    "add_vllm_lora_args",
     "check_limits",
     "load_adapter",
     "lora_config_from_args",
+    "lora_config_from_vllm_args",
     "parse_lora_paths",
     "simulate",
     "unload_async",

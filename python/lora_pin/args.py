@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 
 from lora_pin._core import EVICTION_POLICIES, MAX_SLOTS, LoRARef, parse_lora_paths
 from lora_pin.errors import SpecError
@@ -20,10 +21,16 @@ __all__ = [
     "EVICTION_POLICIES",
     "LoRAConfig",
     "add_lora_args",
+    "add_vllm_lora_args",
     "lora_config_from_args",
+    "lora_config_from_vllm_args",
 ]
 
 DEFAULT_MAX_LORAS_PER_BATCH = 8
+#: vLLM's defaults for its LoRA flags.
+VLLM_DEFAULT_MAX_LORAS = 1
+VLLM_DEFAULT_MAX_LORA_RANK = 16
+VLLM_LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 _SPEC_HELP = (
     "Adapters to serve. Each item: PATH (the name is the path), NAME=PATH, "
@@ -44,6 +51,8 @@ class LoRAConfig:
         target_modules: module names to wrap (``("all",)`` for every supported one), or ``None`` to take
             the union of the start-up adapters'.
         eviction_policy: the device tier's eviction policy.
+        lora_dtype: the adapters' dtype: ``"auto"`` (the model's), or a dtype name the model must have
+            (vLLM's ``--lora-dtype``; lora_pin computes adapters in the model's dtype).
     """
 
     refs: tuple[LoRARef, ...]
@@ -52,6 +61,7 @@ class LoRAConfig:
     max_lora_rank: int | None = None
     target_modules: tuple[str, ...] | None = None
     eviction_policy: str = "lru"
+    lora_dtype: str = "auto"
 
     @property
     def pinned(self) -> tuple[LoRARef, ...]:
@@ -59,42 +69,68 @@ class LoRAConfig:
         return tuple(r for r in self.refs if r.pinned)
 
 
-def add_lora_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Adds ``--lora-paths``, ``--max-loras-per-batch``, ``--max-loaded-loras``, ``--max-lora-rank``,
-    ``--lora-target-modules`` and ``--lora-eviction-policy`` to ``parser`` (in their own group); returns it.
+def add_lora_args(
+    parser: argparse.ArgumentParser, *, prefix: str = "", skip_existing: bool = True
+) -> argparse.ArgumentParser:
+    """Adds ``--enable-lora``, ``--lora-paths``, ``--max-loras-per-batch``, ``--max-loaded-loras``,
+    ``--max-lora-rank``, ``--lora-target-modules`` and ``--lora-eviction-policy`` to ``parser`` (in their own
+    group), SGLang's names and defaults; returns it.
+
+    Args:
+        parser: the framework's parser.
+        prefix: put before each flag's name (``prefix="lp-"`` gives ``--lp-lora-paths``, read back with
+            ``lora_config_from_args(ns, prefix="lp-")``), to keep them apart from a framework's own.
+        skip_existing: a flag the parser already has is left as the parser defines it (SGLang's parser has
+            ``--lora-paths`` and the rest): :func:`lora_config_from_args` reads the parsed value the same
+            way, whatever action produced it. With False such a flag raises argparse's error.
 
     Raises:
-        argparse.ArgumentError: the parser already has one of these flags.
+        argparse.ArgumentError: ``skip_existing`` is False and the parser already has one of these flags.
     """
     group = parser.add_argument_group("LoRA adapters (lora_pin)")
-    group.add_argument("--lora-paths", nargs="*", default=None, metavar="ITEM", help=_SPEC_HELP)
-    group.add_argument(
-        "--max-loras-per-batch",
+    existing = set(parser._option_string_actions) if skip_existing else set()
+
+    def add(flag: str, **kwargs: Any) -> None:
+        option = f"--{prefix}{flag}"
+        if option not in existing:
+            group.add_argument(option, dest=_dest(prefix, flag), **kwargs)
+
+    add(
+        "enable-lora",
+        action="store_true",
+        default=None,
+        help="Serve LoRA adapters. Implied by --lora-paths (and by --max-lora-rank or "
+        "--lora-target-modules); with no LoRA flag at all LoRA is off.",
+    )
+    add("lora-paths", nargs="*", default=None, metavar="ITEM", help=_SPEC_HELP)
+    add(
+        "max-loras-per-batch",
         type=int,
         default=DEFAULT_MAX_LORAS_PER_BATCH,
         help="Device slots: distinct adapters one step can use (default %(default)s).",
     )
-    group.add_argument(
-        "--max-loaded-loras",
+    add(
+        "max-loaded-loras",
         type=int,
         default=None,
         help="Host-tier capacity in adapters (default: unbounded). Must be >= --max-loras-per-batch.",
     )
-    group.add_argument(
-        "--max-lora-rank",
+    add(
+        "max-lora-rank",
         type=int,
         default=None,
         help="The slot pool's rank (default: the largest start-up adapter's).",
     )
-    group.add_argument(
-        "--lora-target-modules",
+    add(
+        "lora-target-modules",
         nargs="*",
         default=None,
         metavar="MODULE",
-        help="Modules to wrap, e.g. q_proj v_proj, or 'all' alone (default: the start-up adapters').",
+        help="Modules to wrap, e.g. q_proj v_proj, or 'all' alone for every module of the model lora_pin "
+        "supports (default: the start-up adapters').",
     )
-    group.add_argument(
-        "--lora-eviction-policy",
+    add(
+        "lora-eviction-policy",
         default="lru",
         choices=EVICTION_POLICIES,
         help="Device-tier eviction policy (default %(default)s).",
@@ -102,30 +138,51 @@ def add_lora_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def lora_config_from_args(ns: argparse.Namespace) -> LoRAConfig:
-    """Validates the namespace ``add_lora_args`` filled and returns the typed config.
+def _dest(prefix: str, flag: str) -> str:
+    return f"{prefix}{flag}".replace("-", "_")
+
+
+def lora_config_from_args(ns: argparse.Namespace, *, prefix: str = "") -> LoRAConfig | None:
+    """Validates the namespace ``add_lora_args`` filled and returns the typed config, or None when LoRA is
+    off.
+
+    LoRA is on with ``--enable-lora``, with ``--lora-paths`` (as SGLang turns it on), or with
+    ``--max-lora-rank`` or ``--lora-target-modules``; with none of them (no LoRA flag at all) it is off, as in
+    SGLang. ``--lora-paths`` items may also be objects with ``lora_name``, ``lora_path`` and ``pinned``
+    attributes (what a framework's own ``--lora-paths`` action may have made of them).
 
     Raises:
         SpecError: an adapter item is invalid, the limits disagree (the message gives the numbers), a limit
             or the rank is below 1, ``all`` is not alone among the target modules, the eviction policy is
-            unknown, or there are no start-up adapters and the rank or target modules are missing.
+            unknown, there are no start-up adapters and the rank or target modules are missing, or
+            ``enable_lora`` is False while adapters are given.
     """
-    slots = ns.max_loras_per_batch
-    loaded = ns.max_loaded_loras
-    # Checked here with the flag's name: past 2^64 the core could not even take the number.
-    if not 1 <= slots <= MAX_SLOTS:
-        raise SpecError(f"--max-loras-per-batch must be in 1..{MAX_SLOTS} (got {slots})")
-    if loaded is not None and not 1 <= loaded < 2**63:
-        raise SpecError(f"--max-loaded-loras must be in 1..{2**63 - 1} (got {loaded})")
-    refs = tuple(parse_lora_paths(ns.lora_paths, max_loras_per_batch=slots, max_loaded_loras=loaded))
-    rank = ns.max_lora_rank
-    if rank is not None and rank < 1:
-        raise SpecError(f"--max-lora-rank must be at least 1 (got {rank})")
-    targets = None if ns.lora_target_modules is None else tuple(ns.lora_target_modules)
+
+    def get(flag: str, default: Any = None) -> Any:
+        return getattr(ns, _dest(prefix, flag), default)
+
+    enable = get("enable-lora")
+    items = get("lora-paths")
+    rank = get("max-lora-rank")
+    targets = get("lora-target-modules")
+    if enable is False and items:
+        raise SpecError("--lora-paths was given but enable_lora is False; drop one of them")
+    if not (enable or items or rank is not None or targets is not None):
+        return None
+    slots = get("max-loras-per-batch", DEFAULT_MAX_LORAS_PER_BATCH)
+    loaded = get("max-loaded-loras")
+    _check_count("--max-loras-per-batch", slots, MAX_SLOTS)
+    if loaded is not None:
+        _check_count("--max-loaded-loras", loaded, 2**63 - 1)
+    refs = tuple(parse_lora_paths(_items(items), max_loras_per_batch=slots, max_loaded_loras=loaded))
+    if rank is not None:
+        # Its upper bound (MAX_ADAPTER_RANK) is the manager's to check: that module needs torch.
+        _check_count("--max-lora-rank", rank, 2**31 - 1)
+    targets = None if targets is None else tuple(targets)
     if targets is not None:
         if not targets:
             raise SpecError("--lora-target-modules was given without any module")
-        blank = [t for t in targets if not t.strip()]
+        blank = [t for t in targets if not isinstance(t, str) or not t.strip()]
         if blank:
             raise SpecError(f"--lora-target-modules has an empty module name: {list(targets)!r}")
         if "all" in targets and len(targets) > 1:
@@ -135,7 +192,7 @@ def lora_config_from_args(ns: argparse.Namespace) -> LoRAConfig:
             "with no --lora-paths, both --max-lora-rank and --lora-target-modules are required to size the "
             f"slot pool (got --max-lora-rank={rank}, --lora-target-modules={targets})"
         )
-    policy = ns.lora_eviction_policy
+    policy = get("lora-eviction-policy", "lru")
     if policy not in EVICTION_POLICIES:
         raise SpecError(f"--lora-eviction-policy must be one of {EVICTION_POLICIES} (got {policy!r})")
     return LoRAConfig(
@@ -145,4 +202,123 @@ def lora_config_from_args(ns: argparse.Namespace) -> LoRAConfig:
         max_lora_rank=rank,
         target_modules=targets,
         eviction_policy=policy,
+    )
+
+
+def _check_count(flag: str, value: Any, most: int) -> None:
+    """Checked here with the flag's name: past 2^64 the core could not even take the number."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{flag} must be an int (got {value!r})")
+    if value < 1:
+        raise SpecError(f"{flag} must be at least 1 (got {value})")
+    if value > most:
+        raise SpecError(f"{flag} must be in 1..{most} (got {value})")
+
+
+def _items(items: Any) -> Any:
+    """``--lora-paths`` as ``parse_lora_paths`` takes it: objects a framework's own action made (with
+    ``lora_name``, ``lora_path`` and optionally ``pinned``) become dicts."""
+    if not isinstance(items, (list, tuple)):
+        return items
+    out = []
+    for item in items:
+        if hasattr(item, "lora_name") and hasattr(item, "lora_path") and not isinstance(item, LoRARef):
+            item = {
+                "lora_name": item.lora_name,
+                "lora_path": item.lora_path,
+                "pinned": bool(getattr(item, "pinned", False)),
+            }
+        out.append(item)
+    return out
+
+
+def add_vllm_lora_args(
+    parser: argparse.ArgumentParser, *, skip_existing: bool = True
+) -> argparse.ArgumentParser:
+    """Adds vLLM's LoRA flags with vLLM's defaults: ``--enable-lora``, ``--lora-modules`` (``NAME=PATH`` or
+    JSON ``{"name", "path", "base_model_name"}`` items), ``--max-loras`` (1), ``--max-cpu-loras`` (default:
+    ``--max-loras``), ``--max-lora-rank`` (16) and ``--lora-dtype`` (auto); returns ``parser``. Read them
+    with :func:`lora_config_from_vllm_args`.
+
+    Raises:
+        argparse.ArgumentError: ``skip_existing`` is False and the parser already has one of these flags.
+    """
+    group = parser.add_argument_group("LoRA adapters (lora_pin, vLLM flags)")
+    existing = set(parser._option_string_actions) if skip_existing else set()
+
+    def add(flag: str, **kwargs: Any) -> None:
+        if f"--{flag}" not in existing:
+            group.add_argument(f"--{flag}", dest=_dest("", flag), **kwargs)
+
+    add("enable-lora", action="store_true", default=False, help="Serve LoRA adapters (vLLM: required).")
+    add(
+        "lora-modules",
+        nargs="+",
+        default=None,
+        metavar="ITEM",
+        help='Start-up adapters: NAME=PATH or {"name": str, "path": str, "base_model_name": str|null}.',
+    )
+    add(
+        "max-loras",
+        type=int,
+        default=VLLM_DEFAULT_MAX_LORAS,
+        help="Device slots: distinct adapters one step can use (default %(default)s).",
+    )
+    add(
+        "max-cpu-loras",
+        type=int,
+        default=None,
+        help="Host-tier capacity in adapters (default: --max-loras). Must be >= --max-loras.",
+    )
+    add(
+        "max-lora-rank",
+        type=int,
+        default=VLLM_DEFAULT_MAX_LORA_RANK,
+        help="The slot pool's rank (default %(default)s).",
+    )
+    add(
+        "lora-dtype",
+        default="auto",
+        choices=VLLM_LORA_DTYPES,
+        help="The adapters' dtype; lora_pin computes in the model's, so only auto or the model's own dtype "
+        "is served (default %(default)s).",
+    )
+    return parser
+
+
+def lora_config_from_vllm_args(ns: argparse.Namespace) -> LoRAConfig | None:
+    """The typed config from vLLM's LoRA flags (:func:`add_vllm_lora_args`), or None when ``--enable-lora``
+    is not set (vLLM serves no adapter then). Every supported module of the model is wrapped (vLLM's rule),
+    ``--max-loras`` are the device slots and ``--max-cpu-loras`` the host tier (default ``--max-loras``).
+
+    Raises:
+        SpecError: ``--lora-modules`` without ``--enable-lora``, an invalid item, a limit below 1, or
+            ``--max-cpu-loras`` below ``--max-loras`` (the message gives the numbers).
+    """
+    enable = getattr(ns, "enable_lora", False)
+    items = getattr(ns, "lora_modules", None)
+    if not enable:
+        if items:
+            raise SpecError("--lora-modules needs --enable-lora (as in vLLM)")
+        return None
+    slots = getattr(ns, "max_loras", VLLM_DEFAULT_MAX_LORAS)
+    _check_count("--max-loras", slots, MAX_SLOTS)
+    loaded = getattr(ns, "max_cpu_loras", None)
+    loaded = slots if loaded is None else loaded
+    _check_count("--max-cpu-loras", loaded, 2**63 - 1)
+    if loaded < slots:
+        raise SpecError(f"--max-cpu-loras={loaded} must be >= --max-loras={slots}")
+    rank = getattr(ns, "max_lora_rank", VLLM_DEFAULT_MAX_LORA_RANK)
+    _check_count("--max-lora-rank", rank, 2**31 - 1)
+    dtype = getattr(ns, "lora_dtype", "auto")
+    if dtype not in VLLM_LORA_DTYPES:
+        raise SpecError(f"--lora-dtype must be one of {VLLM_LORA_DTYPES} (got {dtype!r})")
+    refs = tuple(parse_lora_paths(_items(items), max_loras_per_batch=slots, max_loaded_loras=loaded))
+    return LoRAConfig(
+        refs=refs,
+        max_loras_per_batch=slots,
+        max_loaded_loras=loaded,
+        max_lora_rank=rank,
+        target_modules=("all",),
+        lora_dtype=dtype,
     )

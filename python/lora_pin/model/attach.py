@@ -19,11 +19,12 @@ FusedSpec = Mapping[str, Sequence[tuple[str, int]]]
 
 
 def model_targets(
-    model: torch.nn.Module, modules: Sequence[str], fused_modules: FusedSpec | None = None
+    model: torch.nn.Module, modules: Sequence[str] | None, fused_modules: FusedSpec | None = None
 ) -> tuple[LoRATargets, dict[tuple[int, str], str]]:
     """The LoRA targets of ``model`` and, per ``(layer, group)``, the key of the module computing it.
 
-    ``modules`` are the adapter-side module names to serve (``q_proj`` ...). ``fused_modules`` maps a fused
+    ``modules`` are the adapter-side module names to serve (``q_proj`` ...); None serves every linear layer
+    inside a numbered layer (``--lora-target-modules all``). ``fused_modules`` maps a fused
     model module to the adapter modules stacked in its output, in order, with their widths, e.g.
     ``{"qkv_proj": [("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)]}``: adapters trained on separate
     projections are then served by one shrink and one expand over the fused output.
@@ -63,13 +64,12 @@ def model_targets(
             for member, width in spec:
                 linears.append(LinearTarget(index, member, f"{parent}.{member}", features[0], width))
             _claim(module_of, index, group, key)
-        elif name in modules:
+        elif modules is None or name in modules:
             linears.append(LinearTarget(index, name, key, features[0], features[1]))
             _claim(module_of, index, name, key)
     if not linears:
-        raise SpecError(
-            f"the model has no linear layer named {sorted(set(modules) | set(fused))} inside a numbered layer"
-        )
+        wanted = "any name" if modules is None else f"named {sorted(set(modules) | set(fused))}"
+        raise SpecError(f"the model has no linear layer {wanted} inside a numbered layer")
     targets = LoRATargets.from_linears(linears, fuse=bool(fused))
     for group in targets.groups:
         if (group.layer, group.name) not in module_of:

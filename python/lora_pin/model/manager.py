@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lora_pin._core import LoRARef, LoRARegistry, parse_lora_paths
-from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, lora_config_from_args
+from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, LoRAConfig, lora_config_from_args
 from lora_pin.errors import (
     AdapterNotFoundError,
     DuplicateAdapterError,
@@ -96,8 +96,9 @@ class LoRAManager:
         max_loaded_loras: host-tier capacity in adapters (None: unbounded).
         max_lora_rank: the slot pool's rank; None takes the largest start-up adapter's, once each is
             read and checked (tensors included: a config's claimed rank alone never sizes the pool).
-        lora_target_modules: module names to wrap; None (or ``["all"]``) takes every supported module the
-            start-up adapters use (all of ``q/k/v/o, gate/up/down`` when one uses a regex).
+        lora_target_modules: module names to wrap; ``["all"]`` wraps every linear layer of the model inside
+            a numbered layer (SGLang's ``all``: later loads may target any of them); None takes every module
+            the start-up adapters use (all of ``q/k/v/o, gate/up/down`` when one uses a regex).
         eviction_policy: the device tier's policy: ``"lru"``, ``"fifo"``, ``"reuse"`` or ``"hybrid"``
             (host tier: LRU).
         max_host_bytes: optional host-tier capacity in bytes.
@@ -168,7 +169,7 @@ class LoRAManager:
         if chunk_size is None and self.device.type == "cuda":
             chunk_size = CUDA_CHUNK_SIZE
         self.targets, self._module_of = model_targets(model, modules, fused_modules)
-        if lora_target_modules is not None and list(lora_target_modules) != ["all"]:
+        if modules is not None and lora_target_modules is not None:
             found = {t.module for t in self.targets.linears}
             missing = [m for m in lora_target_modules if m not in found]
             if missing:
@@ -216,17 +217,38 @@ class LoRAManager:
         """A manager configured from the server args :func:`lora_pin.add_lora_args` added and parsed.
 
         Raises:
-            SpecError, AdapterLoadError, PoolError: as the constructor.
+            SpecError: LoRA is off (no LoRA flag was given), or as :func:`lora_pin.lora_config_from_args`.
+            AdapterLoadError, PoolError: as the constructor.
         """
         cfg = lora_config_from_args(namespace)
+        if cfg is None:
+            raise SpecError("LoRA is off: no LoRA flag was given (pass --enable-lora or --lora-paths)")
+        return cls.from_config(model, cfg, **kwargs)
+
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, config: LoRAConfig, **kwargs: Any) -> LoRAManager:
+        """A manager configured by ``config`` (from :func:`lora_pin.lora_config_from_args` or
+        :func:`lora_pin.lora_config_from_vllm_args`); ``kwargs`` go to the constructor.
+
+        Raises:
+            SpecError: ``config.lora_dtype`` is neither ``"auto"`` nor the model's dtype.
+            AdapterLoadError, PoolError: as the constructor.
+        """
+        if config.lora_dtype != "auto":
+            dtype = next(model.parameters()).dtype
+            if getattr(torch, config.lora_dtype, None) != dtype:
+                raise SpecError(
+                    f"lora_dtype={config.lora_dtype!r} but the model is {dtype}: lora_pin computes adapters "
+                    "in the model's dtype (adapters of another dtype are converted on load); use 'auto'"
+                )
         return cls(
             model,
-            list(cfg.refs),
-            max_loras_per_batch=cfg.max_loras_per_batch,
-            max_loaded_loras=cfg.max_loaded_loras,
-            max_lora_rank=cfg.max_lora_rank,
-            lora_target_modules=cfg.target_modules,
-            eviction_policy=cfg.eviction_policy,
+            list(config.refs),
+            max_loras_per_batch=config.max_loras_per_batch,
+            max_loaded_loras=config.max_loaded_loras,
+            max_lora_rank=config.max_lora_rank,
+            lora_target_modules=config.target_modules,
+            eviction_policy=config.eviction_policy,
             **kwargs,
         )
 
@@ -455,14 +477,22 @@ class LoRAManager:
 
     def _infer_shape(
         self, refs: Sequence[LoRARef], max_rank: int | None, modules: Sequence[str] | None
-    ) -> tuple[int | None, tuple[str, ...]]:
-        """The pool's rank (None: the start-up adapters' largest, once read) and the modules to wrap.
+    ) -> tuple[int | None, tuple[str, ...] | None]:
+        """The pool's rank (None: the start-up adapters' largest, once read) and the modules to wrap (None:
+        every linear layer, for ``all``).
 
         Raises:
             SpecError: with no start-up adapters, max_rank or modules is missing; max_rank is out of range.
         """
         if modules is not None and list(modules) == ["all"]:
-            modules = None
+            if max_rank is None and not refs:
+                raise SpecError(
+                    "with no start-up adapters, max_lora_rank is required to size the slot pool (got "
+                    "lora_target_modules=['all'] and max_lora_rank=None)"
+                )
+            if max_rank is not None and not 1 <= max_rank <= MAX_ADAPTER_RANK:
+                raise SpecError(f"max_lora_rank must be in 1..{MAX_ADAPTER_RANK} (got {max_rank})")
+            return max_rank, None
         if not refs and (max_rank is None or modules is None):
             raise SpecError(
                 "with no start-up adapters, both max_lora_rank and lora_target_modules are required to size "
