@@ -1,5 +1,5 @@
 """The adapter reader: files opened beneath the allowed roots by construction, read from the descriptor
-they were checked on (symlink swaps, truncation, descriptors)."""
+they were checked on (symlink swaps, truncation, descriptors), pickled parameters."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from lora_pin.errors import AdapterLoadError, LoraPinError, PathNotAllowedError
 from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
@@ -209,3 +210,14 @@ def test_loading_leaves_no_descriptor_open(adapters: Adapters) -> None:
     with pytest.raises(AdapterLoadError):
         load(adapters, path)
     assert open_fds() == before
+
+
+def test_pickled_parameters_load_as_tensors(adapters: Adapters) -> None:
+    # torch.save of a module's parameters gives nn.Parameter values (requires_grad): read as plain tensors.
+    path = fresh_copy(adapters, "pickled_parameters")
+    state = {k: torch.nn.Parameter(v) for k, v in load_file(path / WEIGHTS).items()}
+    torch.save(state, path / "adapter_model.bin")
+    (path / WEIGHTS).unlink()
+    loaded = load(adapters, path, allow_pickle=True)
+    assert same_weights(loaded, load(adapters, adapters.inside))
+    assert not any(t.requires_grad for t in fingerprint(loaded))

@@ -330,7 +330,9 @@ def _load_pickle(name: str, file: FolderFile, max_tensors: int) -> dict[str, tor
             "CPU tensors (sparse, meta or on a device)"
         )
     check_count(name, file.path, len(state), max_tensors)
-    return {str(k): v for k, v in state.items()}
+    # detach: an nn.Parameter (what saving a module's parameters gives) or a tensor requiring grad
+    # would make the host tier's copies part of an autograd graph.
+    return {str(k): v.detach() for k, v in state.items()}
 
 
 def _pair_tensors(
