@@ -475,7 +475,7 @@ def _rss_bytes() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_load_unload_cycles_keep_memory_and_counters_stable(world: World) -> None:
+def test_load_unload_cycles_do_not_leak_memory_or_counters(world: World) -> None:
     mgr, model = manager(world, ["a", "b", "c"], slots=2, max_loaded_loras=3)
     want = references(mgr, model, ["a", "c"])
     mgr.unload("c")
@@ -505,7 +505,10 @@ def test_load_unload_cycles_keep_memory_and_counters_stable(world: World) -> Non
         "seconds": round(time.monotonic() - started, 2),
         "rss_growth_bytes_after_warmup": growth,
     }
-    assert growth < 32 << 20, f"resident memory grew {growth} bytes over {CYCLES - warmup} cycles"
+    # 10,000 cycles grew 7.1 MiB with safetensors' leaking get_tensor (~820 B per cycle), 0.65 MiB without
+    # (benches/load_cycles.py); the bounds leave room for allocator noise, not for a leak per tensor read.
+    limit = 2 << 20 if LONG else 1 << 20
+    assert growth < limit, f"resident memory grew {growth} bytes over {CYCLES - warmup} cycles"
 
 
 # ---- security end to end ------------------------------------------------------------------------------
