@@ -221,3 +221,9 @@ def test_pickled_parameters_load_as_tensors(adapters: Adapters) -> None:
     loaded = load(adapters, path, allow_pickle=True)
     assert same_weights(loaded, load(adapters, adapters.inside))
     assert not any(t.requires_grad for t in fingerprint(loaded))
+
+
+@pytest.mark.parametrize("bad", ["\ud800", "a\0b"])
+def test_a_path_that_cannot_name_a_file_is_an_adapter_load_error(adapters: Adapters, bad: str) -> None:
+    with pytest.raises(AdapterLoadError, match=r"'swap': path .* cannot name a file"):
+        load(adapters, adapters.root / bad)

@@ -34,6 +34,7 @@ from lora_pin import (
     LoRAManager,
     LoraPinError,
     PathNotAllowedError,
+    SpecError,
     StalePlanError,
     UnsafeFormatError,
 )
@@ -567,6 +568,27 @@ def test_allowed_roots_end_to_end(world: World, tmp_path: Path) -> None:
         LoRAManager(copy.deepcopy(world.model), [f"x={outside}"], max_loras_per_batch=2, allowed_roots=[root])
     mgr.load("ok2", root / "ok")
     assert sorted(mgr.host) == ["ok", "ok2"]
+
+
+def test_lone_surrogates_in_names_and_paths_are_spec_errors(world: World) -> None:
+    # json.loads('"\\ud800"') gives a str with no UTF-8 encoding: client traffic can send one.
+    lone = "\ud800"
+    mgr, model = manager(world, ["a"], slots=2, adapter_dir=world.root)
+    calls: dict[str, Any] = {
+        "load name": lambda: mgr.load(lone, world.paths["b"]),
+        "load path": lambda: mgr.load("x", f"{world.paths['b']}{lone}"),
+        "pin": lambda: mgr.pin(lone),
+        "unpin": lambda: mgr.unpin(lone),
+        "unload": lambda: mgr.unload(lone),
+        "discover (adapter_dir)": lambda: mgr.discover(["a", lone]),
+        "step (adapter_dir)": lambda: run_batch(mgr, model, ["a", lone]),
+    }
+    before = mgr.registry.stats()
+    for what, call in calls.items():
+        with pytest.raises(SpecError, match="lone surrogate"):
+            call()
+        assert mgr.registry.stats() == before, what
+    count("lone_surrogate_calls")
 
 
 def test_manager_passes_limits_through(world: World) -> None:

@@ -17,6 +17,7 @@ use self::step::{NameStrs, RequestIndices};
 
 use super::errors::new_error;
 use super::spec::PyLoRARef;
+use super::text::{int_arg, Name};
 use super::{detached, shielded};
 use crate::cache::TierCounters;
 use crate::registry::{AdapterSize, Config, Registry, TierStats, Unload};
@@ -53,6 +54,11 @@ fn count(py: Python<'_>, what: &str, v: i64, min: u64) -> PyResult<u64> {
         .ok_or_else(|| new_error(py, "SpecError", format!("{what} must be at least {min} (got {v})")))
 }
 
+/// A limit argument of any int size: past `i64` is a `SpecError` naming it, not an `OverflowError`.
+fn limit(py: Python<'_>, what: &str, v: &Bound<'_, PyAny>, min: u64) -> PyResult<u64> {
+    count(py, what, int_arg(v, what, min as i64)?, min)
+}
+
 fn usage(py: Python<'_>, msg: String) -> PyErr {
     new_error(py, "UsageError", msg)
 }
@@ -75,25 +81,25 @@ impl PyLoRARegistry {
     ))]
     fn py_new(
         py: Python<'_>,
-        max_loras_per_batch: i64,
-        max_loaded_loras: Option<i64>,
-        max_host_bytes: Option<i64>,
+        max_loras_per_batch: &Bound<'_, PyAny>,
+        max_loaded_loras: Option<&Bound<'_, PyAny>>,
+        max_host_bytes: Option<&Bound<'_, PyAny>>,
         eviction_policy: &str,
         host_eviction_policy: &str,
-        chunk_size: Option<i64>,
+        chunk_size: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         shielded(py, || {
             let config = Config {
-                slots: count(py, "max_loras_per_batch", max_loras_per_batch, 1)? as usize,
+                slots: limit(py, "max_loras_per_batch", max_loras_per_batch, 1)? as usize,
                 max_loaded: max_loaded_loras
-                    .map(|v| count(py, "max_loaded_loras", v, 1))
+                    .map(|v| limit(py, "max_loaded_loras", v, 1))
                     .transpose()?
                     .map(|v| v as usize),
-                max_host_bytes: max_host_bytes.map(|v| count(py, "max_host_bytes", v, 1)).transpose()?,
+                max_host_bytes: max_host_bytes.map(|v| limit(py, "max_host_bytes", v, 1)).transpose()?,
                 device_policy: eviction_policy.to_owned(),
                 host_policy: host_eviction_policy.to_owned(),
                 chunk_size: chunk_size
-                    .map(|v| count(py, "chunk_size", v, 1))
+                    .map(|v| limit(py, "chunk_size", v, 1))
                     .transpose()?
                     .map(|v| v as usize),
             };
@@ -167,16 +173,16 @@ impl PyLoRARegistry {
     ///     AdapterNotFoundError: the name is not registered.
     ///     CapacityError: fewer than one device slot would stay for unpinned adapters, or the pinned
     ///         adapters would overflow the host tier (the message gives the numbers).
-    fn pin(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        detached(py, || self.shared.lock().pin(name))
+    fn pin(&self, py: Python<'_>, name: Name) -> PyResult<()> {
+        detached(py, || self.shared.lock().pin(&name))
     }
 
     /// Unpins an adapter (a no-op if it is not pinned).
     ///
     /// Raises:
     ///     AdapterNotFoundError: the name is not registered.
-    fn unpin(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        detached(py, || self.shared.lock().unpin(name))
+    fn unpin(&self, py: Python<'_>, name: Name) -> PyResult<()> {
+        detached(py, || self.shared.lock().unpin(&name))
     }
 
     /// Counts one more request in flight per adapter name, atomically; None (the base model) passes
@@ -214,7 +220,7 @@ impl PyLoRARegistry {
     ///         stays unregistered and a later unload finishes it.
     ///     UsageError: `timeout` is negative or NaN.
     #[pyo3(signature = (name, timeout = None))]
-    fn unload(&self, py: Python<'_>, name: &str, timeout: Option<f64>) -> PyResult<()> {
+    fn unload(&self, py: Python<'_>, name: Name, timeout: Option<f64>) -> PyResult<()> {
         let started = Instant::now();
         let deadline = match timeout {
             None => None,
@@ -229,7 +235,7 @@ impl PyLoRARegistry {
             let wait = deadline
                 .map_or(UNLOAD_SLICE, |d| d.saturating_duration_since(Instant::now()).min(UNLOAD_SLICE));
             let state = match serial {
-                None => detached(py, || self.shared.unload_for(name, wait))?,
+                None => detached(py, || self.shared.unload_for(&name, wait))?,
                 Some(s) => detached(py, || Ok::<_, crate::Error>(self.shared.continue_unload_for(s, wait)))?,
             };
             match state {
@@ -259,8 +265,8 @@ impl PyLoRARegistry {
     ///
     /// Raises:
     ///     AdapterNotFoundError: the name was never registered.
-    fn try_unload(&self, py: Python<'_>, name: &str) -> PyResult<bool> {
-        let done = detached(py, || self.shared.unload_for(name, Duration::ZERO))? == Unload::Done;
+    fn try_unload(&self, py: Python<'_>, name: Name) -> PyResult<bool> {
+        let done = detached(py, || self.shared.unload_for(&name, Duration::ZERO))? == Unload::Done;
         if done {
             self.clear_names();
         }
@@ -273,8 +279,8 @@ impl PyLoRARegistry {
     ///
     /// Raises:
     ///     AdapterNotFoundError: the name was never registered.
-    fn begin_unload(&self, py: Python<'_>, name: &str) -> PyResult<Option<u64>> {
-        match detached(py, || self.shared.unload_for(name, Duration::ZERO))? {
+    fn begin_unload(&self, py: Python<'_>, name: Name) -> PyResult<Option<u64>> {
+        match detached(py, || self.shared.unload_for(&name, Duration::ZERO))? {
             Unload::Done => {
                 self.clear_names();
                 Ok(None)
@@ -366,13 +372,13 @@ impl PyLoRARegistry {
     /// Raises:
     ///     AdapterNotFoundError: the name is unknown.
     ///     UsageError: no load of it is pending.
-    fn load_done(&self, py: Python<'_>, name: &str) -> PyResult<()> {
+    fn load_done(&self, py: Python<'_>, name: Name) -> PyResult<()> {
         // O(1) (a lookup and a policy update): done with the GIL held when the lock is free, which
         // saves releasing and taking back the GIL per load; waiting for the lock releases it.
         if let Some(mut reg) = self.shared.try_lock() {
-            return shielded(py, || reg.load_done(name).map_err(PyErr::from));
+            return shielded(py, || reg.load_done(&name).map_err(PyErr::from));
         }
-        detached(py, || self.shared.lock().load_done(name))
+        detached(py, || self.shared.lock().load_done(&name))
     }
 
     /// Reports a planned load failed: the adapter leaves its slot (and the host tier, if the load was
@@ -381,24 +387,24 @@ impl PyLoRARegistry {
     /// Raises:
     ///     AdapterNotFoundError: the name is unknown.
     ///     UsageError: no load of it is pending.
-    fn load_failed(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        detached(py, || self.shared.lock().load_failed(name))
+    fn load_failed(&self, py: Python<'_>, name: Name) -> PyResult<()> {
+        detached(py, || self.shared.lock().load_failed(&name))
     }
 
     /// The ref registered under `name` (also while it is being unloaded); `pinned` is the current state.
     ///
     /// Raises:
     ///     AdapterNotFoundError: the name is unknown.
-    fn lora_ref(&self, py: Python<'_>, name: &str) -> PyResult<PyLoRARef> {
-        Ok(PyLoRARef(detached(py, || self.shared.lock().lora_ref(name))?))
+    fn lora_ref(&self, py: Python<'_>, name: Name) -> PyResult<PyLoRARef> {
+        Ok(PyLoRARef(detached(py, || self.shared.lock().lora_ref(&name))?))
     }
 
     /// Requests in flight for `name` (also while it is being unloaded).
     ///
     /// Raises:
     ///     AdapterNotFoundError: the name is unknown.
-    fn in_flight(&self, py: Python<'_>, name: &str) -> PyResult<u64> {
-        detached(py, || self.shared.lock().in_flight(name))
+    fn in_flight(&self, py: Python<'_>, name: Name) -> PyResult<u64> {
+        detached(py, || self.shared.lock().in_flight(&name))
     }
 
     /// Counters per tier (hits, misses, loads, evictions, refusals), what is resident and pinned in
@@ -423,8 +429,8 @@ impl PyLoRARegistry {
         result.map_err(|e| new_error(py, "LoraPinError", format!("registry invariant broken: {e}")))
     }
 
-    fn __contains__(&self, py: Python<'_>, name: &str) -> PyResult<bool> {
-        detached(py, || Ok(self.shared.lock().contains(name)))
+    fn __contains__(&self, py: Python<'_>, name: Name) -> PyResult<bool> {
+        detached(py, || Ok(self.shared.lock().contains(&name)))
     }
 
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {

@@ -57,10 +57,13 @@ def resolve_folder(name: str, path: str | os.PathLike[str], roots: list[str] | N
 
     Raises:
         PathNotAllowedError: ``path`` has a ``..`` component, or its real path is outside every root.
-        AdapterLoadError: ``path`` is not a directory.
+        AdapterLoadError: ``path`` is not a directory, or holds a NUL or a lone surrogate.
     """
     raw = os.fspath(path)
-    real = os.path.realpath(raw)
+    try:
+        real = os.path.realpath(raw)
+    except ValueError as exc:  # a NUL, or a lone surrogate the file system encoding cannot take
+        raise AdapterLoadError(f"adapter {name!r}: path {raw!r} cannot name a file: {exc}") from None
     if roots is not None:
         if ".." in Path(raw).parts:
             raise PathNotAllowedError(
