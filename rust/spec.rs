@@ -389,11 +389,16 @@ fn read_list_file(file: &str, loc: &Loc) -> Result<Vec<Value>> {
         return Err(loc.error("'@' must be followed by the path of a JSON file"));
     }
     let cannot = |e: std::io::Error| loc.error(&format!("cannot read the adapter list file {file:?}: {e}"));
+    let opened = open_nonblocking(file).map_err(cannot)?;
+    if !opened.metadata().map_err(cannot)?.is_file() {
+        return Err(loc.error(&format!(
+            "the adapter list file {file:?} is not a regular file (a FIFO, device or folder); only regular \
+             files are read"
+        )));
+    }
     let mut text = String::new();
-    // Read at most one byte past the limit: a device file such as /dev/zero reports no size.
-    std::fs::File::open(file)
-        .and_then(|f| f.take(MAX_LIST_FILE_BYTES + 1).read_to_string(&mut text))
-        .map_err(cannot)?;
+    // Read at most one byte past the limit: the file may grow after its size was seen.
+    opened.take(MAX_LIST_FILE_BYTES + 1).read_to_string(&mut text).map_err(cannot)?;
     if text.len() as u64 > MAX_LIST_FILE_BYTES {
         return Err(loc.error(&format!(
             "the adapter list file {file:?} is larger than {MAX_LIST_FILE_BYTES} bytes; split it"
@@ -413,6 +418,16 @@ fn read_list_file(file: &str, loc: &Loc) -> Result<Vec<Value>> {
         ))),
         Err(e) => Err(loc.error(&format!("the adapter list file {file:?} is malformed JSON: {e}"))),
     }
+}
+
+/// `file` opened for reading without waiting: opening a FIFO blocks until a writer comes, so its type is
+/// checked on the opened file instead (regular files ignore the flag).
+fn open_nonblocking(file: &str) -> std::io::Result<std::fs::File> {
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NONBLOCK);
+    options.open(file)
 }
 
 /// The first key that appears twice in one object anywhere in `text` (valid JSON): `serde_json`

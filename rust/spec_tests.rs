@@ -114,9 +114,30 @@ fn at_file_expands_in_place() {
     std::fs::remove_dir_all(&dir).unwrap();
     assert!(err(&[&at]).contains("cannot read the adapter list file"));
     if std::path::Path::new("/dev/zero").exists() {
-        assert!(err(&["@/dev/zero"]).contains("is larger than"));
+        assert!(err(&["@/dev/zero"]).contains("not a regular file"));
     }
+    let big = std::env::temp_dir().join(format!("lora_pin_big_list_{}.json", std::process::id()));
+    std::fs::File::create(&big).unwrap().set_len(MAX_LIST_FILE_BYTES + 1).unwrap(); // sparse
+    assert!(err(&[&format!("@{}", big.display())]).contains("is larger than"));
+    std::fs::remove_file(&big).unwrap();
     assert!(err(&["@"]).contains("must be followed by the path"));
+}
+
+#[cfg(unix)]
+#[test]
+fn an_at_file_that_is_a_fifo_is_refused_without_blocking() {
+    let fifo = std::env::temp_dir().join(format!("lora_pin_fifo_{}", std::process::id()));
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    if !made.is_ok_and(|s| s.success()) {
+        return; // no mkfifo on this system
+    }
+    let item = format!("@{}", fifo.display());
+    let (tx, rx) = std::sync::mpsc::channel();
+    // On a thread: opened the blocking way, the open would wait for a writer forever.
+    std::thread::spawn(move || tx.send(err(&[&item])));
+    let msg = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("parsing a FIFO @FILE blocked");
+    std::fs::remove_file(&fifo).unwrap();
+    assert!(msg.contains("item 0") && msg.contains("not a regular file"), "{msg}");
 }
 
 #[test]

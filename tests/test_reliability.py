@@ -34,6 +34,7 @@ from lora_pin import (
     LoRAManager,
     LoraPinError,
     PathNotAllowedError,
+    SpecError,
     StalePlanError,
     UnsafeFormatError,
 )
@@ -477,7 +478,7 @@ def _rss_bytes() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_load_unload_cycles_keep_memory_and_counters_stable(world: World) -> None:
+def test_load_unload_cycles_do_not_leak_memory_or_counters(world: World) -> None:
     mgr, model = manager(world, ["a", "b", "c"], slots=2, max_loaded_loras=3)
     want = references(mgr, model, ["a", "c"])
     mgr.unload("c")
@@ -507,7 +508,10 @@ def test_load_unload_cycles_keep_memory_and_counters_stable(world: World) -> Non
         "seconds": round(time.monotonic() - started, 2),
         "rss_growth_bytes_after_warmup": growth,
     }
-    assert growth < 32 << 20, f"resident memory grew {growth} bytes over {CYCLES - warmup} cycles"
+    # 10,000 cycles grew 7.1 MiB with safetensors' leaking get_tensor (~820 B per cycle), 0.65 MiB without
+    # (benches/load_cycles.py); the bounds leave room for allocator noise, not for a leak per tensor read.
+    limit = 2 << 20 if LONG else 1 << 20
+    assert growth < limit, f"resident memory grew {growth} bytes over {CYCLES - warmup} cycles"
 
 
 # ---- security end to end ------------------------------------------------------------------------------
@@ -566,6 +570,27 @@ def test_allowed_roots_end_to_end(world: World, tmp_path: Path) -> None:
         LoRAManager(copy.deepcopy(world.model), [f"x={outside}"], max_loras_per_batch=2, allowed_roots=[root])
     mgr.load("ok2", root / "ok")
     assert sorted(mgr.host) == ["ok", "ok2"]
+
+
+def test_lone_surrogates_in_names_and_paths_are_spec_errors(world: World) -> None:
+    # json.loads('"\\ud800"') gives a str with no UTF-8 encoding: client traffic can send one.
+    lone = "\ud800"
+    mgr, model = manager(world, ["a"], slots=2, adapter_dir=world.root)
+    calls: dict[str, Any] = {
+        "load name": lambda: mgr.load(lone, world.paths["b"]),
+        "load path": lambda: mgr.load("x", f"{world.paths['b']}{lone}"),
+        "pin": lambda: mgr.pin(lone),
+        "unpin": lambda: mgr.unpin(lone),
+        "unload": lambda: mgr.unload(lone),
+        "discover (adapter_dir)": lambda: mgr.discover(["a", lone]),
+        "step (adapter_dir)": lambda: run_batch(mgr, model, ["a", lone]),
+    }
+    before = mgr.registry.stats()
+    for what, call in calls.items():
+        with pytest.raises(SpecError, match="lone surrogate"):
+            call()
+        assert mgr.registry.stats() == before, what
+    count("lone_surrogate_calls")
 
 
 def test_manager_passes_limits_through(world: World) -> None:

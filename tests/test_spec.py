@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import pathlib
 import subprocess
 import sys
 import uuid
+from typing import Any
 
 import orjson
 import pytest
@@ -227,3 +229,85 @@ def test_format_round_trips(name: str, path: str, pinned: bool, base: str | None
 def test_arbitrary_input_only_raises_spec_errors(values: list[object]) -> None:
     with contextlib.suppress(SpecError):
         parse_lora_paths(values)  # type: ignore[arg-type]
+
+
+# ---- input that used to escape as a non-LoraPinError (issue 14, items 8, 9 and 13) ----------------------
+
+LONE = "\ud800"  # json.loads('"\\ud800"') returns this: valid JSON, no UTF-8 encoding
+_SURROGATE_CALLS = {
+    "LoRARef name": (lambda: LoRARef(f"a{LONE}", "/p"), "lora_name"),
+    "LoRARef path": (lambda: LoRARef("a", f"/p{LONE}"), "lora_path"),
+    "LoRARef base model": (lambda: LoRARef("a", "/p", base_model_name=LONE), "base_model_name"),
+    "LoRARef id": (lambda: LoRARef("a", "/p", lora_id=LONE), "lora_id"),
+    "LoRARef.new": (lambda: LoRARef.new(LONE, "/p"), "lora_name"),
+    "text item": (lambda: parse_lora_paths([f"a={LONE}"]), "item 0"),
+    "dict item value": (lambda: parse_lora_paths([{"lora_name": LONE, "lora_path": "/p"}]), "item 0"),
+    "dict item key": (lambda: parse_lora_paths([{LONE: "x"}]), "item 0"),
+    "name: path dict": (lambda: parse_lora_paths({"a": LONE}), "item 0"),
+    "registry pin": (lambda: lora_pin.LoRARegistry(2).pin(LONE), "adapter name"),
+    "registry unload": (lambda: lora_pin.LoRARegistry(2).unload(LONE), "adapter name"),
+    "registry lookup": (lambda: LONE in lora_pin.LoRARegistry(2), "adapter name"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_SURROGATE_CALLS))
+def test_a_lone_surrogate_is_a_spec_error(case: str) -> None:
+    call, argument = _SURROGATE_CALLS[case]
+    with pytest.raises(SpecError, match=rf"{argument}.*not valid text: it holds a lone surrogate"):
+        call()
+
+
+@pytest.mark.parametrize(
+    ("call", "argument"),
+    [
+        (lambda: parse_lora_paths([], max_loras_per_batch=2**70), "max_loras_per_batch"),
+        (lambda: parse_lora_paths([], max_loaded_loras=2**70), "max_loaded_loras"),
+        (lambda: lora_pin.LoRARegistry(2**70), "max_loras_per_batch"),
+        (lambda: lora_pin.LoRARegistry(2, 2**70), "max_loaded_loras"),
+        (lambda: lora_pin.LoRARegistry(2, max_host_bytes=-(2**70)), "max_host_bytes"),
+        (lambda: lora_pin.LoRARegistry(2, chunk_size=2**200), "chunk_size"),
+    ],
+)
+def test_a_limit_past_64_bits_is_a_spec_error_naming_the_range(call: Any, argument: str) -> None:
+    with pytest.raises(SpecError, match=rf"{argument} must be an integer in 1\.\.=9223372036854775807 \(got"):
+        call()
+
+
+def _nested(depth: int, container: str) -> object:
+    value: object = "x"
+    for _ in range(depth):
+        value = {"k": value} if container == "dict" else [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("spec", "pattern"),
+    [
+        ([_nested(100_000, "dict")], r"item 0 \(\{'k': \{'k': .*has type dict"),
+        ([_nested(100_000, "list")], r"item 0 \(\[\[\[.*expected a string or a dict"),
+        ({"a": _nested(100_000, "dict")}, r"item 0 .*needs string keys and values"),
+    ],
+)
+def test_a_deeply_nested_item_is_a_spec_error(spec: Any, pattern: str) -> None:
+    # Python's repr of the item raised RecursionError while the message was built.
+    with pytest.raises(SpecError, match=pattern):
+        parse_lora_paths(spec)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_cli_parse_refuses_a_fifo_list_file(tmp_path: pathlib.Path) -> None:
+    # Opening a FIFO waits for a writer: it blocked `lora-pin parse` forever (the timeout fails it).
+    fifo = tmp_path / "list.json"
+    os.mkfifo(fifo)
+    out = _cli("parse", "--lora-paths", f"@{fifo}")
+    assert out.returncode == 2, out.stderr
+    assert "item 0" in out.stderr and "not a regular file" in out.stderr
+
+
+def test_cli_refuses_an_argument_that_is_not_utf8() -> None:
+    # Bytes that are not UTF-8 in the command line reach Python as lone surrogates.
+    out = _cli("parse", "--lora-paths", "a=/p\udcff")
+    assert out.returncode == 2
+    assert (
+        "argument 3" in out.stderr and "not valid UTF-8 text" in out.stderr and "Traceback" not in out.stderr
+    )

@@ -6,6 +6,7 @@ mod registry;
 mod sgmv;
 mod sim;
 mod spec;
+mod text;
 
 use pyo3::prelude::*;
 

@@ -17,6 +17,7 @@ use self::step::{NameStrs, RequestIndices};
 
 use super::errors::new_error;
 use super::spec::PyLoRARef;
+use super::text::{int_arg, Name};
 use super::{detached, shielded};
 use crate::policy::{AdapterKey, PolicyKind};
 use crate::registry::tiers::TierCounters;
@@ -52,6 +53,11 @@ fn count(py: Python<'_>, what: &str, v: i64, min: u64) -> PyResult<u64> {
         .ok()
         .filter(|&c| c >= min)
         .ok_or_else(|| new_error(py, "SpecError", format!("{what} must be at least {min} (got {v})")))
+}
+
+/// A limit argument of any int size: past `i64` is a `SpecError` naming it, not an `OverflowError`.
+fn limit(py: Python<'_>, what: &str, v: &Bound<'_, PyAny>, min: u64) -> PyResult<u64> {
+    count(py, what, int_arg(v, what, min as i64)?, min)
 }
 
 fn usage(py: Python<'_>, msg: String) -> PyErr {
@@ -122,25 +128,25 @@ impl PyLoRARegistry {
     ))]
     fn py_new(
         py: Python<'_>,
-        max_loras_per_batch: i64,
-        max_loaded_loras: Option<i64>,
-        max_host_bytes: Option<i64>,
+        max_loras_per_batch: &Bound<'_, PyAny>,
+        max_loaded_loras: Option<&Bound<'_, PyAny>>,
+        max_host_bytes: Option<&Bound<'_, PyAny>>,
         eviction_policy: &str,
         host_eviction_policy: &str,
-        chunk_size: Option<i64>,
+        chunk_size: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         shielded(py, || {
             let config = Config {
-                slots: count(py, "max_loras_per_batch", max_loras_per_batch, 1)? as usize,
+                slots: limit(py, "max_loras_per_batch", max_loras_per_batch, 1)? as usize,
                 max_loaded: max_loaded_loras
-                    .map(|v| count(py, "max_loaded_loras", v, 1))
+                    .map(|v| limit(py, "max_loaded_loras", v, 1))
                     .transpose()?
                     .map(|v| v as usize),
-                max_host_bytes: max_host_bytes.map(|v| count(py, "max_host_bytes", v, 1)).transpose()?,
+                max_host_bytes: max_host_bytes.map(|v| limit(py, "max_host_bytes", v, 1)).transpose()?,
                 device_policy: PolicyKind::parse("eviction_policy", eviction_policy)?,
                 host_policy: PolicyKind::parse("host_eviction_policy", host_eviction_policy)?,
                 chunk_size: chunk_size
-                    .map(|v| count(py, "chunk_size", v, 1))
+                    .map(|v| limit(py, "chunk_size", v, 1))
                     .transpose()?
                     .map(|v| v as usize),
             };
@@ -214,16 +220,16 @@ impl PyLoRARegistry {
     ///     AdapterNotFoundError: the name is not registered.
     ///     CapacityError: fewer than one device slot would stay for unpinned adapters, or the pinned
     ///         adapters would overflow the host tier (the message gives the numbers).
-    fn pin(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        detached(py, || self.shared.lock().pin(name))
+    fn pin(&self, py: Python<'_>, name: Name) -> PyResult<()> {
+        detached(py, || self.shared.lock().pin(&name))
     }
 
     /// Unpins an adapter (a no-op if it is not pinned).
     ///
     /// Raises:
     ///     AdapterNotFoundError: the name is not registered.
-    fn unpin(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        detached(py, || self.shared.lock().unpin(name))
+    fn unpin(&self, py: Python<'_>, name: Name) -> PyResult<()> {
+        detached(py, || self.shared.lock().unpin(&name))
     }
 
     /// Counts one more request in flight per adapter name, atomically; None (the base model) passes
@@ -261,7 +267,7 @@ impl PyLoRARegistry {
     ///         stays unregistered and a later unload finishes it.
     ///     UsageError: `timeout` is negative or NaN.
     #[pyo3(signature = (name, timeout = None))]
-    fn unload(&self, py: Python<'_>, name: &str, timeout: Option<f64>) -> PyResult<()> {
+    fn unload(&self, py: Python<'_>, name: Name, timeout: Option<f64>) -> PyResult<()> {
         let started = Instant::now();
         let deadline = match timeout {
             None => None,
@@ -276,7 +282,7 @@ impl PyLoRARegistry {
             let wait = deadline
                 .map_or(UNLOAD_SLICE, |d| d.saturating_duration_since(Instant::now()).min(UNLOAD_SLICE));
             let state = match serial {
-                None => detached(py, || self.shared.unload_for(name, wait))?,
+                None => detached(py, || self.shared.unload_for(&name, wait))?,
                 Some(s) => detached(py, || Ok::<_, crate::Error>(self.shared.continue_unload_for(s, wait)))?,
             };
             match state {
@@ -306,8 +312,8 @@ impl PyLoRARegistry {
     ///
     /// Raises:
     ///     AdapterNotFoundError: the name was never registered.
-    fn try_unload(&self, py: Python<'_>, name: &str) -> PyResult<bool> {
-        let done = detached(py, || self.shared.unload_for(name, Duration::ZERO))? == Unload::Done;
+    fn try_unload(&self, py: Python<'_>, name: Name) -> PyResult<bool> {
+        let done = detached(py, || self.shared.unload_for(&name, Duration::ZERO))? == Unload::Done;
         if done {
             self.clear_names();
         }
@@ -320,8 +326,8 @@ impl PyLoRARegistry {
     ///
     /// Raises:
     ///     AdapterNotFoundError: the name was never registered.
-    fn begin_unload(&self, py: Python<'_>, name: &str) -> PyResult<Option<u64>> {
-        match detached(py, || self.shared.unload_for(name, Duration::ZERO))? {
+    fn begin_unload(&self, py: Python<'_>, name: Name) -> PyResult<Option<u64>> {
+        match detached(py, || self.shared.unload_for(&name, Duration::ZERO))? {
             Unload::Done => {
                 self.clear_names();
                 Ok(None)
@@ -422,8 +428,8 @@ impl PyLoRARegistry {
     ///     AdapterNotFoundError: the name is not registered, being unloaded, or registered again
     ///         since (another serial).
     ///     CapacityError: the host tier cannot make room (nothing was evicted).
-    fn enter_host_tier(&self, py: Python<'_>, name: &str, serial: u64) -> PyResult<Vec<String>> {
-        detached(py, || self.shared.lock().enter_host_tier(name, serial))
+    fn enter_host_tier(&self, py: Python<'_>, name: Name, serial: u64) -> PyResult<Vec<String>> {
+        detached(py, || self.shared.lock().enter_host_tier(&name, serial))
     }
 
     /// Reports load `index` (into the step's `loads`) of the open step `ticket`: done (`ok`) or
@@ -482,11 +488,11 @@ impl PyLoRARegistry {
     /// Raises:
     ///     AdapterNotFoundError: the name is unknown.
     ///     UsageError: no load of it is pending, or it belongs to the open step transaction.
-    fn load_done(&self, py: Python<'_>, name: &str) -> PyResult<()> {
+    fn load_done(&self, py: Python<'_>, name: Name) -> PyResult<()> {
         if let Some(mut reg) = self.shared.try_lock() {
-            return shielded(py, || reg.load_done(name).map_err(PyErr::from));
+            return shielded(py, || reg.load_done(&name).map_err(PyErr::from));
         }
-        detached(py, || self.shared.lock().load_done(name))
+        detached(py, || self.shared.lock().load_done(&name))
     }
 
     /// Reports a load `plan` planned failed: the adapter leaves its slot (and the host tier, if the
@@ -495,8 +501,8 @@ impl PyLoRARegistry {
     /// Raises:
     ///     AdapterNotFoundError: the name is unknown.
     ///     UsageError: no load of it is pending, or it belongs to the open step transaction.
-    fn load_failed(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        detached(py, || self.shared.lock().load_failed(name))
+    fn load_failed(&self, py: Python<'_>, name: Name) -> PyResult<()> {
+        detached(py, || self.shared.lock().load_failed(&name))
     }
 
     /// Empties `slots` in the registry's view: each occupant leaves its slot and is loaded again on
@@ -513,24 +519,24 @@ impl PyLoRARegistry {
     ///
     /// Raises:
     ///     AdapterNotFoundError: the name is unknown.
-    fn serial(&self, py: Python<'_>, name: &str) -> PyResult<u64> {
-        detached(py, || self.shared.lock().serial(name))
+    fn serial(&self, py: Python<'_>, name: Name) -> PyResult<u64> {
+        detached(py, || self.shared.lock().serial(&name))
     }
 
     /// The ref registered under `name` (also while it is being unloaded); `pinned` is the current state.
     ///
     /// Raises:
     ///     AdapterNotFoundError: the name is unknown.
-    fn lora_ref(&self, py: Python<'_>, name: &str) -> PyResult<PyLoRARef> {
-        Ok(PyLoRARef(detached(py, || self.shared.lock().lora_ref(name))?))
+    fn lora_ref(&self, py: Python<'_>, name: Name) -> PyResult<PyLoRARef> {
+        Ok(PyLoRARef(detached(py, || self.shared.lock().lora_ref(&name))?))
     }
 
     /// Requests in flight for `name` (also while it is being unloaded).
     ///
     /// Raises:
     ///     AdapterNotFoundError: the name is unknown.
-    fn in_flight(&self, py: Python<'_>, name: &str) -> PyResult<u64> {
-        detached(py, || self.shared.lock().in_flight(name))
+    fn in_flight(&self, py: Python<'_>, name: Name) -> PyResult<u64> {
+        detached(py, || self.shared.lock().in_flight(&name))
     }
 
     /// Counters per tier (hits, misses, loads, evictions, refusals), what is resident and pinned in
@@ -556,8 +562,8 @@ impl PyLoRARegistry {
         result.map_err(|e| new_error(py, "LoraPinError", format!("registry invariant broken: {e}")))
     }
 
-    fn __contains__(&self, py: Python<'_>, name: &str) -> PyResult<bool> {
-        detached(py, || Ok(self.shared.lock().contains(name)))
+    fn __contains__(&self, py: Python<'_>, name: Name) -> PyResult<bool> {
+        detached(py, || Ok(self.shared.lock().contains(&name)))
     }
 
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {

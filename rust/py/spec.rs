@@ -4,6 +4,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString};
 use serde_json::{Map, Number, Value};
 
+use super::text::{int_arg, quote, text, type_name};
 use super::{detached, errors::new_error, shielded};
 use crate::spec::{self, Limits, LoRARef, SpecItem};
 
@@ -13,7 +14,8 @@ use crate::spec::{self, Limits, LoRARef, SpecItem};
 /// process derives alike; `LoRARef.new(name, path)` mints a random id for a run-time load.
 ///
 /// Raises:
-///     SpecError: the name or path is empty, or the name holds `=` or a control character.
+///     SpecError: the name or path is empty or holds a lone surrogate, or the name holds `=` or a
+///         control character.
 #[pyclass(frozen, eq, hash, name = "LoRARef", module = "lora_pin")]
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct PyLoRARef(pub LoRARef);
@@ -24,19 +26,21 @@ impl PyLoRARef {
     #[pyo3(signature = (lora_name, lora_path, *, pinned = false, base_model_name = None, lora_id = None))]
     fn py_new(
         py: Python<'_>,
-        lora_name: &str,
-        lora_path: &str,
+        lora_name: &Bound<'_, PyAny>,
+        lora_path: &Bound<'_, PyAny>,
         pinned: bool,
-        base_model_name: Option<String>,
-        lora_id: Option<String>,
+        base_model_name: Option<&Bound<'_, PyAny>>,
+        lora_id: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         shielded(py, || {
-            let mut r = LoRARef::with_deterministic_id(lora_name, lora_path, pinned, base_model_name)?;
-            if let Some(id) = lora_id {
+            let (name, path) = (text(lora_name, "lora_name")?, text(lora_path, "lora_path")?);
+            let base = base_model_name.map(|b| text(b, "base_model_name")).transpose()?;
+            let mut r = LoRARef::with_deterministic_id(&name, &path, pinned, base.map(|b| b.to_string()))?;
+            if let Some(id) = lora_id.map(|id| text(id, "lora_id")).transpose()? {
                 if id.is_empty() {
                     return Err(new_error(py, "SpecError", "lora_id must not be empty".into()));
                 }
-                r.lora_id = id;
+                r.lora_id = id.to_string();
             }
             Ok(Self(r))
         })
@@ -45,11 +49,19 @@ impl PyLoRARef {
     /// A ref with a fresh random id, for an adapter loaded at run time.
     ///
     /// Raises:
-    ///     SpecError: the name or path is invalid.
+    ///     SpecError: the name or path is invalid (or holds a lone surrogate).
     #[staticmethod]
     #[pyo3(signature = (lora_name, lora_path, pinned = false))]
-    fn new(py: Python<'_>, lora_name: &str, lora_path: &str, pinned: bool) -> PyResult<Self> {
-        shielded(py, || Ok(Self(LoRARef::with_random_id(lora_name, lora_path, pinned)?)))
+    fn new(
+        py: Python<'_>,
+        lora_name: &Bound<'_, PyAny>,
+        lora_path: &Bound<'_, PyAny>,
+        pinned: bool,
+    ) -> PyResult<Self> {
+        shielded(py, || {
+            let (name, path) = (text(lora_name, "lora_name")?, text(lora_path, "lora_path")?);
+            Ok(Self(LoRARef::with_random_id(&name, &path, pinned)?))
+        })
     }
 
     /// The adapter's id (32 hex digits).
@@ -125,14 +137,14 @@ impl PyLoRARef {
 ///
 /// Raises:
 ///     SpecError: an item is invalid (the message names its 0-based index and quotes it), two items
-///         share a name, or the limits are inconsistent (the message gives the numbers).
+///         share a name, or the limits are inconsistent or out of range (the message gives the numbers).
 #[pyfunction]
 #[pyo3(signature = (values, *, max_loras_per_batch = None, max_loaded_loras = None))]
 pub fn parse_lora_paths(
     py: Python<'_>,
     values: &Bound<'_, PyAny>,
-    max_loras_per_batch: Option<i64>,
-    max_loaded_loras: Option<i64>,
+    max_loras_per_batch: Option<&Bound<'_, PyAny>>,
+    max_loaded_loras: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Vec<PyLoRARef>> {
     shielded(py, || {
         let limits = limits(py, max_loras_per_batch, max_loaded_loras)?;
@@ -152,8 +164,8 @@ pub fn check_limits(
     py: Python<'_>,
     num_adapters: usize,
     num_pinned: usize,
-    max_loras_per_batch: Option<i64>,
-    max_loaded_loras: Option<i64>,
+    max_loras_per_batch: Option<&Bound<'_, PyAny>>,
+    max_loaded_loras: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     shielded(py, || {
         let limits = limits(py, max_loras_per_batch, max_loaded_loras)?;
@@ -161,9 +173,13 @@ pub fn check_limits(
     })
 }
 
-fn limits(py: Python<'_>, slots: Option<i64>, loaded: Option<i64>) -> PyResult<Limits> {
-    let conv = |what: &str, v: Option<i64>| -> PyResult<Option<usize>> {
-        match v {
+fn limits(
+    py: Python<'_>,
+    slots: Option<&Bound<'_, PyAny>>,
+    loaded: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Limits> {
+    let conv = |what: &str, v: Option<&Bound<'_, PyAny>>| -> PyResult<Option<usize>> {
+        match v.map(|v| int_arg(v, what, 1)).transpose()? {
             None => Ok(None),
             Some(n) if n >= 0 => Ok(Some(n as usize)),
             Some(n) => Err(new_error(py, "SpecError", format!("{what} must be at least 1 (got {n})"))),
@@ -182,17 +198,19 @@ fn spec_items(py: Python<'_>, values: &Bound<'_, PyAny>) -> PyResult<Vec<SpecIte
     if let Ok(dict) = values.cast::<PyDict>() {
         let mut items = Vec::with_capacity(dict.len());
         for (index, (k, v)) in dict.iter().enumerate() {
-            let (Ok(name), Ok(path)) = (k.extract::<String>(), v.extract::<String>()) else {
+            if !k.is_instance_of::<PyString>() || !v.is_instance_of::<PyString>() {
                 return Err(spec_error(
                     py,
                     format!(
                         "item {index} ({}: {}): a {{name: path}} dict needs string keys and values",
-                        k.repr()?,
-                        v.repr()?
+                        quote(&k),
+                        quote(&v)
                     ),
                 ));
-            };
-            items.push(SpecItem::Pair { name, path });
+            }
+            let (name, path) =
+                (text(&k, &format!("item {index}'s name"))?, text(&v, &format!("item {index}'s path"))?);
+            items.push(SpecItem::Pair { name: name.to_string(), path: path.to_string() });
         }
         return Ok(items);
     }
@@ -202,28 +220,28 @@ fn spec_items(py: Python<'_>, values: &Bound<'_, PyAny>) -> PyResult<Vec<SpecIte
             format!(
                 "expected a list of adapter items, a {{name: path}} dict or None, got the single string {}; \
                  wrap it in a list",
-                values.repr()?
+                quote(values)
             ),
         ));
     }
     let iter = values.try_iter().map_err(|_| {
-        let ty = values.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        let ty = type_name(values);
         spec_error(py, format!("expected a list of adapter items, a {{name: path}} dict or None, got {ty}"))
     })?;
     let mut items = Vec::with_capacity(values.len().unwrap_or(0));
     for (index, item) in iter.enumerate() {
         let item = item?;
-        if let Ok(s) = item.cast::<PyString>() {
-            items.push(SpecItem::Text(s.to_str()?.to_owned()));
+        if item.is_instance_of::<PyString>() {
+            items.push(SpecItem::Text(text(&item, &format!("item {index}"))?.to_string()));
         } else if let Ok(d) = item.cast::<PyDict>() {
             items.push(SpecItem::Object(json_object(py, index, d)?));
         } else if let Ok(r) = item.cast::<PyLoRARef>() {
             items.push(SpecItem::Ref(r.get().0.clone()));
         } else {
-            let ty = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+            let ty = type_name(&item);
             return Err(spec_error(
                 py,
-                format!("item {index} ({}): expected a string or a dict, got {ty}", item.repr()?),
+                format!("item {index} ({}): expected a string or a dict, got {ty}", quote(&item)),
             ));
         }
     }
@@ -234,45 +252,46 @@ fn spec_items(py: Python<'_>, values: &Bound<'_, PyAny>) -> PyResult<Vec<SpecIte
 fn json_object(py: Python<'_>, index: usize, d: &Bound<'_, PyDict>) -> PyResult<Map<String, Value>> {
     let mut map = Map::new();
     for (k, v) in d.iter() {
-        let Ok(key) = k.extract::<String>() else {
+        if !k.is_instance_of::<PyString>() {
             return Err(spec_error(
                 py,
-                format!("item {index} ({}): dict keys must be strings, got {}", d.repr()?, k.repr()?),
+                format!("item {index} ({}): dict keys must be strings, got {}", quote(d), quote(&k)),
             ));
-        };
+        }
+        let key = text(&k, &format!("item {index}'s key"))?.to_string();
         let value = if v.is_none() {
             Value::Null
         } else if let Ok(b) = v.cast::<PyBool>() {
             Value::Bool(b.is_true())
-        } else if let Ok(s) = v.cast::<PyString>() {
-            Value::String(s.to_str()?.to_owned())
+        } else if v.is_instance_of::<PyString>() {
+            Value::String(text(&v, &format!("item {index}'s value of {key:?}"))?.to_string())
         } else if v.is_instance_of::<PyInt>() {
             // No spec key takes a number: any one is refused later, with its value quoted, so an int
             // past i64 keeps its magnitude as a float rather than turn into another number.
             match (v.extract::<i64>(), v.extract::<f64>()) {
                 (Ok(i), _) => Value::Number(Number::from(i)),
                 (_, Ok(f)) => Number::from_f64(f).map_or(Value::Null, Value::Number),
-                _ => return Err(bad_value(py, index, d, &key, &v)?),
+                _ => return Err(bad_value(py, index, d, &key, &v)),
             }
         } else if let Ok(f) = v.cast::<PyFloat>() {
             // NaN and infinities have no JSON number: refused here, never taken for null.
             match Number::from_f64(f.value()) {
                 Some(n) => Value::Number(n),
-                None => return Err(bad_value(py, index, d, &key, &v)?),
+                None => return Err(bad_value(py, index, d, &key, &v)),
             }
         } else if v.hasattr("__fspath__")? {
             let os = py.import("os")?;
             match os.call_method1("fspath", (&v,))?.extract::<String>() {
                 Ok(path) => Value::String(path),
-                Err(_) => return Err(bad_value(py, index, d, &key, &v)?),
+                Err(_) => return Err(bad_value(py, index, d, &key, &v)),
             }
         } else {
-            let ty = v.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+            let ty = type_name(&v);
             return Err(spec_error(
                 py,
                 format!(
                     "item {index} ({}): the value of {key:?} has type {ty}, which no spec key takes",
-                    d.repr()?
+                    quote(d)
                 ),
             ));
         };
@@ -281,21 +300,15 @@ fn json_object(py: Python<'_>, index: usize, d: &Bound<'_, PyDict>) -> PyResult<
     Ok(map)
 }
 
-fn bad_value(
-    py: Python<'_>,
-    index: usize,
-    d: &Bound<'_, PyDict>,
-    key: &str,
-    v: &Bound<'_, PyAny>,
-) -> PyResult<PyErr> {
-    Ok(spec_error(
+fn bad_value(py: Python<'_>, index: usize, d: &Bound<'_, PyDict>, key: &str, v: &Bound<'_, PyAny>) -> PyErr {
+    spec_error(
         py,
         format!(
             "item {index} ({}): the value of {key:?} ({}) is not one a spec key takes",
-            d.repr()?,
-            v.repr()?
+            quote(d),
+            quote(v)
         ),
-    ))
+    )
 }
 
 fn spec_error(py: Python<'_>, msg: String) -> PyErr {

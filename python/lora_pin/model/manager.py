@@ -610,6 +610,8 @@ def _checked_names(names: Iterable[str | None]) -> list[str | None]:
 
     Raises:
         UsageError: ``names`` is a str, or an entry is neither (named by its position).
+        SpecError: an entry holds a lone surrogate (``json.loads`` gives one for ``"\ud800"``): it has no
+            UTF-8 encoding, so it can name no adapter or folder.
     """
     if isinstance(names, str):
         raise UsageError(f"names must be a sequence of adapter names, got the str {names!r}")
@@ -617,4 +619,14 @@ def _checked_names(names: Iterable[str | None]) -> list[str | None]:
     for i, n in enumerate(names):
         if n is not None and not isinstance(n, str):
             raise UsageError(f"names[{i}] must be an adapter name (str) or None, got {type(n).__name__}")
+        if n is not None and not n.isascii() and not _is_utf8(n):
+            raise SpecError(f"names[{i}] {n!r} is not valid text: it holds a lone surrogate")
     return names
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -221,8 +221,6 @@ def _build_module(
         for m, r in zip(group.members, slice_ranks, strict=True)
     )
     rank = max(slice_ranks)
-    # Always copied out of the file's memory map: a host tier aliasing the file would change (or crash
-    # with SIGBUS) when the file is rewritten in place while the adapter is being served.
     padded = any(r != rank for r in slice_ranks)
     a = slab.take((group.n_slices * rank, group.in_features), padded)
     b = slab.take((group.out_total, rank), padded)
@@ -280,20 +278,20 @@ def load_adapter(
     """
     if not dtype.is_floating_point:
         raise AdapterLoadError(f"adapter {name!r}: serving dtype must be floating point, got {dtype}")
-    file = open_adapter(
+    with open_adapter(
         name,
         path,
         allowed_roots=allowed_roots,
         allow_pickle=allow_pickle,
         max_file_bytes=max_file_bytes,
         max_tensors=max_tensors,
-    )
-    ranks = _check_against_model(file, targets, max_rank)
-    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-    touched = [g for g in targets.groups if any(m.key in ranks for m in g.members)]
-    slab = _Slab(sum(_group_numel(g, ranks) for g in touched), dtype, pin)
-    modules = {(g.layer, g.name): _build_module(file, g, ranks, slab, pin) for g in touched}
-    file.check_unchanged()
+    ) as file:
+        ranks = _check_against_model(file, targets, max_rank)
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        touched = [g for g in targets.groups if any(m.key in ranks for m in g.members)]
+        slab = _Slab(sum(_group_numel(g, ranks) for g in touched), dtype, pin)
+        modules = {(g.layer, g.name): _build_module(file, g, ranks, slab, pin) for g in touched}
+        file.check_unchanged()
     return HostAdapter(name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks))
 
 

@@ -1,10 +1,15 @@
 """Finding an adapter on disk safely and reading its tensors.
 
-Path containment: with ``allowed_roots``, the adapter path may not contain ``..`` and its real path (and the
-real path of every file read from it) must lie inside the real path of one root, so a symlink pointing out of
-the root is refused. Weights: ``adapter_model.safetensors`` is memory-mapped with ``safe_open`` and only the
-tensors needed are materialised; ``adapter_model.bin`` is a pickle (loading one from an untrusted path runs
-arbitrary code) and is read only with ``allow_pickle=True``, then with ``torch.load(weights_only=True)``.
+Path containment: with ``allowed_roots``, the adapter path may not contain ``..`` and its folder and every
+file read from it must lie inside one root. The folder is opened once and its files relative to it, without
+following a symlink out of the roots (:mod:`lora_pin.weights.folder`), so a symlink swapped in during a
+load cannot redirect a read.
+
+Weights: the header of ``adapter_model.safetensors`` is parsed here and each tensor's bytes are read with
+``pread`` from the descriptor the checks were made on (no memory map: a file truncated while it is read
+gives a short read, refused, never SIGBUS). ``adapter_model.bin`` is a pickle (loading one from an
+untrusted path runs arbitrary code) and is read only with ``allow_pickle=True``, then with
+``torch.load(weights_only=True)`` from the same descriptor.
 
 Untrusted files: the weight file's size and tensor count are checked against limits (see
 :mod:`lora_pin.weights.limits`) before any tensor is read, and the file's identity (inode, size,
@@ -19,14 +24,19 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+import orjson
 import torch
-from safetensors import safe_open
 
 from lora_pin.errors import AdapterLoadError, PathNotAllowedError, UnsafeFormatError
-from lora_pin.weights.config import AdapterConfig, read_adapter_config
-from lora_pin.weights.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TENSORS, check_count, check_file_size
+from lora_pin.weights.config import AdapterConfig
+from lora_pin.weights.folder import AdapterFolder, FolderFile, path_within, real_roots, resolve_folder
+from lora_pin.weights.limits import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_TENSORS,
+    MAX_CONFIG_BYTES,
+    check_count,
+)
 
 __all__ = [
     "AdapterFile",
@@ -38,15 +48,13 @@ __all__ = [
     "resolve_adapter_dir",
 ]
 
+CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
 _PREFIX = "base_model.model."
 _SUFFIXES = {".lora_A.weight": "a", ".lora_B.weight": "b"}
-
-
-def path_within(real: str, roots: list[str]) -> bool:
-    """Whether real path ``real`` is one of ``roots`` (real paths) or lies inside one."""
-    return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
+# The safetensors format's own cap on its JSON header.
+_MAX_HEADER_BYTES = 100_000_000
 
 
 def resolve_adapter_dir(
@@ -58,28 +66,13 @@ def resolve_adapter_dir(
         PathNotAllowedError: ``path`` has a ``..`` component, or its real path is outside every root.
         AdapterLoadError: ``path`` is not a directory.
     """
-    raw = os.fspath(path)
-    real = os.path.realpath(raw)
-    if allowed_roots is not None:
-        roots = [os.path.realpath(os.fspath(r)) for r in allowed_roots]
-        if ".." in Path(raw).parts:
-            raise PathNotAllowedError(
-                f"adapter {name!r}: path {raw!r} contains '..'; refused under allowed_roots"
-            )
-        if not path_within(real, roots):
-            raise PathNotAllowedError(
-                f"adapter {name!r}: path {raw!r} resolves to {real!r}, outside every allowed root {roots}"
-            )
-    if not os.path.isdir(real):
-        raise AdapterLoadError(
-            f"adapter {name!r}: {raw!r} is not a directory (expected a PEFT adapter directory)"
-        )
-    return Path(real)
+    return resolve_folder(name, path, real_roots(allowed_roots))
 
 
 def adapter_dir_for_name(root: str | os.PathLike[str], name: str) -> Path | None:
     """The folder of adapter ``name`` under ``root`` (``root/name``; a name may be nested, ``org/style``),
-    or None when there is no such folder. The real path is checked to stay inside ``root``.
+    or None when there is no such folder. The real path is checked to stay inside ``root``; the adapter is
+    then read with :func:`open_adapter` confined to ``root``.
 
     Raises:
         PathNotAllowedError: ``name`` is empty, absolute, has an empty, ``.`` or ``..`` component, a
@@ -115,12 +108,23 @@ class LoraTensorPair:
     b_shape: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class _Stored:
+    """Where one tensor's bytes lie in a safetensors file (offsets from the file's start)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
 @dataclass
 class AdapterFile:
-    """An opened adapter: its config, its weight file and the LoRA pairs found in it, not yet read.
+    """An opened adapter: its config, its weight file (open) and the LoRA pairs found in it, not yet read.
 
     ``pairs`` maps module keys (relative to the base model) to tensor names; ``unused`` lists every tensor
     name that is not a complete ``lora_A``/``lora_B`` pair. Tensors are read on demand with :meth:`tensor`.
+    Close it (or use ``with``) when done: it holds the folder's and the weight file's descriptors.
     """
 
     name: str
@@ -130,15 +134,23 @@ class AdapterFile:
     dtype: torch.dtype
     pairs: dict[str, LoraTensorPair]
     unused: list[str]
-    _safetensors: Any = field(default=None, repr=False)
+    _folder: AdapterFolder = field(repr=False)
+    _weights: FolderFile = field(repr=False)
+    _stored: dict[str, _Stored] = field(default_factory=dict, repr=False)
     _loaded: dict[str, torch.Tensor] | None = field(default=None, repr=False)
-    _stamp: tuple[int, int, int, int] | None = field(default=None, repr=False)
 
     def tensor(self, tensor_name: str) -> torch.Tensor:
-        """One stored tensor, as stored (dtype and layout of the file)."""
+        """One stored tensor, as stored (dtype and shape of the file), in fresh CPU memory.
+
+        Raises:
+            AdapterLoadError: the file ended before the tensor's last byte (truncated while it was read).
+        """
         if self._loaded is not None:
             return self._loaded[tensor_name]
-        return self._safetensors.get_tensor(tensor_name)
+        stored = self._stored[tensor_name]
+        raw = torch.empty(stored.end - stored.begin, dtype=torch.uint8)
+        _pread_into(self, raw.numpy().data, stored.begin)
+        return raw.view(_SAFETENSORS_DTYPES[stored.dtype]).view(stored.shape)
 
     def check_unchanged(self) -> None:
         """Refuse the adapter if its weight file was replaced or rewritten since it was opened.
@@ -147,26 +159,25 @@ class AdapterFile:
 
         Raises:
             AdapterLoadError: the file's inode, size, modification or change time differs from when it
-                was opened, or it is gone.
+                was opened (on its descriptor or under its name), or it is gone.
         """
-        try:
-            now = _stamp(self.weights_path)
-        except OSError as exc:
-            raise AdapterLoadError(
-                f"adapter {self.name!r} ({self.weights_path}): the file vanished while it was read: {exc}"
-            ) from None
-        if now != self._stamp:
-            raise AdapterLoadError(
-                f"adapter {self.name!r} ({self.weights_path}): the file changed while it was read "
-                f"(inode, size, mtime_ns, ctime_ns {self._stamp} -> {now}); write adapters elsewhere and "
-                "rename them into place"
-            )
+        self._folder.check_unchanged(self._weights)
 
     @property
     def file_bytes(self) -> int:
         """Bytes of the LoRA tensors in the file (A and B of every pair, at the stored dtype)."""
         size = torch.empty((), dtype=self.dtype).element_size()
         return sum((_numel(p.a_shape) + _numel(p.b_shape)) * size for p in self.pairs.values())
+
+    def close(self) -> None:
+        """Close the weight file and the folder (idempotent); :meth:`tensor` cannot read afterwards."""
+        self._folder.close()
+
+    def __enter__(self) -> AdapterFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -176,118 +187,158 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def _stamp(path: Path) -> tuple[int, int, int, int]:
-    stat = os.stat(path)
-    # ctime as well: a writer can put mtime back (os.utime), but not the change time.
-    return stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+def _pread_into(file: AdapterFile, out: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(out):
+        try:
+            got = os.preadv(file._weights.fd, [out[done:]], offset + done)
+        except OSError as exc:
+            raise AdapterLoadError(
+                f"adapter {file.name!r} ({file.weights_path}): cannot read: {exc}"
+            ) from None
+        if got == 0:
+            raise AdapterLoadError(
+                f"adapter {file.name!r} ({file.weights_path}): the file changed while it was read (it ends "
+                f"at byte {offset + done}, before the tensor's end at {offset + len(out)})"
+            )
+        done += got
 
 
-def _checked_file(name: str, path: Path, roots: list[str] | None) -> Path:
-    real = os.path.realpath(path)
-    if roots is not None and not path_within(real, roots):
-        raise PathNotAllowedError(
-            f"adapter {name!r}: {path} resolves to {real!r}, outside every allowed root {roots}"
+def _read_upto(fd: int, count: int) -> bytes:
+    chunks, total = [], 0
+    while total < count:
+        chunk = os.pread(fd, count - total, total)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
+
+
+def _read_config(folder: AdapterFolder) -> AdapterConfig:
+    """The folder's ``adapter_config.json``, read from its descriptor and validated."""
+    name = folder.name
+    file = folder.open_file(CONFIG_NAME, limit=MAX_CONFIG_BYTES, what="MAX_CONFIG_BYTES")
+    if file is None:
+        raise AdapterLoadError(
+            f"adapter {name!r}: {folder.path / CONFIG_NAME} does not exist; not a PEFT adapter directory"
         )
-    return Path(real)
+    try:
+        raw = _read_upto(file.fd, MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise AdapterLoadError(f"adapter {name!r} ({file.path}): cannot read the config: {exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        # The file grew after it was measured: still never read more than the limit.
+        raise AdapterLoadError(
+            f"adapter {name!r} ({file.path}): file is above the limit MAX_CONFIG_BYTES={MAX_CONFIG_BYTES}"
+        )
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise AdapterLoadError(f"adapter {name!r} ({file.path}): not valid JSON: {exc}") from None
+    return AdapterConfig.from_mapping(name, str(file.path), data)
 
 
 def read_contained_config(
     name: str, path: str | os.PathLike[str], allowed_roots: Iterable[str | os.PathLike[str]] | None = None
 ) -> AdapterConfig:
-    """The config of the adapter at ``path``, its folder and ``adapter_config.json`` both checked against
-    ``allowed_roots`` (as :func:`open_adapter` checks them) before a byte is read.
+    """The config of the adapter at ``path``, read as :func:`open_adapter` reads it (the folder and
+    ``adapter_config.json`` confined to ``allowed_roots`` by construction).
 
     Raises:
         PathNotAllowedError: the folder or the config resolves outside every root.
-        AdapterLoadError: as :func:`~lora_pin.weights.config.read_adapter_config`.
+        AdapterLoadError: the config is missing, not a regular file, above
+            :data:`~lora_pin.weights.limits.MAX_CONFIG_BYTES`, not JSON or refused (see
+            :meth:`~lora_pin.weights.config.AdapterConfig.from_mapping`).
     """
-    roots = None if allowed_roots is None else [os.path.realpath(os.fspath(r)) for r in allowed_roots]
-    directory = resolve_adapter_dir(name, path, roots)
-    _checked_file(name, directory / "adapter_config.json", roots)
-    return read_adapter_config(name, directory)
+    with AdapterFolder.open(name, path, real_roots(allowed_roots)) as folder:
+        return _read_config(folder)
 
 
-def open_adapter(
-    name: str,
-    path: str | os.PathLike[str],
-    *,
-    allowed_roots: Iterable[str | os.PathLike[str]] | None = None,
-    allow_pickle: bool = False,
-    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-    max_tensors: int = DEFAULT_MAX_TENSORS,
-) -> AdapterFile:
-    """Resolve, read the config of and index the weights of the adapter at ``path``; no tensor is read yet.
+def _header_error(name: str, file: FolderFile, why: str) -> AdapterLoadError:
+    return AdapterLoadError(f"adapter {name!r} ({file.path}): cannot read safetensors: {why}")
 
-    Raises:
-        PathNotAllowedError: the directory or a file in it resolves outside ``allowed_roots``.
-        UnsafeFormatError: only ``adapter_model.bin`` exists and ``allow_pickle`` is False.
-        AdapterLoadError: the config is refused, there is no weight file, the file cannot be read, is larger
-            than ``max_file_bytes`` or holds more than ``max_tensors`` tensors, tensors have mixed dtypes or
-            are not 2-D.
-    """
-    roots = None if allowed_roots is None else [os.path.realpath(os.fspath(r)) for r in allowed_roots]
-    directory = resolve_adapter_dir(name, path, roots)
-    _checked_file(name, directory / "adapter_config.json", roots)
-    config = read_adapter_config(name, directory)
 
-    shapes: dict[str, tuple[int, ...]] = {}
-    dtypes: dict[str, torch.dtype | str] = {}
-    handle: Any = None
-    loaded: dict[str, torch.Tensor] | None = None
-    safetensors_path = directory / SAFETENSORS_NAME
-    pickle_path = directory / PICKLE_NAME
-    if safetensors_path.exists():
-        weights_path = _checked_file(name, safetensors_path, roots)
-        check_file_size(name, weights_path, max_file_bytes, "max_file_bytes")
-        try:
-            stamp = _stamp(weights_path)
-            handle = safe_open(str(weights_path), framework="pt")
-            keys = handle.keys()
-            check_count(name, weights_path, len(keys), max_tensors)
-            for key in keys:
-                tensor_slice = handle.get_slice(key)
-                shapes[key] = tuple(tensor_slice.get_shape())
-                stored = tensor_slice.get_dtype()
-                dtypes[key] = _SAFETENSORS_DTYPES.get(stored, stored)
-        except AdapterLoadError:
-            raise
-        except Exception as exc:  # safetensors raises its own SafetensorError and OSErrors
-            raise AdapterLoadError(
-                f"adapter {name!r} ({weights_path}): cannot read safetensors: {exc}"
-            ) from None
-    elif pickle_path.exists():
-        weights_path = _checked_file(name, pickle_path, roots)
-        if not allow_pickle:
-            raise UnsafeFormatError(
-                f"adapter {name!r} ({weights_path}): weights are a pickle (adapter_model.bin); unpickling a "
-                "file from an untrusted path can run arbitrary code. Convert it to adapter_model.safetensors "
-                "or pass allow_pickle=True to load it with torch.load(weights_only=True)"
-            )
-        check_file_size(name, weights_path, max_file_bytes, "max_file_bytes")
-        try:
-            stamp = _stamp(weights_path)
-            state = torch.load(str(weights_path), map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:  # torch.load raises UnpicklingError, RuntimeError, OSError ...
-            raise AdapterLoadError(
-                f"adapter {name!r} ({weights_path}): cannot load with weights_only: {exc}"
-            ) from None
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise AdapterLoadError(f"adapter {name!r} ({weights_path}): expected a dict of tensors")
-        odd = [k for k, v in state.items() if v.layout != torch.strided or v.device.type != "cpu"]
-        if odd:
-            raise AdapterLoadError(
-                f"adapter {name!r} ({weights_path}): tensor(s) {sorted(map(str, odd))[:4]} are not dense "
-                "CPU tensors (sparse, meta or on a device)"
-            )
-        check_count(name, weights_path, len(state), max_tensors)
-        loaded = {str(k): v for k, v in state.items()}
-        shapes = {k: tuple(v.shape) for k, v in loaded.items()}
-        dtypes = {k: v.dtype for k, v in loaded.items()}
-    else:
-        raise AdapterLoadError(
-            f"adapter {name!r} ({directory}): no {SAFETENSORS_NAME} (or {PICKLE_NAME}) found"
+def _index_safetensors(name: str, file: FolderFile, max_tensors: int) -> dict[str, _Stored]:
+    """Every tensor's dtype, shape and byte range from the header, checked as the safetensors format
+    requires (known dtype, byte length = elements x element size, ranges back to back covering the data)."""
+    size = file.stamp[1]
+    try:
+        prefix = os.pread(file.fd, 8, 0)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if length < 0 or length > _MAX_HEADER_BYTES or 8 + length > size:
+            raise _header_error(name, file, f"header length {length} does not fit the file's {size} bytes")
+        header = orjson.loads(_read_upto(file.fd, 8 + length)[8:])
+    except orjson.JSONDecodeError as exc:
+        raise _header_error(name, file, f"the header is not JSON: {exc}") from None
+    except OSError as exc:
+        raise _header_error(name, file, str(exc)) from None
+    if not isinstance(header, dict):
+        raise _header_error(name, file, "the header is not a JSON object")
+    header.pop("__metadata__", None)
+    check_count(name, file.path, len(header), max_tensors)
+    stored = {key: _stored_entry(name, file, key, entry) for key, entry in header.items()}
+    position = 0
+    for key, entry in sorted(stored.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if entry.begin != position:
+            raise _header_error(name, file, f"tensor {key!r} starts at {entry.begin}, expected {position}")
+        position = entry.end
+    if position != size - 8 - length:
+        raise _header_error(name, file, f"tensors cover {position} bytes of {size - 8 - length}")
+    # Offsets as positions in the file, for pread.
+    return {k: _Stored(e.dtype, e.shape, e.begin + 8 + length, e.end + 8 + length) for k, e in stored.items()}
+
+
+def _stored_entry(name: str, file: FolderFile, key: str, entry: object) -> _Stored:
+    if not isinstance(entry, dict):
+        raise _header_error(name, file, f"tensor {key!r}: expected an object, got {entry!r:.80}")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _DTYPE_SIZES:
+        raise _header_error(name, file, f"tensor {key!r}: unknown dtype {dtype!r:.40}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise _header_error(name, file, f"tensor {key!r}: shape {shape!r:.80} is not a list of sizes")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise _header_error(name, file, f"tensor {key!r}: data_offsets {offsets!r:.80} are not [begin, end]")
+    if _numel(tuple(shape)) * _DTYPE_SIZES[dtype] != offsets[1] - offsets[0]:
+        raise _header_error(
+            name,
+            file,
+            f"tensor {key!r}: {offsets[1] - offsets[0]} bytes do not hold shape {shape} of {dtype}",
         )
+    return _Stored(dtype, tuple(shape), offsets[0], offsets[1])
 
+
+def _load_pickle(name: str, file: FolderFile, max_tensors: int) -> dict[str, torch.Tensor]:
+    try:
+        with open(file.fd, "rb", closefd=False) as handle:
+            state = torch.load(handle, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load raises UnpicklingError, RuntimeError, OSError ...
+        raise AdapterLoadError(
+            f"adapter {name!r} ({file.path}): cannot load with weights_only: {exc}"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise AdapterLoadError(f"adapter {name!r} ({file.path}): expected a dict of tensors")
+    odd = [k for k, v in state.items() if v.layout != torch.strided or v.device.type != "cpu"]
+    if odd:
+        raise AdapterLoadError(
+            f"adapter {name!r} ({file.path}): tensor(s) {sorted(map(str, odd))[:4]} are not dense "
+            "CPU tensors (sparse, meta or on a device)"
+        )
+    check_count(name, file.path, len(state), max_tensors)
+    # detach: an nn.Parameter (what saving a module's parameters gives) or a tensor requiring grad
+    # would make the host tier's copies part of an autograd graph.
+    return {str(k): v.detach() for k, v in state.items()}
+
+
+def _pair_tensors(
+    name: str, where: Path, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype | str]
+) -> tuple[dict[str, LoraTensorPair], list[str], torch.dtype]:
+    """The complete lora_A/lora_B pairs by module key, the unused tensor names, and the pairs' dtype."""
     halves: dict[str, dict[str, str]] = {}
     unused: list[str] = []
     for key in shapes:
@@ -309,25 +360,109 @@ def open_adapter(
         for tensor_name, shape in ((found["a"], a_shape), (found["b"], b_shape)):
             if len(shape) != 2:
                 raise AdapterLoadError(
-                    f"adapter {name!r} ({weights_path}): tensor {tensor_name!r} has shape {list(shape)}, "
+                    f"adapter {name!r} ({where}): tensor {tensor_name!r} has shape {list(shape)}, "
                     "expected 2-D"
                 )
         pairs[module_key] = LoraTensorPair(module_key, found["a"], found["b"], a_shape, b_shape)
     pair_dtypes = {dtypes[n] for p in pairs.values() for n in (p.a_name, p.b_name)}
     if len(pair_dtypes) > 1:
         raise AdapterLoadError(
-            f"adapter {name!r} ({weights_path}): LoRA tensors have mixed dtypes "
-            f"{sorted(map(str, pair_dtypes))}"
+            f"adapter {name!r} ({where}): LoRA tensors have mixed dtypes {sorted(map(str, pair_dtypes))}"
         )
     dtype = pair_dtypes.pop() if pair_dtypes else torch.float32
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise AdapterLoadError(
-            f"adapter {name!r} ({weights_path}): LoRA tensors have non-float dtype {dtype}"
+        raise AdapterLoadError(f"adapter {name!r} ({where}): LoRA tensors have non-float dtype {dtype}")
+    return pairs, sorted(unused), dtype
+
+
+def open_adapter(
+    name: str,
+    path: str | os.PathLike[str],
+    *,
+    allowed_roots: Iterable[str | os.PathLike[str]] | None = None,
+    allow_pickle: bool = False,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_tensors: int = DEFAULT_MAX_TENSORS,
+) -> AdapterFile:
+    """Open, read the config of and index the weights of the adapter at ``path``; no tensor is read yet.
+
+    The result holds open descriptors: close it (``with open_adapter(...) as file:``).
+
+    Raises:
+        PathNotAllowedError: the directory or a file in it resolves outside ``allowed_roots``.
+        UnsafeFormatError: only ``adapter_model.bin`` exists and ``allow_pickle`` is False.
+        AdapterLoadError: the config is refused, there is no weight file, a file is not a regular file or
+            cannot be read, the weight file is larger than ``max_file_bytes``, holds more than
+            ``max_tensors`` tensors or is not valid safetensors, tensors have mixed dtypes or are not 2-D.
+    """
+    folder = AdapterFolder.open(name, path, real_roots(allowed_roots))
+    try:
+        config = _read_config(folder)
+        return _open_weights(folder, config, allow_pickle, max_file_bytes, max_tensors)
+    except BaseException:
+        folder.close()
+        raise
+
+
+def _open_weights(
+    folder: AdapterFolder, config: AdapterConfig, allow_pickle: bool, max_file_bytes: int, max_tensors: int
+) -> AdapterFile:
+    name = folder.name
+    stored: dict[str, _Stored] = {}
+    loaded: dict[str, torch.Tensor] | None = None
+    file = folder.open_file(SAFETENSORS_NAME, limit=max_file_bytes, what="max_file_bytes")
+    if file is not None:
+        stored = _index_safetensors(name, file, max_tensors)
+        shapes = {k: s.shape for k, s in stored.items()}
+        dtypes: dict[str, torch.dtype | str] = {
+            k: _SAFETENSORS_DTYPES.get(s.dtype, s.dtype) for k, s in stored.items()
+        }
+    elif allow_pickle:
+        file = folder.open_file(PICKLE_NAME, limit=max_file_bytes, what="max_file_bytes")
+        if file is None:
+            raise AdapterLoadError(
+                f"adapter {name!r} ({folder.path}): no {SAFETENSORS_NAME} (or {PICKLE_NAME}) found"
+            )
+        loaded = _load_pickle(name, file, max_tensors)
+        shapes = {k: tuple(v.shape) for k, v in loaded.items()}
+        dtypes = {k: v.dtype for k, v in loaded.items()}
+    elif os.path.lexists(folder.path / PICKLE_NAME):
+        raise UnsafeFormatError(
+            f"adapter {name!r} ({folder.path / PICKLE_NAME}): weights are a pickle (adapter_model.bin); "
+            "unpickling a file from an untrusted path can run arbitrary code. Convert it to "
+            "adapter_model.safetensors or pass allow_pickle=True to load it with "
+            "torch.load(weights_only=True)"
         )
+    else:
+        raise AdapterLoadError(
+            f"adapter {name!r} ({folder.path}): no {SAFETENSORS_NAME} (or {PICKLE_NAME}) found"
+        )
+    pairs, unused, dtype = _pair_tensors(name, file.path, shapes, dtypes)
     return AdapterFile(
-        name, directory, config, weights_path, dtype, pairs, sorted(unused), handle, loaded, stamp
+        name, folder.path, config, file.path, dtype, pairs, unused, folder, file, stored, loaded
     )
 
+
+# Element sizes of every dtype the safetensors format names; the float ones map to torch below.
+_DTYPE_SIZES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}
 
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,

@@ -235,10 +235,15 @@ impl Reader<'_> {
             Some(&miss) => miss,
             None => {
                 let item = item.to_owned();
-                let name: PyBackedStr = item.extract().map_err(|_| {
+                if !item.is_instance_of::<PyString>() {
                     let what = type_name(&item);
-                    usage(py, format!("names[{i}] must be an adapter name (str) or None, got {what}"))
-                })?;
+                    return Err(usage(
+                        py,
+                        format!("names[{i}] must be an adapter name (str) or None, got {what}"),
+                    ));
+                }
+                // A lone surrogate (JSON's "\ud800") is bad input, not bad usage.
+                let name = crate::py::text::text(&item, &format!("names[{i}]"))?;
                 requests.misses.push(name);
                 let miss = (requests.misses.len() - 1) as u32;
                 self.seen.insert(address, miss);
