@@ -29,9 +29,11 @@ class StepSegments:
     - *packed* (``segments`` set): the layers see ``[T, in]`` inputs whose rows are the step's tokens, in
       the order the planner's segment arrays index; rows past them (padding to a CUDA-graph size, say)
       get no adapter, so a deferred request's tokens must not be fed;
-    - *per sequence* (``sequence_slots`` set): the layers see ``[B, L, in]`` (or ``[B * L, in]``) inputs
-      with one slot per sequence; segments are derived for each ``L`` met (prefill, then decode steps)
-      and cached.
+    - *per sequence* (``sequence_slots`` set, and the planner's one-token ``segments``): the layers see
+      ``[B, L, in]`` (or ``[B * L, in]``) inputs with one slot per sequence. One-token inputs use the
+      planner's segments; for ``L`` tokens each adapter sequence's ``L`` rows are cut into segments of at
+      most ``chunk_size`` rows by arithmetic on the sequences the step built when it began (no sort and
+      no data-dependent shape in the forward, so ``torch.compile(fullgraph=True)`` traces it).
 
     ``any_adapter`` is False when every row is base-model only: the layers then skip the ops entirely.
     """
@@ -41,6 +43,16 @@ class StepSegments:
     chunk_size: int | None = None
     any_adapter: bool = True
     _by_length: dict[int, SegmentBatch] = field(default_factory=dict)
+    # Per sequence: the adapter sequences (int64 [N1], grouped by slot) and their slots (int32 [N1]).
+    _adapter_sequences: torch.Tensor | None = None
+    _adapter_slots: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.sequence_slots is not None and self.segments is not None:
+            # The planner's one-token segments list the adapter sequences grouped by slot.
+            self._adapter_sequences = self.segments.perm
+            self._adapter_slots = self.sequence_slots.index_select(0, self.segments.perm).to(torch.int32)
+            self._by_length[1] = self.segments
 
     def for_input(self, x: torch.Tensor) -> SegmentBatch:
         """The segments for layer input ``x`` (``[T, in]`` packed, ``[B, L, in]`` per sequence).
@@ -50,9 +62,9 @@ class StepSegments:
                 ``B``) are not a multiple of the step's sequences. A multiple is taken for that many
                 contiguous copies of each sequence, as beam search makes.
         """
-        if self.segments is not None:
+        if self.sequence_slots is None:
+            assert self.segments is not None
             return self.segments
-        assert self.sequence_slots is not None
         batch = self.sequence_slots.shape[0]
         rows = x.numel() // x.shape[-1]
         if rows % batch or (x.dim() == 3 and x.shape[0] % batch):
@@ -63,10 +75,29 @@ class StepSegments:
         length = rows // batch
         cached = self._by_length.get(length)
         if cached is None:
-            token_slots = torch.repeat_interleave(self.sequence_slots, length)
-            cached = segments_from_slots(token_slots, self.chunk_size)
+            cached = self._segments_of_length(length)
             self._by_length[length] = cached
         return cached
+
+    def _segments_of_length(self, length: int) -> SegmentBatch:
+        """Segments for ``length`` rows per sequence: each adapter sequence's rows, cut into chunks."""
+        if self._adapter_sequences is None or self._adapter_slots is None:
+            assert self.sequence_slots is not None
+            token_slots = torch.repeat_interleave(self.sequence_slots, length)
+            return segments_from_slots(token_slots, self.chunk_size)
+        sequences, slots = self._adapter_sequences, self._adapter_slots
+        device = sequences.device
+        chunk = length if self.chunk_size is None else min(self.chunk_size, length)
+        per_sequence = -(-length // chunk)
+        rows = torch.arange(length, device=device)
+        perm = (sequences.unsqueeze(1) * length + rows).reshape(-1)
+        starts = torch.arange(per_sequence, device=device, dtype=torch.int32) * chunk
+        firsts = torch.arange(sequences.shape[0], device=device, dtype=torch.int32).unsqueeze(1) * length
+        body = (firsts + starts).reshape(-1)
+        total = torch.full((1,), sequences.shape[0] * length, device=device, dtype=torch.int32)
+        seg_indptr = torch.cat([body, total])
+        seg_slots = slots.repeat_interleave(per_sequence)
+        return SegmentBatch(perm, seg_indptr, seg_slots)
 
 
 class LoRALinear(torch.nn.Module):

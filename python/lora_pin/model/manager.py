@@ -568,11 +568,14 @@ class LoRAManager:
         )
         any_adapter = segments.perm.numel() > 0
         if per_sequence:
+            # The plan was made with one token per sequence: its segments serve decode inputs, and the
+            # segments of longer inputs are derived from them.
             active = StepSegments(
-                sequence_slots=request_slots.long(), chunk_size=self.chunk_size, any_adapter=any_adapter
+                segments,
+                sequence_slots=request_slots.long(),
+                chunk_size=self.chunk_size,
+                any_adapter=any_adapter,
             )
-            # The plan was made with one token per sequence: its segments already serve decode inputs.
-            active._by_length[1] = segments
         else:
             active = StepSegments(segments=segments, any_adapter=any_adapter)
         step = Step(
