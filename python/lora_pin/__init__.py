@@ -47,6 +47,7 @@ from lora_pin.unloading import unload_async
 if TYPE_CHECKING:
     from lora_pin.model import LoRAManager, Step
     from lora_pin.weights import AdapterConfig, DevicePool, HostAdapter, HostTier, LoRATargets, load_adapter
+    from lora_pin.weights.targets import register_linear
 
 # Names whose modules import torch load on first use: `import lora_pin` and `lora-pin parse` stay fast.
 _LAZY = {
@@ -58,6 +59,7 @@ _LAZY = {
     "HostTier": "lora_pin.weights",
     "LoRATargets": "lora_pin.weights",
     "load_adapter": "lora_pin.weights",
+    "register_linear": "lora_pin.weights.targets",
 }
 
 
@@ -105,6 +107,7 @@ __all__ = [
     "lora_config_from_args",
     "lora_config_from_vllm_args",
     "parse_lora_paths",
+    "register_linear",
     "simulate",
     "unload_async",
 ]

@@ -10,7 +10,7 @@ from lora_pin.errors import SpecError
 from lora_pin.model.layers import LoRALinear, StepSegments
 from lora_pin.weights import FUSED_GROUPS, DevicePool, GroupBuffers, LinearTarget, LoRATargets
 from lora_pin.weights.config import layer_index
-from lora_pin.weights.targets import linear_features
+from lora_pin.weights.targets import linear_features, linear_kind, overrides_linear_forward
 
 __all__ = ["attach", "detach", "model_targets"]
 
@@ -44,9 +44,18 @@ def model_targets(
                 "per model: a second would wrap the first's wrappers)"
             )
         parent, _, name = key.rpartition(".")
-        features = linear_features(module)
         index = layer_index(key)
-        if features is None or index is None:
+        if index is None:
+            continue
+        if modules is not None and name in modules and overrides_linear_forward(module):
+            raise SpecError(
+                f"{key!r} ({type(module).__name__}) subclasses a linear layer but overrides its forward, so "
+                "its output may not be a tensor (a router returning a tuple, say): it cannot be wrapped. "
+                "Leave it out of lora_target_modules, or teach lora_pin its output with "
+                "lora_pin.register_linear(cls, returns_bias=...) if it is a linear layer"
+            )
+        features = linear_features(module)
+        if features is None:
             continue
         if name in fused:
             spec = list(fused[name])
@@ -106,7 +115,10 @@ def attach(
         key = module_of[(group.layer, group.name)]
         a, b, ranks, scalings, _ = pool.buffers(group.layer, group.name)
         original = model.get_submodule(key)
-        _set(model, key, LoRALinear(original, GroupBuffers(group, a, b, ranks, scalings), active_step))
+        kind = linear_kind(original)
+        returns_bias = kind is not None and kind.returns_bias
+        buffers = GroupBuffers(group, a, b, ranks, scalings)
+        _set(model, key, LoRALinear(original, buffers, active_step, returns_bias=returns_bias))
         originals[key] = original
     return originals
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -112,6 +113,11 @@ class LoRALinear(torch.nn.Module):
             ``buffers.group.out_total``.
         buffers: the device pool's buffers of this layer's group.
         active_step: returns the active :class:`StepSegments`, or None outside a step.
+        returns_bias: ``base_layer`` returns ``(out, bias)`` (see :func:`lora_pin.register_linear`); the
+            wrapper then returns the same pair, the delta added to ``out``.
+
+    Attributes the wrapper does not have itself (``weight``, ``bias``, ``in_features`` ...) are the base
+    layer's, so model code that reads them directly (Mamba reads ``dt_proj.weight``) keeps working.
     """
 
     def __init__(
@@ -119,9 +125,12 @@ class LoRALinear(torch.nn.Module):
         base_layer: torch.nn.Module,
         buffers: GroupBuffers,
         active_step: Callable[[], StepSegments | None],
+        *,
+        returns_bias: bool = False,
     ) -> None:
         super().__init__()
         self.base_layer = base_layer
+        self._returns_bias = returns_bias
         self._pool_buffers = buffers
         self._active_step = active_step
         self._n_slices = buffers.group.n_slices
@@ -129,12 +138,23 @@ class LoRALinear(torch.nn.Module):
         # identity, which is safe because the entry holds the segments it was made from.
         self._meta: tuple[SegmentBatch, KernelMeta] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., in] -> [..., out_total]``: the base output plus the step's adapter deltas, in place."""
-        out = self.base_layer(x)
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            base = self.__dict__["_modules"].get("base_layer")
+            if base is None:
+                raise
+            return getattr(base, name)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        """``[..., in] -> [..., out_total]``: the base output plus the step's adapter deltas, in place (for a
+        layer returning ``(out, bias)``, the same pair with the deltas in ``out``)."""
+        result = self.base_layer(x)
+        out = result[0] if self._returns_bias else result
         step = self._active_step()
         if step is None or not step.any_adapter:
-            return out
+            return result
         seg = step.for_input(x)
         buf = self._pool_buffers
         if x.dtype != buf.a.dtype:
@@ -151,7 +171,7 @@ class LoRALinear(torch.nn.Module):
             self._meta = (seg, meta)
         flat_out = out.view(-1, out.shape[-1])
         expand(flat_out, shrink(x.reshape(-1, x.shape[-1]), buf.a, meta), buf.b, meta)
-        return out
+        return result
 
     def extra_repr(self) -> str:
         group = self._pool_buffers.group

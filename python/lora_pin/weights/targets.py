@@ -9,7 +9,7 @@ and the device pool store one A and one B per (layer, group).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +17,16 @@ import torch
 from lora_pin.errors import SpecError
 from lora_pin.weights.config import layer_index
 
-__all__ = ["DEFAULT_TARGET_MODULES", "FUSED_GROUPS", "LinearTarget", "LoRATargets", "TargetGroup"]
+__all__ = [
+    "DEFAULT_TARGET_MODULES",
+    "FUSED_GROUPS",
+    "LinearKind",
+    "LinearTarget",
+    "LoRATargets",
+    "TargetGroup",
+    "linear_kind",
+    "register_linear",
+]
 
 DEFAULT_TARGET_MODULES: tuple[str, ...] = (
     "q_proj",
@@ -81,19 +90,98 @@ class TargetGroup:
         return tuple(offsets)
 
 
-def linear_features(module: torch.nn.Module) -> tuple[int, int] | None:
-    """``(in_features, out_features)`` of a linear-like module (also one already wrapped), else None."""
+@dataclass(frozen=True)
+class LinearKind:
+    """How lora_pin wraps one class of linear layer (see :func:`register_linear`).
+
+    Attributes:
+        features: ``module -> (in_features, out_features)`` of a layer of the class.
+        returns_bias: the layer's forward returns ``(out, bias)`` (a serving framework's linear with its bias
+            add skipped) instead of a tensor; the LoRA delta is added to ``out``.
+    """
+
+    features: Callable[[torch.nn.Module], tuple[int, int]]
+    returns_bias: bool = False
+
+
+def _linear_features(module: torch.nn.Module) -> tuple[int, int]:
+    return int(module.in_features), int(module.out_features)  # type: ignore[arg-type]
+
+
+def _conv1d_features(module: torch.nn.Module) -> tuple[int, int]:
+    # transformers' Conv1D (GPT-2 style) stores its weight [in, out]; PEFT reads its shape the same way.
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return int(weight.shape[0]), int(weight.shape[1])
+
+
+_KINDS: dict[type[torch.nn.Module], LinearKind] = {torch.nn.Linear: LinearKind(_linear_features)}
+
+
+def register_linear(
+    cls: type[torch.nn.Module],
+    *,
+    features: Callable[[torch.nn.Module], tuple[int, int]] | None = None,
+    returns_bias: bool = False,
+) -> None:
+    """Teach lora_pin a linear layer class of your own (a serving framework's ``ColumnParallelLinear``...).
+
+    Its instances are then wrapped like ``nn.Linear``: the wrapper calls the layer as is and adds each row's
+    LoRA delta to its output. Subclasses are covered too, unless they override ``forward`` (register those
+    themselves). Registering a class again replaces its entry.
+
+    Args:
+        cls: the layer class.
+        features: ``module -> (in_features, out_features)``, the layer's input and output widths (of this
+            process's shard, for a sharded layer); default ``(module.in_features, module.out_features)``.
+        returns_bias: the layer's forward returns ``(out, bias)`` rather than a tensor.
+
+    Raises:
+        SpecError: ``cls`` is not an ``nn.Module`` subclass, or ``features`` is not callable.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise SpecError(f"register_linear: {cls!r} is not a torch.nn.Module subclass")
+    if features is not None and not callable(features):
+        raise SpecError(f"register_linear: features must be callable, got {type(features).__name__}")
+    _KINDS[cls] = LinearKind(features or _linear_features, bool(returns_bias))
+
+
+def linear_kind(module: torch.nn.Module) -> LinearKind | None:
+    """How to wrap ``module`` (also one already wrapped by PEFT or a framework, through its
+    ``base_layer``), or None if it is not a linear layer lora_pin knows.
+
+    A subclass of a registered class that overrides ``forward`` is not known: its output may not be the
+    layer's (a router returning a tuple, say).
+    """
     base = getattr(module, "base_layer", None)
     if isinstance(base, torch.nn.Module):
-        # Already wrapped by a LoRA layer (PEFT's or a serving framework's): describe the wrapped linear.
         module = base
-    if isinstance(module, torch.nn.Linear):
-        return module.in_features, module.out_features
-    # transformers' Conv1D (GPT-2 style) stores its weight [in, out]; PEFT reads its shape the same way.
-    weight = getattr(module, "weight", None)
-    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2:
-        return int(weight.shape[0]), int(weight.shape[1])
+    cls = type(module)
+    if cls in _KINDS:
+        return _KINDS[cls]
+    if cls.__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor):
+        return LinearKind(_conv1d_features)
+    for parent in cls.__mro__[1:]:
+        kind = _KINDS.get(parent)
+        if kind is not None:
+            return kind if cls.forward is parent.forward else None
     return None
+
+
+def overrides_linear_forward(module: torch.nn.Module) -> bool:
+    """Whether ``module`` subclasses a known linear class but computes its own forward (so
+    :func:`linear_kind` does not know it)."""
+    cls = type(module)
+    return any(issubclass(cls, known) and cls.forward is not known.forward for known in _KINDS)
+
+
+def linear_features(module: torch.nn.Module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of a linear layer lora_pin knows (:func:`linear_kind`), else None."""
+    kind = linear_kind(module)
+    if kind is None:
+        return None
+    base = getattr(module, "base_layer", None)
+    return kind.features(base if isinstance(base, torch.nn.Module) else module)
 
 
 @dataclass(frozen=True)
