@@ -1,4 +1,4 @@
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from os import PathLike
 from typing import Any, TypeAlias, final
 
@@ -175,6 +175,7 @@ def simulate(
     step_seconds: float = 0.02,
     adapter_bytes: int = 33554432,
     record: bool = False,
+    progress: Callable[[int], object] | None = None,
 ) -> dict[str, Any]: ...
 def sgmv_cpu_available() -> bool: ...
 

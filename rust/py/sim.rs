@@ -1,13 +1,16 @@
 //! `Trace` and `simulate` for Python: the capacity planner behind `lora-pin simulate`. Every number
 //! comes from the core's replay (`crate::sim`); the GIL is released while it runs.
 
+use std::ops::ControlFlow;
+use std::time::{Duration, Instant};
+
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::errors::new_error;
 use super::{detached, shielded};
 use crate::registry::StepPlan;
-use crate::sim::{simulate_with, SimConfig, SimReport, TierReport, Trace, Workload};
+use crate::sim::{simulate_until, SimConfig, SimReport, TierReport, Trace, Workload};
 
 /// A request trace: adapter names and requests (adapter or None, tokens, optional arrival time).
 /// Build one with `Trace.generate` or `Trace.from_jsonl`.
@@ -107,6 +110,9 @@ fn step_record<'py>(py: Python<'py>, batch: &[u32], plan: &StepPlan) -> PyResult
     Ok(d)
 }
 
+/// How often a long replay takes the GIL back, to check for Ctrl-C and to report progress.
+const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
+
 /// Replays `trace` through the registry's planner — the calls `LoRAManager` makes per step: plan the
 /// first `batch_size` waiting requests, acquire the admitted ones, load, release; deferred requests
 /// run first next step — and reports both tiers beside Belady's offline-optimal bound.
@@ -123,13 +129,19 @@ fn step_record<'py>(py: Python<'py>, batch: &[u32], plan: &StepPlan) -> PyResult
 /// (`batch`: trace indices, `admitted` / `deferred`: positions in the batch, `loads`: (name, slot,
 /// source), `evictions`: (name, tier, slot or None)).
 ///
+/// `progress`, when given, is called as `progress(served)` with the requests served so far, about
+/// every 0.1 s of a long replay and once at the end (`served == len(trace)`). Pending signals are
+/// checked as often, so Ctrl-C stops a long replay. The results do not depend on either.
+///
 /// Raises:
 ///     SpecError: slots or batch_size of 0, max_loaded_loras below slots, an unknown policy, a pin the
 ///         trace never names or beyond the pin limit, a negative step time.
+///     KeyboardInterrupt (or what a signal handler raises), or what `progress` raises: the replay
+///         stops there.
 #[pyfunction]
 #[pyo3(signature = (
     trace, *, slots, max_loaded_loras = None, policy = "lru", pins = Vec::new(), batch_size = 4,
-    step_seconds = 0.02, adapter_bytes = 33554432, record = false
+    step_seconds = 0.02, adapter_bytes = 33554432, record = false, progress = None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn simulate<'py>(
@@ -143,6 +155,7 @@ pub fn simulate<'py>(
     step_seconds: f64,
     adapter_bytes: u64,
     record: bool,
+    progress: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     shielded(py, || {
         let config = SimConfig {
@@ -155,15 +168,34 @@ pub fn simulate<'py>(
             adapter_bytes,
         };
         let trace = &trace.get().0;
-        let (report, log): (SimReport, Vec<(Vec<u32>, StepPlan)>) = detached(py, || {
+        let progress = progress.as_ref();
+        let (run, log) = detached(py, || {
             let mut log = Vec::new();
-            let report = simulate_with(trace, &config, |batch, plan| {
+            let mut served = 0usize;
+            let mut last = Instant::now();
+            let run = simulate_until(trace, &config, |batch, plan| {
                 if record {
                     log.push((batch.to_vec(), plan.clone()));
                 }
+                served += plan.admitted.len();
+                if last.elapsed() < PROGRESS_INTERVAL {
+                    return ControlFlow::Continue(());
+                }
+                last = Instant::now();
+                match Python::attach(|py| report_progress(py, progress, served)) {
+                    Ok(()) => ControlFlow::Continue(()),
+                    Err(e) => ControlFlow::Break(e),
+                }
             })?;
-            Ok((report, log))
+            Ok((run, log))
         })?;
+        let report: SimReport = match run {
+            ControlFlow::Continue(report) => report,
+            ControlFlow::Break(e) => return Err(e),
+        };
+        if let Some(progress) = progress {
+            progress.call1(py, (trace.requests().len(),))?;
+        }
         let d = PyDict::new(py);
         d.set_item("steps", report.steps)?;
         d.set_item("requests", report.requests)?;
@@ -182,4 +214,13 @@ pub fn simulate<'py>(
         }
         Ok(d)
     })
+}
+
+/// Runs pending signal handlers (Ctrl-C raises there), then calls `progress(served)`.
+fn report_progress(py: Python<'_>, progress: Option<&Py<PyAny>>, served: usize) -> PyResult<()> {
+    py.check_signals()?;
+    if let Some(progress) = progress {
+        progress.call1(py, (served,))?;
+    }
+    Ok(())
 }

@@ -7,7 +7,7 @@ pub mod replay;
 pub mod trace;
 
 pub use belady::{min_misses, Demand};
-pub use replay::{sim_ref, simulate, simulate_with, SimConfig, SimReport, TierReport};
+pub use replay::{sim_ref, simulate, simulate_until, simulate_with, SimConfig, SimReport, TierReport};
 pub use trace::{Request, Trace, Workload};
 
 #[cfg(test)]

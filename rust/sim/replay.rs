@@ -11,6 +11,8 @@
 //! arrival when nothing waits; a request without one arrives with the request before it.
 
 use std::collections::{HashSet, VecDeque};
+use std::convert::Infallible;
+use std::ops::ControlFlow;
 
 use crate::error::{Error, Result};
 use crate::policy::{AdapterKey, PolicyKind};
@@ -130,6 +132,27 @@ pub fn simulate_with(
     config: &SimConfig,
     mut on_step: impl FnMut(&[u32], &StepPlan),
 ) -> Result<SimReport> {
+    let run = simulate_until(trace, config, |batch, plan| {
+        on_step(batch, plan);
+        ControlFlow::<Infallible>::Continue(())
+    })?;
+    match run {
+        ControlFlow::Continue(report) => Ok(report),
+        ControlFlow::Break(never) => match never {},
+    }
+}
+
+/// [`simulate_with`], where `on_step` may stop the replay early by returning `Break(b)`: the
+/// result is then `Break(b)` and no report is made (a caller's progress display that was
+/// interrupted, say). A replay that runs to the end returns `Continue(report)`, the same report
+/// [`simulate`] gives.
+///
+/// Errors: as [`simulate`].
+pub fn simulate_until<B>(
+    trace: &Trace,
+    config: &SimConfig,
+    mut on_step: impl FnMut(&[u32], &StepPlan) -> ControlFlow<B>,
+) -> Result<ControlFlow<B, SimReport>> {
     check_config(config)?;
     let (mut reg, keys) = setup(trace, config)?;
     let pinned: Vec<bool> = keys.iter().map(|&k| reg.get(k).protection.pinned).collect();
@@ -160,7 +183,9 @@ pub fn simulate_with(
         batch.extend(queue.iter().copied());
         let plan = step.serve(&mut reg, trace, &keys, &batch, report.steps)?;
         count_step(&mut report, &mut demand, requests, &batch, &plan);
-        on_step(&batch, &plan);
+        if let ControlFlow::Break(b) = on_step(&batch, &plan) {
+            return Ok(ControlFlow::Break(b));
+        }
         keep_deferred(&mut queue, &batch, &plan.deferred);
         clock += config.step_seconds;
     }
@@ -174,7 +199,7 @@ pub fn simulate_with(
         .map(|cap| min_misses(&demand, cap, |a| pinned[a as usize], &host_initial))
         .transpose()?;
     report.host = tier_report(&end.host, &start.host, bytes, host_bound);
-    Ok(report)
+    Ok(ControlFlow::Continue(report))
 }
 
 /// Refuses a batch size of 0 and a negative or non-finite step time.

@@ -70,6 +70,25 @@ fn deferred_requests_wait_at_the_front_and_count_once_per_step() {
 }
 
 #[test]
+fn simulate_until_stops_when_asked_and_otherwise_reports_as_simulate() {
+    let trace = trace_of(&["a", "b", "c", "a", "b", "c", "a", "b"]);
+    let config = SimConfig { batch_size: 2, ..SimConfig::new(2, "lru") };
+    let mut steps = 0;
+    let stopped = simulate_until(&trace, &config, |_, _| {
+        steps += 1;
+        if steps == 2 {
+            std::ops::ControlFlow::Break("stop")
+        } else {
+            std::ops::ControlFlow::Continue(())
+        }
+    })
+    .unwrap();
+    assert_eq!((stopped, steps), (std::ops::ControlFlow::Break("stop"), 2));
+    let full = simulate_until(&trace, &config, |_, _| std::ops::ControlFlow::<()>::Continue(())).unwrap();
+    assert_eq!(full, std::ops::ControlFlow::Continue(simulate(&trace, &config).unwrap()));
+}
+
+#[test]
 fn arrivals_pace_the_steps() {
     // Steps of 1 s: the second request (t=0.5) joins the step at t=1, the third (t=10) waits alone.
     let at = |t: f64| Request { adapter: Some(0), tokens: 1, arrival: Some(t) };

@@ -1,8 +1,14 @@
-"""The ``lora-pin`` command: one subcommand per module in this package."""
+"""The ``lora-pin`` command: one subcommand per module in this package.
+
+The subcommand modules import nothing heavy at module level (torch, transformers, peft load inside the
+commands that use them), so ``lora-pin parse``, ``simulate``, ``--help`` and ``--version`` start without
+paying for torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -10,9 +16,16 @@ from lora_pin import __version__
 from lora_pin.cli import demo_cmd, inspect_cmd, parse_cmd, simulate_cmd
 from lora_pin.errors import LoraPinError, SpecError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 _SUBCOMMANDS = (demo_cmd, parse_cmd, inspect_cmd, simulate_cmd)
+
+# Optional dependencies by top-level module name, and the extra that installs them.
+_EXTRAS = {"transformers": "hf", "peft": "hf", "prometheus_client": "metrics"}
+
+# Conventional shell statuses: 128 + SIGINT, 128 + SIGPIPE.
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +58,30 @@ def _refuse_undecodable(argv: Sequence[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the CLI; returns the exit status (0 ok, 2 bad input, 1 a failed check)."""
+    """Runs the CLI; returns the exit status.
+
+    0 ok; 1 a failed check, or a missing optional dependency (the message names the extra to install);
+    2 bad input (one line on stderr); 130 interrupted (Ctrl-C); 141 stdout closed early (a pipe into
+    ``head``). None of these prints a traceback.
+    """
+    try:
+        try:
+            return _run(argv)
+        finally:
+            # A reader that went away shows up here, inside the handler below, instead of as
+            # "Exception ignored" when the interpreter flushes stdout at exit.
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The interpreter flushes stdout again at exit; point it at devnull so that flush is silent.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _run(argv: Sequence[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         _refuse_undecodable(argv)
@@ -58,6 +94,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LoraPinError as e:
         print(f"lora-pin {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        top = (e.name or "").partition(".")[0]
+        if top in _EXTRAS:
+            print(
+                f"lora-pin {args.command}: error: this command needs {top}, which is not installed; "
+                f"install it with: pip install 'lora_pin[{_EXTRAS[top]}]'",
+                file=sys.stderr,
+            )
+            return 1
+        if top == "torch":
+            print(
+                f"lora-pin {args.command}: error: this command needs torch (a dependency of lora_pin), "
+                "which is not installed; install it with: pip install torch",
+                file=sys.stderr,
+            )
+            return 1
+        raise
 
 
 if __name__ == "__main__":

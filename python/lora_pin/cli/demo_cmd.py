@@ -4,6 +4,7 @@ checks sampled steps against PEFT; exits 1 when outputs differ or a pinned adapt
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import warnings
 from pathlib import Path
@@ -28,22 +29,65 @@ def add_parser(subparsers: Any) -> None:
             "and a correctness check of sampled steps against PEFT."
         ),
     )
-    p.add_argument("--model", type=Path, default=None, help="a local Hugging Face model folder")
     p.add_argument(
-        "--lora-paths", nargs="*", default=None, metavar="ITEM", help="adapter items (with --model)"
+        "--model", type=Path, default=None, metavar="DIR", help="a local Hugging Face model folder"
     )
-    p.add_argument("--cache-dir", type=Path, default=None, help="where the generated demo assets live")
-    p.add_argument("--max-loras-per-batch", type=int, default=4)
-    p.add_argument("--max-loaded-loras", type=int, default=8)
-    p.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES)
-    p.add_argument("--requests", type=int, default=400)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--prefill-len", type=int, default=32)
-    p.add_argument("--zipf-alpha", type=float, default=1.1)
+    p.add_argument(
+        "--lora-paths",
+        nargs="*",
+        default=None,
+        metavar="ITEM",
+        help="adapter items over --model, as a server takes them (PATH, NAME=PATH, JSON, @FILE)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the generated demo assets live (default ~/.cache/lora_pin)",
+    )
+    p.add_argument(
+        "--max-loras-per-batch", type=int, default=4, metavar="N", help="device slots (default %(default)s)"
+    )
+    p.add_argument(
+        "--max-loaded-loras",
+        type=int,
+        default=8,
+        metavar="N",
+        help="host-tier capacity in adapters (default %(default)s)",
+    )
+    p.add_argument(
+        "--eviction-policy",
+        default="lru",
+        choices=EVICTION_POLICIES,
+        help="eviction policy of both tiers (default %(default)s)",
+    )
+    p.add_argument("--requests", type=int, default=400, help="requests to serve (default %(default)s)")
+    p.add_argument(
+        "--batch-size", type=int, default=8, help="sequences a step takes at most (default %(default)s)"
+    )
+    p.add_argument(
+        "--prefill-len",
+        type=int,
+        default=32,
+        help="tokens of a prefill step's sequences (default %(default)s)",
+    )
+    p.add_argument(
+        "--zipf-alpha",
+        type=float,
+        default=1.1,
+        help="skew of the adapters' popularity; 0 is uniform (default %(default)s)",
+    )
     p.add_argument("--check-every", type=int, default=5, help="check every Nth step against PEFT (0: never)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the workload and the inputs (default %(default)s)"
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (it is shown only when stderr is a terminal anyway)",
+    )
     p.set_defaults(run=run)
 
 
@@ -56,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
     """
     import torch
     import transformers
+
+    # Before any work: a missing hf extra is named now, not after minutes of setup.
+    importlib.import_module("peft")
 
     from lora_pin._core import parse_lora_paths
     from lora_pin.demo.assets import ensure_demo_assets

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lora_pin.cli._model_dir import local_model_dir
 from lora_pin.errors import AdapterLoadError, SpecError
-from lora_pin.weights.config import layer_index
-from lora_pin.weights.host import load_adapter
-from lora_pin.weights.reader import AdapterFile, open_adapter
-from lora_pin.weights.targets import LoRATargets
+
+if TYPE_CHECKING:
+    from lora_pin.weights.reader import AdapterFile
+    from lora_pin.weights.targets import LoRATargets
 
 __all__ = ["add_parser", "run"]
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Serving dtypes by their torch attribute name; torch itself loads only when the command runs.
+_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -34,9 +33,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("path", metavar="PATH", help="the adapter directory (adapter_config.json + weights)")
     p.add_argument("--model", metavar="DIR", help="a Hugging Face model directory to validate against")
     p.add_argument("--max-rank", type=int, default=None, help="the pool's max rank (default: no limit)")
-    p.add_argument(
-        "--dtype", choices=sorted(_DTYPES), default="bfloat16", help="serving dtype for device bytes"
-    )
+    p.add_argument("--dtype", choices=_DTYPES, default="bfloat16", help="serving dtype for device bytes")
     p.add_argument("--allow-pickle", action="store_true", help="read adapter_model.bin (weights_only=True)")
     p.add_argument(
         "--allowed-root", action="append", metavar="DIR", help="refuse paths outside DIR (repeatable)"
@@ -62,7 +59,10 @@ def _check_standalone(file: AdapterFile) -> None:
 
 
 def _model_targets(model_dir: str) -> LoRATargets:
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lora_pin.weights.targets import LoRATargets
 
     model_dir = local_model_dir(model_dir)
     try:
@@ -81,10 +81,16 @@ def run(args: argparse.Namespace) -> int:
             served; the CLI prints the message and exits 2.
         SpecError: ``--model`` has no LoRA-able linear layer.
     """
+    import torch
+
+    from lora_pin.weights.config import layer_index
+    from lora_pin.weights.host import load_adapter
+    from lora_pin.weights.reader import open_adapter
+
     file = open_adapter(args.path, args.path, allowed_roots=args.allowed_root, allow_pickle=args.allow_pickle)
     _check_standalone(file)
     config = file.config
-    dtype = _DTYPES[args.dtype]
+    dtype = getattr(torch, args.dtype)
     if args.model is not None:
         targets = _model_targets(args.model)
         max_rank = (

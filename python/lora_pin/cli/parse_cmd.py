@@ -18,9 +18,28 @@ def add_parser(subparsers: Any) -> None:
         help="parse --lora-paths items and print the adapters as JSON",
         description="Parse adapter specs exactly as a server would and print the refs as a JSON array.",
     )
-    p.add_argument("--max-loras-per-batch", type=int, default=None)
-    p.add_argument("--max-loaded-loras", type=int, default=None)
-    p.add_argument("--lora-paths", nargs="*", default=[], metavar="ITEM", required=True)
+    p.add_argument(
+        "--max-loras-per-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="device slots: refuse more pinned adapters than N - 1 (default: no check)",
+    )
+    p.add_argument(
+        "--max-loaded-loras",
+        type=int,
+        default=None,
+        metavar="N",
+        help="host-tier capacity: refuse more start-up adapters than N (default: no check)",
+    )
+    p.add_argument(
+        "--lora-paths",
+        nargs="*",
+        default=[],
+        metavar="ITEM",
+        required=True,
+        help="adapter items as a server takes them: PATH, NAME=PATH, a JSON object, or @FILE (a JSON list)",
+    )
     p.set_defaults(run=run)
 
 

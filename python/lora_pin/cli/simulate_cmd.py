@@ -121,21 +121,53 @@ def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
     step_seconds = _number("--step-ms", args.step_ms) / 1000
     adapter_bytes = int(_number("--adapter-mb", args.adapter_mb, most=2**43) * (1 << 20))
     rows = []
-    for s in slots:
-        for h in hosts:
-            for policy in policies:
-                report = simulate(
-                    trace,
-                    slots=s,
-                    max_loaded_loras=h,
-                    policy=policy,
-                    pins=pins,
-                    batch_size=batch,
-                    step_seconds=step_seconds,
-                    adapter_bytes=adapter_bytes,
-                )
-                rows.append({"slots": s, "max_loaded_loras": h, "pins": pins, "policy": policy, **report})
+    runs = len(slots) * len(hosts) * len(policies)
+    with _Progress(len(trace) * runs) as progress:
+        for s in slots:
+            for h in hosts:
+                for policy in policies:
+                    report = simulate(
+                        trace,
+                        slots=s,
+                        max_loaded_loras=h,
+                        policy=policy,
+                        pins=pins,
+                        batch_size=batch,
+                        step_seconds=step_seconds,
+                        adapter_bytes=adapter_bytes,
+                        progress=progress.served,
+                    )
+                    progress.next_run(len(trace))
+                    rows.append({"slots": s, "max_loaded_loras": h, "pins": pins, "policy": policy, **report})
     return rows
+
+
+class _Progress:
+    """One bar over every replay of the sweep, drawn on stderr only when it is a terminal and only once
+    the sweep has run for a second (short runs stay silent)."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        # disable=None: no bar unless stderr is a terminal.
+        self._bar = tqdm(
+            total=total, unit="req", unit_scale=True, desc="simulate", delay=1.0, leave=False, disable=None
+        )
+        self._done = 0
+
+    def served(self, served: int) -> None:
+        """``simulate``'s callback: ``served`` requests of the current replay are done."""
+        self._bar.update(self._done + served - self._bar.n)
+
+    def next_run(self, requests: int) -> None:
+        """The current replay, of ``requests`` requests, has finished."""
+        self._done += requests
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.close()
 
 
 def _pct(x: float | None) -> str:

@@ -93,6 +93,7 @@ def replay(
 
     Every ``check_every``-th step (0: never) is recomputed by ``oracle`` (a PEFT model holding every
     adapter, called with ``adapter_names``) and compared within ``tolerance`` relative to the largest logit.
+    With ``progress``, a progress bar goes to stderr when stderr is a terminal (never into logs).
     """
     from tqdm import tqdm
 
@@ -103,7 +104,9 @@ def replay(
     }
     gen = torch.Generator().manual_seed(seed)
     model = manager.model
-    bar = tqdm(total=len(requests), unit="req", disable=not progress, desc="lora-pin demo", leave=False)
+    # disable=None: tqdm draws only when stderr is a terminal, so logs and pipes get no bar.
+    disable = None if progress else True
+    bar = tqdm(total=len(requests), unit="req", disable=disable, desc="lora-pin demo", leave=False)
     kind = True
     with torch.inference_mode():
         while queue[True] or queue[False]:

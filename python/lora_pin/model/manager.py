@@ -207,6 +207,7 @@ class LoRAManager:
         self._step_lock = threading.Lock()
         self._active: StepSegments | None = None
         self._active_step: Step | None = None
+        self._deferred_requests = 0
         self._wrapped: dict[str, torch.nn.Module] = {}
         for r, adapter in zip(refs, startup, strict=True):
             self.residency.add(r, adapter=adapter)
@@ -364,13 +365,17 @@ class LoRAManager:
         self.residency.forget(name)
 
     def stats(self) -> dict[str, Any]:
-        """Counters per tier (hits, misses, loads, evictions, refusals), resident and pinned sets, and the
-        pool's size in bytes."""
+        """Counters per tier (hits, misses, loads, evictions, refusals), resident and pinned sets, the
+        pool's size in bytes, requests deferred by steps (``deferred_requests``, once per step deferred),
+        and reads from disk after start-up (``adapter_reads``, taking ``adapter_read_seconds`` in all)."""
         stats = dict(self.registry.stats())
         stats["pool_bytes"] = self.pool.nbytes
         evictions = sorted(self.residency.evictions.items())
         stats["evictions_by_adapter"] = {f"{n}/{tier}": c for (n, tier), c in evictions}
         stats["host_bytes"] = self.residency.host_bytes
+        stats["deferred_requests"] = self._deferred_requests
+        stats["adapter_reads"] = self.residency.reads
+        stats["adapter_read_seconds"] = self.residency.read_seconds
         return stats
 
     # ---- steps ----------------------------------------------------------------------------------
@@ -589,6 +594,7 @@ class LoRAManager:
         )
         with self.residency.lock:
             self._active, self._active_step = active, step
+            self._deferred_requests += len(step.deferred)
         return step
 
 

@@ -10,6 +10,7 @@ under one lock, so loads, unloads and steps on different threads never see half 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,9 @@ class Residency:
         self._sources: dict[str, _Source] = {}
         # Per slot: (registry slot generation, pool write count) right after a step filled it.
         self._filled: list[tuple[int, int] | None] = [None] * pool.slots
+        # Reads from disk after start-up and their total seconds (lora_pin.metrics' load-time summary).
+        self.reads = 0
+        self.read_seconds = 0.0
 
     def add(self, ref: LoRARef, root: Path | None = None, adapter: HostAdapter | None = None) -> None:
         """Read the adapter ``ref`` names (unless ``adapter`` holds it read already) and register it,
@@ -73,7 +77,7 @@ class Residency:
                 nothing changes then.
         """
         if adapter is None:
-            adapter = self.host.read(ref.lora_name, ref.lora_path, root=root)
+            adapter = self._timed_read(ref.lora_name, ref.lora_path, root)
         with self.lock:
             evicted = self.registry.register(
                 ref,
@@ -202,13 +206,21 @@ class Residency:
 
     def _read_checked(self, name: str, source: _Source) -> HostAdapter:
         """Read ``name`` from its source, refused if its files changed since it was registered."""
-        adapter = self.host.read(name, source.path, root=source.root)
+        adapter = self._timed_read(name, source.path, source.root)
         if adapter.nbytes != source.host_bytes:
             raise AdapterLoadError(
                 f"adapter {name!r} changed on disk since it was registered: it now takes "
                 f"{adapter.nbytes} host bytes, registered with {source.host_bytes} ({source.path}); "
                 "unload and load it again to serve the new files"
             )
+        return adapter
+
+    def _timed_read(self, name: str, path: str, root: Path | None) -> HostAdapter:
+        start = time.perf_counter()
+        adapter = self.host.read(name, path, root=root)
+        with self.lock:
+            self.reads += 1
+            self.read_seconds += time.perf_counter() - start
         return adapter
 
     def _drop_host(self, name: str) -> None:
