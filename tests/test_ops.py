@@ -566,3 +566,25 @@ def test_cpu_benchmark_agrees_with_its_baselines(capsys, monkeypatch):
     argv += ["--prefill-requests", "2", "--prefill-tokens", "20", "--budget", "0", "--max-reps", "1"]
     assert _load_bench("cpu_ops", monkeypatch).main([*argv, "--flush-mb", "1", "--threads", "0"]) == 0
     assert "goal met in every case" in capsys.readouterr().out
+
+
+def test_the_documented_line_registers_the_ops_in_a_fresh_process() -> None:
+    """README: ``import lora_pin.ops`` registers ``torch.ops.lora_pin.*``; ``import lora_pin`` alone does not
+    import torch (nor, so, register them)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, lora_pin; assert 'torch' not in sys.modules, 'import lora_pin pulled torch in'\n"
+        "import torch, lora_pin.ops\n"
+        "x = torch.randn(3, 8); a = torch.zeros(2, 4, 8)\n"
+        "seg = lora_pin.ops.segments_from_slots(torch.tensor([0, -1, 1]))\n"
+        "v = torch.ops.lora_pin.shrink(x, a, seg.perm, seg.seg_indptr, seg.seg_slots,"
+        " torch.full((2, 1), 4, dtype=torch.int32), 1)\n"
+        "print(tuple(v.shape))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "(3, 4)"
