@@ -191,9 +191,31 @@ def test_cli_parse_prints_json() -> None:
     assert out.returncode == 0, out.stderr
     rows = orjson.loads(out.stdout)
     assert rows == [
-        {"lora_id": expected_id("a", "/a"), "lora_name": "a", "lora_path": "/a", "pinned": False},
-        {"lora_id": expected_id("/b", "/b"), "lora_name": "/b", "lora_path": "/b", "pinned": False},
+        {
+            "lora_id": expected_id("a", "/a"),
+            "lora_name": "a",
+            "lora_path": "/a",
+            "pinned": False,
+            "base_model_name": None,
+        },
+        {
+            "lora_id": expected_id("/b", "/b"),
+            "lora_name": "/b",
+            "lora_path": "/b",
+            "pinned": False,
+            "base_model_name": None,
+        },
     ]
+
+
+def test_cli_parse_applies_a_servers_defaults_and_prints_base_model_name() -> None:
+    """A server has 8 slots by default, so it refuses 8 pinned adapters: so does ``parse`` with no flag."""
+    pinned = [f'{{"lora_name": "p{i}", "lora_path": "/p{i}", "pinned": true}}' for i in range(8)]
+    out = _cli("parse", "--lora-paths", *pinned)
+    assert out.returncode == 2 and "max_loras_per_batch=8" in out.stderr, out.stderr
+    out = _cli("parse", "--lora-paths", '{"name": "v", "path": "/v", "base_model_name": "llama-3"}')
+    assert out.returncode == 0, out.stderr
+    assert orjson.loads(out.stdout)[0]["base_model_name"] == "llama-3"
 
 
 def test_cli_parse_error_is_one_line_and_exit_2() -> None:

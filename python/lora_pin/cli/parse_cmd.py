@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from lora_pin._core import parse_lora_paths
+from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH
 
 
 def add_parser(subparsers: Any) -> None:
@@ -21,9 +22,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--max-loras-per-batch",
         type=int,
-        default=None,
+        default=DEFAULT_MAX_LORAS_PER_BATCH,
         metavar="N",
-        help="device slots: refuse more pinned adapters than N - 1 (default: no check)",
+        help="device slots: refuse more pinned adapters than N - 1 (default %(default)s, a server's)",
     )
     p.add_argument(
         "--max-loaded-loras",
@@ -44,7 +45,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Prints ``[{lora_id, lora_name, lora_path, pinned}, ...]`` on stdout.
+    """Prints ``[{lora_id, lora_name, lora_path, pinned, base_model_name}, ...]`` on stdout, with the limits
+    a server applies by default (``--max-loras-per-batch`` 8).
 
     Raises:
         SpecError: an item or limit is invalid (the CLI turns it into one line on stderr and exit 2).
@@ -55,7 +57,13 @@ def run(args: argparse.Namespace) -> int:
         max_loaded_loras=args.max_loaded_loras,
     )
     rows = [
-        {"lora_id": r.lora_id, "lora_name": r.lora_name, "lora_path": r.lora_path, "pinned": r.pinned}
+        {
+            "lora_id": r.lora_id,
+            "lora_name": r.lora_name,
+            "lora_path": r.lora_path,
+            "pinned": r.pinned,
+            "base_model_name": r.base_model_name,
+        }
         for r in refs
     ]
     sys.stdout.buffer.write(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
