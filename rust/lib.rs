@@ -8,6 +8,7 @@
 pub mod cache;
 pub mod error;
 pub mod hash;
+pub mod patterns;
 pub mod plan;
 pub mod policy;
 pub mod registry;
