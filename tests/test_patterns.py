@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from lora_pin._core import PatternSet
 from lora_pin.errors import AdapterLoadError
 from lora_pin.weights import AdapterConfig
+from lora_pin.weights.config import FLOAT32_MAX, FLOAT32_TINY
 from lora_pin.weights.patterns import MAX_PATTERN_CHARS, MAX_PATTERN_ENTRIES
 
 KEY = "model.layers.0.self_attn.q_proj"
@@ -253,3 +254,28 @@ def test_first_match_is_the_first_pattern_in_file_order() -> None:
     assert c.rank_for(KEY) == 4
     assert c.rank_for("model.layers.1.mlp.q_proj") == 2
     assert c.rank_for("model.layers.0.mlp.up_proj") == 16
+
+
+# ---- alpha and scaling within float32 -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha", [1e39, FLOAT32_MAX * 1.0001, 10**400, 1e-39, float("inf")])
+def test_alpha_outside_float32_is_refused(alpha: float) -> None:
+    with pytest.raises(
+        AdapterLoadError, match="field 'lora_alpha' must be a positive number in float32's normal range"
+    ):
+        config(lora_alpha=alpha)
+    with pytest.raises(
+        AdapterLoadError, match="field 'alpha_pattern' entry 'q_proj' must be a positive number in float32"
+    ):
+        config(alpha_pattern={"q_proj": alpha})
+
+
+def test_scaling_outside_float32_is_refused() -> None:
+    c = config(lora_alpha=FLOAT32_TINY * 2, use_rslora=False)
+    assert c.scaling_for(KEY, 2) == FLOAT32_TINY
+    with pytest.raises(
+        AdapterLoadError, match=r"module 'model.layers.0.self_attn.q_proj' has scaling .* / 16\)"
+    ):
+        c.scaling_for(KEY, 16)
+    assert config(lora_alpha=FLOAT32_MAX).scaling_for(KEY, 1) == FLOAT32_MAX

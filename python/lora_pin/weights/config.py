@@ -37,11 +37,16 @@ from lora_pin.errors import AdapterLoadError
 from lora_pin.weights.limits import MAX_ADAPTER_RANK, MAX_CONFIG_BYTES, check_file_size
 from lora_pin.weights.patterns import MAX_PATTERN_ENTRIES, compile_patterns
 
-__all__ = ["AdapterConfig", "layer_index", "read_adapter_config"]
+__all__ = ["FLOAT32_MAX", "FLOAT32_TINY", "AdapterConfig", "layer_index", "read_adapter_config"]
 
 # PEFT's default layer-index rule: the first numbered segment after at least two name segments. A fixed
 # pattern, not a config's, so Python's re serves.
 _LAYER_INDEX = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")
+
+# float32's largest value and smallest normal value: the registry and the device pool store each module's
+# scaling as float32 and the kernels apply it in float32 (also for fp16 and bf16 models).
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
 
 
 def layer_index(module_key: str) -> int | None:
@@ -196,10 +201,21 @@ class AdapterConfig:
         """``alpha / sqrt(rank)`` with rslora, else ``alpha / rank``, with ``module_key``'s own alpha.
 
         Raises:
-            AdapterLoadError: as :meth:`alpha_for`.
+            AdapterLoadError: the scaling falls outside float32's normal range, in which the registry, the
+                pool and the kernels hold and apply it (alphas are bounded above when the config is
+                read, so only a tiny alpha over a large rank gets here); or as :meth:`alpha_for`.
         """
         alpha = self.alpha_for(module_key)
-        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+        scaling = alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+        if not FLOAT32_TINY <= scaling <= FLOAT32_MAX:
+            divisor = f"sqrt({rank})" if self.use_rslora else str(rank)
+            raise AdapterLoadError(
+                f"adapter {self.name!r} ({self.file}): module {module_key!r} has scaling {scaling!r} "
+                f"(alpha {alpha!r} / {divisor}), outside float32's normal range [{FLOAT32_TINY!r}, "
+                f"{FLOAT32_MAX!r}] in which lora_pin applies it (fields 'lora_alpha'/'alpha_pattern', "
+                "'r'/'rank_pattern')"
+            )
+        return scaling
 
     def targets(self, module_key: str) -> bool:
         """Whether PEFT would put this adapter's LoRA on ``module_key`` (exclusions and layers included).
@@ -340,8 +356,8 @@ def _rank_and_alpha(fail: _Fail, data: Mapping[str, Any]) -> tuple[int, float]:
     if r > MAX_ADAPTER_RANK:
         raise fail("r", f"is {r}, above the limit MAX_ADAPTER_RANK={MAX_ADAPTER_RANK}")
     alpha = data.get("lora_alpha", 8)
-    if not _positive_finite(alpha):
-        raise fail("lora_alpha", f"must be a positive finite number, got {alpha!r}")
+    if not _float32_alpha(alpha):
+        raise fail("lora_alpha", f"must be {_ALPHA_RULE}, got {alpha!r}")
     return r, alpha
 
 
@@ -368,10 +384,8 @@ def _check_pattern_values(
                 f"entry {pattern_key!r} is {value}, above the limit MAX_ADAPTER_RANK={MAX_ADAPTER_RANK}",
             )
     for pattern_key, value in alpha_pattern.items():
-        if not _positive_finite(value):
-            raise fail(
-                "alpha_pattern", f"entry {pattern_key!r} must be a positive finite number, got {value!r}"
-            )
+        if not _float32_alpha(value):
+            raise fail("alpha_pattern", f"entry {pattern_key!r} must be {_ALPHA_RULE}, got {value!r}")
     for field_name, patterns in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
         for pattern_key in patterns:
             if not isinstance(pattern_key, str):
@@ -430,9 +444,22 @@ def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _positive_finite(value: object) -> bool:
+_ALPHA_RULE = (
+    f"a positive number in float32's normal range [{FLOAT32_TINY!r}, {FLOAT32_MAX!r}] (the scaling "
+    "alpha / r is held and applied in float32)"
+)
+
+
+def _float32_alpha(value: object) -> bool:
+    """Whether ``value`` is an alpha whose scaling float32 can hold: positive (zero makes the adapter the
+    base model, a negative value inverts it), at most float32's largest value (``1e39 / r`` is inf in
+    float32 for small r, and so is every logit), and not below its smallest normal one."""
+    # Compared, never converted: an int too large for a float fails the bound instead of raising, and
+    # NaN and the infinities fail it too.
     return (
-        not isinstance(value, bool) and isinstance(value, int | float) and value > 0 and math.isfinite(value)
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and FLOAT32_TINY <= value <= FLOAT32_MAX
     )
 
 
