@@ -9,10 +9,15 @@ Matching follows PEFT 0.21 exactly (``peft/utils/other.py`` and ``peft/tuners/tu
   ``re.match(rf"(.*\\.)?({key})$", module_key)`` succeeds gives the value; otherwise ``r`` / ``lora_alpha``.
 * scaling is ``alpha / sqrt(r)`` with ``use_rslora``, else ``alpha / r``, with the module's own r and alpha.
 
+The regexes give those answers without Python's backtracking ``re``: each field's patterns are compiled
+once, when the config is built, into a linear-time matcher (:mod:`lora_pin.weights.patterns`), which
+refuses, naming it, the syntax it cannot match as ``re`` does.
+
 Stricter than PEFT where PEFT's leniency serves wrong output silently: ``lora_alpha`` (PEFT's default 8 when
 the key is absent, as PEFT itself loads such a file) and every ``alpha_pattern`` value must be positive and
-finite (zero turns the adapter into the base model, a negative value inverts it; ``null`` or a string is
-what a broken export looks like). Ranks above :data:`~lora_pin.weights.limits.MAX_ADAPTER_RANK` and
+in float32's normal range (zero turns the adapter into the base model, a negative value inverts it, and
+the scaling is applied in float32, where ``1e39 / r`` is inf; ``null`` or a string is what a broken export
+looks like). Ranks above :data:`~lora_pin.weights.limits.MAX_ADAPTER_RANK` and
 config files above :data:`~lora_pin.weights.limits.MAX_CONFIG_BYTES` are refused before anything is sized
 from them.
 
