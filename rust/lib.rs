@@ -8,6 +8,7 @@
 pub mod error;
 pub mod hash;
 pub mod limits;
+pub mod patterns;
 pub mod policy;
 pub mod registry;
 pub mod sgmv;

@@ -1,6 +1,6 @@
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from os import PathLike
-from typing import Any, TypeAlias, final
+from typing import Any, Literal, TypeAlias, final
 
 __all__ = [
     "EVICTION_POLICIES",
@@ -8,6 +8,7 @@ __all__ = [
     "CpuSgmvPlan",
     "LoRARef",
     "LoRARegistry",
+    "PatternSet",
     "StepPlan",
     "Trace",
     "__version__",
@@ -215,3 +216,23 @@ class CpuSgmvPlan:
         *,
         threads: int = 1,
     ) -> None: ...
+
+@final
+class PatternSet:
+    def __new__(
+        cls,
+        patterns: Sequence[str],
+        *,
+        anchoring: Literal["start", "full", "dotted_suffix"],
+        context: str = "",
+        labels: Sequence[str] | None = None,
+    ) -> PatternSet: ...
+    @property
+    def patterns(self) -> list[str]: ...
+    @property
+    def anchoring(self) -> str: ...
+    def __len__(self) -> int: ...
+    def first_match(self, key: str) -> int | None: ...
+    def first_matches(self, keys: Sequence[str]) -> list[int | None]: ...
+    def used_by(self, keys: Sequence[str]) -> list[bool]: ...
+    def group(self, key: str, name: str) -> str | None: ...

@@ -2,6 +2,7 @@
 //! mapping and GIL release live here; every decision is made by the core.
 
 mod errors;
+mod patterns;
 mod registry;
 mod sgmv;
 mod sim;
@@ -15,6 +16,8 @@ use pyo3::prelude::*;
 pub mod _core {
     use pyo3::prelude::*;
 
+    #[pymodule_export]
+    use super::patterns::PyPatternSet;
     #[pymodule_export]
     use super::registry::{PyLoRARegistry, PyStepPlan};
     #[pymodule_export]

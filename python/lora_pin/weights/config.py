@@ -9,10 +9,15 @@ Matching follows PEFT 0.21 exactly (``peft/utils/other.py`` and ``peft/tuners/tu
   ``re.match(rf"(.*\\.)?({key})$", module_key)`` succeeds gives the value; otherwise ``r`` / ``lora_alpha``.
 * scaling is ``alpha / sqrt(r)`` with ``use_rslora``, else ``alpha / r``, with the module's own r and alpha.
 
+The regexes give those answers without Python's backtracking ``re``: each field's patterns are compiled
+once, when the config is built, into a linear-time matcher (:mod:`lora_pin.weights.patterns`), which
+refuses, naming it, the syntax it cannot match as ``re`` does.
+
 Stricter than PEFT where PEFT's leniency serves wrong output silently: ``lora_alpha`` (PEFT's default 8 when
 the key is absent, as PEFT itself loads such a file) and every ``alpha_pattern`` value must be positive and
-finite (zero turns the adapter into the base model, a negative value inverts it; ``null`` or a string is
-what a broken export looks like). Ranks above :data:`~lora_pin.weights.limits.MAX_ADAPTER_RANK` and
+in float32's normal range (zero turns the adapter into the base model, a negative value inverts it, and
+the scaling is applied in float32, where ``1e39 / r`` is inf; ``null`` or a string is what a broken export
+looks like). Ranks above :data:`~lora_pin.weights.limits.MAX_ADAPTER_RANK` and
 config files above :data:`~lora_pin.weights.limits.MAX_CONFIG_BYTES` are refused before anything is sized
 from them.
 
@@ -25,46 +30,72 @@ import math
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
+from lora_pin._core import PatternSet
 from lora_pin.errors import AdapterLoadError
 from lora_pin.weights.limits import MAX_ADAPTER_RANK, MAX_CONFIG_BYTES, check_file_size
-from lora_pin.weights.patterns import regex_refusal
+from lora_pin.weights.patterns import MAX_PATTERN_ENTRIES, compile_patterns
 
-__all__ = ["AdapterConfig", "layer_index", "read_adapter_config"]
+__all__ = ["FLOAT32_MAX", "FLOAT32_TINY", "AdapterConfig", "layer_index", "read_adapter_config"]
 
-# PEFT's default layer-index rule: the first numbered segment after at least two name segments.
+# PEFT's default layer-index rule: the first numbered segment after at least two name segments. A fixed
+# pattern, not a config's, so Python's re serves.
 _LAYER_INDEX = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")
 
+# float32's largest value and smallest normal value: the registry and the device pool store each module's
+# scaling as float32 and the kernels apply it in float32 (also for fp16 and bf16 models).
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
 
-def layer_index(module_key: str, layers_pattern: tuple[str, ...] = ()) -> int | None:
-    """The decoder layer index in ``module_key`` by PEFT's rule, or None when it has none."""
-    if not layers_pattern:
-        match = _LAYER_INDEX.match(module_key)
-    else:
-        match = None
-        for pattern in layers_pattern:
-            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module_key)
-            if match is not None:
-                break
+
+def layer_index(module_key: str) -> int | None:
+    """The decoder layer index in ``module_key`` by PEFT's default rule, or None when it has none.
+
+    ``model.layers.3.mlp.down_proj`` -> 3. A config's ``layers_pattern`` is applied by
+    :meth:`AdapterConfig.targets`.
+    """
+    match = _LAYER_INDEX.match(module_key)
     return None if match is None else int(match.group("idx"))
-
-
-def _pattern_value(patterns: Mapping[str, float], module_key: str) -> float | None:
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module_key):
-            return value
-    return None
 
 
 # init_lora_weights values whose PEFT initialisation also rewrites the base layer's weight (PiSSA and its
 # pissa_niter_N form, OLoRA, CorDA, LoftQ, LoRA-GA).
 _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+_UNSUPPORTED = {
+    "lora_bias": "adds a bias to lora_B",
+    "target_parameters": "targets raw parameters instead of linear modules",
+    "trainable_token_indices": "trains embedding rows",
+    "layer_replication": "changes the base model's layer stack",
+    "use_qalora": "pools the input before lora_A",
+    "alora_invocation_tokens": "activates the adapter by token position",
+}
+
+# Builds the error for a field: fail("r", "must be ...").
+_Fail = Callable[[str, str], AdapterLoadError]
+
+
+@dataclass(frozen=True)
+class _Matchers:
+    """An :class:`AdapterConfig`'s patterns compiled once (None where the field has none), and its lists
+    as sets, so that matching a module key costs the same whatever the config holds."""
+
+    target: PatternSet | None
+    exclude: PatternSet | None
+    rank: PatternSet | None
+    alpha: PatternSet | None
+    layers: PatternSet | None
+    rank_values: tuple[int, ...]
+    alpha_values: tuple[float, ...]
+    target_names: frozenset[str]
+    exclude_names: frozenset[str]
+    layer_set: frozenset[int] | None
 
 
 @dataclass(frozen=True)
@@ -73,7 +104,11 @@ class AdapterConfig:
 
     ``target_modules`` is a tuple of names or one regex string; ``layers_to_transform`` None means all
     layers. Build it with :func:`read_adapter_config` (or :meth:`from_mapping`), which refuses what lora_pin
-    cannot serve.
+    cannot serve. Its regexes are compiled when it is built, once.
+
+    Raises:
+        AdapterLoadError: (when built) a pattern is refused, see
+            :func:`~lora_pin.weights.patterns.compile_patterns`.
     """
 
     name: str
@@ -89,6 +124,10 @@ class AdapterConfig:
     exclude_modules: tuple[str, ...] | str = ()
     fan_in_fan_out: bool = False
     base_model_name_or_path: str | None = None
+    _matchers: _Matchers = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_matchers", _compile(self))
 
     @classmethod
     def from_mapping(cls, name: str, file: str, data: Mapping[str, Any]) -> AdapterConfig:
@@ -98,193 +137,334 @@ class AdapterConfig:
             AdapterLoadError: naming the adapter, the file and the field, for ``peft_type`` other than LORA,
                 ``use_dora``, ``bias`` other than "none", non-empty ``modules_to_save``, ``lora_bias``,
                 ``target_parameters``, ``trainable_token_indices``, ``layer_replication``, ``use_qalora``,
-                ``alora_invocation_tokens``, and for any field of the wrong type or value.
+                ``alora_invocation_tokens``, for any field of the wrong type or value, for more than
+                :data:`~lora_pin.weights.patterns.MAX_PATTERN_ENTRIES` pattern and list entries, and for a
+                refused regex (see :func:`~lora_pin.weights.patterns.compile_patterns`).
         """
 
         def fail(field_name: str, why: str) -> AdapterLoadError:
             return AdapterLoadError(f"adapter {name!r} ({file}): field {field_name!r} {why}")
 
-        def check_regex(field_name: str, shown: str, *patterns: str) -> None:
-            # Each pattern as written and as it is matched (embedded in a larger one).
-            why = next(filter(None, map(regex_refusal, patterns)), None)
-            if why:
-                raise fail(field_name, f"{shown} {why}")
-
         if not isinstance(data, Mapping):
             raise AdapterLoadError(
                 f"adapter {name!r} ({file}): expected a JSON object, got {type(data).__name__}"
             )
-        peft_type = data.get("peft_type", "LORA")
-        if peft_type != "LORA":
-            raise fail("peft_type", f"is {peft_type!r}; only LORA adapters can be served")
-        if data.get("use_dora"):
-            raise fail("use_dora", "is true; DoRA rescales the base weight per column and cannot be served")
-        bias = data.get("bias", "none")
-        if bias != "none":
-            raise fail("bias", f"is {bias!r}; adapters that train biases cannot be served (must be 'none')")
-        if data.get("modules_to_save"):
-            raise fail(
-                "modules_to_save",
-                f"is {data['modules_to_save']!r}; adapters that replace whole modules cannot be served",
+        _check_servable(fail, data)
+        r, alpha = _rank_and_alpha(fail, data)
+        rank_pattern = _pattern_field(fail, data, "rank_pattern")
+        alpha_pattern = _pattern_field(fail, data, "alpha_pattern")
+        targets = _target_modules(fail, data)
+        layers, layers_pattern = _layers(fail, data, targets)
+        exclude = _exclude_modules(fail, data)
+        entries = len(rank_pattern) + len(alpha_pattern) + len(layers) + len(layers_pattern)
+        entries += sum(len(names) for names in (targets, exclude) if not isinstance(names, str))
+        if entries > MAX_PATTERN_ENTRIES:
+            raise AdapterLoadError(
+                f"adapter {name!r} ({file}): {entries} entries in rank_pattern, alpha_pattern and the "
+                f"target_modules, exclude_modules, layers_pattern and layers_to_transform lists, above "
+                f"the limit MAX_PATTERN_ENTRIES={MAX_PATTERN_ENTRIES}"
             )
-        unsupported = {
-            "lora_bias": "adds a bias to lora_B",
-            "target_parameters": "targets raw parameters instead of linear modules",
-            "trainable_token_indices": "trains embedding rows",
-            "layer_replication": "changes the base model's layer stack",
-            "use_qalora": "pools the input before lora_A",
-            "alora_invocation_tokens": "activates the adapter by token position",
-        }
-        for key, why in unsupported.items():
-            if data.get(key):
-                raise fail(key, f"is {data[key]!r}; the adapter {why}, which cannot be served")
-        init = data.get("init_lora_weights", True)
-        if isinstance(init, str) and init.startswith(_BASE_CHANGING_INITS):
-            raise fail(
-                "init_lora_weights",
-                f"is {init!r}: that initialisation rewrites the base weights (PEFT rebuilds them when it "
-                "loads the adapter), so the adapter is only correct over a base model lora_pin does not "
-                "serve; convert it to a plain LoRA first (PEFT's save_pretrained with "
-                "path_initial_model_for_weight_conversion)",
-            )
-
-        r = data.get("r", 8)
-        if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-            raise fail("r", f"must be a positive integer, got {r!r}")
-        if r > MAX_ADAPTER_RANK:
-            raise fail("r", f"is {r}, above the limit MAX_ADAPTER_RANK={MAX_ADAPTER_RANK}")
-        alpha = data.get("lora_alpha", 8)
-        if not _positive_finite(alpha):
-            raise fail("lora_alpha", f"must be a positive finite number, got {alpha!r}")
-
-        rank_pattern = data.get("rank_pattern") or {}
-        alpha_pattern = data.get("alpha_pattern") or {}
-        for key, pattern in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
-            if not isinstance(pattern, Mapping):
-                raise fail(key, f"must be an object, got {pattern!r}")
-            for pattern_key, value in pattern.items():
-                is_rank = key == "rank_pattern"
-                if is_rank:
-                    bad = isinstance(value, bool) or not isinstance(value, int) or value <= 0
-                    kind = "integer"
-                else:
-                    bad = not _positive_finite(value)
-                    kind = "finite number"
-                if bad:
-                    raise fail(key, f"entry {pattern_key!r} must be a positive {kind}, got {value!r}")
-                if is_rank and value > MAX_ADAPTER_RANK:
-                    raise fail(
-                        key,
-                        f"entry {pattern_key!r} is {value}, above the limit "
-                        f"MAX_ADAPTER_RANK={MAX_ADAPTER_RANK}",
-                    )
-                if not isinstance(pattern_key, str):
-                    raise fail(key, f"key {pattern_key!r} must be a string")
-                check_regex(key, f"key {pattern_key!r}", pattern_key, rf"(.*\.)?({pattern_key})$")
-
-        raw_targets = data.get("target_modules")
-        if isinstance(raw_targets, str):
-            check_regex("target_modules", repr(raw_targets), raw_targets)
-            targets: tuple[str, ...] | str = raw_targets
-        elif isinstance(raw_targets, list) and raw_targets and all(isinstance(t, str) for t in raw_targets):
-            targets = tuple(raw_targets)
-        else:
-            raise fail(
-                "target_modules", f"must be a regex string or a non-empty list of names, got {raw_targets!r}"
-            )
-
-        layers = data.get("layers_to_transform")
-        if isinstance(layers, int) and not isinstance(layers, bool):
-            layers = [layers]
-        if layers is not None and not (
-            isinstance(layers, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
-        ):
-            raise fail("layers_to_transform", f"must be an integer or a list of integers, got {layers!r}")
-        layers_pattern = data.get("layers_pattern") or ()
-        if isinstance(layers_pattern, str):
-            layers_pattern = (layers_pattern,)
-        if not isinstance(layers_pattern, (list, tuple)) or not all(
-            isinstance(p, str) for p in layers_pattern
-        ):
-            raise fail("layers_pattern", f"must be a string or a list of strings, got {layers_pattern!r}")
-        for pattern in layers_pattern:
-            check_regex("layers_pattern", repr(pattern), pattern, rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.")
-        if isinstance(targets, str) and (layers or layers_pattern):
-            raise fail(
-                "layers_to_transform", "cannot be used when target_modules is a regex string (PEFT rule)"
-            )
-
-        exclude = data.get("exclude_modules") or ()
-        if isinstance(exclude, str):
-            check_regex("exclude_modules", repr(exclude), exclude)
-        elif isinstance(exclude, (list, tuple)) and all(isinstance(m, str) for m in exclude):
-            exclude = tuple(exclude)
-        else:
-            raise fail("exclude_modules", f"must be a regex string or a list of names, got {exclude!r}")
-        fan_in_fan_out = data.get("fan_in_fan_out", False)
-        if not isinstance(fan_in_fan_out, bool):
-            raise fail("fan_in_fan_out", f"must be a boolean, got {fan_in_fan_out!r}")
-        use_rslora = data.get("use_rslora", False)
-        if not isinstance(use_rslora, bool):
-            raise fail("use_rslora", f"must be a boolean, got {use_rslora!r}")
-
+        _check_pattern_values(fail, rank_pattern, alpha_pattern)
         return cls(
             name=name,
             file=file,
             r=r,
             lora_alpha=float(alpha),
             target_modules=targets,
-            use_rslora=use_rslora,
+            use_rslora=_boolean(fail, data, "use_rslora"),
             rank_pattern=dict(rank_pattern),
             alpha_pattern={k: float(v) for k, v in alpha_pattern.items()},
-            layers_to_transform=None if not layers else tuple(layers),
+            layers_to_transform=tuple(layers) or None,
             layers_pattern=tuple(layers_pattern),
             exclude_modules=exclude,
-            fan_in_fan_out=fan_in_fan_out,
+            fan_in_fan_out=_boolean(fail, data, "fan_in_fan_out"),
             base_model_name_or_path=data.get("base_model_name_or_path"),
         )
 
     def rank_for(self, module_key: str) -> int:
-        """The rank PEFT gives ``module_key``: its ``rank_pattern`` entry, else ``r``."""
-        value = _pattern_value(self.rank_pattern, module_key)
-        return self.r if value is None else int(value)
+        """The rank PEFT gives ``module_key``: its first ``rank_pattern`` entry, else ``r``.
+
+        Raises:
+            AdapterLoadError: ``module_key`` holds a character outside printable ASCII and the config has
+                a ``rank_pattern`` (see :class:`~lora_pin._core.PatternSet`).
+        """
+        m = self._matchers
+        index = None if m.rank is None else m.rank.first_match(module_key)
+        return self.r if index is None else m.rank_values[index]
 
     def alpha_for(self, module_key: str) -> float:
-        """The alpha PEFT gives ``module_key``: its ``alpha_pattern`` entry, else ``lora_alpha``."""
-        value = _pattern_value(self.alpha_pattern, module_key)
-        return self.lora_alpha if value is None else float(value)
+        """The alpha PEFT gives ``module_key``: its first ``alpha_pattern`` entry, else ``lora_alpha``.
+
+        Raises:
+            AdapterLoadError: as :meth:`rank_for`, for ``alpha_pattern``.
+        """
+        m = self._matchers
+        index = None if m.alpha is None else m.alpha.first_match(module_key)
+        return self.lora_alpha if index is None else m.alpha_values[index]
 
     def scaling_for(self, module_key: str, rank: int) -> float:
-        """``alpha / sqrt(rank)`` with rslora, else ``alpha / rank``, with ``module_key``'s own alpha."""
+        """``alpha / sqrt(rank)`` with rslora, else ``alpha / rank``, with ``module_key``'s own alpha.
+
+        Raises:
+            AdapterLoadError: the scaling falls outside float32's normal range, in which the registry, the
+                pool and the kernels hold and apply it (alphas are bounded above when the config is
+                read, so only a tiny alpha over a large rank gets here); or as :meth:`alpha_for`.
+        """
         alpha = self.alpha_for(module_key)
-        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+        scaling = alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+        if not FLOAT32_TINY <= scaling <= FLOAT32_MAX:
+            divisor = f"sqrt({rank})" if self.use_rslora else str(rank)
+            raise AdapterLoadError(
+                f"adapter {self.name!r} ({self.file}): module {module_key!r} has scaling {scaling!r} "
+                f"(alpha {alpha!r} / {divisor}), outside float32's normal range [{FLOAT32_TINY!r}, "
+                f"{FLOAT32_MAX!r}] in which lora_pin applies it (fields 'lora_alpha'/'alpha_pattern', "
+                "'r'/'rank_pattern')"
+            )
+        return scaling
 
     def targets(self, module_key: str) -> bool:
-        """Whether PEFT would put this adapter's LoRA on ``module_key`` (exclusions and layers included)."""
-        exclude = self.exclude_modules
-        if isinstance(exclude, str):
-            if exclude and re.fullmatch(exclude, module_key):
+        """Whether PEFT would put this adapter's LoRA on ``module_key`` (exclusions and layers included).
+
+        Raises:
+            AdapterLoadError: ``module_key`` holds a character outside printable ASCII and a regex field
+                (``target_modules`` or ``exclude_modules`` as a string, ``layers_pattern``) applies.
+        """
+        m = self._matchers
+        if m.exclude is not None:
+            if m.exclude.first_match(module_key) is not None:
                 return False
-        elif module_key in exclude or any(module_key.endswith(f".{e}") for e in exclude):
+        elif _names_match(m.exclude_names, module_key):
             return False
         if isinstance(self.target_modules, str):
-            return (
-                self.target_modules == "all-linear"
-                or re.fullmatch(self.target_modules, module_key) is not None
-            )
-        if module_key in self.target_modules:
-            return True
-        if not any(module_key.endswith(f".{t}") for t in self.target_modules):
+            return m.target is None or m.target.first_match(module_key) is not None
+        if not _names_match(m.target_names, module_key):
             return False
-        if self.layers_to_transform is None:
+        if module_key in m.target_names or m.layer_set is None:
             return True
-        index = layer_index(module_key, self.layers_pattern)
-        return index is not None and index in self.layers_to_transform
+        if m.layers is None:
+            index = layer_index(module_key)
+        else:
+            captured = m.layers.group(module_key, "idx")
+            index = None if captured is None else int(captured)
+        return index is not None and index in m.layer_set
+
+    def unused_pattern_keys(self, module_keys: Iterable[str]) -> list[tuple[str, str]]:
+        """``(field, key)`` for each ``rank_pattern`` / ``alpha_pattern`` key that matches none of
+        ``module_keys``, in file order: one pass over each module key, with the GIL released.
+
+        Raises:
+            AdapterLoadError: a module key holds a character outside printable ASCII.
+        """
+        keys = list(module_keys)
+        unused = []
+        for field_name, matcher in (
+            ("rank_pattern", self._matchers.rank),
+            ("alpha_pattern", self._matchers.alpha),
+        ):
+            if matcher is not None:
+                pattern_keys = self.rank_pattern if field_name == "rank_pattern" else self.alpha_pattern
+                used = matcher.used_by(keys)
+                unused += [(field_name, k) for k, u in zip(pattern_keys, used, strict=True) if not u]
+        return unused
 
 
-def _positive_finite(value: object) -> bool:
+def _names_match(names: frozenset[str], module_key: str) -> bool:
+    """Whether ``module_key`` equals a name or ends with ``"." + name`` (PEFT's list rule), by looking up
+    the key and each of its suffixes after a dot."""
+    if module_key in names:
+        return True
+    return any(module_key[i + 1 :] in names for i, c in enumerate(module_key) if c == ".")
+
+
+def _compile(config: AdapterConfig) -> _Matchers:
+    where = f"adapter {config.name!r} ({config.file}): field"
+
+    def regexes(
+        field_name: str,
+        patterns: Iterable[str],
+        peft_form: Callable[[str], str],
+        anchoring: Literal["start", "full", "dotted_suffix"],
+        *,
+        keyed: bool = False,
+    ) -> PatternSet | None:
+        patterns = list(patterns)
+        if not patterns:
+            return None
+        labels = [f"key {p!r}" if keyed else repr(p) for p in patterns]
+        forms = [peft_form(p) for p in patterns]
+        # The set matches a dotted suffix itself; the other fields are compiled as PEFT writes them.
+        compiled = patterns if anchoring == "dotted_suffix" else forms
+        return compile_patterns(
+            f"{where} {field_name!r}", compiled, labels, peft_forms=forms, anchoring=anchoring
+        )
+
+    def same(pattern: str) -> str:
+        return pattern
+
+    def pattern_key(key: str) -> str:
+        return rf"(.*\.)?({key})$"
+
+    def layer(pattern: str) -> str:
+        return rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\."
+
+    targets, exclude = config.target_modules, config.exclude_modules
+    target_regex = [targets] if isinstance(targets, str) and targets != "all-linear" else []
+    exclude_regex = [exclude] if isinstance(exclude, str) and exclude else []
+    return _Matchers(
+        target=regexes("target_modules", target_regex, same, "full"),
+        exclude=regexes("exclude_modules", exclude_regex, same, "full"),
+        rank=regexes("rank_pattern", config.rank_pattern, pattern_key, "dotted_suffix", keyed=True),
+        alpha=regexes("alpha_pattern", config.alpha_pattern, pattern_key, "dotted_suffix", keyed=True),
+        layers=regexes("layers_pattern", config.layers_pattern, layer, "start"),
+        rank_values=tuple(config.rank_pattern.values()),
+        alpha_values=tuple(config.alpha_pattern.values()),
+        target_names=frozenset(() if isinstance(targets, str) else targets),
+        exclude_names=frozenset(() if isinstance(exclude, str) else exclude),
+        layer_set=None if config.layers_to_transform is None else frozenset(config.layers_to_transform),
+    )
+
+
+def _check_servable(fail: _Fail, data: Mapping[str, Any]) -> None:
+    """Refuse the PEFT features lora_pin cannot serve (each changes what the adapter computes)."""
+    peft_type = data.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise fail("peft_type", f"is {peft_type!r}; only LORA adapters can be served")
+    if data.get("use_dora"):
+        raise fail("use_dora", "is true; DoRA rescales the base weight per column and cannot be served")
+    bias = data.get("bias", "none")
+    if bias != "none":
+        raise fail("bias", f"is {bias!r}; adapters that train biases cannot be served (must be 'none')")
+    if data.get("modules_to_save"):
+        raise fail(
+            "modules_to_save",
+            f"is {data['modules_to_save']!r}; adapters that replace whole modules cannot be served",
+        )
+    for key, why in _UNSUPPORTED.items():
+        if data.get(key):
+            raise fail(key, f"is {data[key]!r}; the adapter {why}, which cannot be served")
+    init = data.get("init_lora_weights", True)
+    if isinstance(init, str) and init.startswith(_BASE_CHANGING_INITS):
+        raise fail(
+            "init_lora_weights",
+            f"is {init!r}: that initialisation rewrites the base weights (PEFT rebuilds them when it "
+            "loads the adapter), so the adapter is only correct over a base model lora_pin does not "
+            "serve; convert it to a plain LoRA first (PEFT's save_pretrained with "
+            "path_initial_model_for_weight_conversion)",
+        )
+
+
+def _rank_and_alpha(fail: _Fail, data: Mapping[str, Any]) -> tuple[int, float]:
+    """``r`` and ``lora_alpha`` (PEFT's defaults 8 and 8), checked."""
+    r = data.get("r", 8)
+    if not _positive_int(r):
+        raise fail("r", f"must be a positive integer, got {r!r}")
+    if r > MAX_ADAPTER_RANK:
+        raise fail("r", f"is {r}, above the limit MAX_ADAPTER_RANK={MAX_ADAPTER_RANK}")
+    alpha = data.get("lora_alpha", 8)
+    if not _float32_alpha(alpha):
+        raise fail("lora_alpha", f"must be {_ALPHA_RULE}, got {alpha!r}")
+    return r, alpha
+
+
+def _pattern_field(fail: _Fail, data: Mapping[str, Any], field_name: str) -> Mapping[Any, Any]:
+    """``rank_pattern`` or ``alpha_pattern`` as the object it must be; its entries are checked once their
+    number is known to be within the limit."""
+    patterns = data.get(field_name) or {}
+    if not isinstance(patterns, Mapping):
+        raise fail(field_name, f"must be an object, got {patterns!r}")
+    return patterns
+
+
+def _check_pattern_values(
+    fail: _Fail, rank_pattern: Mapping[Any, Any], alpha_pattern: Mapping[Any, Any]
+) -> None:
+    """Each ``rank_pattern`` value a rank within the limit, each ``alpha_pattern`` value an alpha, each key
+    a string (the regexes themselves are compiled with the config)."""
+    for pattern_key, value in rank_pattern.items():
+        if not _positive_int(value):
+            raise fail("rank_pattern", f"entry {pattern_key!r} must be a positive integer, got {value!r}")
+        if value > MAX_ADAPTER_RANK:
+            raise fail(
+                "rank_pattern",
+                f"entry {pattern_key!r} is {value}, above the limit MAX_ADAPTER_RANK={MAX_ADAPTER_RANK}",
+            )
+    for pattern_key, value in alpha_pattern.items():
+        if not _float32_alpha(value):
+            raise fail("alpha_pattern", f"entry {pattern_key!r} must be {_ALPHA_RULE}, got {value!r}")
+    for field_name, patterns in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
+        for pattern_key in patterns:
+            if not isinstance(pattern_key, str):
+                raise fail(field_name, f"key {pattern_key!r} must be a string")
+
+
+def _target_modules(fail: _Fail, data: Mapping[str, Any]) -> tuple[str, ...] | str:
+    """``target_modules``: one regex string, or a non-empty list of names."""
+    raw = data.get("target_modules")
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list) and raw and all(isinstance(t, str) for t in raw):
+        return tuple(raw)
+    raise fail("target_modules", f"must be a regex string or a non-empty list of names, got {raw!r}")
+
+
+def _layers(
+    fail: _Fail, data: Mapping[str, Any], targets: tuple[str, ...] | str
+) -> tuple[list[int], tuple[str, ...]]:
+    """``layers_to_transform`` (an integer or a list; empty for all layers) and ``layers_pattern``."""
+    layers = data.get("layers_to_transform")
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = [layers]
+    if layers is not None and not (
+        isinstance(layers, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+    ):
+        raise fail("layers_to_transform", f"must be an integer or a list of integers, got {layers!r}")
+    layers_pattern = data.get("layers_pattern") or ()
+    if isinstance(layers_pattern, str):
+        layers_pattern = (layers_pattern,)
+    if not isinstance(layers_pattern, (list, tuple)) or not all(isinstance(p, str) for p in layers_pattern):
+        raise fail("layers_pattern", f"must be a string or a list of strings, got {layers_pattern!r}")
+    if isinstance(targets, str) and (layers or layers_pattern):
+        raise fail("layers_to_transform", "cannot be used when target_modules is a regex string (PEFT rule)")
+    return layers or [], tuple(layers_pattern)
+
+
+def _exclude_modules(fail: _Fail, data: Mapping[str, Any]) -> tuple[str, ...] | str:
+    """``exclude_modules``: one regex string, or a list of names (empty for none)."""
+    exclude = data.get("exclude_modules") or ()
+    if isinstance(exclude, str):
+        return exclude
+    if isinstance(exclude, (list, tuple)) and all(isinstance(m, str) for m in exclude):
+        return tuple(exclude)
+    raise fail("exclude_modules", f"must be a regex string or a list of names, got {exclude!r}")
+
+
+def _boolean(fail: _Fail, data: Mapping[str, Any], field_name: str) -> bool:
+    value = data.get(field_name, False)
+    if not isinstance(value, bool):
+        raise fail(field_name, f"must be a boolean, got {value!r}")
+    return value
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+_ALPHA_RULE = (
+    f"a positive number in float32's normal range [{FLOAT32_TINY!r}, {FLOAT32_MAX!r}] (the scaling "
+    "alpha / r is held and applied in float32)"
+)
+
+
+def _float32_alpha(value: object) -> bool:
+    """Whether ``value`` is an alpha whose scaling float32 can hold: positive (zero makes the adapter the
+    base model, a negative value inverts it), at most float32's largest value (``1e39 / r`` is inf in
+    float32 for small r, and so is every logit), and not below its smallest normal one."""
+    # Compared, never converted: an int too large for a float fails the bound instead of raising, and
+    # NaN and the infinities fail it too.
     return (
-        not isinstance(value, bool) and isinstance(value, int | float) and value > 0 and math.isfinite(value)
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and FLOAT32_TINY <= value <= FLOAT32_MAX
     )
 
 

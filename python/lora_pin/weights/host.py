@@ -15,7 +15,6 @@ using the adapter into NaN, and nothing downstream could tell a user why.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,17 +145,12 @@ def _check_against_model(file: AdapterFile, targets: LoRATargets, max_rank: int)
             f"{where}: tensors for modules the config's target_modules/layers_to_transform exclude: "
             f"{_listing(extra)}"
         )
-    for field_name, pattern in (
-        ("rank_pattern", config.rank_pattern),
-        ("alpha_pattern", config.alpha_pattern),
-    ):
-        for pattern_key in pattern:
-            # PEFT ignores a key that matches nothing; it is a typo that silently serves the default r/alpha.
-            if not any(re.match(rf"(.*\.)?({pattern_key})$", k) for k in expected):
-                raise AdapterLoadError(
-                    f"adapter {name!r} ({config.file}): field {field_name!r} key {pattern_key!r} matches no "
-                    f"module the adapter targets ({_listing(expected)})"
-                )
+    # PEFT ignores a key that matches nothing; it is a typo that silently serves the default r/alpha.
+    for field_name, pattern_key in config.unused_pattern_keys(expected):
+        raise AdapterLoadError(
+            f"adapter {name!r} ({config.file}): field {field_name!r} key {pattern_key!r} matches no "
+            f"module the adapter targets ({_listing(expected)})"
+        )
     ranks: dict[str, int] = {}
     for key in matched:
         pair, target = pairs[key], targets.linear(key)

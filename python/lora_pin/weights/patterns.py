@@ -1,91 +1,79 @@
-"""Regexes from untrusted adapter configs, refused when matching them could take exponential time.
+"""Regexes from untrusted adapter configs, compiled into matchers that run in linear time.
 
 PEFT configs hold regexes (``target_modules`` as a string, ``rank_pattern`` / ``alpha_pattern`` keys,
-``layers_pattern``, ``exclude_modules``) that are matched against every module name with Python's
-backtracking ``re``, which holds the GIL: one pattern such as ``(([a-z.]*)*)*!`` freezes every thread of
-the server. Python's ``re`` has no timeout, and an engine without backtracking (RE2) would refuse the
-lookaheads real configs use (``^(?!.*vision).*q_proj``), so the patterns are checked instead: the known
-sources of catastrophic backtracking are refused, with the reason.
+``layers_pattern``, ``exclude_modules``) that PEFT matches with Python's backtracking ``re``, with the GIL
+held: one pattern such as ``(?:.|.){26}X`` costs 2^26 steps per module name. lora_pin checks each pattern
+with Python's own parser (it accepts what PEFT accepts, no more), then has the Rust core compile a field's
+patterns once into a :class:`~lora_pin._core.PatternSet`: automata that never backtrack, so a module key
+costs time linear in its length whatever the patterns, and one pass over it finds every pattern it
+matches. Python syntax that engine lacks or would read differently (look-around, back-references,
+possessive quantifiers, ...) is refused, naming the construct; the rules are in ``rust/patterns.rs``.
 
-- a variable repetition or an optional part inside a repetition (``(a*)*``, ``(\\w+\\.)+``,
-  ``(?:.?){26}``): exponential;
-- an alternation inside a repetition (``(a|ab)*``): exponential when the branches overlap;
-- more than :data:`MAX_REPEATS` variable quantifiers (``*``, ``+``, ``?``, ``{m,n}``) one after the other
-  (``.*.*.*.*!``, ``a?a?a?a?aaaa``): polynomial of that degree (alternatives count their largest).
-
-Module names are short, so what is left costs milliseconds per name at worst.
+Limits, each named in its error: a pattern has at most :data:`MAX_PATTERN_CHARS` characters, and a config
+at most :data:`MAX_PATTERN_ENTRIES` entries in its pattern fields and lists together.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
+from collections.abc import Sequence
+from typing import Literal
 
-try:  # Python 3.11+
-    from re import _constants as _c
-    from re import _parser
-except ImportError:  # Python 3.10
-    import sre_constants as _c  # type: ignore[no-redef]
-    import sre_parse as _parser  # type: ignore[no-redef]
+from lora_pin._core import PatternSet
+from lora_pin.errors import AdapterLoadError
 
-__all__ = ["MAX_PATTERN_CHARS", "MAX_REPEATS", "regex_refusal"]
+__all__ = ["MAX_PATTERN_CHARS", "MAX_PATTERN_ENTRIES", "compile_patterns"]
 
 MAX_PATTERN_CHARS = 1024
-# Degree 4 lets through the patterns tools write for vision-language finetunes (``.*?(?:language|text)
-# .*?(?:self_attn|mlp).*?(?:q_proj|...).*?``); its worst case, ``.*a.*a.*a.*a!`` against a 100-character
-# module name, took 20 ms here (degree 5: 400 ms, and 12 s at 200 characters).
-MAX_REPEATS = 4
-
-_REPEATS = {_c.MAX_REPEAT, _c.MIN_REPEAT, getattr(_c, "POSSESSIVE_REPEAT", _c.MAX_REPEAT)}
-
-
-class _Costly(Exception):
-    pass
+# Entries of rank_pattern, alpha_pattern, and the target_modules, exclude_modules, layers_pattern and
+# layers_to_transform lists together. Tools that write one rank_pattern and one alpha_pattern entry per
+# module give 2 x 560 = 1,120 for an 80-layer model with seven linears per layer; 4,096 leaves room for
+# that and bounds the work a config can ask for: a set of 4,096 patterns compiles and matches a tiny
+# Llama's modules in well under a second (BENCHMARKS.md).
+MAX_PATTERN_ENTRIES = 4096
 
 
-def regex_refusal(pattern: str) -> str | None:
-    """Why ``pattern`` is refused (not a regex, too long, or possibly exponential to match), or None."""
-    if len(pattern) > MAX_PATTERN_CHARS:
-        return f"is {len(pattern)} characters long, above {MAX_PATTERN_CHARS}"
-    try:
-        re.compile(pattern)
-        parsed = _parser.parse(pattern)
-    except (re.error, RecursionError) as exc:
-        return f"is not a valid regex: {exc}"
-    try:
-        degree = _walk(list(parsed), inside_repeat=False)
-    except _Costly as why:
-        return f"could take exponential time to match: it has {why}"
-    if degree > MAX_REPEATS:
-        return (
-            f"could take very long to match: it has {degree} variable repetitions in a row "
-            f"(at most {MAX_REPEATS})"
-        )
-    return None
+def compile_patterns(
+    context: str,
+    patterns: Sequence[str],
+    labels: Sequence[str],
+    *,
+    peft_forms: Sequence[str],
+    anchoring: Literal["start", "full", "dotted_suffix"],
+) -> PatternSet:
+    r"""Compile a field's ``patterns`` into one :class:`~lora_pin._core.PatternSet` applied as ``anchoring``
+    says, after checking that Python's ``re`` compiles ``peft_forms[i]``, the regex PEFT builds from
+    ``patterns[i]`` (the pattern itself, or embedded as in ``(.*\.)?({key})$``), as PEFT would.
+    ``context`` (adapter, file and field) and ``labels[i]`` name a refused pattern in the error.
 
-
-def _walk(items: list[tuple[object, object]], *, inside_repeat: bool) -> int:
-    """The degree of the pattern's backtracking: variable quantifiers (``*``, ``+``, ``?``, ``{m,n}``)
-    in sequence add up, alternatives take the largest. Raises :class:`_Costly` for a variable quantifier
-    or an alternation inside a repetition, where the number of ways to match grows exponentially."""
-    degree = 0
-    for op, av in items:
-        if op in _REPEATS:
-            low, high, sub = av  # type: ignore[misc]
-            variable = low != high
-            if variable and inside_repeat:
-                raise _Costly("a variable repetition or optional part inside a repetition")
-            degree += int(variable) + _walk(list(sub), inside_repeat=inside_repeat or high > 1)
-        elif op is _c.BRANCH:
-            if inside_repeat:
-                raise _Costly("an alternation inside a repetition")
-            degree += max(_walk(list(branch), inside_repeat=False) for branch in av[1])  # type: ignore[index]
-        elif op is _c.SUBPATTERN:
-            degree += _walk(list(av[-1]), inside_repeat=inside_repeat)  # type: ignore[index]
-        elif op in (_c.ASSERT, _c.ASSERT_NOT):
-            degree += _walk(list(av[1]), inside_repeat=inside_repeat)  # type: ignore[index]
-        elif op is _c.GROUPREF_EXISTS:
-            degree += max(
-                (_walk(list(b), inside_repeat=inside_repeat) for b in av[1:] if b is not None),  # type: ignore[index]
-                default=0,
+    Raises:
+        AdapterLoadError: a pattern is longer than :data:`MAX_PATTERN_CHARS`, holds a lone surrogate, is
+            not a regex Python's ``re`` compiles, uses a construct the linear-time matcher lacks or reads
+            differently (named), or the field's patterns together compile past the core's size limit.
+    """
+    for pattern, form, label in zip(patterns, peft_forms, labels, strict=True):
+        if len(pattern) > MAX_PATTERN_CHARS:
+            raise AdapterLoadError(
+                f"{context} {label} is {len(pattern)} characters long, above the limit "
+                f"MAX_PATTERN_CHARS={MAX_PATTERN_CHARS}"
             )
-    return degree
+        if not _is_text(pattern):
+            raise AdapterLoadError(f"{context} {label} is not valid Unicode (it holds a lone surrogate)")
+        try:
+            # Nested sets and the like warn (FutureWarning) where they may change meaning one day; the
+            # core refuses those, and a warning here must not become an error under -W error.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                re.compile(form)
+        except (re.error, RecursionError, OverflowError) as exc:
+            raise AdapterLoadError(f"{context} {label} is not a valid regex: {exc}") from None
+    return PatternSet(list(patterns), anchoring=anchoring, context=context, labels=list(labels))
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
