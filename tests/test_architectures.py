@@ -5,8 +5,8 @@ checks that ``mgr.batch(names)`` gives PEFT's ``model(..., adapter_names=[...])`
 base rows the base model's own output on the batch bit for bit:
 
 - GPT-2: ``attn.c_proj`` and ``mlp.c_proj`` in every block (transformers ``Conv1D``);
-- Llava: a CLIP vision tower's ``layers.N.self_attn.q_proj`` beside the language model's, adapters on either
-  tower or both, random pixels;
+- Llava (CLIP + Llama) and Gemma 3 (SigLIP + Gemma 3): a vision tower's ``layers.N.self_attn.q_proj`` beside
+  the language model's, adapters on either tower, both, or Llava's projector, random pixels;
 - BART and T5: encoder and decoder layers with the same names, each sequence's adapter applied in both
   (encoder inputs ``[B, S]``, decoder inputs ``[B, T]``, cross-attention over the encoder's states);
 - Mamba: ``dt_proj`` targeted, whose ``weight`` the mixer reads directly (PEFT refuses ``out_proj`` there).
@@ -137,7 +137,7 @@ def test_gpt2_attention_and_mlp_c_proj_are_separate_targets(gpt2: torch.nn.Modul
     assert {"transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_proj"} <= keys
 
 
-# ---------------------------------------------------------------- Llava: vision tower beside language model
+# ---------------------------------------------------------------- vision-language: two towers, same names
 
 IMAGE_TOKEN = 95
 
@@ -166,20 +166,67 @@ def llava() -> torch.nn.Module:
     return seeded(lambda: LlavaForConditionalGeneration(config))
 
 
-def llava_inputs(batch: int) -> dict[str, Any]:
-    # Each sequence holds its one image's 4 patch features (16x16 pixels, 8x8 patches, CLS dropped).
-    text = ids(batch, 6, IMAGE_TOKEN - 1)
+@pytest.fixture(scope="module")
+def gemma3() -> torch.nn.Module:
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=16,
+        patch_size=4,
+    )
+    text = Gemma3TextConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=96,
+        sliding_window=8,
+    )
+    config = Gemma3Config(
+        vision_config=vision,
+        text_config=text,
+        mm_tokens_per_image=4,
+        image_token_index=IMAGE_TOKEN,
+        boi_token_index=93,
+        eoi_token_index=94,
+    )
+    model = seeded(lambda: Gemma3ForConditionalGeneration(config))
+    with torch.no_grad():  # initialised to zero, which would hide the vision tower from the logits
+        model.get_parameter("model.multi_modal_projector.mm_input_projection_weight").normal_(0.0, 0.2)
+    return model
+
+
+def vlm_inputs(batch: int) -> dict[str, Any]:
+    # Each sequence holds its one image's 4 image tokens (Llava: 16x16 pixels in 8x8 patches, CLS dropped;
+    # Gemma 3: 16 patches pooled to 4), so the vision tower's batch is the sequences'.
+    text = ids(batch, 6, 90)
     image = torch.full((batch, 4), IMAGE_TOKEN)
     pixels = torch.randn((batch, 3, 16, 16), generator=torch.Generator().manual_seed(1))
     return {"input_ids": torch.cat([text[:, :2], image, text[:, 2:]], 1), "pixel_values": pixels}
 
 
-def test_llava_vision_tower_and_language_model_share_names(llava: torch.nn.Module, tmp_path: Path) -> None:
-    keys = [k for k, _ in llava.named_modules() if k.endswith("layers.0.self_attn.q_proj")]
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_vision_tower_and_language_model_share_names(
+    family: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    base = request.getfixturevalue(family)
+    keys = [k for k, _ in base.named_modules() if k.endswith("layers.0.self_attn.q_proj")]
     assert len(keys) == 2, keys  # the case this test is about: one per tower
+    projector = ["linear_1"] if family == "llava" else []  # Gemma 3's projector is no linear layer
     adapters = {
         "text": save_adapter(
-            llava,
+            base,
             tmp_path / "text",
             1,
             r=4,
@@ -187,14 +234,19 @@ def test_llava_vision_tower_and_language_model_share_names(llava: torch.nn.Modul
             target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)",
         ),
         "vision": save_adapter(
-            llava, tmp_path / "vision", 2, r=2, lora_alpha=4, target_modules=r".*vision_tower.*\.(q_proj|fc1)"
+            base, tmp_path / "vision", 2, r=2, lora_alpha=4, target_modules=r".*vision_tower.*\.(q_proj|fc1)"
         ),
         "both": save_adapter(
-            llava, tmp_path / "both", 3, r=8, lora_alpha=4, target_modules=["q_proj", "o_proj", "out_proj"]
+            base,
+            tmp_path / "both",
+            3,
+            r=8,
+            lora_alpha=4,
+            target_modules=["q_proj", "o_proj", "out_proj", *projector],
         ),
     }
     names = ["text", "vision", None, "both", "text"]
-    check_against_peft(llava, adapters, names, llava_inputs(len(names)), logits)
+    check_against_peft(base, adapters, names, vlm_inputs(len(names)), logits)
 
 
 # ---------------------------------------------------------------- encoder-decoders
@@ -347,7 +399,7 @@ def test_refusals_name_the_module_and_the_way_out(gpt2: torch.nn.Module, tmp_pat
         AdapterLoadError, match=r"'transformer.h.0.mlp.c_proj'.*not served: .*lora_target_modules="
     ):
         mgr.load("mlp", mlp)
-    with pytest.raises(AdapterLoadError, match=r"'lm_head'.*not inside a numbered layer"):
+    with pytest.raises(AdapterLoadError, match=r"'lm_head'.*not served: it is the model's output layer"):
         mgr.load("head", head)
     with pytest.raises(SpecError, match=r"lora_target_modules names \['c_fc_typo'\]"):
         LoRAManager(copy.deepcopy(gpt2), [f"attn={attn}"], lora_target_modules=["c_proj", "c_fc_typo"])

@@ -14,6 +14,7 @@ from lora_pin.weights.targets import (
     ModuleSelection,
     linear_features,
     linear_kind,
+    output_layer_keys,
     overrides_linear_forward,
 )
 
@@ -29,13 +30,14 @@ def model_targets(
     """The LoRA targets of ``model`` and, per target group key, the key of the module computing it.
 
     ``selection`` is the adapter-side modules to serve, with PEFT's ``target_modules`` meaning (names match
-    the end of a module key, regexes the whole key); None serves every linear layer inside a numbered layer
-    (``--lora-target-modules all``). Targets are keyed by their full module path, so modules sharing a short
-    name (GPT-2's ``attn.c_proj`` and ``mlp.c_proj``, a vision tower's and a language model's
-    ``layers.0.self_attn.q_proj``, an encoder's and a decoder's) are separate targets. ``fused_modules``
-    maps a fused model module to the adapter modules stacked in its output, in order, with their widths,
-    e.g. ``{"qkv_proj": [("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)]}``: adapters trained on
-    separate projections are then served by one shrink and one expand over the fused output.
+    the end of a module key, regexes the whole key); None serves every linear layer but the output layer
+    (``--lora-target-modules all``, PEFT's ``all-linear``). Targets are keyed by their full module path,
+    so modules sharing a short name (GPT-2's ``attn.c_proj`` and ``mlp.c_proj``, a vision tower's and a
+    language model's ``layers.0.self_attn.q_proj``, an encoder's and a decoder's) are separate targets.
+    ``fused_modules`` maps a fused model module to the adapter modules stacked in its output, in order,
+    with their widths, e.g. ``{"qkv_proj": [("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)]}``:
+    adapters trained on separate projections are then served by one shrink and one expand over the fused
+    output.
 
     Raises:
         SpecError: a selected module subclasses a linear layer but computes its own forward; a fused
@@ -47,6 +49,7 @@ def model_targets(
     linears: list[LinearTarget] = []
     module_of: dict[str, str] = {}
     unserved: dict[str, str] = {}
+    output = output_layer_keys(model)
     for key, module in model.named_modules():
         if isinstance(module, LoRALinear):
             raise SpecError(
@@ -63,7 +66,7 @@ def model_targets(
                 f"{key!r} ({type(module).__name__}) subclasses a linear layer but overrides its forward, so "
                 "its output may not be a tensor (a router returning a tuple, say): it cannot be wrapped"
             )
-            if selection is not None and selected and layer_index(key) is not None:
+            if selection is not None and selected:
                 raise SpecError(
                     f"{why}. Leave it out of lora_target_modules, or teach lora_pin its output with "
                     "lora_pin.register_linear(cls, returns_bias=...) if it is a linear layer"
@@ -73,13 +76,10 @@ def model_targets(
         features = linear_features(module)
         if features is None:
             continue
-        index = layer_index(key)
-        if index is None:
-            unserved[key] = (
-                "it is not inside a numbered layer (lm_head, a projector between towers ...), and lora_pin "
-                "serves LoRA only on the linear layers of a model's numbered layers"
-            )
+        if key in output:
+            unserved[key] = "it is the model's output layer, and LoRA on lm_head is not served yet"
             continue
+        index = layer_index(key)
         if name in fused:
             spec = list(fused[name])
             fused_group = known.get(tuple(m for m, _ in spec))
@@ -107,8 +107,8 @@ def model_targets(
     if not linears:
         wanted = "any name" if selection is None else f"selected by {selection}"
         raise SpecError(
-            f"the model has no linear layer {wanted} inside a numbered layer (lora_target_modules= "
-            "chooses the modules to serve; ['all'] serves every linear layer of the model's layers)"
+            f"the model has no linear layer {wanted}, lm_head aside (lora_target_modules= "
+            "chooses the modules to serve; ['all'] serves every linear layer)"
         )
     targets = LoRATargets.from_linears(linears, fuse=bool(fused), unserved=unserved)
     for group in targets.groups:

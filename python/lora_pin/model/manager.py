@@ -98,8 +98,8 @@ class LoRAManager:
             read and checked (tensors included: a config's claimed rank alone never sizes the pool).
         lora_target_modules: the modules to wrap, as PEFT's ``target_modules``: names (``q_proj`` wraps
             every module whose key ends in ``.q_proj``; ``mlp.c_proj`` only those) or one regex string
-            matched against whole module keys; ``["all"]`` wraps every linear layer of the model inside
-            a numbered layer (SGLang's ``all``: later loads may target any of them); None takes every module
+            matched against whole module keys; ``["all"]`` wraps every linear layer of the model but its
+            output layer (PEFT's ``all-linear``: later loads may target any of them); None takes every module
             the start-up adapters' ``target_modules`` select in this model (for names, in every layer).
         eviction_policy: the device tier's policy: ``"lru"``, ``"fifo"``, ``"reuse"`` or ``"hybrid"``
             (host tier: LRU).
@@ -175,8 +175,8 @@ class LoRAManager:
             missing = modules.unmatched(t.key for t in self.targets.linears)
             if missing:
                 raise SpecError(
-                    f"lora_target_modules names {missing}, which the model has no linear layer for inside "
-                    f"a numbered layer (it has {list(self.targets.module_names)})"
+                    f"lora_target_modules names {missing}, which select none of the model's linear layers "
+                    f"(lm_head aside; it has {list(self.targets.module_names)})"
                 )
         self.chunk_size = chunk_size
         host = HostTier(

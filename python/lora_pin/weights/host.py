@@ -175,8 +175,8 @@ def _why_not_target(targets: LoRATargets, unserved: list[str]) -> str:
     """Why the module(s) ``unserved`` (keys of the model that are no targets, maybe none) cannot be served."""
     if not unserved:
         return (
-            "which is not a LoRA target of this model: no linear layer in its numbered layers has that "
-            f"name (targets: {', '.join(targets.module_names)})"
+            "which is not a LoRA target of this model: no linear layer it wraps has that name (targets: "
+            f"{', '.join(targets.module_names)})"
         )
     more = f" (and {len(unserved) - 1} more)" if len(unserved) > 1 else ""
     return f"{unserved[0]!r}{more}, which is not served: {targets.unserved[unserved[0]]}"

@@ -54,10 +54,10 @@ FUSED_GROUPS: dict[str, tuple[str, ...]] = {
 @dataclass(frozen=True)
 class LinearTarget:
     """One LoRA-able linear layer: ``key`` is its module path (``model.layers.0.self_attn.q_proj``),
-    ``module`` its last segment and ``layer`` the index of the numbered layer it sits in (PEFT's
-    layer-index rule)."""
+    ``module`` its last segment and ``layer`` the index of the numbered layer it sits in by PEFT's
+    layer-index rule (None outside every numbered layer: a projector between towers, say)."""
 
-    layer: int
+    layer: int | None
     module: str
     key: str
     in_features: int
@@ -72,7 +72,7 @@ class TargetGroup:
     ``[slice_offsets[s], slice_offsets[s + 1])`` of B. Members of a fused group share one parent module.
     """
 
-    layer: int
+    layer: int | None
     name: str
     members: tuple[LinearTarget, ...]
 
@@ -195,6 +195,17 @@ def overrides_linear_forward(module: torch.nn.Module) -> bool:
     return any(issubclass(cls, known) and cls.forward is not known.forward for known in _KINDS)
 
 
+def output_layer_keys(model: torch.nn.Module) -> set[str]:
+    """The keys of the model's output layer (``lm_head``): what ``get_output_embeddings()`` returns, and any
+    module named ``lm_head``. PEFT's ``all-linear`` leaves it out too."""
+    found = {key for key, _ in model.named_modules() if key.rpartition(".")[2] == "lm_head"}
+    get_output = getattr(model, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    if isinstance(head, torch.nn.Module):
+        found.update(key for key, module in model.named_modules() if module is head)
+    return found
+
+
 def linear_features(module: torch.nn.Module) -> tuple[int, int] | None:
     """``(in_features, out_features)`` of a linear layer lora_pin knows (:func:`linear_kind`), else None."""
     kind = linear_kind(module)
@@ -311,7 +322,8 @@ class LoRATargets:
             raise SpecError(
                 f"model targets: the fused group key(s) {clashes} are also the key of a module of the model"
             )
-        return cls(tuple(ordered), tuple(groups), len({t.layer for t in ordered}), dict(unserved or {}))
+        layers = {t.layer for t in ordered if t.layer is not None}
+        return cls(tuple(ordered), tuple(groups), len(layers), dict(unserved or {}))
 
     @classmethod
     def from_model(
@@ -320,8 +332,8 @@ class LoRATargets:
         """Find the linear layers ``target_modules`` selects, with PEFT's meaning (a list of names or a regex,
         see :class:`ModuleSelection`; default :data:`DEFAULT_TARGET_MODULES`).
 
-        A module qualifies when it is selected, it sits inside a numbered layer (PEFT's layer-index rule) and
-        it is a linear layer lora_pin knows (:func:`linear_kind`), or wraps one as ``base_layer`` (a
+        A module qualifies when it is selected, it is not the model's output layer (:func:`output_layer_keys`)
+        and it is a linear layer lora_pin knows (:func:`linear_kind`), or wraps one as ``base_layer`` (a
         PEFT-wrapped model). Works on models built on the ``meta`` device.
 
         Raises:
@@ -329,14 +341,16 @@ class LoRATargets:
         """
         selection = ModuleSelection.of(DEFAULT_TARGET_MODULES if target_modules is None else target_modules)
         found: list[LinearTarget] = []
+        output = output_layer_keys(model)
         for key, module in model.named_modules():
-            if not selection.selects(key):
+            if not selection.selects(key) or key in output:
                 continue
             features = linear_features(module)
-            index = layer_index(key)
-            if features is None or index is None:
+            if features is None:
                 continue
-            found.append(LinearTarget(index, key.rpartition(".")[2], key, features[0], features[1]))
+            found.append(
+                LinearTarget(layer_index(key), key.rpartition(".")[2], key, features[0], features[1])
+            )
         return cls.from_linears(found, fuse=fuse)
 
     def __iter__(self) -> Iterator[TargetGroup]:
