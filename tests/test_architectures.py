@@ -4,7 +4,7 @@ Each test builds a tiny model of one family from a config (no download), saves P
 checks that ``mgr.batch(names)`` gives PEFT's ``model(..., adapter_names=[...])`` output row for row, and
 base rows the base model's own output on the batch bit for bit:
 
-- GPT-2: ``attn.c_proj`` and ``mlp.c_proj`` in every block (transformers ``Conv1D``);
+- GPT-2 and StarCoder: ``attn.c_proj`` and ``mlp.c_proj`` in every block (GPT-2's as transformers ``Conv1D``);
 - Llava (CLIP + Llama) and Gemma 3 (SigLIP + Gemma 3): a vision tower's ``layers.N.self_attn.q_proj`` beside
   the language model's, adapters on either tower, both, or Llava's projector, random pixels;
 - BART and T5: encoder and decoder layers with the same names, each sequence's adapter applied in both
@@ -101,38 +101,51 @@ def gpt2() -> torch.nn.Module:
     return seeded(lambda: GPT2LMHeadModel(config))
 
 
-def test_gpt2_attention_and_mlp_c_proj_are_separate_targets(gpt2: torch.nn.Module, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def starcoder() -> torch.nn.Module:
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    config = GPTBigCodeConfig(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=96, multi_query=True)
+    return seeded(lambda: GPTBigCodeForCausalLM(config))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "starcoder"])
+def test_attention_and_mlp_c_proj_are_separate_targets(
+    family: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    base = request.getfixturevalue(family)
+    conv1d = family == "gpt2"  # GPT-2's transformers Conv1D stores [in, out]: PEFT's fan_in_fan_out
     adapters = {
         "both": save_adapter(
-            gpt2,
+            base,
             tmp_path / "both",
             1,
             r=4,
             lora_alpha=8,
             target_modules=["c_attn", "c_proj"],
-            fan_in_fan_out=True,
+            fan_in_fan_out=conv1d,
         ),
         "mlp": save_adapter(
-            gpt2,
+            base,
             tmp_path / "mlp",
             2,
             r=2,
             lora_alpha=4,
             target_modules=["mlp.c_proj", "c_fc"],
-            fan_in_fan_out=True,
+            fan_in_fan_out=conv1d,
         ),
         "attn1": save_adapter(
-            gpt2,
+            base,
             tmp_path / "attn1",
             3,
             r=8,
             lora_alpha=8,
             target_modules=r".*\.1\.attn\.c_proj",
-            fan_in_fan_out=True,
+            fan_in_fan_out=conv1d,
         ),
     }
     names = ["both", None, "mlp", "attn1", "both", None]
-    mgr = check_against_peft(gpt2, adapters, names, {"input_ids": ids(6, 5, 96)}, logits)
+    mgr = check_against_peft(base, adapters, names, {"input_ids": ids(6, 5, 96)}, logits)
     keys = {g.key for g in mgr.targets.groups}
     assert {"transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_proj"} <= keys
 
