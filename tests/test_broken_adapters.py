@@ -77,8 +77,8 @@ def snapshot(mgr: LoRAManager) -> dict[str, Any]:
     """Everything a refused load must leave alone (the logits are checked separately)."""
     pool = {}
     for group in mgr.targets.groups:
-        a, b, ranks, scalings, _ = mgr.pool.buffers(group.layer, group.name)
-        pool[(group.layer, group.name)] = tuple(t.clone() for t in (a, b, ranks, scalings))
+        a, b, ranks, scalings, _ = mgr.pool.buffers(group.key)
+        pool[group.key] = tuple(t.clone() for t in (a, b, ranks, scalings))
     return {
         "stats": mgr.registry.stats(),
         "host": {n: mgr.host[n].nbytes for n in mgr.host},

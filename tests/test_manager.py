@@ -473,7 +473,7 @@ def test_finish_takes_only_the_active_step_once(world: World) -> None:
     mgr.registry.audit()
 
 
-def test_a_model_with_two_target_modules_of_one_name_in_a_layer_is_refused(world: World) -> None:
+def test_two_target_modules_of_one_name_in_a_layer_are_two_targets(world: World) -> None:
     class WithTower(torch.nn.Module):  # a vision tower beside the language model, both numbered
         def __init__(self, lm: torch.nn.Module) -> None:
             super().__init__()
@@ -481,10 +481,17 @@ def test_a_model_with_two_target_modules_of_one_name_in_a_layer_is_refused(world
             self.vision = torch.nn.Module()
             self.vision.layers = copy.deepcopy(lm.model.layers)
 
-    with pytest.raises(
-        SpecError, match=r"two target modules named 'q_proj'.*vision\.layers\.0\.self_attn\.q_proj"
-    ):
-        LoRAManager(WithTower(fresh_model(world)), items(world)[:1], max_loras_per_batch=2)
+    mgr = LoRAManager(
+        WithTower(fresh_model(world)), lora_target_modules=["q_proj"], max_lora_rank=8, max_loras_per_batch=2
+    )
+    assert [g.key for g in mgr.targets.groups if ".0." in g.key] == [
+        "language_model.model.layers.0.self_attn.q_proj",
+        "vision.layers.0.self_attn.q_proj",
+    ]
+    assert (
+        mgr.pool.buffers("vision.layers.0.self_attn.q_proj")[0]
+        is not (mgr.pool.buffers("language_model.model.layers.0.self_attn.q_proj")[0])
+    )
 
 
 def test_an_unload_racing_a_load_of_the_same_name_keeps_the_new_adapter(world: World) -> None:

@@ -97,7 +97,7 @@ def peft_lora_layers(world: World) -> dict[str, torch.nn.Module]:
 def pool_delta(pool: DevicePool, slot: int, world: World, key: str) -> tuple[torch.Tensor, int, float]:
     """``scaling * B @ A`` in fp64 for module ``key`` read back from the pool, with its rank and scaling."""
     group, s = world.targets.group_of(key)
-    a, b, ranks, scalings, offsets = pool.buffers(group.layer, group.name)
+    a, b, ranks, scalings, offsets = pool.buffers(group.key)
     r = pool.max_rank
     a_s = a[slot, s * r : (s + 1) * r].double()
     b_s = b[slot, offsets[s] : offsets[s + 1]].double()
@@ -119,10 +119,10 @@ def test_targets_describe_every_linear_and_fuse_groups(world: World) -> None:
     assert k is not None and (k.in_features, k.out_features) == (64, 32)  # 2 kv heads of 16
     assert down is not None and (down.in_features, down.out_features) == (128, 64)
     assert [g.name for g in t.groups if g.layer == 0] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
-    qkv = t.group(0, "qkv_proj")
+    qkv = t.group("model.layers.0.self_attn.qkv_proj")
     assert qkv.slice_offsets == (0, 64, 96, 128) and qkv.in_features == 64
-    assert t.group(1, "gate_up_proj").slice_offsets == (0, 128, 256)
-    assert t.group_of("model.layers.1.self_attn.v_proj") == (t.group(1, "qkv_proj"), 2)
+    assert t.group("model.layers.1.mlp.gate_up_proj").slice_offsets == (0, 128, 256)
+    assert t.group_of("model.layers.1.self_attn.v_proj") == (t.group("model.layers.1.self_attn.qkv_proj"), 2)
 
     unfused = LoRATargets.from_linears(t.linears, fuse=False)
     assert len(unfused.groups) == 14 and all(g.n_slices == 1 for g in unfused.groups)
@@ -182,18 +182,20 @@ def test_known_scalings_follow_peft_rules(world: World) -> None:
     host = load_adapter(
         "mixed", world.adapters["mixed"], world.targets, max_rank=MAX_RANK, dtype=torch.float32
     )
-    qkv1 = host.modules[(1, "qkv_proj")]
+    qkv1 = host.modules["model.layers.1.self_attn.qkv_proj"]
     assert qkv1.ranks == (8, 8, 4)
     assert qkv1.scalings == (3 / 8, 16 / 8, 16 / 4)  # alpha_pattern on layer-1 q, rank_pattern on v
-    assert host.modules[(0, "gate_up_proj")].scalings == (16 / 8, 5 / 8)
-    assert host.modules[(1, "down_proj")].ranks == (2,)
+    assert host.modules["model.layers.0.mlp.gate_up_proj"].scalings == (16 / 8, 5 / 8)
+    assert host.modules["model.layers.1.mlp.down_proj"].ranks == (2,)
     rs = load_adapter(
         "rslora", world.adapters["rslora"], world.targets, max_rank=MAX_RANK, dtype=torch.float32
     )
-    assert rs.modules[(0, "qkv_proj")].scalings == (8 / 2, 0.0, 8 / 2)
-    assert rs.modules[(0, "gate_up_proj")].ranks == (0, 16)
-    assert rs.modules[(0, "gate_up_proj")].scalings == (0.0, 8 / 4)
-    assert set(rs.modules) == {(0, "qkv_proj"), (0, "gate_up_proj"), (1, "qkv_proj"), (1, "gate_up_proj")}
+    assert rs.modules["model.layers.0.self_attn.qkv_proj"].scalings == (8 / 2, 0.0, 8 / 2)
+    assert rs.modules["model.layers.0.mlp.gate_up_proj"].ranks == (0, 16)
+    assert rs.modules["model.layers.0.mlp.gate_up_proj"].scalings == (0.0, 8 / 4)
+    assert set(rs.modules) == {
+        f"model.layers.{i}.{group}" for i in (0, 1) for group in ("self_attn.qkv_proj", "mlp.gate_up_proj")
+    }
 
 
 def test_pool_forward_equals_peft_forward(world: World) -> None:
@@ -206,7 +208,7 @@ def test_pool_forward_equals_peft_forward(world: World) -> None:
     x_by_in = {n: torch.randn(5, n, generator=torch.Generator().manual_seed(n)) for n in (64, 128)}
     for key, layer in peft_lora_layers(world).items():
         group, s = world.targets.group_of(key)
-        a, b, _, scalings, offsets = pool.buffers(group.layer, group.name)
+        a, b, _, scalings, offsets = pool.buffers(group.key)
         x = x_by_in[group.in_features]
         with torch.no_grad():
             want = (layer(x) - layer.base_layer(x)).double()

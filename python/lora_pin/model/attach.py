@@ -10,7 +10,13 @@ from lora_pin.errors import SpecError
 from lora_pin.model.layers import LoRALinear, StepSegments
 from lora_pin.weights import FUSED_GROUPS, DevicePool, GroupBuffers, LinearTarget, LoRATargets
 from lora_pin.weights.config import layer_index
-from lora_pin.weights.targets import linear_features, linear_kind, overrides_linear_forward
+from lora_pin.weights.targets import (
+    ModuleSelection,
+    linear_features,
+    linear_kind,
+    output_layer_keys,
+    overrides_linear_forward,
+)
 
 __all__ = ["attach", "detach", "model_targets"]
 
@@ -19,24 +25,31 @@ FusedSpec = Mapping[str, Sequence[tuple[str, int]]]
 
 
 def model_targets(
-    model: torch.nn.Module, modules: Sequence[str] | None, fused_modules: FusedSpec | None = None
-) -> tuple[LoRATargets, dict[tuple[int, str], str]]:
-    """The LoRA targets of ``model`` and, per ``(layer, group)``, the key of the module computing it.
+    model: torch.nn.Module, selection: ModuleSelection | None, fused_modules: FusedSpec | None = None
+) -> tuple[LoRATargets, dict[str, str]]:
+    """The LoRA targets of ``model`` and, per target group key, the key of the module computing it.
 
-    ``modules`` are the adapter-side module names to serve (``q_proj`` ...); None serves every linear layer
-    inside a numbered layer (``--lora-target-modules all``). ``fused_modules`` maps a fused
-    model module to the adapter modules stacked in its output, in order, with their widths, e.g.
-    ``{"qkv_proj": [("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)]}``: adapters trained on separate
-    projections are then served by one shrink and one expand over the fused output.
+    ``selection`` is the adapter-side modules to serve, with PEFT's ``target_modules`` meaning (names match
+    the end of a module key, regexes the whole key); None serves every linear layer but the output layer
+    (``--lora-target-modules all``, PEFT's ``all-linear``). Targets are keyed by their full module path,
+    so modules sharing a short name (GPT-2's ``attn.c_proj`` and ``mlp.c_proj``, a vision tower's and a
+    language model's ``layers.0.self_attn.q_proj``, an encoder's and a decoder's) are separate targets.
+    ``fused_modules`` maps a fused model module to the adapter modules stacked in its output, in order,
+    with their widths, e.g. ``{"qkv_proj": [("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)]}``:
+    adapters trained on separate projections are then served by one shrink and one expand over the fused
+    output.
 
     Raises:
-        SpecError: a fused module's widths do not add up to its output, its members are not those of a known
-            fused group (``qkv_proj`` = q/k/v, ``gate_up_proj`` = gate/up), or no module qualifies.
+        SpecError: a selected module subclasses a linear layer but computes its own forward; a fused
+            module's widths do not add up to its output, or its members are not those of a known fused group
+            (``qkv_proj`` = q/k/v, ``gate_up_proj`` = gate/up); or no module qualifies.
     """
     fused = dict(fused_modules or {})
     known = {members: group for group, members in FUSED_GROUPS.items()}
     linears: list[LinearTarget] = []
-    module_of: dict[tuple[int, str], str] = {}
+    module_of: dict[str, str] = {}
+    unserved: dict[str, str] = {}
+    output = output_layer_keys(model)
     for key, module in model.named_modules():
         if isinstance(module, LoRALinear):
             raise SpecError(
@@ -44,23 +57,33 @@ def model_targets(
                 "per model: a second would wrap the first's wrappers)"
             )
         parent, _, name = key.rpartition(".")
-        index = layer_index(key)
-        if index is None:
+        selected = selection is None or selection.selects(key)
+        if isinstance(module, torch.nn.Embedding):
+            unserved[key] = "it is an embedding, and LoRA on embeddings is not served yet"
             continue
-        if modules is not None and name in modules and overrides_linear_forward(module):
-            raise SpecError(
+        if overrides_linear_forward(module):
+            why = (
                 f"{key!r} ({type(module).__name__}) subclasses a linear layer but overrides its forward, so "
-                "its output may not be a tensor (a router returning a tuple, say): it cannot be wrapped. "
-                "Leave it out of lora_target_modules, or teach lora_pin its output with "
-                "lora_pin.register_linear(cls, returns_bias=...) if it is a linear layer"
+                "its output may not be a tensor (a router returning a tuple, say): it cannot be wrapped"
             )
+            if selection is not None and selected:
+                raise SpecError(
+                    f"{why}. Leave it out of lora_target_modules, or teach lora_pin its output with "
+                    "lora_pin.register_linear(cls, returns_bias=...) if it is a linear layer"
+                )
+            unserved[key] = why
+            continue
         features = linear_features(module)
         if features is None:
             continue
+        if key in output:
+            unserved[key] = "it is the model's output layer, and LoRA on lm_head is not served yet"
+            continue
+        index = layer_index(key)
         if name in fused:
             spec = list(fused[name])
-            group = known.get(tuple(m for m, _ in spec))
-            if group is None:
+            fused_group = known.get(tuple(m for m, _ in spec))
+            if fused_group is None:
                 raise SpecError(
                     f"fused module {name!r} lists {[m for m, _ in spec]}; a fused module must stack one of "
                     f"{ {g: list(m) for g, m in FUSED_GROUPS.items()} }"
@@ -72,48 +95,45 @@ def model_targets(
                 )
             for member, width in spec:
                 linears.append(LinearTarget(index, member, f"{parent}.{member}", features[0], width))
-            _claim(module_of, index, group, key)
-        elif modules is None or name in modules:
+            module_of[f"{parent}.{fused_group}" if parent else fused_group] = key
+        elif selected:
             linears.append(LinearTarget(index, name, key, features[0], features[1]))
-            _claim(module_of, index, name, key)
+            module_of[key] = key
+        else:
+            unserved[key] = (
+                f"this manager does not wrap it: lora_target_modules selects {selection}; build the manager "
+                "with lora_target_modules= naming it (or ['all'])"
+            )
     if not linears:
-        wanted = "any name" if modules is None else f"named {sorted(set(modules) | set(fused))}"
-        raise SpecError(f"the model has no linear layer {wanted} inside a numbered layer")
-    targets = LoRATargets.from_linears(linears, fuse=bool(fused))
+        wanted = "any name" if selection is None else f"selected by {selection}"
+        raise SpecError(
+            f"the model has no linear layer {wanted}, lm_head aside (lora_target_modules= "
+            "chooses the modules to serve; ['all'] serves every linear layer)"
+        )
+    targets = LoRATargets.from_linears(linears, fuse=bool(fused), unserved=unserved)
     for group in targets.groups:
-        if (group.layer, group.name) not in module_of:
+        if group.key not in module_of:
             raise SpecError(
-                f"layer {group.layer}: {[m.key for m in group.members]} would be served fused as "
-                f"{group.name!r}, but the model computes them in separate modules; do not pass fused_modules "
-                "for a model with separate projections"
+                f"{[m.key for m in group.members]} would be served fused as {group.key!r}, but the model "
+                "computes them in separate modules; do not pass fused_modules for a model with separate "
+                "projections"
             )
     return targets, module_of
-
-
-def _claim(module_of: dict[tuple[int, str], str], index: int, name: str, key: str) -> None:
-    # Adapter weights are kept per (layer, module name): two modules sharing both would share weights.
-    other = module_of.setdefault((index, name), key)
-    if other != key:
-        raise SpecError(
-            f"layer {index} has two target modules named {name!r}: {other!r} and {key!r} (GPT-2's "
-            "attn.c_proj and mlp.c_proj, or a vision tower beside the language model, say); lora_pin keys "
-            "adapter weights by layer and module name, so such a model cannot be served with "
-            f"{name!r} as a target module"
-        )
 
 
 def attach(
     model: torch.nn.Module,
     targets: LoRATargets,
-    module_of: Mapping[tuple[int, str], str],
+    module_of: Mapping[str, str],
     pool: DevicePool,
     active_step: Callable[[], StepSegments | None],
 ) -> dict[str, torch.nn.Module]:
-    """Wrap the module of every target group with a :class:`LoRALinear`; returns the originals by key."""
+    """Wrap the module of every target group (``module_of``: group key -> module key, from
+    :func:`model_targets`) with a :class:`LoRALinear`; returns the originals by module key."""
     originals: dict[str, torch.nn.Module] = {}
     for group in targets.groups:
-        key = module_of[(group.layer, group.name)]
-        a, b, ranks, scalings, _ = pool.buffers(group.layer, group.name)
+        key = module_of[group.key]
+        a, b, ranks, scalings, _ = pool.buffers(group.key)
         original = model.get_submodule(key)
         kind = linear_kind(original)
         returns_bias = kind is not None and kind.returns_bias

@@ -175,4 +175,4 @@ class LoRALinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         group = self._pool_buffers.group
-        return f"group={group.name!r}, layer={group.layer}, slices={self._n_slices}"
+        return f"group={group.key!r}, slices={self._n_slices}"

@@ -36,12 +36,12 @@ from lora_pin.unloading import unload_async
 from lora_pin.weights import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_TENSORS,
-    DEFAULT_TARGET_MODULES,
     MAX_ADAPTER_RANK,
     DevicePool,
     HostTier,
 )
 from lora_pin.weights.reader import adapter_dir_for_name, path_within, read_contained_config
+from lora_pin.weights.targets import ModuleSelection
 
 __all__ = ["LoRAManager", "Step"]
 
@@ -96,9 +96,11 @@ class LoRAManager:
         max_loaded_loras: host-tier capacity in adapters (None: unbounded).
         max_lora_rank: the slot pool's rank; None takes the largest start-up adapter's, once each is
             read and checked (tensors included: a config's claimed rank alone never sizes the pool).
-        lora_target_modules: module names to wrap; ``["all"]`` wraps every linear layer of the model inside
-            a numbered layer (SGLang's ``all``: later loads may target any of them); None takes every module
-            the start-up adapters use (all of ``q/k/v/o, gate/up/down`` when one uses a regex).
+        lora_target_modules: the modules to wrap, as PEFT's ``target_modules``: names (``q_proj`` wraps
+            every module whose key ends in ``.q_proj``; ``mlp.c_proj`` only those) or one regex string
+            matched against whole module keys; ``["all"]`` wraps every linear layer of the model but its
+            output layer (PEFT's ``all-linear``: later loads may target any of them); None takes every module
+            the start-up adapters' ``target_modules`` select in this model (for names, in every layer).
         eviction_policy: the device tier's policy: ``"lru"``, ``"fifo"``, ``"reuse"`` or ``"hybrid"``
             (host tier: LRU).
         max_host_bytes: optional host-tier capacity in bytes.
@@ -144,7 +146,7 @@ class LoRAManager:
         max_loras_per_batch: int = DEFAULT_MAX_LORAS_PER_BATCH,
         max_loaded_loras: int | None = None,
         max_lora_rank: int | None = None,
-        lora_target_modules: Sequence[str] | None = None,
+        lora_target_modules: Sequence[str] | str | None = None,
         eviction_policy: str = "lru",
         max_host_bytes: int | None = None,
         allowed_roots: Iterable[str | os.PathLike[str]] | None = None,
@@ -170,12 +172,11 @@ class LoRAManager:
             chunk_size = CUDA_CHUNK_SIZE
         self.targets, self._module_of = model_targets(model, modules, fused_modules)
         if modules is not None and lora_target_modules is not None:
-            found = {t.module for t in self.targets.linears}
-            missing = [m for m in lora_target_modules if m not in found]
+            missing = modules.unmatched(t.key for t in self.targets.linears)
             if missing:
                 raise SpecError(
-                    f"lora_target_modules names {missing}, which the model has no linear layer for inside "
-                    f"a numbered layer (it has {sorted(found)})"
+                    f"lora_target_modules names {missing}, which select none of the model's linear layers "
+                    f"(lm_head aside; it has {list(self.targets.module_names)})"
                 )
         self.chunk_size = chunk_size
         host = HostTier(
@@ -481,15 +482,18 @@ class LoRAManager:
     # ---- internals ------------------------------------------------------------------------------
 
     def _infer_shape(
-        self, refs: Sequence[LoRARef], max_rank: int | None, modules: Sequence[str] | None
-    ) -> tuple[int | None, tuple[str, ...] | None]:
+        self, refs: Sequence[LoRARef], max_rank: int | None, modules: Sequence[str] | str | None
+    ) -> tuple[int | None, ModuleSelection | None]:
         """The pool's rank (None: the start-up adapters' largest, once read) and the modules to wrap (None:
-        every linear layer, for ``all``).
+        every linear layer, for ``all``): ``modules`` with PEFT's ``target_modules`` meaning, else every
+        module a start-up adapter's ``target_modules`` selects (its names or its regex, matched against the
+        model's own module keys).
 
         Raises:
-            SpecError: with no start-up adapters, max_rank or modules is missing; max_rank is out of range.
+            SpecError: with no start-up adapters, max_rank or modules is missing; max_rank is out of range;
+                a regex is refused.
         """
-        if modules is not None and list(modules) == ["all"]:
+        if modules is not None and not isinstance(modules, str) and list(modules) == ["all"]:
             if max_rank is None and not refs:
                 raise SpecError(
                     "with no start-up adapters, max_lora_rank is required to size the slot pool (got "
@@ -504,18 +508,19 @@ class LoRAManager:
                 f"the slot pool (got max_lora_rank={max_rank}, lora_target_modules={modules})"
             )
         if modules is None:
-            names: set[str] = set()
-            regex = False
+            selection = ModuleSelection()
             for r in refs:
                 config = read_contained_config(r.lora_name, r.lora_path, self._allowed_roots)
-                if isinstance(config.target_modules, str):
-                    regex = True
-                else:
-                    names.update(t.rsplit(".", 1)[-1] for t in config.target_modules)
-            modules = DEFAULT_TARGET_MODULES if regex else tuple(sorted(names))
+                wanted = config.target_modules
+                if not isinstance(wanted, str):
+                    # By short name, in every layer: adapters loaded later often target other layers.
+                    wanted = tuple(t.rsplit(".", 1)[-1] for t in wanted)
+                selection = selection.union(ModuleSelection.of(wanted))
+        else:
+            selection = ModuleSelection.of(modules)
         if max_rank is not None and not 1 <= max_rank <= MAX_ADAPTER_RANK:
             raise SpecError(f"max_lora_rank must be in 1..{MAX_ADAPTER_RANK} (got {max_rank})")
-        return max_rank, tuple(modules)
+        return max_rank, selection
 
     def _active_segments(self) -> StepSegments | None:
         return self._active

@@ -1,8 +1,9 @@
 """The host tier: adapters validated against the model and normalised into CPU tensors per target group.
 
-For each (layer, group) an adapter touches, :class:`HostModule` holds A ``[n_slices * rank, in]`` and
-B ``[out_total, rank]`` in the serving dtype, laid out like a device pool slot with ``rank`` (the largest
-rank among the group's slices in this adapter) in place of the pool's max rank: slice s has A rows
+For each target group an adapter touches (by the group's key, ``model.layers.0.self_attn.qkv_proj``),
+:class:`HostModule` holds A ``[n_slices * rank, in]`` and B ``[out_total, rank]`` in the serving dtype, laid
+out like a device pool slot with ``rank`` (the largest rank among the group's slices in this adapter) in
+place of the pool's max rank: slice s has A rows
 ``[s * rank, s * rank + r_s)`` and B rows ``[off_s, off_{s+1})``, columns ``[0, r_s)``; everything else is
 zero, so a slice the adapter lacks contributes nothing. The tensors are page-locked when CUDA is available,
 so copies into the device pool can be asynchronous.
@@ -63,7 +64,7 @@ class HostModule:
 
 @dataclass(frozen=True)
 class HostAdapter:
-    """One adapter in the host tier: its :class:`HostModule` per ``(layer, group name)`` it touches.
+    """One adapter in the host tier: its :class:`HostModule` per target group key it touches.
 
     Groups it does not touch are absent (the pool zeroes them). ``targets`` is the model description it was
     validated against; ``tensors_applied`` counts the file's tensors that were used (all of them).
@@ -74,7 +75,7 @@ class HostAdapter:
     config: AdapterConfig
     targets: LoRATargets
     dtype: torch.dtype
-    modules: Mapping[tuple[int, str], HostModule]
+    modules: Mapping[str, HostModule]
     tensors_applied: int
 
     @property
@@ -119,17 +120,22 @@ def _check_against_model(file: AdapterFile, targets: LoRATargets, max_rank: int)
         for entry in sorted(config.target_modules):
             if not any(k == entry or k.endswith(f".{entry}") for k in known):
                 raise AdapterLoadError(
-                    f"adapter {name!r} ({config.file}): field 'target_modules' names {entry!r}, which is "
-                    f"not a LoRA target of this model (targets: {', '.join(targets.module_names)})"
+                    f"adapter {name!r} ({config.file}): field 'target_modules' names {entry!r}, "
+                    + _why_not_target(
+                        targets, [k for k in targets.unserved if k == entry or k.endswith(f".{entry}")]
+                    )
                 )
     pairs = file.pairs
     matched = [k for k in pairs if targets.linear(k) is not None]
+    stray_modules = [k for k in pairs if targets.linear(k) is None]
+    if explained := [k for k in stray_modules if k in targets.unserved]:
+        raise AdapterLoadError(f"{where}: it has tensors for module " + _why_not_target(targets, explained))
     if not matched:
         raise AdapterLoadError(
             f"{where}: no tensor matches any LoRA target of this model (it would silently serve base-model "
             f"output); tensors found for modules {_listing(pairs) or 'none'}"
         )
-    strays = [n for k, p in pairs.items() if targets.linear(k) is None for n in (p.a_name, p.b_name)]
+    strays = [n for k in stray_modules for n in (pairs[k].a_name, pairs[k].b_name)]
     if file.unused or strays:
         raise AdapterLoadError(
             f"{where}: {len(file.unused) + len(strays)} tensor(s) would be unused: "
@@ -157,6 +163,17 @@ def _check_against_model(file: AdapterFile, targets: LoRATargets, max_rank: int)
         assert target is not None
         ranks[key] = _check_pair(file, pair, target, max_rank)
     return ranks
+
+
+def _why_not_target(targets: LoRATargets, unserved: list[str]) -> str:
+    """Why the module(s) ``unserved`` (keys of the model that are no targets, maybe none) cannot be served."""
+    if not unserved:
+        return (
+            "which is not a LoRA target of this model: no linear layer it wraps has that name (targets: "
+            f"{', '.join(targets.module_names)})"
+        )
+    more = f" (and {len(unserved) - 1} more)" if len(unserved) > 1 else ""
+    return f"{unserved[0]!r}{more}, which is not served: {targets.unserved[unserved[0]]}"
 
 
 def _check_pair(file: AdapterFile, pair: LoraTensorPair, target: LinearTarget, max_rank: int) -> int:
@@ -284,7 +301,7 @@ def load_adapter(
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         touched = [g for g in targets.groups if any(m.key in ranks for m in g.members)]
         slab = _Slab(sum(_group_numel(g, ranks) for g in touched), dtype, pin)
-        modules = {(g.layer, g.name): _build_module(file, g, ranks, slab, pin) for g in touched}
+        modules = {g.key: _build_module(file, g, ranks, slab, pin) for g in touched}
         file.check_unchanged()
     return HostAdapter(name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks))
 

@@ -1,6 +1,6 @@
 """The device slot pool: fixed per-group buffers that the shrink/expand ops read by slot index.
 
-For each (layer, group) of the targets, allocated once:
+For each target group (by its key, ``model.layers.0.self_attn.qkv_proj``), allocated once:
 
 * ``a``: ``[slots, max_rank * n_slices, in]``; slice s of slot k uses rows
   ``[s * max_rank, s * max_rank + r_s)``;
@@ -26,7 +26,7 @@ __all__ = ["DevicePool", "GroupBuffers"]
 
 @dataclass(frozen=True)
 class GroupBuffers:
-    """The pool buffers of one (layer, group); see the module docstring for the layout."""
+    """The pool buffers of one target group; see the module docstring for the layout."""
 
     group: TargetGroup
     a: torch.Tensor
@@ -78,7 +78,7 @@ class DevicePool:
         )
         try:
             self._buffers = {
-                (g.layer, g.name): GroupBuffers(
+                g.key: GroupBuffers(
                     g,
                     torch.zeros(
                         (slots, g.n_slices * max_rank, g.in_features), dtype=dtype, device=self.device
@@ -131,10 +131,9 @@ class DevicePool:
         """:meth:`writes` of every slot at once (what a step checks, without a call per slot)."""
         return tuple(self._writes)
 
-    def buffers(
-        self, layer: int, module: str
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """``(a, b, ranks, scalings, slice_offsets)`` of group ``module`` (``"qkv_proj"`` …) in ``layer``.
+    def buffers(self, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """``(a, b, ranks, scalings, slice_offsets)`` of the group with key ``key``
+        (:attr:`~lora_pin.weights.targets.TargetGroup.key`: ``model.layers.0.self_attn.qkv_proj`` ...).
 
         Shapes: a ``[slots, n_slices * max_rank, in]``, b ``[slots, out_total, max_rank]``, ranks int32 and
         scalings float32 ``[slots, n_slices]``, slice_offsets ``n_slices + 1`` ints.
@@ -143,10 +142,11 @@ class DevicePool:
             PoolError: the targets have no such group.
         """
         try:
-            buf = self._buffers[(layer, module)]
+            buf = self._buffers[key]
         except KeyError:
-            names = sorted({g.name for g in self.targets.groups})
-            raise PoolError(f"device pool: no group {module!r} in layer {layer} (groups: {names})") from None
+            names = [g.key for g in self.targets.groups]
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            raise PoolError(f"device pool: no group {key!r} (groups: {shown})") from None
         return buf.a, buf.b, buf.ranks, buf.scalings, buf.slice_offsets
 
     def _check_slot(self, slot: int) -> None:
@@ -172,7 +172,7 @@ class DevicePool:
                 or tuple(module.b.shape) != expect_b
             ):
                 raise PoolError(
-                    f"{where}: module {key} has A {list(module.a.shape)} / B {list(module.b.shape)}, "
+                    f"{where}: group {key!r} has A {list(module.a.shape)} / B {list(module.b.shape)}, "
                     f"expected {list(expect_a)} / {list(expect_b)}"
                 )
 

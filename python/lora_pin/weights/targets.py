@@ -1,21 +1,28 @@
 """The model's LoRA-able linear layers and how they are grouped into pool buffers.
 
-A :class:`LoRATargets` lists, per decoder layer, the linear modules LoRA may wrap (``q_proj`` … ``down_proj``
-by default) with their in/out features, and groups them: with ``fuse=True`` q/k/v become one ``qkv_proj``
-group of three slices and gate/up one ``gate_up_proj`` group of two slices (one shrink serves all slices);
-every other module is a group of one slice. The serving manager wraps exactly these groups; the host tier
-and the device pool store one A and one B per (layer, group).
+A :class:`LoRATargets` lists the linear modules LoRA may wrap, each by its full module key as PEFT names it
+(``model.layers.0.self_attn.q_proj``, ``transformer.h.0.mlp.c_proj``,
+``model.vision_tower.encoder.layers.0.self_attn.q_proj``), with their in/out features, and groups them:
+with ``fuse=True`` the q/k/v of one parent module become one ``qkv_proj`` group of three slices and its
+gate/up one ``gate_up_proj`` group of two slices (one shrink serves all slices); every other module is a
+group of one slice. The serving manager wraps exactly these groups; the host tier and the device pool store
+one A and one B per group, keyed by :attr:`TargetGroup.key`. Two modules with the same short name in one
+layer (GPT-2's ``attn.c_proj`` and ``mlp.c_proj``, an encoder's and a decoder's ``layers.0.self_attn.q_proj``)
+are two targets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from lora_pin.errors import SpecError
+from lora_pin._core import PatternSet
+from lora_pin.errors import AdapterLoadError, SpecError
 from lora_pin.weights.config import layer_index
+from lora_pin.weights.patterns import compile_patterns
 
 __all__ = [
     "DEFAULT_TARGET_MODULES",
@@ -23,6 +30,7 @@ __all__ = [
     "LinearKind",
     "LinearTarget",
     "LoRATargets",
+    "ModuleSelection",
     "TargetGroup",
     "linear_kind",
     "register_linear",
@@ -45,9 +53,11 @@ FUSED_GROUPS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class LinearTarget:
-    """One LoRA-able linear layer; ``key`` is its module path (``model.layers.0.self_attn.q_proj``)."""
+    """One LoRA-able linear layer: ``key`` is its module path (``model.layers.0.self_attn.q_proj``),
+    ``module`` its last segment and ``layer`` the index of the numbered layer it sits in by PEFT's
+    layer-index rule (None outside every numbered layer: a projector between towers, say)."""
 
-    layer: int
+    layer: int | None
     module: str
     key: str
     in_features: int
@@ -59,12 +69,22 @@ class TargetGroup:
     """The modules that share one pool buffer: one slice per member, stacked along the output dimension.
 
     ``slice_offsets`` has ``n_slices + 1`` entries: slice s owns output rows
-    ``[slice_offsets[s], slice_offsets[s + 1])`` of B.
+    ``[slice_offsets[s], slice_offsets[s + 1])`` of B. Members of a fused group share one parent module.
     """
 
-    layer: int
+    layer: int | None
     name: str
     members: tuple[LinearTarget, ...]
+
+    @property
+    def key(self) -> str:
+        """The group's own key, what the host tier and the pool store it by: the member's module key for a
+        group of one, the members' parent key and the group name for a fused one
+        (``model.layers.0.self_attn.qkv_proj``)."""
+        if len(self.members) == 1:
+            return self.members[0].key
+        parent = self.members[0].key.rpartition(".")[0]
+        return f"{parent}.{self.name}" if parent else self.name
 
     @property
     def n_slices(self) -> int:
@@ -175,6 +195,17 @@ def overrides_linear_forward(module: torch.nn.Module) -> bool:
     return any(issubclass(cls, known) and cls.forward is not known.forward for known in _KINDS)
 
 
+def output_layer_keys(model: torch.nn.Module) -> set[str]:
+    """The keys of the model's output layer (``lm_head``): what ``get_output_embeddings()`` returns, and any
+    module named ``lm_head``. PEFT's ``all-linear`` leaves it out too."""
+    found = {key for key, _ in model.named_modules() if key.rpartition(".")[2] == "lm_head"}
+    get_output = getattr(model, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    if isinstance(head, torch.nn.Module):
+        found.update(key for key, module in model.named_modules() if module is head)
+    return found
+
+
 def linear_features(module: torch.nn.Module) -> tuple[int, int] | None:
     """``(in_features, out_features)`` of a linear layer lora_pin knows (:func:`linear_kind`), else None."""
     kind = linear_kind(module)
@@ -185,25 +216,104 @@ def linear_features(module: torch.nn.Module) -> tuple[int, int] | None:
 
 
 @dataclass(frozen=True)
+class ModuleSelection:
+    """The module keys a PEFT ``target_modules`` selects (before ``layers_to_transform``).
+
+    Attributes:
+        names: the entries of a list: each selects the key equal to it or ending in ``.entry`` (``q_proj``
+            selects every ``...q_proj``, ``mlp.c_proj`` only the MLP's ``c_proj``).
+        patterns: regex strings, each selecting the keys it matches whole; ``all-linear`` selects every key.
+    """
+
+    names: tuple[str, ...] = ()
+    patterns: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Regexes match with the core's linear-time matcher, compiled once (never Python's backtracking
+        # ``re``: a target regex may come from an untrusted adapter config).
+        regexes = [p for p in self.patterns if p != "all-linear"]
+        matcher = None
+        if regexes:
+            try:
+                matcher = compile_patterns(
+                    "target modules",
+                    regexes,
+                    [f"regex {p!r}" for p in regexes],
+                    peft_forms=regexes,
+                    anchoring="full",
+                )
+            except AdapterLoadError as exc:
+                raise SpecError(str(exc)) from None
+        object.__setattr__(self, "_matcher", matcher)
+
+    @classmethod
+    def of(cls, target_modules: Sequence[str] | str) -> ModuleSelection:
+        """The selection of one ``target_modules`` value: a list of names, or one regex string.
+
+        Raises:
+            SpecError: the regex is refused (not a regex, or a construct the linear-time matcher lacks; see
+                :mod:`lora_pin.weights.patterns`).
+        """
+        if isinstance(target_modules, str):
+            return cls(patterns=(target_modules,))
+        return cls(names=tuple(dict.fromkeys(target_modules)))
+
+    def union(self, other: ModuleSelection) -> ModuleSelection:
+        """The keys either selection selects."""
+        return ModuleSelection(
+            tuple(dict.fromkeys(self.names + other.names)),
+            tuple(dict.fromkeys(self.patterns + other.patterns)),
+        )
+
+    def selects(self, key: str) -> bool:
+        """Whether the module with key ``key`` is selected."""
+        if any(key == n or key.endswith(f".{n}") for n in self.names):
+            return True
+        if "all-linear" in self.patterns:
+            return True
+        if not key:
+            return False  # the model itself is never a target
+        matcher: PatternSet | None = self.__dict__["_matcher"]
+        return matcher is not None and matcher.first_match(key) is not None
+
+    def unmatched(self, keys: Iterable[str]) -> list[str]:
+        """The entries (names, then patterns) that select none of ``keys``."""
+        keys = list(keys)
+        entries = [ModuleSelection(names=(n,)) for n in self.names]
+        entries += [ModuleSelection(patterns=(p,)) for p in self.patterns]
+        return [(e.names + e.patterns)[0] for e in entries if not any(e.selects(k) for k in keys)]
+
+    def __str__(self) -> str:
+        parts = [repr(list(self.names))] if self.names else []
+        parts += [f"regex {p!r}" for p in self.patterns]
+        return " or ".join(parts) or "nothing"
+
+
+@dataclass(frozen=True)
 class LoRATargets:
-    """Every LoRA-able linear of a model and its buffer groups, ordered by layer then module.
+    """Every LoRA-able linear of a model and its buffer groups, in the model's module order.
 
     Equal targets (same keys, dimensions and grouping) compare equal, so a host adapter loaded for one
-    instance fits a pool built from another.
+    instance fits a pool built from another. ``unserved`` maps the keys of the model's other modules an
+    adapter might name to why they are not targets (for error messages; not compared).
     """
 
     linears: tuple[LinearTarget, ...]
     groups: tuple[TargetGroup, ...]
     num_layers: int
+    unserved: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_linears(cls, linears: Iterable[LinearTarget], *, fuse: bool = True) -> LoRATargets:
-        """Group ``linears``: q/k/v and gate/up fused when ``fuse`` and all members share one input width.
+    def from_linears(
+        cls, linears: Iterable[LinearTarget], *, fuse: bool = True, unserved: Mapping[str, str] | None = None
+    ) -> LoRATargets:
+        """Group ``linears`` (kept in their order): the q/k/v and the gate/up of one parent module fused when
+        ``fuse`` and all members share one input width.
 
         Raises:
             SpecError: two targets share a key, or there are none.
         """
-        ordered = sorted(linears, key=lambda t: t.layer)  # stable: keeps the model's module order
+        ordered = list(linears)
         keys = [t.key for t in ordered]
         if len(set(keys)) != len(keys):
             raise SpecError(f"model targets: duplicate module keys in {keys}")
@@ -211,48 +321,56 @@ class LoRATargets:
             raise SpecError(
                 "model targets: the model has no LoRA-able linear layer among the requested names"
             )
+        by_parent: dict[str, list[LinearTarget]] = {}
+        for t in ordered:
+            by_parent.setdefault(t.key.rpartition(".")[0], []).append(t)
         groups: list[TargetGroup] = []
-        layers = sorted({t.layer for t in ordered})
-        for layer in layers:
-            in_layer = [t for t in ordered if t.layer == layer]
-            by_module = {t.module: t for t in in_layer}
+        for siblings in by_parent.values():
+            by_module = {t.module: t for t in siblings}
             grouped: set[str] = set()
             if fuse:
                 for group_name, names in FUSED_GROUPS.items():
-                    members = [by_module.get(n) for n in names]
-                    present = [m for m in members if m is not None]
+                    present = [by_module[n] for n in names if n in by_module]
                     if len(present) == len(names) and len({m.in_features for m in present}) == 1:
-                        groups.append(TargetGroup(layer, group_name, tuple(present)))
+                        groups.append(TargetGroup(present[0].layer, group_name, tuple(present)))
                         grouped.update(names)
-            groups.extend(TargetGroup(layer, t.module, (t,)) for t in in_layer if t.module not in grouped)
-        order = {t.key: i for i, t in enumerate(ordered)}
-        groups.sort(key=lambda g: (g.layer, order[g.members[0].key]))
-        return cls(tuple(ordered), tuple(groups), len(layers))
+            groups.extend(TargetGroup(t.layer, t.module, (t,)) for t in siblings if t.module not in grouped)
+        order = {key: i for i, key in enumerate(keys)}
+        groups.sort(key=lambda g: order[g.members[0].key])
+        clashes = sorted(k for k, n in Counter(g.key for g in groups).items() if n > 1)
+        if clashes:
+            raise SpecError(
+                f"model targets: the fused group key(s) {clashes} are also the key of a module of the model"
+            )
+        layers = {t.layer for t in ordered if t.layer is not None}
+        return cls(tuple(ordered), tuple(groups), len(layers), dict(unserved or {}))
 
     @classmethod
     def from_model(
-        cls, model: torch.nn.Module, target_modules: Sequence[str] | None = None, *, fuse: bool = True
+        cls, model: torch.nn.Module, target_modules: Sequence[str] | str | None = None, *, fuse: bool = True
     ) -> LoRATargets:
-        """Find the linear layers named in ``target_modules`` (default :data:`DEFAULT_TARGET_MODULES`).
+        """Find the linear layers ``target_modules`` selects, with PEFT's meaning (a list of names or a regex,
+        see :class:`ModuleSelection`; default :data:`DEFAULT_TARGET_MODULES`).
 
-        A module qualifies when its last name segment is listed, it sits inside a numbered layer (PEFT's
-        layer-index rule) and it is an ``nn.Linear`` or a transformers ``Conv1D``, or wraps one as
-        ``base_layer`` (a PEFT-wrapped model). Works on models built on the ``meta`` device.
+        A module qualifies when it is selected, it is not the model's output layer (:func:`output_layer_keys`)
+        and it is a linear layer lora_pin knows (:func:`linear_kind`), or wraps one as ``base_layer`` (a
+        PEFT-wrapped model). Works on models built on the ``meta`` device.
 
         Raises:
-            SpecError: no module qualifies.
+            SpecError: no module qualifies, or the regex is refused.
         """
-        wanted = set(DEFAULT_TARGET_MODULES if target_modules is None else target_modules)
+        selection = ModuleSelection.of(DEFAULT_TARGET_MODULES if target_modules is None else target_modules)
         found: list[LinearTarget] = []
+        output = output_layer_keys(model)
         for key, module in model.named_modules():
-            name = key.rsplit(".", 1)[-1]
-            if name not in wanted:
+            if not selection.selects(key) or key in output:
                 continue
             features = linear_features(module)
-            index = layer_index(key)
-            if features is None or index is None:
+            if features is None:
                 continue
-            found.append(LinearTarget(index, name, key, features[0], features[1]))
+            found.append(
+                LinearTarget(layer_index(key), key.rpartition(".")[2], key, features[0], features[1])
+            )
         return cls.from_linears(found, fuse=fuse)
 
     def __iter__(self) -> Iterator[TargetGroup]:
@@ -270,16 +388,16 @@ class LoRATargets:
         """
         return self._slot_of()[key]
 
-    def group(self, layer: int, name: str) -> TargetGroup:
-        """The group ``name`` (``"qkv_proj"``, ``"o_proj"`` …) of ``layer``.
+    def group(self, key: str) -> TargetGroup:
+        """The group whose :attr:`TargetGroup.key` is ``key`` (``model.layers.0.self_attn.qkv_proj``).
 
         Raises:
             KeyError: no such group.
         """
-        for group in self.groups:
-            if group.layer == layer and group.name == name:
-                return group
-        raise KeyError(f"no LoRA target group {name!r} in layer {layer}")
+        group = self._groups_by_key().get(key)
+        if group is None:
+            raise KeyError(f"no LoRA target group {key!r}")
+        return group
 
     @property
     def module_names(self) -> tuple[str, ...]:
@@ -291,6 +409,13 @@ class LoRATargets:
         if cache is None:
             cache = {t.key: t for t in self.linears}
             object.__setattr__(self, "_by_key_cache", cache)
+        return cache
+
+    def _groups_by_key(self) -> dict[str, TargetGroup]:
+        cache = self.__dict__.get("_groups_by_key_cache")
+        if cache is None:
+            cache = {g.key: g for g in self.groups}
+            object.__setattr__(self, "_groups_by_key_cache", cache)
         return cache
 
     def _slot_of(self) -> dict[str, tuple[TargetGroup, int]]:
