@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lora_pin.weights.config import AdapterConfig, read_adapter_config
+from lora_pin.weights.config import AdapterConfig
 from lora_pin.weights.host import HostAdapter, HostModule, HostTier, load_adapter
 from lora_pin.weights.limits import (
     DEFAULT_MAX_FILE_BYTES,
@@ -16,6 +16,7 @@ from lora_pin.weights.reader import (
     LoraTensorPair,
     adapter_dir_for_name,
     open_adapter,
+    read_adapter_config,
     resolve_adapter_dir,
 )
 from lora_pin.weights.targets import (

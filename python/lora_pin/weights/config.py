@@ -27,22 +27,17 @@ Module keys are relative to the base model, e.g. ``model.layers.0.self_attn.q_pr
 from __future__ import annotations
 
 import math
-import os
 import re
-import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
-
-import orjson
 
 from lora_pin._core import PatternSet
 from lora_pin.errors import AdapterLoadError
-from lora_pin.weights.limits import MAX_ADAPTER_RANK, MAX_CONFIG_BYTES, check_file_size
+from lora_pin.weights.limits import MAX_ADAPTER_RANK
 from lora_pin.weights.patterns import MAX_PATTERN_ENTRIES, compile_patterns
 
-__all__ = ["FLOAT32_MAX", "FLOAT32_TINY", "AdapterConfig", "layer_index", "read_adapter_config"]
+__all__ = ["FLOAT32_MAX", "FLOAT32_TINY", "AdapterConfig", "layer_index"]
 
 # PEFT's default layer-index rule: the first numbered segment after at least two name segments. A fixed
 # pattern, not a config's, so Python's re serves.
@@ -103,8 +98,8 @@ class AdapterConfig:
     """The servable part of a PEFT LoRA ``adapter_config.json``.
 
     ``target_modules`` is a tuple of names or one regex string; ``layers_to_transform`` None means all
-    layers. Build it with :func:`read_adapter_config` (or :meth:`from_mapping`), which refuses what lora_pin
-    cannot serve. Its regexes are compiled when it is built, once.
+    layers. Build it with :func:`lora_pin.weights.reader.read_adapter_config` (or :meth:`from_mapping`),
+    which refuses what lora_pin cannot serve. Its regexes are compiled when it is built, once.
 
     Raises:
         AdapterLoadError: (when built) a pattern is refused, see
@@ -466,36 +461,3 @@ def _float32_alpha(value: object) -> bool:
         and isinstance(value, int | float)
         and FLOAT32_TINY <= value <= FLOAT32_MAX
     )
-
-
-def read_adapter_config(name: str, directory: Path) -> AdapterConfig:
-    """Read and validate ``directory / "adapter_config.json"`` with orjson.
-
-    Raises:
-        AdapterLoadError: the file is missing, unreadable, larger than
-            :data:`~lora_pin.weights.limits.MAX_CONFIG_BYTES` or not JSON, or a field is refused (see
-            :meth:`AdapterConfig.from_mapping`); the message names the adapter and the file.
-    """
-    path = directory / "adapter_config.json"
-    if not os.path.lexists(path):
-        raise AdapterLoadError(f"adapter {name!r}: {path} does not exist; not a PEFT adapter directory")
-    check_file_size(name, path, MAX_CONFIG_BYTES, "MAX_CONFIG_BYTES")
-    try:
-        # Non-blocking, and checked again on the open file: swapped for a FIFO since the check above,
-        # it is refused instead of blocking the loading thread.
-        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                raise AdapterLoadError(f"adapter {name!r} ({path}): not a regular file")
-            raw = handle.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise AdapterLoadError(f"adapter {name!r} ({path}): cannot read the config: {exc}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        # The file grew after it was measured: still never read more than the limit.
-        raise AdapterLoadError(
-            f"adapter {name!r} ({path}): file is above the limit MAX_CONFIG_BYTES={MAX_CONFIG_BYTES}"
-        )
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise AdapterLoadError(f"adapter {name!r} ({path}): not valid JSON: {exc}") from None
-    return AdapterConfig.from_mapping(name, str(path), data)

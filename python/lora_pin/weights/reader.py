@@ -44,6 +44,7 @@ __all__ = [
     "adapter_dir_for_name",
     "open_adapter",
     "path_within",
+    "read_adapter_config",
     "read_contained_config",
     "resolve_adapter_dir",
 ]
@@ -253,6 +254,16 @@ def read_contained_config(
     """
     with AdapterFolder.open(name, path, real_roots(allowed_roots)) as folder:
         return _read_config(folder)
+
+
+def read_adapter_config(name: str, directory: str | os.PathLike[str]) -> AdapterConfig:
+    """Read and validate ``directory / "adapter_config.json"`` (:func:`read_contained_config` with no
+    allowed roots: the same descriptor-relative read).
+
+    Raises:
+        AdapterLoadError: as :func:`read_contained_config`.
+    """
+    return read_contained_config(name, directory)
 
 
 def _header_error(name: str, file: FolderFile, why: str) -> AdapterLoadError:
