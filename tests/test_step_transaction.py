@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lora_pin import LoRAManager
-from lora_pin.errors import AdapterInUseError, AdapterLoadError, UnloadTimeoutError
+from lora_pin.errors import AdapterInUseError, AdapterLoadError, CapacityError, UnloadTimeoutError
 from lora_pin.fixtures import make_peft_adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -295,3 +295,17 @@ def test_a_config_claiming_a_huge_rank_never_sizes_the_pool(world: Any, tmp_path
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert "16384" in report["outcome"] and "rank" in report["outcome"], report
     assert report["grew_kib"] < 100 * 1024, report  # the pool alone would take over 1 GiB
+
+
+def test_a_batch_refused_whole_reads_nothing_and_changes_no_tier(world: Any) -> None:
+    """``batch()`` over more adapters than the slots is refused before any evicted adapter is read back
+    (which would have made room in the host tier for a batch that never runs)."""
+    _, paths = world
+    mgr, model = manager(world, "", max_loras_per_batch=2, max_loaded_loras=2)
+    for name in "abc":
+        mgr.load(name, paths[name])  # c's registration evicts a from the host tier
+    before = residency(mgr), mgr.registry.stats()["host"]
+    with pytest.raises(CapacityError, match="3 distinct unpinned adapters but 2 slots"):
+        logits(mgr, model, ["a", "b", "c"])
+    assert (residency(mgr), mgr.registry.stats()["host"]) == before
+    assert all(mgr.registry.in_flight(n) == 0 for n in "abc")

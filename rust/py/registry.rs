@@ -406,6 +406,10 @@ impl PyLoRARegistry {
     ) -> PyResult<PyStepPlan> {
         let (begun, n) = self.with_requests(py, names, Some(num_tokens), |reg, adapters, tokens| {
             if read_first {
+                // A batch refused whole must not make anyone read (and make host room) first.
+                if let Some(why) = all_or_nothing.then(|| reg.overflow(adapters)).flatten() {
+                    return Err(crate::Error::Capacity(why));
+                }
                 let misses = reg.host_misses(adapters);
                 if !misses.is_empty() {
                     return Ok(Err(misses));
