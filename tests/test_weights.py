@@ -631,3 +631,21 @@ def test_a_config_at_the_entry_limit_loads_fast_and_as_peft_ranks_it(world: Worl
     assert {k: (m.ranks, m.scalings) for k, m in many.modules.items()} == {
         k: (m.ranks, m.scalings) for k, m in plain.modules.items()
     }
+
+
+def test_inspect_checks_an_adapter_against_a_non_llama_model(tmp_path: Path) -> None:
+    """``--model`` builds the model's own targets (every linear layer, by full key): a GPT-2 adapter on
+    ``attn.c_proj`` and ``mlp.c_proj`` validates, where Llama's default names found nothing."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model_dir = tmp_path / "gpt2"
+    GPT2LMHeadModel(
+        GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=96)
+    ).save_pretrained(model_dir)
+    base = GPT2LMHeadModel.from_pretrained(model_dir)
+    cfg = LoraConfig(
+        r=2, lora_alpha=4, target_modules=["c_proj"], fan_in_fan_out=True, init_lora_weights=False
+    )
+    get_peft_model(base, cfg).save_pretrained(tmp_path / "adapter")
+    assert run_inspect(str(tmp_path / "adapter"), "--model", str(model_dir)) == 0

@@ -59,18 +59,29 @@ def _check_standalone(file: AdapterFile) -> None:
 
 
 def _model_targets(model_dir: str) -> LoRATargets:
+    """Every linear layer of the model at ``model_dir`` (built on the meta device: no weights are read), so
+    an adapter is checked against the model's own module keys, whatever its architecture."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import transformers
 
     from lora_pin.weights.targets import LoRATargets
 
     model_dir = local_model_dir(model_dir)
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        config = transformers.AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
-        raise SpecError(f"--model: cannot build a causal LM from {model_dir!r}: {e}") from e
-    return LoRATargets.from_model(model)
+        raise SpecError(f"--model: cannot read a model config from {model_dir!r}: {e}") from e
+    errors = []
+    # The classes adapters are trained on, most common first: the key layout PEFT saves depends on it.
+    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageTextToText", "AutoModel"):
+        try:
+            with torch.device("meta"):
+                model = getattr(transformers, auto).from_config(config)
+        except (ValueError, AttributeError) as e:
+            errors.append(f"{auto}: {e}")
+            continue
+        return LoRATargets.from_model(model, "all-linear")
+    raise SpecError(f"--model: cannot build a model from {model_dir!r}: {'; '.join(errors)}")
 
 
 def run(args: argparse.Namespace) -> int:
