@@ -74,10 +74,10 @@ class Step:
 
 def _buffer(data: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A flat buffer from the core as a tensor on ``device`` (no Python loop; empty buffers allowed)."""
-    view = memoryview(data)
-    if view.nbytes == 0:
+    if len(data) == 0:
         return torch.empty(0, dtype=dtype, device=device)
-    host = torch.frombuffer(bytearray(view), dtype=dtype)
+    # The plan's getters hand out a fresh bytearray each call: the tensor may own it, no copy needed.
+    host = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=dtype)
     if device.type == "cuda":
         # From pinned memory the copy is queued on the stream and the host goes on: a copy from pageable
         # memory would wait for every kernel already queued, once per array per step. (The caching host
