@@ -182,3 +182,36 @@ def test_embedding_tensors_on_a_linear_are_refused(world: Any, tmp_path: Path) -
     mgr = LoRAManager(copy.deepcopy(base), [f"qv={adapters['qv']}"], max_loras_per_batch=2)
     with pytest.raises(AdapterLoadError, match=r"are an embedding's, but module .*q_proj' is a linear layer"):
         mgr.load("swapped", folder)
+
+
+def test_adapters_loaded_later_into_a_manager_naming_both(world: Any) -> None:
+    """No start-up adapter: lora_target_modules= alone makes lm_head and the embedding targets, and a slot
+    filled after a q/v-only occupant holds none of its weights (the lm_head part of "qv" is rank 0)."""
+    from peft import PeftModel
+
+    base, adapters = world
+    model = copy.deepcopy(base)
+    mgr = LoRAManager(
+        model,
+        [],
+        max_loras_per_batch=1,
+        max_lora_rank=4,
+        lora_target_modules=["lm_head", "embed_tokens", "q_proj", "v_proj"],
+    )
+    tokens = ids(2, 3, seed=5)
+    for name in ("both", "qv", "head", "embed"):
+        mgr.load(name, adapters[name])
+        oracle = PeftModel.from_pretrained(copy.deepcopy(base), str(adapters[name]), adapter_name=name).eval()
+        with torch.no_grad():
+            want = oracle(input_ids=tokens, adapter_names=[name, "__base__"]).logits
+            with mgr.batch([name, None]):
+                got = model(input_ids=tokens).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_from_model_takes_lm_head_only_when_named(world: Any) -> None:
+    from lora_pin.weights import LoRATargets
+
+    base, _ = world
+    assert "lm_head" in LoRATargets.from_model(base, ["lm_head", "q_proj"]).module_names
+    assert "lm_head" not in LoRATargets.from_model(base, "all-linear").module_names
