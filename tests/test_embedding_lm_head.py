@@ -215,3 +215,23 @@ def test_from_model_takes_lm_head_only_when_named(world: Any) -> None:
     base, _ = world
     assert "lm_head" in LoRATargets.from_model(base, ["lm_head", "q_proj"]).module_names
     assert "lm_head" not in LoRATargets.from_model(base, "all-linear").module_names
+
+
+def test_fullgraph_compile_equals_eager(world: Any) -> None:
+    """The embedding lookup derives its row slots without a data-dependent shape: one graph, no break."""
+    base, adapters = world
+    model = copy.deepcopy(base)
+    mgr = LoRAManager(
+        model, [f"both={adapters['both']}", f"embed={adapters['embed']}"], max_loras_per_batch=2
+    )
+    names: list[str | None] = ["both", None, "embed", "both"]
+    tokens = ids(4, 6, seed=2)
+
+    def run(m: Any) -> list[torch.Tensor]:
+        with torch.no_grad(), mgr.batch(names):
+            return [m(input_ids=tokens).logits, m(input_ids=tokens[:, -1:]).logits]
+
+    want = run(model)
+    got = run(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
