@@ -412,7 +412,7 @@ def test_refusals_name_the_module_and_the_way_out(gpt2: torch.nn.Module, tmp_pat
         AdapterLoadError, match=r"'transformer.h.0.mlp.c_proj'.*not served: .*lora_target_modules="
     ):
         mgr.load("mlp", mlp)
-    with pytest.raises(AdapterLoadError, match=r"'lm_head'.*not served: it is the model's output layer"):
+    with pytest.raises(AdapterLoadError, match=r"'lm_head'.*not served: this manager does not wrap it"):
         mgr.load("head", head)
     with pytest.raises(SpecError, match=r"lora_target_modules names \['c_fc_typo'\]"):
         LoRAManager(copy.deepcopy(gpt2), [f"attn={attn}"], lora_target_modules=["c_proj", "c_fc_typo"])

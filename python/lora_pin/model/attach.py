@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from lora_pin.errors import SpecError
-from lora_pin.model.layers import LoRALinear, StepSegments
+from lora_pin.model.layers import LoRAEmbedding, LoRALinear, StepSegments
 from lora_pin.weights import FUSED_GROUPS, DevicePool, GroupBuffers, LinearTarget, LoRATargets
 from lora_pin.weights.config import layer_index
 from lora_pin.weights.targets import (
@@ -31,9 +31,11 @@ def model_targets(
 
     ``selection`` is the adapter-side modules to serve, with PEFT's ``target_modules`` meaning (names match
     the end of a module key, regexes the whole key); None serves every linear layer but the output layer
-    (``--lora-target-modules all``, PEFT's ``all-linear``). Targets are keyed by their full module path,
-    so modules sharing a short name (GPT-2's ``attn.c_proj`` and ``mlp.c_proj``, a vision tower's and a
-    language model's ``layers.0.self_attn.q_proj``, an encoder's and a decoder's) are separate targets.
+    (``--lora-target-modules all``, PEFT's ``all-linear``); the output layer (``lm_head``) and the
+    embeddings are served when ``selection`` selects them (a tied ``lm_head`` only reads the embedding's
+    weight). Targets are keyed by their full module path, so modules sharing a short name (GPT-2's
+    ``attn.c_proj`` and ``mlp.c_proj``, a vision tower's and a language model's
+    ``layers.0.self_attn.q_proj``, an encoder's and a decoder's) are separate targets.
     ``fused_modules`` maps a fused model module to the adapter modules stacked in its output, in order,
     with their widths, e.g. ``{"qkv_proj": [("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)]}``:
     adapters trained on separate projections are then served by one shrink and one expand over the fused
@@ -49,6 +51,7 @@ def model_targets(
     linears: list[LinearTarget] = []
     module_of: dict[str, str] = {}
     unserved: dict[str, str] = {}
+    base_weights: dict[str, torch.Tensor] = {}
     output = output_layer_keys(model)
     for key, module in model.named_modules():
         if isinstance(module, LoRALinear):
@@ -59,7 +62,17 @@ def model_targets(
         parent, _, name = key.rpartition(".")
         selected = selection is None or selection.selects(key)
         if isinstance(module, torch.nn.Embedding):
-            unserved[key] = "it is an embedding, and LoRA on embeddings is not served yet"
+            if selection is not None and selected:
+                linears.append(
+                    LinearTarget(
+                        layer_index(key), name, key, module.num_embeddings, module.embedding_dim, True
+                    )
+                )
+                module_of[key] = key
+                if module.weight.device.type != "meta":
+                    base_weights[key] = module.weight
+            else:
+                unserved[key] = _served_when_named("an embedding", selection)
             continue
         if overrides_linear_forward(module):
             why = (
@@ -76,8 +89,8 @@ def model_targets(
         features = linear_features(module)
         if features is None:
             continue
-        if key in output:
-            unserved[key] = "it is the model's output layer, and LoRA on lm_head is not served yet"
+        if key in output and not (selection is not None and selected):
+            unserved[key] = _served_when_named("the model's output layer", selection)
             continue
         index = layer_index(key)
         if name in fused:
@@ -99,6 +112,9 @@ def model_targets(
         elif selected:
             linears.append(LinearTarget(index, name, key, features[0], features[1]))
             module_of[key] = key
+            weight = getattr(module, "weight", None)
+            if key in output and isinstance(weight, torch.Tensor) and weight.device.type != "meta":
+                base_weights[key] = weight
         else:
             unserved[key] = (
                 f"this manager does not wrap it: lora_target_modules selects {selection}; build the manager "
@@ -107,10 +123,12 @@ def model_targets(
     if not linears:
         wanted = "any name" if selection is None else f"selected by {selection}"
         raise SpecError(
-            f"the model has no linear layer {wanted}, lm_head aside (lora_target_modules= "
+            f"the model has no linear layer {wanted} (lora_target_modules= "
             "chooses the modules to serve; ['all'] serves every linear layer)"
         )
-    targets = LoRATargets.from_linears(linears, fuse=bool(fused), unserved=unserved)
+    targets = LoRATargets.from_linears(
+        linears, fuse=bool(fused), unserved=unserved, base_weights=base_weights
+    )
     for group in targets.groups:
         if group.key not in module_of:
             raise SpecError(
@@ -121,6 +139,20 @@ def model_targets(
     return targets, module_of
 
 
+def _served_when_named(what: str, selection: ModuleSelection | None) -> str:
+    """Why ``what`` (an embedding, the output layer: served only when named, since PEFT's all-linear
+    leaves both out) is not a target of a manager wrapping ``selection`` (None: ``['all']``)."""
+    if selection is None:
+        return (
+            f"it is {what}, which ['all'] leaves out (as PEFT's all-linear does); build the manager with "
+            "lora_target_modules= naming it"
+        )
+    return (
+        f"this manager does not wrap it: lora_target_modules selects {selection}; build the manager with "
+        "lora_target_modules= naming it"
+    )
+
+
 def attach(
     model: torch.nn.Module,
     targets: LoRATargets,
@@ -129,7 +161,8 @@ def attach(
     active_step: Callable[[], StepSegments | None],
 ) -> dict[str, torch.nn.Module]:
     """Wrap the module of every target group (``module_of``: group key -> module key, from
-    :func:`model_targets`) with a :class:`LoRALinear`; returns the originals by module key."""
+    :func:`model_targets`) with a :class:`LoRALinear` (a :class:`LoRAEmbedding` for an embedding);
+    returns the originals by module key."""
     originals: dict[str, torch.nn.Module] = {}
     for group in targets.groups:
         key = module_of[group.key]
@@ -138,7 +171,10 @@ def attach(
         kind = linear_kind(original)
         returns_bias = kind is not None and kind.returns_bias
         buffers = GroupBuffers(group, a, b, ranks, scalings)
-        _set(model, key, LoRALinear(original, buffers, active_step, returns_bias=returns_bias))
+        if group.members[0].embedding:
+            _set(model, key, LoRAEmbedding(original, buffers, active_step))
+        else:
+            _set(model, key, LoRALinear(original, buffers, active_step, returns_bias=returns_bias))
         originals[key] = original
     return originals
 

@@ -18,7 +18,7 @@ from lora_pin.errors import UsageError
 from lora_pin.ops import KernelMeta, OpArgumentError, SegmentBatch, expand, segments_from_slots, shrink
 from lora_pin.weights.pool import GroupBuffers
 
-__all__ = ["LoRALinear", "StepSegments"]
+__all__ = ["LoRAEmbedding", "LoRALinear", "StepSegments"]
 
 
 @dataclass
@@ -163,16 +163,71 @@ class LoRALinear(torch.nn.Module):
                 "model's dtype when the LoRAManager was built: was the model moved with .to(dtype) since "
                 "(build the manager after it), or is autocast on (not supported)?"
             )
-        cached = self._meta
-        if cached is not None and cached[0] is seg:
-            meta = cached[1]
-        else:
-            meta = KernelMeta.for_layer(seg, buf.ranks, buf.scalings, buf.slice_offsets)
-            self._meta = (seg, meta)
+        meta = self._kernel_meta(seg)
         flat_out = out.view(-1, out.shape[-1])
         expand(flat_out, shrink(x.reshape(-1, x.shape[-1]), buf.a, meta), buf.b, meta)
         return result
 
+    def _kernel_meta(self, seg: SegmentBatch) -> KernelMeta:
+        cached = self._meta
+        if cached is not None and cached[0] is seg:
+            return cached[1]
+        buf = self._pool_buffers
+        meta = KernelMeta.for_layer(seg, buf.ranks, buf.scalings, buf.slice_offsets)
+        self._meta = (seg, meta)
+        return meta
+
     def extra_repr(self) -> str:
         group = self._pool_buffers.group
         return f"group={group.key!r}, slices={self._n_slices}"
+
+
+class LoRAEmbedding(LoRALinear):
+    """``base_layer(ids)`` plus each adapter token's delta ``scaling * B[slot] A[slot][:, id]``, PEFT's
+    embedding LoRA (``lora_embedding_A`` ``[r, num_embeddings]``, ``lora_embedding_B`` ``[dim, r]``).
+
+    The pool holds an embedding's A and B like a linear's (A ``[slots, R, num_embeddings]``, B
+    ``[slots, dim, R]``). The shrink of a linear becomes a lookup: each adapter token's column of its
+    slot's A is gathered, then the expand op adds the B product, scaled, to the base output, so rows
+    with no adapter are never touched. The rows are the step's tokens, as for every linear of the step.
+
+    Args:
+        base_layer: the wrapped ``nn.Embedding`` (or subclass); kept as is. A one-element ``embed_scale``
+            attribute (Gemma's scaled embedding) scales the delta too, as PEFT does.
+        buffers: the device pool's buffers of this embedding's group (one slice).
+        active_step: returns the active :class:`StepSegments`, or None outside a step.
+    """
+
+    def forward(self, x: torch.Tensor) -> Any:
+        """Token ids ``[...]`` -> ``[..., dim]``: the base embeddings plus the step's adapter deltas."""
+        out = self.base_layer(x)
+        step = self._active_step()
+        if step is None or not step.any_adapter:
+            return out
+        # The step's rows are the tokens; the output ([..., dim]) has the shape a linear's input would.
+        seg = step.for_input(out)
+        buf = self._pool_buffers
+        if out.dtype != buf.a.dtype:
+            raise OpArgumentError(
+                f"{self.extra_repr()}: the embedding output is {out.dtype} but the adapter pool is "
+                f"{buf.a.dtype}, the model's dtype when the LoRAManager was built: was the model moved "
+                "with .to(dtype) since (build the manager after it)?"
+            )
+        meta = self._kernel_meta(seg)
+        ids = x.reshape(-1)
+        perm = seg.perm
+        # Each adapter row's slot, from its segment's (a skipped segment's -1 reads slot 0: expand skips
+        # that segment). output_size keeps the shape known without a device-to-host read.
+        counts = (seg.seg_indptr[1:] - seg.seg_indptr[:-1]).long()
+        row_slots = torch.repeat_interleave(
+            seg.seg_slots.long().clamp_min(0), counts, output_size=perm.shape[0]
+        )
+        looked_up = buf.a[row_slots, :, ids.index_select(0, perm)]
+        scale = getattr(self.base_layer, "embed_scale", None)
+        if isinstance(scale, (int, float)) or (isinstance(scale, torch.Tensor) and scale.numel() == 1):
+            # A scaled embedding (Gemma's) scales its output in its forward; PEFT scales the delta alike.
+            looked_up = looked_up * torch.as_tensor(scale, dtype=out.dtype, device=out.device)
+        v = out.new_zeros((ids.shape[0], buf.a.shape[1]))
+        v.index_copy_(0, perm, looked_up)
+        expand(out.view(-1, out.shape[-1]), v, buf.b, meta)
+        return out

@@ -176,7 +176,7 @@ class LoRAManager:
             if missing:
                 raise SpecError(
                     f"lora_target_modules names {missing}, which select none of the model's linear layers "
-                    f"(lm_head aside; it has {list(self.targets.module_names)})"
+                    f"(it has {list(self.targets.module_names)})"
                 )
         self.chunk_size = chunk_size
         host = HostTier(

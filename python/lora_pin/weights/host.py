@@ -25,7 +25,7 @@ import torch
 from lora_pin.errors import AdapterLoadError, AdapterNotFoundError, DuplicateAdapterError
 from lora_pin.weights.config import AdapterConfig
 from lora_pin.weights.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TENSORS
-from lora_pin.weights.reader import AdapterFile, LoraTensorPair, open_adapter
+from lora_pin.weights.reader import PEFT_PREFIX, AdapterFile, LoraTensorPair, open_adapter
 from lora_pin.weights.targets import LinearTarget, LoRATargets, TargetGroup
 
 __all__ = ["HostAdapter", "HostModule", "HostTier", "load_adapter"]
@@ -136,10 +136,10 @@ def _check_against_model(file: AdapterFile, targets: LoRATargets, max_rank: int)
             f"output); tensors found for modules {_listing(pairs) or 'none'}"
         )
     strays = [n for k in stray_modules for n in (pairs[k].a_name, pairs[k].b_name)]
-    if file.unused or strays:
+    unused = [n for n in file.unused if not _is_base_copy(file, targets, n)]
+    if unused or strays:
         raise AdapterLoadError(
-            f"{where}: {len(file.unused) + len(strays)} tensor(s) would be unused: "
-            f"{_listing(file.unused + strays)}"
+            f"{where}: {len(unused) + len(strays)} tensor(s) would be unused: {_listing(unused + strays)}"
         )
     expected = {k for k in known if config.targets(k)}
     if missing := expected - pairs.keys():
@@ -165,6 +165,30 @@ def _check_against_model(file: AdapterFile, targets: LoRATargets, max_rank: int)
     return ranks
 
 
+def _is_base_copy(file: AdapterFile, targets: LoRATargets, tensor_name: str) -> bool:
+    """Whether ``tensor_name`` is PEFT's copy of a targeted embedding's or output layer's base weight
+    (``<module>.base_layer.weight``, saved when ``target_modules`` names one) equal to the model's.
+
+    Raises:
+        AdapterLoadError: it is such a copy, but its shape or values (in the model's dtype) differ from the
+            model's weight: a resized or retrained layer, whose adapter the model's weight cannot serve.
+    """
+    module_key = tensor_name.removeprefix(PEFT_PREFIX).removesuffix(".base_layer.weight")
+    weight = targets.base_weights.get(module_key)
+    if weight is None or tensor_name != f"{PEFT_PREFIX}{module_key}.base_layer.weight":
+        return False
+    stored = file.tensor(tensor_name)
+    if tuple(stored.shape) != tuple(weight.shape) or not torch.equal(
+        stored.to(device=weight.device, dtype=weight.dtype), weight.detach()
+    ):
+        raise AdapterLoadError(
+            f"adapter {file.name!r} ({file.weights_path}): tensor {tensor_name!r} {list(stored.shape)}, "
+            f"PEFT's copy of module {module_key!r}'s base weight, differs from the model's "
+            f"{list(weight.shape)} (a resized or retrained layer is not served)"
+        )
+    return True
+
+
 def _why_not_target(targets: LoRATargets, unserved: list[str]) -> str:
     """Why the module(s) ``unserved`` (keys of the model that are no targets, maybe none) cannot be served."""
     if not unserved:
@@ -178,6 +202,16 @@ def _why_not_target(targets: LoRATargets, unserved: list[str]) -> str:
 
 def _check_pair(file: AdapterFile, pair: LoraTensorPair, target: LinearTarget, max_rank: int) -> int:
     where = f"adapter {file.name!r} ({file.weights_path})"
+    if pair.embedding != target.embedding:
+        held, actual, expected = (
+            ("an embedding's", "a linear layer", "lora_A/lora_B")
+            if pair.embedding
+            else ("a linear layer's", "an embedding", "lora_embedding_A/lora_embedding_B")
+        )
+        raise AdapterLoadError(
+            f"{where}: tensors {pair.a_name!r} / {pair.b_name!r} are {held}, but module {target.key!r} "
+            f"is {actual} (expected {expected})"
+        )
     rank = pair.a_shape[0]
     if pair.a_shape != (rank, target.in_features) or pair.b_shape != (target.out_features, rank):
         raise AdapterLoadError(

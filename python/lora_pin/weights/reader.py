@@ -39,6 +39,7 @@ from lora_pin.weights.limits import (
 )
 
 __all__ = [
+    "PEFT_PREFIX",
     "AdapterFile",
     "LoraTensorPair",
     "adapter_dir_for_name",
@@ -52,8 +53,16 @@ __all__ = [
 CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
-_PREFIX = "base_model.model."
-_SUFFIXES = {".lora_A.weight": "a", ".lora_B.weight": "b"}
+#: The prefix of every tensor name PEFT saves (before the module key).
+PEFT_PREFIX = "base_model.model."
+# suffix -> (half, whether it is an embedding's): PEFT names an embedding's A [r, num_embeddings] and
+# B [embedding_dim, r] lora_embedding_A / lora_embedding_B, with no ``.weight``.
+_SUFFIXES = {
+    ".lora_A.weight": ("a", False),
+    ".lora_B.weight": ("b", False),
+    ".lora_embedding_A": ("a", True),
+    ".lora_embedding_B": ("b", True),
+}
 # The safetensors format's own cap on its JSON header.
 _MAX_HEADER_BYTES = 100_000_000
 
@@ -100,13 +109,16 @@ def adapter_dir_for_name(root: str | os.PathLike[str], name: str) -> Path | None
 
 @dataclass(frozen=True)
 class LoraTensorPair:
-    """The tensor names and shapes of one module's ``lora_A`` (``[r, in]``) and ``lora_B`` (``[out, r]``)."""
+    """The tensor names and shapes of one module's ``lora_A`` (``[r, in]``) and ``lora_B`` (``[out, r]``);
+    for an embedding (``embedding``), its ``lora_embedding_A`` (``[r, num_embeddings]``) and
+    ``lora_embedding_B`` (``[embedding_dim, r]``)."""
 
     module_key: str
     a_name: str
     b_name: str
     a_shape: tuple[int, ...]
     b_shape: tuple[int, ...]
+    embedding: bool = False
 
 
 @dataclass(frozen=True)
@@ -350,22 +362,26 @@ def _pair_tensors(
     name: str, where: Path, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype | str]
 ) -> tuple[dict[str, LoraTensorPair], list[str], torch.dtype]:
     """The complete lora_A/lora_B pairs by module key, the unused tensor names, and the pairs' dtype."""
-    halves: dict[str, dict[str, str]] = {}
+    halves: dict[str, dict[tuple[str, bool], str]] = {}
     unused: list[str] = []
     for key in shapes:
         for suffix, half in _SUFFIXES.items():
             # PEFT saves every LoRA tensor under the prefix and loads nothing without it: a tensor
             # without it is unused (refused), never a second copy of a module's half.
-            if key.endswith(suffix) and key.startswith(_PREFIX):
-                module_key = key[len(_PREFIX) : -len(suffix)]
+            if key.endswith(suffix) and key.startswith(PEFT_PREFIX):
+                module_key = key[len(PEFT_PREFIX) : -len(suffix)]
                 halves.setdefault(module_key, {})[half] = key
                 break
         else:
             unused.append(key)
     pairs: dict[str, LoraTensorPair] = {}
-    for module_key, found in halves.items():
-        if set(found) != {"a", "b"}:
-            unused.extend(found.values())
+    for module_key, by_half in halves.items():
+        # A linear's pair and an embedding's are never mixed: a lora_A.weight beside a lora_embedding_B
+        # is no pair, and both halves of both kinds is one pair too many.
+        embedding = any(e for _, e in by_half)
+        found = {h: n for (h, e), n in by_half.items()}
+        if len({e for _, e in by_half}) != 1 or set(found) != {"a", "b"}:
+            unused.extend(by_half.values())
             continue
         a_shape, b_shape = shapes[found["a"]], shapes[found["b"]]
         for tensor_name, shape in ((found["a"], a_shape), (found["b"], b_shape)):
@@ -374,7 +390,7 @@ def _pair_tensors(
                     f"adapter {name!r} ({where}): tensor {tensor_name!r} has shape {list(shape)}, "
                     "expected 2-D"
                 )
-        pairs[module_key] = LoraTensorPair(module_key, found["a"], found["b"], a_shape, b_shape)
+        pairs[module_key] = LoraTensorPair(module_key, found["a"], found["b"], a_shape, b_shape, embedding)
     pair_dtypes = {dtypes[n] for p in pairs.values() for n in (p.a_name, p.b_name)}
     if len(pair_dtypes) > 1:
         raise AdapterLoadError(

@@ -55,13 +55,18 @@ FUSED_GROUPS: dict[str, tuple[str, ...]] = {
 class LinearTarget:
     """One LoRA-able linear layer: ``key`` is its module path (``model.layers.0.self_attn.q_proj``),
     ``module`` its last segment and ``layer`` the index of the numbered layer it sits in by PEFT's
-    layer-index rule (None outside every numbered layer: a projector between towers, say)."""
+    layer-index rule (None outside every numbered layer: a projector between towers, say).
+
+    An ``embedding`` target (an ``nn.Embedding``) has ``in_features`` its number of embeddings and
+    ``out_features`` its embedding width: its adapter A is ``[r, num_embeddings]`` and B
+    ``[embedding_dim, r]``, stored like a linear's, and each token looks up its column of A."""
 
     layer: int | None
     module: str
     key: str
     in_features: int
     out_features: int
+    embedding: bool = False
 
 
 @dataclass(frozen=True)
@@ -295,17 +300,25 @@ class LoRATargets:
 
     Equal targets (same keys, dimensions and grouping) compare equal, so a host adapter loaded for one
     instance fits a pool built from another. ``unserved`` maps the keys of the model's other modules an
-    adapter might name to why they are not targets (for error messages; not compared).
+    adapter might name to why they are not targets (for error messages; not compared). ``base_weights``
+    maps the keys of the embedding and output-layer targets to the model's weight of that module (not
+    compared): PEFT saves a copy of it in the adapter, which is accepted only when equal to it.
     """
 
     linears: tuple[LinearTarget, ...]
     groups: tuple[TargetGroup, ...]
     num_layers: int
     unserved: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    base_weights: Mapping[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_linears(
-        cls, linears: Iterable[LinearTarget], *, fuse: bool = True, unserved: Mapping[str, str] | None = None
+        cls,
+        linears: Iterable[LinearTarget],
+        *,
+        fuse: bool = True,
+        unserved: Mapping[str, str] | None = None,
+        base_weights: Mapping[str, torch.Tensor] | None = None,
     ) -> LoRATargets:
         """Group ``linears`` (kept in their order): the q/k/v and the gate/up of one parent module fused when
         ``fuse`` and all members share one input width.
@@ -343,7 +356,7 @@ class LoRATargets:
                 f"model targets: the fused group key(s) {clashes} are also the key of a module of the model"
             )
         layers = {t.layer for t in ordered if t.layer is not None}
-        return cls(tuple(ordered), tuple(groups), len(layers), dict(unserved or {}))
+        return cls(tuple(ordered), tuple(groups), len(layers), dict(unserved or {}), dict(base_weights or {}))
 
     @classmethod
     def from_model(
@@ -352,9 +365,10 @@ class LoRATargets:
         """Find the linear layers ``target_modules`` selects, with PEFT's meaning (a list of names or a regex,
         see :class:`ModuleSelection`; default :data:`DEFAULT_TARGET_MODULES`).
 
-        A module qualifies when it is selected, it is not the model's output layer (:func:`output_layer_keys`)
-        and it is a linear layer lora_pin knows (:func:`linear_kind`), or wraps one as ``base_layer`` (a
-        PEFT-wrapped model). Works on models built on the ``meta`` device.
+        A module qualifies when it is selected (the model's output layer, :func:`output_layer_keys`, only by
+        a name or a regex: ``all-linear`` leaves it out, as PEFT's does) and it is a linear layer lora_pin
+        knows (:func:`linear_kind`), or wraps one as ``base_layer`` (a PEFT-wrapped model). Works on models
+        built on the ``meta`` device.
 
         Raises:
             SpecError: no module qualifies, or the regex is refused.
@@ -363,7 +377,7 @@ class LoRATargets:
         found: list[LinearTarget] = []
         output = output_layer_keys(model)
         for key, module in model.named_modules():
-            if not selection.selects(key) or key in output:
+            if not selection.selects(key) or (key in output and "all-linear" in selection.patterns):
                 continue
             features = linear_features(module)
             if features is None:
