@@ -443,16 +443,16 @@ def test_file_changing_while_read_is_refused(
     name = f"changes_while_read{rewrite.__name__}"
     copy = served.root / name
     shutil.copytree(served.good, copy)
-    original = AdapterFile.tensor
+    original = AdapterFile.read_into
     rewritten: list[str] = []
 
-    def rewrite_then_read(self: AdapterFile, tensor_name: str) -> torch.Tensor:
+    def rewrite_then_read(self: AdapterFile, tensor_name: str, out: torch.Tensor) -> None:
         if not rewritten:
             rewrite(self.weights_path)
             rewritten.append(tensor_name)
-        return original(self, tensor_name)
+        original(self, tensor_name, out)
 
-    monkeypatch.setattr(AdapterFile, "tensor", rewrite_then_read)
+    monkeypatch.setattr(AdapterFile, "read_into", rewrite_then_read)
     before = snapshot(served.mgr)
     with pytest.raises(AdapterLoadError, match=rf"'{name}'.*changed while it was read"):
         served.mgr.load(name, copy)

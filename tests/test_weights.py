@@ -649,3 +649,21 @@ def test_inspect_checks_an_adapter_against_a_non_llama_model(tmp_path: Path) -> 
     )
     get_peft_model(base, cfg).save_pretrained(tmp_path / "adapter")
     assert run_inspect(str(tmp_path / "adapter"), "--model", str(model_dir)) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["read-in-place", "converted"])
+def test_a_nan_in_any_tensor_is_refused_naming_it(world: World, tmp_path: Path, dtype: torch.dtype) -> None:
+    """The finiteness check runs once over the adapter's whole slab; whichever tensor holds the NaN (A or
+    B, a fused slice read in place or a padded one copied over) is the one the error names."""
+    names = sorted(load_file(world.adapters["mixed"] / "adapter_model.safetensors"))
+    for i, tensor_name in enumerate(names):
+
+        def poison(state: dict[str, torch.Tensor], name: str = tensor_name, at: int = i) -> None:
+            flat = state[name].view(-1)
+            flat[at % flat.numel()] = float("nan")
+
+        d = copy_adapter(world, tmp_path / f"nan{i}", tensors=poison)
+        with pytest.raises(AdapterLoadError) as info:
+            load_adapter(f"nan{i}", d, world.targets, max_rank=MAX_RANK, dtype=dtype)
+        assert f"tensor {tensor_name!r} has 1 NaN/Inf value(s)" in str(info.value)
+        assert str(dtype) in str(info.value)

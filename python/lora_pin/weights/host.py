@@ -275,20 +275,45 @@ def _build_module(
             pair = file.pairs[member.key]
             a_rows = a[s * rank : s * rank + slice_ranks[s]]
             b_cols = b[offsets[s] : offsets[s + 1], : slice_ranks[s]]
-            a_rows.copy_(file.tensor(pair.a_name))
-            b_cols.copy_(file.tensor(pair.b_name))
-            for tensor_name, copied in ((pair.a_name, a_rows), (pair.b_name, b_cols)):
-                if not bool(torch.isfinite(copied).all()):
-                    raise AdapterLoadError(
-                        f"adapter {file.name!r} ({file.weights_path}): tensor {tensor_name!r} has "
-                        f"{int((~torch.isfinite(copied)).sum())} NaN/Inf value(s) in the serving dtype "
-                        f"{copied.dtype} (stored as {file.dtype}); refused"
-                    )
+            file.read_into(pair.a_name, a_rows)
+            file.read_into(pair.b_name, b_cols)
     rank_tensor = torch.tensor(slice_ranks, dtype=torch.int32)
     scaling_tensor = torch.tensor(scalings, dtype=torch.float32)
     if pin:
         rank_tensor, scaling_tensor = rank_tensor.pin_memory(), scaling_tensor.pin_memory()
     return HostModule(group, a, b, slice_ranks, scalings, rank_tensor, scaling_tensor)
+
+
+def _slices(file: AdapterFile, module: HostModule) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each stored tensor's name and the view of ``module``'s A or B that holds it."""
+    rank, offsets = module.rank, module.group.slice_offsets
+    for s, (member, r) in enumerate(zip(module.group.members, module.ranks, strict=True)):
+        if r:
+            pair = file.pairs[member.key]
+            yield pair.a_name, module.a[s * rank : s * rank + r]
+            yield pair.b_name, module.b[offsets[s] : offsets[s + 1], :r]
+
+
+def _refuse_non_finite(file: AdapterFile, slab: _Slab, modules: Iterable[HostModule]) -> None:
+    """Refuse a NaN/Inf anywhere in the slab, naming the first tensor that holds one.
+
+    One pass over the whole slab (every element of it is a weight or zero padding) instead of one call per
+    tensor; the tensors are searched only once the slab is known to hold such a value. The pass is
+    ``aminmax``: NaN propagates to both ends and an infinity is one of them, and unlike ``isfinite`` it
+    allocates no mask (about 20x faster on a few MiB).
+    """
+    low, high = torch.aminmax(slab.memory)
+    if bool(low.isfinite()) and bool(high.isfinite()):
+        return
+    for module in modules:
+        for tensor_name, copied in _slices(file, module):
+            bad = int((~torch.isfinite(copied)).sum())
+            if bad:
+                raise AdapterLoadError(
+                    f"adapter {file.name!r} ({file.weights_path}): tensor {tensor_name!r} has {bad} "
+                    f"NaN/Inf value(s) in the serving dtype {copied.dtype} (stored as {file.dtype}); refused"
+                )
+    raise AssertionError("a NaN/Inf in the slab outside every tensor's view")
 
 
 def load_adapter(
@@ -336,6 +361,7 @@ def load_adapter(
         touched = [g for g in targets.groups if any(m.key in ranks for m in g.members)]
         slab = _Slab(sum(_group_numel(g, ranks) for g in touched), dtype, pin)
         modules = {g.key: _build_module(file, g, ranks, slab, pin) for g in touched}
+        _refuse_non_finite(file, slab, modules.values())
         file.check_unchanged()
     return HostAdapter(name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks))
 

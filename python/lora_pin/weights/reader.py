@@ -165,6 +165,26 @@ class AdapterFile:
         _pread_into(self, raw.numpy().data, stored.begin)
         return raw.view(_SAFETENSORS_DTYPES[stored.dtype]).view(stored.shape)
 
+    def read_into(self, tensor_name: str, out: torch.Tensor) -> None:
+        """Put stored tensor ``tensor_name`` into ``out`` (same shape), converting to ``out``'s dtype.
+
+        When the file holds it in ``out``'s dtype and ``out`` is contiguous, its bytes are read from the
+        file straight into ``out`` (one copy); otherwise it is read into fresh memory and copied over.
+
+        Raises:
+            AdapterLoadError: the file ended before the tensor's last byte (truncated while it was read).
+        """
+        stored = self._stored.get(tensor_name) if self._loaded is None else None
+        if (
+            stored is not None
+            and _SAFETENSORS_DTYPES[stored.dtype] == out.dtype
+            and tuple(out.shape) == stored.shape
+            and out.is_contiguous()
+        ):
+            _pread_into(self, out.view(torch.uint8).reshape(-1).numpy().data, stored.begin)
+        else:
+            out.copy_(self.tensor(tensor_name))
+
     def check_unchanged(self) -> None:
         """Refuse the adapter if its weight file was replaced or rewritten since it was opened.
 
