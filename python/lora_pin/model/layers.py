@@ -157,16 +157,25 @@ class LoRALinear(torch.nn.Module):
             return result
         seg = step.for_input(x)
         buf = self._pool_buffers
-        if x.dtype != buf.a.dtype:
-            raise OpArgumentError(
-                f"{self.extra_repr()}: the input is {x.dtype} but the adapter pool is {buf.a.dtype}, the "
-                "model's dtype when the LoRAManager was built: was the model moved with .to(dtype) since "
-                "(build the manager after it), or is autocast on (not supported)?"
-            )
+        self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
         meta = self._kernel_meta(seg)
         flat_out = out.view(-1, out.shape[-1])
         expand(flat_out, shrink(x.reshape(-1, x.shape[-1]), buf.a, meta), buf.b, meta)
         return result
+
+    def _check_dtype(self, what: str, dtype: torch.dtype, more: str = "") -> None:
+        """Refuse a tensor of another dtype than the pool's (the model's when the manager was built).
+
+        Raises:
+            OpArgumentError: naming the layer, ``what`` and both dtypes.
+        """
+        pool = self._pool_buffers.a.dtype
+        if dtype != pool:
+            raise OpArgumentError(
+                f"{self.extra_repr()}: {what} is {dtype} but the adapter pool is {pool}, the model's dtype "
+                "when the LoRAManager was built: was the model moved with .to(dtype) since (build the "
+                f"manager after it){more}?"
+            )
 
     def _kernel_meta(self, seg: SegmentBatch) -> KernelMeta:
         cached = self._meta
@@ -207,12 +216,7 @@ class LoRAEmbedding(LoRALinear):
         # The step's rows are the tokens; the output ([..., dim]) has the shape a linear's input would.
         seg = step.for_input(out)
         buf = self._pool_buffers
-        if out.dtype != buf.a.dtype:
-            raise OpArgumentError(
-                f"{self.extra_repr()}: the embedding output is {out.dtype} but the adapter pool is "
-                f"{buf.a.dtype}, the model's dtype when the LoRAManager was built: was the model moved "
-                "with .to(dtype) since (build the manager after it)?"
-            )
+        self._check_dtype("the embedding output", out.dtype)
         meta = self._kernel_meta(seg)
         ids = x.reshape(-1)
         perm = seg.perm
