@@ -8,6 +8,10 @@ Matching follows PEFT 0.21 exactly (``peft/utils/other.py`` and ``peft/tuners/tu
 * ``rank_pattern`` / ``alpha_pattern``: the first key (in file order) for which
   ``re.match(rf"(.*\\.)?({key})$", module_key)`` succeeds gives the value; otherwise ``r`` / ``lora_alpha``.
 * scaling is ``alpha / sqrt(r)`` with ``use_rslora``, else ``alpha / r``, with the module's own r and alpha.
+* ``target_parameters`` (LoRA on a module's 3-D MoE expert weights): a parameter key
+  (``model.layers.0.mlp.experts.gate_up_proj``) matches when it equals an entry or ends with ``"." + entry``;
+  ``exclude_modules`` and ``layers_to_transform`` do not apply to it (PEFT's ``_inject_parameters``), and its
+  rank and alpha come from ``rank_pattern`` / ``alpha_pattern`` by the parameter key.
 
 The regexes give those answers without Python's backtracking ``re``: each field's patterns are compiled
 once, when the config is built, into a linear-time matcher (:mod:`lora_pin.weights.patterns`), which
@@ -65,7 +69,6 @@ _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 _UNSUPPORTED = {
     "lora_bias": "adds a bias to lora_B",
-    "target_parameters": "targets raw parameters instead of linear modules",
     "trainable_token_indices": "trains embedding rows",
     "layer_replication": "changes the base model's layer stack",
     "use_qalora": "pools the input before lora_A",
@@ -97,9 +100,11 @@ class _Matchers:
 class AdapterConfig:
     """The servable part of a PEFT LoRA ``adapter_config.json``.
 
-    ``target_modules`` is a tuple of names or one regex string; ``layers_to_transform`` None means all
-    layers. Build it with :func:`lora_pin.weights.reader.read_adapter_config` (or :meth:`from_mapping`),
-    which refuses what lora_pin cannot serve. Its regexes are compiled when it is built, once.
+    ``target_modules`` is a tuple of names or one regex string (an empty tuple when the adapter only has
+    ``target_parameters``, the names of MoE expert parameters it puts LoRA on); ``layers_to_transform``
+    None means all layers. Build it with :func:`lora_pin.weights.reader.read_adapter_config` (or
+    :meth:`from_mapping`), which refuses what lora_pin cannot serve. Its regexes are compiled when it is
+    built, once.
 
     Raises:
         AdapterLoadError: (when built) a pattern is refused, see
@@ -119,6 +124,7 @@ class AdapterConfig:
     exclude_modules: tuple[str, ...] | str = ()
     fan_in_fan_out: bool = False
     base_model_name_or_path: str | None = None
+    target_parameters: tuple[str, ...] = ()
     _matchers: _Matchers = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -131,7 +137,7 @@ class AdapterConfig:
         Raises:
             AdapterLoadError: naming the adapter, the file and the field, for ``peft_type`` other than LORA,
                 ``use_dora``, ``bias`` other than "none", non-empty ``modules_to_save``, ``lora_bias``,
-                ``target_parameters``, ``trainable_token_indices``, ``layer_replication``, ``use_qalora``,
+                ``trainable_token_indices``, ``layer_replication``, ``use_qalora``,
                 ``alora_invocation_tokens``, for any field of the wrong type or value, for more than
                 :data:`~lora_pin.weights.patterns.MAX_PATTERN_ENTRIES` pattern and list entries, and for a
                 refused regex (see :func:`~lora_pin.weights.patterns.compile_patterns`).
@@ -148,11 +154,13 @@ class AdapterConfig:
         r, alpha = _rank_and_alpha(fail, data)
         rank_pattern = _pattern_field(fail, data, "rank_pattern")
         alpha_pattern = _pattern_field(fail, data, "alpha_pattern")
-        targets = _target_modules(fail, data)
+        parameters = _target_parameters(fail, data)
+        targets = _target_modules(fail, data, bool(parameters))
         layers, layers_pattern = _layers(fail, data, targets)
         exclude = _exclude_modules(fail, data)
         entries = len(rank_pattern) + len(alpha_pattern) + len(layers) + len(layers_pattern)
         entries += sum(len(names) for names in (targets, exclude) if not isinstance(names, str))
+        entries += len(parameters)
         if entries > MAX_PATTERN_ENTRIES:
             raise AdapterLoadError(
                 f"adapter {name!r} ({file}): {entries} entries in rank_pattern, alpha_pattern and the "
@@ -174,6 +182,7 @@ class AdapterConfig:
             exclude_modules=exclude,
             fan_in_fan_out=_boolean(fail, data, "fan_in_fan_out"),
             base_model_name_or_path=data.get("base_model_name_or_path"),
+            target_parameters=parameters,
         )
 
     def rank_for(self, module_key: str) -> int:
@@ -242,6 +251,12 @@ class AdapterConfig:
             captured = m.layers.group(module_key, "idx")
             index = None if captured is None else int(captured)
         return index is not None and index in m.layer_set
+
+    def targets_parameter(self, parameter_key: str) -> bool:
+        """Whether PEFT would put this adapter's LoRA on the parameter ``parameter_key``
+        (``model.layers.0.mlp.experts.down_proj``): it equals a ``target_parameters`` entry or ends with
+        ``"." + entry``. Exclusions and layers do not apply, as in PEFT."""
+        return any(parameter_key == t or parameter_key.endswith(f".{t}") for t in self.target_parameters)
 
     def unused_pattern_keys(self, module_keys: Iterable[str]) -> list[tuple[str, str]]:
         """``(field, key)`` for each ``rank_pattern`` / ``alpha_pattern`` key that matches none of
@@ -392,14 +407,27 @@ def _check_pattern_values(
                 raise fail(field_name, f"key {pattern_key!r} must be a string")
 
 
-def _target_modules(fail: _Fail, data: Mapping[str, Any]) -> tuple[str, ...] | str:
-    """``target_modules``: one regex string, or a non-empty list of names."""
+def _target_modules(fail: _Fail, data: Mapping[str, Any], has_parameters: bool) -> tuple[str, ...] | str:
+    """``target_modules``: one regex string, or a non-empty list of names (null or empty when the adapter
+    has ``target_parameters``)."""
     raw = data.get("target_modules")
     if isinstance(raw, str):
         return raw
+    if has_parameters and (raw is None or raw == []):
+        return ()
     if isinstance(raw, list) and raw and all(isinstance(t, str) for t in raw):
         return tuple(raw)
     raise fail("target_modules", f"must be a regex string or a non-empty list of names, got {raw!r}")
+
+
+def _target_parameters(fail: _Fail, data: Mapping[str, Any]) -> tuple[str, ...]:
+    """``target_parameters``: a list of parameter names (PEFT takes no regex here); empty for none."""
+    raw = data.get("target_parameters")
+    if raw is None or raw == []:
+        return ()
+    if isinstance(raw, list) and all(isinstance(t, str) and t for t in raw):
+        return tuple(dict.fromkeys(raw))
+    raise fail("target_parameters", f"must be a list of parameter names, got {raw!r}")
 
 
 def _layers(
