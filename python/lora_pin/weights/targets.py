@@ -59,7 +59,12 @@ class LinearTarget:
 
     An ``embedding`` target (an ``nn.Embedding``) has ``in_features`` its number of embeddings and
     ``out_features`` its embedding width: its adapter A is ``[r, num_embeddings]`` and B
-    ``[embedding_dim, r]``, stored like a linear's, and each token looks up its column of A."""
+    ``[embedding_dim, r]``, stored like a linear's, and each token looks up its column of A.
+
+    An ``experts`` target (``experts`` > 0) is a 3-D MoE expert weight, PEFT's ``target_parameters``: ``key``
+    is the parameter's (``model.layers.0.mlp.experts.gate_up_proj``), ``module`` its name, and
+    ``in_features`` / ``out_features`` one expert's projection widths. Its group stores one slice per
+    expert (see :class:`TargetGroup`)."""
 
     layer: int | None
     module: str
@@ -67,6 +72,7 @@ class LinearTarget:
     in_features: int
     out_features: int
     embedding: bool = False
+    experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,9 @@ class TargetGroup:
 
     ``slice_offsets`` has ``n_slices + 1`` entries: slice s owns output rows
     ``[slice_offsets[s], slice_offsets[s + 1])`` of B. Members of a fused group share one parent module.
+    An experts group has one member (a 3-D expert weight of ``E`` experts) and ``E`` slices, expert e's
+    A in slice e's rows and its B in slice e's output rows, so the pool, the host tier and the ops treat
+    it like a fused group of ``E`` equal slices.
     """
 
     layer: int | None
@@ -92,9 +101,14 @@ class TargetGroup:
         return f"{parent}.{self.name}" if parent else self.name
 
     @property
+    def experts(self) -> int:
+        """The number of experts of an experts group, 0 for any other."""
+        return self.members[0].experts
+
+    @property
     def n_slices(self) -> int:
-        """How many modules are stacked in this group (1, 2 or 3)."""
-        return len(self.members)
+        """How many slices are stacked in this group: its modules (1, 2 or 3), or its experts."""
+        return self.experts or len(self.members)
 
     @property
     def in_features(self) -> int:
@@ -103,15 +117,22 @@ class TargetGroup:
 
     @property
     def out_total(self) -> int:
-        """The summed output width of the members (rows of the group's B)."""
-        return sum(m.out_features for m in self.members)
+        """The summed output width of the slices (rows of the group's B)."""
+        return sum(self.slice_widths)
+
+    @property
+    def slice_widths(self) -> tuple[int, ...]:
+        """The output width of each slice."""
+        if self.experts:
+            return (self.members[0].out_features,) * self.experts
+        return tuple(m.out_features for m in self.members)
 
     @property
     def slice_offsets(self) -> tuple[int, ...]:
         """Output row offsets of the slices, ``n_slices + 1`` entries starting at 0."""
         offsets = [0]
-        for member in self.members:
-            offsets.append(offsets[-1] + member.out_features)
+        for width in self.slice_widths:
+            offsets.append(offsets[-1] + width)
         return tuple(offsets)
 
 
@@ -228,10 +249,15 @@ class ModuleSelection:
         names: the entries of a list: each selects the key equal to it or ending in ``.entry`` (``q_proj``
             selects every ``...q_proj``, ``mlp.c_proj`` only the MLP's ``c_proj``).
         patterns: regex strings, each selecting the keys it matches whole; ``all-linear`` selects every key.
+        parameters: PEFT ``target_parameters`` entries, which select MoE expert parameter keys
+            (``model.layers.0.mlp.experts.gate_up_proj``) by the same rule as ``names``; names and patterns
+            never select a parameter (an adapter on a shared expert's ``down_proj`` linear does not make
+            every routed expert's ``down_proj`` a target).
     """
 
     names: tuple[str, ...] = ()
     patterns: tuple[str, ...] = ()
+    parameters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Regexes match with the core's linear-time matcher, compiled once (never Python's backtracking
@@ -253,7 +279,8 @@ class ModuleSelection:
 
     @classmethod
     def of(cls, target_modules: Sequence[str] | str) -> ModuleSelection:
-        """The selection of one ``target_modules`` value: a list of names, or one regex string.
+        """The selection of one ``lora_target_modules`` value: a list of names (each also selecting the
+        expert parameters it names, ``experts.gate_up_proj``), or one regex string (modules only).
 
         Raises:
             SpecError: the regex is refused (not a regex, or a construct the linear-time matcher lacks; see
@@ -261,14 +288,20 @@ class ModuleSelection:
         """
         if isinstance(target_modules, str):
             return cls(patterns=(target_modules,))
-        return cls(names=tuple(dict.fromkeys(target_modules)))
+        names = tuple(dict.fromkeys(target_modules))
+        return cls(names=names, parameters=names)
 
     def union(self, other: ModuleSelection) -> ModuleSelection:
         """The keys either selection selects."""
         return ModuleSelection(
             tuple(dict.fromkeys(self.names + other.names)),
             tuple(dict.fromkeys(self.patterns + other.patterns)),
+            tuple(dict.fromkeys(self.parameters + other.parameters)),
         )
+
+    def selects_parameter(self, key: str) -> bool:
+        """Whether the expert parameter with key ``key`` is selected (by a ``parameters`` entry)."""
+        return any(key == p or key.endswith(f".{p}") for p in self.parameters)
 
     def selects(self, key: str) -> bool:
         """Whether the module with key ``key`` is selected."""
@@ -282,15 +315,20 @@ class ModuleSelection:
         return matcher is not None and matcher.first_match(key) is not None
 
     def unmatched(self, keys: Iterable[str]) -> list[str]:
-        """The entries (names, then patterns) that select none of ``keys``."""
+        """The entries (names, patterns, then parameters that are no name) that select none of ``keys``
+        (module and expert parameter keys)."""
         keys = list(keys)
         entries = [ModuleSelection(names=(n,)) for n in self.names]
         entries += [ModuleSelection(patterns=(p,)) for p in self.patterns]
-        return [(e.names + e.patterns)[0] for e in entries if not any(e.selects(k) for k in keys)]
+        unmatched = [(e.names + e.patterns)[0] for e in entries if not any(e.selects(k) for k in keys)]
+        extra = [p for p in self.parameters if p not in self.names]
+        return unmatched + [p for p in extra if not any(k == p or k.endswith(f".{p}") for k in keys)]
 
     def __str__(self) -> str:
         parts = [repr(list(self.names))] if self.names else []
         parts += [f"regex {p!r}" for p in self.patterns]
+        extra = [p for p in self.parameters if p not in self.names]
+        parts += [f"parameters {extra!r}"] if extra else []
         return " or ".join(parts) or "nothing"
 
 
