@@ -5,22 +5,35 @@ Every token of a batch may use a different adapter (or none). The ops are driven
 :class:`KernelMeta` joins with a layer group's per-slot ranks, scalings and slice layout; they read
 the adapters from the device pool's stacked ``A`` / ``B`` buffers. CUDA tensors run Triton SGMV
 kernels (CUDA-graph capturable: no host-device synchronisation); CPU tensors run grouped torch GEMMs.
-The Triton kernels also run on CPU tensors under the Triton interpreter through
+LoRA on MoE experts (:mod:`lora_pin.ops.experts`) runs the same two ops over ``(adapter, expert)``
+segments. The Triton kernels also run on CPU tensors under the Triton interpreter through
 :mod:`lora_pin.ops.triton_sgmv` (tests).
 """
 
 from lora_pin.ops._checks import OpArgumentError
 from lora_pin.ops.custom_ops import expand, lora_delta_, shrink
+from lora_pin.ops.experts import (
+    ExpertMeta,
+    expert_lora_delta_,
+    expert_reference,
+    expert_segments,
+    flat_expert_buffers,
+)
 from lora_pin.ops.reference import expand_reference, lora_reference, shrink_reference
 from lora_pin.ops.segments import CUDA_CHUNK_SIZE, KernelMeta, SegmentBatch, segments_from_slots
 
 __all__ = [
     "CUDA_CHUNK_SIZE",
+    "ExpertMeta",
     "KernelMeta",
     "OpArgumentError",
     "SegmentBatch",
     "expand",
     "expand_reference",
+    "expert_lora_delta_",
+    "expert_reference",
+    "expert_segments",
+    "flat_expert_buffers",
     "lora_delta_",
     "lora_reference",
     "segments_from_slots",
