@@ -102,8 +102,11 @@ class HostAdapter:
         size = torch.empty((), dtype=self.dtype).element_size()
         total = 0
         for module in self.modules.values():
-            for member, rank in zip(module.group.members, module.ranks, strict=True):
-                total += rank * (member.in_features + member.out_features) * size
+            group = module.group
+            widths = group.slice_widths
+            for s, rank in enumerate(module.ranks):
+                member = group.members[0 if group.experts else s]
+                total += rank * (member.in_features + widths[s]) * size
         return total
 
     @property
@@ -112,10 +115,99 @@ class HostAdapter:
         return all(m.a.is_pinned() and m.b.is_pinned() for m in self.modules.values())
 
 
-def _check_against_model(file: AdapterFile, targets: LoRATargets, max_rank: int) -> dict[str, int]:
-    """Validate the adapter's modules against the model; return the rank of each module key."""
+def _expert_pairs(file: AdapterFile, targets: LoRATargets) -> dict[str, LoraTensorPair]:
+    """The tensor pair of every MoE expert weight the adapter's ``target_parameters`` name, by parameter key.
+
+    PEFT wraps each targeted parameter of one experts module in a nested wrapper, the first in the
+    module's parameter order innermost, and saves each wrapper's tensors under its own path: with
+    ``gate_up_proj`` and ``down_proj`` targeted, ``...experts.base_layer.lora_A.weight`` is
+    ``gate_up_proj``'s and ``...experts.lora_A.weight`` is ``down_proj``'s. The targets list an experts
+    module's weights in that parameter order.
+
+    Raises:
+        AdapterLoadError: an entry names no expert weight this model serves (with the reason when the model
+            has it but it is not served), or a named weight has no tensors.
+    """
+    config, where = file.config, f"adapter {file.name!r} ({file.config.file})"
+    if not config.target_parameters:
+        return {}
+    served = [t for t in targets.linears if t.experts]
+    for entry in config.target_parameters:
+        if not any(t.key == entry or t.key.endswith(f".{entry}") for t in served):
+            unserved = [k for k in targets.unserved if k == entry or k.endswith(f".{entry}")]
+            raise AdapterLoadError(
+                f"{where}: field 'target_parameters' names {entry!r}, "
+                + (
+                    _why_not_target(targets, unserved)
+                    if unserved
+                    else "which is not a MoE expert weight lora_pin serves in this model (served: "
+                    f"{_listing(t.key for t in served) or 'none'})"
+                )
+            )
+    if refused := [k for k in targets.unserved if config.targets_parameter(k)]:
+        raise AdapterLoadError(
+            f"{where}: field 'target_parameters' names expert weight " + _why_not_target(targets, refused)
+        )
+    by_module: dict[str, list[LinearTarget]] = {}
+    for t in served:
+        if config.targets_parameter(t.key):
+            by_module.setdefault(t.key.rpartition(".")[0], []).append(t)
+    found: dict[str, LoraTensorPair] = {}
+    for module_key, members in by_module.items():
+        for depth, target in enumerate(reversed(members)):
+            stored_key = module_key + ".base_layer" * depth
+            pair = file.pairs.get(stored_key)
+            if pair is None:
+                raise AdapterLoadError(
+                    f"adapter {file.name!r} ({file.weights_path}): the config targets expert weight "
+                    f"{target.key!r}, which has no tensors {PEFT_PREFIX}{stored_key}.lora_A.weight / "
+                    "lora_B.weight"
+                )
+            found[target.key] = pair
+    return found
+
+
+def _check_expert_pair(file: AdapterFile, pair: LoraTensorPair, target: LinearTarget, max_rank: int) -> int:
+    """The rank of an expert weight's pair: PEFT's A ``[r * E, in]`` and B ``[out, r * E]``."""
+    where = f"adapter {file.name!r} ({file.weights_path})"
+    experts = target.experts
+    stacked = pair.a_shape[0]
+    if (
+        pair.embedding
+        or stacked % experts
+        or pair.a_shape != (stacked, target.in_features)
+        or pair.b_shape != (target.out_features, stacked)
+    ):
+        raise AdapterLoadError(
+            f"{where}: tensors {pair.a_name!r} {list(pair.a_shape)} / {pair.b_name!r} {list(pair.b_shape)} "
+            f"do not fit expert weight {target.key!r} ({experts} experts, in={target.in_features}, "
+            f"out={target.out_features}): expected lora_A [r * {experts}, {target.in_features}] and "
+            f"lora_B [{target.out_features}, r * {experts}]"
+        )
+    rank = stacked // experts
+    configured = file.config.rank_for(target.key)
+    if rank != configured:
+        raise AdapterLoadError(
+            f"{where}: tensor {pair.a_name!r} has rank {rank} per expert but field 'r'/'rank_pattern' "
+            f"gives {configured} for expert weight {target.key!r}"
+        )
+    if rank > max_rank:
+        raise AdapterLoadError(
+            f"{where}: expert weight {target.key!r} has rank {rank}, above the pool's max rank {max_rank} "
+            "(field 'r'/'rank_pattern')"
+        )
+    return rank
+
+
+def _check_against_model(
+    file: AdapterFile, targets: LoRATargets, max_rank: int
+) -> tuple[dict[str, int], dict[str, LoraTensorPair]]:
+    """Validate the adapter's modules against the model; return the rank of each target key it touches
+    and the tensor pair of each (keyed by module key, or by parameter key for an expert weight)."""
     name, config, where = file.name, file.config, f"adapter {file.name!r} ({file.weights_path})"
-    known = [t.key for t in targets.linears]
+    expert_pairs = _expert_pairs(file, targets)
+    stored_expert_keys = {p.module_key for p in expert_pairs.values()}
+    known = [t.key for t in targets.linears if not t.experts]
     if isinstance(config.target_modules, tuple):
         for entry in sorted(config.target_modules):
             if not any(k == entry or k.endswith(f".{entry}") for k in known):
@@ -125,12 +217,13 @@ def _check_against_model(file: AdapterFile, targets: LoRATargets, max_rank: int)
                         targets, [k for k in targets.unserved if k == entry or k.endswith(f".{entry}")]
                     )
                 )
-    pairs = file.pairs
-    matched = [k for k in pairs if targets.linear(k) is not None]
-    stray_modules = [k for k in pairs if targets.linear(k) is None]
+    pairs = {k: p for k, p in file.pairs.items() if k not in stored_expert_keys}
+    known_set = set(known)
+    matched = [k for k in pairs if k in known_set]
+    stray_modules = [k for k in pairs if k not in known_set]
     if explained := [k for k in stray_modules if k in targets.unserved]:
         raise AdapterLoadError(f"{where}: it has tensors for module " + _why_not_target(targets, explained))
-    if not matched:
+    if not matched and not expert_pairs:
         raise AdapterLoadError(
             f"{where}: no tensor matches any LoRA target of this model (it would silently serve base-model "
             f"output); tensors found for modules {_listing(pairs) or 'none'}"
@@ -152,17 +245,21 @@ def _check_against_model(file: AdapterFile, targets: LoRATargets, max_rank: int)
             f"{_listing(extra)}"
         )
     # PEFT ignores a key that matches nothing; it is a typo that silently serves the default r/alpha.
-    for field_name, pattern_key in config.unused_pattern_keys(expected):
+    for field_name, pattern_key in config.unused_pattern_keys([*expected, *expert_pairs]):
         raise AdapterLoadError(
             f"adapter {name!r} ({config.file}): field {field_name!r} key {pattern_key!r} matches no "
-            f"module the adapter targets ({_listing(expected)})"
+            f"module the adapter targets ({_listing([*expected, *expert_pairs])})"
         )
     ranks: dict[str, int] = {}
     for key in matched:
         pair, target = pairs[key], targets.linear(key)
         assert target is not None
         ranks[key] = _check_pair(file, pair, target, max_rank)
-    return ranks
+    for key, pair in expert_pairs.items():
+        target = targets.linear(key)
+        assert target is not None
+        ranks[key] = _check_expert_pair(file, pair, target, max_rank)
+    return ranks, {k: pairs[k] for k in matched} | expert_pairs
 
 
 def _is_base_copy(file: AdapterFile, targets: LoRATargets, tensor_name: str) -> bool:
@@ -249,6 +346,8 @@ class _Slab:
 
 
 def _group_ranks(group: TargetGroup, ranks: dict[str, int]) -> tuple[int, ...]:
+    if group.experts:
+        return (ranks.get(group.members[0].key, 0),) * group.experts
     return tuple(ranks.get(m.key, 0) for m in group.members)
 
 
@@ -258,21 +357,32 @@ def _group_numel(group: TargetGroup, ranks: dict[str, int]) -> int:
 
 
 def _build_module(
-    file: AdapterFile, group: TargetGroup, ranks: dict[str, int], slab: _Slab, pin: bool
+    file: AdapterFile,
+    group: TargetGroup,
+    ranks: dict[str, int],
+    pairs: dict[str, LoraTensorPair],
+    slab: _Slab,
+    pin: bool,
 ) -> HostModule:
     slice_ranks = _group_ranks(group, ranks)
-    scalings = tuple(
-        file.config.scaling_for(m.key, r) if r else 0.0
-        for m, r in zip(group.members, slice_ranks, strict=True)
-    )
+    if group.experts:
+        scaling = file.config.scaling_for(group.key, slice_ranks[0])
+        scalings: tuple[float, ...] = (scaling,) * group.experts
+    else:
+        scalings = tuple(
+            file.config.scaling_for(m.key, r) if r else 0.0
+            for m, r in zip(group.members, slice_ranks, strict=True)
+        )
     rank = max(slice_ranks)
     padded = any(r != rank for r in slice_ranks)
     a = slab.take((group.n_slices * rank, group.in_features), padded)
     b = slab.take((group.out_total, rank), padded)
     offsets = group.slice_offsets
-    for s, member in enumerate(group.members):
+    if group.experts:
+        _read_experts(file, pairs[group.key], group.experts, a, b)
+    for s, member in enumerate(() if group.experts else group.members):
         if slice_ranks[s]:
-            pair = file.pairs[member.key]
+            pair = pairs[member.key]
             a_rows = a[s * rank : s * rank + slice_ranks[s]]
             b_cols = b[offsets[s] : offsets[s + 1], : slice_ranks[s]]
             file.read_into(pair.a_name, a_rows)
@@ -284,17 +394,40 @@ def _build_module(
     return HostModule(group, a, b, slice_ranks, scalings, rank_tensor, scaling_tensor)
 
 
-def _slices(file: AdapterFile, module: HostModule) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each stored tensor's name and the view of ``module``'s A or B that holds it."""
+def _read_experts(
+    file: AdapterFile, pair: LoraTensorPair, experts: int, a: torch.Tensor, b: torch.Tensor
+) -> None:
+    """Put an expert weight's PEFT tensors into an experts group's A ``[E * r, in]`` and B ``[E * out, r]``.
+
+    PEFT's A ``[r * E, in]`` holds expert e's rows at ``[e * r, (e + 1) * r)``, the pool's layout already;
+    its B ``[out, r * E]`` holds expert e's column j at ``j * E + e`` (``lora_B.weight`` reshaped
+    ``[out, r, E]``), so B is regrouped expert by expert.
+    """
+    file.read_into(pair.a_name, a)
+    stored = file.tensor(pair.b_name)
+    out_features, rank = b.shape[0] // experts, b.shape[1]
+    b.view(experts, out_features, rank).copy_(stored.view(out_features, rank, experts).permute(2, 0, 1))
+
+
+def _slices(module: HostModule, pairs: dict[str, LoraTensorPair]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each stored tensor's name and the view of ``module``'s A or B that holds it (an expert weight's
+    whole A and B: its tensors hold every expert)."""
     rank, offsets = module.rank, module.group.slice_offsets
+    if module.group.experts:
+        pair = pairs[module.group.key]
+        yield pair.a_name, module.a
+        yield pair.b_name, module.b
+        return
     for s, (member, r) in enumerate(zip(module.group.members, module.ranks, strict=True)):
         if r:
-            pair = file.pairs[member.key]
+            pair = pairs[member.key]
             yield pair.a_name, module.a[s * rank : s * rank + r]
             yield pair.b_name, module.b[offsets[s] : offsets[s + 1], :r]
 
 
-def _refuse_non_finite(file: AdapterFile, slab: _Slab, modules: Iterable[HostModule]) -> None:
+def _refuse_non_finite(
+    file: AdapterFile, pairs: dict[str, LoraTensorPair], slab: _Slab, modules: Iterable[HostModule]
+) -> None:
     """Refuse a NaN/Inf anywhere in the slab, naming the first tensor that holds one.
 
     One pass over the whole slab (every element of it is a weight or zero padding) instead of one call per
@@ -306,7 +439,7 @@ def _refuse_non_finite(file: AdapterFile, slab: _Slab, modules: Iterable[HostMod
     if bool(low.isfinite()) and bool(high.isfinite()):
         return
     for module in modules:
-        for tensor_name, copied in _slices(file, module):
+        for tensor_name, copied in _slices(module, pairs):
             bad = int((~torch.isfinite(copied)).sum())
             if bad:
                 raise AdapterLoadError(
@@ -356,12 +489,12 @@ def load_adapter(
         max_file_bytes=max_file_bytes,
         max_tensors=max_tensors,
     ) as file:
-        ranks = _check_against_model(file, targets, max_rank)
+        ranks, pairs = _check_against_model(file, targets, max_rank)
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         touched = [g for g in targets.groups if any(m.key in ranks for m in g.members)]
         slab = _Slab(sum(_group_numel(g, ranks) for g in touched), dtype, pin)
-        modules = {g.key: _build_module(file, g, ranks, slab, pin) for g in touched}
-        _refuse_non_finite(file, slab, modules.values())
+        modules = {g.key: _build_module(file, g, ranks, pairs, slab, pin) for g in touched}
+        _refuse_non_finite(file, pairs, slab, modules.values())
         file.check_unchanged()
     return HostAdapter(name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks))
 
