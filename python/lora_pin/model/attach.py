@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from lora_pin.errors import SpecError
+from lora_pin.model.experts import ExpertLayout, LoRAExperts, expert_layout
 from lora_pin.model.layers import LoRAEmbedding, LoRALinear, StepSegments
 from lora_pin.weights import FUSED_GROUPS, DevicePool, GroupBuffers, LinearTarget, LoRATargets
 from lora_pin.weights.config import layer_index
@@ -36,13 +37,19 @@ def model_targets(
     weight). Targets are keyed by their full module path, so modules sharing a short name (GPT-2's
     ``attn.c_proj`` and ``mlp.c_proj``, a vision tower's and a language model's
     ``layers.0.self_attn.q_proj``, an encoder's and a decoder's) are separate targets.
+    MoE expert weights (a transformers experts module's 3-D ``gate_up_proj`` / ``down_proj``, PEFT's
+    ``target_parameters``) are targets keyed by the parameter (``model.layers.0.mlp.experts.gate_up_proj``)
+    when ``selection`` names them (:meth:`ModuleSelection.selects_parameter`); ``['all']`` leaves them
+    out, as PEFT's ``all-linear`` does, and an experts module lora_pin cannot compute is refused when
+    named (see :func:`~lora_pin.model.experts.expert_layout`).
     ``fused_modules`` maps a fused model module to the adapter modules stacked in its output, in order,
     with their widths, e.g. ``{"qkv_proj": [("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)]}``:
     adapters trained on separate projections are then served by one shrink and one expand over the fused
     output.
 
     Raises:
-        SpecError: a selected module subclasses a linear layer but computes its own forward; a fused
+        SpecError: a selected module subclasses a linear layer but computes its own forward; a selected
+            expert weight belongs to an experts module lora_pin cannot serve; a fused
             module's widths do not add up to its output, or its members are not those of a known fused group
             (``qkv_proj`` = q/k/v, ``gate_up_proj`` = gate/up); or no module qualifies.
     """
@@ -54,12 +61,16 @@ def model_targets(
     base_weights: dict[str, torch.Tensor] = {}
     output = output_layer_keys(model)
     for key, module in model.named_modules():
-        if isinstance(module, LoRALinear):
+        if isinstance(module, (LoRALinear, LoRAExperts)):
             raise SpecError(
                 f"{key!r} is already wrapped by another LoRAManager; detach() that one first (one manager "
                 "per model: a second would wrap the first's wrappers)"
             )
         parent, _, name = key.rpartition(".")
+        layout = expert_layout(module)
+        if layout is not None:
+            linears += _expert_targets(key, module, layout, selection, module_of, unserved)
+            continue
         selected = selection is None or selection.selects(key)
         if isinstance(module, torch.nn.Embedding):
             if selection is not None and selected:
@@ -139,6 +150,50 @@ def model_targets(
     return targets, module_of
 
 
+def _expert_targets(
+    key: str,
+    module: torch.nn.Module,
+    layout: ExpertLayout | str,
+    selection: ModuleSelection | None,
+    module_of: dict[str, str],
+    unserved: dict[str, str],
+) -> list[LinearTarget]:
+    """The targets of the experts module ``module`` (at ``key``): one per expert weight ``selection``
+    names; the others go to ``unserved`` with the reason, and so does every weight of a module lora_pin
+    cannot serve (``layout`` a string), which is refused when named."""
+    found = []
+    for name, param in module.named_parameters(recurse=False):
+        if param.dim() != 3:
+            continue
+        parameter_key = f"{key}.{name}"
+        named = selection is not None and selection.selects_parameter(parameter_key)
+        if isinstance(layout, str) or name not in layout.features:
+            why = (
+                layout
+                if isinstance(layout, str)
+                else f"lora_pin serves expert LoRA on {list(layout.features)}"
+            )
+            if named:
+                raise SpecError(f"expert weight {parameter_key!r} cannot be served: {why}")
+            unserved[parameter_key] = why
+        elif named:
+            in_features, out_features = layout.features[name]
+            found.append(
+                LinearTarget(
+                    layer_index(parameter_key),
+                    name,
+                    parameter_key,
+                    in_features,
+                    out_features,
+                    experts=layout.num_experts,
+                )
+            )
+            module_of[parameter_key] = key
+        else:
+            unserved[parameter_key] = _served_when_named("a MoE expert weight", selection)
+    return found
+
+
 def _served_when_named(what: str, selection: ModuleSelection | None) -> str:
     """Why ``what`` (an embedding, the output layer: served only when named, since PEFT's all-linear
     leaves both out) is not a target of a manager wrapping ``selection`` (None: ``['all']``)."""
@@ -161,20 +216,31 @@ def attach(
     active_step: Callable[[], StepSegments | None],
 ) -> dict[str, torch.nn.Module]:
     """Wrap the module of every target group (``module_of``: group key -> module key, from
-    :func:`model_targets`) with a :class:`LoRALinear` (a :class:`LoRAEmbedding` for an embedding);
+    :func:`model_targets`) with a :class:`LoRALinear` (a :class:`LoRAEmbedding` for an embedding, one
+    :class:`~lora_pin.model.experts.LoRAExperts` for all the served weights of an experts module);
     returns the originals by module key."""
     originals: dict[str, torch.nn.Module] = {}
+    experts: dict[str, dict[str, GroupBuffers]] = {}
     for group in targets.groups:
         key = module_of[group.key]
         a, b, ranks, scalings, _ = pool.buffers(group.key)
+        buffers = GroupBuffers(group, a, b, ranks, scalings)
+        if group.experts:
+            experts.setdefault(key, {})[group.members[0].module] = buffers
+            continue
         original = model.get_submodule(key)
         kind = linear_kind(original)
         returns_bias = kind is not None and kind.returns_bias
-        buffers = GroupBuffers(group, a, b, ranks, scalings)
         if group.members[0].embedding:
             _set(model, key, LoRAEmbedding(original, buffers, active_step))
         else:
             _set(model, key, LoRALinear(original, buffers, active_step, returns_bias=returns_bias))
+        originals[key] = original
+    for key, by_name in experts.items():
+        original = model.get_submodule(key)
+        layout = expert_layout(original)
+        assert isinstance(layout, ExpertLayout), "model_targets made targets of an unservable experts module"
+        _set(model, key, LoRAExperts(original, layout, by_name, active_step))
         originals[key] = original
     return originals
 

@@ -516,6 +516,8 @@ class LoRAManager:
                     # By short name, in every layer: adapters loaded later often target other layers.
                     wanted = tuple(t.rsplit(".", 1)[-1] for t in wanted)
                 selection = selection.union(ModuleSelection.of(wanted))
+                # MoE expert weights (PEFT's target_parameters) are selected by parameter only.
+                selection = selection.union(ModuleSelection(parameters=config.target_parameters))
         else:
             selection = ModuleSelection.of(modules)
         if max_rank is not None and not 1 <= max_rank <= MAX_ADAPTER_RANK:

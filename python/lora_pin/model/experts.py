@@ -1,0 +1,227 @@
+"""LoRA on MoE experts: finding a model's fused expert weights and the wrapper that serves them.
+
+Transformers 5 keeps a MoE layer's experts in one module holding 3-D weights, ``gate_up_proj``
+``[E, 2 * I, H]`` and ``down_proj`` ``[E, H, I]`` (``[E, in, out]`` when the class is marked
+``is_transposed``), called as ``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])``.
+PEFT puts LoRA on them with ``target_parameters``; :class:`LoRAExperts` serves such adapters, every
+request its own, by computing the routed rows of the tokens that use an adapter itself (base projection,
+then the expert LoRA delta of :mod:`lora_pin.ops.experts`, for ``gate_up_proj`` before the gate and for
+``down_proj`` before the routing weight).
+
+Base rows: when a step has tokens without an adapter, the wrapped module's own forward runs over the whole
+batch first and only the adapter tokens' rows are replaced, so base rows are bit-identical to the base
+model run on the same batch (whatever experts implementation the model is configured with). Only the
+layouts transformers' default experts forward computes are served: gated (``act_fn(gate) * up`` through
+the class's ``_apply_gate``), concatenated ``gate_up_proj``, no biases, no post-expert norm. Other
+expert modules (gpt-oss's interleaved, biased experts, say) are refused with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lora_pin.errors import OpArgumentError
+from lora_pin.ops.experts import ExpertMeta, expert_lora_delta_, expert_segments
+from lora_pin.weights.pool import GroupBuffers
+
+__all__ = ["EXPERT_PARAMETERS", "ExpertLayout", "LoRAExperts", "expert_layout"]
+
+#: The expert weights lora_pin serves, in the order the experts forward applies them.
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """A servable experts module: ``num_experts``, each served parameter's per-expert
+    ``(in_features, out_features)`` by name, and whether its weights are stored ``[E, in, out]``."""
+
+    num_experts: int
+    features: Mapping[str, tuple[int, int]]
+    transposed: bool
+
+
+def _three_d_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+
+
+def expert_layout(module: torch.nn.Module) -> ExpertLayout | str | None:
+    """How lora_pin serves ``module``'s expert weights: None when it holds no 3-D parameter of its own (no
+    experts module), a string saying why not when it is one lora_pin cannot serve, else its layout."""
+    params = _three_d_parameters(module)
+    if not params:
+        return None
+    kind = type(module).__name__
+    missing = [n for n in EXPERT_PARAMETERS if n not in params]
+    if missing:
+        return (
+            f"{kind} holds 3-D weights {sorted(params)} but not {missing}: lora_pin serves expert LoRA on "
+            "gated experts with a concatenated gate_up_proj and a down_proj"
+        )
+    unsupported = {
+        "has_bias": (True, "its experts add biases"),
+        "is_concatenated": (False, "its gate_up_proj interleaves gate and up rows"),
+        "has_gate": (False, "its experts have no gate"),
+        "has_post_expert_norm": (True, "it normalises each expert's output"),
+    }
+    for attribute, (bad, why) in unsupported.items():
+        if getattr(module, attribute, not bad) == bad:
+            return f"{kind}: {why}, which lora_pin's expert LoRA does not compute"
+    if not callable(getattr(module, "_apply_gate", None)) and not callable(getattr(module, "act_fn", None)):
+        return f"{kind} has no act_fn or _apply_gate: lora_pin cannot compute its gate"
+    gate_up, down = params["gate_up_proj"], params["down_proj"]
+    transposed = bool(getattr(module, "is_transposed", False))
+    # Per expert, as PEFT reads them: [out, in], or [in, out] when transposed.
+    gu_out, gu_in = gate_up.shape[1:] if not transposed else gate_up.shape[:0:-1]
+    d_out, d_in = down.shape[1:] if not transposed else down.shape[:0:-1]
+    if gate_up.shape[0] != down.shape[0] or gu_out != 2 * d_in or d_out != gu_in:
+        return (
+            f"{kind}: gate_up_proj {list(gate_up.shape)} and down_proj {list(down.shape)} are not the "
+            "[E, 2 * I, H] and [E, H, I] of gated experts (or their transposes)"
+        )
+    features = {"gate_up_proj": (int(gu_in), int(gu_out)), "down_proj": (int(d_in), int(d_out))}
+    return ExpertLayout(int(gate_up.shape[0]), features, transposed)
+
+
+class LoRAExperts(torch.nn.Module):
+    """A MoE experts module plus each routed row's expert LoRA delta (see the module docstring).
+
+    Args:
+        base_layer: the wrapped experts module (kept as is; its weights are never modified).
+        layout: its :class:`ExpertLayout`.
+        buffers: the device pool's buffers of the served expert weights, by parameter name
+            (``gate_up_proj``, ``down_proj``; either may be absent).
+        active_step: returns the active step's :class:`~lora_pin.model.layers.StepSegments`, or None.
+
+    Attributes the wrapper does not have itself (``gate_up_proj``, ``num_experts`` ...) are the base
+    module's.
+    """
+
+    def __init__(
+        self,
+        base_layer: torch.nn.Module,
+        layout: ExpertLayout,
+        buffers: Mapping[str, GroupBuffers],
+        active_step: Callable[[], Any],
+    ) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self._layout = layout
+        self._pool_buffers = dict(buffers)
+        self._active_step = active_step
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            base = self.__dict__["_modules"].get("base_layer")
+            if base is None:
+                raise
+            return getattr(base, name)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """``hidden_states [T, H]``, ``top_k_index [T, k]``, ``top_k_weights [T, k]`` -> ``[T, H]``: the
+        experts' output, each adapter token's computed with its adapter's expert LoRA."""
+        step = self._active_step()
+        if step is None or not step.any_adapter:
+            return self.base_layer(hidden_states, top_k_index, top_k_weights)
+        seg = step.for_input(hidden_states)
+        pool_dtype = next(iter(self._pool_buffers.values())).a.dtype
+        if hidden_states.dtype != pool_dtype:
+            raise OpArgumentError(
+                f"{self.extra_repr()}: the input is {hidden_states.dtype} but the adapter pool is "
+                f"{pool_dtype}, the model's dtype when the LoRAManager was built"
+            )
+        counts = (seg.seg_indptr[1:] - seg.seg_indptr[:-1]).long()
+        token_slots = torch.repeat_interleave(seg.seg_slots.long(), counts, output_size=seg.perm.shape[0])
+        # Tokens of a skipped segment (slot -1), and those whose adapter has no expert LoRA here (one on
+        # attention only), take the base forward, which keeps them exact.
+        with_experts = torch.stack([(b.ranks > 0).any(dim=1) for b in self._pool_buffers.values()]).any(0)
+        served = (token_slots >= 0) & with_experts[token_slots.clamp_min(0)]
+        tokens, slots = seg.perm[served], token_slots[served]
+        n_tokens = hidden_states.shape[0]
+        if tokens.shape[0] < n_tokens:
+            result = self.base_layer(hidden_states, top_k_index, top_k_weights)
+        else:
+            result = torch.zeros_like(hidden_states)
+        if tokens.numel():
+            adapted = self._adapter_rows(hidden_states, top_k_index, top_k_weights, tokens, slots, step)
+            result.index_copy_(0, tokens, adapted.to(result.dtype))
+        return result
+
+    def _adapter_rows(
+        self,
+        hidden_states: torch.Tensor,  # [T, H]
+        top_k_index: torch.Tensor,  # [T, k]
+        top_k_weights: torch.Tensor,  # [T, k]
+        tokens: torch.Tensor,  # int64 [N], the adapter tokens
+        slots: torch.Tensor,  # int64 [N], their slots
+        step: Any,
+    ) -> torch.Tensor:
+        """The experts' output ``[N, H]`` for ``tokens``, with each token's adapter."""
+        layout, base = self._layout, self.base_layer
+        top_k = top_k_index.shape[1]
+        row_experts = top_k_index.index_select(0, tokens).reshape(-1)
+        row_slots = slots.repeat_interleave(top_k)
+        row_weights = top_k_weights.index_select(0, tokens).reshape(-1, 1)
+        x = hidden_states.index_select(0, tokens).repeat_interleave(top_k, dim=0)  # [N * k, H]
+        segments = expert_segments(row_slots, row_experts, layout.num_experts, step.chunk_size)
+        # A row routed to an expert this rank does not hold (an expert-parallel sentinel) adds nothing,
+        # as in transformers: it is keyed past the last expert, so no GEMM and no delta reach it.
+        held = (row_experts >= 0) & (row_experts < layout.num_experts)
+        keyed = torch.where(held, row_experts, layout.num_experts)
+        # The base projections, one GEMM per expert hit, as transformers' eager experts forward does.
+        order = torch.argsort(keyed, stable=True)
+        hits = torch.bincount(keyed, minlength=layout.num_experts + 1)
+        bounds = [0, *torch.cumsum(hits, 0).tolist()]
+        groups = [
+            (e, order[bounds[e] : bounds[e + 1]])
+            for e in range(layout.num_experts)
+            if bounds[e + 1] > bounds[e]
+        ]
+        gate_up = self._project(x, "gate_up_proj", groups, segments)
+        gate = getattr(base, "_apply_gate", None)
+        h = gate(gate_up) if callable(gate) else _default_gate(base, gate_up)
+        out = self._project(h, "down_proj", groups, segments) * row_weights
+        out = out * held.unsqueeze(1).to(out.dtype)
+        return out.view(tokens.shape[0], top_k, -1).sum(dim=1)
+
+    def _project(
+        self,
+        x: torch.Tensor,  # [R, in]
+        name: str,
+        groups: list[tuple[int, torch.Tensor]],
+        segments: Any,
+    ) -> torch.Tensor:
+        """``x`` ``[R, in]`` through each row's expert's ``name`` weight, plus the row's expert LoRA
+        delta: ``[R, out]``."""
+        weight = getattr(self.base_layer, name)
+        out = x.new_zeros((x.shape[0], self._layout.features[name][1]))
+        for expert, rows in groups:
+            w = weight[expert]
+            rows_x = x.index_select(0, rows)
+            out.index_copy_(0, rows, rows_x @ w if self._layout.transposed else F.linear(rows_x, w))
+        buffers = self._pool_buffers.get(name)
+        if buffers is not None:
+            meta = ExpertMeta.for_group(
+                segments, buffers.ranks, buffers.scalings, buffers.group.members[0].out_features
+            )
+            expert_lora_delta_(out, x, buffers.a, buffers.b, meta)
+        return out
+
+    def extra_repr(self) -> str:
+        served = ", ".join(sorted(self._pool_buffers))
+        return f"experts={self._layout.num_experts}, lora on [{served}]"
+
+
+def _default_gate(module: torch.nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    act_fn = module.act_fn
+    assert callable(act_fn)
+    return act_fn(gate) * up
