@@ -182,6 +182,14 @@ def test_target_parameters_select_expert_weights_not_shared_linears(world: Any) 
     assert all(t.experts == experts.num_experts for t in mgr.targets.linears)
 
 
+def test_expert_weights_count_toward_the_adapters_bytes(world: Any) -> None:
+    base, adapters = world
+    mgr = LoRAManager(copy.deepcopy(base), [f"m={adapters['mixed']}"], max_loras_per_batch=1)
+    stored = load_file(adapters["mixed"] / "adapter_model.safetensors")
+    assert any("experts" in k for k in stored)
+    assert mgr.host["m"].device_bytes == sum(t.numel() * t.element_size() for t in stored.values())
+
+
 def test_all_leaves_expert_weights_out_and_says_how_to_serve_them(world: Any) -> None:
     base, adapters = world
     mgr = LoRAManager(copy.deepcopy(base), [], max_lora_rank=4, lora_target_modules=["all"])
