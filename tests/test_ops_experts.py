@@ -137,3 +137,21 @@ def test_the_triton_kernels_match_the_reference_under_the_interpreter(
     torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=tol)
     base = row_slots < 0
     assert torch.equal(_bits(got[base]), _bits(out[base])), "base rows must be untouched"
+
+
+def test_the_benchmark_agrees_with_its_loop_baseline(capsys, monkeypatch) -> None:
+    """benches/moe_experts.py checks the op against its per-(adapter, expert) loop before timing."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benches" / "moe_experts.py"
+    spec = importlib.util.spec_from_file_location("bench_moe_experts", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    argv = ["--hidden", "32", "--out", "16", "--rank", "4", "--slots", "3", "--experts", "4"]
+    argv += ["--decode-batch", "8", "--prefill-requests", "2", "--prefill-tokens", "6", "--rounds", "1"]
+    assert module.main(argv) == 0
+    assert "geometric mean loop/lora_pin" in capsys.readouterr().out
