@@ -304,3 +304,16 @@ def test_an_experts_module_lora_pin_cannot_compute_is_refused_when_named() -> No
         LoRAManager(Block(), [], max_lora_rank=2, lora_target_modules=["q_proj", "experts.down_proj"])
     mgr = LoRAManager(Block(), [], max_lora_rank=2, lora_target_modules=["q_proj"])
     assert "experts.down_proj" in mgr.targets.unserved
+
+
+def test_module_names_never_select_expert_weights() -> None:
+    """An adapter's target_modules ``down_proj`` (a shared expert's linear, say) does not make the routed
+    experts' ``down_proj`` weight a pool target; its target_parameters, or a name in lora_target_modules,
+    does."""
+    from lora_pin.weights.targets import ModuleSelection
+
+    key = "model.layers.0.mlp.experts.down_proj"
+    assert not ModuleSelection.of(["down_proj"]).selects_parameter(key)
+    assert ModuleSelection.of([], ["experts.down_proj"]).selects_parameter(key)
+    assert ModuleSelection.of(["down_proj"], ["down_proj"]).selects_parameter(key)
+    assert not ModuleSelection.of(["up_proj"], ["gate_up_proj"]).selects_parameter(key)

@@ -515,11 +515,10 @@ class LoRAManager:
                 if not isinstance(wanted, str):
                     # By short name, in every layer: adapters loaded later often target other layers.
                     wanted = tuple(t.rsplit(".", 1)[-1] for t in wanted)
-                selection = selection.union(ModuleSelection.of(wanted))
-                # MoE expert weights (PEFT's target_parameters) are selected by parameter only.
-                selection = selection.union(ModuleSelection(parameters=config.target_parameters))
+                selection = selection.union(ModuleSelection.of(wanted, config.target_parameters))
         else:
-            selection = ModuleSelection.of(modules)
+            # Names given here also name MoE expert weights (``experts.gate_up_proj``).
+            selection = ModuleSelection.of(modules, () if isinstance(modules, str) else modules)
         if max_rank is not None and not 1 <= max_rank <= MAX_ADAPTER_RANK:
             raise SpecError(f"max_lora_rank must be in 1..{MAX_ADAPTER_RANK} (got {max_rank})")
         return max_rank, selection

@@ -278,18 +278,18 @@ class ModuleSelection:
         object.__setattr__(self, "_matcher", matcher)
 
     @classmethod
-    def of(cls, target_modules: Sequence[str] | str) -> ModuleSelection:
-        """The selection of one ``lora_target_modules`` value: a list of names (each also selecting the
-        expert parameters it names, ``experts.gate_up_proj``), or one regex string (modules only).
+    def of(cls, target_modules: Sequence[str] | str, parameters: Sequence[str] = ()) -> ModuleSelection:
+        """The selection of one ``target_modules`` value (a list of names, or one regex string) and of the
+        expert weights ``parameters`` names (PEFT's ``target_parameters``).
 
         Raises:
             SpecError: the regex is refused (not a regex, or a construct the linear-time matcher lacks; see
                 :mod:`lora_pin.weights.patterns`).
         """
+        extra = tuple(dict.fromkeys(parameters))
         if isinstance(target_modules, str):
-            return cls(patterns=(target_modules,))
-        names = tuple(dict.fromkeys(target_modules))
-        return cls(names=names, parameters=names)
+            return cls(patterns=(target_modules,), parameters=extra)
+        return cls(names=tuple(dict.fromkeys(target_modules)), parameters=extra)
 
     def union(self, other: ModuleSelection) -> ModuleSelection:
         """The keys either selection selects."""
