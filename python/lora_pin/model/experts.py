@@ -166,31 +166,34 @@ class LoRAExperts(torch.nn.Module):
     ) -> torch.Tensor:
         """The experts' output ``[N, H]`` for ``tokens``, with each token's adapter."""
         layout, base = self._layout, self.base_layer
-        top_k = top_k_index.shape[1]
+        n_experts, top_k = layout.num_experts, top_k_index.shape[1]
         row_experts = top_k_index.index_select(0, tokens).reshape(-1)
         row_slots = slots.repeat_interleave(top_k)
-        row_weights = top_k_weights.index_select(0, tokens).reshape(-1, 1)
-        x = hidden_states.index_select(0, tokens).repeat_interleave(top_k, dim=0)  # [N * k, H]
-        segments = expert_segments(row_slots, row_experts, layout.num_experts, step.chunk_size)
         # A row routed to an expert this rank does not hold (an expert-parallel sentinel) adds nothing,
-        # as in transformers: it is keyed past the last expert, so no GEMM and no delta reach it.
-        held = (row_experts >= 0) & (row_experts < layout.num_experts)
-        keyed = torch.where(held, row_experts, layout.num_experts)
+        # as in transformers: no GEMM and no delta reach it.
+        held = (row_experts >= 0) & (row_experts < n_experts)
+        # The rows are laid out sorted by (slot, expert) from the start, so every (adapter, expert)
+        # segment is a run of consecutive rows: the ops then work on views, with no gather or scatter.
+        by_pair = torch.argsort(torch.where(held, row_slots * n_experts + row_experts, -1), stable=True)
+        row_experts, row_slots, held = row_experts[by_pair], row_slots[by_pair], held[by_pair]
+        row_tokens = torch.div(by_pair, top_k, rounding_mode="floor")  # [N * k] into tokens
+        row_weights = top_k_weights.index_select(0, tokens).reshape(-1)[by_pair].unsqueeze(1)
+        x = hidden_states.index_select(0, tokens.index_select(0, row_tokens))  # [N * k, H]
+        segments = expert_segments(row_slots, row_experts, n_experts, step.chunk_size)
+        keyed = torch.where(held, row_experts, n_experts)
         # The base projections, one GEMM per expert hit, as transformers' eager experts forward does.
         order = torch.argsort(keyed, stable=True)
-        hits = torch.bincount(keyed, minlength=layout.num_experts + 1)
+        hits = torch.bincount(keyed, minlength=n_experts + 1)
         bounds = [0, *torch.cumsum(hits, 0).tolist()]
         groups = [
-            (e, order[bounds[e] : bounds[e + 1]])
-            for e in range(layout.num_experts)
-            if bounds[e + 1] > bounds[e]
+            (e, order[bounds[e] : bounds[e + 1]]) for e in range(n_experts) if bounds[e + 1] > bounds[e]
         ]
         gate_up = self._project(x, "gate_up_proj", groups, segments)
         gate = getattr(base, "_apply_gate", None)
         h = gate(gate_up) if callable(gate) else _default_gate(base, gate_up)
         out = self._project(h, "down_proj", groups, segments) * row_weights
         out = out * held.unsqueeze(1).to(out.dtype)
-        return out.view(tokens.shape[0], top_k, -1).sum(dim=1)
+        return out.new_zeros((tokens.shape[0], out.shape[1])).index_add_(0, row_tokens, out)
 
     def _project(
         self,
