@@ -4,13 +4,16 @@ Both run in the same process on the same tensors, the device's own path (the gro
 Triton kernels on CUDA), for one expert weight of one layer:
 
 - ``lora_pin``: :func:`lora_pin.ops.expert_segments` (timed: every layer routes differently, so each
-  layer sorts its own rows) then :func:`lora_pin.ops.expert_lora_delta_`.
+  layer sorts its own rows) then :func:`lora_pin.ops.expert_lora_delta_`, rows in token order.
+- ``sorted``: the same on rows laid out sorted by (adapter, expert), as ``LoRAExperts`` lays them out
+  when it gathers them: every segment is then a run of rows, which the CPU path computes on views.
 - ``loop``: for each (adapter, expert) pair in the batch, find its rows with a torch mask, gather,
   ``x @ Aᵀ @ Bᵀ`` at the adapter's rank, scale, add back: what a MoE layer does per expert, done per
   adapter too.
 
 Each case is checked (the two agree) before it is timed; the methods alternate within every round and
-the best round counts. Prints the ratio ``loop / lora_pin`` (above 1: lora_pin faster).
+the best round counts. Prints the ratios ``loop / lora_pin`` and ``loop / sorted`` (above 1: faster than
+the loop).
 
     python benches/moe_experts.py                     # default table
     python benches/moe_experts.py --device cuda       # the Triton kernels
@@ -105,24 +108,39 @@ def run_case(
     def loop(target: torch.Tensor) -> None:
         loop_baseline(target, x, a, b, row_slots, row_experts, ranks, scalings)
 
-    got, want = out.clone(), out.clone()
+    order = torch.argsort(torch.where(row_slots >= 0, row_slots * experts + row_experts, -1), stable=True)
+    sorted_slots, sorted_experts, sorted_x = row_slots[order], row_experts[order], x[order]
+
+    def ours_sorted(target: torch.Tensor) -> None:
+        segments = expert_segments(sorted_slots, sorted_experts, experts, args.chunk_size)
+        meta = ExpertMeta.for_group(segments, slot_ranks, slot_scalings, args.out)
+        expert_lora_delta_(target, sorted_x, a, b, meta)
+
+    got, got_sorted, want = out.clone(), out[order].clone(), out.clone()
     ours(got)
+    ours_sorted(got_sorted)
     loop(want)
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got_sorted.float(), want[order].float(), atol=tol, rtol=tol)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    work_ours, work_loop = out.clone(), out.clone()
-    times = best_times(
-        {"lora_pin": lambda: ours(work_ours), "loop": lambda: loop(work_loop)}, args.rounds, sync
-    )
+    work_ours, work_sorted, work_loop = out.clone(), out[order].clone(), out.clone()
+    methods = {
+        "lora_pin": lambda: ours(work_ours),
+        "sorted": lambda: ours_sorted(work_sorted),
+        "loop": lambda: loop(work_loop),
+    }
+    times = best_times(methods, args.rounds, sync)
     return {
         "pattern": pattern,
         "phase": phase,
         "rows": rows,
         "pairs": int(torch.unique(row_slots[row_slots >= 0] * experts + row_experts[row_slots >= 0]).numel()),
         "lora_pin_us": times["lora_pin"] * 1e6,
+        "sorted_us": times["sorted"] * 1e6,
         "loop_us": times["loop"] * 1e6,
         "ratio": times["loop"] / times["lora_pin"],
+        "ratio_sorted": times["loop"] / times["sorted"],
     }
 
 
@@ -158,21 +176,24 @@ def main(argv: list[str] | None = None) -> int:
         f"slots={args.slots} rank={args.rank} hidden={args.hidden} out={args.out} "
         f"threads={torch.get_num_threads()}"
     )
-    header = f"{'pattern':<10} {'phase':<8} {'rows':>6} {'pairs':>6} {'lora_pin us':>12} {'loop us':>10}"
-    header += f" {'loop/lora_pin':>14}"
+    header = f"{'pattern':<10} {'phase':<8} {'rows':>6} {'pairs':>6} {'lora_pin us':>12} {'sorted us':>10}"
+    header += f" {'loop us':>10} {'loop/lora_pin':>14} {'loop/sorted':>12}"
     print(header)
     print("-" * len(header))
-    ratios = []
+    ratios: dict[str, list[float]] = {"ratio": [], "ratio_sorted": []}
     for phase in ("decode", "prefill"):
         for pattern in args.patterns.split(","):
             row = run_case(pattern, phase, args, gen)
-            ratios.append(float(row["ratio"]))
+            for key, values in ratios.items():
+                values.append(float(row[key]))
             print(
                 f"{row['pattern']:<10} {row['phase']:<8} {row['rows']:>6} {row['pairs']:>6} "
-                f"{row['lora_pin_us']:>12.1f} {row['loop_us']:>10.1f} {row['ratio']:>13.2f}x"
+                f"{row['lora_pin_us']:>12.1f} {row['sorted_us']:>10.1f} {row['loop_us']:>10.1f} "
+                f"{row['ratio']:>13.2f}x {row['ratio_sorted']:>11.2f}x"
             )
-    geomean = torch.tensor(ratios).log().mean().exp().item()
-    print(f"geometric mean loop/lora_pin: {geomean:.2f}x over {len(ratios)} cases")
+    for key, label in (("ratio", "loop/lora_pin"), ("ratio_sorted", "loop/sorted")):
+        geomean = torch.tensor(ratios[key]).log().mean().exp().item()
+        print(f"geometric mean {label}: {geomean:.2f}x over {len(ratios[key])} cases")
     return 0
 
 
