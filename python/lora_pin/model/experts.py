@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from lora_pin.errors import OpArgumentError
+from lora_pin.model.layers import StepSegments
 from lora_pin.ops.experts import ExpertMeta, expert_lora_delta_, expert_segments
+from lora_pin.ops.segments import SegmentBatch
 from lora_pin.weights.pool import GroupBuffers
 
 __all__ = ["EXPERT_PARAMETERS", "ExpertLayout", "LoRAExperts", "expert_layout"]
@@ -95,7 +97,7 @@ class LoRAExperts(torch.nn.Module):
         layout: its :class:`ExpertLayout`.
         buffers: the device pool's buffers of the served expert weights, by parameter name
             (``gate_up_proj``, ``down_proj``; either may be absent).
-        active_step: returns the active step's :class:`~lora_pin.model.layers.StepSegments`, or None.
+        active_step: returns the active :class:`~lora_pin.model.layers.StepSegments`, or None.
 
     Attributes the wrapper does not have itself (``gate_up_proj``, ``num_experts`` ...) are the base
     module's.
@@ -106,7 +108,7 @@ class LoRAExperts(torch.nn.Module):
         base_layer: torch.nn.Module,
         layout: ExpertLayout,
         buffers: Mapping[str, GroupBuffers],
-        active_step: Callable[[], Any],
+        active_step: Callable[[], StepSegments | None],
     ) -> None:
         super().__init__()
         self.base_layer = base_layer
@@ -162,7 +164,7 @@ class LoRAExperts(torch.nn.Module):
         top_k_weights: torch.Tensor,  # [T, k]
         tokens: torch.Tensor,  # int64 [N], the adapter tokens
         slots: torch.Tensor,  # int64 [N], their slots
-        step: Any,
+        step: StepSegments,
     ) -> torch.Tensor:
         """The experts' output ``[N, H]`` for ``tokens``, with each token's adapter."""
         layout, base = self._layout, self.base_layer
@@ -200,7 +202,7 @@ class LoRAExperts(torch.nn.Module):
         x: torch.Tensor,  # [R, in]
         name: str,
         groups: list[tuple[int, torch.Tensor]],
-        segments: Any,
+        segments: SegmentBatch,
     ) -> torch.Tensor:
         """``x`` ``[R, in]`` through each row's expert's ``name`` weight, plus the row's expert LoRA
         delta: ``[R, out]``."""
