@@ -87,6 +87,14 @@ SPECS: dict[str, dict[str, Any]] = {
     # Experts and attention.
     "mixed": {"r": 2, "lora_alpha": 3, "target_modules": ["q_proj", "v_proj"], "target_parameters": BOTH},
     "attn": {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "o_proj"]},
+    # layers_to_transform limits the modules, not the parameters (PEFT's rule): gate_up_proj in every layer.
+    "layer0": {
+        "r": 2,
+        "lora_alpha": 2,
+        "target_modules": ["q_proj"],
+        "layers_to_transform": [0],
+        "target_parameters": ["experts.gate_up_proj"],
+    },
 }
 
 
@@ -114,7 +122,7 @@ def peft_rows(base: torch.nn.Module, adapter: Path, tokens: torch.Tensor) -> tor
 
 def test_mixed_batches_match_peft_per_adapter(world: Any) -> None:
     base, adapters = world
-    names: list[str | None] = ["experts", None, "down", "mixed", "attn", None, "experts", "mixed"]
+    names: list[str | None] = ["experts", None, "down", "mixed", "attn", None, "layer0", "experts", "mixed"]
     tokens = ids(len(names), 5)
     model = copy.deepcopy(base)
     mgr = LoRAManager(model, [f"{n}={p}" for n, p in adapters.items()], max_loras_per_batch=len(adapters))
@@ -132,6 +140,29 @@ def test_mixed_batches_match_peft_per_adapter(world: Any) -> None:
     torch.testing.assert_close(got[base_rows], plain[base_rows], rtol=1e-5, atol=1e-6)
     with torch.no_grad():
         assert torch.equal(model(input_ids=tokens).logits, plain), "outside a step the model is the base"
+
+
+def test_base_rows_are_peft_base_rows_beside_an_attention_adapter(world: Any) -> None:
+    """Beside adapters without expert LoRA, PEFT can run the mixed batch; with expert adapters loaded in
+    the manager, its base rows (and the attention adapter's) equal PEFT's, base rows bit for bit."""
+    from peft import PeftModel
+
+    base, adapters = world
+    names: list[str | None] = ["attn", None, "attn", None, None]
+    tokens = ids(len(names), 4, seed=3)
+    oracle = PeftModel.from_pretrained(copy.deepcopy(base), str(adapters["attn"]), adapter_name="attn")
+    with torch.no_grad():
+        want = oracle.eval()(input_ids=tokens, adapter_names=[n or "__base__" for n in names]).logits
+    model = copy.deepcopy(base)
+    mgr = LoRAManager(model, [f"e={adapters['experts']}", f"attn={adapters['attn']}"], max_loras_per_batch=2)
+    with torch.no_grad(), mgr.batch(["e"]):  # the expert adapter now holds a slot
+        model(input_ids=tokens[:1])
+    with torch.no_grad(), mgr.batch(names):
+        got = model(input_ids=tokens).logits
+    for row, name in enumerate(names):
+        if name is None:
+            assert torch.equal(got[row], want[row]), f"base row {row} differs from PEFT's __base__ row"
+        torch.testing.assert_close(got[row], want[row], rtol=1e-4, atol=1e-5)
 
 
 def test_one_token_steps_and_adapters_in_every_row(world: Any) -> None:
