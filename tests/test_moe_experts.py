@@ -348,3 +348,34 @@ def test_module_names_never_select_expert_weights() -> None:
     assert ModuleSelection.of([], ["experts.down_proj"]).selects_parameter(key)
     assert ModuleSelection.of(["down_proj"], ["down_proj"]).selects_parameter(key)
     assert not ModuleSelection.of(["up_proj"], ["gate_up_proj"]).selects_parameter(key)
+
+
+def test_inspect_summarises_an_expert_adapter_and_checks_it_against_the_model(
+    world: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from lora_pin.cli import inspect_cmd
+
+    base, adapters = world
+    model_dir = tmp_path / "model"
+    base.save_pretrained(model_dir)
+
+    def inspect(*argv: str) -> str:
+        parser = argparse.ArgumentParser()
+        inspect_cmd.add_parser(parser.add_subparsers())
+        args = parser.parse_args(["inspect", *argv])
+        assert args.run(args) == 0
+        return capsys.readouterr().out
+
+    for extra in ([], ["--model", str(model_dir)]):
+        out = inspect(str(adapters["mixed"]), "--dtype", "float32", *extra)
+        assert "rank:           2\n" in out and "target modules: q_proj, v_proj" in out
+        line = next(x for x in out.splitlines() if x.startswith("expert weights: "))
+        assert sorted(line.removeprefix("expert weights: ").split(", ")) == sorted(BOTH)
+        stored = load_file(adapters["mixed"] / "adapter_model.safetensors")
+        assert f"device bytes:   {sum(t.numel() for t in stored.values()) * 4} (float32)" in out
+    out = inspect(str(adapters["experts"]), "--model", str(model_dir))
+    assert "rank:           2, 4" in out and "target modules: none" in out and "(validated)" in out
+    with pytest.raises(AdapterLoadError, match=r"ranks above the max rank 3: \{'experts.gate_up_proj': 4\}"):
+        inspect(str(adapters["experts"]), "--max-rank", "3")

@@ -49,8 +49,18 @@ def _check_standalone(file: AdapterFile) -> None:
         )
     if file.unused:
         raise AdapterLoadError(f"{where}: {len(file.unused)} tensor(s) would be unused: {file.unused[:8]}")
+    experts = _expert_pair_keys(file)
     for key, pair in file.pairs.items():
         rank = pair.a_shape[0]
+        if key in experts:
+            # A MoE expert weight's pair stacks every expert's rank (A [r * E, in], B [out, r * E]); E and
+            # so r are known only from the model (--model checks them).
+            if pair.b_shape[1] != rank:
+                raise AdapterLoadError(
+                    f"{where}: expert weights {key!r} have lora_A {list(pair.a_shape)} / lora_B "
+                    f"{list(pair.b_shape)}: lora_A's rows must equal lora_B's columns (r * experts)"
+                )
+            continue
         if pair.b_shape[1] != rank or rank != file.config.rank_for(key):
             raise AdapterLoadError(
                 f"{where}: module {key!r} has lora_A {list(pair.a_shape)} / lora_B {list(pair.b_shape)}, but "
@@ -58,9 +68,17 @@ def _check_standalone(file: AdapterFile) -> None:
             )
 
 
+def _expert_pair_keys(file: AdapterFile) -> set[str]:
+    """The module keys of the adapter's pairs that hold MoE expert weights (``target_parameters``): those
+    its ``target_modules`` do not target."""
+    if not file.config.target_parameters:
+        return set()
+    return {k for k in file.pairs if not file.config.targets(k)}
+
+
 def _model_targets(model_dir: str) -> LoRATargets:
-    """Every linear layer of the model at ``model_dir`` (built on the meta device: no weights are read), so
-    an adapter is checked against the model's own module keys, whatever its architecture."""
+    """Every linear layer and MoE expert weight of the model at ``model_dir`` (built on the meta device: no
+    weights are read), so an adapter is checked against the model's own keys, whatever its architecture."""
     import torch
     import transformers
 
@@ -80,8 +98,41 @@ def _model_targets(model_dir: str) -> LoRATargets:
         except (ValueError, AttributeError) as e:
             errors.append(f"{auto}: {e}")
             continue
-        return LoRATargets.from_model(model, "all-linear")
+        return _with_experts(model, LoRATargets.from_model(model, "all-linear"))
     raise SpecError(f"--model: cannot build a model from {model_dir!r}: {'; '.join(errors)}")
+
+
+def _with_experts(model: Any, targets: LoRATargets) -> LoRATargets:
+    """``targets`` and every MoE expert weight of ``model`` lora_pin can serve (the others listed as
+    unserved, with the reason)."""
+    from lora_pin.model.attach import model_targets
+    from lora_pin.model.experts import ExpertLayout, expert_layout
+    from lora_pin.weights.targets import LoRATargets, ModuleSelection
+
+    layouts = {key: expert_layout(m) for key, m in model.named_modules()}
+    served = [f"{k}.{n}" for k, lay in layouts.items() if isinstance(lay, ExpertLayout) for n in lay.features]
+    unservable = {k for k, lay in layouts.items() if isinstance(lay, str)}
+    if not served and not unservable:
+        return targets
+    linears = list(targets.linears)
+    unserved: dict[str, str] = {}
+    if served:
+        experts, _ = model_targets(model, ModuleSelection(parameters=tuple(served)))
+        linears += [t for t in experts.linears if t.experts]
+        # Only the expert weights' entries: the linears' would speak of a manager's lora_target_modules.
+        unserved = {
+            k: why
+            for k, why in experts.unserved.items()
+            if isinstance(layouts.get(k.rpartition(".")[0]), ExpertLayout)
+        }
+    for key in unservable:
+        why = layouts[key]
+        assert isinstance(why, str)
+        module = model.get_submodule(key)
+        unserved.update(
+            {f"{key}.{n}": why for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+        )
+    return LoRATargets.from_linears(linears, fuse=False, unserved=unserved)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,17 +168,23 @@ def run(args: argparse.Namespace) -> int:
             allow_pickle=args.allow_pickle,
             pin_memory=False,
         )
-    elif args.max_rank is not None:
-        too_big = {k: p.a_shape[0] for k, p in file.pairs.items() if p.a_shape[0] > args.max_rank}
+    # Each module's rank from its tensors; an expert weight's (its tensors stack every expert) from the
+    # config, by the target_parameters entry (--model checks it against the tensors).
+    experts = _expert_pair_keys(file)
+    rank_of = {k: p.a_shape[0] for k, p in file.pairs.items() if k not in experts}
+    if experts:
+        rank_of.update({entry: config.rank_for(entry) for entry in config.target_parameters})
+    if args.model is None and args.max_rank is not None:
+        too_big = {k: r for k, r in rank_of.items() if r > args.max_rank}
         if too_big:
             raise AdapterLoadError(
                 f"adapter {args.path!r} ({file.weights_path}): ranks above the max rank {args.max_rank}: "
                 f"{too_big}"
             )
-    ranks = sorted({p.a_shape[0] for p in file.pairs.values()})
-    scalings = sorted({config.scaling_for(k, p.a_shape[0]) for k, p in file.pairs.items()})
-    alphas = sorted({config.alpha_for(k) for k in file.pairs})
-    modules = sorted({k.rsplit(".", 1)[-1] for k in file.pairs})
+    ranks = sorted(set(rank_of.values()))
+    scalings = sorted({config.scaling_for(k, r) for k, r in rank_of.items()})
+    alphas = sorted({config.alpha_for(k) for k in rank_of})
+    modules = sorted({k.rsplit(".", 1)[-1] for k in file.pairs if k not in experts})
     layers = sorted({i for k in file.pairs if (i := layer_index(k)) is not None})
     element = torch.empty((), dtype=dtype).element_size()
     params = sum(p.a_shape[0] * p.a_shape[1] + p.b_shape[0] * p.b_shape[1] for p in file.pairs.values())
@@ -138,11 +195,13 @@ def run(args: argparse.Namespace) -> int:
         f"rank:           {', '.join(map(str, ranks))}",
         f"alpha:          {', '.join(f'{a:g}' for a in alphas)}",
         f"scaling:        {', '.join(f'{s:g}' for s in scalings)}{' (rslora)' if config.use_rslora else ''}",
-        f"target modules: {', '.join(modules)}",
+        f"target modules: {', '.join(modules) or 'none'}",
         f"layers:         {len(layers)} ({', '.join(map(str, layers))})",
         f"tensors:        {2 * len(file.pairs)}",
         f"device bytes:   {params * element} ({args.dtype})",
     ]
+    if experts:
+        lines.insert(-3, f"expert weights: {', '.join(config.target_parameters)}")
     if args.model is not None:
         lines.append(f"model:          {args.model} (validated)")
     sys.stdout.write("\n".join(lines) + "\n")
