@@ -64,6 +64,9 @@ impl Protection {
 pub(crate) struct Residency {
     /// Logical time it entered the host tier, when resident there.
     pub(crate) host_since: Option<u64>,
+    /// A background read is in flight (see `fetch`): not in the host tier yet, but its host bytes
+    /// are reserved there; never in a slot.
+    pub(crate) fetching: bool,
     pub(crate) slot: Option<u32>,
     pub(crate) device_since: u64,
     pub(crate) last_used: u64,

@@ -7,9 +7,14 @@
 //! first when it was evicted from host memory), evicting only adapters outside the step. An adapter
 //! whose tier cannot make room is deferred with all its requests, so every admitted request has a
 //! slot and a plan never fails half-way.
+//!
+//! In fetch mode (background reads) an adapter outside the host tier is deferred at its first
+//! request, before the budget counts it, and its fetch starts once the admitted adapters are in
+//! the step (so a fetch never evicts one of them); see `fetch`.
 
 use std::sync::Arc;
 
+use super::fetch::Fetch;
 use super::tiers::Eviction;
 use super::{LoadSource, Registry};
 use crate::error::{Error, Result};
@@ -63,6 +68,9 @@ pub struct StepPlan {
     pub slot_scalings: Vec<f32>,
     /// `[slots]` each slot's generation, bumped whenever its occupant changes.
     pub slot_generations: Vec<i64>,
+    /// Fetch mode: the fetches this plan started, in first-request order (their adapters'
+    /// requests are in `deferred`; host evictions that made their room are in `evictions`).
+    pub to_fetch: Vec<Fetch>,
 }
 
 impl StepPlan {
@@ -125,6 +133,20 @@ impl Registry {
     /// Errors: [`Error::Usage`] when the two slices differ in length, the admitted tokens overflow
     /// an `i32`, or a step transaction is open (nothing is planned then).
     pub fn plan(&mut self, adapters: &[Option<AdapterKey>], num_tokens: &[u32]) -> Result<StepPlan> {
+        self.plan_in(adapters, num_tokens, false)
+    }
+
+    /// [`Registry::plan`], in fetch mode when `fetch`: a request whose adapter is not in the host
+    /// tier is deferred, and the adapter's fetch starts (unless it is fetching already, or the host
+    /// tier cannot make room now); the plan's `to_fetch` lists the fetches started.
+    ///
+    /// Errors: as [`Registry::plan`].
+    pub fn plan_in(
+        &mut self,
+        adapters: &[Option<AdapterKey>],
+        num_tokens: &[u32],
+        fetch: bool,
+    ) -> Result<StepPlan> {
         self.refuse_open_step("plan")?;
         let total = check_step_size(adapters.len(), num_tokens)?;
         // This plan's decision per adapter key, in a dense table the per-request loops read instead
@@ -135,7 +157,14 @@ impl Registry {
         // The base model's mark, last: requests without an adapter read it.
         marks.push(-1);
         let mut plan = StepPlan::default();
-        self.admit(adapters, &mut marks);
+        let mut waiting = Vec::new();
+        self.admit(adapters, &mut marks, fetch.then_some(&mut waiting));
+        for key in waiting {
+            if !self.get(key).residency.fetching && self.start_fetch(key, &mut plan.evictions) {
+                let a = self.get(key);
+                plan.to_fetch.push(Fetch { name: Arc::clone(&a.identity.name), serial: a.identity.serial });
+            }
+        }
         self.place_admitted(&mut marks, &mut plan);
         self.fill_outputs(&marks, adapters, num_tokens, total, &mut plan);
         self.plan_marks = marks;
@@ -144,8 +173,14 @@ impl Registry {
 
     /// Admission by budget, in batch order: marks each admitted adapter [`ADMITTED`] and puts it in
     /// the step, each refused one [`DEFERRED`]; the previous step's adapters not admitted again
-    /// lose their protection.
-    fn admit(&mut self, adapters: &[Option<AdapterKey>], marks: &mut [i32]) {
+    /// lose their protection. With `waiting` (fetch mode), an adapter outside the host tier is
+    /// deferred without counting against the budget, and pushed there (first-request order).
+    fn admit(
+        &mut self,
+        adapters: &[Option<AdapterKey>],
+        marks: &mut [i32],
+        mut waiting: Option<&mut Vec<AdapterKey>>,
+    ) {
         // Adapters in both the previous step and this one stay protected throughout: ending the old
         // step first would put them back among the candidates only to take them out again.
         let spare = std::mem::take(&mut self.spare_step);
@@ -162,6 +197,13 @@ impl Registry {
             };
             let mark = &mut marks[index];
             let a = self.get_mut(key);
+            if let Some(waiting) = waiting.as_deref_mut() {
+                if a.residency.host_since.is_none() {
+                    *mark = DEFERRED;
+                    waiting.push(key);
+                    continue;
+                }
+            }
             if !(a.protection.pinned || unpinned < budget) {
                 *mark = DEFERRED;
                 self.device.counters.refusals += 1;
@@ -223,13 +265,16 @@ impl Registry {
         let a = self.get(key);
         let source = if a.residency.host_since.is_some() { LoadSource::Host } else { LoadSource::Disk };
         let bytes = a.identity.size.host_bytes;
-        if source == LoadSource::Disk && !self.host.room_possible(bytes) {
+        // A blocking read of an adapter being fetched takes over the fetch's reservation.
+        let fetching = a.residency.fetching;
+        if source == LoadSource::Disk && !fetching && !self.host.room_possible(bytes) {
             return Err(Refusal::Host);
         }
         if !self.device.slot_possible() {
             return Err(Refusal::Device);
         }
         match source {
+            LoadSource::Disk if fetching => self.end_fetch(key, true),
             LoadSource::Disk => {
                 self.make_host_room(bytes, &mut plan.evictions);
                 self.enter_host(key);
@@ -358,7 +403,7 @@ impl Registry {
 }
 
 /// The step's total tokens, checked to fit the int32 segment arrays and memory.
-fn check_step_size(requests: usize, num_tokens: &[u32]) -> Result<usize> {
+pub(super) fn check_step_size(requests: usize, num_tokens: &[u32]) -> Result<usize> {
     if requests != num_tokens.len() {
         return Err(Error::Usage(format!(
             "plan got {requests} adapter names but {} token counts; give one of each per request",

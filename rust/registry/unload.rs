@@ -70,6 +70,11 @@ impl Registry {
         };
         self.get_mut(key).protection.draining = true;
         self.drop_pin(key);
+        // A read in flight is cancelled at once, whatever the requests still in flight: the
+        // reservation is released now, and the reader's report is refused (it drops the bytes).
+        if self.get(key).residency.fetching {
+            self.end_fetch(key, false);
+        }
         Ok(self.finish_unload(key))
     }
 
