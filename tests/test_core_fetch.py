@@ -101,6 +101,22 @@ def test_prefetch_takes_a_waiting_queue_and_keeps_its_head_resident() -> None:
     reg.audit()
 
 
+def test_an_adapter_being_fetched_may_be_pinned_and_stays_once_fetched() -> None:
+    reg = make()  # b and c resident
+    serial = reg.serial("a")
+    assert reg.prefetch(["a"]).to_fetch == [("a", serial)]
+    reg.pin("a")
+    reg.audit()
+    assert reg.stats()["pinned_names"] == ["a"] and reg.stats()["host"]["pinned"] == []
+    reg.fetch_done("a", serial)
+    assert reg.stats()["host"]["pinned"] == ["a"]
+    # Pinned and resident: b (evicted for a) cannot take a's place, nor that of c, which an
+    # older request keeps in the step.
+    plan = reg.begin_step(["c", "b"], 1, fetch=True)
+    assert plan.to_fetch == [] and plan.deferred == [1]
+    reg.audit()
+
+
 def test_read_first_and_fetch_exclude_each_other() -> None:
     reg = make()
     with pytest.raises(UsageError, match="exclude each other"):
