@@ -19,7 +19,7 @@ pub mod _core {
     #[pymodule_export]
     use super::patterns::PyPatternSet;
     #[pymodule_export]
-    use super::registry::{PyLoRARegistry, PyStepPlan};
+    use super::registry::{PyFetchPlan, PyLoRARegistry, PyStepPlan};
     #[pymodule_export]
     use super::sgmv::{sgmv_cpu_available, PyCpuSgmvPlan};
     #[pymodule_export]

@@ -12,8 +12,8 @@ use pyo3::pybacked::PyBackedStr;
 use pyo3::types::PyDict;
 
 use self::requests::{token_counts, NameCache, Requests, Resolved};
-pub use self::step::PyStepPlan;
 use self::step::{NameStrs, RequestIndices};
+pub use self::step::{PyFetchPlan, PyStepPlan};
 
 use super::errors::new_error;
 use super::spec::PyLoRARef;
@@ -21,7 +21,7 @@ use super::text::{int_arg, Name};
 use super::{detached, shielded};
 use crate::policy::{AdapterKey, PolicyKind};
 use crate::registry::tiers::TierCounters;
-use crate::registry::{AdapterSize, Config, Registry, StepTicket, TierStats, Unload};
+use crate::registry::{AdapterSize, Config, Registry, StepOptions, StepTicket, TierStats, Unload};
 use crate::shared::SharedRegistry;
 
 /// How long an unload waits with the GIL released before it checks for Ctrl-C.
@@ -391,11 +391,23 @@ impl PyLoRARegistry {
     /// `ticket` and lists them in `to_read`; read each, `enter_host_tier` it, and begin again, so a
     /// read that fails changes nothing.
     ///
+    /// With `fetch` (background mode), no disk read is ever planned: a request whose adapter is
+    /// not in the host tier is deferred (it does not count against the slot budget), and the
+    /// adapter starts *fetching*: its host room is made now (the host evictions are in
+    /// `evictions`; free those tensors), it is listed once in `to_fetch` as `(name, serial)`, and
+    /// the caller reads it off the step's path and reports `fetch_done(name, serial)` or
+    /// `fetch_failed(name, serial)`. An adapter fetching already is not listed again; one the host
+    /// tier cannot make room for now is not fetched, and its requests are deferred (retried by the
+    /// next step). With `all_or_nothing` too, a batch whose adapters are not all in the host tier
+    /// begins no step: the result has no `ticket`, defers every request and lists the fetches it
+    /// started (the batch's resident adapters are not evicted for them); begin again once the
+    /// fetches are done.
+    ///
     /// Raises:
     ///     AdapterNotFoundError: a name is unknown or being unloaded (nothing was planned).
     ///     CapacityError: `all_or_nothing` and not every request fits (the message has the numbers).
-    ///     UsageError: as `plan`, or a step is open already.
-    #[pyo3(signature = (names, num_tokens, *, all_or_nothing = false, read_first = false))]
+    ///     UsageError: as `plan`, a step is open already, or both `read_first` and `fetch`.
+    #[pyo3(signature = (names, num_tokens, *, all_or_nothing = false, read_first = false, fetch = false))]
     fn begin_step(
         &self,
         py: Python<'_>,
@@ -403,7 +415,14 @@ impl PyLoRARegistry {
         num_tokens: &Bound<'_, PyAny>,
         all_or_nothing: bool,
         read_first: bool,
+        fetch: bool,
     ) -> PyResult<PyStepPlan> {
+        if read_first && fetch {
+            let msg =
+                "begin_step: read_first (read misses first, then begin) and fetch (defer misses and fetch \
+                       them in the background) exclude each other; pass one";
+            return Err(usage(py, msg.to_owned()));
+        }
         let (begun, n) = self.with_requests(py, names, Some(num_tokens), |reg, adapters, tokens| {
             if read_first {
                 // A batch refused whole must not make anyone read (and make host room) first.
@@ -415,11 +434,12 @@ impl PyLoRARegistry {
                     return Ok(Err(misses));
                 }
             }
-            reg.begin_step(adapters, tokens, all_or_nothing).map(Ok)
+            let options = StepOptions { all_or_nothing, fetch };
+            reg.begin_step_with(adapters, tokens, options).map(Ok)
         })?;
         let indices = self.indices.at_least(py, n)?;
         Ok(match begun {
-            Ok((plan, ticket)) => PyStepPlan::new(plan, Some(ticket.0), indices, self.strs.clone()),
+            Ok((plan, ticket)) => PyStepPlan::new(plan, ticket.map(|t| t.0), indices, self.strs.clone()),
             Err(misses) => PyStepPlan::reads_first(misses, indices, self.strs.clone()),
         })
     }
@@ -434,6 +454,50 @@ impl PyLoRARegistry {
     ///     CapacityError: the host tier cannot make room (nothing was evicted).
     fn enter_host_tier(&self, py: Python<'_>, name: Name, serial: u64) -> PyResult<Vec<String>> {
         detached(py, || self.shared.lock().enter_host_tier(&name, serial))
+    }
+
+    /// Starts background reads ahead of any step: fetches every adapter named in `names` (a
+    /// scheduler's waiting queue, in order; None entries and repeats are fine) that is neither in
+    /// the host tier nor being fetched. Host room is made by evicting unprotected adapters, never
+    /// resident ones named earlier in `names`; an adapter the tier cannot make room for now is
+    /// skipped. May be called while a step is open (its adapters are protected).
+    ///
+    /// Returns a `FetchPlan`: `to_fetch` (`(name, serial)` to read and report with `fetch_done` /
+    /// `fetch_failed`), `evicted` (names that left the host tier: free their tensors) and
+    /// `skipped`.
+    ///
+    /// Raises:
+    ///     AdapterNotFoundError: a name is not registered or being unloaded (nothing was started).
+    ///     UsageError: a name is not a str.
+    fn prefetch(&self, py: Python<'_>, names: Vec<Option<PyBackedStr>>) -> PyResult<PyFetchPlan> {
+        let plan = detached(py, || {
+            let names: Vec<Option<&str>> = names.iter().map(|n| n.as_deref()).collect();
+            self.shared.lock().prefetch(&names)
+        })?;
+        Ok(PyFetchPlan::new(plan, self.strs.clone()))
+    }
+
+    /// Reports the fetch of `name` for registration `serial` (from `to_fetch`) done: the adapter
+    /// enters the host tier in the room reserved when the fetch started (nothing is evicted). Put
+    /// its host tensors in place before the next step admits it.
+    ///
+    /// Raises:
+    ///     AdapterNotFoundError: `name` is not registered under `serial` any more (unloaded or
+    ///         registered again): drop the bytes read.
+    ///     UsageError: it is not being fetched (cancelled by an unload, taken over by a blocking
+    ///         read, or reported already): drop the bytes read.
+    fn fetch_done(&self, py: Python<'_>, name: Name, serial: u64) -> PyResult<()> {
+        detached(py, || self.shared.lock().fetch_done(&name, serial))
+    }
+
+    /// Reports the fetch of `name` for registration `serial` failed: its host reservation is
+    /// released and it stays outside the host tier; a later request fetches it again.
+    ///
+    /// Raises:
+    ///     AdapterNotFoundError: as `fetch_done`.
+    ///     UsageError: as `fetch_done`.
+    fn fetch_failed(&self, py: Python<'_>, name: Name, serial: u64) -> PyResult<()> {
+        detached(py, || self.shared.lock().fetch_failed(&name, serial))
     }
 
     /// Reports load `index` (into the step's `loads`) of the open step `ticket`: done (`ok`) or
@@ -544,7 +608,9 @@ impl PyLoRARegistry {
     }
 
     /// Counters per tier (hits, misses, loads, evictions, refusals), what is resident and pinned in
-    /// each, and the registry's counts, as plain Python values.
+    /// each, and the registry's counts, as plain Python values. The host tier's `fetching` lists
+    /// the adapters being fetched and `reserved_bytes` their reserved room (`bytes +
+    /// reserved_bytes` is the room used); the top-level `fetching` counts them.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = detached(py, || Ok(self.shared.lock().stats()))?;
         let d = PyDict::new(py);
@@ -552,6 +618,7 @@ impl PyLoRARegistry {
         d.set_item("pinned", s.pinned)?;
         d.set_item("pinned_names", s.pinned_names)?;
         d.set_item("unloading", s.unloading)?;
+        d.set_item("fetching", s.host.fetching.len())?;
         d.set_item("host", tier_dict(py, &s.host)?)?;
         d.set_item("device", tier_dict(py, &s.device)?)?;
         Ok(d)
@@ -608,7 +675,9 @@ fn tier_dict<'py>(py: Python<'py>, t: &TierStats) -> PyResult<Bound<'py, PyDict>
     d.set_item("pinned", &t.pinned)?;
     d.set_item("used", t.used)?;
     d.set_item("capacity", t.capacity)?;
+    d.set_item("fetching", &t.fetching)?;
     d.set_item("bytes", t.bytes)?;
+    d.set_item("reserved_bytes", t.reserved_bytes)?;
     d.set_item("max_bytes", t.max_bytes)?;
     Ok(d)
 }

@@ -50,12 +50,14 @@ pub(crate) struct Protection {
     pub(crate) in_step: bool,
     /// Of `in_flight`, the requests the open step transaction acquired (released by its finish).
     pub(crate) step_holds: u64,
+    /// Fetched, and no plan has admitted it since (or left it out): its requests are waiting.
+    pub(crate) fresh: bool,
 }
 
 impl Protection {
     /// Whether no tier may evict it, whatever its requests in flight.
     pub(crate) fn shields(&self) -> bool {
-        self.pinned || self.loading.is_some() || self.in_step
+        self.pinned || self.loading.is_some() || self.in_step || self.fresh
     }
 }
 
@@ -64,6 +66,9 @@ impl Protection {
 pub(crate) struct Residency {
     /// Logical time it entered the host tier, when resident there.
     pub(crate) host_since: Option<u64>,
+    /// A background read is in flight (see `fetch`): not in the host tier yet, but its host bytes
+    /// are reserved there; never in a slot.
+    pub(crate) fetching: bool,
     pub(crate) slot: Option<u32>,
     pub(crate) device_since: u64,
     pub(crate) last_used: u64,

@@ -9,6 +9,7 @@ impl Registry {
     pub fn audit(&self) -> std::result::Result<(), String> {
         let mut count = 0;
         let mut bytes = 0;
+        let (mut fetching, mut reserved) = (0, 0);
         let mut pinned = 0;
         let (mut host_cands, mut idle, mut queued) = (0, 0, 0);
         let mut registered = (0u64, 0u64);
@@ -17,6 +18,18 @@ impl Registry {
             let name = &a.identity.spec.lora_name;
             registered =
                 (registered.0 + a.identity.size.host_bytes, registered.1 + a.identity.size.device_bytes);
+            if a.residency.fetching {
+                // Fetching: outside both tiers, its bytes reserved once, and nothing else to do
+                // with it until the read is reported (an unload cancels the fetch at once).
+                fetching += 1;
+                reserved += a.identity.size.host_bytes;
+                if a.residency.host_since.is_some() {
+                    return Err(format!("{name:?} is being fetched and resident in the host tier"));
+                }
+                if a.protection.draining || a.protection.loading.is_some() {
+                    return Err(format!("{name:?} is being fetched while being unloaded or loaded"));
+                }
+            }
             if a.residency.host_since.is_some() {
                 count += 1;
                 bytes += a.identity.size.host_bytes;
@@ -60,6 +73,13 @@ impl Registry {
             if a.protection.in_step != self.step.contains(&AdapterKey(index as u32)) {
                 return Err(format!("{name:?} disagrees with the step list"));
             }
+            let fresh_listed = self.fresh.iter().filter(|&&k| k == AdapterKey(index as u32)).count();
+            if usize::from(a.protection.fresh) != fresh_listed {
+                return Err(format!("{name:?} disagrees with the fresh list"));
+            }
+            if a.protection.fresh && a.residency.host_since.is_none() {
+                return Err(format!("{name:?} is fresh but not in the host tier"));
+            }
         }
         if registered != self.bytes_registered {
             return Err(format!(
@@ -82,14 +102,24 @@ impl Registry {
         if self.device.free.len() + self.device.slots.iter().flatten().count() != self.device.slots.len() {
             return Err("free slots and occupied slots do not add up".into());
         }
+        if (fetching, reserved) != (self.host.reserved_count, self.host.reserved_bytes) {
+            return Err(format!(
+                "host tier reserves {} / {} bytes, fetching adapters say {fetching} / {reserved}",
+                self.host.reserved_count, self.host.reserved_bytes
+            ));
+        }
+        // The room used is the resident adapters plus the reservations, each counted once.
+        let (count, bytes) = (count + fetching, bytes + reserved);
         if count != self.host.count || bytes != self.host.bytes {
             return Err(format!(
-                "host tier says {} / {} bytes, adapters say {count} / {bytes}",
+                "host tier says {} / {} bytes used, adapters and reservations say {count} / {bytes}",
                 self.host.count, self.host.bytes
             ));
         }
         if self.host.max_count.is_some_and(|m| count > m) || self.host.max_bytes.is_some_and(|m| bytes > m) {
-            return Err(format!("host tier over capacity: {count} adapters, {bytes} bytes"));
+            return Err(format!(
+                "host tier over capacity: {count} adapters, {bytes} bytes (reservations included)"
+            ));
         }
         if pinned != self.pinned || pinned >= self.config.slots {
             return Err(format!(

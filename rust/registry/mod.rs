@@ -4,6 +4,7 @@
 //! - `adapter`: one adapter's identity, protections and residency;
 //! - `tiers`: the host ledger and the device slot table (counts, bytes, candidate sets);
 //! - `residency`: moving adapters between tiers, keeping each tier's eviction candidates exact;
+//! - `fetch`: background reads (the fetching state: host bytes reserved, read in flight);
 //! - `plan`: one scheduler step's admission, slots, loads and segment arrays;
 //! - `step`: the step transaction (plan and acquire at once, `finish_step` releases all);
 //! - `unload`: draining and forgetting adapters;
@@ -14,6 +15,10 @@
 //! - **in the step**: admitted by the open step (or the latest plan), until it ends; never evicted
 //!   from either tier;
 //! - **loading**: a planned load not yet reported done or failed; never evicted;
+//! - **fetching**: a background read in flight; not in either tier yet, so never evicted, but its
+//!   host bytes are reserved;
+//! - **fresh**: fetched, until a plan admits it or leaves it out (its waiting requests are gone);
+//!   never evicted, so a fetch is not undone before the requests that waited for it run;
 //! - **in flight**: acquired and not yet released. Never evicted from the host tier. In the device
 //!   tier such an adapter is evicted only when no idle one is left: requests that are queued, not
 //!   running, must not hold slots forever, or with more busy adapters than slots every other
@@ -21,6 +26,7 @@
 
 mod adapter;
 mod audit;
+mod fetch;
 mod plan;
 mod residency;
 mod step;
@@ -33,8 +39,9 @@ use std::sync::Arc;
 
 pub use self::adapter::AdapterSize;
 use self::adapter::{Adapter, Identity, Protection, Residency};
+pub use self::fetch::{Fetch, FetchPlan};
 pub use self::plan::{Load, StepPlan};
-pub use self::step::StepTicket;
+pub use self::step::{StepOptions, StepTicket};
 use self::tiers::{DeviceCandidate, DeviceTier, HostLedger, Tier, TierCounters};
 pub use self::unload::Unload;
 use crate::error::{Error, Result};
@@ -109,6 +116,8 @@ pub struct Registry {
     pub(crate) pinned: usize,
     pinned_host_bytes: u64,
     pub(crate) step: Vec<AdapterKey>,
+    /// The fresh adapters (see `fetch`).
+    pub(crate) fresh: Vec<AdapterKey>,
     /// Per adapter key, the latest plan's decision (planning scratch, kept to reuse its memory).
     pub(crate) plan_marks: Vec<i32>,
     /// An empty buffer for the next plan's `step` (the previous step's, kept to reuse its memory).
@@ -156,6 +165,7 @@ impl Registry {
             pinned: 0,
             pinned_host_bytes: 0,
             step: Vec::new(),
+            fresh: Vec::new(),
             plan_marks: Vec::new(),
             spare_step: Vec::new(),
             open_step: None,
@@ -364,6 +374,7 @@ impl Registry {
             protection: Protection { pinned, ..Protection::default() },
             residency: Residency {
                 host_since: Some(now),
+                fetching: false,
                 slot: None,
                 device_since: 0,
                 last_used: now,
@@ -544,6 +555,9 @@ impl Registry {
             if a.protection.pinned {
                 pinned.push(name.clone());
             }
+            if a.residency.fetching {
+                host.fetching.push(name.clone());
+            }
             if a.residency.host_since.is_some() {
                 host.resident.push(name.clone());
                 if a.protection.pinned {
@@ -557,15 +571,21 @@ impl Registry {
                 }
             }
         }
-        for list in
-            [&mut host.resident, &mut host.pinned, &mut device.resident, &mut device.pinned, &mut pinned]
-        {
+        for list in [
+            &mut host.resident,
+            &mut host.pinned,
+            &mut host.fetching,
+            &mut device.resident,
+            &mut device.pinned,
+            &mut pinned,
+        ] {
             list.sort_unstable();
         }
         unloading.sort_unstable();
-        host.used = self.host.count;
+        host.used = self.host.count - self.host.reserved_count;
         host.capacity = self.host.max_count;
-        host.bytes = self.host.bytes;
+        host.bytes = self.host.bytes - self.host.reserved_bytes;
+        host.reserved_bytes = self.host.reserved_bytes;
         host.max_bytes = self.host.max_bytes;
         device.used = device.resident.len();
         device.capacity = Some(self.config.slots);
@@ -603,12 +623,17 @@ pub struct TierStats {
     pub resident: Vec<String>,
     /// Pinned adapters resident, sorted by name.
     pub pinned: Vec<String>,
+    /// Adapters being fetched, sorted by name (host tier only; see `fetch`).
+    pub fetching: Vec<String>,
     /// Adapters resident (slots used, for the device tier).
     pub used: usize,
     /// Capacity in adapters (slots, for the device tier); `None` is unbounded.
     pub capacity: Option<usize>,
     /// Bytes resident.
     pub bytes: u64,
+    /// Bytes reserved for adapters being fetched (host tier only): `bytes + reserved_bytes` is
+    /// the room used.
+    pub reserved_bytes: u64,
     /// Capacity in bytes; `None` is unbounded.
     pub max_bytes: Option<u64>,
 }

@@ -7,9 +7,14 @@
 //! first when it was evicted from host memory), evicting only adapters outside the step. An adapter
 //! whose tier cannot make room is deferred with all its requests, so every admitted request has a
 //! slot and a plan never fails half-way.
+//!
+//! In fetch mode (background reads) an adapter outside the host tier is deferred at its first
+//! request, before the budget counts it, and its fetch starts once the admitted adapters are in
+//! the step (so a fetch never evicts one of them); see `fetch`.
 
 use std::sync::Arc;
 
+use super::fetch::Fetch;
 use super::tiers::Eviction;
 use super::{LoadSource, Registry};
 use crate::error::{Error, Result};
@@ -63,6 +68,9 @@ pub struct StepPlan {
     pub slot_scalings: Vec<f32>,
     /// `[slots]` each slot's generation, bumped whenever its occupant changes.
     pub slot_generations: Vec<i64>,
+    /// Fetch mode: the fetches this plan started, in first-request order (their adapters'
+    /// requests are in `deferred`; host evictions that made their room are in `evictions`).
+    pub to_fetch: Vec<Fetch>,
 }
 
 impl StepPlan {
@@ -78,6 +86,14 @@ const UNSEEN: i32 = i32::MIN;
 const ADMITTED: i32 = -3;
 /// A deferred key's mark.
 const DEFERRED: i32 = -2;
+
+/// Fetch mode's admission notes: the adapters outside the host tier with their first request, in
+/// first-request order, and each admitted adapter's first request (parallel to the step list).
+#[derive(Default)]
+struct Waiting {
+    keys: Vec<(AdapterKey, u32)>,
+    firsts: Vec<u32>,
+}
 
 /// Why an adapter was deferred.
 #[derive(Clone, Copy)]
@@ -125,6 +141,23 @@ impl Registry {
     /// Errors: [`Error::Usage`] when the two slices differ in length, the admitted tokens overflow
     /// an `i32`, or a step transaction is open (nothing is planned then).
     pub fn plan(&mut self, adapters: &[Option<AdapterKey>], num_tokens: &[u32]) -> Result<StepPlan> {
+        self.plan_in(adapters, num_tokens, false)
+    }
+
+    /// [`Registry::plan`], in fetch mode when `fetch`: a request whose adapter is not in the host
+    /// tier is deferred (it takes none of the slot budget), and the adapter's fetch starts unless
+    /// it is fetching already or the host tier cannot make room now, even after adapters admitted
+    /// for younger requests yield theirs; the plan's `to_fetch` lists the fetches started. In
+    /// either mode a fresh adapter (see [`Registry::fetch_done`]) stays fresh only if this plan
+    /// defers it.
+    ///
+    /// Errors: as [`Registry::plan`].
+    pub fn plan_in(
+        &mut self,
+        adapters: &[Option<AdapterKey>],
+        num_tokens: &[u32],
+        fetch: bool,
+    ) -> Result<StepPlan> {
         self.refuse_open_step("plan")?;
         let total = check_step_size(adapters.len(), num_tokens)?;
         // This plan's decision per adapter key, in a dense table the per-request loops read instead
@@ -135,17 +168,103 @@ impl Registry {
         // The base model's mark, last: requests without an adapter read it.
         marks.push(-1);
         let mut plan = StepPlan::default();
-        self.admit(adapters, &mut marks);
+        let mut waiting = Waiting::default();
+        self.admit(adapters, &mut marks, fetch.then_some(&mut waiting));
+        if fetch {
+            self.start_waiting_fetches(&mut waiting, &mut marks, &mut plan);
+        }
         self.place_admitted(&mut marks, &mut plan);
+        self.end_freshness(&marks);
         self.fill_outputs(&marks, adapters, num_tokens, total, &mut plan);
         self.plan_marks = marks;
         Ok(plan)
     }
 
+    /// Starts the fetches of the adapters waiting for the host tier, in first-request order. When
+    /// the tier cannot make room for one, adapters admitted for later requests yield theirs if
+    /// that is enough ([`Registry::yield_room`]): a waiting request goes before younger ones, so
+    /// no request waits forever behind adapters that later requests keep in the step.
+    fn start_waiting_fetches(&mut self, waiting: &mut Waiting, marks: &mut [i32], plan: &mut StepPlan) {
+        for &(key, first) in &waiting.keys {
+            let a = self.get(key);
+            if a.residency.fetching {
+                continue;
+            }
+            let bytes = a.identity.size.host_bytes;
+            if !self.host.room_possible(bytes) {
+                self.yield_room(first, bytes, &mut waiting.firsts, marks);
+            }
+            if self.start_fetch(key, &mut plan.evictions) {
+                let a = self.get(key);
+                plan.to_fetch.push(Fetch { name: Arc::clone(&a.identity.name), serial: a.identity.serial });
+            }
+        }
+    }
+
+    /// Defers, youngest first, admitted adapters whose first request comes after request `first`
+    /// and that only the step protects, until the host tier could make room for `bytes`; defers
+    /// none when all of them would not be enough. `firsts` is parallel to `self.step`.
+    fn yield_room(&mut self, first: u32, bytes: u64, firsts: &mut Vec<u32>, marks: &mut [i32]) {
+        let protected_count = self.host.count - self.host.candidates.len();
+        let protected_bytes = self.host.bytes - self.host.candidate_bytes;
+        let mut need_count = self.host.max_count.map_or(0, |m| (protected_count + 1).saturating_sub(m));
+        let mut need_bytes = self.host.max_bytes.map_or(0, |m| (protected_bytes + bytes).saturating_sub(m));
+        let mut picks = Vec::new();
+        // `self.step` is in first-request order: the younger adapters are at its end.
+        for at in (0..self.step.len()).rev() {
+            if firsts[at] <= first || (need_count == 0 && need_bytes == 0) {
+                break;
+            }
+            let a = self.get(self.step[at]);
+            let p = &a.protection;
+            if p.pinned || p.in_flight > 0 || p.loading.is_some() || p.fresh {
+                continue;
+            }
+            picks.push(at);
+            need_count = need_count.saturating_sub(1);
+            need_bytes = need_bytes.saturating_sub(a.identity.size.host_bytes);
+        }
+        if need_count > 0 || need_bytes > 0 {
+            return;
+        }
+        // Descending positions: each removal leaves the earlier ones in place.
+        for at in picks {
+            let key = self.step.remove(at);
+            firsts.remove(at);
+            marks[key.index()] = DEFERRED;
+            self.get_mut(key).protection.in_step = false;
+            self.refresh(key);
+        }
+    }
+
+    /// Fresh adapters (fetched, waiting for a step to admit their requests) stay protected while
+    /// plans defer them, and only then: one this plan admitted, or did not ask for, is fresh no more.
+    fn end_freshness(&mut self, marks: &[i32]) {
+        if self.fresh.is_empty() {
+            return;
+        }
+        let mut fresh = std::mem::take(&mut self.fresh);
+        fresh.retain(|&key| {
+            let keep = marks[key.index()] == DEFERRED;
+            if !keep {
+                self.get_mut(key).protection.fresh = false;
+                self.refresh(key);
+            }
+            keep
+        });
+        self.fresh = fresh;
+    }
+
     /// Admission by budget, in batch order: marks each admitted adapter [`ADMITTED`] and puts it in
     /// the step, each refused one [`DEFERRED`]; the previous step's adapters not admitted again
-    /// lose their protection.
-    fn admit(&mut self, adapters: &[Option<AdapterKey>], marks: &mut [i32]) {
+    /// lose their protection. With `waiting` (fetch mode), an adapter outside the host tier is
+    /// deferred without counting against the budget, and noted there.
+    fn admit(
+        &mut self,
+        adapters: &[Option<AdapterKey>],
+        marks: &mut [i32],
+        mut waiting: Option<&mut Waiting>,
+    ) {
         // Adapters in both the previous step and this one stay protected throughout: ending the old
         // step first would put them back among the candidates only to take them out again.
         let spare = std::mem::take(&mut self.spare_step);
@@ -153,7 +272,7 @@ impl Registry {
         let budget = self.config.slots - self.pinned;
         let mut unpinned = 0;
         let base_mark = marks.len() - 1;
-        for &request in adapters {
+        for (i, &request) in adapters.iter().enumerate() {
             // Base-model requests read the base mark (never UNSEEN) instead of branching on None,
             // which base rows mixed in at random would mispredict.
             let index = request.map_or(base_mark, AdapterKey::index);
@@ -162,6 +281,13 @@ impl Registry {
             };
             let mark = &mut marks[index];
             let a = self.get_mut(key);
+            if let Some(waiting) = waiting.as_deref_mut() {
+                if a.residency.host_since.is_none() {
+                    *mark = DEFERRED;
+                    waiting.keys.push((key, i as u32));
+                    continue;
+                }
+            }
             if !(a.protection.pinned || unpinned < budget) {
                 *mark = DEFERRED;
                 self.device.counters.refusals += 1;
@@ -171,6 +297,9 @@ impl Registry {
             unpinned += usize::from(!a.protection.pinned);
             let newly = !std::mem::replace(&mut a.protection.in_step, true);
             self.step.push(key);
+            if let Some(waiting) = waiting.as_deref_mut() {
+                waiting.firsts.push(i as u32);
+            }
             if newly {
                 self.refresh(key);
             }
@@ -223,13 +352,16 @@ impl Registry {
         let a = self.get(key);
         let source = if a.residency.host_since.is_some() { LoadSource::Host } else { LoadSource::Disk };
         let bytes = a.identity.size.host_bytes;
-        if source == LoadSource::Disk && !self.host.room_possible(bytes) {
+        // A blocking read of an adapter being fetched takes over the fetch's reservation.
+        let fetching = a.residency.fetching;
+        if source == LoadSource::Disk && !fetching && !self.host.room_possible(bytes) {
             return Err(Refusal::Host);
         }
         if !self.device.slot_possible() {
             return Err(Refusal::Device);
         }
         match source {
+            LoadSource::Disk if fetching => self.end_fetch(key, true),
             LoadSource::Disk => {
                 self.make_host_room(bytes, &mut plan.evictions);
                 self.enter_host(key);
@@ -358,7 +490,7 @@ impl Registry {
 }
 
 /// The step's total tokens, checked to fit the int32 segment arrays and memory.
-fn check_step_size(requests: usize, num_tokens: &[u32]) -> Result<usize> {
+pub(super) fn check_step_size(requests: usize, num_tokens: &[u32]) -> Result<usize> {
     if requests != num_tokens.len() {
         return Err(Error::Usage(format!(
             "plan got {requests} adapter names but {} token counts; give one of each per request",

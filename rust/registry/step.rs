@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use super::plan::StepPlan;
+use super::plan::{check_step_size, StepPlan};
 use super::tiers::Tier;
 use super::Registry;
 use crate::error::{Error, Result};
@@ -15,6 +15,15 @@ use crate::policy::AdapterKey;
 /// The handle of an open step transaction, from [`Registry::begin_step`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct StepTicket(pub u64);
+
+/// How [`Registry::begin_step_with`] plans a step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepOptions {
+    /// A step that cannot admit every request is not begun.
+    pub all_or_nothing: bool,
+    /// Fetch mode (background reads): see [`Registry::plan_in`].
+    pub fetch: bool,
+}
 
 /// What an open step holds.
 #[derive(Debug)]
@@ -43,6 +52,45 @@ impl Registry {
         num_tokens: &[u32],
         all_or_nothing: bool,
     ) -> Result<(StepPlan, StepTicket)> {
+        self.check_begin(adapters)?;
+        self.begin_checked(adapters, num_tokens, StepOptions { all_or_nothing, fetch: false })
+    }
+
+    /// [`Registry::begin_step`] with options. In fetch mode a request whose adapter is not in the
+    /// host tier is deferred and the adapter's fetch starts (see [`Registry::plan_in`]); with
+    /// `all_or_nothing` too, a batch whose adapters are not all in the host tier begins no step
+    /// (the ticket is `None`): the plan defers every request and lists the fetches it started, and
+    /// the caller begins again once they are done.
+    ///
+    /// Errors: as [`Registry::begin_step`].
+    pub fn begin_step_with(
+        &mut self,
+        adapters: &[Option<AdapterKey>],
+        num_tokens: &[u32],
+        options: StepOptions,
+    ) -> Result<(StepPlan, Option<StepTicket>)> {
+        self.check_begin(adapters)?;
+        if options.fetch && options.all_or_nothing {
+            if let Some(why) = self.overflow(adapters) {
+                return Err(Error::Capacity(why));
+            }
+            check_step_size(adapters.len(), num_tokens)?;
+            let mut plan = StepPlan::default();
+            let keys: Vec<AdapterKey> = adapters.iter().flatten().copied().collect();
+            let outside = keys.iter().any(|&k| self.get(k).residency.host_since.is_none());
+            if outside {
+                let mut skipped = Vec::new();
+                self.fetch_in_order(&keys, true, &mut plan.evictions, &mut plan.to_fetch, &mut skipped);
+                plan.deferred = (0..adapters.len() as u32).collect();
+                return Ok((plan, None));
+            }
+        }
+        let (plan, ticket) = self.begin_checked(adapters, num_tokens, options)?;
+        Ok((plan, Some(ticket)))
+    }
+
+    /// Refuses a step while one is open, or one with an adapter being unloaded.
+    fn check_begin(&self, adapters: &[Option<AdapterKey>]) -> Result<()> {
         if let Some(open) = &self.open_step {
             return Err(Error::Usage(format!(
                 "step {} is open; finish it before beginning another",
@@ -58,12 +106,23 @@ impl Registry {
                 });
             }
         }
+        Ok(())
+    }
+
+    /// Begins a step [`Registry::check_begin`] allowed.
+    fn begin_checked(
+        &mut self,
+        adapters: &[Option<AdapterKey>],
+        num_tokens: &[u32],
+        options: StepOptions,
+    ) -> Result<(StepPlan, StepTicket)> {
+        let all_or_nothing = options.all_or_nothing;
         if all_or_nothing {
             if let Some(why) = self.overflow(adapters) {
                 return Err(Error::Capacity(why));
             }
         }
-        let plan = self.plan(adapters, num_tokens)?;
+        let plan = self.plan_in(adapters, num_tokens, options.fetch)?;
         let ticket = StepTicket(self.steps_begun + 1);
         self.steps_begun += 1;
         let held = self.step.iter().map(|&k| (k, self.get(k).identity.serial)).collect();
@@ -131,6 +190,11 @@ impl Registry {
         }
         let bytes = self.get(key).identity.size.host_bytes;
         if self.get(key).residency.host_since.is_some() {
+            return Ok(Vec::new());
+        }
+        if self.get(key).residency.fetching {
+            // The caller's own read takes over the fetch's reservation (its report will be refused).
+            self.end_fetch(key, true);
             return Ok(Vec::new());
         }
         if !self.host.room_possible(bytes) {

@@ -63,13 +63,19 @@ pub(crate) enum DeviceCandidate {
     Queued,
 }
 
-/// Host memory: what it holds, counted (the tensors themselves live in Python).
+/// Host memory: what it holds, counted (the tensors themselves live in Python). `count` and
+/// `bytes` are the used room: resident adapters plus the reservations of those being fetched, so
+/// room is made once, when a fetch starts, and a finished fetch fits without evicting anyone.
 #[derive(Debug)]
 pub(crate) struct HostLedger {
     pub(crate) max_count: Option<usize>,
     pub(crate) max_bytes: Option<u64>,
     pub(crate) count: usize,
     pub(crate) bytes: u64,
+    /// Of `count`, adapters being fetched.
+    pub(crate) reserved_count: usize,
+    /// Of `bytes`, the bytes reserved for adapters being fetched.
+    pub(crate) reserved_bytes: u64,
     pub(super) candidates: Box<dyn EvictionPolicy>,
     pub(super) candidate_bytes: u64,
     pub(crate) counters: TierCounters,
@@ -86,6 +92,8 @@ impl HostLedger {
             max_bytes,
             count: 0,
             bytes: 0,
+            reserved_count: 0,
+            reserved_bytes: 0,
             candidates: policy,
             candidate_bytes: 0,
             counters: TierCounters::default(),
@@ -110,7 +118,7 @@ impl HostLedger {
         let protected = self.count - self.candidates.len();
         let mut why = format!(
             "the host tier holds {} adapter(s) ({} bytes), {protected} of them protected (pinned, in flight, \
-             loading or in the current step)",
+             loading, being fetched or in the current step)",
             self.count, self.bytes
         );
         if let Some(m) = self.max_count {

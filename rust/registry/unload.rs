@@ -70,6 +70,11 @@ impl Registry {
         };
         self.get_mut(key).protection.draining = true;
         self.drop_pin(key);
+        // A read in flight is cancelled at once, whatever the requests still in flight: the
+        // reservation is released now, and the reader's report is refused (it drops the bytes).
+        if self.get(key).residency.fetching {
+            self.end_fetch(key, false);
+        }
         Ok(self.finish_unload(key))
     }
 
@@ -106,8 +111,10 @@ impl Registry {
         let a = self.get_mut(key);
         a.protection.in_step = false;
         a.protection.loading = None;
+        a.protection.fresh = false;
         self.refresh(key);
         self.step.retain(|&k| k != key);
+        self.fresh.retain(|&k| k != key);
         let a = self.adapters[key.index()].take().expect("a live adapter key");
         self.bytes_registered.0 -= a.identity.size.host_bytes;
         self.bytes_registered.1 -= a.identity.size.device_bytes;

@@ -10,7 +10,7 @@ use pyo3::types::{PyByteArray, PyList, PyString};
 
 use super::requests::AddressMap;
 use crate::registry::tiers::Tier;
-use crate::registry::{LoadSource, StepPlan};
+use crate::registry::{Fetch, FetchPlan, LoadSource, StepPlan};
 
 /// Past this many deferred requests, `admitted` is built item by item instead of by deleting them
 /// from a slice (each deletion moves the list's tail).
@@ -230,6 +230,14 @@ impl PyStepPlan {
         )
     }
 
+    /// Fetches this step started (`begin_step(fetch=True)`): `(name, serial)` per adapter, in
+    /// first-request order; read each off the step's path and report `fetch_done(name, serial)` or
+    /// `fetch_failed(name, serial)`. Their requests are in `deferred`.
+    #[getter]
+    fn to_fetch<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        fetch_list(py, &self.strs, &self.plan.to_fetch)
+    }
+
     /// Evictions made while planning: `(name, tier, slot)`, tier "device" or "host", slot -1 for host.
     #[getter]
     fn evictions<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
@@ -247,13 +255,63 @@ impl PyStepPlan {
 
     fn __repr__(&self) -> String {
         format!(
-            "StepPlan(admitted={}, deferred={}, tokens={}, segments={}, loads={}, evictions={})",
+            "StepPlan(admitted={}, deferred={}, tokens={}, segments={}, loads={}, evictions={}, to_fetch={})",
             self.plan.admitted.len(),
             self.plan.deferred.len(),
             self.plan.num_tokens(),
             self.plan.seg_slots.len(),
             self.plan.loads.len(),
-            self.plan.evictions.len()
+            self.plan.evictions.len(),
+            self.plan.to_fetch.len()
+        )
+    }
+}
+
+fn fetch_list<'py>(py: Python<'py>, strs: &NameStrs, fetches: &[Fetch]) -> PyResult<Bound<'py, PyList>> {
+    PyList::new(py, fetches.iter().map(|f| (strs.get(py, &f.name), f.serial)))
+}
+
+/// What `LoRARegistry.prefetch` started.
+#[pyclass(frozen, name = "FetchPlan", module = "lora_pin")]
+pub struct PyFetchPlan {
+    plan: FetchPlan,
+    strs: NameStrs,
+}
+
+impl PyFetchPlan {
+    pub(super) fn new(plan: FetchPlan, strs: NameStrs) -> Self {
+        Self { plan, strs }
+    }
+}
+
+#[pymethods]
+impl PyFetchPlan {
+    /// `(name, serial)` per fetch started, in the order of the names given: read each and report
+    /// `fetch_done(name, serial)` or `fetch_failed(name, serial)`.
+    #[getter]
+    fn to_fetch<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        fetch_list(py, &self.strs, &self.plan.to_fetch)
+    }
+
+    /// Adapters evicted from the host tier to make room (and from their slots): free their tensors.
+    #[getter]
+    fn evicted<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.plan.evicted.iter().map(|n| self.strs.get(py, n)))
+    }
+
+    /// Adapters that need a fetch but the host tier cannot make room for now (full of protected
+    /// adapters), in the order of the names given.
+    #[getter]
+    fn skipped<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.plan.skipped.iter().map(|n| self.strs.get(py, n)))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "FetchPlan(to_fetch={}, evicted={}, skipped={})",
+            self.plan.to_fetch.len(),
+            self.plan.evicted.len(),
+            self.plan.skipped.len()
         )
     }
 }

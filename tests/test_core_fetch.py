@@ -1,0 +1,196 @@
+"""The registry's fetching state through its Python face: `begin_step(fetch=True)` defers host
+misses and starts their fetches, `prefetch` starts them ahead of a step, `fetch_done` /
+`fetch_failed` end them, and an unload cancels one. Background mode is opt-in: without `fetch`
+every call keeps its meaning."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from lora_pin._core import FetchPlan, LoRARef, LoRARegistry
+from lora_pin.errors import AdapterNotFoundError, CapacityError, UsageError
+
+
+def make(slots: int = 2, loaded: int | None = 2, names: str = "abc") -> LoRARegistry:
+    """`slots` slots, a host tier of `loaded` adapters; registering past it evicts the oldest."""
+    reg = LoRARegistry(slots, loaded)
+    for i, n in enumerate(names):
+        reg.register(LoRARef(n, f"/srv/{n}"), rank=4 + i, host_bytes=100, device_bytes=50, scaling=0.5)
+    return reg
+
+
+def test_a_host_miss_is_deferred_and_fetched_and_admitted_after_fetch_done() -> None:
+    reg = make()
+    assert reg.stats()["host"]["resident"] == ["b", "c"]
+    serial = reg.serial("a")
+    plan = reg.begin_step(["a", "b", None, "a"], 1, fetch=True)
+    assert plan.ticket is not None
+    assert plan.admitted == [1, 2] and plan.deferred == [0, 3]
+    assert plan.to_fetch == [("a", serial)]
+    assert [(n, tier) for n, tier, _ in plan.evictions] == [("c", "host")]
+    assert [src for *_, src in plan.loads] == ["host"]
+    host = reg.stats()["host"]
+    assert host["fetching"] == ["a"] and host["reserved_bytes"] == 100
+    assert host["resident"] == ["b"] and host["bytes"] == 100 and reg.stats()["fetching"] == 1
+    reg.audit()
+    reg.finish_step(plan.ticket)
+    reg.fetch_done("a", serial)
+    reg.audit()
+    assert reg.stats()["host"]["resident"] == ["a", "b"] and reg.stats()["fetching"] == 0
+    plan = reg.begin_step(["a"], 1, fetch=True)
+    assert plan.admitted == [0] and plan.to_fetch == []
+    assert [src for *_, src in plan.loads] == ["host"]
+    assert "to_fetch=0" in repr(plan)
+
+
+def test_without_fetch_a_host_miss_is_still_read_in_the_step() -> None:
+    reg = make()
+    plan = reg.begin_step(["a"], 1)
+    assert plan.admitted == [0] and plan.to_fetch == []
+    assert [src for *_, src in plan.loads] == ["disk"]
+
+
+def test_fetch_reports_for_a_cancelled_or_stale_fetch_are_refused_and_change_nothing() -> None:
+    reg = make()
+    serial = reg.serial("a")
+    reg.finish_step(reg.begin_step(["a"], 1, fetch=True).ticket)  # type: ignore[arg-type]
+    before = reg.stats()
+    with pytest.raises(AdapterNotFoundError, match="registration"):
+        reg.fetch_done("a", serial + 7)
+    with pytest.raises(AdapterNotFoundError):
+        reg.fetch_failed("zzz", serial)
+    assert reg.stats() == before
+    reg.fetch_failed("a", serial)
+    host = reg.stats()["host"]
+    assert host["fetching"] == [] and host["reserved_bytes"] == 0 and "a" not in host["resident"]
+    with pytest.raises(UsageError, match="not being fetched"):
+        reg.fetch_done("a", serial)
+    reg.audit()
+
+
+def test_unload_cancels_a_fetch_and_its_late_report_is_refused() -> None:
+    reg = make()
+    serial = reg.serial("a")
+    plan = reg.prefetch(["a"])
+    assert plan.to_fetch == [("a", serial)]
+    reg.unload("a")
+    host = reg.stats()["host"]
+    assert host["fetching"] == [] and host["reserved_bytes"] == 0
+    with pytest.raises(AdapterNotFoundError):
+        reg.fetch_done("a", serial)
+    reg.audit()
+
+
+def test_prefetch_takes_a_waiting_queue_and_keeps_its_head_resident() -> None:
+    reg = make(names="abcd")  # c and d resident; a and b evicted
+    with pytest.raises(AdapterNotFoundError):
+        reg.prefetch(["a", "nope"])
+    assert reg.stats()["fetching"] == 0
+    plan = reg.prefetch([None, "d", "a", "a", None, "b"])
+    assert isinstance(plan, FetchPlan)
+    assert plan.to_fetch == [("a", reg.serial("a"))]
+    assert plan.evicted == ["c"] and plan.skipped == ["b"]
+    assert "to_fetch=1" in repr(plan)
+    with pytest.raises(TypeError):
+        reg.prefetch([3])  # type: ignore[list-item]
+    reg.audit()
+
+
+def test_an_adapter_being_fetched_may_be_pinned_and_stays_once_fetched() -> None:
+    reg = make()  # b and c resident
+    serial = reg.serial("a")
+    assert reg.prefetch(["a"]).to_fetch == [("a", serial)]
+    reg.pin("a")
+    reg.audit()
+    assert reg.stats()["pinned_names"] == ["a"] and reg.stats()["host"]["pinned"] == []
+    reg.fetch_done("a", serial)
+    assert reg.stats()["host"]["pinned"] == ["a"]
+    # Pinned and resident: b (evicted for a) cannot take a's place, nor that of c, which an
+    # older request keeps in the step.
+    plan = reg.begin_step(["c", "b"], 1, fetch=True)
+    assert plan.to_fetch == [] and plan.deferred == [1]
+    reg.audit()
+
+
+def test_read_first_and_fetch_exclude_each_other() -> None:
+    reg = make()
+    with pytest.raises(UsageError, match="exclude each other"):
+        reg.begin_step(["a"], 1, read_first=True, fetch=True)
+    assert reg.stats()["fetching"] == 0
+
+
+def test_all_or_nothing_in_fetch_mode_begins_once_the_batch_is_in_the_host_tier() -> None:
+    reg = make()
+    plan = reg.begin_step(["b", "a"], 1, all_or_nothing=True, fetch=True)
+    assert plan.ticket is None and plan.deferred == [0, 1] and plan.admitted == []
+    assert plan.to_fetch == [("a", reg.serial("a"))]
+    # b is in the batch: the room for a came from c.
+    assert [n for n, *_ in plan.evictions] == ["c"]
+    reg.fetch_done("a", reg.serial("a"))
+    plan = reg.begin_step(["b", "a"], 1, all_or_nothing=True, fetch=True)
+    assert plan.ticket is not None and plan.admitted == [0, 1]
+    reg.finish_step(plan.ticket)
+    with pytest.raises(CapacityError):
+        make(slots=1).begin_step(["b", "c"], 1, all_or_nothing=True, fetch=True)
+
+
+def test_steps_prefetches_and_reports_from_threads_keep_every_invariant() -> None:
+    """A serving loop in fetch mode, a loader reporting fetches and a scheduler prefetching, on three
+    threads at once: no deadlock, no error but the refused reports, and the audit passes."""
+    names = [f"n{i}" for i in range(12)]
+    reg = make(slots=4, loaded=6, names="")
+    for n in names:
+        reg.register(LoRARef(n, f"/srv/{n}"), rank=8, host_bytes=100, device_bytes=50)
+    started: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def guarded(body: Callable[[random.Random], None], seed: int) -> Callable[[], None]:
+        def run() -> None:
+            rng = random.Random(seed)
+            try:
+                while not stop.is_set():
+                    body(rng)
+            except BaseException as e:  # the main thread reports it
+                failures.append(e)
+
+        return run
+
+    def serve(rng: random.Random) -> None:
+        plan = reg.begin_step([rng.choice([*names, None]) for _ in range(8)], 1, fetch=True)
+        assert plan.ticket is not None
+        for i in range(len(plan.loads)):
+            reg.report_load(plan.ticket, i, True)
+        reg.finish_step(plan.ticket)
+        with lock:
+            started.extend(plan.to_fetch)
+
+    def load(rng: random.Random) -> None:
+        with lock:
+            if not started:
+                return
+            name, serial = started.pop(rng.randrange(len(started)))
+        (reg.fetch_done if rng.random() < 0.9 else reg.fetch_failed)(name, serial)
+
+    def schedule(rng: random.Random) -> None:
+        plan = reg.prefetch([rng.choice(names) for _ in range(3)])
+        with lock:
+            started.extend(plan.to_fetch)
+
+    threads = [threading.Thread(target=guarded(f, i)) for i, f in enumerate((serve, load, schedule))]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(timeout=10)
+        assert not t.is_alive(), "deadlock"
+    assert not failures, failures
+    reg.audit()
+    assert reg.stats()["host"]["reserved_bytes"] == 100 * len({n for n, _ in started})
