@@ -5,6 +5,9 @@ holds the matching tensors: the host tier's adapters (:class:`~lora_pin.weights.
 device pool (:class:`~lora_pin.weights.DevicePool`), which registration filled each slot, and where
 each registered adapter is read from again after a host-tier eviction. Every change to them happens
 under one lock, so loads, unloads and steps on different threads never see half of one.
+
+Background reads (:mod:`lora_pin.model.loader`) use :meth:`Residency.read_fetch` on a worker thread,
+which changes nothing; what they read enters the host tier with :meth:`Residency.install_fetch`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,7 @@ from lora_pin.errors import (
     CapacityError,
     LoraPinError,
     StalePlanError,
+    UsageError,
 )
 from lora_pin.weights import DevicePool, HostTier
 from lora_pin.weights.host import HostAdapter
@@ -62,6 +67,8 @@ class Residency:
         # Reads from disk after start-up and their total seconds (lora_pin.metrics' load-time summary).
         self.reads = 0
         self.read_seconds = 0.0
+        # Background reads installed into the host tier (fetches and discoveries).
+        self.background_loads = 0
 
     def add(self, ref: LoRARef, root: Path | None = None, adapter: HostAdapter | None = None) -> None:
         """Read the adapter ``ref`` names (unless ``adapter`` holds it read already) and register it,
@@ -121,6 +128,72 @@ class Residency:
             for victim in evicted:
                 self.evictions[(victim, "host")] += 1
                 self._drop_host(victim)
+
+    def read_fetch(self, name: str, serial: int) -> HostAdapter:
+        """Read ``name`` for its fetch under registration ``serial`` (on a loader thread): the same checked
+        read as a step's; changes nothing.
+
+        Raises:
+            AdapterNotFoundError: ``name`` was forgotten or registered again since the fetch began.
+            AdapterLoadError (and subclasses): the adapter cannot be read, or its files changed since it
+                was registered.
+        """
+        with self.lock:
+            source = self._sources.get(name)
+        if source is None or source.serial != serial:
+            raise AdapterNotFoundError(f"adapter {name!r}: registration {serial} was unloaded meanwhile")
+        return self._read_checked(name, source)
+
+    def read_new(self, name: str, path: str, root: Path | None) -> HostAdapter:
+        """Read the adapter at ``path`` (not registered yet) as ``name``, confined to ``root``; changes
+        nothing but the read counters.
+
+        Raises:
+            AdapterLoadError (and subclasses): the adapter cannot be read or served.
+        """
+        return self._timed_read(name, path, root)
+
+    def install_fetch(self, name: str, serial: int, adapter: HostAdapter) -> bool:
+        """Enter ``adapter``, read for the fetch of ``name`` under ``serial``, into the host tier (its bytes
+        were reserved when the fetch began); False, and nothing held, when that fetch is over (the
+        adapter was unloaded, or registered again).
+        """
+        with self.lock:
+            try:
+                self.registry.fetch_done(name, serial)
+            except (AdapterNotFoundError, UsageError):
+                return False
+            self._drop_host(name)
+            self.host.add(adapter)
+            self.background_loads += 1
+            return True
+
+    def install_new(self, ref: LoRARef, root: Path | None, adapter: HostAdapter) -> None:
+        """Register ``ref`` with ``adapter``, read in the background (a discovery), as :meth:`add`.
+
+        Raises:
+            DuplicateAdapterError, AdapterInUseError, CapacityError: as :meth:`add`; nothing changes then.
+        """
+        with self.lock:
+            self.add(ref, root, adapter)
+            self.background_loads += 1
+
+    def abandon_fetch(self, name: str, serial: int) -> bool:
+        """End the failed fetch of ``name`` under ``serial``: its reservation is released, nothing counted;
+        False when that fetch was over already."""
+        with self.lock:
+            try:
+                self.registry.fetch_failed(name, serial)
+            except (AdapterNotFoundError, UsageError):
+                return False
+            return True
+
+    def drop_evicted(self, names: Iterable[str]) -> None:
+        """Free the host tensors of ``names``, which the core has just evicted from the host tier."""
+        with self.lock:
+            for name in names:
+                self.evictions[(name, "host")] += 1
+                self._drop_host(name)
 
     def forget(self, name: str) -> None:
         """Free what is held for ``name`` once the registry has forgotten it (an unload finished)."""
