@@ -8,6 +8,12 @@ under one lock, so loads, unloads and steps on different threads never see half 
 
 Background reads (:mod:`lora_pin.model.loader`) use :meth:`Residency.read_fetch` on a worker thread,
 which changes nothing; what they read enters the host tier with :meth:`Residency.install_fetch`.
+
+On CUDA, a slot's copy from host memory waits only for the steps that read that slot before (an event
+recorded when each step finishes), not for all work queued on the compute stream, and a step waits only
+for the copies into its own slots: a copy into a slot the previous step did not read runs while that
+step's kernels do. (The pool has one copy stream, so a step's copies still run in order: one that waits
+for its slot's readers holds back the copies queued after it.)
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from lora_pin._core import LoRARef, LoRARegistry
 from lora_pin.errors import (
@@ -69,6 +77,12 @@ class Residency:
         self.read_seconds = 0.0
         # Background reads installed into the host tier (fetches and discoveries).
         self.background_loads = 0
+        cuda = pool.device.type == "cuda"
+        # Carries each slot copy's dependencies (the slot's earlier readers) to the pool's copy stream,
+        # instead of the compute stream with everything queued on it.
+        self._fill_stream = torch.cuda.Stream(pool.device) if cuda else None
+        # Per slot: recorded on the compute stream after the last work that read or cleared the slot.
+        self._released: list[torch.cuda.Event | None] = [None] * pool.slots
 
     def add(self, ref: LoRARef, root: Path | None = None, adapter: HostAdapter | None = None) -> None:
         """Read the adapter ``ref`` names (unless ``adapter`` holds it read already) and register it,
@@ -204,8 +218,7 @@ class Residency:
             self._sources.pop(name, None)
             for slot in range(self.pool.slots):
                 if self.pool.occupant(slot) == name:
-                    self.pool.clear(slot)
-                    self._filled[slot] = None
+                    self._clear(slot)
 
     def apply(self, plan: Any) -> tuple[tuple[int, int], ...]:
         """Carry out the evictions and loads of step transaction ``plan`` (from ``begin_step``),
@@ -233,11 +246,10 @@ class Residency:
                 try:
                     if source == "disk" or name not in self.host:
                         self._read_again(name)
-                    self.pool.fill(slot, self.host[name])
+                    self._fill(slot, self.host[name])
                 except BaseException as exc:
                     # The slot may be half written: empty it, so no later step can read the remains.
-                    self._filled[slot] = None
-                    self.pool.clear(slot)
+                    self._clear(slot)
                     self.registry.report_load(ticket, index, False)
                     if isinstance(exc, LoraPinError) or not isinstance(exc, Exception):
                         raise
@@ -260,9 +272,16 @@ class Residency:
             return tuple((s, counts[s]) for s in used)
 
     def changed_slots(self, slot_writes: tuple[tuple[int, int], ...]) -> list[int]:
-        """The slots among ``slot_writes`` (from :meth:`apply`) written since."""
+        """The slots among ``slot_writes`` (from :meth:`apply`) written since; on CUDA, also marks the
+        end of the step that read them (the current stream's work so far), which their next copy waits for.
+        """
         with self.lock:
             counts = self.pool.write_counts()
+            if self._fill_stream is not None and slot_writes:
+                released = torch.cuda.Event()
+                released.record(torch.cuda.current_stream(self.pool.device))
+                for slot, _ in slot_writes:
+                    self._released[slot] = released
         return [slot for slot, writes in slot_writes if counts[slot] != writes]
 
     @property
@@ -295,6 +314,36 @@ class Residency:
             self.reads += 1
             self.read_seconds += time.perf_counter() - start
         return adapter
+
+    def _fill(self, slot: int, adapter: HostAdapter) -> None:
+        """Copy ``adapter`` into ``slot``; on CUDA the current stream waits for that copy only, and the copy
+        waits only for the slot's earlier readers."""
+        if self._fill_stream is None:
+            self.pool.fill(slot, adapter)
+            return
+        compute = torch.cuda.current_stream(self.pool.device)
+        released = self._released[slot]
+        with torch.cuda.stream(self._fill_stream):
+            if released is not None:
+                self._fill_stream.wait_event(released)
+            # The pool orders its copy after the "current" stream, here the fill stream.
+            done = self.pool.fill(slot, adapter)
+        if done is not None:
+            compute.wait_event(done)
+
+    def _clear(self, slot: int) -> None:
+        """Empty ``slot`` on the current stream, after any copy into it, and record that for the next one."""
+        self._filled[slot] = None
+        if self._fill_stream is None:
+            self.pool.clear(slot)
+            return
+        compute = torch.cuda.current_stream(self.pool.device)
+        # A copy into the slot that is still queued must not land after the zeros.
+        compute.wait_stream(self._fill_stream)
+        self.pool.clear(slot)
+        released = torch.cuda.Event()
+        released.record(compute)
+        self._released[slot] = released
 
     def _drop_host(self, name: str) -> None:
         if name in self.host:
