@@ -283,6 +283,23 @@ def test_batch_waits_for_its_reads_on_the_loader(world: Any, want: Any) -> None:
     assert store.readers("a")[0].startswith("lora_pin-load")
 
 
+def test_batch_waits_for_room_held_by_prefetched_reads(world: Any, want: Any) -> None:
+    """Every place in the host tier is set aside for a prefetched read when ``batch(["d"])`` begins: it
+    waits for those reads to end, then has ``d`` read, still on a loader thread."""
+    _, paths = world
+    mgr, model = manager(world, max_loras_per_batch=2, max_loaded_loras=3)
+    for name in "abcdef":
+        mgr.load(name, paths[name])  # d, e, f resident
+    with slow_store(delay_ms=200) as store:
+        assert mgr.prefetch(["a", "b", "c"]) == ["a", "b", "c"]
+        assert mgr.registry.stats()["host"]["fetching"] == ["a", "b", "c"]
+        with torch.no_grad(), mgr.batch(["d"]):
+            got = model(IDS).logits
+    torch.testing.assert_close(got, want["d"], rtol=1e-5, atol=1e-6)
+    assert all(thread.startswith("lora_pin-load") for _, thread in store.reads), store.reads
+    mgr.registry.audit()
+
+
 def test_split_reads_the_later_groups_while_the_first_runs(world: Any) -> None:
     """``split`` prefetches the groups after the first once the first group's step has begun: read
     before, they would evict the first group's adapters from a small host tier."""

@@ -49,6 +49,9 @@ __all__ = ["LOADING_MODES", "LoRAManager", "Step"]
 # How often a step reads adapters evicted from host memory before it begins, should other threads evict
 # them again meanwhile; then the step reads them itself.
 _READ_FIRST_ATTEMPTS = 2
+# As many for a batch waiting for background reads: one round may find the host tier full of adapters
+# being read (prefetched), and starts the batch's own reads only once those are done.
+_FETCH_FIRST_ATTEMPTS = 4
 
 LOADING_MODES = ("background", "blocking")
 
@@ -712,7 +715,7 @@ class LoRAManager:
             if self.adapter_dir is not None:
                 self._discover_waiting(names)
             wanted = [n for n in dict.fromkeys(names) if n is not None]
-            for _ in range(_READ_FIRST_ATTEMPTS):
+            for _ in range(_FETCH_FIRST_ATTEMPTS):
                 self._loads.install()
                 # Begins no step unless every adapter is in host memory; fetches what is not.
                 plan = self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence, fetch=True)
@@ -720,7 +723,8 @@ class LoRAManager:
                     return plan
                 self.residency.drop_evicted(n for n, tier, _ in plan.evictions if tier == "host")
                 self._loads.start_fetches(plan.to_fetch)
-                self._loads.wait(wanted)
+                # With no room for any of its reads, only other reads ending (and installed) make room.
+                self._loads.wait(wanted if plan.to_fetch else None)
                 self._loads.install()
                 for error in self._loads.take_errors(wanted).values():
                     raise error
