@@ -84,7 +84,7 @@ def test_a_step_defers_an_evicted_adapter_and_reads_it_off_its_thread(world: Any
     with slow_store(gated=True) as store:
         step = mgr.prepare_step(["a", None, "b"], [5, 5, 5])
         mgr.finish(step)
-        assert step.admitted == (1, 2) and step.deferred == (0,) and not step.failed
+        assert step.admitted == (1, 2) and step.deferred == step.loading == (0,) and not step.failed
         assert store.wait_for_read("a")
         _, got_b = run_one(mgr, model, "b")
         torch.testing.assert_close(got_b, want["b"], rtol=1e-5, atol=1e-6)
@@ -112,6 +112,8 @@ def test_deferred_requests_keep_their_order(world: Any) -> None:
     step = mgr.prepare_step(names, 1)
     mgr.finish(step)
     assert step.deferred == (0, 3, 4) and step.admitted == (1, 2, 5)
+    assert mgr.registry.stats()["host"]["fetching"] == ["a"]
+    assert step.loading == (0, 3, 4)  # a is read (e made room), b waits for room
     assert mgr.wait_loads(timeout=30)
     waiting = [names[i] for i in step.deferred]
     again = mgr.prepare_step(waiting, 1)
@@ -122,6 +124,18 @@ def test_deferred_requests_keep_their_order(world: Any) -> None:
     mgr.finish(last)
     assert last.admitted == (0,)
     mgr.registry.audit()
+
+
+def test_step_loading_names_the_requests_waiting_for_host_memory(world: Any) -> None:
+    """Of the deferred requests, ``loading`` lists those whose adapter is not in host memory (``a``, read
+    now), not those waiting for a slot (``f``, resident)."""
+    _, paths = world
+    mgr, _ = manager(world, max_loras_per_batch=2, max_loaded_loras=5)
+    for name in "abcdef":
+        mgr.load(name, paths[name])  # a is out of host memory
+    step = mgr.prepare_step(["b", "c", "f", "a"], 1)
+    mgr.finish(step)
+    assert step.admitted == (0, 1) and step.deferred == (2, 3) and step.loading == (3,)
 
 
 def test_no_request_waits_forever(world: Any) -> None:

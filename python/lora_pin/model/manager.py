@@ -71,6 +71,10 @@ class Step:
         num_tokens: ``T``, the admitted requests' tokens.
         failed: request index -> why its adapter could not be loaded (a background read that failed);
             these requests are neither admitted nor deferred. A later request for the adapter tries again.
+        loading: the deferred requests whose adapter is not in host memory: being read in the background,
+            or waiting for host memory to be read into (in request order; background loading only). They
+            cost a step nothing until admitted: a scheduler may resubmit them without counting them
+            against its batch budget.
     """
 
     admitted: tuple[int, ...]
@@ -81,6 +85,7 @@ class Step:
     _ticket: int
     _slot_writes: tuple[tuple[int, int], ...] = ()
     failed: Mapping[int, LoraPinError] = field(default_factory=dict)
+    loading: tuple[int, ...] = ()
 
 
 def _buffer(data: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -679,7 +684,7 @@ class LoRAManager:
                 plan = self._begin(names, num_tokens, per_sequence)
             try:
                 slot_writes = self.residency.apply(plan)
-                step = self._activate(plan, slot_writes, per_sequence, held)
+                step = self._activate(names, plan, slot_writes, per_sequence, held)
             except BaseException as exc:
                 self.registry.finish_step(plan.ticket)
                 if isinstance(exc, StalePlanError):
@@ -809,6 +814,7 @@ class LoRAManager:
 
     def _activate(
         self,
+        names: Sequence[str | None],
         plan: Any,
         slot_writes: tuple[tuple[int, int], ...],
         per_sequence: bool,
@@ -841,8 +847,21 @@ class LoRAManager:
             admitted = tuple(kept[i] for i in admitted)
             deferred = tuple(sorted([kept[i] for i in deferred] + held.waiting))
             failed = held.failed
+        loading: tuple[int, ...] = ()
+        if deferred and self.loading == "background" and not per_sequence:
+            with self.residency.lock:
+                # After apply: the host tier holds exactly what the core counts resident.
+                loading = tuple(i for i in deferred if (n := names[i]) is not None and n not in self.host)
         step = Step(
-            admitted, deferred, request_slots, segments, plan.num_tokens, plan.ticket, slot_writes, failed
+            admitted,
+            deferred,
+            request_slots,
+            segments,
+            plan.num_tokens,
+            plan.ticket,
+            slot_writes,
+            failed,
+            loading,
         )
         with self.residency.lock:
             self._active, self._active_step = active, step
