@@ -1,7 +1,8 @@
 """Hypothesis drives the Rust registry and a plain-Python model of the same rules
-(``benches/plan_step.py``'s ``PythonPlanner``, dicts and OrderedDicts scanned in policy order) with the
-same random operations; every result, every plan array, every error class and the per-tier counters
-must agree, and the registry's own invariant audit must pass after every step."""
+(``benches/plan_step.py``'s ``PythonPlanner``, dicts and OrderedDicts scanned in policy order, with the
+fetching state added here) with the same random operations; every result, every plan array, every
+error class and the per-tier counters must agree, and the registry's own invariant audit must pass
+after every step."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from lora_pin import errors
 from lora_pin._core import LoRARef, LoRARegistry
 from lora_pin.errors import LoraPinError
 
@@ -27,6 +29,215 @@ plan_step = importlib.util.module_from_spec(_spec)
 sys.modules["plan_step"] = plan_step
 _spec.loader.exec_module(plan_step)
 PythonPlanner = plan_step.PythonPlanner
+
+
+class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
+    """``PythonPlanner`` plus background reads, written from the registry's docstrings: a fetching
+    adapter's host bytes are reserved; fetch mode defers host misses and fetches them in
+    first-request order, younger admitted adapters yielding host room to an older waiting one; a
+    fetched adapter is fresh (never evicted) until a plan admits it or leaves it out."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.serials: dict[str, int] = {}
+        self.registrations = 0
+        self.fetching: dict[str, int] = {}
+        self.fresh: list[str] = []
+
+    def _host_used(self) -> tuple[int, int]:
+        count, used = super()._host_used()
+        reserved = [self.entries[n] for n in self.fetching]
+        return count + len(reserved), used + sum(e.host_bytes for e in reserved)
+
+    def _host_candidate(self, e: Any) -> bool:
+        return bool(super()._host_candidate(e)) and e.name not in self.fresh
+
+    def _device_candidate(self, e: Any, idle: bool) -> bool:
+        return bool(super()._device_candidate(e, idle)) and e.name not in self.fresh
+
+    def register(self, ref: LoRARef, **kw: Any) -> list[str]:
+        gone: list[str] = super().register(ref, **kw)
+        self.registrations += 1
+        self.serials[ref.lora_name] = self.registrations
+        return gone
+
+    def try_unload(self, name: str) -> bool:
+        if name in self.entries:
+            self.fetching.pop(name, None)
+        done: bool = super().try_unload(name)
+        if done and name in self.fresh:
+            self.fresh.remove(name)
+        return done
+
+    def _start_fetch(self, e: Any, out: list[Any], to_fetch: list[tuple[str, int]]) -> bool:
+        if not self._room_possible(e.host_bytes):
+            self.host["refusals"] += 1
+            return False
+        self._make_host_room(e.host_bytes, out)
+        self.fetching[e.name] = self.serials[e.name]
+        self.host["misses"] += 1
+        to_fetch.append((e.name, self.serials[e.name]))
+        return True
+
+    def _end_fetch(self, e: Any) -> None:
+        del self.fetching[e.name]
+        e.in_host = True
+        self.host_order[e.name] = None
+        self.host["loads"] += 1
+
+    def _bring_in(self, e: Any, plan: Any) -> str | None:
+        source = "host" if e.in_host else "disk"
+        # A blocking read of an adapter being fetched takes over the fetch's reservation.
+        taking_over = source == "disk" and e.name in self.fetching
+        if source == "disk" and not taking_over and not self._room_possible(e.host_bytes):
+            return "host"
+        if not self._slot_possible():
+            return "device"
+        if taking_over:
+            self._end_fetch(e)
+        elif source == "disk":
+            self._make_host_room(e.host_bytes, plan.evictions)
+            e.in_host = True
+            self.host_order[e.name] = None
+            self.host["misses"] += 1
+            self.host["loads"] += 1
+        else:
+            self.host["hits"] += 1
+        slot = self._take_slot(plan.evictions)
+        e.loading = source
+        e.slot = slot
+        self.slot_of[slot] = e
+        self.generations[slot] += 1
+        self.device_order[e.name] = None
+        self.device["misses"] += 1
+        self.device["loads"] += 1
+        plan.loads.append((e.name, e.lora_id, slot, source))
+        return None
+
+    def plan(self, names: Any, num_tokens: Any, fetch: bool = False) -> Any:
+        if isinstance(num_tokens, int):
+            num_tokens = [num_tokens] * len(names)
+        if len(names) != len(num_tokens):
+            raise errors.UsageError("names and num_tokens differ in length")
+        found = [None if n is None else self._lookup(n, True) for n in names]
+        self.end_step()
+        budget = self.slots - len(self._pinned())
+        decided: dict[str, bool] = {}
+        waiting: list[tuple[Any, int]] = []
+        firsts: dict[str, int] = {}
+        unpinned = 0
+        for i, e in enumerate(found):
+            if e is None or e.name in decided:
+                continue
+            if fetch and not e.in_host:
+                decided[e.name] = False
+                waiting.append((e, i))
+                continue
+            decided[e.name] = admit = e.pinned or unpinned < budget
+            if admit:
+                unpinned += not e.pinned
+                e.in_step = True
+                self.step.append(e)
+                firsts[e.name] = i
+            else:
+                self.device["refusals"] += 1
+        plan = plan_step.Plan()
+        plan.to_fetch = []
+        for e, first in waiting:
+            if e.name in self.fetching:
+                continue
+            if not self._room_possible(e.host_bytes):
+                self._yield_room(first, e.host_bytes, firsts, decided)
+            self._start_fetch(e, plan.evictions, plan.to_fetch)
+        for e in list(self.step):
+            if e.slot is None:
+                refused = self._bring_in(e, plan)
+                if refused:
+                    (self.host if refused == "host" else self.device)["refusals"] += 1
+                    decided[e.name] = False
+                    e.in_step = False
+                    self.step.remove(e)
+                    continue
+            else:
+                self.device["hits"] += 1
+            self.recency.move_to_end(e.name)
+        self.fresh = [n for n in self.fresh if decided.get(n) is False]
+        self._outputs(found, num_tokens, decided, plan)
+        return plan
+
+    def _yield_room(self, first: int, nbytes: int, firsts: dict[str, int], decided: dict[str, bool]) -> None:
+        candidates = [e for e in self.entries.values() if self._host_candidate(e)]
+        count, used = self._host_used()
+        count -= len(candidates)
+        used -= sum(e.host_bytes for e in candidates)
+        need_count = 0 if self.max_loaded is None else max(0, count + 1 - self.max_loaded)
+        need_bytes = 0 if self.max_host_bytes is None else max(0, used + nbytes - self.max_host_bytes)
+        picks = []
+        for e in reversed(self.step):
+            if firsts[e.name] <= first or (need_count == 0 and need_bytes == 0):
+                break
+            if e.pinned or e.in_flight or e.loading or e.name in self.fresh:
+                continue
+            picks.append(e)
+            need_count = max(0, need_count - 1)
+            need_bytes = max(0, need_bytes - e.host_bytes)
+        if need_count or need_bytes:
+            return
+        for e in picks:
+            self.step.remove(e)
+            e.in_step = False
+            decided[e.name] = False
+
+    def begin_step_fetch(self, names: list[str | None], num_tokens: list[int]) -> Any:
+        for n in names:
+            if n is not None:
+                self._lookup(n, False)
+        return self.plan(names, num_tokens, fetch=True)
+
+    def prefetch(self, names: list[str | None]) -> tuple[list[tuple[str, int]], list[str], list[str]]:
+        entries = [self._lookup(n, False) for n in names if n is not None]
+        to_fetch: list[tuple[str, int]] = []
+        skipped: list[str] = []
+        out: list[tuple[str, str, int]] = []
+        shielded = []
+        seen: set[str] = set()
+        for e in entries:
+            if e.name in seen or e.name in self.fetching:
+                seen.add(e.name)
+                continue
+            seen.add(e.name)
+            if e.in_host:
+                if not e.in_step:
+                    e.in_step = True
+                    shielded.append(e)
+                continue
+            if not self._start_fetch(e, out, to_fetch):
+                skipped.append(e.name)
+        for e in shielded:
+            e.in_step = False
+        return to_fetch, [n for n, tier, _ in out if tier == "host"], skipped
+
+    def _fetch(self, name: str, serial: int) -> Any:
+        e = self.entries.get(name)
+        if e is None or self.serials[name] != serial:
+            raise errors.AdapterNotFoundError(f"{name} (registration {serial})")
+        if name not in self.fetching:
+            raise errors.UsageError(f"{name!r} is not being fetched")
+        return e
+
+    def fetch_done(self, name: str, serial: int) -> None:
+        self._end_fetch(self._fetch(name, serial))
+        self.fresh.append(name)
+
+    def fetch_failed(self, name: str, serial: int) -> None:
+        del self.fetching[self._fetch(name, serial).name]
+
+    def stats(self) -> dict[str, dict[str, object]]:
+        out: dict[str, dict[str, object]] = super().stats()
+        out["host"]["fetching"] = sorted(self.fetching)
+        out["host"]["reserved_bytes"] = sum(self.entries[n].host_bytes for n in self.fetching)
+        return out
+
 
 NAMES = [f"n{i}" for i in range(7)]
 names = st.sampled_from(NAMES)
@@ -71,8 +282,10 @@ class RegistryVsModel(RuleBasedStateMachine):
         loaded = None if extra is None else slots + extra
         kw: dict[str, Any] = {"max_host_bytes": max_bytes, "chunk_size": chunk}
         self.reg = LoRARegistry(slots, loaded, eviction_policy=policy, host_eviction_policy=host_policy, **kw)
-        self.model = PythonPlanner(slots, loaded, policy=policy, host_policy=host_policy, **kw)
+        self.model = FetchingPlanner(slots, loaded, policy=policy, host_policy=host_policy, **kw)
         self.ids: dict[str, list[str]] = {}
+        # Fetches handed out and not reported yet: name -> serial.
+        self.fetches: dict[str, int] = {}
 
     @rule(name=names, pinned=st.booleans(), nbytes=st.integers(1, 400), rank=st.integers(1, 16))
     def register(self, name: str, pinned: bool, nbytes: int, rank: int) -> None:
@@ -153,6 +366,64 @@ class RegistryVsModel(RuleBasedStateMachine):
             for name, *_ in plan.loads:
                 self.reg.load_done(name)
                 self.model.load_done(name)
+
+    @rule(
+        requests=st.lists(st.tuples(st.none() | names, st.integers(0, 3)), max_size=10),
+        report=st.booleans(),
+    )
+    def fetch_step(self, requests: list[tuple[str | None, int]], report: bool) -> None:
+        """A step transaction in fetch mode; its loads reported done (or failed by the finish)."""
+        batch = [n for n, _ in requests]
+        tokens = [t for _, t in requests]
+        got = same_outcome(
+            lambda: self.reg.begin_step(batch, tokens, fetch=True),
+            lambda: self.model.begin_step_fetch(batch, tokens),
+        )
+        if not got:
+            return
+        expected, plan = got
+        assert plan.admitted == expected.admitted
+        assert plan.deferred == expected.deferred
+        assert ints(plan.request_slots) == expected.request_slots
+        assert ints(plan.token_perm) == expected.token_perm
+        assert ints(plan.seg_indptr) == expected.seg_indptr
+        assert plan.loads == expected.loads
+        assert plan.evictions == expected.evictions
+        assert plan.to_fetch == expected.to_fetch
+        assert all(src == "host" for *_, src in plan.loads)
+        self.fetches.update(plan.to_fetch)
+        assert plan.ticket is not None
+        for i, (name, *_) in enumerate(plan.loads):
+            if report:
+                self.reg.report_load(plan.ticket, i, True)
+                self.model.load_done(name)
+            else:
+                self.model.load_failed(name)
+        self.reg.finish_step(plan.ticket)
+        self.model.end_step()
+
+    @rule(queue=st.lists(st.none() | names, max_size=6))
+    def prefetch(self, queue: list[str | None]) -> None:
+        got = same_outcome(lambda: self.reg.prefetch(queue), lambda: self.model.prefetch(queue))
+        if got:
+            (to_fetch, evicted, skipped), plan = got
+            assert (plan.to_fetch, plan.evicted, plan.skipped) == (to_fetch, evicted, skipped)
+            self.fetches.update(plan.to_fetch)
+
+    @precondition(lambda self: bool(self.fetches))
+    @rule(data=st.data(), ok=st.booleans())
+    def report_fetch(self, data: st.DataObject, ok: bool) -> None:
+        """A background read finishes (or fails); its fetch may have been cancelled since."""
+        name = data.draw(st.sampled_from(sorted(self.fetches)))
+        serial = self.fetches.pop(name)
+        if ok:
+            same_outcome(
+                lambda: self.reg.fetch_done(name, serial), lambda: self.model.fetch_done(name, serial)
+            )
+        else:
+            same_outcome(
+                lambda: self.reg.fetch_failed(name, serial), lambda: self.model.fetch_failed(name, serial)
+            )
 
     @rule(name=names, ok=st.booleans())
     def finish_load(self, name: str, ok: bool) -> None:

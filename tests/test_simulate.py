@@ -59,7 +59,7 @@ def test_json_matches_the_core_and_respects_the_bound(capsys: pytest.CaptureFixt
             trace, slots=r["slots"], max_loaded_loras=r["max_loaded_loras"], policy=r["policy"], pins=top
         )
         assert {
-            k: v for k, v in r.items() if k not in ("slots", "max_loaded_loras", "pins", "policy")
+            k: v for k, v in r.items() if k not in ("slots", "max_loaded_loras", "pins", "policy", "load_ms")
         } == direct
         dev, host = r["device"], r["host"]
         assert dev["hits"] + dev["misses"] == r["uses"]
@@ -109,6 +109,8 @@ def test_jsonl_trace_with_base_rows_and_arrivals(tmp_path: Path, capsys: pytest.
         (["--slots", "4", "--host", "2"], "max_loaded_loras"),
         (["--batch-size", "0"], "--batch-size: '0' is not an integer in 1.."),
         (["--step-ms", "-1"], "--step-ms: '-1' is not a number in 0..inf"),
+        (["--load-ms", "-5"], "--load-ms: '-5' is not a number in 0..inf"),
+        (["--load-ms", "inf"], "--load-ms: 'inf' is not a number in 0..inf"),
         (["--trace", "/nonexistent/t.jsonl"], "--trace: cannot read '/nonexistent/t.jsonl'"),
     ],
 )
@@ -174,10 +176,117 @@ def live_log(
                 "deferred": plan.deferred,
                 "loads": [(n, slot, src) for n, _i, slot, src in plan.loads],
                 "evictions": [(n, tier, None if slot < 0 else slot) for n, tier, slot in plan.evictions],
+                "to_fetch": [],
             }
         )
     reg.audit()
     return log
+
+
+def live_background_log(
+    trace: Trace, *, slots: int, max_loaded: int, policy: str, batch: int, step_ms: int, load_ms: int
+) -> list[Any]:
+    """``live_log`` in background mode, again without the simulator: steps begin with ``fetch=True``, a
+    fetch begun at step time t is reported done at the first step at or after t + load_ms, and when a
+    step admits nothing the loop waits for the next fetch instead of counting a step."""
+    reg = LoRARegistry(slots, max_loaded, eviction_policy=policy, host_eviction_policy=policy)
+    for n in trace.names:
+        reg.register(LoRARef.new(n, f"sim://{n}"), rank=16, host_bytes=2**25, device_bytes=2**25)
+    requests = trace.requests()
+    waiting: deque[int] = deque()
+    pending: deque[tuple[int, str, int]] = deque()
+    nxt = clock = 0
+    log = []
+    while nxt < len(requests) or waiting:
+        while len(waiting) < batch and nxt < len(requests):
+            waiting.append(nxt)
+            nxt += 1
+        while pending and pending[0][0] <= clock:
+            _, name, serial = pending.popleft()
+            reg.fetch_done(name, serial)
+        step = list(waiting)
+        waiting.clear()
+        plan = reg.begin_step([requests[i][0] for i in step], [requests[i][1] for i in step], fetch=True)
+        assert plan.ticket is not None
+        for index in range(len(plan.loads)):
+            reg.report_load(plan.ticket, index, True)
+        reg.finish_step(plan.ticket)
+        pending.extend((clock + load_ms, name, serial) for name, serial in plan.to_fetch)
+        waiting.extend(step[i] for i in plan.deferred)
+        if not plan.admitted:
+            clock = max(clock, pending[0][0])
+            continue
+        log.append(
+            {
+                "batch": step,
+                "admitted": plan.admitted,
+                "deferred": plan.deferred,
+                "loads": [(n, slot, src) for n, _i, slot, src in plan.loads],
+                "evictions": [(n, tier, None if slot < 0 else slot) for n, tier, slot in plan.evictions],
+                "to_fetch": [n for n, _ in plan.to_fetch],
+            }
+        )
+        clock += step_ms
+    reg.audit()
+    return log
+
+
+@pytest.mark.parametrize("policy", ["lru", "hybrid"])
+@pytest.mark.parametrize(("slots", "max_loaded", "batch", "load_ms"), [(4, 6, 6, 50), (2, 2, 3, 30)])
+def test_background_mode_decides_exactly_as_the_live_registry(
+    policy: str, slots: int, max_loaded: int, batch: int, load_ms: int
+) -> None:
+    trace = Trace.generate("zipf:0.9", adapters=20, requests=1200, seed=11)
+    sim = simulate(
+        trace,
+        slots=slots,
+        max_loaded_loras=max_loaded,
+        policy=policy,
+        batch_size=batch,
+        step_seconds=0.02,
+        load_ms=load_ms,
+        record=True,
+    )
+    live = live_background_log(
+        trace, slots=slots, max_loaded=max_loaded, policy=policy, batch=batch, step_ms=20, load_ms=load_ms
+    )
+    assert len(sim["steps_log"]) == len(live) == sim["steps"]
+    for t, (s, lv) in enumerate(zip(sim["steps_log"], live, strict=True)):
+        assert s == lv, f"step {t}"
+    assert all(src == "host" for s in live for *_, src in s["loads"]), "a disk read on a step's path"
+    fetched = sum(len(s["to_fetch"]) for s in live)
+    assert 0 < fetched <= sim["fetch"]["fetches"] == sim["host"]["misses"]
+
+
+def test_load_ms_reports_the_requests_deferred_by_fetches(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--workload", "zipf:1.0", "--requests", "2000", "--adapters", "30", "--slots", "4", "--host", "6"]
+    code, out, _ = run_cli(capsys, *argv, "--policy", "lru", "--load-ms", "50", "--json")
+    assert code == 0
+    (row,) = json.loads(out)["results"]
+    assert row["load_ms"] == 50.0
+    direct = simulate(
+        Trace.generate("zipf:1.0", adapters=30, requests=2000),
+        slots=4,
+        max_loaded_loras=6,
+        policy="lru",
+        load_ms=50,
+    )
+    assert row["fetch"] == direct["fetch"]
+    f = row["fetch"]
+    assert f["fetches"] == row["host"]["misses"] > 0
+    assert 0 < f["deferred_requests"] <= row["deferrals"]
+    assert 0 < f["wait_ms_mean"] <= f["wait_ms_p99"] and f["wait_steps_mean"] <= f["wait_steps_p99"]
+    code, out, _ = run_cli(capsys, *argv, "--policy", "lru", "--load-ms", "50")
+    header = next(line for line in out.splitlines() if line.startswith("policy"))
+    assert header.split()[-6:] == ["by", "fetch", "wait", "ms", "wait", "steps"]
+    line = next(line for line in out.splitlines() if line.startswith("lru"))
+    assert line.split()[10] == str(f["deferred_requests"])
+    assert line.split()[11:14] == [f"{f['wait_ms_mean']:.1f}", "/", f"{f['wait_ms_p99']:.1f}"]
+    # Blocking mode (the default) keeps the table as it was, and reads in the step.
+    code, out, _ = run_cli(capsys, *argv, "--policy", "lru")
+    assert "by fetch" not in out
+    blocking = simulate(Trace.generate("zipf:1.0", adapters=30, requests=2000), slots=4, max_loaded_loras=6)
+    assert blocking["fetch"] == dict.fromkeys(f, 0) and blocking["host"]["misses"] > 0
 
 
 @pytest.mark.parametrize("policy", POLICIES)

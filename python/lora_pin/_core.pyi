@@ -191,6 +191,7 @@ def simulate(
     batch_size: int = 4,
     step_seconds: float = 0.02,
     adapter_bytes: int = 33554432,
+    load_ms: float = 0.0,
     record: bool = False,
     progress: Callable[[int], object] | None = None,
 ) -> dict[str, Any]: ...

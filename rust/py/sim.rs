@@ -10,7 +10,7 @@ use pyo3::types::{PyDict, PyList};
 use super::errors::new_error;
 use super::{detached, shielded};
 use crate::registry::StepPlan;
-use crate::sim::{simulate_until, SimConfig, SimReport, TierReport, Trace, Workload};
+use crate::sim::{simulate_until, FetchReport, SimConfig, SimReport, TierReport, Trace, Workload};
 
 /// A request trace: adapter names and requests (adapter or None, tokens, optional arrival time).
 /// Build one with `Trace.generate` or `Trace.from_jsonl`.
@@ -107,6 +107,19 @@ fn step_record<'py>(py: Python<'py>, batch: &[u32], plan: &StepPlan) -> PyResult
     let evictions: Vec<(&str, &str, Option<u32>)> =
         plan.evictions.iter().map(|e| (&*e.name, e.tier.as_str(), e.slot)).collect();
     d.set_item("evictions", evictions)?;
+    let to_fetch: Vec<&str> = plan.to_fetch.iter().map(|f| &*f.name).collect();
+    d.set_item("to_fetch", to_fetch)?;
+    Ok(d)
+}
+
+fn fetch_dict<'py>(py: Python<'py>, f: &FetchReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("fetches", f.fetches)?;
+    d.set_item("deferred_requests", f.deferred_requests)?;
+    d.set_item("wait_steps_mean", f.wait_steps_mean)?;
+    d.set_item("wait_steps_p99", f.wait_steps_p99)?;
+    d.set_item("wait_ms_mean", f.wait_ms_mean)?;
+    d.set_item("wait_ms_p99", f.wait_ms_p99)?;
     Ok(d)
 }
 
@@ -123,11 +136,21 @@ const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 /// capacity (device: the slots, pinned adapters holding theirs; host: `max_loaded_loras`, None when
 /// unbounded). Host hits are slot loads copied from host memory, host misses reads from disk.
 ///
+/// `load_ms` > 0 models background reads: steps begin in fetch mode (a request whose adapter is
+/// not in the host tier is deferred and the adapter fetched), a fetch begun at step time t is done
+/// at t + `load_ms` on the step clock (`step_seconds` per step, also without arrival times), and
+/// when no request can run the loop waits for the next fetch (a wait is not a step). 0 (the
+/// default) reads in the step that needs the adapter, as blocking mode does.
+///
 /// Returns a dict: `steps`, `requests`, `adapter_requests`, `deferrals`, `tokens`, `uses`, `device`
 /// and `host` (each `hits`, `misses`, `evictions`, `bytes_moved`, `belady_misses`; the device also
 /// `hit_rate` and `belady_hit_rate`), and with `record=True` a `steps_log` list of per-step dicts
 /// (`batch`: trace indices, `admitted` / `deferred`: positions in the batch, `loads`: (name, slot,
-/// source), `evictions`: (name, tier, slot or None)).
+/// source), `evictions`: (name, tier, slot or None), `to_fetch`: names). `fetch` has the background
+/// mode's figures (all 0 when `load_ms` is 0): `fetches` started, `deferred_requests` (requests
+/// deferred at least once waiting for a fetch) and their extra wait, from the first step that
+/// deferred them for a fetch to the step that admitted them, in steps and in milliseconds of the
+/// step clock: `wait_steps_mean`, `wait_steps_p99`, `wait_ms_mean`, `wait_ms_p99` (nearest rank).
 ///
 /// `progress`, when given, is called as `progress(served)` with the requests served so far, about
 /// every 0.1 s of a long replay and once at the end (`served == len(trace)`). Pending signals are
@@ -135,13 +158,13 @@ const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 ///
 /// Raises:
 ///     SpecError: slots or batch_size of 0, max_loaded_loras below slots, an unknown policy, a pin the
-///         trace never names or beyond the pin limit, a negative step time.
+///         trace never names or beyond the pin limit, a negative step or load time.
 ///     KeyboardInterrupt (or what a signal handler raises), or what `progress` raises: the replay
 ///         stops there.
 #[pyfunction]
 #[pyo3(signature = (
     trace, *, slots, max_loaded_loras = None, policy = "lru", pins = Vec::new(), batch_size = 4,
-    step_seconds = 0.02, adapter_bytes = 33554432, record = false, progress = None
+    step_seconds = 0.02, adapter_bytes = 33554432, load_ms = 0.0, record = false, progress = None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn simulate<'py>(
@@ -154,6 +177,7 @@ pub fn simulate<'py>(
     batch_size: i64,
     step_seconds: f64,
     adapter_bytes: u64,
+    load_ms: f64,
     record: bool,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
@@ -166,6 +190,7 @@ pub fn simulate<'py>(
             batch_size: non_negative(py, "batch_size", batch_size)?,
             step_seconds,
             adapter_bytes,
+            load_ms,
         };
         let trace = &trace.get().0;
         let progress = progress.as_ref();
@@ -205,6 +230,7 @@ pub fn simulate<'py>(
         d.set_item("uses", report.uses)?;
         d.set_item("device", tier(py, &report.device, Some(report.uses))?)?;
         d.set_item("host", tier(py, &report.host, None)?)?;
+        d.set_item("fetch", fetch_dict(py, &report.fetch)?)?;
         if record {
             let steps = PyList::empty(py);
             for (batch, plan) in &log {

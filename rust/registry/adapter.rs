@@ -50,12 +50,14 @@ pub(crate) struct Protection {
     pub(crate) in_step: bool,
     /// Of `in_flight`, the requests the open step transaction acquired (released by its finish).
     pub(crate) step_holds: u64,
+    /// Fetched, and no plan has admitted it since (or left it out): its requests are waiting.
+    pub(crate) fresh: bool,
 }
 
 impl Protection {
     /// Whether no tier may evict it, whatever its requests in flight.
     pub(crate) fn shields(&self) -> bool {
-        self.pinned || self.loading.is_some() || self.in_step
+        self.pinned || self.loading.is_some() || self.in_step || self.fresh
     }
 }
 

@@ -73,6 +73,13 @@ impl Registry {
             if a.protection.in_step != self.step.contains(&AdapterKey(index as u32)) {
                 return Err(format!("{name:?} disagrees with the step list"));
             }
+            let fresh_listed = self.fresh.iter().filter(|&&k| k == AdapterKey(index as u32)).count();
+            if usize::from(a.protection.fresh) != fresh_listed {
+                return Err(format!("{name:?} disagrees with the fresh list"));
+            }
+            if a.protection.fresh && a.residency.host_since.is_none() {
+                return Err(format!("{name:?} is fresh but not in the host tier"));
+            }
         }
         if registered != self.bytes_registered {
             return Err(format!(

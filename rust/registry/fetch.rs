@@ -152,7 +152,8 @@ impl Registry {
     }
 
     /// The fetch of `name` for registration `serial` finished: the adapter enters the host tier
-    /// (its bytes were reserved when the fetch started, so nothing is evicted now).
+    /// (its bytes were reserved when the fetch started, so nothing is evicted now), *fresh*: never
+    /// evicted until a plan admits it, or plans a step without it (its requests are gone).
     ///
     /// Errors: [`Error::AdapterNotFound`] when `name` is not registered under `serial` any more
     /// (unloaded, or registered again); [`Error::Usage`] when it is not being fetched (the fetch
@@ -161,6 +162,9 @@ impl Registry {
     pub fn fetch_done(&mut self, name: &str, serial: u64) -> Result<()> {
         let key = self.fetching(name, serial)?;
         self.end_fetch(key, true);
+        self.get_mut(key).protection.fresh = true;
+        self.fresh.push(key);
+        self.refresh(key);
         Ok(())
     }
 

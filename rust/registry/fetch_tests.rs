@@ -60,16 +60,23 @@ fn fetch_mode_defers_a_host_miss_reserves_its_room_and_admits_it_once_fetched() 
 
 #[test]
 fn requests_waiting_for_a_fetch_never_take_budget_from_admitted_ones() {
-    // One slot: a step may use one unpinned adapter.
-    let mut reg = registry(1, Some(1), "lru", &["a", "b"]);
-    let (p, ticket) = begin(&mut reg, &[Some("a"), Some("b"), Some("a")], FETCH);
+    // One slot: a step may use one unpinned adapter. b and c resident.
+    let mut reg = registry(1, Some(2), "lru", &["a", "b", "c"]);
+    let (p, _) = begin(&mut reg, &[Some("a"), Some("b"), Some("a")], FETCH);
     assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([1].as_slice(), [0, 2].as_slice()));
-    // The only host place is b's, and b is in the step: a is not fetched now, only deferred.
+    assert_eq!((fetches(&p).len(), evicted(&p, Tier::Host)), (1, vec!["c"]));
+}
+
+#[test]
+fn a_fetch_the_host_tier_has_no_room_for_is_retried_by_the_next_step() {
+    // One host place, held by b, which an older request keeps in the step.
+    let mut reg = registry(1, Some(1), "lru", &["a", "b"]);
+    let (p, ticket) = begin(&mut reg, &[Some("b"), Some("a")], FETCH);
+    assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([0].as_slice(), [1].as_slice()));
     assert!(p.to_fetch.is_empty());
     assert_eq!(reg.stats().host.counters.refusals, 1);
     reg.report_load(ticket.unwrap(), 0, true).unwrap();
     reg.finish_step(ticket.unwrap()).unwrap();
-    // Retried at the next step: now b can go.
     let (p, _) = begin(&mut reg, &[Some("a")], FETCH);
     assert_eq!((fetches(&p).len(), p.deferred.as_slice()), (1, [0].as_slice()));
     assert_eq!(evicted(&p, Tier::Host), ["b"]);
@@ -238,4 +245,79 @@ fn fetch_mode_plans_exactly_as_blocking_mode_when_every_adapter_is_in_the_host_t
         fetching.finish_step(u.unwrap()).unwrap();
     }
     assert_eq!(blocking.stats(), fetching.stats());
+}
+
+#[test]
+fn a_fetched_adapter_stays_fresh_until_a_plan_admits_it_or_leaves_it_out() {
+    // One slot (a step uses one unpinned adapter), two host places; x and y resident.
+    let mut reg = registry(1, Some(2), "lru", &["a", "b", "x", "y"]);
+    let (p, t) = begin(&mut reg, &[Some("x"), Some("a"), Some("b")], FETCH);
+    assert_eq!(fetches(&p), [("a", reg.serial("a").unwrap())], "y made room for a; none is left for b");
+    reg.finish_step(t.unwrap()).unwrap();
+    reg.fetch_done("a", reg.serial("a").unwrap()).unwrap();
+    // x still takes the one slot, so a's requests wait again: b's fetch must not undo a's.
+    let (p, t) = begin(&mut reg, &[Some("x"), Some("a"), Some("b")], FETCH);
+    assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([0].as_slice(), [1, 2].as_slice()));
+    assert!(p.to_fetch.is_empty() && p.evictions.is_empty());
+    assert!(reg.get(reg.lookup("a", false).unwrap()).protection.fresh);
+    reg.finish_step(t.unwrap()).unwrap();
+    // Nor may a prefetch: x's place goes instead.
+    let p = reg.prefetch(&[Some("b")]).unwrap();
+    assert_eq!((p.to_fetch.len(), p.evicted.iter().map(|n| &**n).collect::<Vec<_>>()), (1, vec!["x"]));
+    // a's turn: admitted, and fresh no more.
+    let (p, t) = begin(&mut reg, &[Some("a"), Some("b")], FETCH);
+    assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([0].as_slice(), [1].as_slice()));
+    assert!(!reg.get(reg.lookup("a", false).unwrap()).protection.fresh);
+    reg.finish_step(t.unwrap()).unwrap();
+    // A fetched adapter whose requests are gone is fresh only until the next plan.
+    reg.fetch_done("b", reg.serial("b").unwrap()).unwrap();
+    assert_eq!(reg.fresh.len(), 1);
+    let (_, t) = begin(&mut reg, &[Some("a")], FETCH);
+    assert!(reg.fresh.is_empty());
+    reg.finish_step(t.unwrap()).unwrap();
+}
+
+#[test]
+fn a_waiting_request_takes_host_room_from_younger_requests_never_older_ones() {
+    // Two slots and two host places: the step's adapters can hold the whole host tier.
+    let mut reg = registry(2, Some(2), "lru", &["a", "b", "x"]);
+    let a_serial = reg.serial("a").unwrap();
+    // a's request is older than b's and x's: x (the youngest) yields its place.
+    let (p, t) = begin(&mut reg, &[Some("a"), Some("b"), Some("x")], FETCH);
+    assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([1].as_slice(), [0, 2].as_slice()));
+    assert_eq!(fetches(&p), [("a", a_serial)]);
+    assert_eq!(evicted(&p, Tier::Host), ["x"]);
+    reg.finish_step(t.unwrap()).unwrap();
+    // With a's request the youngest, the older ones keep their places and a waits.
+    let mut reg = registry(2, Some(2), "lru", &["a", "b", "x"]);
+    let (p, _) = begin(&mut reg, &[Some("b"), Some("x"), Some("a")], FETCH);
+    assert_eq!((p.admitted.as_slice(), p.to_fetch.len()), ([0, 1].as_slice(), 0));
+}
+
+#[test]
+fn requests_resubmitted_in_order_all_run_although_later_ones_keep_the_tier_busy() {
+    // Two slots, two host places, four adapters; every step, new requests for b and x arrive
+    // behind the deferred ones, which are resubmitted first. Without the yield rule, b and x
+    // would hold the host tier for ever and a and c never be fetched.
+    let mut reg = registry(2, Some(2), "lru", &["a", "c", "b", "x"]);
+    let mut queue: Vec<&str> = vec!["a", "c"];
+    let mut served: Vec<&str> = Vec::new();
+    for _ in 0..12 {
+        let mut names: Vec<Option<&str>> = queue.iter().map(|&n| Some(n)).collect();
+        names.extend([Some("b"), Some("x")]);
+        let (p, t) = begin(&mut reg, &names, FETCH);
+        let fetched: Vec<(String, u64)> = p.to_fetch.iter().map(|f| (f.name.to_string(), f.serial)).collect();
+        for i in 0..p.loads.len() {
+            reg.report_load(t.unwrap(), i, true).unwrap();
+        }
+        reg.finish_step(t.unwrap()).unwrap();
+        for (name, serial) in fetched {
+            reg.fetch_done(&name, serial).unwrap();
+        }
+        served.extend(p.admitted.iter().filter(|&&i| (i as usize) < queue.len()).map(|&i| queue[i as usize]));
+        queue =
+            p.deferred.iter().filter(|&&i| (i as usize) < queue.len()).map(|&i| queue[i as usize]).collect();
+        reg.audit().unwrap();
+    }
+    assert_eq!(served, ["a", "c"]);
 }

@@ -17,6 +17,8 @@
 //! - **loading**: a planned load not yet reported done or failed; never evicted;
 //! - **fetching**: a background read in flight; not in either tier yet, so never evicted, but its
 //!   host bytes are reserved;
+//! - **fresh**: fetched, until a plan admits it or leaves it out (its waiting requests are gone);
+//!   never evicted, so a fetch is not undone before the requests that waited for it run;
 //! - **in flight**: acquired and not yet released. Never evicted from the host tier. In the device
 //!   tier such an adapter is evicted only when no idle one is left: requests that are queued, not
 //!   running, must not hold slots forever, or with more busy adapters than slots every other
@@ -114,6 +116,8 @@ pub struct Registry {
     pub(crate) pinned: usize,
     pinned_host_bytes: u64,
     pub(crate) step: Vec<AdapterKey>,
+    /// The fresh adapters (see `fetch`).
+    pub(crate) fresh: Vec<AdapterKey>,
     /// Per adapter key, the latest plan's decision (planning scratch, kept to reuse its memory).
     pub(crate) plan_marks: Vec<i32>,
     /// An empty buffer for the next plan's `step` (the previous step's, kept to reuse its memory).
@@ -161,6 +165,7 @@ impl Registry {
             pinned: 0,
             pinned_host_bytes: 0,
             step: Vec::new(),
+            fresh: Vec::new(),
             plan_marks: Vec::new(),
             spare_step: Vec::new(),
             open_step: None,

@@ -87,6 +87,14 @@ const ADMITTED: i32 = -3;
 /// A deferred key's mark.
 const DEFERRED: i32 = -2;
 
+/// Fetch mode's admission notes: the adapters outside the host tier with their first request, in
+/// first-request order, and each admitted adapter's first request (parallel to the step list).
+#[derive(Default)]
+struct Waiting {
+    keys: Vec<(AdapterKey, u32)>,
+    firsts: Vec<u32>,
+}
+
 /// Why an adapter was deferred.
 #[derive(Clone, Copy)]
 enum Refusal {
@@ -157,29 +165,102 @@ impl Registry {
         // The base model's mark, last: requests without an adapter read it.
         marks.push(-1);
         let mut plan = StepPlan::default();
-        let mut waiting = Vec::new();
+        let mut waiting = Waiting::default();
         self.admit(adapters, &mut marks, fetch.then_some(&mut waiting));
-        for key in waiting {
-            if !self.get(key).residency.fetching && self.start_fetch(key, &mut plan.evictions) {
-                let a = self.get(key);
-                plan.to_fetch.push(Fetch { name: Arc::clone(&a.identity.name), serial: a.identity.serial });
-            }
+        if fetch {
+            self.start_waiting_fetches(&mut waiting, &mut marks, &mut plan);
         }
         self.place_admitted(&mut marks, &mut plan);
+        self.end_freshness(&marks);
         self.fill_outputs(&marks, adapters, num_tokens, total, &mut plan);
         self.plan_marks = marks;
         Ok(plan)
     }
 
+    /// Starts the fetches of the adapters waiting for the host tier, in first-request order. When
+    /// the tier cannot make room for one, adapters admitted for later requests yield theirs if
+    /// that is enough ([`Registry::yield_room`]): a waiting request goes before younger ones, so
+    /// no request waits forever behind adapters that later requests keep in the step.
+    fn start_waiting_fetches(&mut self, waiting: &mut Waiting, marks: &mut [i32], plan: &mut StepPlan) {
+        for &(key, first) in &waiting.keys {
+            let a = self.get(key);
+            if a.residency.fetching {
+                continue;
+            }
+            let bytes = a.identity.size.host_bytes;
+            if !self.host.room_possible(bytes) {
+                self.yield_room(first, bytes, &mut waiting.firsts, marks);
+            }
+            if self.start_fetch(key, &mut plan.evictions) {
+                let a = self.get(key);
+                plan.to_fetch.push(Fetch { name: Arc::clone(&a.identity.name), serial: a.identity.serial });
+            }
+        }
+    }
+
+    /// Defers, youngest first, admitted adapters whose first request comes after request `first`
+    /// and that only the step protects, until the host tier could make room for `bytes`; defers
+    /// none when all of them would not be enough. `firsts` is parallel to `self.step`.
+    fn yield_room(&mut self, first: u32, bytes: u64, firsts: &mut Vec<u32>, marks: &mut [i32]) {
+        let protected_count = self.host.count - self.host.candidates.len();
+        let protected_bytes = self.host.bytes - self.host.candidate_bytes;
+        let mut need_count = self.host.max_count.map_or(0, |m| (protected_count + 1).saturating_sub(m));
+        let mut need_bytes = self.host.max_bytes.map_or(0, |m| (protected_bytes + bytes).saturating_sub(m));
+        let mut picks = Vec::new();
+        // `self.step` is in first-request order: the younger adapters are at its end.
+        for at in (0..self.step.len()).rev() {
+            if firsts[at] <= first || (need_count == 0 && need_bytes == 0) {
+                break;
+            }
+            let a = self.get(self.step[at]);
+            let p = &a.protection;
+            if p.pinned || p.in_flight > 0 || p.loading.is_some() || p.fresh {
+                continue;
+            }
+            picks.push(at);
+            need_count = need_count.saturating_sub(1);
+            need_bytes = need_bytes.saturating_sub(a.identity.size.host_bytes);
+        }
+        if need_count > 0 || need_bytes > 0 {
+            return;
+        }
+        // Descending positions: each removal leaves the earlier ones in place.
+        for at in picks {
+            let key = self.step.remove(at);
+            firsts.remove(at);
+            marks[key.index()] = DEFERRED;
+            self.get_mut(key).protection.in_step = false;
+            self.refresh(key);
+        }
+    }
+
+    /// Fresh adapters (fetched, waiting for a step to admit their requests) stay protected while
+    /// plans defer them, and only then: one this plan admitted, or did not ask for, is fresh no more.
+    fn end_freshness(&mut self, marks: &[i32]) {
+        if self.fresh.is_empty() {
+            return;
+        }
+        let mut fresh = std::mem::take(&mut self.fresh);
+        fresh.retain(|&key| {
+            let keep = marks[key.index()] == DEFERRED;
+            if !keep {
+                self.get_mut(key).protection.fresh = false;
+                self.refresh(key);
+            }
+            keep
+        });
+        self.fresh = fresh;
+    }
+
     /// Admission by budget, in batch order: marks each admitted adapter [`ADMITTED`] and puts it in
     /// the step, each refused one [`DEFERRED`]; the previous step's adapters not admitted again
     /// lose their protection. With `waiting` (fetch mode), an adapter outside the host tier is
-    /// deferred without counting against the budget, and pushed there (first-request order).
+    /// deferred without counting against the budget, and noted there.
     fn admit(
         &mut self,
         adapters: &[Option<AdapterKey>],
         marks: &mut [i32],
-        mut waiting: Option<&mut Vec<AdapterKey>>,
+        mut waiting: Option<&mut Waiting>,
     ) {
         // Adapters in both the previous step and this one stay protected throughout: ending the old
         // step first would put them back among the candidates only to take them out again.
@@ -188,7 +269,7 @@ impl Registry {
         let budget = self.config.slots - self.pinned;
         let mut unpinned = 0;
         let base_mark = marks.len() - 1;
-        for &request in adapters {
+        for (i, &request) in adapters.iter().enumerate() {
             // Base-model requests read the base mark (never UNSEEN) instead of branching on None,
             // which base rows mixed in at random would mispredict.
             let index = request.map_or(base_mark, AdapterKey::index);
@@ -200,7 +281,7 @@ impl Registry {
             if let Some(waiting) = waiting.as_deref_mut() {
                 if a.residency.host_since.is_none() {
                     *mark = DEFERRED;
-                    waiting.push(key);
+                    waiting.keys.push((key, i as u32));
                     continue;
                 }
             }
@@ -213,6 +294,9 @@ impl Registry {
             unpinned += usize::from(!a.protection.pinned);
             let newly = !std::mem::replace(&mut a.protection.in_step, true);
             self.step.push(key);
+            if let Some(waiting) = waiting.as_deref_mut() {
+                waiting.firsts.push(i as u32);
+            }
             if newly {
                 self.refresh(key);
             }

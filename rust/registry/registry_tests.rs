@@ -6,7 +6,7 @@ use proptest::prelude::*;
 use crate::error::Error;
 use crate::policy::PolicyKind;
 use crate::registry::tiers::Tier;
-use crate::registry::{AdapterSize, Config, Registry, StepPlan, Unload};
+use crate::registry::{AdapterSize, Config, LoadSource, Registry, StepOptions, StepPlan, Unload};
 use crate::spec::LoRARef;
 
 use crate::registry::testkit::*;
@@ -84,9 +84,11 @@ enum Op {
     LoadDone(u8),
     LoadFailed(u8),
     EndStep,
-    BeginStep(Vec<(Option<u8>, u32)>, bool),
+    BeginStep(Vec<(Option<u8>, u32)>, bool, bool),
     ReportLoad(usize, bool),
     FinishStep,
+    Prefetch(Vec<Option<u8>>),
+    FetchReport(u8, bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -103,9 +105,13 @@ fn op() -> impl Strategy<Value = Op> {
         1 => name.clone().prop_map(Op::LoadFailed),
         1 => Just(Op::EndStep),
         4 => (prop::collection::vec((prop::option::weighted(0.85, name.clone()), 0u32..4), 0..10), prop::bool::weighted(0.2))
-            .prop_map(|(r, all)| Op::BeginStep(r, all)),
+            .prop_map(|(r, all)| Op::BeginStep(r, all, false)),
+        4 => (prop::collection::vec((prop::option::weighted(0.85, name.clone()), 0u32..4), 0..10), prop::bool::weighted(0.2))
+            .prop_map(|(r, all)| Op::BeginStep(r, all, true)),
         3 => (0usize..4, prop::bool::weighted(0.8)).prop_map(|(i, ok)| Op::ReportLoad(i, ok)),
         3 => Just(Op::FinishStep),
+        1 => prop::collection::vec(prop::option::weighted(0.9, name.clone()), 0..5).prop_map(Op::Prefetch),
+        3 => (name.clone(), prop::bool::weighted(0.8)).prop_map(|(n, ok)| Op::FetchReport(n, ok)),
     ]
 }
 
@@ -176,6 +182,30 @@ fn check_plan(
     assert_eq!(*p.seg_indptr.last().unwrap() as usize, p.token_perm.len());
 }
 
+/// A fetch-mode plan's fetches: each adapter listed once, now fetching, and all its requests
+/// deferred; recorded in `fetches` for the reports.
+fn check_fetches(
+    reg: &Registry,
+    req: &[(Option<u8>, u32)],
+    p: &StepPlan,
+    fetches: &mut HashMap<String, u64>,
+) -> Result<(), TestCaseError> {
+    for f in &p.to_fetch {
+        let a = reg.get(reg.lookup(&f.name, false).unwrap());
+        prop_assert!(a.residency.fetching && a.identity.serial == f.serial);
+        prop_assert!(p.to_fetch.iter().filter(|g| g.name == f.name).count() == 1, "fetched twice");
+        // An earlier fetch of it, if still recorded, was cancelled or taken over since (starting a
+        // fetch of an adapter being fetched is a debug assertion in `start_fetch`).
+        fetches.insert(f.name.to_string(), f.serial);
+        for (i, (n, _)) in req.iter().enumerate() {
+            if n.map(|n| format!("n{n}")).as_deref() == Some(&*f.name) {
+                prop_assert!(p.deferred.contains(&(i as u32)), "a request of {} admitted", f.name);
+            }
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
 
@@ -185,6 +215,7 @@ proptest! {
         extra in prop::option::of(0usize..3),
         max_bytes in prop::option::of(400u64..1200),
         fifo in any::<bool>(),
+        preload in any::<bool>(),
         ops in prop::collection::vec(op(), 1..60),
     ) {
         let mut config = Config::new(slots);
@@ -194,13 +225,29 @@ proptest! {
         if fifo {
             config.device_policy = PolicyKind::Fifo;
         }
+        if preload {
+            config.max_loaded = Some(slots + extra.unwrap_or(0));
+        }
         let mut reg = Registry::new(config).unwrap();
+        if preload {
+            // Every name registered into a host tier too small for them: most start outside it,
+            // so steps in fetch mode start fetches.
+            for n in 0..8 {
+                let r = LoRARef::with_deterministic_id(&format!("n{n}"), "/p", false, None).unwrap();
+                reg.register(r, AdapterSize { rank: 8, host_bytes: 100, device_bytes: 100, scaling: 1.0 }).unwrap();
+            }
+        }
         let mut ids: HashMap<u8, Vec<Arc<str>>> = HashMap::new();
         let mut resident_pinned: HashSet<String> = HashSet::new();
         // The open step transaction: its ticket, and per adapter name the requests it acquired.
         let mut open: Option<(crate::registry::StepTicket, HashMap<String, u64>)> = None;
+        // Fetches handed out and not reported yet: name -> serial.
+        let mut fetches: HashMap<String, u64> = HashMap::new();
         for op in ops {
             let before = protections(&reg);
+            let fresh: HashSet<String> =
+                reg.adapters.iter().flatten().filter(|a| a.protection.fresh).map(|a| a.identity.spec.lora_name.clone()).collect();
+            let evictions_before = reg.host.counters.evictions + reg.device.counters.evictions;
             let name = |n: u8| format!("n{n}");
             match &op {
                 Op::Register(n, pinned, bytes) => {
@@ -252,17 +299,34 @@ proptest! {
                 Op::EndStep => {
                     prop_assert_eq!(reg.end_step().is_ok(), open.is_none());
                 }
-                Op::BeginStep(req, all) => {
+                Op::BeginStep(req, all, fetch) => {
+                    // Fetch-mode steps ask for registered adapters only (unknown names become base
+                    // rows), so that they meet adapters outside the host tier often.
+                    let known = |n: &Option<u8>| n.filter(|&n| reg.lookup(&name(n), false).is_ok());
+                    let req: &Vec<(Option<u8>, u32)> =
+                        &if *fetch { req.iter().map(|(n, t)| (known(n), *t)).collect() } else { req.clone() };
                     let names: Vec<Option<String>> = req.iter().map(|(n, _)| n.map(name)).collect();
                     let keys: Result<Vec<_>, _> =
                         names.iter().map(|n| n.as_deref().map(|n| reg.lookup(n, false)).transpose()).collect();
                     let Ok(keys) = keys else { continue };
                     let tokens: Vec<u32> = req.iter().map(|&(_, t)| t).collect();
-                    match reg.begin_step(&keys, &tokens, *all) {
-                        Ok((p, ticket)) => {
+                    match reg.begin_step_with(&keys, &tokens, StepOptions { all_or_nothing: *all, fetch: *fetch }) {
+                        Ok((p, None)) => {
+                            // Fetch mode, all or nothing: no step, every request waits.
+                            prop_assert!(*fetch && *all && open.is_none());
+                            prop_assert_eq!(p.deferred.len(), req.len());
+                            check_fetches(&reg, req, &p, &mut fetches)?;
+                        }
+                        Ok((p, Some(ticket))) => {
                             prop_assert!(open.is_none(), "a second step began while one was open");
                             prop_assert!(!*all || p.deferred.is_empty());
                             check_plan(&reg, &before, req, &p);
+                            if *fetch {
+                                prop_assert!(p.loads.iter().all(|l| l.source == LoadSource::Host), "a disk read in a step");
+                                check_fetches(&reg, req, &p, &mut fetches)?;
+                            } else {
+                                prop_assert!(p.to_fetch.is_empty());
+                            }
                             let mut held: HashMap<String, u64> = HashMap::new();
                             for &i in &p.admitted {
                                 if let Some(n) = &names[i as usize] {
@@ -283,6 +347,46 @@ proptest! {
                     let ticket = open.as_ref().map_or(crate::registry::StepTicket(0), |o| o.0);
                     prop_assert_eq!(reg.finish_step(ticket).is_ok(), open.is_some());
                     open = None;
+                }
+                Op::Prefetch(names) => {
+                    let names: Vec<Option<String>> = names.iter().map(|n| n.map(name)).collect();
+                    let names: Vec<Option<&str>> = names.iter().map(Option::as_deref).collect();
+                    match reg.prefetch(&names) {
+                        Ok(p) => {
+                            for f in &p.to_fetch {
+                                prop_assert!(names.contains(&Some(&*f.name)));
+                                prop_assert!(p.to_fetch.iter().filter(|g| g.name == f.name).count() == 1);
+                                fetches.insert(f.name.to_string(), f.serial);
+                            }
+                            for g in &p.evicted {
+                                let (pinned, loading, in_step, in_flight) = before[&**g];
+                                prop_assert!(!pinned && !loading && !in_step && !in_flight, "{g} was protected");
+                                // Never one named before the adapter whose room it made.
+                                prop_assert!(!names.contains(&Some(&**g)) || reg.lookup(g, false).is_ok());
+                            }
+                        }
+                        Err(e) => prop_assert!(matches!(e, Error::AdapterNotFound { .. }), "{e}"),
+                    }
+                }
+                Op::FetchReport(n, ok) => {
+                    let Some(serial) = fetches.remove(&name(*n)) else { continue };
+                    let live = reg.lookup(&name(*n), true).ok().map(|k| reg.get(k)).filter(|a| a.identity.serial == serial);
+                    let fetching = live.is_some_and(|a| a.residency.fetching);
+                    let live = live.is_some();
+                    let got = if *ok { reg.fetch_done(&name(*n), serial) } else { reg.fetch_failed(&name(*n), serial) };
+                    match got {
+                        Ok(()) => prop_assert!(fetching),
+                        Err(Error::Usage(_)) => prop_assert!(live && !fetching),
+                        Err(e) => prop_assert!(!live && matches!(e, Error::AdapterNotFound { .. }), "{e}"),
+                    }
+                }
+            }
+            // A fresh adapter is evicted by nothing (it may leave by an unload only).
+            if reg.host.counters.evictions + reg.device.counters.evictions > evictions_before {
+                for n in &fresh {
+                    if let Ok(k) = reg.lookup(n, true) {
+                        prop_assert!(reg.get(k).residency.host_since.is_some(), "fresh {n} was evicted by {op:?}");
+                    }
                 }
             }
             // Every adapter's count in flight is exactly what the model holds: the acquires not

@@ -111,8 +111,10 @@ impl Registry {
         let a = self.get_mut(key);
         a.protection.in_step = false;
         a.protection.loading = None;
+        a.protection.fresh = false;
         self.refresh(key);
         self.step.retain(|&k| k != key);
+        self.fresh.retain(|&k| k != key);
         let a = self.adapters[key.index()].take().expect("a live adapter key");
         self.bytes_registered.0 -= a.identity.size.host_bytes;
         self.bytes_registered.1 -= a.identity.size.device_bytes;

@@ -3,10 +3,12 @@
 //! [`crate::Registry`] the live manager drives, call for call.
 
 pub mod belady;
+mod fetches;
 pub mod replay;
 pub mod trace;
 
 pub use belady::{min_misses, Demand};
+pub use fetches::FetchReport;
 pub use replay::{sim_ref, simulate, simulate_until, simulate_with, SimConfig, SimReport, TierReport};
 pub use trace::{Request, Trace, Workload};
 

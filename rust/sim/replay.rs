@@ -9,6 +9,12 @@
 //! requests stay at the front of the queue for the next step. A request is served by one step.
 //! With arrival times the step clock advances `step_seconds` per step and jumps ahead to the next
 //! arrival when nothing waits; a request without one arrives with the request before it.
+//!
+//! With `load_ms` > 0 the loop runs in background mode: steps begin in fetch mode (a request whose
+//! adapter is not in the host tier is deferred and the adapter fetched), a fetch begun at step
+//! time `t` is reported done at the first step at or after `t + load_ms`, and a step that could
+//! admit nothing waits instead (the clock jumps to the next fetch due, or the next arrival that
+//! can join the batch; such a wait is not a step). See [`FetchReport`].
 
 use std::collections::{HashSet, VecDeque};
 use std::convert::Infallible;
@@ -16,8 +22,9 @@ use std::ops::ControlFlow;
 
 use crate::error::{Error, Result};
 use crate::policy::{AdapterKey, PolicyKind};
-use crate::registry::{AdapterSize, Config, Registry, StepPlan, TierStats};
+use crate::registry::{AdapterSize, Config, Registry, StepOptions, StepPlan, TierStats};
 use crate::sim::belady::{min_misses, Demand};
+use crate::sim::fetches::{FetchReport, Fetches};
 use crate::sim::trace::{Request, Trace};
 use crate::spec::LoRARef;
 
@@ -38,6 +45,9 @@ pub struct SimConfig {
     pub step_seconds: f64,
     /// Bytes of every adapter, in host memory and in a slot.
     pub adapter_bytes: u64,
+    /// Milliseconds a read from disk takes, >= 0: 0 reads in the step that needs the adapter (the
+    /// blocking mode); more runs the loop in background mode (see the module docs).
+    pub load_ms: f64,
 }
 
 impl SimConfig {
@@ -51,6 +61,7 @@ impl SimConfig {
             batch_size: 4,
             step_seconds: 0.02,
             adapter_bytes: 32 << 20,
+            load_ms: 0.0,
         }
     }
 }
@@ -73,7 +84,7 @@ pub struct TierReport {
 }
 
 /// The outcome of [`simulate`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SimReport {
     /// Steps planned.
     pub steps: u64,
@@ -92,6 +103,8 @@ pub struct SimReport {
     pub device: TierReport,
     /// The host tier.
     pub host: TierReport,
+    /// Background mode (`load_ms` > 0): fetches and the requests that waited for them.
+    pub fetch: FetchReport,
 }
 
 impl SimReport {
@@ -171,6 +184,8 @@ pub fn simulate_until<B>(
     let mut clock = 0.0f64;
     let mut batch = Vec::new();
     let mut step = StepInputs::default();
+    let background = config.load_ms > 0.0;
+    let mut fetches = Fetches::new(config.load_ms, if background { requests.len() } else { 0 });
     while next < requests.len() || !queue.is_empty() {
         if queue.is_empty() {
             clock = clock.max(arrivals[next]);
@@ -181,7 +196,26 @@ pub fn simulate_until<B>(
         }
         batch.clear();
         batch.extend(queue.iter().copied());
-        let plan = step.serve(&mut reg, trace, &keys, &batch, report.steps)?;
+        fetches.complete(&mut reg, clock)?;
+        let plan = step.serve(&mut reg, trace, &keys, &batch, background)?;
+        if background {
+            fetches.record(&reg, &keys, requests, &batch, &plan, clock, report.steps);
+        }
+        if plan.admitted.is_empty() {
+            // Background mode: nothing could run, so wait for the next fetch, or for a request
+            // that can join the batch. (A blocking step that admits nothing never will.)
+            let joins = background && queue.len() < config.batch_size && next < requests.len();
+            let joins = joins.then(|| arrivals[next]);
+            let Some(wake) = fetches.next_due().into_iter().chain(joins).reduce(f64::min) else {
+                return Err(Error::Usage(format!(
+                    "step {} admitted none of its {} request(s); the simulation cannot progress",
+                    report.steps,
+                    batch.len()
+                )));
+            };
+            clock = clock.max(wake);
+            continue;
+        }
         count_step(&mut report, &mut demand, requests, &batch, &plan);
         if let ControlFlow::Break(b) = on_step(&batch, &plan) {
             return Ok(ControlFlow::Break(b));
@@ -199,16 +233,20 @@ pub fn simulate_until<B>(
         .map(|cap| min_misses(&demand, cap, |a| pinned[a as usize], &host_initial))
         .transpose()?;
     report.host = tier_report(&end.host, &start.host, bytes, host_bound);
+    report.fetch = fetches.report();
     Ok(ControlFlow::Continue(report))
 }
 
-/// Refuses a batch size of 0 and a negative or non-finite step time.
+/// Refuses a batch size of 0 and a negative or non-finite step or load time.
 fn check_config(config: &SimConfig) -> Result<()> {
     if config.batch_size == 0 {
         return Err(Error::Spec("batch_size must be at least 1 (got 0)".into()));
     }
     if !config.step_seconds.is_finite() || config.step_seconds < 0.0 {
         return Err(Error::Spec(format!("step_seconds must be a number >= 0 (got {})", config.step_seconds)));
+    }
+    if !config.load_ms.is_finite() || config.load_ms < 0.0 {
+        return Err(Error::Spec(format!("load_ms must be a number >= 0 (got {})", config.load_ms)));
     }
     Ok(())
 }
@@ -233,17 +271,17 @@ struct StepInputs {
 
 impl StepInputs {
     /// One step of the live manager's loop for the requests `batch` (trace indices): begin the step
-    /// transaction (plan and acquire), report every planned load done, finish. Returns the plan.
+    /// transaction (plan and acquire; in fetch mode when `fetch`), report every planned load done,
+    /// finish. Returns the plan.
     ///
-    /// Errors: the registry's, and [`Error::Usage`] when the plan admits nothing (`step` numbers it in
-    /// the message), since the simulation could then never progress.
+    /// Errors: the registry's.
     fn serve(
         &mut self,
         reg: &mut Registry,
         trace: &Trace,
         keys: &[AdapterKey],
         batch: &[u32],
-        step: u64,
+        fetch: bool,
     ) -> Result<StepPlan> {
         let requests = trace.requests();
         self.keys.clear();
@@ -253,14 +291,10 @@ impl StepInputs {
             self.keys.push(r.adapter.map(|a| keys[a as usize]));
             self.tokens.push(r.tokens);
         }
-        let (plan, ticket) = reg.begin_step(&self.keys, &self.tokens, false)?;
-        if plan.admitted.is_empty() {
-            reg.finish_step(ticket)?;
-            return Err(Error::Usage(format!(
-                "step {step} admitted none of its {} request(s); the simulation cannot progress",
-                batch.len()
-            )));
-        }
+        let options = StepOptions { all_or_nothing: false, fetch };
+        let (plan, ticket) = reg.begin_step_with(&self.keys, &self.tokens, options)?;
+        let ticket =
+            ticket.ok_or_else(|| Error::Usage("begin_step without all_or_nothing began no step".into()))?;
         for index in 0..plan.loads.len() {
             reg.report_load(ticket, index, true)?;
         }

@@ -59,6 +59,15 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--step-ms", default="20", help="step time for traces with arrivals (default %(default)s)")
     p.add_argument("--adapter-mb", default="32", help="size of every adapter in MiB (default %(default)s)")
+    p.add_argument(
+        "--load-ms",
+        default="0",
+        help=(
+            "time a read from disk takes; above 0 the loop runs in background mode (misses deferred and "
+            "read off the step path) and reports the requests deferred by fetches and their extra wait; "
+            "0 = reads block the step that needs them (default %(default)s)"
+        ),
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(run=run)
 
@@ -120,6 +129,7 @@ def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
     batch = _int("--batch-size", args.batch_size, least=1)
     step_seconds = _number("--step-ms", args.step_ms) / 1000
     adapter_bytes = int(_number("--adapter-mb", args.adapter_mb, most=2**43) * (1 << 20))
+    load_ms = _number("--load-ms", args.load_ms)
     rows = []
     runs = len(slots) * len(hosts) * len(policies)
     with _Progress(len(trace) * runs) as progress:
@@ -135,10 +145,18 @@ def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
                         batch_size=batch,
                         step_seconds=step_seconds,
                         adapter_bytes=adapter_bytes,
+                        load_ms=load_ms,
                         progress=progress.served,
                     )
                     progress.next_run(len(trace))
-                    rows.append({"slots": s, "max_loaded_loras": h, "pins": pins, "policy": policy, **report})
+                    row = {
+                        "slots": s,
+                        "max_loaded_loras": h,
+                        "pins": pins,
+                        "policy": policy,
+                        "load_ms": load_ms,
+                    }
+                    rows.append({**row, **report})
     return rows
 
 
@@ -184,6 +202,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
         f"{'policy':<7} {'hit rate':>9} {'belady':>9} {'gap':>8} {'loads':>9} {'evictions':>9} "
         f"{'GiB moved':>10} {'disk reads':>10} {'belady':>8} {'deferred':>9}"
     )
+    # Background mode: requests deferred by fetches and their extra wait (mean / p99).
+    background = any(r["load_ms"] > 0 for r in rows)
+    if background:
+        header += f" {'by fetch':>9} {'wait ms':>15} {'wait steps':>13}"
+
     current = None
     for r in rows:
         key = (r["slots"], r["max_loaded_loras"])
@@ -200,11 +223,17 @@ def _table(rows: list[dict[str, Any]]) -> str:
         d, h = r["device"], r["host"]
         gap = d["belady_hit_rate"] - d["hit_rate"]
         belady_reads = "-" if h["belady_misses"] is None else str(h["belady_misses"])
-        out.append(
+        line = (
             f"{r['policy']:<7} {_pct(d['hit_rate']):>9} {_pct(d['belady_hit_rate']):>9} {100 * gap:>6.2f}pp "
             f"{d['misses']:>9} {d['evictions']:>9} {_gib(d['bytes_moved'] + h['bytes_moved']):>10} "
             f"{h['misses']:>10} {belady_reads:>8} {r['deferrals']:>9}"
         )
+        if background:
+            f = r["fetch"]
+            wait_ms = f"{f['wait_ms_mean']:.1f} / {f['wait_ms_p99']:.1f}"
+            wait_steps = f"{f['wait_steps_mean']:.1f} / {f['wait_steps_p99']:.0f}"
+            line += f" {f['deferred_requests']:>9} {wait_ms:>15} {wait_steps:>13}"
+        out.append(line)
     return "\n".join(out[1:]) + "\n"
 
 
