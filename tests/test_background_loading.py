@@ -103,7 +103,8 @@ def test_a_step_defers_an_evicted_adapter_and_reads_it_off_its_thread(world: Any
 
 def test_deferred_requests_keep_their_order(world: Any) -> None:
     """Requests deferred for a read come back in request order, and resubmitted first they are admitted
-    in that order, as their reads end (the host tier has room for one read at a time here)."""
+    in that order. ``b``'s read needs the place of ``d``, admitted for a younger request: ``d`` waits
+    (the core's rule that a waiting adapter's read goes before younger requests)."""
     _, paths = world
     mgr, _ = manager(world, max_loras_per_batch=2, max_loaded_loras=3)
     for name in "abcde":
@@ -111,14 +112,13 @@ def test_deferred_requests_keep_their_order(world: Any) -> None:
     names: list[str | None] = ["a", "c", None, "b", "a", "d"]
     step = mgr.prepare_step(names, 1)
     mgr.finish(step)
-    assert step.deferred == (0, 3, 4) and step.admitted == (1, 2, 5)
-    assert mgr.registry.stats()["host"]["fetching"] == ["a"]
-    assert step.loading == (0, 3, 4)  # a is read (e made room), b waits for room
+    assert step.admitted == (1, 2) and step.deferred == step.loading == (0, 3, 4, 5)
+    assert mgr.registry.stats()["host"]["fetching"] == ["a", "b"]
     assert mgr.wait_loads(timeout=30)
     waiting = [names[i] for i in step.deferred]
     again = mgr.prepare_step(waiting, 1)
     mgr.finish(again)
-    assert again.admitted == (0, 2) and again.deferred == (1,)
+    assert again.admitted == (0, 1, 2) and again.deferred == (3,)
     assert mgr.wait_loads(timeout=30)
     last = mgr.prepare_step([waiting[i] for i in again.deferred], 1)
     mgr.finish(last)
