@@ -172,6 +172,29 @@ def test_no_request_waits_forever(world: Any) -> None:
     mgr.registry.audit()
 
 
+def test_a_cold_request_behind_steady_hot_traffic_is_served(world: Any) -> None:
+    """Two slots, a host tier of two, both held by hot adapters that new requests ask for at every step;
+    a request for a cold adapter waits at the front of the queue. Were the hot adapters' admissions to
+    keep the whole host tier, the cold adapter's read would never find room and its request would wait
+    forever; the waiting read goes first, and the request runs within a few steps."""
+    _, paths = world
+    mgr, _ = manager(world, max_loras_per_batch=2, max_loaded_loras=2)
+    for name in "cab":
+        mgr.load(name, paths[name])  # c is out of host memory
+    waiting: list[str | None] = ["c"]
+    steps = 0
+    while "c" in waiting and steps < 10:
+        names = [*waiting, "a", "b", None]
+        step = mgr.prepare_step(names, 1)
+        mgr.finish(step)
+        steps += 1
+        waiting = [names[i] for i in step.deferred if i < len(waiting)]
+        mgr.wait_loads(timeout=30)
+    assert "c" not in waiting, "the cold request never ran"
+    assert steps <= 3, steps
+    mgr.registry.audit()
+
+
 def test_a_failed_background_read_reaches_only_its_requests(world: Any, tmp_path: Path) -> None:
     """``a``'s files broke after it was evicted from host memory: its read fails in the background, the
     next step lists ``a``'s requests in ``failed`` (neither admitted nor deferred), the other requests
