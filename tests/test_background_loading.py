@@ -17,7 +17,14 @@ from typing import Any
 import pytest
 import torch
 
-from lora_pin import AdapterLoadError, AdapterNotFoundError, LoRAManager, SpecError, UsageError
+from lora_pin import (
+    AdapterLoadError,
+    AdapterNotFoundError,
+    LoRAManager,
+    LoraPinError,
+    SpecError,
+    UsageError,
+)
 from lora_pin._testing import slow_store
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -286,6 +293,9 @@ def test_prefetch_refuses_bad_names_and_starts_nothing(world: Any) -> None:
     assert store.reads == []
     assert mgr.stats()["loads_in_flight"] == 0
     mgr.registry.audit()
+    mgr.detach()
+    with pytest.raises(LoraPinError, match="detached"):
+        mgr.prefetch(["a"])
 
 
 def test_discovery_reads_through_the_loader(world: Any, want: Any, tmp_path: Path) -> None:

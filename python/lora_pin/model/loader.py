@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,13 +43,11 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class Completion:
-    """A finished :class:`LoadJob`: the adapter read, or why not (``cancelled``: it never ran);
-    ``seconds`` from submission to completion, time queued behind other reads included."""
+    """A finished :class:`LoadJob`: the adapter read, or why not (``cancelled``: it never ran)."""
 
     job: LoadJob
     adapter: HostAdapter | None
     error: BaseException | None
-    seconds: float
     cancelled: bool = False
 
 
@@ -64,13 +61,11 @@ class BackgroundLoader:
     """
 
     def __init__(self, workers: int) -> None:
-        self.workers = workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lora_pin-load")
         # Guards the two collections below; waiters are woken on every completion.
         self._changed = threading.Condition()
         self._running: dict[LoadJob, Future[HostAdapter]] = {}
         self._done: list[Completion] = []
-        self.completed = 0
 
     def submit(self, job: LoadJob, read: Callable[[], HostAdapter]) -> bool:
         """Start ``read`` for ``job`` on a worker, unless the same job is in flight or its completion
@@ -82,10 +77,9 @@ class BackgroundLoader:
         with self._changed:
             if job in self._running or any(c.job == job for c in self._done):
                 return False
-            start = time.perf_counter()
             future = self._pool.submit(read)
             self._running[job] = future
-        future.add_done_callback(lambda f: self._finished(job, f, start))
+        future.add_done_callback(lambda f: self._finished(job, f))
         return True
 
     def busy(self, name: str) -> bool:
@@ -126,18 +120,16 @@ class BackgroundLoader:
         """Cancel every read not started and stop the threads once the running ones end."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _finished(self, job: LoadJob, future: Future[HostAdapter], start: float) -> None:
-        seconds = time.perf_counter() - start
+    def _finished(self, job: LoadJob, future: Future[HostAdapter]) -> None:
         if future.cancelled():
-            completion = Completion(job, None, None, seconds, cancelled=True)
+            completion = Completion(job, None, None, cancelled=True)
         elif (error := future.exception()) is not None:
-            completion = Completion(job, None, error, seconds)
+            completion = Completion(job, None, error)
         else:
-            completion = Completion(job, future.result(), None, seconds)
+            completion = Completion(job, future.result(), None)
         with self._changed:
             self._running.pop(job, None)
             self._done.append(completion)
-            self.completed += 1
             self._changed.notify_all()
 
 

@@ -392,7 +392,10 @@ class LoRAManager:
             AdapterNotFoundError: a name is not registered and there is no ``adapter_dir`` or no folder
                 ``adapter_dir/<name>``, or it is being unloaded; nothing started then.
             PathNotAllowedError: as :meth:`discover`.
+            LoraPinError: the manager is detached.
         """
+        if not self._wrapped:
+            raise LoraPinError("the manager is detached")
         names = _checked_names(names)
         distinct = [n for n in dict.fromkeys(names) if n is not None]
         new = self._folders([n for n in distinct if n not in self.registry])
