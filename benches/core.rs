@@ -1,9 +1,10 @@
 //! The registry's hot paths: planning a 256-request step over 64 adapters with 16 slots (2 pinned,
 //! zipf-like popularity so steps mix hits and misses, a host tier for 48 so some loads read from
-//! disk), acquire/release of a step's requests, and register/unload of an adapter.
+//! disk), the same as a step transaction (blocking, and in fetch mode), acquire/release of a step's
+//! requests, and register/unload of an adapter.
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use lora_pin::{AdapterSize, Config, LoRARef, Registry};
+use lora_pin::{AdapterKey, AdapterSize, Config, LoRARef, Registry, StepOptions};
 
 const ADAPTERS: usize = 64;
 const REQUESTS: usize = 256;
@@ -66,6 +67,29 @@ fn bench_plan(c: &mut Criterion) {
             plan
         })
     });
+    // The step transaction over keys (how the live manager steps), blocking and in fetch mode:
+    // fetch mode defers the host misses and fetches them, each reported done after the step.
+    let keyed: Vec<Vec<Option<AdapterKey>>> =
+        steps.iter().map(|s| s.iter().map(|n| n.map(|n| reg.lookup(n, false).unwrap())).collect()).collect();
+    for fetch in [false, true] {
+        let name = if fetch { "begin_finish_step_256_fetch_mode" } else { "begin_finish_step_256" };
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let options = StepOptions { all_or_nothing: false, fetch };
+                let (plan, ticket) = reg.begin_step_with(&keyed[i % keyed.len()], &tokens, options).unwrap();
+                let ticket = ticket.unwrap();
+                for index in 0..plan.loads.len() {
+                    reg.report_load(ticket, index, true).unwrap();
+                }
+                reg.finish_step(ticket).unwrap();
+                for f in &plan.to_fetch {
+                    reg.fetch_done(&f.name, f.serial).unwrap();
+                }
+                i += 1;
+                plan
+            })
+        });
+    }
     let step: Vec<Option<&str>> = steps[0].clone();
     group.bench_function("acquire_release_256", |b| {
         b.iter(|| {

@@ -9,6 +9,8 @@
 //! Fetches start in a step (`begin_step` in fetch mode defers a request whose adapter is not in
 //! the host tier and starts its fetch) or ahead of any step ([`Registry::prefetch`]). Both start
 //! them in request order, which is the order of the caller's queue; nothing here reads a clock.
+//! A finished fetch leaves the adapter *fresh*, protected until a plan admits it or leaves it
+//! out, so that no fetch is undone before the requests that waited for it run.
 
 use std::sync::Arc;
 

@@ -145,8 +145,11 @@ impl Registry {
     }
 
     /// [`Registry::plan`], in fetch mode when `fetch`: a request whose adapter is not in the host
-    /// tier is deferred, and the adapter's fetch starts (unless it is fetching already, or the host
-    /// tier cannot make room now); the plan's `to_fetch` lists the fetches started.
+    /// tier is deferred (it takes none of the slot budget), and the adapter's fetch starts unless
+    /// it is fetching already or the host tier cannot make room now, even after adapters admitted
+    /// for younger requests yield theirs; the plan's `to_fetch` lists the fetches started. In
+    /// either mode a fresh adapter (see [`Registry::fetch_done`]) stays fresh only if this plan
+    /// defers it.
     ///
     /// Errors: as [`Registry::plan`].
     pub fn plan_in(

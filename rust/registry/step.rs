@@ -81,8 +81,6 @@ impl Registry {
             if outside {
                 let mut skipped = Vec::new();
                 self.fetch_in_order(&keys, true, &mut plan.evictions, &mut plan.to_fetch, &mut skipped);
-            }
-            if outside {
                 plan.deferred = (0..adapters.len() as u32).collect();
                 return Ok((plan, None));
             }
