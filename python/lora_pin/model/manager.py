@@ -143,17 +143,20 @@ class LoRAManager:
             waits for that. :meth:`batch` waits for its reads in either mode (it must run whole).
         load_workers: threads of the background loader (reads run at once).
 
-    Thread safety: loads, unloads, pins and unpins may run from other threads while a step is active. A
-    step is one core transaction: its plan and the acquisition of its requests happen at once, so an
-    unload of one of its adapters waits for the step to finish, and the name cannot be registered
-    again meanwhile. Every write into the device pool and every host-tier change happens under one
-    lock (:class:`~lora_pin.model.residency.Residency`), and each step checks that every slot it uses
-    holds the contents its plan's slot generation names (:class:`StalePlanError` otherwise), both when it
-    starts and when it finishes.
+    Thread safety: loads, unloads, pins, unpins and prefetches may run from other threads while a step is
+    active; background reads run on the loader's own threads and enter the host tier only at a step's
+    start (or while :meth:`batch` / :meth:`split` wait for them). A step is one core transaction: its
+    plan and the acquisition of its requests happen at once, so an unload of one of its adapters waits
+    for the step to finish, and the name cannot be registered again meanwhile. Every write into the
+    device pool and every host-tier change happens under one lock
+    (:class:`~lora_pin.model.residency.Residency`), and each step checks that every slot it uses holds the
+    contents its plan's slot generation names (:class:`StalePlanError` otherwise), both when it starts
+    and when it finishes.
 
     Raises:
-        SpecError: the specs or limits are invalid, the rank/target modules cannot be determined, or
-            ``adapter_dir`` is not a folder (or lies outside ``allowed_roots``).
+        SpecError: the specs or limits are invalid, the rank/target modules cannot be determined,
+            ``adapter_dir`` is not a folder (or lies outside ``allowed_roots``), ``loading`` is not a mode
+            or ``load_workers`` is below 1.
         AdapterLoadError: a start-up adapter cannot be served (the message names it and why); nothing is
             attached then.
         PoolError: the device pool cannot be allocated.
