@@ -37,11 +37,14 @@ def test_demo_serves_checks_and_reports(cache: Path) -> None:
     assert sorted(report["pinned"]) == ["chat", "math"] and report["pinned_evictions"] == {}
     stats = report["stats"]
     assert stats["device"]["evictions"] > 0 and stats["host"]["evictions"] > 0
+    # Adapters evicted from host memory were read again by the background loader, never by a step.
+    assert stats["background_loads"] > 0 and stats["background_load_failures"] == 0
     assert report["tokens"] > 0 and report["tokens_per_second"] > 0
     # Second run reuses the generated assets.
     again = run_demo("--cache-dir", str(cache), "--requests", "10", "--check-every", "0")
     assert again.returncode == 0, again.stderr
     assert "result          OK" in again.stdout and "pinned          chat, math" in again.stdout
+    assert "of them in the background by the loader" in again.stdout
 
 
 @pytest.mark.parametrize(

@@ -334,7 +334,7 @@ def test_a_failed_discovery_keeps_an_adapter_a_step_took_up_meanwhile(
 
 
 def test_a_name_being_unloaded_is_not_found_again(world: World, tmp_path: Path) -> None:
-    _, mgr = discovering(world, adapter_folder(world, tmp_path, "a8"))
+    _, mgr = discovering(world, adapter_folder(world, tmp_path, "a8"), loading="blocking")
     step = mgr.prepare_step(iter(["a8", None]), 1)  # an iterator of names is read once, as a list
     assert step.admitted == (0, 1)
     with pytest.raises(lora_pin.UnloadTimeoutError):

@@ -52,6 +52,9 @@ def served_manager(tiny_llama: torch.nn.Module, adapters: dict[str, Path]) -> Lo
     # The counters come from planning and loading; no forward is needed for them.
     for names in (["a0", "a1", "a2", "a3", None], ["a3", "a2", "a1"], ["a1", "a0"], ["a2", "a3", "a1", "a0"]):
         mgr.finish(mgr.prepare_step(names, 1))
+    # The reads those steps began in the background end, enter the host tier and take their requests.
+    assert mgr.wait_loads(timeout=30)
+    mgr.finish(mgr.prepare_step(["a2", "a3"], 1))
     return mgr
 
 
@@ -82,6 +85,9 @@ def test_a_scrape_reports_what_stats_says(tiny_llama: torch.nn.Module, adapters:
     assert value("lora_pin_adapter_load_seconds_count") == stats["adapter_reads"] >= 3
     assert value("lora_pin_adapter_load_seconds_sum") == pytest.approx(stats["adapter_read_seconds"])
     assert stats["adapter_read_seconds"] > 0
+    assert value("lora_pin_background_loads_total") == stats["background_loads"] > 0
+    assert value("lora_pin_background_load_failures_total") == stats["background_load_failures"] == 0
+    assert value("lora_pin_loads_in_flight") == stats["loads_in_flight"] == 0
     for tier, t in (("device", dev), ("host", host)):
         for name in t["resident"]:
             pinned = "true" if name in stats["pinned_names"] else "false"

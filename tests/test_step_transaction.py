@@ -182,9 +182,10 @@ def residency(mgr: LoRAManager) -> tuple[list[str], list[str]]:
 
 def test_a_failed_re_read_changes_no_other_adapter(world: Any, tmp_path: Path) -> None:
     """``a`` was evicted from host memory and its files broke since: a step over it fails, and the
-    adapters the host tier would have evicted to make room for it stay in both tiers."""
+    adapters the host tier would have evicted to make room for it stay in both tiers (blocking loading:
+    a background read sets its host memory aside, evicting for it, before it reads)."""
     _, paths = world
-    mgr, model = manager(world, "", max_loras_per_batch=2, max_loaded_loras=2)
+    mgr, model = manager(world, "", max_loras_per_batch=2, max_loaded_loras=2, loading="blocking")
     mgr.load("a", copy_adapter(paths["a"], tmp_path / "a"))
     mgr.load("b", paths["b"])
     mgr.load("c", paths["c"])  # evicts a from the host tier
@@ -199,13 +200,17 @@ def test_a_failed_re_read_changes_no_other_adapter(world: Any, tmp_path: Path) -
     mgr.registry.audit()
 
 
-def test_a_re_read_of_changed_files_is_refused_and_counts_stay_true(world: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("loading", ["blocking", "background"])
+def test_a_re_read_of_changed_files_is_refused_and_counts_stay_true(
+    world: Any, tmp_path: Path, loading: str
+) -> None:
     """``a``'s files were replaced by a larger adapter after it was evicted from host memory: reading
     it back is refused as a changed adapter, so the host tier never holds more bytes than it counts
-    (nor than ``max_host_bytes``)."""
+    (nor than ``max_host_bytes``). A blocking read changes no other adapter; a background read set its
+    host memory aside before reading, evicting ``b`` for it, and released it when it failed."""
     base, paths = world
     small = make_peft_adapter(base, tmp_path / "a", r=2, lora_alpha=8, target_modules=["q_proj"], seed=5)
-    mgr, model = manager(world, "", max_loras_per_batch=2, max_loaded_loras=2)
+    mgr, model = manager(world, "", max_loras_per_batch=2, max_loaded_loras=2, loading=loading)
     mgr.load("a", small)
     mgr.load("b", paths["b"])
     mgr.load("c", paths["c"])  # evicts a from the host tier
@@ -215,8 +220,10 @@ def test_a_re_read_of_changed_files_is_refused_and_counts_stay_true(world: Any, 
     with pytest.raises(AdapterLoadError, match="changed on disk"):
         logits(mgr, model, ["a"])
     stats = mgr.stats()
-    assert stats["host_bytes"] == stats["host"]["bytes"] == registered
-    assert residency(mgr)[0] == ["b", "c"]
+    kept = ["b", "c"] if loading == "blocking" else ["c"]
+    assert residency(mgr)[0] == kept
+    assert stats["host_bytes"] == stats["host"]["bytes"] == registered * len(kept) // 2
+    assert stats["host"]["reserved_bytes"] == 0
     mgr.registry.audit()
 
 

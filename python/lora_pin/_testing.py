@@ -1,4 +1,5 @@
-"""Inputs for tests and benchmarks of the ops: adapter popularity patterns and random stacked pools.
+"""Inputs for tests and benchmarks: adapter popularity patterns and random stacked pools for the ops, and a
+slow adapter store (:func:`slow_store`) for background loading.
 
 Private: for lora_pin's own tests and ``benches/`` (which run from the repository), not part of the API.
 
@@ -10,14 +11,19 @@ gets a single request (the most unbalanced segments; punica's own skewed case fo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
 
 from lora_pin.ops.segments import KernelMeta, SegmentBatch
+from lora_pin.weights.host import HostAdapter, HostTier
 
-__all__ = ["PATTERNS", "StackedLayer", "random_layer", "request_slots"]
+__all__ = ["PATTERNS", "SlowStore", "StackedLayer", "random_layer", "request_slots", "slow_store"]
 
 PATTERNS = ("distinct", "uniform", "zipf", "identical", "skewed")
 
@@ -135,3 +141,81 @@ def random_layer(
         scalings.to(device),
         offsets,
     )
+
+
+# A gated read waits at most this long for its release, so a test that forgets one fails instead of hanging.
+_GATE_TIMEOUT_S = 60.0
+
+
+class SlowStore:
+    """The adapter store :func:`slow_store` installs: every read waits ``delay_s`` seconds and, when
+    ``gated``, until :meth:`release` lets its adapter through.
+
+    Attributes:
+        reads: ``(adapter name, thread name)`` of every read begun, in order.
+    """
+
+    def __init__(self, delay_s: float, gated: bool) -> None:
+        self.delay_s = delay_s
+        self.reads: list[tuple[str, str]] = []
+        self._gated = gated
+        self._released: set[str] = set()
+        self._changed = threading.Condition()
+
+    def release(self, *names: str) -> None:
+        """Let the reads of ``names`` through, now and from now on; with no names, every read."""
+        with self._changed:
+            if names:
+                self._released.update(names)
+            else:
+                self._gated = False
+            self._changed.notify_all()
+
+    def wait_for_read(self, name: str, timeout: float = 10.0) -> bool:
+        """Block until a read of ``name`` has begun; False after ``timeout`` seconds."""
+        with self._changed:
+            return self._changed.wait_for(lambda: any(n == name for n, _ in self.reads), timeout=timeout)
+
+    def readers(self, name: str) -> list[str]:
+        """The threads that began reading ``name``, in order."""
+        with self._changed:
+            return [thread for n, thread in self.reads if n == name]
+
+    def _enter(self, name: str) -> None:
+        with self._changed:
+            self.reads.append((name, threading.current_thread().name))
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: not self._gated or name in self._released, timeout=_GATE_TIMEOUT_S)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+
+
+@contextlib.contextmanager
+def slow_store(delay_ms: float = 0.0, *, gated: bool = False) -> Iterator[SlowStore]:
+    """Make every adapter read from disk (:meth:`lora_pin.weights.HostTier.read`, in every manager of the
+    process) slow while the block runs: a stand-in for a slow disk or a network store.
+
+    Each read first waits ``delay_ms`` milliseconds and, with ``gated``, until the store releases its
+    adapter (:meth:`SlowStore.release`), so a test can hold a read in flight for as long as it needs.
+    On exit every held read is let through and reads are fast again.
+
+    Raises:
+        ValueError: ``delay_ms`` is negative.
+    """
+    if not delay_ms >= 0:
+        raise ValueError(f"delay_ms must be >= 0, got {delay_ms}")
+    store = SlowStore(delay_ms / 1e3, gated)
+    original = HostTier.read
+
+    def read(
+        self: HostTier, name: str, path: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None
+    ) -> HostAdapter:
+        store._enter(name)
+        return original(self, name, path, root=root)
+
+    HostTier.read = read  # type: ignore[method-assign]
+    try:
+        yield store
+    finally:
+        HostTier.read = original  # type: ignore[method-assign]
+        store.release()

@@ -21,6 +21,9 @@ Metrics (``tier`` is ``device`` or ``host``; a slot is one device-tier place):
 - ``lora_pin_deferred_requests_total``: requests a step deferred to a later step (once per step deferred).
 - ``lora_pin_adapter_load_seconds`` (summary: ``_count``, ``_sum``): reading an adapter from disk into host
   memory after start-up (loads, discovery, reads again after a host-tier eviction).
+- ``lora_pin_background_loads_total``, ``lora_pin_background_load_failures_total``: reads the background
+  loader ran off the steps' path and installed into the host tier, and those that failed;
+  ``lora_pin_loads_in_flight``: its reads running or queued now.
 - ``lora_pin_adapter_loaded{adapter, tier, pinned}``: 1 per adapter resident in a tier. Bounded: at most
   ``max_adapters`` adapters get series (pinned ones first, then by name); the rest are counted in
   ``lora_pin_adapters_unlisted{tier}`` instead, so a server with thousands of adapters exports a bounded
@@ -128,6 +131,21 @@ class LoRAMetricsCollector:
             "lora_pin_deferred_requests",
             "Requests deferred to a later step, counted once per step that deferred them.",
             value=stats["deferred_requests"],
+        )
+        yield core.CounterMetricFamily(
+            "lora_pin_background_loads",
+            "Adapter reads the background loader ran and installed into the host tier.",
+            value=stats["background_loads"],
+        )
+        yield core.CounterMetricFamily(
+            "lora_pin_background_load_failures",
+            "Adapter reads the background loader ran that failed.",
+            value=stats["background_load_failures"],
+        )
+        yield gauge(
+            "lora_pin_loads_in_flight",
+            "Background adapter reads running or queued.",
+            stats["loads_in_flight"],
         )
         count, seconds = stats["adapter_reads"], stats["adapter_read_seconds"]
         yield core.SummaryMetricFamily(

@@ -213,6 +213,10 @@ def _print_report(report: Any, manager: Any, adapters: int) -> None:
             f"evictions {t['evictions']}, refusals {t['refusals']}; "
             f"resident {len(t['resident'])}/{t['capacity']}"
         )
+    lines.append(
+        f"  disk reads      {s['adapter_reads']}, {s['background_loads']} of them in the background by the "
+        f"loader (off the steps' path), {s['background_load_failures']} failed"
+    )
     pinned = ", ".join(report.pinned) or "none"
     if report.pinned_evictions:
         lines.append(f"  pinned          {pinned}: EVICTED {report.pinned_evictions}")

@@ -7,6 +7,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import torch
@@ -89,7 +90,8 @@ def replay(
     progress: bool = True,
 ) -> ReplayReport:
     """Serve ``requests`` in steps of at most ``batch_size`` sequences (prefill steps of ``prefill_len``
-    tokens, decode steps of one token), deferring what does not fit the slots to the next step.
+    tokens, decode steps of one token), deferring what does not fit the slots to the next step. While a
+    step runs, the adapters of the next step's requests are prefetched.
 
     Every ``check_every``-th step (0: never) is recomputed by ``oracle`` (a PEFT model holding every
     adapter, called with ``adapter_names``) and compared within ``tolerance`` relative to the largest logit.
@@ -124,6 +126,9 @@ def replay(
             ids = torch.randint(0, vocab_size, (len(names), length), generator=gen).to(manager.device)
             t0 = time.perf_counter()
             with manager.batch(names):
+                # The next step's adapters start loading while this one runs: now, not before it began,
+                # since its own adapters are protected from the evictions those reads make room by.
+                manager.prefetch(r.adapter for r in islice(queue[not kind], batch_size))
                 logits = model(ids).logits
             elapsed = time.perf_counter() - t0
             report.step_times.append(elapsed)

@@ -11,8 +11,8 @@ import argparse
 import contextlib
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from lora_pin.errors import (
 )
 from lora_pin.model.attach import FusedSpec, attach, detach, model_targets
 from lora_pin.model.layers import StepSegments
+from lora_pin.model.loader import BackgroundLoads
 from lora_pin.model.residency import Residency
 from lora_pin.ops import CUDA_CHUNK_SIZE, SegmentBatch
 from lora_pin.unloading import unload_async
@@ -43,11 +44,16 @@ from lora_pin.weights import (
 from lora_pin.weights.reader import adapter_dir_for_name, path_within, read_contained_config
 from lora_pin.weights.targets import ModuleSelection
 
-__all__ = ["LoRAManager", "Step"]
+__all__ = ["LOADING_MODES", "LoRAManager", "Step"]
 
 # How often a step reads adapters evicted from host memory before it begins, should other threads evict
 # them again meanwhile; then the step reads them itself.
 _READ_FIRST_ATTEMPTS = 2
+# As many for a batch waiting for background reads: one round may find the host tier full of adapters
+# being read (prefetched), and starts the batch's own reads only once those are done.
+_FETCH_FIRST_ATTEMPTS = 4
+
+LOADING_MODES = ("background", "blocking")
 
 
 @dataclass(frozen=True)
@@ -56,11 +62,19 @@ class Step:
 
     Attributes:
         admitted: indices (into the step's requests) of the requests that run this step, in batch order.
-        deferred: indices of the requests that must wait for a later step (they hold nothing).
+        deferred: indices of the requests that must wait for a later step (they hold nothing), in
+            request order: resubmit them first, in this order. In background loading these include the
+            requests whose adapter is being read from disk.
         request_slots: int32 ``[len(admitted)]``, the device slot of each admitted request, -1 for base.
         segments: the token grouping the LoRA layers use; tokens are the admitted requests' tokens,
             each request's contiguous, in ``admitted`` order.
         num_tokens: ``T``, the admitted requests' tokens.
+        failed: request index -> why its adapter could not be loaded (a background read that failed);
+            these requests are neither admitted nor deferred. A later request for the adapter tries again.
+        loading: the deferred requests whose adapter is not in host memory: being read in the background,
+            or waiting for host memory to be read into (in request order; background loading only). They
+            cost a step nothing until admitted: a scheduler may resubmit them without counting them
+            against its batch budget.
     """
 
     admitted: tuple[int, ...]
@@ -70,6 +84,8 @@ class Step:
     num_tokens: int
     _ticket: int
     _slot_writes: tuple[tuple[int, int], ...] = ()
+    failed: Mapping[int, LoraPinError] = field(default_factory=dict)
+    loading: tuple[int, ...] = ()
 
 
 def _buffer(data: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -121,18 +137,26 @@ class LoRAManager:
             whole fused output. Leave None for models with separate projections (Hugging Face Llama ...).
         max_file_bytes, max_tensors: per-adapter limits on the weight file (see
             :mod:`lora_pin.weights.limits`), checked before any tensor is read.
+        loading: ``"background"`` (the default): a step never reads from disk; a request whose adapter
+            is not in host memory is deferred while a background loader reads it, and is admitted by a
+            later step. ``"blocking"``: a step reads what it needs before it begins, and every request
+            waits for that. :meth:`batch` waits for its reads in either mode (it must run whole).
+        load_workers: threads of the background loader (reads run at once).
 
-    Thread safety: loads, unloads, pins and unpins may run from other threads while a step is active. A
-    step is one core transaction: its plan and the acquisition of its requests happen at once, so an
-    unload of one of its adapters waits for the step to finish, and the name cannot be registered
-    again meanwhile. Every write into the device pool and every host-tier change happens under one
-    lock (:class:`~lora_pin.model.residency.Residency`), and each step checks that every slot it uses
-    holds the contents its plan's slot generation names (:class:`StalePlanError` otherwise), both when it
-    starts and when it finishes.
+    Thread safety: loads, unloads, pins, unpins and prefetches may run from other threads while a step is
+    active; background reads run on the loader's own threads and enter the host tier only at a step's
+    start (or while :meth:`batch` / :meth:`split` wait for them). A step is one core transaction: its
+    plan and the acquisition of its requests happen at once, so an unload of one of its adapters waits
+    for the step to finish, and the name cannot be registered again meanwhile. Every write into the
+    device pool and every host-tier change happens under one lock
+    (:class:`~lora_pin.model.residency.Residency`), and each step checks that every slot it uses holds the
+    contents its plan's slot generation names (:class:`StalePlanError` otherwise), both when it starts
+    and when it finishes.
 
     Raises:
-        SpecError: the specs or limits are invalid, the rank/target modules cannot be determined, or
-            ``adapter_dir`` is not a folder (or lies outside ``allowed_roots``).
+        SpecError: the specs or limits are invalid, the rank/target modules cannot be determined,
+            ``adapter_dir`` is not a folder (or lies outside ``allowed_roots``), ``loading`` is not a mode
+            or ``load_workers`` is below 1.
         AdapterLoadError: a start-up adapter cannot be served (the message names it and why); nothing is
             attached then.
         PoolError: the device pool cannot be allocated.
@@ -156,7 +180,13 @@ class LoRAManager:
         fused_modules: FusedSpec | None = None,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_tensors: int = DEFAULT_MAX_TENSORS,
+        loading: str = "background",
+        load_workers: int = 2,
     ) -> None:
+        if loading not in LOADING_MODES:
+            raise SpecError(f"loading must be one of {', '.join(LOADING_MODES)} (got {loading!r})")
+        if isinstance(load_workers, bool) or not isinstance(load_workers, int) or load_workers < 1:
+            raise SpecError(f"load_workers must be an int of at least 1 (got {load_workers!r})")
         refs = parse_lora_paths(
             lora_paths, max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras
         )
@@ -209,6 +239,10 @@ class LoRAManager:
         self._active: StepSegments | None = None
         self._active_step: Step | None = None
         self._deferred_requests = 0
+        self.loading = loading
+        self._loads = BackgroundLoads(self.residency, load_workers)
+        # Adapters of the groups after the first of the last split, prefetched by the next step.
+        self._prefetch_next: list[str] = []
         self._wrapped: dict[str, torch.nn.Module] = {}
         for r, adapter in zip(refs, startup, strict=True):
             self.residency.add(r, adapter=adapter)
@@ -273,10 +307,10 @@ class LoRAManager:
         """Load from ``adapter_dir`` every adapter of ``names`` that is not registered yet (None entries
         and registered names are skipped); returns the names loaded, in order.
 
-        Steps call this themselves; call it ahead of time to keep the disk reads out of a step. All or
-        nothing: every name is checked before any is read, and if one fails to load, those this call
-        loaded are unloaded again (the host tier may still have evicted idle adapters to make room;
-        they are read again on demand).
+        Reads on the calling thread (:meth:`prefetch` reads in the background instead; so do steps in
+        background loading, while steps in blocking loading call this). All or nothing: every name is
+        checked before any is read, and if one fails to load, those this call loaded are unloaded again
+        (the host tier may still have evicted idle adapters to make room; they are read again on demand).
 
         Raises:
             UsageError: ``names`` is a str, or an entry is neither a str nor None.
@@ -288,31 +322,11 @@ class LoRAManager:
         """
         names = _checked_names(names)
         # Each distinct name once: a step repeats a few names many times.
-        todo = [n for n in dict.fromkeys(names) if n is not None and n not in self.registry]
-        if not todo:
-            return []
-        for name in todo:
-            try:
-                self.registry.in_flight(name)  # known though not registered: being unloaded
-            except AdapterNotFoundError:
-                continue
-            raise AdapterNotFoundError(f"adapter {name!r} is being unloaded; it takes no new requests")
+        found = self._folders([n for n in dict.fromkeys(names) if n is not None and n not in self.registry])
         root = self.adapter_dir
-        if root is None:
-            for name in todo:
-                self.registry.lora_ref(name)  # raises AdapterNotFoundError, listing what is registered
-            return []
-        found: list[tuple[str, Path]] = []
-        for name in todo:
-            directory = adapter_dir_for_name(root, name)
-            if directory is None:
-                raise AdapterNotFoundError(
-                    f"adapter {name!r} is not registered, and {str(root / name)!r} does not exist"
-                )
-            found.append((name, directory))
         loaded: list[str] = []
         try:
-            for name, directory in found:
+            for name, directory in found.items():
                 try:
                     self.residency.add(LoRARef.new(name, str(directory), False), root=root)
                 except DuplicateAdapterError:
@@ -354,7 +368,7 @@ class LoRAManager:
             UnloadTimeoutError: requests still use it after ``timeout`` seconds (it stays unregistered).
         """
         self.registry.unload(name, timeout)
-        self.residency.forget(name)
+        self._forget(name)
 
     async def unload_async(self, name: str, timeout: float | None = None) -> None:
         """:meth:`unload` for asyncio code: polls without blocking the event loop or tying up a thread.
@@ -363,12 +377,52 @@ class LoRAManager:
             AdapterNotFoundError, UnloadTimeoutError: as :meth:`unload`.
         """
         await unload_async(self.registry, name, timeout)
-        self.residency.forget(name)
+        self._forget(name)
+
+    def prefetch(self, names: Iterable[str | None]) -> list[str]:
+        """Start reading in the background every adapter of ``names`` that is not in host memory, so that
+        steps find them there: pass a scheduler's waiting queue (None entries and repeats are fine);
+        returns the names whose reads began, in first-appearance order.
+
+        Never blocks on a read. Each read's host memory is set aside when it begins (the host tier
+        evicts idle adapters for it, as a load would); an adapter the host tier cannot make room for now
+        (its adapters are all pinned, in a step or being read) is skipped. Names not registered are
+        read from ``adapter_dir`` and registered once read. A read that fails is reported to the
+        requests of the next step that names the adapter (:attr:`Step.failed`).
+
+        Raises:
+            UsageError: ``names`` is a str, or an entry is neither a str nor None.
+            AdapterNotFoundError: a name is not registered and there is no ``adapter_dir`` or no folder
+                ``adapter_dir/<name>``, or it is being unloaded; nothing started then.
+            PathNotAllowedError: as :meth:`discover`.
+            LoraPinError: the manager is detached.
+        """
+        if not self._wrapped:
+            raise LoraPinError("the manager is detached")
+        names = _checked_names(names)
+        distinct = [n for n in dict.fromkeys(names) if n is not None]
+        new = self._folders([n for n in distinct if n not in self.registry])
+        started = self._fetch([n for n in distinct if n not in new])
+        started += [
+            n for n, folder in new.items() if self._loads.start_discovery(n, folder, self.adapter_dir)
+        ]
+        order = {n: i for i, n in enumerate(distinct)}
+        return sorted(set(started), key=order.__getitem__)
+
+    def wait_loads(self, timeout: float | None = None) -> bool:
+        """Block until every background read begun so far has finished (what they read enters the host
+        tier at the next step's start); False if some still run after ``timeout`` seconds.
+
+        For warm-up (:meth:`prefetch`, then wait) and tests; a serving loop never needs to wait.
+        """
+        return self._loads.wait(timeout=timeout)
 
     def stats(self) -> dict[str, Any]:
         """Counters per tier (hits, misses, loads, evictions, refusals), resident and pinned sets, the
         pool's size in bytes, requests deferred by steps (``deferred_requests``, once per step deferred),
-        and reads from disk after start-up (``adapter_reads``, taking ``adapter_read_seconds`` in all)."""
+        reads from disk after start-up (``adapter_reads``, taking ``adapter_read_seconds`` in all), and
+        of those the reads the background loader ran and installed (``background_loads``), failed
+        (``background_load_failures``) and is running now (``loads_in_flight``)."""
         stats = dict(self.registry.stats())
         stats["pool_bytes"] = self.pool.nbytes
         evictions = sorted(self.residency.evictions.items())
@@ -377,6 +431,9 @@ class LoRAManager:
         stats["deferred_requests"] = self._deferred_requests
         stats["adapter_reads"] = self.residency.reads
         stats["adapter_read_seconds"] = self.residency.read_seconds
+        stats["background_loads"] = self.residency.background_loads
+        stats["background_load_failures"] = self._loads.failures
+        stats["loads_in_flight"] = len(self._loads.loader.running())
         return stats
 
     # ---- steps ----------------------------------------------------------------------------------
@@ -386,17 +443,24 @@ class LoRAManager:
 
         ``names[i]`` is request i's adapter (None: the base model) and ``num_tokens[i]`` its tokens this step
         (one int: every request has that many, the fast form for decode steps).
-        Requests that do not fit (more distinct adapters than free slots) are deferred, never failed. The
-        planned loads are done before this returns. The model then sees ``[T, in]`` inputs whose rows are the
-        admitted requests' tokens in ``admitted`` order; call :meth:`finish` when its requests are done.
+        Requests that do not fit (more distinct adapters than free slots) are deferred, never failed. In
+        background loading (the default), so are the requests whose adapter is not in host memory (or
+        not registered yet, in ``adapter_dir``): this step starts reading it in the background, and a
+        later step admits them once it is read; if the read fails, the next step that names the adapter
+        lists its requests in :attr:`Step.failed`. Reads that finished since the last step enter the
+        host tier first. The planned copies into device slots are queued before this returns. The model
+        then sees ``[T, in]`` inputs whose rows are the admitted requests' tokens in ``admitted`` order;
+        call :meth:`finish` when its requests are done.
         On CUDA, the loads and the step's arrays are queued on the current stream without blocking: run the
         forward on that stream (or one that waits for it).
 
         Raises:
             AdapterNotFoundError: a name is not registered (nor found in ``adapter_dir``; nothing is
-                planned). Adapters found there are loaded first, as :meth:`discover`.
-            AdapterLoadError: an adapter evicted from host memory could not be read again (or its files
-                changed since it was registered); the step is released and nothing else changes.
+                planned). In blocking loading, adapters found there are loaded first, as :meth:`discover`.
+            AdapterLoadError: blocking loading only: an adapter evicted from host memory could not be read
+                again (or its files changed since it was registered); the step is released and nothing
+                else changes.
+            UsageError: ``num_tokens`` is a sequence of another length than ``names``.
             StalePlanError: a slot the step would use does not hold what its plan says; nothing ran.
             LoraPinError: a step is already active.
         """
@@ -439,11 +503,15 @@ class LoRAManager:
 
         Inside the block the model's inputs are ``[B, L]`` with ``B == len(names)`` (any ``L``; prefill then
         decode steps of ``generate`` work). A batch needing more distinct unpinned adapters than free slots is
-        refused up front: use :meth:`split` to cut it into batches that fit.
+        refused up front: use :meth:`split` to cut it into batches that fit. The batch waits for the reads
+        of its adapters that are not in host memory (in background loading, the loader's threads read
+        them; ``adapter_dir`` adapters are read there too).
 
         Raises:
             CapacityError: the batch does not fit the slots (nothing changes; the message gives the numbers).
-            AdapterNotFoundError, AdapterLoadError: as :meth:`prepare_step`.
+            AdapterNotFoundError: as :meth:`prepare_step`.
+            AdapterLoadError: an adapter the batch needs could not be read (or its files changed since it
+                was registered); nothing of the batch ran.
         """
         step = self._start(names, 1, per_sequence=True)
         try:
@@ -454,13 +522,25 @@ class LoRAManager:
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
         """Cut a batch into groups of request indices, in order, each of which fits the slots at once.
 
+        In background loading, ``adapter_dir`` adapters not registered yet are read by the loader (this
+        waits for them), and the next step to begin (the first group's, as a rule) prefetches the
+        adapters of the groups after the first, so they are read while it runs. Not before it begins:
+        reads set aside host memory, and would evict the first group's adapters from a small host tier.
+
         Raises:
             AdapterNotFoundError, PathNotAllowedError, AdapterLoadError: as :meth:`discover`, for names
                 not registered yet.
         """
-        if self.adapter_dir is not None:
-            self.discover(names)
-        return self.registry.split(names)
+        if self.loading == "blocking":
+            if self.adapter_dir is not None:
+                self.discover(names)
+            return self.registry.split(names)
+        names = _checked_names(names)
+        self._discover_waiting(names)
+        groups = self.registry.split(names)
+        with self.residency.lock:
+            self._prefetch_next = [n for group in groups[1:] for i in group if (n := names[i]) is not None]
+        return groups
 
     def detach(self) -> None:
         """Restore the model exactly: every wrapped linear goes back in place. The manager is unusable after.
@@ -473,6 +553,7 @@ class LoRAManager:
         try:
             detach(self.model, self._wrapped)
             self._wrapped = {}
+            self._loads.close()
         finally:
             self._step_lock.release()
 
@@ -526,6 +607,73 @@ class LoRAManager:
     def _active_segments(self) -> StepSegments | None:
         return self._active
 
+    def _folders(self, names: list[str]) -> dict[str, Path]:
+        """The ``adapter_dir`` folder of each of ``names`` (none registered), by name.
+
+        Raises:
+            AdapterNotFoundError: a name is being unloaded, or there is no ``adapter_dir`` or no folder
+                ``adapter_dir/<name>``.
+            PathNotAllowedError: as :func:`~lora_pin.weights.reader.adapter_dir_for_name`.
+        """
+        for name in names:
+            try:
+                self.registry.in_flight(name)  # known though not registered: being unloaded
+            except AdapterNotFoundError:
+                continue
+            raise AdapterNotFoundError(f"adapter {name!r} is being unloaded; it takes no new requests")
+        root = self.adapter_dir
+        if root is None:
+            for name in names:
+                self.registry.lora_ref(name)  # raises AdapterNotFoundError, listing what is registered
+            return {}
+        found: dict[str, Path] = {}
+        for name in names:
+            directory = adapter_dir_for_name(root, name)
+            if directory is None:
+                raise AdapterNotFoundError(
+                    f"adapter {name!r} is not registered, and {str(root / name)!r} does not exist"
+                )
+            found[name] = directory
+        return found
+
+    def _fetch(self, names: list[str]) -> list[str]:
+        """Begin fetching ``names`` (registered) that are not in host memory; the names whose reads began."""
+        if not names:
+            return []
+        fetch = self.registry.prefetch(names)
+        self.residency.drop_evicted(fetch.evicted)
+        return self._loads.start_fetches(fetch.to_fetch)
+
+    def _forget(self, name: str) -> None:
+        self._loads.forget(name)
+        self.residency.forget(name)
+
+    def _discover_waiting(self, names: Sequence[str | None]) -> None:
+        """Register the ``adapter_dir`` adapters of ``names`` not registered yet, read by the loader; waits.
+        All or nothing, as :meth:`discover`.
+
+        Raises:
+            AdapterNotFoundError, PathNotAllowedError: as :meth:`_folders`; nothing is read then.
+            AdapterLoadError, CapacityError: one of them could not be read or registered; those that were
+                are unloaded again.
+        """
+        found = self._folders([n for n in dict.fromkeys(names) if n is not None and n not in self.registry])
+        if not found:
+            return
+        for name, folder in found.items():
+            self._loads.start_discovery(name, folder, self.adapter_dir)
+        self._loads.wait(found)
+        self._loads.install()
+        errors = self._loads.take_errors(found)
+        if errors:
+            for name, folder in found.items():
+                # Only discoveries of these folders go; one a step on another thread has taken up
+                # meanwhile stays, as in discover().
+                ours = name in self.registry and self.registry.lora_ref(name).lora_path == str(folder)
+                if ours and self.registry.in_flight(name) == 0 and self.registry.try_unload(name):
+                    self._forget(name)
+            raise next(iter(errors.values()))
+
     def _start(
         self, names: Sequence[str | None], num_tokens: Sequence[int] | int, *, per_sequence: bool
     ) -> Step:
@@ -536,12 +684,14 @@ class LoRAManager:
                 raise LoraPinError("the manager is detached")
             if not isinstance(names, (list, tuple)):
                 names = _checked_names(names)  # read more than once below; a str is refused
-            if self.adapter_dir is not None:
-                self.discover(names)
-            plan = self._begin(names, num_tokens, per_sequence)
+            held: _HeldBack | None = None
+            if self.loading == "background" and not per_sequence:
+                plan, held = self._begin_deferring(names, num_tokens)
+            else:
+                plan = self._begin(names, num_tokens, per_sequence)
             try:
                 slot_writes = self.residency.apply(plan)
-                step = self._activate(plan, slot_writes, per_sequence)
+                step = self._activate(names, plan, slot_writes, per_sequence, held)
             except BaseException as exc:
                 self.registry.finish_step(plan.ticket)
                 if isinstance(exc, StalePlanError):
@@ -551,25 +701,139 @@ class LoRAManager:
         except BaseException:
             self._step_lock.release()
             raise
+        self._prefetch_split()
         return step
+
+    def _prefetch_split(self) -> None:
+        """Prefetch the later groups of the last :meth:`split`, now that a step protects its adapters."""
+        if not self._prefetch_next:
+            return
+        with self.residency.lock:
+            names, self._prefetch_next = self._prefetch_next, []
+        if names:
+            # A hint: an adapter unloaded since the split fails its requests at their own step, not here.
+            with contextlib.suppress(LoraPinError):
+                self._fetch(list(dict.fromkeys(names)))
 
     def _begin(self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool) -> Any:
         """One core transaction: admission, slots, loads and the acquisition of every admitted request;
         a per-sequence batch must run whole (CapacityError, nothing changed, if not).
 
         Adapters the step would read from disk are read first, outside the transaction, so a read that
-        fails changes nothing; should other threads evict them again before the step begins (twice),
-        the step reads them itself.
+        fails changes nothing (in background loading by the loader, waited for); should other threads
+        evict them again before the step begins (each time), the step reads them itself.
         """
-        for _ in range(_READ_FIRST_ATTEMPTS):
-            plan = self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence, read_first=True)
-            if plan.ticket is not None:
-                return plan
-            for name in plan.to_read:
-                self.residency.read_into_host(name)
+        if self.loading == "background":
+            if self.adapter_dir is not None:
+                self._discover_waiting(names)
+            wanted = [n for n in dict.fromkeys(names) if n is not None]
+            for _ in range(_FETCH_FIRST_ATTEMPTS):
+                self._loads.install()
+                # Begins no step unless every adapter is in host memory; fetches what is not.
+                plan = self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence, fetch=True)
+                if plan.ticket is not None:
+                    return plan
+                self.residency.drop_evicted(n for n, tier, _ in plan.evictions if tier == "host")
+                self._loads.start_fetches(plan.to_fetch)
+                # With no room for any of its reads, only other reads ending (and installed) make room.
+                self._loads.wait(wanted if plan.to_fetch else None)
+                self._loads.install()
+                if not plan.to_fetch:
+                    # Installed reads stay protected ("fresh") until a step takes their requests up or
+                    # is planned without them; a batch that cannot begin plans none, so an empty step
+                    # is planned for it.
+                    empty = self.registry.begin_step([], 1, fetch=True).ticket
+                    if empty is not None:
+                        self.registry.finish_step(empty)
+                for error in self._loads.take_errors(wanted).values():
+                    raise error
+        else:
+            if self.adapter_dir is not None:
+                self.discover(names)
+            for _ in range(_READ_FIRST_ATTEMPTS):
+                self._loads.install()
+                plan = self.registry.begin_step(
+                    names, num_tokens, all_or_nothing=per_sequence, read_first=True
+                )
+                if plan.ticket is not None:
+                    return plan
+                self._read_first(plan.to_read)
+        # A step's own read takes a fetch's place (its reservation included); the fetch's late result is
+        # refused when installed.
         return self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence)
 
-    def _activate(self, plan: Any, slot_writes: tuple[tuple[int, int], ...], per_sequence: bool) -> Step:
+    def _read_first(self, names: list[str]) -> None:
+        """Bring ``names`` (registered, not in host memory) into the host tier before a blocking step
+        begins, on this thread; reads the loader is running already are waited for instead.
+
+        Raises:
+            AdapterLoadError: one of them cannot be read, or its files changed since it was registered.
+        """
+        busy = [n for n in names if self._loads.busy(n)]
+        if busy:
+            self._loads.wait(busy)
+            self._loads.install()
+        # A step that reads for itself tries again: a failure of an earlier read is not its answer.
+        self._loads.take_errors(names)
+        for name in names:
+            if name not in busy:
+                self.residency.read_into_host(name)
+
+    def _begin_deferring(
+        self, names: Sequence[str | None], num_tokens: Sequence[int] | int
+    ) -> tuple[Any, _HeldBack | None]:
+        """The step transaction of background loading: reads finished since the last step enter the host
+        tier first; requests whose adapter is not there are deferred, and their reads begin.
+
+        Requests the core never sees: those whose adapter's last read failed (failed now), and those whose
+        ``adapter_dir`` adapter is not registered yet (deferred; its read begins).
+        """
+        self._loads.install()
+        held = None
+        if self.adapter_dir is not None or self._loads.has_errors:
+            held = self._hold_back(names, num_tokens)
+        if held is None:
+            plan = self.registry.begin_step(names, num_tokens, fetch=True)
+        else:
+            tokens = num_tokens if isinstance(num_tokens, int) else [num_tokens[i] for i in held.kept]
+            plan = self.registry.begin_step([names[i] for i in held.kept], tokens, fetch=True)
+            for name, folder in held.new.items():
+                self._loads.start_discovery(name, folder, self.adapter_dir)
+        self._loads.start_fetches(plan.to_fetch)
+        return plan, held
+
+    def _hold_back(self, names: Sequence[str | None], num_tokens: Sequence[int] | int) -> _HeldBack | None:
+        """Which requests of ``names`` fail or wait without the core; None when every request goes to it.
+
+        Raises:
+            AdapterNotFoundError, PathNotAllowedError: as :meth:`_folders` (nothing changed).
+            UsageError: ``num_tokens`` is a sequence of another length than ``names``.
+        """
+        if not isinstance(num_tokens, int) and len(num_tokens) != len(names):
+            raise UsageError(f"num_tokens has {len(num_tokens)} entries but names has {len(names)}")
+        distinct = [n for n in dict.fromkeys(names) if n is not None]
+        new = self._folders([n for n in distinct if n not in self.registry])
+        errors = self._loads.take_errors(distinct)
+        if not errors and not new:
+            return None
+        held = _HeldBack(new={n: f for n, f in new.items() if n not in errors})
+        for i, name in enumerate(names):
+            if name is None or (name not in errors and name not in new):
+                held.kept.append(i)
+            elif name in errors:
+                held.failed[i] = errors[name]
+            else:
+                held.waiting.append(i)
+        return held
+
+    def _activate(
+        self,
+        names: Sequence[str | None],
+        plan: Any,
+        slot_writes: tuple[tuple[int, int], ...],
+        per_sequence: bool,
+        held: _HeldBack | None,
+    ) -> Step:
         dev = self.device
         request_slots = _buffer(plan.request_slots, torch.int32, dev)
         segments = SegmentBatch(
@@ -589,19 +853,44 @@ class LoRAManager:
             )
         else:
             active = StepSegments(segments=segments, any_adapter=any_adapter)
+        admitted, deferred = tuple(plan.admitted), tuple(plan.deferred)
+        failed: dict[int, LoraPinError] = {}
+        if held is not None:
+            # The core saw only the kept requests: its indices are positions among them.
+            kept = held.kept
+            admitted = tuple(kept[i] for i in admitted)
+            deferred = tuple(sorted([kept[i] for i in deferred] + held.waiting))
+            failed = held.failed
+        loading: tuple[int, ...] = ()
+        if deferred and self.loading == "background" and not per_sequence:
+            with self.residency.lock:
+                # After apply: the host tier holds exactly what the core counts resident.
+                loading = tuple(i for i in deferred if (n := names[i]) is not None and n not in self.host)
         step = Step(
-            tuple(plan.admitted),
-            tuple(plan.deferred),
+            admitted,
+            deferred,
             request_slots,
             segments,
             plan.num_tokens,
             plan.ticket,
             slot_writes,
+            failed,
+            loading,
         )
         with self.residency.lock:
             self._active, self._active_step = active, step
             self._deferred_requests += len(step.deferred)
         return step
+
+
+@dataclass
+class _HeldBack:
+    """The requests of a background-loading step that the core does not see, by request index."""
+
+    new: dict[str, Path]
+    kept: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    failed: dict[int, LoraPinError] = field(default_factory=dict)
 
 
 def _checked_adapter_dir(

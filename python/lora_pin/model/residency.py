@@ -5,6 +5,15 @@ holds the matching tensors: the host tier's adapters (:class:`~lora_pin.weights.
 device pool (:class:`~lora_pin.weights.DevicePool`), which registration filled each slot, and where
 each registered adapter is read from again after a host-tier eviction. Every change to them happens
 under one lock, so loads, unloads and steps on different threads never see half of one.
+
+Background reads (:mod:`lora_pin.model.loader`) use :meth:`Residency.read_fetch` on a worker thread,
+which changes nothing; what they read enters the host tier with :meth:`Residency.install_fetch`.
+
+On CUDA, a slot's copy from host memory waits only for the steps that read that slot before (an event
+recorded when each step finishes), not for all work queued on the compute stream, and a step waits only
+for the copies into its own slots: a copy into a slot the previous step did not read runs while that
+step's kernels do. (The pool has one copy stream, so a step's copies still run in order: one that waits
+for its slot's readers holds back the copies queued after it.)
 """
 
 from __future__ import annotations
@@ -12,9 +21,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from lora_pin._core import LoRARef, LoRARegistry
 from lora_pin.errors import (
@@ -23,6 +35,7 @@ from lora_pin.errors import (
     CapacityError,
     LoraPinError,
     StalePlanError,
+    UsageError,
 )
 from lora_pin.weights import DevicePool, HostTier
 from lora_pin.weights.host import HostAdapter
@@ -62,6 +75,14 @@ class Residency:
         # Reads from disk after start-up and their total seconds (lora_pin.metrics' load-time summary).
         self.reads = 0
         self.read_seconds = 0.0
+        # Background reads installed into the host tier (fetches and discoveries).
+        self.background_loads = 0
+        cuda = pool.device.type == "cuda"
+        # Carries each slot copy's dependencies (the slot's earlier readers) to the pool's copy stream,
+        # instead of the compute stream with everything queued on it.
+        self._fill_stream = torch.cuda.Stream(pool.device) if cuda else None
+        # Per slot: recorded on the compute stream after the last work that read or cleared the slot.
+        self._released: list[torch.cuda.Event | None] = [None] * pool.slots
 
     def add(self, ref: LoRARef, root: Path | None = None, adapter: HostAdapter | None = None) -> None:
         """Read the adapter ``ref`` names (unless ``adapter`` holds it read already) and register it,
@@ -122,6 +143,72 @@ class Residency:
                 self.evictions[(victim, "host")] += 1
                 self._drop_host(victim)
 
+    def read_fetch(self, name: str, serial: int) -> HostAdapter:
+        """Read ``name`` for its fetch under registration ``serial`` (on a loader thread): the same checked
+        read as a step's; changes nothing.
+
+        Raises:
+            AdapterNotFoundError: ``name`` was forgotten or registered again since the fetch began.
+            AdapterLoadError (and subclasses): the adapter cannot be read, or its files changed since it
+                was registered.
+        """
+        with self.lock:
+            source = self._sources.get(name)
+        if source is None or source.serial != serial:
+            raise AdapterNotFoundError(f"adapter {name!r}: registration {serial} was unloaded meanwhile")
+        return self._read_checked(name, source)
+
+    def read_new(self, name: str, path: str, root: Path | None) -> HostAdapter:
+        """Read the adapter at ``path`` (not registered yet) as ``name``, confined to ``root``; changes
+        nothing but the read counters.
+
+        Raises:
+            AdapterLoadError (and subclasses): the adapter cannot be read or served.
+        """
+        return self._timed_read(name, path, root)
+
+    def install_fetch(self, name: str, serial: int, adapter: HostAdapter) -> bool:
+        """Enter ``adapter``, read for the fetch of ``name`` under ``serial``, into the host tier (its bytes
+        were reserved when the fetch began); False, and nothing held, when that fetch is over (the
+        adapter was unloaded, or registered again).
+        """
+        with self.lock:
+            try:
+                self.registry.fetch_done(name, serial)
+            except (AdapterNotFoundError, UsageError):
+                return False
+            self._drop_host(name)
+            self.host.add(adapter)
+            self.background_loads += 1
+            return True
+
+    def install_new(self, ref: LoRARef, root: Path | None, adapter: HostAdapter) -> None:
+        """Register ``ref`` with ``adapter``, read in the background (a discovery), as :meth:`add`.
+
+        Raises:
+            DuplicateAdapterError, AdapterInUseError, CapacityError: as :meth:`add`; nothing changes then.
+        """
+        with self.lock:
+            self.add(ref, root, adapter)
+            self.background_loads += 1
+
+    def abandon_fetch(self, name: str, serial: int) -> bool:
+        """End the failed fetch of ``name`` under ``serial``: its reservation is released, nothing counted;
+        False when that fetch was over already."""
+        with self.lock:
+            try:
+                self.registry.fetch_failed(name, serial)
+            except (AdapterNotFoundError, UsageError):
+                return False
+            return True
+
+    def drop_evicted(self, names: Iterable[str]) -> None:
+        """Free the host tensors of ``names``, which the core has just evicted from the host tier."""
+        with self.lock:
+            for name in names:
+                self.evictions[(name, "host")] += 1
+                self._drop_host(name)
+
     def forget(self, name: str) -> None:
         """Free what is held for ``name`` once the registry has forgotten it (an unload finished)."""
         with self.lock:
@@ -131,8 +218,7 @@ class Residency:
             self._sources.pop(name, None)
             for slot in range(self.pool.slots):
                 if self.pool.occupant(slot) == name:
-                    self.pool.clear(slot)
-                    self._filled[slot] = None
+                    self._clear(slot)
 
     def apply(self, plan: Any) -> tuple[tuple[int, int], ...]:
         """Carry out the evictions and loads of step transaction ``plan`` (from ``begin_step``),
@@ -160,11 +246,10 @@ class Residency:
                 try:
                     if source == "disk" or name not in self.host:
                         self._read_again(name)
-                    self.pool.fill(slot, self.host[name])
+                    self._fill(slot, self.host[name])
                 except BaseException as exc:
                     # The slot may be half written: empty it, so no later step can read the remains.
-                    self._filled[slot] = None
-                    self.pool.clear(slot)
+                    self._clear(slot)
                     self.registry.report_load(ticket, index, False)
                     if isinstance(exc, LoraPinError) or not isinstance(exc, Exception):
                         raise
@@ -187,9 +272,16 @@ class Residency:
             return tuple((s, counts[s]) for s in used)
 
     def changed_slots(self, slot_writes: tuple[tuple[int, int], ...]) -> list[int]:
-        """The slots among ``slot_writes`` (from :meth:`apply`) written since."""
+        """The slots among ``slot_writes`` (from :meth:`apply`) written since; on CUDA, also marks the
+        end of the step that read them (the current stream's work so far), which their next copy waits for.
+        """
         with self.lock:
             counts = self.pool.write_counts()
+            if self._fill_stream is not None and slot_writes:
+                released = torch.cuda.Event()
+                released.record(torch.cuda.current_stream(self.pool.device))
+                for slot, _ in slot_writes:
+                    self._released[slot] = released
         return [slot for slot, writes in slot_writes if counts[slot] != writes]
 
     @property
@@ -222,6 +314,36 @@ class Residency:
             self.reads += 1
             self.read_seconds += time.perf_counter() - start
         return adapter
+
+    def _fill(self, slot: int, adapter: HostAdapter) -> None:
+        """Copy ``adapter`` into ``slot``; on CUDA the current stream waits for that copy only, and the copy
+        waits only for the slot's earlier readers."""
+        if self._fill_stream is None:
+            self.pool.fill(slot, adapter)
+            return
+        compute = torch.cuda.current_stream(self.pool.device)
+        released = self._released[slot]
+        with torch.cuda.stream(self._fill_stream):
+            if released is not None:
+                self._fill_stream.wait_event(released)
+            # The pool orders its copy after the "current" stream, here the fill stream.
+            done = self.pool.fill(slot, adapter)
+        if done is not None:
+            compute.wait_event(done)
+
+    def _clear(self, slot: int) -> None:
+        """Empty ``slot`` on the current stream, after any copy into it, and record that for the next one."""
+        self._filled[slot] = None
+        if self._fill_stream is None:
+            self.pool.clear(slot)
+            return
+        compute = torch.cuda.current_stream(self.pool.device)
+        # A copy into the slot that is still queued must not land after the zeros.
+        compute.wait_stream(self._fill_stream)
+        self.pool.clear(slot)
+        released = torch.cuda.Event()
+        released.record(compute)
+        self._released[slot] = released
 
     def _drop_host(self, name: str) -> None:
         if name in self.host:
