@@ -278,6 +278,22 @@ fn a_fetched_adapter_stays_fresh_until_a_plan_admits_it_or_leaves_it_out() {
 }
 
 #[test]
+fn a_whole_batch_that_cannot_begin_ends_the_freshness_of_adapters_it_leaves_out() {
+    // One host place: a is fetched and fresh, then a batch that must run whole asks for b only.
+    let mut reg = registry(1, Some(1), "lru", &["a", "b"]);
+    let p = reg.prefetch(&[Some("a")]).unwrap();
+    assert_eq!((p.to_fetch.len(), p.evicted.iter().map(|n| &**n).collect::<Vec<_>>()), (1, vec!["b"]));
+    reg.fetch_done("a", reg.serial("a").unwrap()).unwrap();
+    let whole = StepOptions { all_or_nothing: true, fetch: true };
+    let (p, t) = begin(&mut reg, &[Some("b")], whole);
+    // The batch plans no step, yet it leaves a out: a is no longer protected, so b's fetch starts.
+    assert!(t.is_none());
+    assert_eq!(fetches(&p), [("b", reg.serial("b").unwrap())]);
+    assert_eq!(evicted(&p, Tier::Host), ["a"]);
+    assert!(reg.fresh.is_empty());
+}
+
+#[test]
 fn a_waiting_request_takes_host_room_from_younger_requests_never_older_ones() {
     // Two slots and two host places: the step's adapters can hold the whole host tier.
     let mut reg = registry(2, Some(2), "lru", &["a", "b", "x"]);

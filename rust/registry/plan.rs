@@ -255,6 +255,21 @@ impl Registry {
         self.fresh = fresh;
     }
 
+    /// Fresh adapters not among `keys` are fresh no more: [`Registry::end_freshness`] for a plan
+    /// that defers all of `keys` and admits nothing.
+    pub(super) fn end_freshness_outside(&mut self, keys: &[AdapterKey]) {
+        let mut fresh = std::mem::take(&mut self.fresh);
+        fresh.retain(|&key| {
+            let keep = keys.contains(&key);
+            if !keep {
+                self.get_mut(key).protection.fresh = false;
+                self.refresh(key);
+            }
+            keep
+        });
+        self.fresh = fresh;
+    }
+
     /// Admission by budget, in batch order: marks each admitted adapter [`ADMITTED`] and puts it in
     /// the step, each refused one [`DEFERRED`]; the previous step's adapters not admitted again
     /// lose their protection. With `waiting` (fetch mode), an adapter outside the host tier is

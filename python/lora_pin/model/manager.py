@@ -737,14 +737,10 @@ class LoRAManager:
                 self._loads.start_fetches(plan.to_fetch)
                 # With no room for any of its reads, only other reads ending (and installed) make room.
                 self._loads.wait(wanted if plan.to_fetch else None)
+                # Installed reads stay protected ("fresh") until a plan takes their requests up or
+                # leaves them out: the next round's plan, which defers this whole batch, leaves out
+                # those of other requests, so their room can go to this batch's reads.
                 self._loads.install()
-                if not plan.to_fetch:
-                    # Installed reads stay protected ("fresh") until a step takes their requests up or
-                    # is planned without them; a batch that cannot begin plans none, so an empty step
-                    # is planned for it.
-                    empty = self.registry.begin_step([], 1, fetch=True).ticket
-                    if empty is not None:
-                        self.registry.finish_step(empty)
                 for error in self._loads.take_errors(wanted).values():
                     raise error
         else:
