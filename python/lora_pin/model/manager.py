@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,9 @@ from lora_pin.weights import (
 )
 from lora_pin.weights.reader import adapter_dir_for_name, path_within, read_contained_config
 from lora_pin.weights.targets import ModuleSelection
+
+if TYPE_CHECKING:
+    from lora_pin.parallel import TensorParallel
 
 __all__ = ["LoRAManager", "Step"]
 
@@ -121,6 +124,12 @@ class LoRAManager:
             whole fused output. Leave None for models with separate projections (Hugging Face Llama ...).
         max_file_bytes, max_tensors: per-adapter limits on the weight file (see
             :mod:`lora_pin.weights.limits`), checked before any tensor is read.
+        tp: this process's place in a tensor-parallel group (:class:`lora_pin.parallel.TensorParallel`),
+            for a model whose linears are a framework's parallel layers
+            (:func:`lora_pin.parallel.register_parallel_linear`): each rank reads and holds only its shard
+            of every adapter, and loads (start-up ones included) are collective, every rank of the group
+            calling them in the same order (see :mod:`lora_pin.parallel`). ``fully_sharded`` needs
+            ``max_lora_rank``.
 
     Thread safety: loads, unloads, pins and unpins may run from other threads while a step is active. A
     step is one core transaction: its plan and the acquisition of its requests happen at once, so an
@@ -156,6 +165,7 @@ class LoRAManager:
         fused_modules: FusedSpec | None = None,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_tensors: int = DEFAULT_MAX_TENSORS,
+        tp: TensorParallel | None = None,
     ) -> None:
         refs = parse_lora_paths(
             lora_paths, max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras
@@ -179,6 +189,8 @@ class LoRAManager:
                     f"(it has {list(self.targets.module_names)})"
                 )
         self.chunk_size = chunk_size
+        self.tp = tp
+        shards, self._collectives = _tensor_parallel(model, self.targets, self._module_of, tp, rank)
         host = HostTier(
             self.targets,
             max_rank=MAX_ADAPTER_RANK if rank is None else rank,
@@ -187,15 +199,21 @@ class LoRAManager:
             allow_pickle=allow_pickle,
             max_file_bytes=max_file_bytes,
             max_tensors=max_tensors,
+            shards=shards,
         )
         # Without max_lora_rank the pool is sized by the start-up adapters, read (and checked, tensors
         # included) first: a config's claim alone never sizes it.
-        startup = [host.read(r.lora_name, r.lora_path) for r in refs] if rank is None else [None] * len(refs)
+        if tp is not None:
+            startup = self._read_agreed(host, refs)
+        else:
+            startup = [host.read(r.lora_name, r.lora_path) if rank is None else None for r in refs]
         if rank is None:
             rank = max(a.max_rank for a in startup if a is not None)
             host.max_rank = rank
         self.max_rank = rank
-        pool = DevicePool(self.targets, max_loras_per_batch, rank, self.dtype, self.device)
+        if shards is not None:
+            shards.bind(rank)
+        pool = DevicePool(self.targets, max_loras_per_batch, rank, self.dtype, self.device, shards=shards)
         self.registry = LoRARegistry(
             max_loras_per_batch,
             max_loaded_loras,
@@ -212,7 +230,9 @@ class LoRAManager:
         self._wrapped: dict[str, torch.nn.Module] = {}
         for r, adapter in zip(refs, startup, strict=True):
             self.residency.add(r, adapter=adapter)
-        self._wrapped = attach(model, self.targets, self._module_of, self.pool, self._active_segments)
+        self._wrapped = attach(
+            model, self.targets, self._module_of, self.pool, self._active_segments, shards, self._collectives
+        )
 
     @classmethod
     def from_args(cls, model: torch.nn.Module, namespace: argparse.Namespace, **kwargs: Any) -> LoRAManager:
@@ -265,6 +285,8 @@ class LoRAManager:
             CapacityError: the host tier is full of adapters that cannot be evicted, or pinning would leave
                 no slot for unpinned adapters. In every case nothing changes.
         """
+        if self.tp is not None:
+            return self._load_agreed(name, os.fspath(path), pinned)
         ref = LoRARef.new(name, os.fspath(path), pinned)
         self.residency.add(ref)
         return ref
@@ -377,6 +399,9 @@ class LoRAManager:
         stats["deferred_requests"] = self._deferred_requests
         stats["adapter_reads"] = self.residency.reads
         stats["adapter_read_seconds"] = self.residency.read_seconds
+        if self._collectives is not None:
+            stats["tp_collective_calls"] = dict(self._collectives.calls)
+            stats["tp_collective_bytes"] = dict(self._collectives.nbytes)
         return stats
 
     # ---- steps ----------------------------------------------------------------------------------
@@ -525,6 +550,40 @@ class LoRAManager:
     def _active_segments(self) -> StepSegments | None:
         return self._active
 
+    def _read_agreed(self, host: HostTier, refs: Sequence[LoRARef]) -> list[Any]:
+        """Every start-up adapter read on this rank, once every rank has read its shards (all or none)."""
+        from lora_pin.parallel.collective import agree
+
+        assert self.tp is not None
+        adapters: list[Any] = []
+        error: LoraPinError | None = None
+        try:
+            adapters = [host.read(r.lora_name, r.lora_path) for r in refs]
+        except LoraPinError as exc:
+            error = exc
+        agree(self.tp, error, self._collectives).raise_if_failed("start-up adapters", error)
+        return adapters
+
+    def _load_agreed(self, name: str, path: str, pinned: bool) -> LoRARef:
+        """:meth:`load` on one tensor-parallel rank: read this rank's shards, agree with every rank, then
+        register under the one id rank 0 drew (or refuse on every rank, nothing changed)."""
+        from lora_pin.parallel.collective import agree
+
+        assert self.tp is not None
+        adapter, error = None, None
+        try:
+            LoRARef.new(name, path, pinned)  # the name and path checks, before anything is read
+            if name in self.registry:
+                raise DuplicateAdapterError(f"adapter {name!r} is already registered")
+            adapter = self.host.read(name, path)
+        except LoraPinError as exc:
+            error = exc
+        agreement = agree(self.tp, error, self._collectives)
+        agreement.raise_if_failed(f"load of adapter {name!r}", error)
+        ref = LoRARef(name, path, pinned=pinned, lora_id=agreement.token)
+        self.residency.add(ref, adapter=adapter)
+        return ref
+
     def _start(
         self, names: Sequence[str | None], num_tokens: Sequence[int] | int, *, per_sequence: bool
     ) -> Step:
@@ -601,6 +660,34 @@ class LoRAManager:
             self._active, self._active_step = active, step
             self._deferred_requests += len(step.deferred)
         return step
+
+
+def _tensor_parallel(
+    model: torch.nn.Module,
+    targets: Any,
+    module_of: dict[str, str],
+    tp: TensorParallel | None,
+    max_rank: int | None,
+) -> tuple[Any, Any]:
+    """The shard plan and the collectives log of a tensor-parallel rank (``(None, None)`` without ``tp``).
+
+    Raises:
+        SpecError: as :func:`lora_pin.parallel.shard_plan`; or ``fully_sharded`` without ``max_lora_rank``
+            (each rank's chunk of the rank dimension is cut from the pool's rank, fixed before any read).
+    """
+    if tp is None:
+        return None, None
+    from lora_pin.parallel import CollectiveLog, shard_plan
+
+    if tp.fully_sharded and max_rank is None:
+        raise SpecError(
+            "tp=TensorParallel(fully_sharded=True) needs max_lora_rank: each rank holds a chunk of the "
+            "pool's rank, fixed before any adapter is read"
+        )
+    plan = shard_plan(model, targets, module_of, tp)
+    if max_rank is not None:
+        plan.bind(max_rank)
+    return plan, CollectiveLog()
 
 
 def _checked_adapter_dir(

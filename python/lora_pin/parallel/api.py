@@ -1,0 +1,152 @@
+"""The way in for a framework's own parallel layers: teach lora_pin how each class is cut and called.
+
+A framework registers each of its parallel linear classes once (:func:`register_parallel_linear`), saying
+for a layer how it is cut (:class:`~lora_pin.parallel.sharding.ParallelLayout`: column or row, the
+unsharded widths, the tensor-parallel rank and group) and, for a row-parallel class, how to run it in two
+halves (:class:`~lora_pin.parallel.layers.RowCall`). A :class:`~lora_pin.LoRAManager` built with
+``tp=TensorParallel(...)`` then wraps those layers with
+:class:`~lora_pin.parallel.layers.ParallelLoRALinear`, reads and keeps only this rank's part of each adapter,
+and makes every load, unload, pin and unpin collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lora_pin.errors import SpecError
+from lora_pin.parallel.layers import CollectiveLog, ParallelLoRALinear, RowCall
+from lora_pin.parallel.sharding import ParallelLayout, ShardPlan, TensorParallel, group_shard
+from lora_pin.weights.pool import GroupBuffers
+from lora_pin.weights.targets import LoRATargets, TargetGroup, register_linear
+
+__all__ = ["ParallelKind", "parallel_kind", "register_parallel_linear", "shard_plan", "wrap_parallel"]
+
+
+@dataclass(frozen=True)
+class ParallelKind:
+    """How lora_pin treats one parallel linear class (see :func:`register_parallel_linear`)."""
+
+    layout: Callable[[torch.nn.Module], ParallelLayout]
+    returns_bias: bool
+    row_call: RowCall | None
+
+
+_PARALLEL: dict[type[torch.nn.Module], ParallelKind] = {}
+
+
+def register_parallel_linear(
+    cls: type[torch.nn.Module],
+    *,
+    layout: Callable[[Any], ParallelLayout],
+    returns_bias: bool = False,
+    partial: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    reduce: Callable[[Any, torch.Tensor], Any] | None = None,
+) -> None:
+    """Teach lora_pin a framework's tensor-parallel linear class (a ``ColumnParallelLinear``,
+    ``QKVParallelLinear``, ``RowParallelLinear`` ...); also registers it as a linear
+    (:func:`lora_pin.register_linear`) with its local widths.
+
+    Args:
+        cls: the layer class.
+        layout: ``layer -> ParallelLayout``, how that layer is cut: its kind, unsharded widths, output
+            slices (a fused qkv's three, each with its own shard index under GQA:
+            :func:`~lora_pin.parallel.qkv_slices`) and the :class:`~lora_pin.parallel.TensorParallel` it
+            is cut over.
+        returns_bias: the layer's forward returns ``(out, bias)``; the delta is added to ``out``.
+        partial: row-parallel only, ``(layer, x [..., in/tp]) -> [..., out]``: the layer's partial product,
+            before its all-reduce and bias.
+        reduce: row-parallel only, ``(layer, partial) -> result``: the rest of the layer's forward (the
+            all-reduce over its group, the bias), returning what the forward returns.
+
+    Raises:
+        SpecError: ``cls`` is not an ``nn.Module`` subclass, ``layout`` is not callable, or only one of
+            ``partial`` and ``reduce`` is given.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise SpecError(f"register_parallel_linear: {cls!r} is not a torch.nn.Module subclass")
+    if not callable(layout):
+        raise SpecError(f"register_parallel_linear: layout must be callable, got {type(layout).__name__}")
+    if (partial is None) != (reduce is None):
+        raise SpecError("register_parallel_linear: give both partial and reduce (row-parallel) or neither")
+    row_call = None if partial is None or reduce is None else RowCall(partial, reduce)
+
+    def features(module: torch.nn.Module) -> tuple[int, int]:
+        shape = layout(module)
+        return shape.local_in, shape.local_out
+
+    register_linear(cls, features=features, returns_bias=returns_bias)
+    _PARALLEL[cls] = ParallelKind(layout, bool(returns_bias), row_call)
+
+
+def parallel_kind(module: torch.nn.Module) -> ParallelKind | None:
+    """The registered :class:`ParallelKind` of ``module``'s class (or a parent class whose forward it
+    keeps), or None for a layer that is not cut."""
+    base = getattr(module, "base_layer", None)
+    if isinstance(base, torch.nn.Module):
+        module = base
+    cls = type(module)
+    for parent in cls.__mro__:
+        kind = _PARALLEL.get(parent)
+        if kind is not None:
+            return kind if parent is cls or cls.forward is parent.forward else None
+    return None
+
+
+def shard_plan(
+    model: torch.nn.Module, targets: LoRATargets, module_of: Mapping[str, str], tp: TensorParallel
+) -> ShardPlan:
+    """This rank's sharding of every target group whose layer is a registered parallel class; other
+    targets (an embedding, an ``lm_head`` kept whole) are replicated and served as on one process.
+
+    Raises:
+        SpecError: a layer's layout is cut over another rank or size than ``tp``, a row-parallel class was
+            registered without ``partial``/``reduce``, or a layout does not match the layer's targets.
+    """
+    groups: dict[str, tuple[TargetGroup, Any]] = {}
+    for group in targets.groups:
+        key = module_of[group.key]
+        module = model.get_submodule(key)
+        kind = parallel_kind(module)
+        if kind is None:
+            continue
+        base = getattr(module, "base_layer", module)
+        layout = kind.layout(base)
+        if (layout.tp.rank, layout.tp.size) != (tp.rank, tp.size):
+            raise SpecError(
+                f"{key!r} is cut as rank {layout.tp.rank} of {layout.tp.size} but the manager's tp is rank "
+                f"{tp.rank} of {tp.size}"
+            )
+        if layout.kind == "row" and kind.row_call is None:
+            raise SpecError(
+                f"{key!r} ({type(base).__name__}) is row-parallel: register it with partial= and reduce= so "
+                "the delta joins the partial sum before its all-reduce"
+            )
+        groups[group.key] = (group, group_shard(layout, group, tp.fully_sharded))
+    return ShardPlan(tp, groups)
+
+
+def wrap_parallel(
+    original: torch.nn.Module,
+    buffers: GroupBuffers,
+    active_step: Callable[[], Any],
+    plan: ShardPlan,
+    log: CollectiveLog | None = None,
+) -> ParallelLoRALinear | None:
+    """The wrapper of a cut layer (None when ``buffers``' group is not cut on ``plan``)."""
+    shard = plan.group(buffers.group.key)
+    kind = parallel_kind(original)
+    if shard is None or kind is None:
+        return None
+    return ParallelLoRALinear(
+        original,
+        buffers,
+        active_step,
+        shard=shard,
+        row_call=kind.row_call,
+        returns_bias=kind.returns_bias,
+        log=log,
+    )
