@@ -1,0 +1,301 @@
+"""Tensor parallelism over gloo on CPU: sharded outputs equal one process's and PEFT's; ranks agree.
+
+The multi-process test spawns four processes once and runs every check of both modes at TP = 4 and at
+TP = 2 (two groups of two side by side) in them: the processes' start-up (torch and transformers imports)
+is most of the cost, and CI's budget is small. The tiny Llama
+has one kv head, fewer than the ranks, so k and v are replicated.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from lora_pin import LoRAManager
+from lora_pin.errors import AdapterLoadError, SpecError
+from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
+from lora_pin.parallel import ColumnSlice, ParallelLayout, TensorParallel, qkv_slices
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Different ranks (3 and 2 below TP = 4) and targets; "c" has neither q nor k nor v.
+ADAPTERS: dict[str, dict[str, Any]] = {
+    "a": {"r": 8, "lora_alpha": 16, "target_modules": ALL, "seed": 1},
+    "b": {"r": 3, "lora_alpha": 6, "target_modules": ["q_proj", "v_proj", "down_proj"], "seed": 2},
+    "c": {"r": 2, "lora_alpha": 8, "target_modules": ["o_proj", "gate_proj", "up_proj"], "seed": 3},
+}
+NAMES = ["a", None, "b", "c", None, "a"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def tp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with 4 heads and 1 kv head, the adapters above, and "bad": an adapter whose only NaN
+    lies in the q_proj B rows of the last rank at TP = 2 and TP = 4 (rows 48..63 of 64)."""
+    root = tmp_path_factory.mktemp("tp")
+    make_tiny_llama(root / "model", heads=4, kv_heads=1, layers=2)
+    for name, spec in ADAPTERS.items():
+        make_peft_adapter(root / "model", root / name, **spec)
+    bad = make_peft_adapter(root / "model", root / "bad", r=4, lora_alpha=8, target_modules=ALL, seed=4)
+    tensors = load_file(bad / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
+    tensors[key][60, 1] = float("nan")
+    save_file(tensors, bad / "adapter_model.safetensors")
+    _save_references(root)
+    return root
+
+
+def _load(root: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(root / "model").eval()
+
+
+def _inputs() -> torch.Tensor:
+    return torch.randint(0, 128, (len(NAMES), 7), generator=torch.Generator().manual_seed(5))
+
+
+def _save_references(root: Path) -> None:
+    """PEFT's and unsharded lora_pin's logits for the mixed batch, computed once in this process (the
+    ranks only load them: PEFT stays out of their start-up)."""
+    from peft import PeftModel
+
+    ids = _inputs()
+    with torch.inference_mode():
+        peft = PeftModel.from_pretrained(_load(root), root / "a", adapter_name="a")
+        for n in ("b", "c"):
+            peft.load_adapter(root / n, adapter_name=n)
+        want_peft = peft(ids, adapter_names=[n or "__base__" for n in NAMES]).logits
+        single = _load(root)
+        mgr = LoRAManager(
+            single, [f"{n}={root / n}" for n in ADAPTERS], max_loras_per_batch=3, max_lora_rank=8
+        )
+        with mgr.batch(NAMES):
+            want_single = single(ids).logits
+    torch.save({"peft": want_peft, "single": want_single}, root / "references.pt")
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def _worker(rank: int, world: int, root_text: str, port: int) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        # TP = 4 over the whole group, then TP = 2 twice side by side (ranks 0-1 and 2-3, as with data
+        # parallelism over tensor-parallel groups): a rank's shard is its rank in its group, not the
+        # global one.
+        _checks(rank, world, None, Path(root_text))
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        _checks(rank % 2, 2, pairs[rank // 2], Path(root_text))
+    finally:
+        dist.destroy_process_group()
+
+
+def _checks(rank: int, size: int, group: Any, root: Path) -> None:
+    from lora_pin.parallel.tiny import shard_llama
+
+    ids = _inputs()
+    lora_paths = [f"{n}={root / n}" for n in ADAPTERS]
+    references = torch.load(root / "references.pt")
+    want_peft, want_single = references["peft"], references["single"]
+    for fully in (False, True):
+        tp = TensorParallel(rank, size, group, fully_sharded=fully)
+        model = shard_llama(_load(root), tp)
+        with torch.inference_mode():
+            base = model(ids).logits.clone()
+        mgr = LoRAManager(model, lora_paths, max_loras_per_batch=3, max_lora_rank=8, tp=tp)
+        with torch.inference_mode(), mgr.batch(NAMES):
+            got = model(ids).logits
+        assert _relative(got, want_peft) < 1e-5, (fully, _relative(got, want_peft))
+        assert _relative(got, want_single) < 1e-5, (fully, _relative(got, want_single))
+        for i, name in enumerate(NAMES):
+            if name is None:
+                assert torch.equal(got[i], base[i]), (fully, i)
+        _check_host_shards(mgr, root, tp)
+        _check_runtime_ops(mgr, model, ids, root, tp)
+
+
+def _check_host_shards(mgr: LoRAManager, root: Path, tp: TensorParallel) -> None:
+    """Each rank holds exactly its slices of A and B, read from the file."""
+    stored = load_file(root / "a" / "adapter_model.safetensors")
+    prefix = "base_model.model.model.layers.0."
+    host = mgr.host["a"]
+    q = host.modules["model.layers.0.self_attn.q_proj"]
+    a, b = (
+        stored[prefix + "self_attn.q_proj.lora_A.weight"],
+        stored[prefix + "self_attn.q_proj.lora_B.weight"],
+    )
+    rows = 64 // tp.size
+    assert torch.equal(q.b[:, :8], b[tp.rank * rows : (tp.rank + 1) * rows])
+    chunk = -(-8 // tp.size)
+    if tp.fully_sharded:
+        assert torch.equal(q.a, a[tp.rank * chunk : (tp.rank + 1) * chunk])
+    else:
+        assert torch.equal(q.a, a)
+    down = host.modules["model.layers.0.mlp.down_proj"]
+    a, b = stored[prefix + "mlp.down_proj.lora_A.weight"], stored[prefix + "mlp.down_proj.lora_B.weight"]
+    cols = 128 // tp.size
+    assert torch.equal(down.a, a[:, tp.rank * cols : (tp.rank + 1) * cols])
+    out = 64 // tp.size
+    assert torch.equal(down.b, b[tp.rank * out : (tp.rank + 1) * out] if tp.fully_sharded else b)
+
+
+def _gathered(value: Any, tp: TensorParallel) -> list[Any]:
+    found: list[Any] = [None] * tp.size
+    dist.all_gather_object(found, value, group=tp.group)
+    return found
+
+
+def _check_runtime_ops(
+    mgr: LoRAManager, model: torch.nn.Module, ids: torch.Tensor, root: Path, tp: TensorParallel
+) -> None:
+    """Run-time load, pin, unpin and unload on every rank; one id for all ranks; a load that fails on
+    one rank only fails on all, nothing changed."""
+    ref = mgr.load("d", root / "b", pinned=True)
+    ids_seen = _gathered(ref.lora_id, tp)
+    assert len(set(ids_seen)) == 1, ids_seen
+    mgr.unpin("d")
+    mgr.pin("d")
+    with torch.inference_mode(), mgr.batch(["d", None]):
+        model(ids[:2])
+    mgr.unpin("d")
+    mgr.unload("d")
+    before = _state(mgr)
+    with pytest.raises(AdapterLoadError) as caught:
+        mgr.load("bad", root / "bad")
+    if tp.rank == tp.size - 1:
+        assert "NaN" in str(caught.value)
+    else:
+        assert f"failed on rank(s) [{tp.size - 1}]" in str(caught.value)
+    assert _state(mgr) == before
+    assert "bad" not in mgr.host
+    states = _gathered(_state(mgr)[:2], tp)
+    assert all(s == states[0] for s in states), states
+
+
+def _state(mgr: LoRAManager) -> tuple[Any, ...]:
+    """What a load may change: registrations (with ids), pins, the host tier's adapters and bytes."""
+    registered = [(n, mgr.registry.lora_ref(n).lora_id) for n in (*ADAPTERS, "d", "bad") if n in mgr.registry]
+    return registered, mgr.stats()["pinned"], sorted(mgr.host), mgr.residency.host_bytes
+
+
+def test_sharded_llama_at_tp_2_and_4_matches_one_process_and_peft(tp_root: Path) -> None:
+    mp.spawn(_worker, args=(4, str(tp_root), _free_port()), nprocs=4, join=True)
+
+
+def test_qkv_slices_replicate_kv_heads_when_fewer_than_ranks() -> None:
+    # 8 ranks, 2 kv heads: ranks 0-3 hold kv head 0, ranks 4-7 kv head 1; q by rank.
+    for rank in range(8):
+        q, k, v = qkv_slices(TensorParallel(rank, 8), q_out=64, kv_out=16, num_kv_heads=2)
+        assert q.rows == (rank * 8, rank * 8 + 8)
+        assert k.rows == v.rows == ((rank // 4) * 8, (rank // 4) * 8 + 8)
+    q, k, _ = qkv_slices(TensorParallel(1, 2), q_out=64, kv_out=16, num_kv_heads=4)
+    assert (q.rows, k.rows) == ((32, 64), (8, 16))
+    with pytest.raises(SpecError, match="replicated evenly"):
+        qkv_slices(TensorParallel(0, 6), q_out=96, kv_out=16, num_kv_heads=4)
+
+
+def test_tensor_parallel_refuses_bad_rank_or_size() -> None:
+    with pytest.raises(SpecError, match="rank"):
+        TensorParallel(2, 2)
+    with pytest.raises(SpecError, match="size"):
+        TensorParallel(0, 0)
+    with pytest.raises(SpecError, match="divide"):
+        ParallelLayout.row(TensorParallel(0, 3), 64, 64)
+    with pytest.raises(SpecError, match="cannot be cut"):
+        ParallelLayout.column(TensorParallel(0, 2), 64, ColumnSlice(63, 0, 2))
+
+
+def test_slice_reads_take_rows_and_columns_of_the_stored_tensor(tmp_path: Path) -> None:
+    from lora_pin.weights import open_adapter
+
+    adapter = make_peft_adapter(
+        make_tiny_llama(tmp_path / "m"), tmp_path / "x", r=5, lora_alpha=5, target_modules=["q_proj"]
+    )
+    stored = load_file(adapter / "adapter_model.safetensors")
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    with open_adapter("x", adapter) as file:
+        for rows, cols in [((0, 5), (16, 48)), ((1, 3), (0, 64)), ((2, 2), (0, 64)), ((4, 5), (63, 64))]:
+            out = torch.full((rows[1] - rows[0], cols[1] - cols[0]), 7.0)
+            file.read_slice_into(name, out, rows, cols)
+            assert torch.equal(out, stored[name][rows[0] : rows[1], cols[0] : cols[1]])
+        half = torch.empty(5, 32, dtype=torch.float16)
+        file.read_slice_into(name, half, (0, 5), (32, 64))
+        assert torch.equal(half, stored[name][:, 32:].half())
+        with pytest.raises(ValueError, match="slice"):
+            file.read_slice_into(name, torch.empty(5, 65), (0, 5), (0, 65))
+
+
+@pytest.mark.parametrize("fully", [False, True])
+def test_a_rank_8_adapter_is_cut_over_16_ranks_with_zero_padding(tmp_path: Path, fully: bool) -> None:
+    """At TP = 16 each rank's host module is its part of the file, fully sharded a chunk of one row of the
+    rank (ranks 8 to 15: none, zero padding); put back together they are the adapter."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lora_pin.parallel.tiny import shard_llama
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=32,
+    )
+    torch.manual_seed(0)
+    model_dir = tmp_path / "m"
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    adapter = make_peft_adapter(model_dir, tmp_path / "x", r=8, lora_alpha=16, target_modules=ALL)
+    stored = load_file(adapter / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.0."
+    parts: dict[str, list[torch.Tensor]] = {"q_a": [], "q_b": [], "k_b": [], "down_a": [], "down_b": []}
+    for rank in range(16):
+        tp = TensorParallel(rank, 16, fully_sharded=fully)
+        from lora_pin.model.attach import model_targets
+        from lora_pin.parallel import shard_plan
+        from lora_pin.weights import HostTier
+        from lora_pin.weights.targets import ModuleSelection
+
+        model = shard_llama(LlamaForCausalLM(config), tp)
+        targets, module_of = model_targets(model, ModuleSelection.of(ALL))
+        plan = shard_plan(model, targets, module_of, tp)
+        plan.bind(8)
+        host = HostTier(targets, max_rank=8, dtype=torch.float32, shards=plan).read("x", adapter)
+        q, k = (
+            host.modules["model.layers.0.self_attn.q_proj"],
+            host.modules["model.layers.0.self_attn.k_proj"],
+        )
+        down = host.modules["model.layers.0.mlp.down_proj"]
+        assert q.a.shape == ((1, 64) if fully else (8, 64)) and q.b.shape == (4, 8)
+        parts["q_a"].append(q.a)
+        parts["q_b"].append(q.b)
+        parts["k_b"].append(k.b)
+        parts["down_a"].append(down.a)
+        parts["down_b"].append(down.b)
+    q_a = stored[key + "self_attn.q_proj.lora_A.weight"]
+    if fully:
+        padded = torch.cat([q_a, torch.zeros(8, 64)])
+        assert torch.equal(torch.cat(parts["q_a"]), padded)
+        assert torch.equal(torch.cat(parts["down_b"]), stored[key + "mlp.down_proj.lora_B.weight"])
+    else:
+        assert all(torch.equal(a, q_a) for a in parts["q_a"])
+    assert torch.equal(torch.cat(parts["q_b"]), stored[key + "self_attn.q_proj.lora_B.weight"])
+    # 2 kv heads of 4 rows over 16 ranks: ranks 0-7 hold head 0, ranks 8-15 head 1.
+    k_b = stored[key + "self_attn.k_proj.lora_B.weight"]
+    assert all(torch.equal(parts["k_b"][r], k_b[(r // 8) * 4 : (r // 8) * 4 + 4]) for r in range(16))
+    assert torch.equal(torch.cat(parts["down_a"], dim=1), stored[key + "mlp.down_proj.lora_A.weight"])
