@@ -129,7 +129,8 @@ class LoRAManager:
             (:func:`lora_pin.parallel.register_parallel_linear`): each rank reads and holds only its shard
             of every adapter, and loads (start-up ones included) are collective, every rank of the group
             calling them in the same order (see :mod:`lora_pin.parallel`). ``fully_sharded`` needs
-            ``max_lora_rank``.
+            ``max_lora_rank``. A model cut by transformers' ``tp_plan`` (``DTensor`` weights) is found
+            without it.
 
     Thread safety: loads, unloads, pins and unpins may run from other threads while a step is active. A
     step is one core transaction: its plan and the acquisition of its requests happen at once, so an
@@ -189,8 +190,8 @@ class LoRAManager:
                     f"(it has {list(self.targets.module_names)})"
                 )
         self.chunk_size = chunk_size
-        self.tp = tp
         shards, self._collectives = _tensor_parallel(model, self.targets, self._module_of, tp, rank)
+        self.tp = None if shards is None else shards.tp
         host = HostTier(
             self.targets,
             max_rank=MAX_ADAPTER_RANK if rank is None else rank,
@@ -675,6 +676,11 @@ def _tensor_parallel(
         SpecError: as :func:`lora_pin.parallel.shard_plan`; or ``fully_sharded`` without ``max_lora_rank``
             (each rank's chunk of the rank dimension is cut from the pool's rank, fixed before any read).
     """
+    if tp is None and any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        from lora_pin.parallel.api import detect_tp
+
+        # A model cut by transformers' tp_plan: its linears' device mesh says where this process stands.
+        tp = detect_tp(model, module_of.values())
     if tp is None:
         return None, None
     from lora_pin.parallel import CollectiveLog, shard_plan

@@ -11,7 +11,7 @@ and makes every load, unload, pin and unpin collective.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,16 @@ from lora_pin.parallel.sharding import ParallelLayout, ShardPlan, TensorParallel
 from lora_pin.weights.pool import GroupBuffers
 from lora_pin.weights.targets import LoRATargets, TargetGroup, register_linear
 
-__all__ = ["ParallelKind", "parallel_kind", "register_parallel_linear", "shard_plan", "wrap_parallel"]
+__all__ = [
+    "ParallelKind",
+    "detect_tp",
+    "dtensor_cut",
+    "dtensor_tp",
+    "parallel_kind",
+    "register_parallel_linear",
+    "shard_plan",
+    "wrap_parallel",
+]
 
 
 @dataclass(frozen=True)
@@ -84,7 +93,9 @@ def register_parallel_linear(
 
 def parallel_kind(module: torch.nn.Module) -> ParallelKind | None:
     """The registered :class:`ParallelKind` of ``module``'s class (or a parent class whose forward it
-    keeps), or None for a layer that is not cut."""
+    keeps); for an ``nn.Linear`` whose weight is a ``DTensor`` cut on one dimension (transformers'
+    ``tp_plan`` styles ``colwise`` and ``rowwise``), the kind its placement says; None for a layer that
+    is not cut."""
     base = getattr(module, "base_layer", None)
     if isinstance(base, torch.nn.Module):
         module = base
@@ -93,6 +104,64 @@ def parallel_kind(module: torch.nn.Module) -> ParallelKind | None:
         kind = _PARALLEL.get(parent)
         if kind is not None:
             return kind if parent is cls or cls.forward is parent.forward else None
+    if isinstance(module, torch.nn.Linear) and dtensor_cut(module) is not None:
+        return _DTENSOR_COLUMN if dtensor_cut(module) == 0 else _DTENSOR_ROW
+    return None
+
+
+def dtensor_cut(module: torch.nn.Module) -> int | None:
+    """The dimension of the weight ``[out, in]`` a ``DTensor``-sharded linear is cut on over a one-dimensional
+    device mesh (0: column, 1: row), or None when its weight is no such ``DTensor``."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1 or len(weight.placements) != 1:
+        return None
+    placement = weight.placements[0]
+    if not isinstance(placement, Shard):
+        return None
+    return placement.dim % 2
+
+
+def dtensor_tp(module: torch.nn.Module, fully_sharded: bool = False) -> TensorParallel:
+    """The :class:`TensorParallel` of a ``DTensor``-sharded linear: its device mesh's rank, size and group."""
+    mesh = module.weight.device_mesh  # type: ignore[union-attr]
+    return TensorParallel(mesh.get_local_rank(), mesh.size(), mesh.get_group(), fully_sharded)
+
+
+def _dtensor_layout(module: Any) -> ParallelLayout:
+    tp = dtensor_tp(module)
+    if dtensor_cut(module) == 0:
+        return ParallelLayout.column(tp, module.in_features, module.out_features)
+    return ParallelLayout.row(tp, module.in_features, module.out_features)
+
+
+def _dtensor_partial(module: Any, x: torch.Tensor) -> torch.Tensor:
+    # What transformers' rowwise inference path computes before its all-reduce: the local product, no bias.
+    return torch.nn.functional.linear(x, module.weight.to_local())
+
+
+def _dtensor_reduce(module: Any, partial: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.all_reduce(partial, group=module.weight.device_mesh.get_group())
+    bias = module._parameters.get("bias")
+    if bias is None:
+        return partial
+    return partial + (bias.to_local() if hasattr(bias, "to_local") else bias)
+
+
+_DTENSOR_COLUMN = ParallelKind(_dtensor_layout, False, None)
+_DTENSOR_ROW = ParallelKind(_dtensor_layout, False, RowCall(_dtensor_partial, _dtensor_reduce))
+
+
+def detect_tp(model: torch.nn.Module, module_keys: Iterable[str]) -> TensorParallel | None:
+    """The tensor parallelism of a model cut by transformers' ``tp_plan`` (``DTensor`` weights): that of the
+    first of ``module_keys`` whose weight is a cut ``DTensor``, or None when none is."""
+    for key in module_keys:
+        module = model.get_submodule(key)
+        if isinstance(module, torch.nn.Linear) and dtensor_cut(module) is not None:
+            return dtensor_tp(module)
     return None
 
 

@@ -363,7 +363,9 @@ class ShardPlan:
         shard = self.group(group.key)
         if shard is None:
             return rank, group.out_total, rank
-        return shard.host_shape(group, rank, self.max_rank)
+        fully_column = shard.fully_sharded and shard.layout.kind == "column"
+        # Only a fully sharded column layer's chunk depends on the pool's rank.
+        return shard.host_shape(group, rank, self.max_rank if fully_column else rank)
 
     def b_offsets(self, group: TargetGroup) -> tuple[int, ...]:
         """Row offsets of the slices in this rank's B of ``group``."""
