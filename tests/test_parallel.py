@@ -53,14 +53,17 @@ def tp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     key = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
     tensors[key][60, 1] = float("nan")
     save_file(tensors, bad / "adapter_model.safetensors")
+    # transformers' own tp_plan cuts every kv head's rows over the ranks: 4 kv heads for TP = 4.
+    make_tiny_llama(root / "hf", heads=4, kv_heads=4, layers=2)
+    make_peft_adapter(root / "hf", root / "h", r=4, lora_alpha=8, target_modules=ALL, seed=6)
     _save_references(root)
     return root
 
 
-def _load(root: Path) -> torch.nn.Module:
+def _load(root: Path, model: str = "model", **kwargs: Any) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(root / "model").eval()
+    return AutoModelForCausalLM.from_pretrained(root / model, **kwargs).eval()
 
 
 def _inputs() -> torch.Tensor:
@@ -84,7 +87,9 @@ def _save_references(root: Path) -> None:
         )
         with mgr.batch(NAMES):
             want_single = single(ids).logits
-    torch.save({"peft": want_peft, "single": want_single}, root / "references.pt")
+        hf = PeftModel.from_pretrained(_load(root, "hf"), root / "h", adapter_name="h")
+        want_hf = hf(ids[:3], adapter_names=["h", "__base__", "h"]).logits
+    torch.save({"peft": want_peft, "single": want_single, "hf": want_hf}, root / "references.pt")
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -92,10 +97,17 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _worker(rank: int, world: int, root_text: str, port: int) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
+        _check_transformers_tp(Path(root_text))
         # TP = 4 over the whole group, then TP = 2 twice side by side (ranks 0-1 and 2-3, as with data
         # parallelism over tensor-parallel groups): a rank's shard is its rank in its group, not the
         # global one.
@@ -104,6 +116,26 @@ def _worker(rank: int, world: int, root_text: str, port: int) -> None:
         _checks(rank % 2, 2, pairs[rank // 2], Path(root_text))
     finally:
         dist.destroy_process_group()
+
+
+def _check_transformers_tp(root: Path) -> None:
+    """A model cut by transformers' own ``tp_plan="auto"`` (DTensor weights): the manager finds the cut
+    linears without being told and serves PEFT's outputs; base rows are the cut base model's."""
+    from transformers.distributed import DistributedConfig
+
+    model = _load(root, "hf", distributed_config=DistributedConfig(tp_plan="auto"))
+    ids = _inputs()[:3]
+    with torch.inference_mode():
+        base = model(ids).logits.clone()
+    mgr = LoRAManager(model, [f"h={root / 'h'}"], max_loras_per_batch=2)
+    assert mgr.tp is not None and mgr.tp.size == dist.get_world_size()
+    with torch.inference_mode(), mgr.batch(["h", None, "h"]):
+        got = model(ids).logits
+    want = torch.load(root / "references.pt")["hf"]
+    assert _relative(got, want) < 1e-5, _relative(got, want)
+    assert torch.equal(got[1], base[1])
+    q = mgr.host["h"].modules["model.layers.0.self_attn.q_proj"]
+    assert q.b.shape == (64 // mgr.tp.size, 4)
 
 
 def _checks(rank: int, size: int, group: Any, root: Path) -> None:
@@ -128,6 +160,7 @@ def _checks(rank: int, size: int, group: Any, root: Path) -> None:
                 assert torch.equal(got[i], base[i]), (fully, i)
         _check_host_shards(mgr, root, tp)
         _check_runtime_ops(mgr, model, ids, root, tp)
+        _check_fused_layers(root, tp)
 
 
 def _check_host_shards(mgr: LoRAManager, root: Path, tp: TensorParallel) -> None:
@@ -153,6 +186,105 @@ def _check_host_shards(mgr: LoRAManager, root: Path, tp: TensorParallel) -> None
     assert torch.equal(down.a, a[:, tp.rank * cols : (tp.rank + 1) * cols])
     out = 64 // tp.size
     assert torch.equal(down.b, b[tp.rank * out : (tp.rank + 1) * out] if tp.fully_sharded else b)
+
+
+def _fused_model(root: Path, tp: TensorParallel) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The tiny Llama's linears as a framework cuts them: fused qkv (q by rank, the one kv head replicated),
+    fused gate_up, row-parallel o and down; returns it and the unsharded weights."""
+    from lora_pin.parallel.tiny import ColumnParallelLinear, RowParallelLinear
+
+    weights = load_file(root / "model" / "model.safetensors")
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList()
+    for i in range(2):
+        w = {k.rsplit(".", 2)[-2]: v for k, v in weights.items() if k.startswith(f"model.layers.{i}.")}
+        layer, attn, mlp = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+        qkv = qkv_slices(tp, q_out=64, kv_out=16, num_kv_heads=1)
+        fused = torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]])
+        attn.qkv_proj = ColumnParallelLinear(fused, ParallelLayout("column", tp, 64, qkv))
+        attn.o_proj = RowParallelLinear(w["o_proj"], tp)
+        gate_up = ParallelLayout.column(tp, 64, 128, 128)
+        mlp.gate_up_proj = ColumnParallelLinear(torch.cat([w["gate_proj"], w["up_proj"]]), gate_up)
+        mlp.down_proj = RowParallelLinear(w["down_proj"], tp)
+        layer.self_attn, layer.mlp = attn, mlp
+        model.model.layers.append(layer)
+    return model, weights
+
+
+def _expected(
+    root: Path, weights: dict[str, torch.Tensor], x: torch.Tensor, token_names: list[str | None], module: str
+) -> torch.Tensor:
+    """Layer 0's ``module`` output for every token, unsharded, in float64: the base product plus each
+    token's adapter delta ``scaling * x Aᵀ Bᵀ`` read straight from the adapter files."""
+    import json
+
+    w = weights[f"model.layers.0.{module}.weight"].double()
+    out = x.double() @ w.T
+    for t, name in enumerate(token_names):
+        if name is None:
+            continue
+        config = json.loads((root / name / "adapter_config.json").read_text())
+        stored = load_file(root / name / "adapter_model.safetensors")
+        key = f"base_model.model.model.layers.0.{module}"
+        if f"{key}.lora_A.weight" in stored:
+            a, b = stored[f"{key}.lora_A.weight"].double(), stored[f"{key}.lora_B.weight"].double()
+            out[t] += config["lora_alpha"] / config["r"] * (b @ (a @ x[t].double()))
+    return out
+
+
+def _check_fused_layers(root: Path, tp: TensorParallel) -> None:
+    """Fused qkv under GQA, fused gate_up and row-parallel down, on a packed step with base tokens: each
+    rank's output is its part of the unsharded layers' (rel err < 1e-5)."""
+    model, weights = _fused_model(root, tp)
+    q_local, kv_local = 64 // tp.size, 16
+    mgr = LoRAManager(
+        model,
+        [f"{n}={root / n}" for n in ADAPTERS],
+        max_loras_per_batch=3,
+        max_lora_rank=8,
+        fused_modules={
+            "qkv_proj": [("q_proj", q_local), ("k_proj", kv_local), ("v_proj", kv_local)],
+            "gate_up_proj": [("gate_proj", 128 // tp.size), ("up_proj", 128 // tp.size)],
+        },
+        tp=tp,
+    )
+    counts = [2, 1, 3, 1, 2, 1]
+    token_names = [n for n, c in zip(NAMES, counts, strict=True) for _ in range(c)]
+    generator = torch.Generator().manual_seed(9)
+    x, x_down = (
+        torch.randn(len(token_names), 64, generator=generator),
+        torch.randn(len(token_names), 128, generator=generator),
+    )
+    layer = model.model.layers[0]
+    step = mgr.prepare_step(NAMES, counts)
+    try:
+        assert step.admitted == tuple(range(len(NAMES)))
+        with torch.inference_mode():
+            qkv = layer.self_attn.qkv_proj(x)
+            gate_up = layer.mlp.gate_up_proj(x)
+            width = 128 // tp.size
+            down = layer.mlp.down_proj(x_down[:, tp.rank * width : (tp.rank + 1) * width].contiguous())
+    finally:
+        mgr.finish(step)
+    q, k, _ = qkv_slices(tp, q_out=64, kv_out=16, num_kv_heads=1)
+    want = {
+        m: _expected(root, weights, x, token_names, m)
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+    }
+    want_qkv = torch.cat(
+        [
+            want["self_attn.q_proj"][:, slice(*q.rows)],
+            want["self_attn.k_proj"][:, slice(*k.rows)],
+            want["self_attn.v_proj"][:, slice(*k.rows)],
+        ],
+        dim=1,
+    )
+    rows = slice(tp.rank * width, (tp.rank + 1) * width)
+    want_gate_up = torch.cat([want["mlp.gate_proj"][:, rows], want["mlp.up_proj"][:, rows]], dim=1)
+    want_down = _expected(root, weights, x_down, token_names, "mlp.down_proj")
+    for got, expected in ((qkv, want_qkv), (gate_up, want_gate_up), (down, want_down)):
+        assert _relative(got.double(), expected) < 1e-5, (tp, _relative(got.double(), expected))
 
 
 def _gathered(value: Any, tp: TensorParallel) -> list[Any]:
