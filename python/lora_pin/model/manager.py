@@ -624,8 +624,19 @@ class LoRAManager:
             plan = self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence, read_first=True)
             if plan.ticket is not None:
                 return plan
-            for name in plan.to_read:
-                self.residency.read_into_host(name)
+            error: LoraPinError | None = None
+            try:
+                for name in plan.to_read:
+                    self.residency.read_into_host(name)
+            except LoraPinError as exc:
+                error = exc
+            if self.tp is not None:
+                # A rank reads its own shards: every rank must fail the step alike, or none.
+                from lora_pin.parallel.collective import agree
+
+                agree(self.tp, error, self._collectives).raise_if_failed(f"reading {plan.to_read}", error)
+            elif error is not None:
+                raise error
         return self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence)
 
     def _activate(self, plan: Any, slot_writes: tuple[tuple[int, int], ...], per_sequence: bool) -> Step:
