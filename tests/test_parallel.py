@@ -431,3 +431,42 @@ def test_a_rank_8_adapter_is_cut_over_16_ranks_with_zero_padding(tmp_path: Path,
     k_b = stored[key + "self_attn.k_proj.lora_B.weight"]
     assert all(torch.equal(parts["k_b"][r], k_b[(r // 8) * 4 : (r // 8) * 4 + 4]) for r in range(16))
     assert torch.equal(torch.cat(parts["down_a"], dim=1), stored[key + "mlp.down_proj.lora_A.weight"])
+
+
+def test_demo_tp_2_fully_sharded_matches_peft(tp_root: Path) -> None:
+    """``lora-pin demo --tp 2`` on the tiny Llama: two gloo processes checked against PEFT, rank 0 reports."""
+    import subprocess
+    import sys
+
+    import orjson
+
+    items = [f"{n}={tp_root / n}" for n in ADAPTERS]
+    argv = ["--model", str(tp_root / "model"), "--lora-paths", *items, "--max-loras-per-batch", "2"]
+    argv += [
+        "--tp",
+        "2",
+        "--fully-sharded",
+        "--requests",
+        "12",
+        "--check-every",
+        "2",
+        "--json",
+        "--no-progress",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "lora_pin", "demo", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    report = orjson.loads(out.stdout)
+    assert report["ok"] and report["checked_steps"] >= 2 and report["max_relative_error"] <= 1e-4
+    assert report["tp"] == {"size": 2, "fully_sharded": True}
+    calls = report["stats"]["tp_collective_calls"]
+    assert calls["all_gather"] > 0 and calls["all_reduce"] > 0 and calls["agree"] >= 1
+    bad = subprocess.run(
+        [sys.executable, "-m", "lora_pin", "demo", "--tp", "0"], capture_output=True, text=True, check=False
+    )
+    assert bad.returncode == 2 and "--tp must be at least 1 (got 0)" in bad.stderr
