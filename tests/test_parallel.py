@@ -160,6 +160,8 @@ def _checks(rank: int, size: int, group: Any, root: Path) -> None:
                 assert torch.equal(got[i], base[i]), (fully, i)
         _check_host_shards(mgr, root, tp)
         _check_runtime_ops(mgr, model, ids, root, tp)
+        mgr.detach()
+        _check_reread_failing_on_one_rank(model, root, tp)
         _check_fused_layers(root, tp)
 
 
@@ -285,6 +287,52 @@ def _check_fused_layers(root: Path, tp: TensorParallel) -> None:
     want_down = _expected(root, weights, x_down, token_names, "mlp.down_proj")
     for got, expected in ((qkv, want_qkv), (gate_up, want_gate_up), (down, want_down)):
         assert _relative(got.double(), expected) < 1e-5, (tp, _relative(got.double(), expected))
+
+
+def _check_reread_failing_on_one_rank(model: torch.nn.Module, root: Path, tp: TensorParallel) -> None:
+    """An adapter evicted from host memory is read again by the step that needs it; when the last rank's
+    shard of its file went bad meanwhile, the step fails on every rank (none waits in a collective) and
+    nothing was acquired; once the file is good again the step runs."""
+    import shutil
+
+    folder = root / f"x-{tp.size}-{int(tp.fully_sharded)}-{dist.get_rank() - tp.rank}"
+    weights = folder / "adapter_model.safetensors"
+    if tp.rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(root / "b", folder)
+    dist.barrier(group=tp.group)
+    mgr = LoRAManager(
+        model,
+        [f"x={folder}"],
+        max_loras_per_batch=1,
+        max_loaded_loras=1,
+        max_lora_rank=8,
+        lora_target_modules=ALL,
+        tp=tp,
+    )
+    mgr.load("y", root / "c")  # the host tier holds one adapter: x goes back to disk only
+    assert "x" not in mgr.host
+    good = load_file(weights)
+    if tp.rank == 0:
+        bad = dict(good)
+        bad["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"] = good[
+            "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
+        ].clone()
+        bad["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"][60, 0] = float("nan")
+        save_file(bad, weights)
+    dist.barrier(group=tp.group)
+    ids = _inputs()[:1]
+    with pytest.raises(AdapterLoadError), torch.inference_mode(), mgr.batch(["x"]):
+        model(ids)
+    assert "x" not in mgr.host and mgr.registry.in_flight("x") == 0
+    dist.barrier(group=tp.group)
+    if tp.rank == 0:
+        save_file(good, weights)
+    dist.barrier(group=tp.group)
+    with torch.inference_mode(), mgr.batch(["x"]):
+        model(ids)
+    assert "x" in mgr.host
+    mgr.detach()
 
 
 def _gathered(value: Any, tp: TensorParallel) -> list[Any]:

@@ -624,19 +624,22 @@ class LoRAManager:
             plan = self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence, read_first=True)
             if plan.ticket is not None:
                 return plan
-            error: LoraPinError | None = None
-            try:
+            if self.tp is None:
                 for name in plan.to_read:
                     self.residency.read_into_host(name)
+                continue
+            # A rank reads its own shards: every rank enters them, or every rank fails the step alike
+            # with nothing changed (the host tier is part of the plan every rank must agree on).
+            from lora_pin.parallel.collective import agree
+
+            read, error = [], None
+            try:
+                read = [(name, self.residency.read_for_host(name)) for name in plan.to_read]
             except LoraPinError as exc:
                 error = exc
-            if self.tp is not None:
-                # A rank reads its own shards: every rank must fail the step alike, or none.
-                from lora_pin.parallel.collective import agree
-
-                agree(self.tp, error, self._collectives).raise_if_failed(f"reading {plan.to_read}", error)
-            elif error is not None:
-                raise error
+            agree(self.tp, error, self._collectives).raise_if_failed(f"reading {plan.to_read}", error)
+            for name, adapter in read:
+                self.residency.enter_host(name, adapter)
         return self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence)
 
     def _activate(self, plan: Any, slot_writes: tuple[tuple[int, int], ...], per_sequence: bool) -> Step:
