@@ -557,10 +557,10 @@ class LoRAManager:
 
         assert self.tp is not None
         adapters: list[Any] = []
-        error: LoraPinError | None = None
+        error: Exception | None = None
         try:
             adapters = [host.read(r.lora_name, r.lora_path) for r in refs]
-        except LoraPinError as exc:
+        except Exception as exc:  # any failure: the other ranks must not wait for this one
             error = exc
         agree(self.tp, error, self._collectives).raise_if_failed("start-up adapters", error)
         return adapters
@@ -577,7 +577,7 @@ class LoRAManager:
             if name in self.registry:
                 raise DuplicateAdapterError(f"adapter {name!r} is already registered")
             adapter = self.host.read(name, path)
-        except LoraPinError as exc:
+        except Exception as exc:  # any failure: the other ranks must not wait for this one
             error = exc
         agreement = agree(self.tp, error, self._collectives)
         agreement.raise_if_failed(f"load of adapter {name!r}", error)
@@ -635,7 +635,7 @@ class LoRAManager:
             read, error = [], None
             try:
                 read = [(name, self.residency.read_for_host(name)) for name in plan.to_read]
-            except LoraPinError as exc:
+            except Exception as exc:  # any failure: the other ranks must not wait for this one
                 error = exc
             agree(self.tp, error, self._collectives).raise_if_failed(f"reading {plan.to_read}", error)
             for name, adapter in read:
