@@ -99,11 +99,11 @@ def parallel_kind(module: torch.nn.Module) -> ParallelKind | None:
     base = getattr(module, "base_layer", None)
     if isinstance(base, torch.nn.Module):
         module = base
-    cls = type(module)
+    cls: type[torch.nn.Module] = type(module)
     for parent in cls.__mro__:
         kind = _PARALLEL.get(parent)
         if kind is not None:
-            return kind if parent is cls or cls.forward is parent.forward else None
+            return kind if parent is cls or cls.forward is getattr(parent, "forward", None) else None
     if isinstance(module, torch.nn.Linear) and dtensor_cut(module) is not None:
         return _DTENSOR_COLUMN if dtensor_cut(module) == 0 else _DTENSOR_ROW
     return None
@@ -125,7 +125,8 @@ def dtensor_cut(module: torch.nn.Module) -> int | None:
 
 def dtensor_tp(module: torch.nn.Module, fully_sharded: bool = False) -> TensorParallel:
     """The :class:`TensorParallel` of a ``DTensor``-sharded linear: its device mesh's rank, size and group."""
-    mesh = module.weight.device_mesh  # type: ignore[union-attr]
+    weight: Any = module.weight
+    mesh = weight.device_mesh
     return TensorParallel(mesh.get_local_rank(), mesh.size(), mesh.get_group(), fully_sharded)
 
 

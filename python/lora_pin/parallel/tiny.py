@@ -9,6 +9,7 @@ the worked example of :func:`~lora_pin.parallel.register_parallel_linear`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,7 +86,7 @@ register_parallel_linear(
 
 
 def _column(
-    linear: torch.nn.Module, tp: TensorParallel, slices: Sequence[ColumnSlice]
+    linear: torch.nn.Linear, tp: TensorParallel, slices: Sequence[ColumnSlice]
 ) -> ColumnParallelLinear:
     weight = linear.weight.detach()
     return ColumnParallelLinear(weight, ParallelLayout("column", tp, weight.shape[1], tuple(slices)))
@@ -100,9 +101,10 @@ def shard_llama(model: torch.nn.Module, tp: TensorParallel) -> torch.nn.Module:
     Raises:
         SpecError: the heads or widths do not divide over the ranks.
     """
-    config = model.config
+    llama: Any = model
+    config = llama.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    for layer in model.model.layers:
+    for layer in llama.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         q, k, _ = qkv_slices(
             tp, q_out=attn.q_proj.out_features, kv_out=attn.k_proj.out_features, num_kv_heads=kv_heads

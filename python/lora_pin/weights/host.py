@@ -309,7 +309,8 @@ def _build_module(
             continue
         # This rank's part only: A's columns of its input shard (and its chunk of the rank's rows when
         # fully sharded), B's rows of its output shard.
-        first, last = shard.a_rows(slice_ranks[s], shards.rank_chunk if shard.cut_rank else 0)
+        chunk = shards.rank_chunk if shards is not None and shard.cut_rank else 0
+        first, last = shard.a_rows(slice_ranks[s], chunk)
         a_part = a[s * a_rank : s * a_rank + last - first]
         file.read_slice_into(pair.a_name, a_part, (first, last), shard.a_cols)
         file.read_slice_into(pair.b_name, b_cols, shard.b_rows, (0, slice_ranks[s]))
