@@ -518,3 +518,36 @@ def test_demo_tp_2_fully_sharded_matches_peft(tp_root: Path) -> None:
         [sys.executable, "-m", "lora_pin", "demo", "--tp", "0"], capture_output=True, text=True, check=False
     )
     assert bad.returncode == 2 and "--tp must be at least 1 (got 0)" in bad.stderr
+
+
+class _RowWithoutHalves(torch.nn.Module):
+    """A row-parallel layer registered without saying how to run it in two halves."""
+
+    def __init__(self, tp: TensorParallel) -> None:
+        super().__init__()
+        self.layout = ParallelLayout.row(tp, 128, 64)
+        self.weight = torch.nn.Parameter(torch.zeros(64, 128 // tp.size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+
+def test_bad_registrations_and_tp_settings_are_refused_before_any_collective(tp_root: Path) -> None:
+    from lora_pin.parallel import register_parallel_linear
+    from lora_pin.parallel.tiny import shard_llama
+
+    with pytest.raises(SpecError, match=r"not a torch\.nn\.Module subclass"):
+        register_parallel_linear(int, layout=lambda m: m.layout)  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match="both partial and reduce"):
+        register_parallel_linear(_RowWithoutHalves, layout=lambda m: m.layout, partial=lambda m, x: x)
+    lora_paths = [f"a={tp_root / 'a'}"]
+    # The layers are cut as rank 0 of 2; the manager is told rank 1.
+    model = shard_llama(_load(tp_root), TensorParallel(0, 2))
+    with pytest.raises(SpecError, match="cut as rank 0 of 2 but the manager's tp is rank 1 of 2"):
+        LoRAManager(model, lora_paths, max_lora_rank=8, tp=TensorParallel(1, 2))
+    with pytest.raises(SpecError, match="needs max_lora_rank"):
+        LoRAManager(model, lora_paths, tp=TensorParallel(0, 2, fully_sharded=True))
+    register_parallel_linear(_RowWithoutHalves, layout=lambda m: m.layout)
+    model.model.layers[0].mlp.down_proj = _RowWithoutHalves(TensorParallel(0, 2))
+    with pytest.raises(SpecError, match="register it with partial= and reduce="):
+        LoRAManager(model, lora_paths, max_lora_rank=8, tp=TensorParallel(0, 2))
