@@ -78,11 +78,14 @@ def _rank_main(rank: int, size: int, fully: bool, root: str, port: int, reps: in
             names: list[str | None] = [None if i % 4 == 3 else f"a{i % 4}" for i in range(batch)]
             ids = torch.randint(0, config.vocab_size, (batch, length), generator=generator)
             _alternate(model, mgr, ids, names, 3)  # warm-up
-            log = mgr._collectives
-            before = (dict(log.calls), dict(log.nbytes)) if log is not None else ({}, {})
+            before = mgr.stats()
             lora, base = _alternate(model, mgr, ids, names, reps)
-            calls = {k: (log.calls[k] - before[0].get(k, 0)) / reps for k in log.calls} if log else {}
-            sent = {k: (log.nbytes[k] - before[1].get(k, 0)) / reps for k in log.nbytes} if log else {}
+            after = mgr.stats()
+            # Both timings ran reps steps each; the all-base steps run no LoRA collective.
+            calls, sent = {}, {}
+            for key, into in (("tp_collective_calls", calls), ("tp_collective_bytes", sent)):
+                for kind_name, count in after.get(key, {}).items():
+                    into[kind_name] = (count - before[key].get(kind_name, 0)) / reps
             tokens = batch * length
             # The base model's own all-reduces: o_proj and down_proj of every layer, [T, hidden] fp32.
             base_bytes = 2 * config.num_hidden_layers * tokens * config.hidden_size * 4 if tp else 0
