@@ -312,7 +312,8 @@ def _check_reread_failing_on_one_rank(model: torch.nn.Module, root: Path, tp: Te
     )
     mgr.load("y", root / "c")  # the host tier holds one adapter: x goes back to disk only
     assert "x" not in mgr.host
-    good = load_file(weights)
+    # Rank 0 alone reads and rewrites the file (the others may not read it while it is rewritten).
+    good = load_file(weights) if tp.rank == 0 else {}
     if tp.rank == 0:
         bad = dict(good)
         bad["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"] = good[
@@ -355,6 +356,7 @@ def _check_runtime_ops(
         model(ids[:2])
     mgr.unpin("d")
     mgr.unload("d")
+    _check_pin_refused_on_one_rank(mgr, tp)
     before = _state(mgr)
     with pytest.raises(AdapterLoadError) as caught:
         mgr.load("bad", root / "bad")
@@ -368,10 +370,28 @@ def _check_runtime_ops(
     assert all(s == states[0] for s in states), states
 
 
+def _check_pin_refused_on_one_rank(mgr: LoRAManager, tp: TensorParallel) -> None:
+    """A pin that fails on one rank only (its registry made to hold one more pin) is undone where it
+    succeeded: every rank raises CapacityError and keeps the pins it had."""
+    from lora_pin.errors import CapacityError
+
+    last = tp.rank == tp.size - 1
+    if last:
+        mgr.registry.pin("b")  # this rank alone: 3 slots, so a third pin leaves no slot here
+    mgr.pin("a")
+    with pytest.raises(CapacityError):
+        mgr.pin("c")
+    assert sorted(mgr.stats()["pinned_names"]) == (["a", "b"] if last else ["a"])
+    if last:
+        mgr.registry.unpin("b")
+    mgr.unpin("a")
+    assert mgr.stats()["pinned_names"] == []
+
+
 def _state(mgr: LoRAManager) -> tuple[Any, ...]:
     """What a load may change: registrations (with ids), pins, the host tier's adapters and bytes."""
     registered = [(n, mgr.registry.lora_ref(n).lora_id) for n in (*ADAPTERS, "d", "bad") if n in mgr.registry]
-    return registered, mgr.stats()["pinned"], sorted(mgr.host), mgr.residency.host_bytes
+    return registered, sorted(mgr.stats()["pinned_names"]), sorted(mgr.host), mgr.residency.host_bytes
 
 
 def test_sharded_llama_at_tp_2_and_4_matches_one_process_and_peft(tp_root: Path) -> None:

@@ -356,16 +356,25 @@ class LoRAManager:
         Raises:
             AdapterNotFoundError: ``name`` is not registered.
             CapacityError: fewer than one slot would stay for unpinned adapters (the message has the numbers).
+
+        With ``tp``, every rank calls it; if it fails on any rank it is undone where it succeeded and every
+        rank raises.
         """
-        self.registry.pin(name)
+        self._collectively(
+            f"pin of {name!r}", lambda: self.registry.pin(name), lambda: self.registry.unpin(name)
+        )
 
     def unpin(self, name: str) -> None:
         """Make ``name`` evictable again.
 
         Raises:
             AdapterNotFoundError: ``name`` is not registered.
+
+        With ``tp``, collective as :meth:`pin`.
         """
-        self.registry.unpin(name)
+        self._collectively(
+            f"unpin of {name!r}", lambda: self.registry.unpin(name), lambda: self.registry.pin(name)
+        )
 
     def unload(self, name: str, timeout: float | None = None) -> None:
         """Unregister ``name`` (no new requests), wait for its running requests, then free its weights.
@@ -375,9 +384,16 @@ class LoRAManager:
         Raises:
             AdapterNotFoundError: ``name`` was never registered.
             UnloadTimeoutError: requests still use it after ``timeout`` seconds (it stays unregistered).
+
+        With ``tp``, every rank calls it and raises if it failed on any rank (an unload is not undone: the
+        name stays unregistered everywhere, the ranks that drained it have freed its weights).
         """
-        self.registry.unload(name, timeout)
-        self.residency.forget(name)
+
+        def unload() -> None:
+            self.registry.unload(name, timeout)
+            self.residency.forget(name)
+
+        self._collectively(f"unload of {name!r}", unload)
 
     async def unload_async(self, name: str, timeout: float | None = None) -> None:
         """:meth:`unload` for asyncio code: polls without blocking the event loop or tying up a thread.
@@ -550,6 +566,24 @@ class LoRAManager:
 
     def _active_segments(self) -> StepSegments | None:
         return self._active
+
+    def _collectively(self, what: str, do: Any, undo: Any = None) -> None:
+        """``do()``; with ``tp``, then agree with every rank: where it succeeded but failed elsewhere,
+        ``undo()`` it, and raise on every rank (the failed rank's own error there)."""
+        if self.tp is None:
+            do()
+            return
+        from lora_pin.parallel.collective import agree
+
+        error: Exception | None = None
+        try:
+            do()
+        except Exception as exc:  # any failure: the other ranks must not wait for this one
+            error = exc
+        agreement = agree(self.tp, error, self._collectives)
+        if agreement.failed and error is None and undo is not None:
+            undo()
+        agreement.raise_if_failed(what, error)
 
     def _read_agreed(self, host: HostTier, refs: Sequence[LoRARef]) -> list[Any]:
         """Every start-up adapter read on this rank, once every rank has read its shards (all or none)."""
