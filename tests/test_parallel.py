@@ -136,6 +136,16 @@ def _check_transformers_tp(root: Path) -> None:
     assert torch.equal(got[1], base[1])
     q = mgr.host["h"].modules["model.layers.0.self_attn.q_proj"]
     assert q.b.shape == (64 // mgr.tp.size, 4)
+    mgr.detach()
+    # Fully sharded over the same DTensor layers, asked for explicitly.
+    tp = TensorParallel(dist.get_rank(), dist.get_world_size(), fully_sharded=True)
+    mgr = LoRAManager(model, [f"h={root / 'h'}"], max_loras_per_batch=2, max_lora_rank=4, tp=tp)
+    with torch.inference_mode(), mgr.batch(["h", None, "h"]):
+        got = model(ids).logits
+    assert _relative(got, want) < 1e-5, _relative(got, want)
+    assert torch.equal(got[1], base[1])
+    assert mgr.stats()["tp_collective_calls"]["all_gather"] > 0
+    mgr.detach()
 
 
 def _checks(rank: int, size: int, group: Any, root: Path) -> None:
