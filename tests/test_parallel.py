@@ -127,6 +127,8 @@ def _check_transformers_tp(root: Path) -> None:
     ids = _inputs()[:3]
     with torch.inference_mode():
         base = model(ids).logits.clone()
+    with pytest.raises(SpecError, match="'lm_head' is cut by tensor parallelism"):
+        LoRAManager(model, max_lora_rank=4, lora_target_modules=["q_proj", "lm_head"])
     mgr = LoRAManager(model, [f"h={root / 'h'}"], max_loras_per_batch=2)
     assert mgr.tp is not None and mgr.tp.size == dist.get_world_size()
     with torch.inference_mode(), mgr.batch(["h", None, "h"]):

@@ -176,11 +176,22 @@ def shard_plan(
         SpecError: a layer's layout is cut over another rank or size than ``tp``, a row-parallel class was
             registered without ``partial``/``reduce``, or a layout does not match the layer's targets.
     """
+    from lora_pin.weights.targets import output_layer_keys
+
     groups: dict[str, tuple[TargetGroup, Any]] = {}
+    output = output_layer_keys(model)
     for group in targets.groups:
         key = module_of[group.key]
         module = model.get_submodule(key)
         kind = parallel_kind(module)
+        weight = getattr(getattr(module, "base_layer", module), "weight", None)
+        if type(weight).__name__ == "DTensor" and (kind is None or key in output):
+            # transformers cuts its embeddings by vocabulary rows and gathers lm_head's output: neither is
+            # a column or row layer whose delta lands in this rank's output.
+            raise SpecError(
+                f"{key!r} is cut by tensor parallelism ({type(module).__name__}, output layer or embedding) "
+                "in a way lora_pin does not serve sharded; leave it out of lora_target_modules"
+            )
         if kind is None:
             continue
         base = getattr(module, "base_layer", module)
