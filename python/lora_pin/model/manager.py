@@ -204,8 +204,17 @@ class LoRAManager:
         )
         # Without max_lora_rank the pool is sized by the start-up adapters, read (and checked, tensors
         # included) first: a config's claim alone never sizes it.
-        if tp is not None:
-            startup = self._read_agreed(host, refs)
+        if self.tp is not None:
+            from lora_pin.parallel.collective import agreed
+
+            # Each rank reads its own shards: all of them start, or none.
+            startup: list[Any]
+            startup, _ = agreed(
+                self.tp,
+                "start-up adapters",
+                lambda: [host.read(r.lora_name, r.lora_path) for r in refs],
+                self._collectives,
+            )
         else:
             startup = [host.read(r.lora_name, r.lora_path) if rank is None else None for r in refs]
         if rank is None:
@@ -568,53 +577,28 @@ class LoRAManager:
         return self._active
 
     def _collectively(self, what: str, do: Any, undo: Any = None) -> None:
-        """``do()``; with ``tp``, then agree with every rank: where it succeeded but failed elsewhere,
-        ``undo()`` it, and raise on every rank (the failed rank's own error there)."""
+        """``do()``; with ``tp``, agreed with every rank (:func:`lora_pin.parallel.collective.agreed`)."""
         if self.tp is None:
             do()
             return
-        from lora_pin.parallel.collective import agree
+        from lora_pin.parallel.collective import agreed
 
-        error: Exception | None = None
-        try:
-            do()
-        except Exception as exc:  # any failure: the other ranks must not wait for this one
-            error = exc
-        agreement = agree(self.tp, error, self._collectives)
-        if agreement.failed and error is None and undo is not None:
-            undo()
-        agreement.raise_if_failed(what, error)
-
-    def _read_agreed(self, host: HostTier, refs: Sequence[LoRARef]) -> list[Any]:
-        """Every start-up adapter read on this rank, once every rank has read its shards (all or none)."""
-        from lora_pin.parallel.collective import agree
-
-        assert self.tp is not None
-        adapters: list[Any] = []
-        error: Exception | None = None
-        try:
-            adapters = [host.read(r.lora_name, r.lora_path) for r in refs]
-        except Exception as exc:  # any failure: the other ranks must not wait for this one
-            error = exc
-        agree(self.tp, error, self._collectives).raise_if_failed("start-up adapters", error)
-        return adapters
+        agreed(self.tp, what, do, self._collectives, undo)
 
     def _load_agreed(self, name: str, path: str, pinned: bool) -> LoRARef:
         """:meth:`load` on one tensor-parallel rank: read this rank's shards, agree with every rank, then
         register under the one id rank 0 drew (or refuse on every rank, nothing changed)."""
-        from lora_pin.parallel.collective import agree
+        from lora_pin.parallel.collective import agreed
 
         assert self.tp is not None
-        adapter, error = None, None
-        try:
+
+        def read() -> Any:
             LoRARef.new(name, path, pinned)  # the name and path checks, before anything is read
             if name in self.registry:
                 raise DuplicateAdapterError(f"adapter {name!r} is already registered")
-            adapter = self.host.read(name, path)
-        except Exception as exc:  # any failure: the other ranks must not wait for this one
-            error = exc
-        agreement = agree(self.tp, error, self._collectives)
-        agreement.raise_if_failed(f"load of adapter {name!r}", error)
+            return self.host.read(name, path)
+
+        adapter, agreement = agreed(self.tp, f"load of adapter {name!r}", read, self._collectives)
         ref = LoRARef(name, path, pinned=pinned, lora_id=agreement.token)
         self.residency.add(ref, adapter=adapter)
         return ref
@@ -664,14 +648,14 @@ class LoRAManager:
                 continue
             # A rank reads its own shards: every rank enters them, or every rank fails the step alike
             # with nothing changed (the host tier is part of the plan every rank must agree on).
-            from lora_pin.parallel.collective import agree
+            from lora_pin.parallel.collective import agreed
 
-            read, error = [], None
-            try:
-                read = [(name, self.residency.read_for_host(name)) for name in plan.to_read]
-            except Exception as exc:  # any failure: the other ranks must not wait for this one
-                error = exc
-            agree(self.tp, error, self._collectives).raise_if_failed(f"reading {plan.to_read}", error)
+            to_read = list(plan.to_read)
+
+            def read_all(to_read: list[str] = to_read) -> list[Any]:
+                return [(n, self.residency.read_for_host(n)) for n in to_read]
+
+            read, _ = agreed(self.tp, f"reading {to_read}", read_all, self._collectives)
             for name, adapter in read:
                 self.residency.enter_host(name, adapter)
         return self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence)

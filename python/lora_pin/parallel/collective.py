@@ -13,6 +13,8 @@ registered adapters and the step's inputs, so the ranks stay in step without any
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,9 @@ from lora_pin.errors import (
 from lora_pin.parallel.layers import CollectiveLog
 from lora_pin.parallel.sharding import TensorParallel
 
-__all__ = ["Agreement", "agree"]
+__all__ = ["Agreement", "agree", "agreed"]
+
+T = TypeVar("T")
 
 # Status codes, most specific first: 0 is success; an error is coded by the first class it is an instance of.
 _ERRORS: tuple[type[LoraPinError], ...] = (
@@ -103,3 +107,33 @@ def agree(tp: TensorParallel, error: BaseException | None, log: CollectiveLog | 
     values = status.tolist()
     token = f"{values[tp.size]:016x}{values[tp.size + 1]:016x}"
     return Agreement(values[: tp.size], token)
+
+
+def agreed(
+    tp: TensorParallel,
+    what: str,
+    run: Callable[[], T],
+    log: CollectiveLog | None = None,
+    undo: Callable[[], None] | None = None,
+) -> tuple[T, Agreement]:
+    """``run()`` on this rank, then :func:`agree` with every rank on its outcome: returns its value and the
+    :class:`Agreement` (whose ``token`` is the shared fresh id) when it succeeded on every rank.
+
+    Call it with a ``run`` that changes nothing that matters to the ranks' agreement (a read and its
+    checks), or give ``undo``, which reverts it where it succeeded when another rank failed.
+
+    Raises:
+        LoraPinError: (or this rank's own exception) when ``run`` failed on any rank; ``what`` names the
+            operation in the other ranks' message.
+    """
+    value: T | None = None
+    error: Exception | None = None
+    try:
+        value = run()
+    except Exception as exc:  # any failure: the other ranks must not wait for this one
+        error = exc
+    agreement = agree(tp, error, log)
+    if agreement.failed and error is None and undo is not None:
+        undo()
+    agreement.raise_if_failed(what, error)
+    return value, agreement  # type: ignore[return-value]
