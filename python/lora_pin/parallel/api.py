@@ -84,6 +84,7 @@ def register_parallel_linear(
     row_call = None if partial is None or reduce is None else RowCall(partial, reduce)
 
     def features(module: torch.nn.Module) -> tuple[int, int]:
+        """The layer's local widths, ``(in, out)`` on this rank."""
         shape = layout(module)
         return shape.local_in, shape.local_out
 

@@ -40,6 +40,7 @@ class CollectiveLog:
     nbytes: dict[str, int] = field(default_factory=dict)
 
     def add(self, kind: str, tensor: torch.Tensor) -> None:
+        """Count one ``kind`` collective sending ``tensor`` (its bytes)."""
         self.calls[kind] = self.calls.get(kind, 0) + 1
         self.nbytes[kind] = self.nbytes.get(kind, 0) + tensor.numel() * tensor.element_size()
 

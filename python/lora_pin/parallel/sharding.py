@@ -231,6 +231,7 @@ class GroupShard:
 
     @property
     def tp(self) -> TensorParallel:
+        """The group the layer is cut over (its collectives run on ``tp.group``)."""
         return self.layout.tp
 
     def pool_shape(self, group: TargetGroup, max_rank: int) -> tuple[int, int, int]:
