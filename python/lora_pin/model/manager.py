@@ -190,7 +190,9 @@ class LoRAManager:
                     f"(it has {list(self.targets.module_names)})"
                 )
         self.chunk_size = chunk_size
-        shards, self._collectives = _tensor_parallel(model, self.targets, self._module_of, tp, rank)
+        from lora_pin.parallel.api import manager_shard_plan
+
+        shards, self._collectives = manager_shard_plan(model, self.targets, self._module_of, tp, rank)
         self.tp = None if shards is None else shards.tp
         host = HostTier(
             self.targets,
@@ -693,39 +695,6 @@ class LoRAManager:
             self._active, self._active_step = active, step
             self._deferred_requests += len(step.deferred)
         return step
-
-
-def _tensor_parallel(
-    model: torch.nn.Module,
-    targets: Any,
-    module_of: dict[str, str],
-    tp: TensorParallel | None,
-    max_rank: int | None,
-) -> tuple[Any, Any]:
-    """The shard plan and the collectives log of a tensor-parallel rank (``(None, None)`` without ``tp``).
-
-    Raises:
-        SpecError: as :func:`lora_pin.parallel.shard_plan`; or ``fully_sharded`` without ``max_lora_rank``
-            (each rank's chunk of the rank dimension is cut from the pool's rank, fixed before any read).
-    """
-    if tp is None and any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        from lora_pin.parallel.api import detect_tp
-
-        # A model cut by transformers' tp_plan: its linears' device mesh says where this process stands.
-        tp = detect_tp(model, module_of.values())
-    if tp is None:
-        return None, None
-    from lora_pin.parallel import CollectiveLog, shard_plan
-
-    if tp.fully_sharded and max_rank is None:
-        raise SpecError(
-            "tp=TensorParallel(fully_sharded=True) needs max_lora_rank: each rank holds a chunk of the "
-            "pool's rank, fixed before any adapter is read"
-        )
-    plan = shard_plan(model, targets, module_of, tp)
-    if max_rank is not None:
-        plan.bind(max_rank)
-    return plan, CollectiveLog()
 
 
 def _checked_adapter_dir(

@@ -28,6 +28,7 @@ __all__ = [
     "detect_tp",
     "dtensor_cut",
     "dtensor_tp",
+    "manager_shard_plan",
     "parallel_kind",
     "register_parallel_linear",
     "shard_plan",
@@ -209,6 +210,37 @@ def shard_plan(
             )
         groups[group.key] = (group, group_shard(layout, group, tp.fully_sharded))
     return ShardPlan(tp, groups)
+
+
+def manager_shard_plan(
+    model: torch.nn.Module,
+    targets: LoRATargets,
+    module_of: Mapping[str, str],
+    tp: TensorParallel | None,
+    max_rank: int | None,
+) -> tuple[ShardPlan | None, CollectiveLog | None]:
+    """A manager's shard plan and collectives log: for ``tp``, or for the tensor parallelism of a model
+    cut by transformers' ``tp_plan`` (``DTensor`` weights) when ``tp`` is None; ``(None, None)`` for a
+    model on one process.
+
+    Raises:
+        SpecError: as :func:`shard_plan`; or ``fully_sharded`` without ``max_rank`` (each rank's chunk of the
+            rank dimension is cut from the pool's rank, fixed before any read).
+    """
+    if tp is None and any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        # A model cut by transformers' tp_plan: its linears' device mesh says where this process stands.
+        tp = detect_tp(model, module_of.values())
+    if tp is None:
+        return None, None
+    if tp.fully_sharded and max_rank is None:
+        raise SpecError(
+            "tp=TensorParallel(fully_sharded=True) needs max_lora_rank: each rank holds a chunk of the "
+            "pool's rank, fixed before any adapter is read"
+        )
+    plan = shard_plan(model, targets, module_of, tp)
+    if max_rank is not None:
+        plan.bind(max_rank)
+    return plan, CollectiveLog()
 
 
 def wrap_parallel(
