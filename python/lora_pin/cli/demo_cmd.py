@@ -82,6 +82,19 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the workload and the inputs (default %(default)s)"
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serve the model cut over N tensor-parallel processes (gloo, CPU), each holding 1/N of every "
+        "adapter (Llama-style models; default %(default)s: one process)",
+    )
+    p.add_argument(
+        "--fully-sharded",
+        action="store_true",
+        help="with --tp, also cut the adapters' rank dimension (S-LoRA's scheme)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument(
         "--no-progress",
@@ -98,22 +111,13 @@ def run(args: argparse.Namespace) -> int:
         SpecError: bad arguments (``--lora-paths`` without ``--model``, no adapters).
         AdapterLoadError: an adapter cannot be served.
     """
-    import torch
-    import transformers
-
     # Before any work: a missing hf extra is named now, not after minutes of setup.
     importlib.import_module("peft")
 
-    from lora_pin._core import parse_lora_paths
     from lora_pin.demo.assets import ensure_demo_assets
-    from lora_pin.demo.replay import replay
-    from lora_pin.demo.workload import make_requests
-    from lora_pin.model import LoRAManager
 
     _check_numbers(args)
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    _quiet()
     if args.model is None:
         if args.lora_paths:
             raise SpecError("--lora-paths needs --model (the demo's own adapters fit only its own model)")
@@ -123,6 +127,32 @@ def run(args: argparse.Namespace) -> int:
         model_dir, items = local_model_dir(args.model), args.lora_paths or []
         if not items:
             raise SpecError("--model needs --lora-paths naming at least one adapter")
+    if args.tp > 1:
+        return _run_tensor_parallel(args, model_dir, items)
+    report, manager, adapters = _serve(args, model_dir, items, None)
+    _print(args, report, manager, adapters)
+    return 0 if report.ok else 1
+
+
+def _quiet() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _serve(args: argparse.Namespace, model_dir: Path, items: list[str], tp: Any) -> tuple[Any, Any, int]:
+    """Build the model (cut over ``tp`` when given) and the manager, and replay the workload; returns the
+    report, the manager and the number of adapters."""
+    import torch
+    import transformers
+
+    from lora_pin._core import parse_lora_paths
+    from lora_pin.demo.replay import replay
+    from lora_pin.demo.workload import make_requests
+    from lora_pin.model import LoRAManager
+
     refs = parse_lora_paths(items)
     # Pinned adapters first; what the host tier cannot hold at start-up is loaded at run time, as a
     # server would, and is then evicted from host memory and read again from disk as popularity moves.
@@ -132,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     except (OSError, ValueError) as e:
         raise SpecError(f"--model: cannot load a causal LM from {str(model_dir)!r}: {e}") from e
+    if tp is not None:
+        from lora_pin.parallel.tiny import shard_llama
+
+        model = shard_llama(model, tp)
     manager = LoRAManager(
         model,
         startup,
@@ -140,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         max_lora_rank=max(_rank(r.lora_path) for r in refs),
         lora_target_modules=["all"],
         eviction_policy=args.eviction_policy,
+        tp=tp,
     )
     for r in later:
         manager.load(r.lora_name, r.lora_path, pinned=r.pinned)
@@ -156,13 +191,63 @@ def run(args: argparse.Namespace) -> int:
         oracle=oracle,
         check_every=args.check_every,
         seed=args.seed,
-        progress=not args.no_progress,
+        progress=not args.no_progress and (tp is None or tp.rank == 0),
     )
+    return report, manager, len(refs)
+
+
+def _print(args: argparse.Namespace, report: Any, manager: Any, adapters: int) -> None:
     if args.json:
-        sys.stdout.buffer.write(orjson.dumps(report.as_dict(), option=orjson.OPT_INDENT_2) + b"\n")
+        data = report.as_dict()
+        if manager.tp is not None:
+            data["tp"] = {"size": manager.tp.size, "fully_sharded": manager.tp.fully_sharded}
+        sys.stdout.buffer.write(orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")
     else:
-        _print_report(report, manager, len(refs))
-    return 0 if report.ok else 1
+        _print_report(report, manager, adapters)
+
+
+def _run_tensor_parallel(args: argparse.Namespace, model_dir: Path, items: list[str]) -> int:
+    """Start ``args.tp`` gloo processes on this machine, each serving its shard; rank 0 reports."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    with tempfile.TemporaryDirectory() as scratch:
+        status = Path(scratch) / "status"
+        mp.spawn(
+            _tensor_parallel_rank, args=(args, model_dir, items, port, status), nprocs=args.tp, join=True
+        )
+        return int(status.read_text())
+
+
+def _tensor_parallel_rank(
+    rank: int, args: argparse.Namespace, model_dir: Path, items: list[str], port: int, status: Path
+) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from lora_pin.parallel import TensorParallel
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=args.tp)
+    # The ranks share this machine's cores.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
+    _quiet()
+    try:
+        tp = TensorParallel(rank, args.tp, fully_sharded=args.fully_sharded)
+        report, manager, adapters = _serve(args, model_dir, items, tp)
+        if rank == 0:
+            _print(args, report, manager, adapters)
+            sys.stdout.flush()
+            status.write_text("0" if report.ok else "1")
+    finally:
+        dist.destroy_process_group()
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -172,6 +257,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
         ("--prefill-len", args.prefill_len, 1),
         ("--check-every", args.check_every, 0),
         ("--seed", args.seed, 0),
+        ("--tp", args.tp, 1),
     ):
         if value < least:
             raise SpecError(f"{flag} must be at least {least} (got {value})")
@@ -217,6 +303,13 @@ def _print_report(report: Any, manager: Any, adapters: int) -> None:
         f"  disk reads      {s['adapter_reads']}, {s['background_loads']} of them in the background by the "
         f"loader (off the steps' path), {s['background_load_failures']} failed"
     )
+    if manager.tp is not None:
+        mode = ", fully sharded" if manager.tp.fully_sharded else ""
+        calls = s.get("tp_collective_calls", {})
+        lines.append(
+            f"  tensor parallel {manager.tp.size} gloo processes{mode}; LoRA collectives on rank 0: "
+            + (", ".join(f"{k} {v}" for k, v in sorted(calls.items())) or "none")
+        )
     pinned = ", ".join(report.pinned) or "none"
     if report.pinned_evictions:
         lines.append(f"  pinned          {pinned}: EVICTED {report.pinned_evictions}")

@@ -128,7 +128,9 @@ def replay(
             with manager.batch(names):
                 # The next step's adapters start loading while this one runs: now, not before it began,
                 # since its own adapters are protected from the evictions those reads make room by.
-                manager.prefetch(r.adapter for r in islice(queue[not kind], batch_size))
+                # (Tensor parallelism loads blocking: nothing is read ahead then.)
+                if manager.loading == "background":
+                    manager.prefetch(r.adapter for r in islice(queue[not kind], batch_size))
                 logits = model(ids).logits
             elapsed = time.perf_counter() - t0
             report.step_times.append(elapsed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,10 @@ from lora_pin.weights.targets import (
     output_layer_keys,
     overrides_linear_forward,
 )
+
+if TYPE_CHECKING:
+    from lora_pin.parallel.layers import CollectiveLog
+    from lora_pin.parallel.sharding import ShardPlan
 
 __all__ = ["attach", "detach", "model_targets"]
 
@@ -214,11 +219,14 @@ def attach(
     module_of: Mapping[str, str],
     pool: DevicePool,
     active_step: Callable[[], StepSegments | None],
+    shards: ShardPlan | None = None,
+    log: CollectiveLog | None = None,
 ) -> dict[str, torch.nn.Module]:
     """Wrap the module of every target group (``module_of``: group key -> module key, from
     :func:`model_targets`) with a :class:`LoRALinear` (a :class:`LoRAEmbedding` for an embedding, one
-    :class:`~lora_pin.model.experts.LoRAExperts` for all the served weights of an experts module);
-    returns the originals by module key."""
+    :class:`~lora_pin.model.experts.LoRAExperts` for all the served weights of an experts module, a
+    :class:`~lora_pin.parallel.layers.ParallelLoRALinear` for a layer ``shards`` cuts); returns the
+    originals by module key."""
     originals: dict[str, torch.nn.Module] = {}
     experts: dict[str, dict[str, GroupBuffers]] = {}
     for group in targets.groups:
@@ -231,7 +239,14 @@ def attach(
         original = model.get_submodule(key)
         kind = linear_kind(original)
         returns_bias = kind is not None and kind.returns_bias
-        if group.members[0].embedding:
+        parallel = None
+        if shards is not None:
+            from lora_pin.parallel.api import wrap_parallel
+
+            parallel = wrap_parallel(original, buffers, active_step, shards, log)
+        if parallel is not None:
+            _set(model, key, parallel)
+        elif group.members[0].embedding:
             _set(model, key, LoRAEmbedding(original, buffers, active_step))
         else:
             _set(model, key, LoRALinear(original, buffers, active_step, returns_bias=returns_bias))

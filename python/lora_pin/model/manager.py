@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,9 @@ from lora_pin.weights import (
 )
 from lora_pin.weights.reader import adapter_dir_for_name, path_within, read_contained_config
 from lora_pin.weights.targets import ModuleSelection
+
+if TYPE_CHECKING:
+    from lora_pin.parallel import TensorParallel
 
 __all__ = ["LOADING_MODES", "LoRAManager", "Step"]
 
@@ -137,11 +140,19 @@ class LoRAManager:
             whole fused output. Leave None for models with separate projections (Hugging Face Llama ...).
         max_file_bytes, max_tensors: per-adapter limits on the weight file (see
             :mod:`lora_pin.weights.limits`), checked before any tensor is read.
-        loading: ``"background"`` (the default): a step never reads from disk; a request whose adapter
-            is not in host memory is deferred while a background loader reads it, and is admitted by a
-            later step. ``"blocking"``: a step reads what it needs before it begins, and every request
-            waits for that. :meth:`batch` waits for its reads in either mode (it must run whole).
+        loading: ``"background"`` (the default without ``tp``): a step never reads from disk; a request
+            whose adapter is not in host memory is deferred while a background loader reads it, and is
+            admitted by a later step. ``"blocking"``: a step reads what it needs before it begins, and
+            every request waits for that (the default, and the only mode, with ``tp``: ranks must install
+            a read at the same step). :meth:`batch` waits for its reads in either mode (it must run whole).
         load_workers: threads of the background loader (reads run at once).
+        tp: this process's place in a tensor-parallel group (:class:`lora_pin.parallel.TensorParallel`),
+            for a model whose linears are a framework's parallel layers
+            (:func:`lora_pin.parallel.register_parallel_linear`): each rank reads and holds only its shard
+            of every adapter, and loads (start-up ones included) are collective, every rank of the group
+            calling them in the same order (see :mod:`lora_pin.parallel`). ``fully_sharded`` needs
+            ``max_lora_rank``. A model cut by transformers' ``tp_plan`` (``DTensor`` weights) is found
+            without it.
 
     Thread safety: loads, unloads, pins, unpins and prefetches may run from other threads while a step is
     active; background reads run on the loader's own threads and enter the host tier only at a step's
@@ -180,10 +191,11 @@ class LoRAManager:
         fused_modules: FusedSpec | None = None,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_tensors: int = DEFAULT_MAX_TENSORS,
-        loading: str = "background",
+        loading: str | None = None,
         load_workers: int = 2,
+        tp: TensorParallel | None = None,
     ) -> None:
-        if loading not in LOADING_MODES:
+        if loading is not None and loading not in LOADING_MODES:
             raise SpecError(f"loading must be one of {', '.join(LOADING_MODES)} (got {loading!r})")
         if isinstance(load_workers, bool) or not isinstance(load_workers, int) or load_workers < 1:
             raise SpecError(f"load_workers must be an int of at least 1 (got {load_workers!r})")
@@ -209,6 +221,11 @@ class LoRAManager:
                     f"(it has {list(self.targets.module_names)})"
                 )
         self.chunk_size = chunk_size
+        from lora_pin.parallel.api import manager_shard_plan
+
+        shards, self._collectives = manager_shard_plan(model, self.targets, self._module_of, tp, rank)
+        self.tp = None if shards is None else shards.tp
+        loading = _loading_mode(loading, self.tp is not None, adapter_dir is not None)
         host = HostTier(
             self.targets,
             max_rank=MAX_ADAPTER_RANK if rank is None else rank,
@@ -217,15 +234,30 @@ class LoRAManager:
             allow_pickle=allow_pickle,
             max_file_bytes=max_file_bytes,
             max_tensors=max_tensors,
+            shards=shards,
         )
         # Without max_lora_rank the pool is sized by the start-up adapters, read (and checked, tensors
         # included) first: a config's claim alone never sizes it.
-        startup = [host.read(r.lora_name, r.lora_path) for r in refs] if rank is None else [None] * len(refs)
+        if self.tp is not None:
+            from lora_pin.parallel.collective import agreed
+
+            # Each rank reads its own shards: all of them start, or none.
+            startup: list[Any]
+            startup, _ = agreed(
+                self.tp,
+                "start-up adapters",
+                lambda: [host.read(r.lora_name, r.lora_path) for r in refs],
+                self._collectives,
+            )
+        else:
+            startup = [host.read(r.lora_name, r.lora_path) if rank is None else None for r in refs]
         if rank is None:
             rank = max(a.max_rank for a in startup if a is not None)
             host.max_rank = rank
         self.max_rank = rank
-        pool = DevicePool(self.targets, max_loras_per_batch, rank, self.dtype, self.device)
+        if shards is not None:
+            shards.bind(rank)
+        pool = DevicePool(self.targets, max_loras_per_batch, rank, self.dtype, self.device, shards=shards)
         self.registry = LoRARegistry(
             max_loras_per_batch,
             max_loaded_loras,
@@ -246,7 +278,9 @@ class LoRAManager:
         self._wrapped: dict[str, torch.nn.Module] = {}
         for r, adapter in zip(refs, startup, strict=True):
             self.residency.add(r, adapter=adapter)
-        self._wrapped = attach(model, self.targets, self._module_of, self.pool, self._active_segments)
+        self._wrapped = attach(
+            model, self.targets, self._module_of, self.pool, self._active_segments, shards, self._collectives
+        )
 
     @classmethod
     def from_args(cls, model: torch.nn.Module, namespace: argparse.Namespace, **kwargs: Any) -> LoRAManager:
@@ -299,6 +333,8 @@ class LoRAManager:
             CapacityError: the host tier is full of adapters that cannot be evicted, or pinning would leave
                 no slot for unpinned adapters. In every case nothing changes.
         """
+        if self.tp is not None:
+            return self._load_agreed(name, os.fspath(path), pinned)
         ref = LoRARef.new(name, os.fspath(path), pinned)
         self.residency.add(ref)
         return ref
@@ -347,16 +383,25 @@ class LoRAManager:
         Raises:
             AdapterNotFoundError: ``name`` is not registered.
             CapacityError: fewer than one slot would stay for unpinned adapters (the message has the numbers).
+
+        With ``tp``, every rank calls it; if it fails on any rank it is undone where it succeeded and every
+        rank raises.
         """
-        self.registry.pin(name)
+        self._collectively(
+            f"pin of {name!r}", lambda: self.registry.pin(name), lambda: self.registry.unpin(name)
+        )
 
     def unpin(self, name: str) -> None:
         """Make ``name`` evictable again.
 
         Raises:
             AdapterNotFoundError: ``name`` is not registered.
+
+        With ``tp``, collective as :meth:`pin`.
         """
-        self.registry.unpin(name)
+        self._collectively(
+            f"unpin of {name!r}", lambda: self.registry.unpin(name), lambda: self.registry.pin(name)
+        )
 
     def unload(self, name: str, timeout: float | None = None) -> None:
         """Unregister ``name`` (no new requests), wait for its running requests, then free its weights.
@@ -366,16 +411,28 @@ class LoRAManager:
         Raises:
             AdapterNotFoundError: ``name`` was never registered.
             UnloadTimeoutError: requests still use it after ``timeout`` seconds (it stays unregistered).
+
+        With ``tp``, every rank calls it and raises if it failed on any rank (an unload is not undone: the
+        name stays unregistered everywhere, the ranks that drained it have freed its weights).
         """
-        self.registry.unload(name, timeout)
-        self._forget(name)
+
+        def unload() -> None:
+            self.registry.unload(name, timeout)
+            self._forget(name)
+
+        self._collectively(f"unload of {name!r}", unload)
 
     async def unload_async(self, name: str, timeout: float | None = None) -> None:
         """:meth:`unload` for asyncio code: polls without blocking the event loop or tying up a thread.
 
         Raises:
             AdapterNotFoundError, UnloadTimeoutError: as :meth:`unload`.
+            UsageError: with ``tp`` (an unload must agree over the ranks: use :meth:`unload`).
         """
+        if self.tp is not None:
+            raise UsageError(
+                "unload_async is not collective: with tensor parallelism, call unload on each rank"
+            )
         await unload_async(self.registry, name, timeout)
         self._forget(name)
 
@@ -396,9 +453,15 @@ class LoRAManager:
                 ``adapter_dir/<name>``, or it is being unloaded; nothing started then.
             PathNotAllowedError: as :meth:`discover`.
             LoraPinError: the manager is detached.
+            UsageError: the manager loads blocking (``loading="blocking"``, or with ``tp``).
         """
         if not self._wrapped:
             raise LoraPinError("the manager is detached")
+        if self.loading != "background":
+            raise UsageError(
+                "prefetch needs loading='background' (this manager loads blocking"
+                + (", as tensor parallelism requires)" if self.tp is not None else ")")
+            )
         names = _checked_names(names)
         distinct = [n for n in dict.fromkeys(names) if n is not None]
         new = self._folders([n for n in distinct if n not in self.registry])
@@ -434,6 +497,9 @@ class LoRAManager:
         stats["background_loads"] = self.residency.background_loads
         stats["background_load_failures"] = self._loads.failures
         stats["loads_in_flight"] = len(self._loads.loader.running())
+        if self._collectives is not None:
+            stats["tp_collective_calls"] = dict(self._collectives.calls)
+            stats["tp_collective_bytes"] = dict(self._collectives.nbytes)
         return stats
 
     # ---- steps ----------------------------------------------------------------------------------
@@ -674,6 +740,33 @@ class LoRAManager:
                     self._forget(name)
             raise next(iter(errors.values()))
 
+    def _collectively(self, what: str, do: Any, undo: Any = None) -> None:
+        """``do()``; with ``tp``, agreed with every rank (:func:`lora_pin.parallel.collective.agreed`)."""
+        if self.tp is None:
+            do()
+            return
+        from lora_pin.parallel.collective import agreed
+
+        agreed(self.tp, what, do, self._collectives, undo)
+
+    def _load_agreed(self, name: str, path: str, pinned: bool) -> LoRARef:
+        """:meth:`load` on one tensor-parallel rank: read this rank's shards, agree with every rank, then
+        register under the one id rank 0 drew (or refuse on every rank, nothing changed)."""
+        from lora_pin.parallel.collective import agreed
+
+        assert self.tp is not None
+
+        def read() -> Any:
+            LoRARef.new(name, path, pinned)  # the name and path checks, before anything is read
+            if name in self.registry:
+                raise DuplicateAdapterError(f"adapter {name!r} is already registered")
+            return self.host.read(name, path)
+
+        adapter, agreement = agreed(self.tp, f"load of adapter {name!r}", read, self._collectives)
+        ref = LoRARef(name, path, pinned=pinned, lora_id=agreement.token)
+        self.residency.add(ref, adapter=adapter)
+        return ref
+
     def _start(
         self, names: Sequence[str | None], num_tokens: Sequence[int] | int, *, per_sequence: bool
     ) -> Step:
@@ -760,11 +853,16 @@ class LoRAManager:
 
     def _read_first(self, names: list[str]) -> None:
         """Bring ``names`` (registered, not in host memory) into the host tier before a blocking step
-        begins, on this thread; reads the loader is running already are waited for instead.
+        begins, on this thread; reads the loader is running already are waited for instead. With ``tp``
+        every rank reads its own shards, and every rank enters them or every rank fails alike.
 
         Raises:
-            AdapterLoadError: one of them cannot be read, or its files changed since it was registered.
+            AdapterLoadError: one of them cannot be read (on any rank, with ``tp``), or its files changed
+                since it was registered.
         """
+        if self.tp is not None:
+            self._read_first_agreed(names)
+            return
         busy = [n for n in names if self._loads.busy(n)]
         if busy:
             self._loads.wait(busy)
@@ -774,6 +872,18 @@ class LoRAManager:
         for name in names:
             if name not in busy:
                 self.residency.read_into_host(name)
+
+    def _read_first_agreed(self, names: list[str]) -> None:
+        # The host tier is part of the plan every rank must agree on: nothing enters it unless every
+        # rank read its shards.
+        from lora_pin.parallel.collective import agreed
+
+        def read_all() -> list[Any]:
+            return [(n, self.residency.read_for_host(n)) for n in names]
+
+        read, _ = agreed(self.tp, f"reading {names}", read_all, self._collectives)
+        for name, adapter in read:
+            self.residency.enter_host(name, adapter)
 
     def _begin_deferring(
         self, names: Sequence[str | None], num_tokens: Sequence[int] | int
@@ -887,6 +997,29 @@ class _HeldBack:
     kept: list[int] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)
     failed: dict[int, LoraPinError] = field(default_factory=dict)
+
+
+def _loading_mode(loading: str | None, parallel: bool, adapter_dir: bool) -> str:
+    """The loading mode a manager runs: ``loading``, or its default (background; blocking with tensor
+    parallelism, where every rank must install a read at the same step for their plans to agree).
+
+    Raises:
+        SpecError: background loading, or an ``adapter_dir``, asked for with tensor parallelism.
+    """
+    if not parallel:
+        return "background" if loading is None else loading
+    if loading == "background":
+        raise SpecError(
+            "loading='background' is not available with tensor parallelism: each rank's reads would end "
+            "at different steps and the ranks' plans would differ; use loading='blocking' (the default "
+            "with tp)"
+        )
+    if adapter_dir:
+        raise SpecError(
+            "adapter_dir is not available with tensor parallelism: ranks would discover adapters apart; "
+            "load each adapter with LoRAManager.load on every rank"
+        )
+    return "blocking"
 
 
 def _checked_adapter_dir(

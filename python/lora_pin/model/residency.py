@@ -128,13 +128,28 @@ class Residency:
             AdapterLoadError (and subclasses): the adapter cannot be read, or its files changed since it
                 was registered.
         """
+        self.enter_host(name, self.read_for_host(name))
+
+    def read_for_host(self, name: str) -> tuple[HostAdapter, int] | None:
+        """The first half of :meth:`read_into_host`: read ``name`` again and check it, changing nothing;
+        returns it with the registration serial it was read for (None when it was forgotten meanwhile).
+        Tensor-parallel ranks agree on every rank's read before any of them enters it.
+
+        Raises:
+            AdapterLoadError (and subclasses): as :meth:`read_into_host`.
+        """
         source = self._sources.get(name)
-        if source is None:
-            return  # forgotten meanwhile
-        adapter = self._read_checked(name, source)
+        return None if source is None else (self._read_checked(name, source), source.serial)
+
+    def enter_host(self, name: str, read: tuple[HostAdapter, int] | None) -> None:
+        """The second half of :meth:`read_into_host`: enter what :meth:`read_for_host` read into the host
+        tier, or skip it as :meth:`read_into_host` says."""
+        if read is None:
+            return
+        adapter, serial = read
         with self.lock:
             try:
-                evicted = self.registry.enter_host_tier(name, source.serial)
+                evicted = self.registry.enter_host_tier(name, serial)
             except (AdapterNotFoundError, CapacityError):
                 return
             self._drop_host(name)

@@ -19,6 +19,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from lora_pin.weights.config import AdapterConfig
 from lora_pin.weights.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TENSORS
 from lora_pin.weights.reader import PEFT_PREFIX, AdapterFile, LoraTensorPair, open_adapter
 from lora_pin.weights.targets import LinearTarget, LoRATargets, TargetGroup
+
+if TYPE_CHECKING:
+    from lora_pin.parallel.sharding import ShardPlan
 
 __all__ = ["HostAdapter", "HostModule", "HostTier", "load_adapter"]
 
@@ -200,12 +204,18 @@ def _check_expert_pair(file: AdapterFile, pair: LoraTensorPair, target: LinearTa
 
 
 def _check_against_model(
-    file: AdapterFile, targets: LoRATargets, max_rank: int
+    file: AdapterFile, targets: LoRATargets, max_rank: int, shards: ShardPlan | None = None
 ) -> tuple[dict[str, int], dict[str, LoraTensorPair]]:
     """Validate the adapter's modules against the model; return the rank of each target key it touches
     and the tensor pair of each (keyed by module key, or by parameter key for an expert weight)."""
     name, config, where = file.name, file.config, f"adapter {file.name!r} ({file.weights_path})"
     expert_pairs = _expert_pairs(file, targets)
+    if expert_pairs and shards is not None:
+        raise AdapterLoadError(
+            f"{where}: field 'target_parameters' puts LoRA on MoE expert weights "
+            f"({_listing(expert_pairs)}), which lora_pin does not serve under tensor parallelism; serve "
+            "this adapter on an unsharded model, or train it without target_parameters"
+        )
     stored_expert_keys = {p.module_key for p in expert_pairs.values()}
     known = [t.key for t in targets.linears if not t.experts]
     if isinstance(config.target_modules, tuple):
@@ -254,7 +264,7 @@ def _check_against_model(
     for key in matched:
         pair, target = pairs[key], targets.linear(key)
         assert target is not None
-        ranks[key] = _check_pair(file, pair, target, max_rank)
+        ranks[key] = _check_pair(file, pair, target, max_rank, shards)
     for key, pair in expert_pairs.items():
         target = targets.linear(key)
         assert target is not None
@@ -297,8 +307,15 @@ def _why_not_target(targets: LoRATargets, unserved: list[str]) -> str:
     return f"{unserved[0]!r}{more}, which is not served: {targets.unserved[unserved[0]]}"
 
 
-def _check_pair(file: AdapterFile, pair: LoraTensorPair, target: LinearTarget, max_rank: int) -> int:
+def _check_pair(
+    file: AdapterFile, pair: LoraTensorPair, target: LinearTarget, max_rank: int, shards: ShardPlan | None
+) -> int:
     where = f"adapter {file.name!r} ({file.weights_path})"
+    # A tensor-parallel rank's module is a shard of the layer the adapter was trained on: the stored tensors
+    # have the unsharded widths, of which this rank reads its part.
+    shard = None if shards is None else shards.member(target.key)
+    in_features = target.in_features if shard is None else shard.full_in
+    out_features = target.out_features if shard is None else shard.full_out
     if pair.embedding != target.embedding:
         held, actual, expected = (
             ("an embedding's", "a linear layer", "lora_A/lora_B")
@@ -310,11 +327,11 @@ def _check_pair(file: AdapterFile, pair: LoraTensorPair, target: LinearTarget, m
             f"is {actual} (expected {expected})"
         )
     rank = pair.a_shape[0]
-    if pair.a_shape != (rank, target.in_features) or pair.b_shape != (target.out_features, rank):
+    if pair.a_shape != (rank, in_features) or pair.b_shape != (out_features, rank):
         raise AdapterLoadError(
             f"{where}: tensors {pair.a_name!r} {list(pair.a_shape)} / {pair.b_name!r} {list(pair.b_shape)} "
-            f"do not fit module {target.key!r} (in={target.in_features}, out={target.out_features}): "
-            f"expected [r, {target.in_features}] and [{target.out_features}, r]"
+            f"do not fit module {target.key!r} (in={in_features}, out={out_features}): "
+            f"expected [r, {in_features}] and [{out_features}, r]"
         )
     configured = file.config.rank_for(target.key)
     if rank != configured:
@@ -351,9 +368,14 @@ def _group_ranks(group: TargetGroup, ranks: dict[str, int]) -> tuple[int, ...]:
     return tuple(ranks.get(m.key, 0) for m in group.members)
 
 
-def _group_numel(group: TargetGroup, ranks: dict[str, int]) -> int:
-    rank = max(_group_ranks(group, ranks))
-    return rank * (group.n_slices * group.in_features + group.out_total)
+def _module_shape(group: TargetGroup, rank: int, shards: ShardPlan | None) -> tuple[int, int, int]:
+    """``(a_rank, b_out, b_rank)``: A ``[n_slices * a_rank, in]`` and B ``[b_out, b_rank]``."""
+    return (rank, group.out_total, rank) if shards is None else shards.host_shape(group, rank)
+
+
+def _group_numel(group: TargetGroup, ranks: dict[str, int], shards: ShardPlan | None) -> int:
+    a_rank, b_out, b_rank = _module_shape(group, max(_group_ranks(group, ranks)), shards)
+    return a_rank * group.n_slices * group.in_features + b_out * b_rank
 
 
 def _build_module(
@@ -363,6 +385,7 @@ def _build_module(
     pairs: dict[str, LoraTensorPair],
     slab: _Slab,
     pin: bool,
+    shards: ShardPlan | None = None,
 ) -> HostModule:
     slice_ranks = _group_ranks(group, ranks)
     if group.experts:
@@ -374,19 +397,33 @@ def _build_module(
             for m, r in zip(group.members, slice_ranks, strict=True)
         )
     rank = max(slice_ranks)
-    padded = any(r != rank for r in slice_ranks)
-    a = slab.take((group.n_slices * rank, group.in_features), padded)
-    b = slab.take((group.out_total, rank), padded)
-    offsets = group.slice_offsets
+    a_rank, b_out, b_rank = _module_shape(group, rank, shards)
+    cut = shards is not None and any(
+        (m := shards.member(member.key)) is not None and m.cut_rank for member in group.members
+    )
+    padded = cut or any(r != rank for r in slice_ranks)
+    a = slab.take((group.n_slices * a_rank, group.in_features), padded)
+    b = slab.take((b_out, b_rank), padded)
+    offsets = group.slice_offsets if shards is None else shards.b_offsets(group)
     if group.experts:
         _read_experts(file, pairs[group.key], group.experts, a, b)
     for s, member in enumerate(() if group.experts else group.members):
-        if slice_ranks[s]:
-            pair = pairs[member.key]
-            a_rows = a[s * rank : s * rank + slice_ranks[s]]
-            b_cols = b[offsets[s] : offsets[s + 1], : slice_ranks[s]]
-            file.read_into(pair.a_name, a_rows)
+        if not slice_ranks[s]:
+            continue
+        pair = pairs[member.key]
+        b_cols = b[offsets[s] : offsets[s + 1], : slice_ranks[s]]
+        shard = None if shards is None else shards.member(member.key)
+        if shard is None:
+            file.read_into(pair.a_name, a[s * a_rank : s * a_rank + slice_ranks[s]])
             file.read_into(pair.b_name, b_cols)
+            continue
+        # This rank's part only: A's columns of its input shard (and its chunk of the rank's rows when
+        # fully sharded), B's rows of its output shard.
+        chunk = shards.rank_chunk if shards is not None and shard.cut_rank else 0
+        first, last = shard.a_rows(slice_ranks[s], chunk)
+        a_part = a[s * a_rank : s * a_rank + last - first]
+        file.read_slice_into(pair.a_name, a_part, (first, last), shard.a_cols)
+        file.read_slice_into(pair.b_name, b_cols, shard.b_rows, (0, slice_ranks[s]))
     rank_tensor = torch.tensor(slice_ranks, dtype=torch.int32)
     scaling_tensor = torch.tensor(scalings, dtype=torch.float32)
     if pin:
@@ -412,16 +449,18 @@ def _read_experts(
 def _slices(module: HostModule, pairs: dict[str, LoraTensorPair]) -> Iterator[tuple[str, torch.Tensor]]:
     """Each stored tensor's name and the view of ``module``'s A or B that holds it (an expert weight's
     whole A and B: its tensors hold every expert)."""
-    rank, offsets = module.rank, module.group.slice_offsets
-    if module.group.experts:
+    rank, group = module.rank, module.group
+    # A tensor-parallel rank's B may hold one output shard of a single slice (fully sharded row layer).
+    offsets = group.slice_offsets if module.b.shape[0] == group.out_total else (0, module.b.shape[0])
+    if group.experts:
         pair = pairs[module.group.key]
         yield pair.a_name, module.a
         yield pair.b_name, module.b
         return
-    for s, (member, r) in enumerate(zip(module.group.members, module.ranks, strict=True)):
+    for s, (member, r) in enumerate(zip(group.members, module.ranks, strict=True)):
         if r:
             pair = pairs[member.key]
-            yield pair.a_name, module.a[s * rank : s * rank + r]
+            yield pair.a_name, module.a[s * rank : s * rank + min(r, rank)]
             yield pair.b_name, module.b[offsets[s] : offsets[s + 1], :r]
 
 
@@ -461,13 +500,16 @@ def load_adapter(
     pin_memory: bool | None = None,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     max_tensors: int = DEFAULT_MAX_TENSORS,
+    shards: ShardPlan | None = None,
 ) -> HostAdapter:
     """Read, validate and normalise the PEFT adapter at ``path`` into host tensors for ``targets``.
 
     Every check runs before any host tensor is built, and nothing outside the returned object changes, so a
     failure leaves the caller's state as it was. ``pin_memory`` defaults to ``torch.cuda.is_available()``.
     Tensor shapes: per touched group A ``[n_slices * rank, in]``, B ``[out_total, rank]``
-    (see :class:`HostModule`).
+    (see :class:`HostModule`). With ``shards`` (a tensor-parallel rank's
+    :class:`~lora_pin.parallel.sharding.ShardPlan`) the stored tensors are checked at their unsharded shapes
+    and only this rank's part of each is read from the file and kept.
 
     Raises:
         PathNotAllowedError: ``path`` (or a file in it) resolves outside ``allowed_roots``, or has ``..``.
@@ -489,11 +531,11 @@ def load_adapter(
         max_file_bytes=max_file_bytes,
         max_tensors=max_tensors,
     ) as file:
-        ranks, pairs = _check_against_model(file, targets, max_rank)
+        ranks, pairs = _check_against_model(file, targets, max_rank, shards)
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         touched = [g for g in targets.groups if any(m.key in ranks for m in g.members)]
-        slab = _Slab(sum(_group_numel(g, ranks) for g in touched), dtype, pin)
-        modules = {g.key: _build_module(file, g, ranks, pairs, slab, pin) for g in touched}
+        slab = _Slab(sum(_group_numel(g, ranks, shards) for g in touched), dtype, pin)
+        modules = {g.key: _build_module(file, g, ranks, pairs, slab, pin, shards) for g in touched}
         _refuse_non_finite(file, pairs, slab, modules.values())
         file.check_unchanged()
     return HostAdapter(name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks))
@@ -503,7 +545,8 @@ class HostTier:
     """The adapters held in host memory, by name; :meth:`load` adds one only if it loads completely.
 
     Which adapters stay is decided by the Rust core; this class only holds their tensors. ``max_file_bytes``
-    and ``max_tensors`` are the per-adapter limits of :func:`load_adapter`.
+    and ``max_tensors`` are the per-adapter limits of :func:`load_adapter`; with ``shards`` (a
+    tensor-parallel rank's plan) it reads and holds only this rank's part of each adapter.
     """
 
     def __init__(
@@ -516,8 +559,10 @@ class HostTier:
         allow_pickle: bool = False,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_tensors: int = DEFAULT_MAX_TENSORS,
+        shards: ShardPlan | None = None,
     ) -> None:
         self.targets = targets
+        self.shards = shards
         self.max_rank = max_rank
         self.dtype = dtype
         self.allowed_roots = None if allowed_roots is None else tuple(allowed_roots)
@@ -560,6 +605,7 @@ class HostTier:
             allow_pickle=self.allow_pickle,
             max_file_bytes=self.max_file_bytes,
             max_tensors=self.max_tensors,
+            shards=self.shards,
         )
 
     def add(self, adapter: HostAdapter) -> HostAdapter:

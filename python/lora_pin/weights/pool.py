@@ -7,6 +7,10 @@ For each target group (by its key, ``model.layers.0.self_attn.qkv_proj``), alloc
 * ``b``: ``[slots, out_total, max_rank]``; slice s uses rows ``[off_s, off_{s+1})``, columns ``[0, r_s)``;
 * ``ranks``: int32 ``[slots, n_slices]`` and ``scalings``: float32 ``[slots, n_slices]``.
 
+A tensor-parallel rank's pool (``shards``) holds its shard of each group: the widths are the layer's local
+ones, and a fully sharded group's A holds ``ceil(max_rank / tp)`` rows per slice (its chunk of the rank) or
+its B only the rank's output rows (see :mod:`lora_pin.parallel.sharding`).
+
 Everything of a slot outside its adapter's ranks is zero, and groups the adapter does not target are zero
 with rank 0, so a reused slot never leaks the previous occupant's weights.
 """
@@ -14,12 +18,16 @@ with rank 0, so a reused slot never leaks the previous occupant's weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from lora_pin.errors import PoolError
 from lora_pin.weights.host import HostAdapter, HostModule
 from lora_pin.weights.targets import LoRATargets, TargetGroup
+
+if TYPE_CHECKING:
+    from lora_pin.parallel.sharding import ShardPlan
 
 __all__ = ["DevicePool", "GroupBuffers"]
 
@@ -55,8 +63,9 @@ class DevicePool:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        shards: ShardPlan | None = None,
     ) -> None:
-        """Allocate every buffer (zeroed).
+        """Allocate every buffer (zeroed); with ``shards``, in this tensor-parallel rank's shapes.
 
         Raises:
             PoolError: ``slots`` or ``max_rank`` is not positive, ``dtype`` is not floating point, or the
@@ -72,8 +81,14 @@ class DevicePool:
         self.dtype = dtype
         self.device = torch.device(device)
         element = torch.empty((), dtype=dtype).element_size()
+        # (a_rank, b_out, b_rank) per group: A [slots, n_slices * a_rank, in], B [slots, b_out, b_rank].
+        shapes = {
+            g.key: (max_rank, g.out_total, max_rank) if shards is None else shards.pool_shape(g, max_rank)
+            for g in targets.groups
+        }
         self.slot_nbytes = sum(
-            (g.n_slices * max_rank * g.in_features + g.out_total * max_rank) * element + g.n_slices * 8
+            (g.n_slices * shapes[g.key][0] * g.in_features + shapes[g.key][1] * shapes[g.key][2]) * element
+            + g.n_slices * 8
             for g in targets.groups
         )
         try:
@@ -81,9 +96,9 @@ class DevicePool:
                 g.key: GroupBuffers(
                     g,
                     torch.zeros(
-                        (slots, g.n_slices * max_rank, g.in_features), dtype=dtype, device=self.device
+                        (slots, g.n_slices * shapes[g.key][0], g.in_features), dtype=dtype, device=self.device
                     ),
-                    torch.zeros((slots, g.out_total, max_rank), dtype=dtype, device=self.device),
+                    torch.zeros((slots, shapes[g.key][1], shapes[g.key][2]), dtype=dtype, device=self.device),
                     torch.zeros((slots, g.n_slices), dtype=torch.int32, device=self.device),
                     torch.zeros((slots, g.n_slices), dtype=torch.float32, device=self.device),
                 )
@@ -164,16 +179,22 @@ class DevicePool:
             raise PoolError(f"{where}: rank {adapter.max_rank} exceeds the pool's max rank {self.max_rank}")
         for key, module in adapter.modules.items():
             group = module.group
-            expect_a = (group.n_slices * module.rank, group.in_features)
-            expect_b = (group.out_total, module.rank)
-            if (
-                key not in self._buffers
-                or tuple(module.a.shape) != expect_a
-                or tuple(module.b.shape) != expect_b
-            ):
+            buf = self._buffers.get(key)
+            n = group.n_slices
+            # A module fits when its widths are the buffers' and its ranks at most theirs.
+            fits = (
+                buf is not None
+                and module.a.shape[0] % n == 0
+                and module.a.shape[0] // n <= buf.a.shape[1] // n
+                and module.a.shape[1] == buf.a.shape[2]
+                and module.b.shape[0] == buf.b.shape[1]
+                and module.b.shape[1] <= buf.b.shape[2]
+            )
+            if not fits:
+                expect = "none" if buf is None else f"[{n} x <={buf.a.shape[1] // n}, {buf.a.shape[2]}]"
                 raise PoolError(
                     f"{where}: group {key!r} has A {list(module.a.shape)} / B {list(module.b.shape)}, "
-                    f"expected {list(expect_a)} / {list(expect_b)}"
+                    f"expected A {expect} / B [{buf.b.shape[1] if buf else '-'}, <=max rank]"
                 )
 
     def fill(self, slot: int, adapter: HostAdapter) -> torch.cuda.Event | None:
@@ -231,16 +252,20 @@ class DevicePool:
                 buf.ranks[slot].zero_()
                 buf.scalings[slot].zero_()
                 continue
-            n, rank, max_rank = buf.group.n_slices, module.rank, self.max_rank
-            if rank == max_rank:
+            # A's and B's ranks differ on a fully sharded tensor-parallel rank; they are the same otherwise.
+            n = buf.group.n_slices
+            a_rank, b_rank = module.a.shape[0] // n, module.b.shape[1]
+            if a_slot.shape[0] == module.a.shape[0]:
                 a_slot.copy_(module.a, non_blocking=non_blocking)
+            else:
+                a_view = a_slot.view(n, a_slot.shape[0] // n, -1)
+                a_view[:, :a_rank].copy_(module.a.view(n, a_rank, -1), non_blocking=non_blocking)
+                a_view[:, a_rank:].zero_()
+            if b_slot.shape[1] == b_rank:
                 b_slot.copy_(module.b, non_blocking=non_blocking)
             else:
-                a_view = a_slot.view(n, max_rank, -1)
-                a_view[:, :rank].copy_(module.a.view(n, rank, -1), non_blocking=non_blocking)
-                a_view[:, rank:].zero_()
-                b_slot[:, :rank].copy_(module.b, non_blocking=non_blocking)
-                b_slot[:, rank:].zero_()
+                b_slot[:, :b_rank].copy_(module.b, non_blocking=non_blocking)
+                b_slot[:, b_rank:].zero_()
             buf.ranks[slot].copy_(module.rank_tensor, non_blocking=non_blocking)
             buf.scalings[slot].copy_(module.scaling_tensor, non_blocking=non_blocking)
 

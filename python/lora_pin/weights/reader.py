@@ -185,6 +185,45 @@ class AdapterFile:
         else:
             out.copy_(self.tensor(tensor_name))
 
+    def read_slice_into(
+        self, tensor_name: str, out: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]
+    ) -> None:
+        """Put rows ``[rows)`` and columns ``[cols)`` of 2-D stored tensor ``tensor_name`` into ``out``
+        (shape ``[rows, cols]``), converting to ``out``'s dtype, reading only those bytes from the file.
+
+        A run of whole rows is one contiguous read (a tensor-parallel rank's rows of B); a column range is
+        one read per row (its columns of A), each row's bytes lying apart in the file.
+
+        Raises:
+            AdapterLoadError: the file ended before a byte read (truncated while it was read).
+            ValueError: the ranges fall outside the tensor or do not match ``out``'s shape.
+        """
+        (r0, r1), (c0, c1) = rows, cols
+        if self._loaded is not None:
+            out.copy_(self._loaded[tensor_name][r0:r1, c0:c1])
+            return
+        stored = self._stored[tensor_name]
+        height, width = stored.shape
+        if not (0 <= r0 <= r1 <= height and 0 <= c0 <= c1 <= width) or tuple(out.shape) != (r1 - r0, c1 - c0):
+            raise ValueError(
+                f"slice rows {rows} cols {cols} of {tensor_name!r} {list(stored.shape)} into "
+                f"{list(out.shape)}"
+            )
+        if out.numel() == 0:
+            return
+        dtype = _SAFETENSORS_DTYPES[stored.dtype]
+        direct = dtype == out.dtype and out.is_contiguous()
+        target = out if direct else torch.empty(tuple(out.shape), dtype=dtype)
+        raw = target.view(torch.uint8).reshape(r1 - r0, -1).numpy()
+        size = _DTYPE_SIZES[stored.dtype]
+        if c0 == 0 and c1 == width:
+            _pread_into(self, raw.reshape(-1).data, stored.begin + r0 * width * size)
+        else:
+            for i in range(r1 - r0):
+                _pread_into(self, raw[i].data, stored.begin + ((r0 + i) * width + c0) * size)
+        if not direct:
+            out.copy_(target)
+
     def check_unchanged(self) -> None:
         """Refuse the adapter if its weight file was replaced or rewritten since it was opened.
 

@@ -151,6 +151,12 @@ class LinearKind:
 
 
 def _linear_features(module: torch.nn.Module) -> tuple[int, int]:
+    weight = getattr(module, "weight", None)
+    if type(weight).__name__ == "DTensor":
+        # A linear cut by torch.distributed tensor parallelism (transformers' tp_plan): this process computes
+        # the widths of its local shard, [out, in] as stored.
+        local = weight.to_local()  # type: ignore[union-attr]
+        return int(local.shape[1]), int(local.shape[0])
     return int(module.in_features), int(module.out_features)  # type: ignore[arg-type]
 
 

@@ -1,0 +1,139 @@
+"""Ranks agree: one small all-reduce settles whether an operation succeeded on every rank.
+
+An adapter load reads each rank's own shard from disk, so it can fail on one rank only (its part of the file
+holds a NaN, its disk copy is damaged). Each rank first does everything that can fail without changing any
+state (the read and its checks), then :func:`agree` all-reduces one int64 status per rank: if any rank
+failed, every rank raises the same error class and none registers anything; otherwise every rank commits.
+The same all-reduce carries a fresh id drawn by rank 0, so a run-time load has one id on every rank.
+
+What comes after the agreement (the registry's plan, admission, slots, evictions) is a pure function of the
+registered adapters and the step's inputs, so the ranks stay in step without any further collective.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from lora_pin.errors import (
+    AdapterInUseError,
+    AdapterLoadError,
+    AdapterNotFoundError,
+    CapacityError,
+    DuplicateAdapterError,
+    LoraPinError,
+    PathNotAllowedError,
+    SpecError,
+    UnsafeFormatError,
+)
+from lora_pin.parallel.layers import CollectiveLog
+from lora_pin.parallel.sharding import TensorParallel
+
+__all__ = ["Agreement", "agree", "agreed"]
+
+T = TypeVar("T")
+
+# Status codes, most specific first: 0 is success; an error is coded by the first class it is an instance of.
+_ERRORS: tuple[type[LoraPinError], ...] = (
+    PathNotAllowedError,
+    UnsafeFormatError,
+    AdapterLoadError,
+    DuplicateAdapterError,
+    AdapterNotFoundError,
+    CapacityError,
+    AdapterInUseError,
+    SpecError,
+    LoraPinError,
+)
+
+
+class Agreement:
+    """The outcome of :func:`agree`: ``failed`` ranks (with their codes) and the id rank 0 drew."""
+
+    def __init__(self, codes: list[int], token: str) -> None:
+        self.codes = codes
+        self.token = token
+
+    @property
+    def failed(self) -> list[int]:
+        """The ranks whose part failed."""
+        return [r for r, c in enumerate(self.codes) if c]
+
+    def raise_if_failed(self, what: str, mine: BaseException | None) -> None:
+        """Raise ``mine`` on a rank that failed; on the others, an error of the first failed rank's class.
+
+        Raises:
+            LoraPinError: (the subclass of the first failed rank's error) when any rank failed.
+        """
+        failed = self.failed
+        if not failed:
+            return
+        if mine is not None:
+            raise mine
+        cls = _ERRORS[self.codes[failed[0]] - 1]
+        raise cls(
+            f"{what}: refused on every tensor-parallel rank because it failed on rank(s) {failed} "
+            f"({cls.__name__}; the reason is in that rank's error); nothing changed"
+        )
+
+
+def _code(error: BaseException | None) -> int:
+    if error is None:
+        return 0
+    for i, cls in enumerate(_ERRORS):
+        if isinstance(error, cls):
+            return i + 1
+    return len(_ERRORS)
+
+
+def agree(tp: TensorParallel, error: BaseException | None, log: CollectiveLog | None = None) -> Agreement:
+    """All-reduce this rank's status (``error``: None for success) with every rank's, in one call of
+    ``tp.size + 2`` int64; returns the :class:`Agreement`, carrying a fresh 128-bit id from rank 0.
+
+    Must be called by every rank of ``tp.group``, in the same order.
+    """
+    status = torch.zeros(tp.size + 2, dtype=torch.int64)
+    status[tp.rank] = _code(error)
+    if tp.rank == 0:
+        status[tp.size] = secrets.randbits(62)
+        status[tp.size + 1] = secrets.randbits(62)
+    if log is not None:
+        log.add("agree", status)
+    dist.all_reduce(status, group=tp.group)
+    values = status.tolist()
+    token = f"{values[tp.size]:016x}{values[tp.size + 1]:016x}"
+    return Agreement(values[: tp.size], token)
+
+
+def agreed(
+    tp: TensorParallel,
+    what: str,
+    run: Callable[[], T],
+    log: CollectiveLog | None = None,
+    undo: Callable[[], None] | None = None,
+) -> tuple[T, Agreement]:
+    """``run()`` on this rank, then :func:`agree` with every rank on its outcome: returns its value and the
+    :class:`Agreement` (whose ``token`` is the shared fresh id) when it succeeded on every rank.
+
+    Call it with a ``run`` that changes nothing that matters to the ranks' agreement (a read and its
+    checks), or give ``undo``, which reverts it where it succeeded when another rank failed.
+
+    Raises:
+        LoraPinError: (or this rank's own exception) when ``run`` failed on any rank; ``what`` names the
+            operation in the other ranks' message.
+    """
+    value: T | None = None
+    error: Exception | None = None
+    try:
+        value = run()
+    except Exception as exc:  # any failure: the other ranks must not wait for this one
+        error = exc
+    agreement = agree(tp, error, log)
+    if agreement.failed and error is None and undo is not None:
+        undo()
+    agreement.raise_if_failed(what, error)
+    return value, agreement  # type: ignore[return-value]

@@ -1,0 +1,177 @@
+"""The sharded LoRA forward: a wrapper around a framework's parallel linear that adds this rank's delta.
+
+Per layer kind (the rules are in :mod:`lora_pin.parallel.sharding`), with ``T`` the step's tokens, ``R`` the
+pool's rank and ``tp`` the group's size:
+
+- column: shrink with the full A, expand with this rank's rows of B into the local output. No collective.
+  Fully sharded: shrink with this rank's chunk of A's rows (``[T, n * R/tp]``), all-gather to ``[T, n * R]``,
+  then expand as before.
+- row: the base layer's partial product first (before its all-reduce), shrink on the input shard (a partial
+  ``[T, R]``), expand with the full B into the partial product, then the base layer's own all-reduce, which
+  sums the deltas with the products. Fully sharded: the ``[T, R]`` is all-reduced first, and each rank expands
+  its own output columns into the partial product (the base all-reduce assembles them).
+
+Rows with no adapter are never touched, so after the base layer's all-reduce they equal the sharded base
+model's output bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lora_pin.model.layers import LoRALinear, StepSegments
+from lora_pin.ops import KernelMeta, SegmentBatch, expand, shrink
+from lora_pin.parallel.sharding import GroupShard
+from lora_pin.weights.pool import GroupBuffers
+
+__all__ = ["CollectiveLog", "ParallelLoRALinear", "RowCall"]
+
+
+@dataclass
+class CollectiveLog:
+    """Collectives the LoRA layers ran (not the base layers'): calls and bytes sent per kind, this rank."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        """Count one ``kind`` collective sending ``tensor`` (its bytes)."""
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.nbytes[kind] = self.nbytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        """Zero every count."""
+        self.calls.clear()
+        self.nbytes.clear()
+
+
+@dataclass(frozen=True)
+class RowCall:
+    """How to run a row-parallel layer in two halves, so the delta joins the partial sum before the reduce.
+
+    Attributes:
+        partial: ``(layer, x [..., in/tp]) -> [..., out]``, this rank's partial product: no all-reduce,
+            no bias.
+        reduce: ``(layer, partial [..., out]) -> result``, what the layer's forward does after its product
+            (all-reduce over the group, the bias), returning what its forward returns (a tensor or
+            ``(out, bias)``).
+    """
+
+    partial: Callable[[Any, torch.Tensor], torch.Tensor]
+    reduce: Callable[[Any, torch.Tensor], Any]
+
+
+class ParallelLoRALinear(LoRALinear):
+    """A framework's parallel linear plus this rank's share of each row's adapter delta.
+
+    Args:
+        base_layer: the framework's layer, kept as is.
+        buffers: this rank's device-pool buffers of the layer's group (shapes in
+            :meth:`~lora_pin.parallel.sharding.GroupShard.pool_shape`).
+        active_step: returns the active :class:`~lora_pin.model.layers.StepSegments`, or None.
+        shard: the layer's sharding on this rank.
+        row_call: for a row-parallel layer, how to run it in two halves (required then).
+        returns_bias: the layer's forward returns ``(out, bias)``.
+        log: where the collectives this layer runs are counted.
+
+    Every rank must run the same steps through the same layers: the fully sharded collectives are matched
+    across ranks by order.
+    """
+
+    def __init__(
+        self,
+        base_layer: torch.nn.Module,
+        buffers: GroupBuffers,
+        active_step: Callable[[], StepSegments | None],
+        *,
+        shard: GroupShard,
+        row_call: RowCall | None,
+        returns_bias: bool = False,
+        log: CollectiveLog | None = None,
+    ) -> None:
+        super().__init__(base_layer, buffers, active_step, returns_bias=returns_bias)
+        self._shard = shard
+        self._row_call = row_call
+        self._log = log if log is not None else CollectiveLog()
+        group = buffers.group
+        self._offsets = shard.b_offsets(group)
+        self._columns = shard.out_columns(group)
+        self._shrink_meta: tuple[SegmentBatch, KernelMeta] | None = None
+
+    def forward(self, x: torch.Tensor) -> Any:
+        """``[..., in_local] -> [..., out_local]``: the layer's output with this rank's delta (for a row
+        layer, added before the layer's all-reduce); the same type the layer returns."""
+        if self._shard.layout.kind == "column":
+            result = self.base_layer(x)
+            self._add_delta(result[0] if self._returns_bias else result, x)
+            return result
+        assert self._row_call is not None
+        partial = self._row_call.partial(self.base_layer, x)
+        self._add_delta(partial, x)
+        return self._row_call.reduce(self.base_layer, partial)
+
+    def _add_delta(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        step = self._active_step()
+        if step is None or not step.any_adapter:
+            return
+        seg = step.for_input(x)
+        buf = self._pool_buffers
+        self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
+        meta = self._kernel_meta(seg)
+        flat_x = x.reshape(-1, x.shape[-1])
+        flat_out = out.view(-1, out.shape[-1])
+        tp = self._shard.tp
+        if not self._shard.fully_sharded:
+            expand(flat_out, shrink(flat_x, buf.a, meta), buf.b, meta)
+        elif self._shard.layout.kind == "column":
+            v_local = shrink(flat_x, buf.a, self._local_meta(seg, meta))  # [T, n * chunk]
+            parts = [torch.empty_like(v_local) for _ in range(tp.size)]
+            self._log.add("all_gather", v_local)
+            dist.all_gather(parts, v_local, group=tp.group)
+            n, chunk = meta.n_slices, v_local.shape[1] // meta.n_slices
+            # [tp, T, n, chunk] -> [T, n, tp, chunk]: slice s's full rank row j * chunk + k is rank j's k.
+            v = (
+                torch.stack(parts)
+                .view(tp.size, -1, n, chunk)
+                .permute(1, 2, 0, 3)
+                .reshape(v_local.shape[0], -1)
+            )
+            expand(flat_out, v, buf.b, meta)
+        else:
+            v = shrink(flat_x, buf.a, meta)  # a partial [T, R]
+            self._log.add("all_reduce", v)
+            dist.all_reduce(v, group=tp.group)
+            lo, hi = self._columns
+            expand(flat_out[:, lo:hi], v, buf.b, meta)
+
+    def _kernel_meta(self, seg: SegmentBatch) -> KernelMeta:
+        cached = self._meta
+        if cached is not None and cached[0] is seg:
+            return cached[1]
+        buf = self._pool_buffers
+        meta = KernelMeta.for_layer(seg, buf.ranks, buf.scalings, self._offsets)
+        self._meta = (seg, meta)
+        return meta
+
+    def _local_meta(self, seg: SegmentBatch, meta: KernelMeta) -> KernelMeta:
+        """The shrink meta of a fully sharded column layer: each slot's rows of this rank's chunk."""
+        cached = self._shrink_meta
+        if cached is not None and cached[0] is seg:
+            return cached[1]
+        buf = self._pool_buffers
+        chunk = buf.a.shape[1] // meta.n_slices
+        first = self._shard.tp.rank * chunk
+        ranks = (buf.ranks - first).clamp(0, chunk).to(torch.int32)
+        local = meta._replace(slot_ranks=ranks)
+        self._shrink_meta = (seg, local)
+        return local
+
+    def extra_repr(self) -> str:
+        tp = self._shard.tp
+        mode = ", fully_sharded" if self._shard.fully_sharded else ""
+        return f"{super().extra_repr()}, {self._shard.layout.kind}, tp={tp.rank}/{tp.size}{mode}"
