@@ -20,11 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lora_pin._core import LoRARef
-from lora_pin.errors import AdapterLoadError, DuplicateAdapterError, LoraPinError
+from lora_pin.errors import AdapterLoadError, DuplicateAdapterError, LoraPinError, SpecError
 from lora_pin.model.residency import Residency
 from lora_pin.weights.host import HostAdapter
 
-__all__ = ["BackgroundLoader", "BackgroundLoads", "Completion", "LoadJob"]
+__all__ = ["LOADING_MODES", "BackgroundLoader", "BackgroundLoads", "Completion", "LoadJob", "loading_mode"]
+
+#: How a manager reads adapters evicted from host memory (see :class:`~lora_pin.model.LoRAManager`).
+LOADING_MODES = ("background", "blocking")
 
 
 @dataclass(frozen=True)
@@ -253,3 +256,29 @@ class BackgroundLoads:
             error = wrapped
         self._errors[name] = (serial, error)
         self.failures += 1
+
+
+def loading_mode(loading: str | None, parallel: bool, adapter_dir: bool) -> str:
+    """The loading mode a manager runs: ``loading``, or its default (background; blocking with tensor
+    parallelism, where every rank must install a read at the same step for their plans to agree).
+
+    Raises:
+        SpecError: ``loading`` is not a mode; background loading, or an ``adapter_dir``, asked for with
+            tensor parallelism.
+    """
+    if loading is not None and loading not in LOADING_MODES:
+        raise SpecError(f"loading must be one of {', '.join(LOADING_MODES)} (got {loading!r})")
+    if not parallel:
+        return "background" if loading is None else loading
+    if loading == "background":
+        raise SpecError(
+            "loading='background' is not available with tensor parallelism: each rank's reads would end "
+            "at different steps and the ranks' plans would differ; use loading='blocking' (the default "
+            "with tp)"
+        )
+    if adapter_dir:
+        raise SpecError(
+            "adapter_dir is not available with tensor parallelism: ranks would discover adapters apart; "
+            "load each adapter with LoRAManager.load on every rank"
+        )
+    return "blocking"

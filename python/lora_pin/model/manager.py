@@ -11,9 +11,7 @@ import argparse
 import contextlib
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,18 +19,20 @@ import torch
 from lora_pin._core import LoRARef, LoRARegistry, parse_lora_paths
 from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, LoRAConfig, lora_config_from_args
 from lora_pin.errors import (
-    AdapterNotFoundError,
     DuplicateAdapterError,
     LoraPinError,
     SpecError,
     StalePlanError,
     UsageError,
 )
+from lora_pin.model.adapter_dir import adapter_folders, checked_adapter_dir
 from lora_pin.model.attach import FusedSpec, attach, detach, model_targets
 from lora_pin.model.layers import StepSegments
-from lora_pin.model.loader import BackgroundLoads
+from lora_pin.model.loader import LOADING_MODES, BackgroundLoads, loading_mode
 from lora_pin.model.residency import Residency
-from lora_pin.ops import CUDA_CHUNK_SIZE, SegmentBatch
+from lora_pin.model.step import HeldBack, Step, checked_names, request_indices, step_arrays
+from lora_pin.model.step_loading import StepLoading
+from lora_pin.ops import CUDA_CHUNK_SIZE
 from lora_pin.unloading import unload_async
 from lora_pin.weights import (
     DEFAULT_MAX_FILE_BYTES,
@@ -41,7 +41,7 @@ from lora_pin.weights import (
     DevicePool,
     HostTier,
 )
-from lora_pin.weights.reader import adapter_dir_for_name, path_within, read_contained_config
+from lora_pin.weights.reader import read_contained_config
 from lora_pin.weights.targets import ModuleSelection
 
 if TYPE_CHECKING:
@@ -49,63 +49,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LOADING_MODES", "LoRAManager", "Step"]
 
-# How often a step reads adapters evicted from host memory before it begins, should other threads evict
-# them again meanwhile; then the step reads them itself.
-_READ_FIRST_ATTEMPTS = 2
-# As many for a batch waiting for background reads: one round may find the host tier full of adapters
-# being read (prefetched), and starts the batch's own reads only once those are done.
-_FETCH_FIRST_ATTEMPTS = 4
 
-LOADING_MODES = ("background", "blocking")
-
-
-@dataclass(frozen=True)
-class Step:
-    """One planned scheduler step (from :meth:`LoRAManager.prepare_step` or :meth:`LoRAManager.batch`).
-
-    Attributes:
-        admitted: indices (into the step's requests) of the requests that run this step, in batch order.
-        deferred: indices of the requests that must wait for a later step (they hold nothing), in
-            request order: resubmit them first, in this order. In background loading these include the
-            requests whose adapter is being read from disk.
-        request_slots: int32 ``[len(admitted)]``, the device slot of each admitted request, -1 for base.
-        segments: the token grouping the LoRA layers use; tokens are the admitted requests' tokens,
-            each request's contiguous, in ``admitted`` order.
-        num_tokens: ``T``, the admitted requests' tokens.
-        failed: request index -> why its adapter could not be loaded (a background read that failed);
-            these requests are neither admitted nor deferred. A later request for the adapter tries again.
-        loading: the deferred requests whose adapter is not in host memory: being read in the background,
-            or waiting for host memory to be read into (in request order; background loading only). They
-            cost a step nothing until admitted: a scheduler may resubmit them without counting them
-            against its batch budget.
-    """
-
-    admitted: tuple[int, ...]
-    deferred: tuple[int, ...]
-    request_slots: torch.Tensor
-    segments: SegmentBatch
-    num_tokens: int
-    _ticket: int
-    _slot_writes: tuple[tuple[int, int], ...] = ()
-    failed: Mapping[int, LoraPinError] = field(default_factory=dict)
-    loading: tuple[int, ...] = ()
-
-
-def _buffer(data: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A flat buffer from the core as a tensor on ``device`` (no Python loop; empty buffers allowed)."""
-    if len(data) == 0:
-        return torch.empty(0, dtype=dtype, device=device)
-    # The plan's getters hand out a fresh bytearray each call: the tensor may own it, no copy needed.
-    host = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=dtype)
-    if device.type == "cuda":
-        # From pinned memory the copy is queued on the stream and the host goes on: a copy from pageable
-        # memory would wait for every kernel already queued, once per array per step. (The caching host
-        # allocator keeps the pinned block until the copy has run.)
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
-class LoRAManager:
+class LoRAManager(StepLoading):
     """Serves the adapters named by ``lora_paths`` over ``model``, ``max_loras_per_batch`` at a time.
 
     Args:
@@ -195,8 +140,6 @@ class LoRAManager:
         load_workers: int = 2,
         tp: TensorParallel | None = None,
     ) -> None:
-        if loading is not None and loading not in LOADING_MODES:
-            raise SpecError(f"loading must be one of {', '.join(LOADING_MODES)} (got {loading!r})")
         if isinstance(load_workers, bool) or not isinstance(load_workers, int) or load_workers < 1:
             raise SpecError(f"load_workers must be an int of at least 1 (got {load_workers!r})")
         refs = parse_lora_paths(
@@ -204,7 +147,7 @@ class LoRAManager:
         )
         self._allowed_roots = None if allowed_roots is None else tuple(allowed_roots)
         self.adapter_dir = (
-            None if adapter_dir is None else _checked_adapter_dir(adapter_dir, self._allowed_roots)
+            None if adapter_dir is None else checked_adapter_dir(adapter_dir, self._allowed_roots)
         )
         rank, modules = self._infer_shape(refs, max_lora_rank, lora_target_modules)
         param = next(model.parameters())
@@ -225,7 +168,7 @@ class LoRAManager:
 
         shards, self._collectives = manager_shard_plan(model, self.targets, self._module_of, tp, rank)
         self.tp = None if shards is None else shards.tp
-        loading = _loading_mode(loading, self.tp is not None, adapter_dir is not None)
+        loading = loading_mode(loading, self.tp is not None, adapter_dir is not None)
         host = HostTier(
             self.targets,
             max_rank=MAX_ADAPTER_RANK if rank is None else rank,
@@ -356,9 +299,13 @@ class LoRAManager:
                 resolves outside ``adapter_dir``.
             AdapterLoadError, CapacityError: as :meth:`load`.
         """
-        names = _checked_names(names)
+        names = checked_names(names)
         # Each distinct name once: a step repeats a few names many times.
-        found = self._folders([n for n in dict.fromkeys(names) if n is not None and n not in self.registry])
+        found = adapter_folders(
+            self.registry,
+            self.adapter_dir,
+            [n for n in dict.fromkeys(names) if n is not None and n not in self.registry],
+        )
         root = self.adapter_dir
         loaded: list[str] = []
         try:
@@ -462,9 +409,11 @@ class LoRAManager:
                 "prefetch needs loading='background' (this manager loads blocking"
                 + (", as tensor parallelism requires)" if self.tp is not None else ")")
             )
-        names = _checked_names(names)
+        names = checked_names(names)
         distinct = [n for n in dict.fromkeys(names) if n is not None]
-        new = self._folders([n for n in distinct if n not in self.registry])
+        new = adapter_folders(
+            self.registry, self.adapter_dir, [n for n in distinct if n not in self.registry]
+        )
         started = self._fetch([n for n in distinct if n not in new])
         started += [
             n for n, folder in new.items() if self._loads.start_discovery(n, folder, self.adapter_dir)
@@ -601,7 +550,7 @@ class LoRAManager:
             if self.adapter_dir is not None:
                 self.discover(names)
             return self.registry.split(names)
-        names = _checked_names(names)
+        names = checked_names(names)
         self._discover_waiting(names)
         groups = self.registry.split(names)
         with self.residency.lock:
@@ -673,72 +622,9 @@ class LoRAManager:
     def _active_segments(self) -> StepSegments | None:
         return self._active
 
-    def _folders(self, names: list[str]) -> dict[str, Path]:
-        """The ``adapter_dir`` folder of each of ``names`` (none registered), by name.
-
-        Raises:
-            AdapterNotFoundError: a name is being unloaded, or there is no ``adapter_dir`` or no folder
-                ``adapter_dir/<name>``.
-            PathNotAllowedError: as :func:`~lora_pin.weights.reader.adapter_dir_for_name`.
-        """
-        for name in names:
-            try:
-                self.registry.in_flight(name)  # known though not registered: being unloaded
-            except AdapterNotFoundError:
-                continue
-            raise AdapterNotFoundError(f"adapter {name!r} is being unloaded; it takes no new requests")
-        root = self.adapter_dir
-        if root is None:
-            for name in names:
-                self.registry.lora_ref(name)  # raises AdapterNotFoundError, listing what is registered
-            return {}
-        found: dict[str, Path] = {}
-        for name in names:
-            directory = adapter_dir_for_name(root, name)
-            if directory is None:
-                raise AdapterNotFoundError(
-                    f"adapter {name!r} is not registered, and {str(root / name)!r} does not exist"
-                )
-            found[name] = directory
-        return found
-
-    def _fetch(self, names: list[str]) -> list[str]:
-        """Begin fetching ``names`` (registered) that are not in host memory; the names whose reads began."""
-        if not names:
-            return []
-        fetch = self.registry.prefetch(names)
-        self.residency.drop_evicted(fetch.evicted)
-        return self._loads.start_fetches(fetch.to_fetch)
-
     def _forget(self, name: str) -> None:
         self._loads.forget(name)
         self.residency.forget(name)
-
-    def _discover_waiting(self, names: Sequence[str | None]) -> None:
-        """Register the ``adapter_dir`` adapters of ``names`` not registered yet, read by the loader; waits.
-        All or nothing, as :meth:`discover`.
-
-        Raises:
-            AdapterNotFoundError, PathNotAllowedError: as :meth:`_folders`; nothing is read then.
-            AdapterLoadError, CapacityError: one of them could not be read or registered; those that were
-                are unloaded again.
-        """
-        found = self._folders([n for n in dict.fromkeys(names) if n is not None and n not in self.registry])
-        if not found:
-            return
-        for name, folder in found.items():
-            self._loads.start_discovery(name, folder, self.adapter_dir)
-        self._loads.wait(found)
-        self._loads.install()
-        errors = self._loads.take_errors(found)
-        if errors:
-            for name, folder in found.items():
-                # Only discoveries of these folders go; one a step on another thread has taken up
-                # meanwhile stays, as in discover().
-                ours = name in self.registry and self.registry.lora_ref(name).lora_path == str(folder)
-                if ours and self.registry.in_flight(name) == 0 and self.registry.try_unload(name):
-                    self._forget(name)
-            raise next(iter(errors.values()))
 
     def _collectively(self, what: str, do: Any, undo: Any = None) -> None:
         """``do()``; with ``tp``, agreed with every rank (:func:`lora_pin.parallel.collective.agreed`)."""
@@ -776,8 +662,8 @@ class LoRAManager:
             if not self._wrapped:
                 raise LoraPinError("the manager is detached")
             if not isinstance(names, (list, tuple)):
-                names = _checked_names(names)  # read more than once below; a str is refused
-            held: _HeldBack | None = None
+                names = checked_names(names)  # read more than once below; a str is refused
+            held: HeldBack | None = None
             if self.loading == "background" and not per_sequence:
                 plan, held = self._begin_deferring(names, num_tokens)
             else:
@@ -797,176 +683,16 @@ class LoRAManager:
         self._prefetch_split()
         return step
 
-    def _prefetch_split(self) -> None:
-        """Prefetch the later groups of the last :meth:`split`, now that a step protects its adapters."""
-        if not self._prefetch_next:
-            return
-        with self.residency.lock:
-            names, self._prefetch_next = self._prefetch_next, []
-        if names:
-            # A hint: an adapter unloaded since the split fails its requests at their own step, not here.
-            with contextlib.suppress(LoraPinError):
-                self._fetch(list(dict.fromkeys(names)))
-
-    def _begin(self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool) -> Any:
-        """One core transaction: admission, slots, loads and the acquisition of every admitted request;
-        a per-sequence batch must run whole (CapacityError, nothing changed, if not).
-
-        Adapters the step would read from disk are read first, outside the transaction, so a read that
-        fails changes nothing (in background loading by the loader, waited for); should other threads
-        evict them again before the step begins (each time), the step reads them itself.
-        """
-        if self.loading == "background":
-            if self.adapter_dir is not None:
-                self._discover_waiting(names)
-            wanted = [n for n in dict.fromkeys(names) if n is not None]
-            for _ in range(_FETCH_FIRST_ATTEMPTS):
-                self._loads.install()
-                # Begins no step unless every adapter is in host memory; fetches what is not.
-                plan = self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence, fetch=True)
-                if plan.ticket is not None:
-                    return plan
-                self.residency.drop_evicted(n for n, tier, _ in plan.evictions if tier == "host")
-                self._loads.start_fetches(plan.to_fetch)
-                # With no room for any of its reads, only other reads ending (and installed) make room.
-                self._loads.wait(wanted if plan.to_fetch else None)
-                # Installed reads stay protected ("fresh") until a plan takes their requests up or
-                # leaves them out: the next round's plan, which defers this whole batch, leaves out
-                # those of other requests, so their room can go to this batch's reads.
-                self._loads.install()
-                for error in self._loads.take_errors(wanted).values():
-                    raise error
-        else:
-            if self.adapter_dir is not None:
-                self.discover(names)
-            for _ in range(_READ_FIRST_ATTEMPTS):
-                self._loads.install()
-                plan = self.registry.begin_step(
-                    names, num_tokens, all_or_nothing=per_sequence, read_first=True
-                )
-                if plan.ticket is not None:
-                    return plan
-                self._read_first(plan.to_read)
-        # A step's own read takes a fetch's place (its reservation included); the fetch's late result is
-        # refused when installed.
-        return self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence)
-
-    def _read_first(self, names: list[str]) -> None:
-        """Bring ``names`` (registered, not in host memory) into the host tier before a blocking step
-        begins, on this thread; reads the loader is running already are waited for instead. With ``tp``
-        every rank reads its own shards, and every rank enters them or every rank fails alike.
-
-        Raises:
-            AdapterLoadError: one of them cannot be read (on any rank, with ``tp``), or its files changed
-                since it was registered.
-        """
-        if self.tp is not None:
-            self._read_first_agreed(names)
-            return
-        busy = [n for n in names if self._loads.busy(n)]
-        if busy:
-            self._loads.wait(busy)
-            self._loads.install()
-        # A step that reads for itself tries again: a failure of an earlier read is not its answer.
-        self._loads.take_errors(names)
-        for name in names:
-            if name not in busy:
-                self.residency.read_into_host(name)
-
-    def _read_first_agreed(self, names: list[str]) -> None:
-        # The host tier is part of the plan every rank must agree on: nothing enters it unless every
-        # rank read its shards.
-        from lora_pin.parallel.collective import agreed
-
-        def read_all() -> list[Any]:
-            return [(n, self.residency.read_for_host(n)) for n in names]
-
-        read, _ = agreed(self.tp, f"reading {names}", read_all, self._collectives)
-        for name, adapter in read:
-            self.residency.enter_host(name, adapter)
-
-    def _begin_deferring(
-        self, names: Sequence[str | None], num_tokens: Sequence[int] | int
-    ) -> tuple[Any, _HeldBack | None]:
-        """The step transaction of background loading: reads finished since the last step enter the host
-        tier first; requests whose adapter is not there are deferred, and their reads begin.
-
-        Requests the core never sees: those whose adapter's last read failed (failed now), and those whose
-        ``adapter_dir`` adapter is not registered yet (deferred; its read begins).
-        """
-        self._loads.install()
-        held = None
-        if self.adapter_dir is not None or self._loads.has_errors:
-            held = self._hold_back(names, num_tokens)
-        if held is None:
-            plan = self.registry.begin_step(names, num_tokens, fetch=True)
-        else:
-            tokens = num_tokens if isinstance(num_tokens, int) else [num_tokens[i] for i in held.kept]
-            plan = self.registry.begin_step([names[i] for i in held.kept], tokens, fetch=True)
-            for name, folder in held.new.items():
-                self._loads.start_discovery(name, folder, self.adapter_dir)
-        self._loads.start_fetches(plan.to_fetch)
-        return plan, held
-
-    def _hold_back(self, names: Sequence[str | None], num_tokens: Sequence[int] | int) -> _HeldBack | None:
-        """Which requests of ``names`` fail or wait without the core; None when every request goes to it.
-
-        Raises:
-            AdapterNotFoundError, PathNotAllowedError: as :meth:`_folders` (nothing changed).
-            UsageError: ``num_tokens`` is a sequence of another length than ``names``.
-        """
-        if not isinstance(num_tokens, int) and len(num_tokens) != len(names):
-            raise UsageError(f"num_tokens has {len(num_tokens)} entries but names has {len(names)}")
-        distinct = [n for n in dict.fromkeys(names) if n is not None]
-        new = self._folders([n for n in distinct if n not in self.registry])
-        errors = self._loads.take_errors(distinct)
-        if not errors and not new:
-            return None
-        held = _HeldBack(new={n: f for n, f in new.items() if n not in errors})
-        for i, name in enumerate(names):
-            if name is None or (name not in errors and name not in new):
-                held.kept.append(i)
-            elif name in errors:
-                held.failed[i] = errors[name]
-            else:
-                held.waiting.append(i)
-        return held
-
     def _activate(
         self,
         names: Sequence[str | None],
         plan: Any,
         slot_writes: tuple[tuple[int, int], ...],
         per_sequence: bool,
-        held: _HeldBack | None,
+        held: HeldBack | None,
     ) -> Step:
-        dev = self.device
-        request_slots = _buffer(plan.request_slots, torch.int32, dev)
-        segments = SegmentBatch(
-            _buffer(plan.token_perm, torch.int32, dev).long(),
-            _buffer(plan.seg_indptr, torch.int32, dev),
-            _buffer(plan.seg_slots, torch.int32, dev),
-        )
-        any_adapter = segments.perm.numel() > 0
-        if per_sequence:
-            # The plan was made with one token per sequence: its segments serve decode inputs, and the
-            # segments of longer inputs are derived from them.
-            active = StepSegments(
-                segments,
-                sequence_slots=request_slots.long(),
-                chunk_size=self.chunk_size,
-                any_adapter=any_adapter,
-            )
-        else:
-            active = StepSegments(segments=segments, any_adapter=any_adapter)
-        admitted, deferred = tuple(plan.admitted), tuple(plan.deferred)
-        failed: dict[int, LoraPinError] = {}
-        if held is not None:
-            # The core saw only the kept requests: its indices are positions among them.
-            kept = held.kept
-            admitted = tuple(kept[i] for i in admitted)
-            deferred = tuple(sorted([kept[i] for i in deferred] + held.waiting))
-            failed = held.failed
+        request_slots, segments, active = step_arrays(plan, self.device, per_sequence, self.chunk_size)
+        admitted, deferred, failed = request_indices(plan, held)
         loading: tuple[int, ...] = ()
         if deferred and self.loading == "background" and not per_sequence:
             with self.residency.lock:
@@ -987,79 +713,3 @@ class LoRAManager:
             self._active, self._active_step = active, step
             self._deferred_requests += len(step.deferred)
         return step
-
-
-@dataclass
-class _HeldBack:
-    """The requests of a background-loading step that the core does not see, by request index."""
-
-    new: dict[str, Path]
-    kept: list[int] = field(default_factory=list)
-    waiting: list[int] = field(default_factory=list)
-    failed: dict[int, LoraPinError] = field(default_factory=dict)
-
-
-def _loading_mode(loading: str | None, parallel: bool, adapter_dir: bool) -> str:
-    """The loading mode a manager runs: ``loading``, or its default (background; blocking with tensor
-    parallelism, where every rank must install a read at the same step for their plans to agree).
-
-    Raises:
-        SpecError: background loading, or an ``adapter_dir``, asked for with tensor parallelism.
-    """
-    if not parallel:
-        return "background" if loading is None else loading
-    if loading == "background":
-        raise SpecError(
-            "loading='background' is not available with tensor parallelism: each rank's reads would end "
-            "at different steps and the ranks' plans would differ; use loading='blocking' (the default "
-            "with tp)"
-        )
-    if adapter_dir:
-        raise SpecError(
-            "adapter_dir is not available with tensor parallelism: ranks would discover adapters apart; "
-            "load each adapter with LoRAManager.load on every rank"
-        )
-    return "blocking"
-
-
-def _checked_adapter_dir(
-    adapter_dir: str | os.PathLike[str], allowed_roots: tuple[str | os.PathLike[str], ...] | None
-) -> Path:
-    real = os.path.realpath(adapter_dir)
-    if not os.path.isdir(real):
-        raise SpecError(f"adapter_dir {os.fspath(adapter_dir)!r} is not a directory")
-    if allowed_roots is not None:
-        roots = [os.path.realpath(r) for r in allowed_roots]
-        if not path_within(real, roots):
-            raise SpecError(
-                f"adapter_dir {os.fspath(adapter_dir)!r} resolves to {real!r}, outside every allowed "
-                f"root {roots}"
-            )
-    return Path(real)
-
-
-def _checked_names(names: Iterable[str | None]) -> list[str | None]:
-    """``names`` as a list, each a str or None.
-
-    Raises:
-        UsageError: ``names`` is a str, or an entry is neither (named by its position).
-        SpecError: an entry holds a lone surrogate (``json.loads`` gives one for ``"\ud800"``): it has no
-            UTF-8 encoding, so it can name no adapter or folder.
-    """
-    if isinstance(names, str):
-        raise UsageError(f"names must be a sequence of adapter names, got the str {names!r}")
-    names = list(names)
-    for i, n in enumerate(names):
-        if n is not None and not isinstance(n, str):
-            raise UsageError(f"names[{i}] must be an adapter name (str) or None, got {type(n).__name__}")
-        if n is not None and not n.isascii() and not _is_utf8(n):
-            raise SpecError(f"names[{i}] {n!r} is not valid text: it holds a lone surrogate")
-    return names
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
