@@ -285,12 +285,15 @@ fn a_whole_batch_that_cannot_begin_ends_the_freshness_of_adapters_it_leaves_out(
     assert_eq!((p.to_fetch.len(), p.evicted.iter().map(|n| &**n).collect::<Vec<_>>()), (1, vec!["b"]));
     reg.fetch_done("a", reg.serial("a").unwrap()).unwrap();
     let whole = StepOptions { all_or_nothing: true, fetch: true };
+    // The batch plans no step, yet it leaves a out: a stays through this plan, protected no more after.
     let (p, t) = begin(&mut reg, &[Some("b")], whole);
-    // The batch plans no step, yet it leaves a out: a is no longer protected, so b's fetch starts.
+    assert!(t.is_none() && p.to_fetch.is_empty() && p.evictions.is_empty());
+    assert!(reg.fresh.is_empty());
+    // So the batch's next plan makes room with it, and b's fetch starts.
+    let (p, t) = begin(&mut reg, &[Some("b")], whole);
     assert!(t.is_none());
     assert_eq!(fetches(&p), [("b", reg.serial("b").unwrap())]);
     assert_eq!(evicted(&p, Tier::Host), ["a"]);
-    assert!(reg.fresh.is_empty());
 }
 
 #[test]

@@ -79,11 +79,12 @@ impl Registry {
             let keys: Vec<AdapterKey> = adapters.iter().flatten().copied().collect();
             let outside = keys.iter().any(|&k| self.get(k).residency.host_since.is_none());
             if outside {
-                // This plan defers the whole batch: fresh adapters it does not ask for lose their
-                // protection, as a plan that begins a step without them would take it.
-                self.end_freshness_outside(&keys);
                 let mut skipped = Vec::new();
                 self.fetch_in_order(&keys, true, &mut plan.evictions, &mut plan.to_fetch, &mut skipped);
+                // This plan defers the whole batch: fresh adapters it does not ask for lose their
+                // protection after it, as after a plan that begins a step without them (so the
+                // batch's next plan may make room with them, never this one).
+                self.end_freshness_outside(&keys);
                 plan.deferred = (0..adapters.len() as u32).collect();
                 return Ok((plan, None));
             }
