@@ -579,9 +579,6 @@ def test_bad_registrations_and_tp_settings_are_refused_before_any_collective(tp_
         LoRAManager(model, lora_paths, max_lora_rank=8, tp=TensorParallel(1, 2))
     with pytest.raises(SpecError, match="needs max_lora_rank"):
         LoRAManager(model, lora_paths, tp=TensorParallel(0, 2, fully_sharded=True))
-    # Ranks install background reads at steps of their own: their plans would differ.
-    with pytest.raises(SpecError, match="loading='background' is not available with tensor parallelism"):
-        LoRAManager(model, lora_paths, max_lora_rank=8, tp=TensorParallel(0, 2), loading="background")
     with pytest.raises(SpecError, match="adapter_dir is not available with tensor parallelism"):
         LoRAManager(model, lora_paths, max_lora_rank=8, tp=TensorParallel(0, 2), adapter_dir=tp_root)
     register_parallel_linear(_RowWithoutHalves, layout=lambda m: m.layout)

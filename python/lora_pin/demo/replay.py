@@ -128,7 +128,7 @@ def replay(
             with manager.batch(names):
                 # The next step's adapters start loading while this one runs: now, not before it began,
                 # since its own adapters are protected from the evictions those reads make room by.
-                # (Tensor parallelism loads blocking: nothing is read ahead then.)
+                # (Every tensor-parallel rank replays the same queue, so all prefetch alike.)
                 if manager.loading == "background":
                     manager.prefetch(r.adapter for r in islice(queue[not kind], batch_size))
                 logits = model(ids).logits

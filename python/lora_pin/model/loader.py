@@ -8,6 +8,14 @@ so the host tier and the registry change only at a step's start, never under a r
 :class:`BackgroundLoader` knows nothing of the registry: it runs the read it is given for a
 :class:`LoadJob` and remembers which jobs are in flight, so one job is never read twice at once.
 :class:`BackgroundLoads` ties it to a manager's registry and tensors.
+
+With tensor parallelism every rank reads its own shards, and its reads end at times of their own; yet
+every rank must install a read at the same step, or their registries (and so their plans) would part.
+The fetches begun are the same on every rank, in the same order (the registry's plans and prefetches are
+deterministic), so each install first agrees over the ranks on every fetch still open
+(:func:`~lora_pin.parallel.collective.agree_fetches`): one read on every rank is installed; one that
+failed on any rank fails on all (a rank whose own read succeeded drops its bytes); any other stays
+open. A rank's finished reads wait for that agreement.
 """
 
 from __future__ import annotations
@@ -18,11 +26,16 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lora_pin._core import LoRARef
 from lora_pin.errors import AdapterLoadError, DuplicateAdapterError, LoraPinError, SpecError
 from lora_pin.model.residency import Residency
 from lora_pin.weights.host import HostAdapter
+
+if TYPE_CHECKING:
+    from lora_pin.parallel import TensorParallel
+    from lora_pin.parallel.layers import CollectiveLog
 
 __all__ = ["LOADING_MODES", "BackgroundLoader", "BackgroundLoads", "Completion", "LoadJob", "loading_mode"]
 
@@ -144,14 +157,30 @@ class BackgroundLoads:
     Args:
         residency: the manager's tensors and the registry they follow.
         workers: loader threads.
+        tp: this rank's place in a tensor-parallel group: installs agree over its ranks first (see the
+            module's doc); fetches then begin, and installs and unloads run, in the same order on every
+            rank, as every collective does. Discoveries are not available then.
+        log: where the agreements are counted.
 
     Thread safety: every method may be called from any thread; installs and error records change under
     ``residency.lock``.
     """
 
-    def __init__(self, residency: Residency, workers: int) -> None:
+    def __init__(
+        self,
+        residency: Residency,
+        workers: int,
+        tp: TensorParallel | None = None,
+        log: CollectiveLog | None = None,
+    ) -> None:
         self.residency = residency
         self.loader = BackgroundLoader(workers)
+        self.tp = tp
+        self._log = log
+        # With tp: the fetches begun and not agreed over yet, in the order they began (alike on every
+        # rank), and this rank's finished reads of them, waiting for that agreement.
+        self._open: dict[LoadJob, None] = {}
+        self._ready: dict[LoadJob, Completion] = {}
         # Why the last background read of an adapter failed, with the registration it was for (None: a
         # discovery), until a step hands it to the requests for that adapter.
         self._errors: dict[str, tuple[int | None, LoraPinError]] = {}
@@ -160,8 +189,20 @@ class BackgroundLoads:
         self.failures = 0
 
     def start_fetches(self, to_fetch: Iterable[tuple[str, int]]) -> list[str]:
-        """Read each ``(name, serial)`` the core has begun fetching; returns the names whose reads began."""
+        """Read each ``(name, serial)`` the core has begun fetching; returns the names whose reads began
+        (with ``tp``: every name, alike on every rank, whose read began here or was under way already)."""
         read = self.residency.read_fetch
+        if self.tp is not None:
+            names = []
+            for name, serial in to_fetch:
+                job = LoadJob(name, serial)
+                with self.residency.lock:
+                    self._open[job] = None
+                # Not started when a read of the same registration still runs here (one agreed failed
+                # before it ended): its result serves this fetch.
+                self.loader.submit(job, functools.partial(read, name, serial))
+                names.append(name)
+            return names
         return [
             name
             for name, serial in to_fetch
@@ -177,7 +218,14 @@ class BackgroundLoads:
         return self.loader.submit(LoadJob(name, None), read)
 
     def install(self) -> None:
-        """Enter every finished read into the host tier (registering discoveries); record each failure."""
+        """Enter every finished read into the host tier (registering discoveries); record each failure.
+
+        With ``tp``: only the fetches finished on every rank, agreed in one collective (none when no fetch
+        is open); must then be called by every rank at the same point.
+        """
+        if self.tp is not None:
+            self._install_agreed()
+            return
         with self.residency.lock:
             for done in self.loader.take():
                 if done.job.serial is None:
@@ -227,6 +275,52 @@ class BackgroundLoads:
         """Stop the loader's threads once their running reads end; reads not started are dropped."""
         self.loader.close()
 
+    def _install_agreed(self) -> None:
+        from lora_pin.parallel.collective import READ, RUNNING, agree_fetches
+
+        assert self.tp is not None
+        registry = self.residency.registry
+        with self.residency.lock:
+            for done in self.loader.take():
+                # A read of no open fetch (unloaded, or agreed failed before it ended) is dropped.
+                if done.job in self._open:
+                    self._ready[done.job] = done
+            # A fetch whose registration is gone (unloaded on every rank) needs no agreement.
+            for job in list(self._open):
+                if job.name not in registry or registry.serial(job.name) != job.serial:
+                    self._open.pop(job, None)
+                    self._ready.pop(job, None)
+            jobs = list(self._open)
+            outcomes: list[bool | BaseException] = []
+            for job in jobs:
+                ready = self._ready.get(job)
+                if ready is None:
+                    outcomes.append(RUNNING)
+                elif ready.adapter is not None:
+                    outcomes.append(READ)
+                else:
+                    outcomes.append(ready.error or AdapterLoadError(f"adapter {job.name!r}: read cancelled"))
+        if not jobs:
+            return
+        # Outside the lock: the loader's threads take it too, and other ranks may still be reading.
+        agreements = agree_fetches(self.tp, outcomes, self._log)
+        with self.residency.lock:
+            for job, agreement in zip(jobs, agreements, strict=True):
+                if agreement is None:
+                    continue
+                self._open.pop(job, None)
+                ready = self._ready.pop(job, None)
+                assert job.serial is not None
+                if ready is not None and not agreement.failed:
+                    self._install_fetch(ready, job.serial)
+                    continue
+                # This rank's own read, if it succeeded, is dropped here; one still running is dropped
+                # when it ends.
+                mine = None if ready is None or ready.adapter is not None else ready.error
+                error = agreement.error(f"background read of adapter {job.name!r}", mine)
+                if self.residency.abandon_fetch(job.name, job.serial):
+                    self._fail(job.name, job.serial, error)
+
     def _install_fetch(self, done: Completion, serial: int) -> None:
         name = done.job.name
         if done.adapter is not None:
@@ -259,26 +353,18 @@ class BackgroundLoads:
 
 
 def loading_mode(loading: str | None, parallel: bool, adapter_dir: bool) -> str:
-    """The loading mode a manager runs: ``loading``, or its default (background; blocking with tensor
-    parallelism, where every rank must install a read at the same step for their plans to agree).
+    """The loading mode a manager runs: ``loading``, or its default, background.
 
     Raises:
-        SpecError: ``loading`` is not a mode; background loading, or an ``adapter_dir``, asked for with
-            tensor parallelism.
+        SpecError: ``loading`` is not a mode; an ``adapter_dir`` asked for with tensor parallelism.
     """
     if loading is not None and loading not in LOADING_MODES:
         raise SpecError(f"loading must be one of {', '.join(LOADING_MODES)} (got {loading!r})")
-    if not parallel:
-        return "background" if loading is None else loading
-    if loading == "background":
-        raise SpecError(
-            "loading='background' is not available with tensor parallelism: each rank's reads would end "
-            "at different steps and the ranks' plans would differ; use loading='blocking' (the default "
-            "with tp)"
-        )
-    if adapter_dir:
+    if parallel and adapter_dir:
+        # A discovered adapter is registered when its read ends, under an id drawn where it was read:
+        # the ranks would register it at steps and under ids of their own.
         raise SpecError(
             "adapter_dir is not available with tensor parallelism: ranks would discover adapters apart; "
             "load each adapter with LoRAManager.load on every rank"
         )
-    return "blocking"
+    return "background" if loading is None else loading

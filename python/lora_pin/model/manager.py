@@ -85,11 +85,11 @@ class LoRAManager(StepLoading):
             whole fused output. Leave None for models with separate projections (Hugging Face Llama ...).
         max_file_bytes, max_tensors: per-adapter limits on the weight file (see
             :mod:`lora_pin.weights.limits`), checked before any tensor is read.
-        loading: ``"background"`` (the default without ``tp``): a step never reads from disk; a request
-            whose adapter is not in host memory is deferred while a background loader reads it, and is
-            admitted by a later step. ``"blocking"``: a step reads what it needs before it begins, and
-            every request waits for that (the default, and the only mode, with ``tp``: ranks must install
-            a read at the same step). :meth:`batch` waits for its reads in either mode (it must run whole).
+        loading: ``"background"`` (the default): a step never reads from disk; a request whose adapter
+            is not in host memory is deferred while a background loader reads it, and is admitted by a
+            later step (with ``tp``, once every rank has read its shards: the ranks agree at each step's
+            start). ``"blocking"``: a step reads what it needs before it begins, and every request waits
+            for that. :meth:`batch` waits for its reads in either mode (it must run whole).
         load_workers: threads of the background loader (reads run at once).
         tp: this process's place in a tensor-parallel group (:class:`lora_pin.parallel.TensorParallel`),
             for a model whose linears are a framework's parallel layers
@@ -215,7 +215,7 @@ class LoRAManager(StepLoading):
         self._active_step: Step | None = None
         self._deferred_requests = 0
         self.loading = loading
-        self._loads = BackgroundLoads(self.residency, load_workers)
+        self._loads = BackgroundLoads(self.residency, load_workers, self.tp, self._collectives)
         # Adapters of the groups after the first of the last split, prefetched by the next step.
         self._prefetch_next: list[str] = []
         self._wrapped: dict[str, torch.nn.Module] = {}
@@ -400,15 +400,15 @@ class LoRAManager(StepLoading):
                 ``adapter_dir/<name>``, or it is being unloaded; nothing started then.
             PathNotAllowedError: as :meth:`discover`.
             LoraPinError: the manager is detached.
-            UsageError: the manager loads blocking (``loading="blocking"``, or with ``tp``).
+            UsageError: the manager loads blocking (``loading="blocking"``).
+
+        With ``tp``, every rank calls it with the same names, in the same order relative to its steps and
+        loads (each rank starts the same fetches, and returns the same names).
         """
         if not self._wrapped:
             raise LoraPinError("the manager is detached")
         if self.loading != "background":
-            raise UsageError(
-                "prefetch needs loading='background' (this manager loads blocking"
-                + (", as tensor parallelism requires)" if self.tp is not None else ")")
-            )
+            raise UsageError("prefetch needs loading='background' (this manager loads blocking)")
         names = checked_names(names)
         distinct = [n for n in dict.fromkeys(names) if n is not None]
         new = adapter_folders(

@@ -2,9 +2,10 @@
 
 Background loading (the default): reads finished since the last step enter the host tier, requests whose
 adapter is not in host memory are deferred and their reads begin on the loader's threads, and a batch that
-must run whole waits for its reads. Blocking loading: the adapters a step would read are read first, on the
-calling thread (with tensor parallelism, every rank reads its shards and all agree), and then the step
-begins. Either way a read that fails changes nothing else.
+must run whole waits for its reads (with tensor parallelism, finished reads enter only once every rank
+agrees they are over: :class:`~lora_pin.model.loader.BackgroundLoads`). Blocking loading: the adapters a
+step would read are read first, on the calling thread (with tensor parallelism, every rank reads its shards
+and all agree), and then the step begins. Either way a read that fails changes nothing else.
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ class StepLoading:
                 self.residency.drop_evicted(n for n, tier, _ in plan.evictions if tier == "host")
                 self._loads.start_fetches(plan.to_fetch)
                 # With no room for any of its reads, only other reads ending (and installed) make room.
+                # With tp each rank waits for its own reads; the install's agreement then waits for the
+                # slowest rank's, and every round's outcome is agreed, so all ranks run as many rounds.
                 self._loads.wait(wanted if plan.to_fetch else None)
                 # Installed reads stay protected ("fresh") until a plan takes their requests up or
                 # leaves them out: the next round's plan, which defers this whole batch, leaves out

@@ -6,6 +6,10 @@ state (the read and its checks), then :func:`agree` all-reduces one int64 status
 failed, every rank raises the same error class and none registers anything; otherwise every rank commits.
 The same all-reduce carries a fresh id drawn by rank 0, so a run-time load has one id on every rank.
 
+Background reads end at a different time on each rank, so :func:`agree_fetches` settles, where a step
+installs finished reads, which fetches are over on every rank: one all-reduce of a status per fetch and rank
+(running, read, or failed with an error class), the fetches being listed alike on every rank.
+
 What comes after the agreement (the registry's plan, admission, slots, evictions) is a pure function of the
 registered adapters and the step's inputs, so the ranks stay in step without any further collective.
 """
@@ -13,7 +17,7 @@ registered adapters and the step's inputs, so the ranks stay in step without any
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -33,7 +37,7 @@ from lora_pin.errors import (
 from lora_pin.parallel.layers import CollectiveLog
 from lora_pin.parallel.sharding import TensorParallel
 
-__all__ = ["Agreement", "agree", "agreed"]
+__all__ = ["Agreement", "agree", "agree_fetches", "agreed"]
 
 T = TypeVar("T")
 
@@ -69,13 +73,19 @@ class Agreement:
         Raises:
             LoraPinError: (the subclass of the first failed rank's error) when any rank failed.
         """
+        error = self.error(what, mine)
+        if error is not None:
+            raise error
+
+    def error(self, what: str, mine: BaseException | None) -> BaseException | None:
+        """What :meth:`raise_if_failed` raises (``mine`` on a rank that failed), or None when no rank did."""
         failed = self.failed
         if not failed:
-            return
+            return None
         if mine is not None:
-            raise mine
+            return mine
         cls = _ERRORS[self.codes[failed[0]] - 1]
-        raise cls(
+        return cls(
             f"{what}: refused on every tensor-parallel rank because it failed on rank(s) {failed} "
             f"({cls.__name__}; the reason is in that rank's error); nothing changed"
         )
@@ -107,6 +117,47 @@ def agree(tp: TensorParallel, error: BaseException | None, log: CollectiveLog | 
     values = status.tolist()
     token = f"{values[tp.size]:016x}{values[tp.size + 1]:016x}"
     return Agreement(values[: tp.size], token)
+
+
+#: A fetch's state on one rank, for :func:`agree_fetches`: its read still runs (or waits to start).
+RUNNING = False
+#: ... and: its read finished and passed every check.
+READ = True
+
+
+def agree_fetches(
+    tp: TensorParallel, outcomes: Sequence[bool | BaseException], log: CollectiveLog | None = None
+) -> list[Agreement | None]:
+    """Agree with every rank on which of a list of fetches are over, in one all-reduce of
+    ``len(outcomes) * tp.size`` int64.
+
+    Args:
+        outcomes: this rank's state of each fetch, listed in the same order on every rank:
+            :data:`RUNNING`, :data:`READ`, or the exception its read failed with.
+
+    Returns:
+        Per fetch: None while it runs on some rank and failed on none (it stays fetching); else an
+        :class:`Agreement` (no ``token``) whose ``failed`` is empty when it was read on every rank, and
+        names the ranks where it failed otherwise (it fails on every rank: :meth:`Agreement.error`).
+
+    Must be called by every rank of ``tp.group``, in the same order, with as many outcomes.
+    """
+    # Per rank: 0 running, 1 read, 1 + the error's code when failed.
+    status = torch.zeros(len(outcomes), tp.size, dtype=torch.int64)
+    for i, outcome in enumerate(outcomes):
+        status[i, tp.rank] = int(outcome) if isinstance(outcome, bool) else 1 + _code(outcome)
+    if log is not None:
+        log.add("agree_fetches", status)
+    dist.all_reduce(status, group=tp.group)
+    agreements: list[Agreement | None] = []
+    for row in status.tolist():
+        if any(c > 1 for c in row):
+            agreements.append(Agreement([c - 1 if c > 1 else 0 for c in row], ""))
+        elif all(c == 1 for c in row):
+            agreements.append(Agreement([0] * tp.size, ""))
+        else:
+            agreements.append(None)
+    return agreements
 
 
 def agreed(
