@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_pin._core import LoRARegistry
-from lora_pin.errors import LoraPinError, UsageError
+from lora_pin.errors import CapacityError, LoraPinError, UsageError
 from lora_pin.model.adapter_dir import adapter_folders
 from lora_pin.model.loader import BackgroundLoads
 from lora_pin.model.residency import Residency
@@ -31,9 +31,10 @@ __all__ = ["StepLoading"]
 # How often a step reads adapters evicted from host memory before it begins, should other threads evict
 # them again meanwhile; then the step reads them itself.
 _READ_FIRST_ATTEMPTS = 2
-# As many for a batch waiting for background reads: one round may find the host tier full of adapters
-# being read (prefetched), and starts the batch's own reads only once those are done.
-_FETCH_FIRST_ATTEMPTS = 4
+# Rounds for a batch waiting for background reads: one may find the host tier full of adapters being read
+# (prefetched), the next full of those reads, fresh, and only the one after starts the batch's own reads.
+# Each round waits for reads, so a margin past the four a lone caller needs costs nothing.
+_FETCH_FIRST_ATTEMPTS = 8
 
 
 class StepLoading:
@@ -149,6 +150,25 @@ class StepLoading:
                 if plan.ticket is not None:
                     return plan
                 self._read_first(plan.to_read)
+        if self.tp is not None:
+            # Reading inside the step would be one rank's read alone: one more round that reads nothing,
+            # and then, decided alike on every rank as every round above, all ranks raise.
+            background = self.loading == "background"
+            if background:
+                self._loads.install()
+            plan = self.registry.begin_step(
+                names, num_tokens, all_or_nothing=per_sequence, fetch=background, read_first=not background
+            )
+            if plan.ticket is not None:
+                return plan
+            if background:
+                self.residency.drop_evicted(n for n, tier, _ in plan.evictions if tier == "host")
+                self._loads.start_fetches(plan.to_fetch)
+            raise CapacityError(
+                "the step's adapters could not all be brought into host memory before it began (each read "
+                "evicted another it needs, or other threads evicted them again); with tensor parallelism a "
+                "step never reads from disk itself: retry it, with a larger host tier or fewer adapters"
+            )
         # A step's own read takes a fetch's place (its reservation included); the fetch's late result is
         # refused when installed.
         return self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence)
