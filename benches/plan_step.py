@@ -339,16 +339,12 @@ class PythonPlanner:
 
     def _bring_in(self, e: Entry, plan: Plan) -> str | None:
         source = "host" if e.in_host else "disk"
-        if source == "disk" and not self._room_possible(e.host_bytes):
+        if source == "disk" and not self._can_read(e):
             return "host"
         if not self._slot_possible():
             return "device"
         if source == "disk":
-            self._make_host_room(e.host_bytes, plan.evictions)
-            e.in_host = True
-            self.host_order[e.name] = None
-            self.host["misses"] += 1
-            self.host["loads"] += 1
+            self._read_for_load(e, plan)
         else:
             self.host["hits"] += 1
         slot = self._take_slot(plan.evictions)
@@ -361,6 +357,18 @@ class PythonPlanner:
         self.device["loads"] += 1
         plan.loads.append((e.name, e.lora_id, slot, source))
         return None
+
+    def _can_read(self, e: Entry) -> bool:
+        """Whether the host tier can make room to read ``e`` from disk for a load."""
+        return self._room_possible(e.host_bytes)
+
+    def _read_for_load(self, e: Entry, plan: Plan) -> None:
+        """``e`` enters the host tier, read from disk for a load (room made by evicting)."""
+        self._make_host_room(e.host_bytes, plan.evictions)
+        e.in_host = True
+        self.host_order[e.name] = None
+        self.host["misses"] += 1
+        self.host["loads"] += 1
 
     def _outputs(
         self, found: list[Entry | None], num_tokens: Sequence[int], decided: dict[str, bool], plan: Plan

@@ -85,34 +85,15 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
         self.host_order[e.name] = None
         self.host["loads"] += 1
 
-    def _bring_in(self, e: Any, plan: Any) -> str | None:
-        source = "host" if e.in_host else "disk"
+    def _can_read(self, e: Any) -> bool:
         # A blocking read of an adapter being fetched takes over the fetch's reservation.
-        taking_over = source == "disk" and e.name in self.fetching
-        if source == "disk" and not taking_over and not self._room_possible(e.host_bytes):
-            return "host"
-        if not self._slot_possible():
-            return "device"
-        if taking_over:
+        return e.name in self.fetching or bool(super()._can_read(e))
+
+    def _read_for_load(self, e: Any, plan: Any) -> None:
+        if e.name in self.fetching:
             self._end_fetch(e)
-        elif source == "disk":
-            self._make_host_room(e.host_bytes, plan.evictions)
-            e.in_host = True
-            self.host_order[e.name] = None
-            self.host["misses"] += 1
-            self.host["loads"] += 1
         else:
-            self.host["hits"] += 1
-        slot = self._take_slot(plan.evictions)
-        e.loading = source
-        e.slot = slot
-        self.slot_of[slot] = e
-        self.generations[slot] += 1
-        self.device_order[e.name] = None
-        self.device["misses"] += 1
-        self.device["loads"] += 1
-        plan.loads.append((e.name, e.lora_id, slot, source))
-        return None
+            super()._read_for_load(e, plan)
 
     def plan(self, names: Any, num_tokens: Any, fetch: bool = False) -> Any:
         if isinstance(num_tokens, int):
