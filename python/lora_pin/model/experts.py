@@ -20,13 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from lora_pin.errors import OpArgumentError
-from lora_pin.model.layers import StepSegments
+from lora_pin.model.layers import BaseLayerWrapper, StepSegments
 from lora_pin.ops.experts import ExpertMeta, expert_lora_delta_, expert_segments
 from lora_pin.ops.segments import SegmentBatch
 from lora_pin.weights.pool import GroupBuffers
@@ -89,7 +88,7 @@ def expert_layout(module: torch.nn.Module) -> ExpertLayout | str | None:
     return ExpertLayout(int(gate_up.shape[0]), features, transposed)
 
 
-class LoRAExperts(torch.nn.Module):
+class LoRAExperts(BaseLayerWrapper):
     """A MoE experts module plus each routed row's expert LoRA delta (see the module docstring).
 
     Args:
@@ -115,15 +114,6 @@ class LoRAExperts(torch.nn.Module):
         self._layout = layout
         self._pool_buffers = dict(buffers)
         self._active_step = active_step
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            base = self.__dict__["_modules"].get("base_layer")
-            if base is None:
-                raise
-            return getattr(base, name)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

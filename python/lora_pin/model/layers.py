@@ -18,7 +18,7 @@ from lora_pin.errors import UsageError
 from lora_pin.ops import KernelMeta, OpArgumentError, SegmentBatch, expand, segments_from_slots, shrink
 from lora_pin.weights.pool import GroupBuffers
 
-__all__ = ["LoRAEmbedding", "LoRALinear", "StepSegments"]
+__all__ = ["BaseLayerWrapper", "LoRAEmbedding", "LoRALinear", "StepSegments"]
 
 
 @dataclass
@@ -101,7 +101,22 @@ class StepSegments:
         return SegmentBatch(perm, seg_indptr, seg_slots)
 
 
-class LoRALinear(torch.nn.Module):
+class BaseLayerWrapper(torch.nn.Module):
+    """A module that wraps ``base_layer`` in a model: attributes it does not have itself (``weight``,
+    ``bias``, ``in_features``, a framework's own fields) are the base layer's, so code that reads them
+    through the wrapper (Mamba's mixer reads ``dt_proj.weight``) sees the model it was written for."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            base = self.__dict__["_modules"].get("base_layer")
+            if base is None:
+                raise
+            return getattr(base, name)
+
+
+class LoRALinear(BaseLayerWrapper):
     """``base_layer(x)`` plus each row's adapter delta from one device-pool group.
 
     The wrapped layer's output is the whole group: one slice for an ordinary linear (``q_proj``), several
@@ -137,15 +152,6 @@ class LoRALinear(torch.nn.Module):
         # The kernel metadata of the last segments seen: every forward of one step reuses it. Keyed by
         # identity, which is safe because the entry holds the segments it was made from.
         self._meta: tuple[SegmentBatch, KernelMeta] | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            base = self.__dict__["_modules"].get("base_layer")
-            if base is None:
-                raise
-            return getattr(base, name)
 
     def forward(self, x: torch.Tensor) -> Any:
         """``[..., in] -> [..., out_total]``: the base output plus the step's adapter deltas, in place (for a
