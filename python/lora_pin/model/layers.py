@@ -8,7 +8,7 @@ the base model's output bit for bit. With no active step the wrapper is the base
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +149,8 @@ class LoRALinear(BaseLayerWrapper):
         self._pool_buffers = buffers
         self._active_step = active_step
         self._n_slices = buffers.group.n_slices
+        # Where each slice's columns start and end in the output: a tensor-parallel shard has its own.
+        self._offsets: Sequence[int] = buffers.slice_offsets
         # The kernel metadata of the last segments seen: every forward of one step reuses it. Keyed by
         # identity, which is safe because the entry holds the segments it was made from.
         self._meta: tuple[SegmentBatch, KernelMeta] | None = None
@@ -188,7 +190,7 @@ class LoRALinear(BaseLayerWrapper):
         if cached is not None and cached[0] is seg:
             return cached[1]
         buf = self._pool_buffers
-        meta = KernelMeta.for_layer(seg, buf.ranks, buf.scalings, buf.slice_offsets)
+        meta = KernelMeta.for_layer(seg, buf.ranks, buf.scalings, self._offsets)
         self._meta = (seg, meta)
         return meta
 

@@ -149,15 +149,6 @@ class ParallelLoRALinear(LoRALinear):
             lo, hi = self._columns
             expand(flat_out[:, lo:hi], v, buf.b, meta)
 
-    def _kernel_meta(self, seg: SegmentBatch) -> KernelMeta:
-        cached = self._meta
-        if cached is not None and cached[0] is seg:
-            return cached[1]
-        buf = self._pool_buffers
-        meta = KernelMeta.for_layer(seg, buf.ranks, buf.scalings, self._offsets)
-        self._meta = (seg, meta)
-        return meta
-
     def _local_meta(self, seg: SegmentBatch, meta: KernelMeta) -> KernelMeta:
         """The shrink meta of a fully sharded column layer: each slot's rows of this rank's chunk."""
         cached = self._shrink_meta
