@@ -322,6 +322,13 @@ class PythonPlanner:
             else:
                 self.device["refusals"] += 1
         plan = Plan()
+        self._place_step(plan, decided)
+        self._outputs(found, num_tokens, decided, plan)
+        return plan
+
+    def _place_step(self, plan: Plan, decided: dict[str, bool]) -> None:
+        """Give each admitted adapter a slot, loading it (from disk when it is not in the host tier);
+        one the tiers cannot make room for leaves the step, its requests deferred."""
         for e in list(self.step):
             if e.slot is None:
                 refused = self._bring_in(e, plan)
@@ -334,8 +341,6 @@ class PythonPlanner:
             else:
                 self.device["hits"] += 1
             self.recency.move_to_end(e.name)
-        self._outputs(found, num_tokens, decided, plan)
-        return plan
 
     def _bring_in(self, e: Entry, plan: Plan) -> str | None:
         source = "host" if e.in_host else "disk"

@@ -130,18 +130,7 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
             if not self._room_possible(e.host_bytes):
                 self._yield_room(first, e.host_bytes, firsts, decided)
             self._start_fetch(e, plan.evictions, plan.to_fetch)
-        for e in list(self.step):
-            if e.slot is None:
-                refused = self._bring_in(e, plan)
-                if refused:
-                    (self.host if refused == "host" else self.device)["refusals"] += 1
-                    decided[e.name] = False
-                    e.in_step = False
-                    self.step.remove(e)
-                    continue
-            else:
-                self.device["hits"] += 1
-            self.recency.move_to_end(e.name)
+        self._place_step(plan, decided)
         self.fresh = [n for n in self.fresh if decided.get(n) is False]
         self._outputs(found, num_tokens, decided, plan)
         return plan
