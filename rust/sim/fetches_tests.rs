@@ -1,25 +1,8 @@
 use super::*;
 use crate::registry::LoadSource;
-use crate::sim::trace::{Request, Trace, Workload};
+use crate::sim::tests::trace_of;
+use crate::sim::trace::{Trace, Workload};
 use crate::sim::{simulate, simulate_with, SimConfig};
-
-fn trace_of(names: &[&str]) -> Trace {
-    let mut all: Vec<String> = Vec::new();
-    for n in names {
-        if !all.iter().any(|a| a == n) {
-            all.push((*n).to_owned());
-        }
-    }
-    let requests = names
-        .iter()
-        .map(|n| Request {
-            adapter: all.iter().position(|a| a == n).map(|i| i as u32),
-            tokens: 1,
-            arrival: None,
-        })
-        .collect();
-    Trace::new(all, requests).unwrap()
-}
 
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() < 1e-6

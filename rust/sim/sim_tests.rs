@@ -7,7 +7,8 @@ use crate::policy::{PolicyKind, POLICY_NAMES};
 use crate::registry::{AdapterSize, Config, Registry, StepPlan};
 use crate::shared::SharedRegistry;
 
-fn trace_of(names: &[&str]) -> Trace {
+/// One request of one token per name, no arrival times; adapters named in first-use order.
+pub(super) fn trace_of(names: &[&str]) -> Trace {
     let mut all: Vec<String> = Vec::new();
     for n in names {
         if !all.iter().any(|a| a == n) {
