@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from lora_pin import LoRAManager
 from lora_pin.errors import AdapterLoadError
+from lora_pin.fixtures import save_peft_adapter
 
 VOCAB = 96
 
@@ -42,20 +43,6 @@ def tiny_model(family: str) -> torch.nn.Module:
     return LlamaForCausalLM(LlamaConfig(tie_word_embeddings=family == "llama-tied", **shape)).eval()
 
 
-def save_adapter(base: torch.nn.Module, out_dir: Path, seed: int, **config: Any) -> Path:
-    """A PEFT adapter over a copy of ``base`` with seeded random LoRA weights (PEFT starts B at zero)."""
-    from peft import LoraConfig, get_peft_model
-
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(lora_dropout=0.0, **config))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if ".lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    peft_model.save_pretrained(str(out_dir))
-    return out_dir
-
-
 SPECS: dict[str, dict[str, Any]] = {
     "head": {"r": 4, "lora_alpha": 8, "target_modules": ["lm_head"]},
     "embed": {"r": 2, "lora_alpha": 3, "target_modules": ["embed_tokens"]},
@@ -69,7 +56,8 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     base = tiny_model(request.param)
     root = tmp_path_factory.mktemp("adapters")
     adapters = {
-        name: save_adapter(base, root / name, i + 1, **spec) for i, (name, spec) in enumerate(SPECS.items())
+        name: save_peft_adapter(base, root / name, i + 1, **spec)
+        for i, (name, spec) in enumerate(SPECS.items())
     }
     return base, adapters
 

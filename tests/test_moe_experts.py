@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from lora_pin import LoRAManager
 from lora_pin.errors import AdapterLoadError, SpecError
+from lora_pin.fixtures import save_peft_adapter
 from lora_pin.model.experts import LoRAExperts
 
 # PEFT applies rank_pattern to a target parameter by its key (the "experts" adapter's down_proj has rank
@@ -65,20 +66,6 @@ def tiny_moe(family: str) -> torch.nn.Module:
     return model.eval()
 
 
-def save_adapter(base: torch.nn.Module, out_dir: Path, seed: int, **config: Any) -> Path:
-    """A PEFT adapter over a copy of ``base`` with seeded random LoRA weights (PEFT starts B at zero)."""
-    from peft import LoraConfig, get_peft_model
-
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(lora_dropout=0.0, **config))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if ".lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
-    peft_model.save_pretrained(str(out_dir))
-    return out_dir
-
-
 SPECS: dict[str, dict[str, Any]] = {
     # Experts only: both weights, rank per weight from rank_pattern by the parameter's key.
     "experts": {"r": 4, "lora_alpha": 8, "target_parameters": BOTH, "rank_pattern": {"down_proj": 2}},
@@ -103,7 +90,8 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     base = tiny_moe(request.param)
     root = tmp_path_factory.mktemp("moe_adapters")
     adapters = {
-        name: save_adapter(base, root / name, i + 1, **spec) for i, (name, spec) in enumerate(SPECS.items())
+        name: save_peft_adapter(base, root / name, i + 1, scale=0.2, **spec)
+        for i, (name, spec) in enumerate(SPECS.items())
     }
     return base, adapters
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["make_peft_adapter", "make_tiny_llama"]
+__all__ = ["make_peft_adapter", "make_tiny_llama", "save_peft_adapter"]
 
 
 def make_tiny_llama(
@@ -114,4 +114,30 @@ def make_peft_adapter(
     # get_peft_model wraps the caller's model in place; undo it so the same model can make more adapters.
     if isinstance(base, torch.nn.Module):
         peft_model.unload()
+    return path
+
+
+def save_peft_adapter(
+    base: torch.nn.Module, out_dir: str | os.PathLike[str], seed: int, *, scale: float = 0.1, **config: Any
+) -> Path:
+    """Save a PEFT adapter made from ``LoraConfig(**config)`` as given (any targets: ``target_parameters``,
+    ``lm_head``, embeddings), over a copy of ``base`` (left untouched), with every LoRA tensor drawn from a
+    seeded normal distribution times ``scale`` (PEFT starts B at zero); returns its directory.
+
+    Raises:
+        ValueError: PEFT rejects the configuration.
+    """
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(lora_dropout=0.0, **config))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    path = Path(out_dir)
+    peft_model.save_pretrained(str(path))
     return path
