@@ -246,6 +246,9 @@ def _tensor_parallel_rank(
             _print(args, report, manager, adapters)
             sys.stdout.flush()
             status.write_text("0" if report.ok else "1")
+        # No rank tears the group down while another still talks over it: a rank that left first made
+        # its peer's gloo threads abort now and then ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
