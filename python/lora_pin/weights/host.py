@@ -25,14 +25,16 @@ import torch
 
 from lora_pin.errors import AdapterLoadError, AdapterNotFoundError, DuplicateAdapterError
 from lora_pin.weights.config import AdapterConfig
+from lora_pin.weights.digest import ServedModule, adapter_digest
 from lora_pin.weights.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TENSORS
 from lora_pin.weights.reader import PEFT_PREFIX, AdapterFile, LoraTensorPair, open_adapter
 from lora_pin.weights.targets import LinearTarget, LoRATargets, TargetGroup
+from lora_pin.weights.tensors import AdapterTensors
 
 if TYPE_CHECKING:
     from lora_pin.parallel.sharding import ShardPlan
 
-__all__ = ["HostAdapter", "HostModule", "HostTier", "load_adapter"]
+__all__ = ["HostAdapter", "HostModule", "HostTier", "load_adapter", "load_opened"]
 
 _LISTED = 8
 
@@ -72,6 +74,10 @@ class HostAdapter:
 
     Groups it does not touch are absent (the pool zeroes them). ``targets`` is the model description it was
     validated against; ``tensors_applied`` counts the file's tensors that were used (all of them).
+    ``digest`` is the adapter's content digest (:mod:`lora_pin.weights.digest`: 64 hex characters, the
+    same for the same weights whatever the folder, format, process or tensor-parallel rank), and
+    ``whole_nbytes`` the host bytes of the whole adapter unsharded (:attr:`nbytes` on a single process;
+    on a tensor-parallel rank, which holds only its shard, the same figure on every rank).
     """
 
     name: str
@@ -81,6 +87,8 @@ class HostAdapter:
     dtype: torch.dtype
     modules: Mapping[str, HostModule]
     tensors_applied: int
+    digest: str
+    whole_nbytes: int
 
     @property
     def max_rank(self) -> int:
@@ -441,7 +449,7 @@ def _read_experts(
     ``[out, r, E]``), so B is regrouped expert by expert.
     """
     file.read_into(pair.a_name, a)
-    stored = file.tensor(pair.b_name)
+    stored = file.tensor(pair.b_name, record=True)
     out_features, rank = b.shape[0] // experts, b.shape[1]
     b.view(experts, out_features, rank).copy_(stored.view(out_features, rank, experts).permute(2, 0, 1))
 
@@ -488,6 +496,20 @@ def _refuse_non_finite(
     raise AssertionError("a NaN/Inf in the slab outside every tensor's view")
 
 
+def _served(modules: Iterable[HostModule], pairs: dict[str, LoraTensorPair]) -> Iterator[ServedModule]:
+    """Every module the adapter serves, with its rank, scaling and tensors (what its digest covers)."""
+    for module in modules:
+        group = module.group
+        if group.experts:
+            pair = pairs[group.key]
+            yield ServedModule(group.key, module.ranks[0], module.scalings[0], pair.a_name, pair.b_name)
+            continue
+        for member, rank, scaling in zip(group.members, module.ranks, module.scalings, strict=True):
+            if rank:
+                pair = pairs[member.key]
+                yield ServedModule(member.key, rank, scaling, pair.a_name, pair.b_name)
+
+
 def load_adapter(
     name: str,
     path: str | os.PathLike[str],
@@ -531,14 +553,45 @@ def load_adapter(
         max_file_bytes=max_file_bytes,
         max_tensors=max_tensors,
     ) as file:
-        ranks, pairs = _check_against_model(file, targets, max_rank, shards)
-        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        touched = [g for g in targets.groups if any(m.key in ranks for m in g.members)]
-        slab = _Slab(sum(_group_numel(g, ranks, shards) for g in touched), dtype, pin)
-        modules = {g.key: _build_module(file, g, ranks, pairs, slab, pin, shards) for g in touched}
-        _refuse_non_finite(file, pairs, slab, modules.values())
-        file.check_unchanged()
-    return HostAdapter(name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks))
+        return load_opened(
+            file, targets, max_rank=max_rank, dtype=dtype, pin_memory=pin_memory, shards=shards
+        )
+
+
+def load_opened(
+    file: AdapterFile,
+    targets: LoRATargets,
+    *,
+    max_rank: int,
+    dtype: torch.dtype,
+    pin_memory: bool | None = None,
+    shards: ShardPlan | None = None,
+) -> HostAdapter:
+    """:func:`load_adapter` of an adapter already opened (:func:`~lora_pin.weights.reader.open_adapter`,
+    or :meth:`~lora_pin.weights.reader.AdapterFile.in_memory` for tensors handed over in memory): the same
+    checks, the same errors, and its digest.
+
+    Raises:
+        AdapterLoadError: as :func:`load_adapter`.
+    """
+    name = file.name
+    if not dtype.is_floating_point:
+        raise AdapterLoadError(f"adapter {name!r}: serving dtype must be floating point, got {dtype}")
+    ranks, pairs = _check_against_model(file, targets, max_rank, shards)
+    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+    touched = [g for g in targets.groups if any(m.key in ranks for m in g.members)]
+    slab = _Slab(sum(_group_numel(g, ranks, shards) for g in touched), dtype, pin)
+    modules = {g.key: _build_module(file, g, ranks, pairs, slab, pin, shards) for g in touched}
+    _refuse_non_finite(file, pairs, slab, modules.values())
+    file.check_unchanged()
+    digest = adapter_digest(file.digests, _served(modules.values(), pairs))
+    element = slab.memory.element_size()
+    whole = (
+        slab.memory.nbytes if shards is None else sum(_group_numel(g, ranks, None) for g in touched) * element
+    )
+    return HostAdapter(
+        name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks), digest, whole
+    )
 
 
 class HostTier:
@@ -607,6 +660,18 @@ class HostTier:
             max_tensors=self.max_tensors,
             shards=self.shards,
         )
+
+    def read_tensors(self, tensors: AdapterTensors) -> HostAdapter:
+        """Read an adapter handed over in memory (:func:`~lora_pin.weights.tensors.adapter_tensors`) as
+        :meth:`read` reads one from disk: the same checks and errors; with ``shards``, this rank's part.
+
+        Raises:
+            AdapterLoadError: as :func:`load_adapter`.
+        """
+        with tensors.open() as file:
+            return load_opened(
+                file, self.targets, max_rank=self.max_rank, dtype=self.dtype, shards=self.shards
+            )
 
     def add(self, adapter: HostAdapter) -> HostAdapter:
         """Hold ``adapter`` (from :meth:`read`) under its name.

@@ -30,6 +30,7 @@ import torch
 
 from lora_pin.errors import AdapterLoadError, PathNotAllowedError, UnsafeFormatError
 from lora_pin.weights.config import AdapterConfig
+from lora_pin.weights.digest import stored_dtype_name, tensor_bytes, tensor_digest
 from lora_pin.weights.folder import AdapterFolder, FolderFile, path_within, real_roots, resolve_folder
 from lora_pin.weights.limits import (
     DEFAULT_MAX_FILE_BYTES,
@@ -137,7 +138,10 @@ class AdapterFile:
 
     ``pairs`` maps module keys (relative to the base model) to tensor names; ``unused`` lists every tensor
     name that is not a complete ``lora_A``/``lora_B`` pair. Tensors are read on demand with :meth:`tensor`.
-    Close it (or use ``with``) when done: it holds the folder's and the weight file's descriptors.
+    ``digests`` holds the digest (:func:`~lora_pin.weights.digest.tensor_digest`) of every tensor read so
+    far with :meth:`read_into`, :meth:`read_slice_into` or ``tensor(..., record=True)``, taken from the
+    bytes as they were read. Close it (or use ``with``) when done: it holds the folder's and the weight
+    file's descriptors (none for tensors handed over in memory, :meth:`in_memory`).
     """
 
     name: str
@@ -147,29 +151,60 @@ class AdapterFile:
     dtype: torch.dtype
     pairs: dict[str, LoraTensorPair]
     unused: list[str]
-    _folder: AdapterFolder = field(repr=False)
-    _weights: FolderFile = field(repr=False)
+    _folder: AdapterFolder | None = field(repr=False)
+    _weights: FolderFile | None = field(repr=False)
     _stored: dict[str, _Stored] = field(default_factory=dict, repr=False)
     _loaded: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    digests: dict[str, bytes] = field(default_factory=dict, repr=False)
 
-    def tensor(self, tensor_name: str) -> torch.Tensor:
-        """One stored tensor, as stored (dtype and shape of the file), in fresh CPU memory.
+    @classmethod
+    def in_memory(
+        cls, name: str, config: AdapterConfig, tensors: dict[str, torch.Tensor], *, where: str = "<tensors>"
+    ) -> AdapterFile:
+        """An adapter handed over as ``tensors`` (PEFT tensor names -> dense CPU tensors) and ``config``,
+        read as a weight file's tensors are (``where`` stands for the file in messages).
+
+        Raises:
+            AdapterLoadError: the LoRA tensors have mixed or non-float dtypes, or are not 2-D.
+        """
+        path = Path(where)
+        shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        dtypes: dict[str, torch.dtype | str] = {k: v.dtype for k, v in tensors.items()}
+        pairs, unused, dtype = _pair_tensors(name, path, shapes, dtypes)
+        return cls(name, path, config, path, dtype, pairs, unused, None, None, {}, tensors)
+
+    def tensor(self, tensor_name: str, *, record: bool = False) -> torch.Tensor:
+        """One stored tensor, as stored (dtype and shape of the file), in fresh CPU memory; with ``record``
+        its digest goes into :attr:`digests`.
 
         Raises:
             AdapterLoadError: the file ended before the tensor's last byte (truncated while it was read).
         """
         if self._loaded is not None:
-            return self._loaded[tensor_name]
+            loaded = self._loaded[tensor_name]
+            if record:
+                self._record(tensor_name, loaded)
+            return loaded
         stored = self._stored[tensor_name]
         raw = torch.empty(stored.end - stored.begin, dtype=torch.uint8)
         _pread_into(self, raw.numpy().data, stored.begin)
+        if record:
+            self.digests[tensor_name] = tensor_digest(
+                tensor_name, stored.dtype, stored.shape, raw.numpy().data
+            )
         return raw.view(_SAFETENSORS_DTYPES[stored.dtype]).view(stored.shape)
+
+    def _record(self, tensor_name: str, tensor: torch.Tensor) -> None:
+        self.digests[tensor_name] = tensor_digest(
+            tensor_name, stored_dtype_name(tensor.dtype), tuple(tensor.shape), tensor_bytes(tensor)
+        )
 
     def read_into(self, tensor_name: str, out: torch.Tensor) -> None:
         """Put stored tensor ``tensor_name`` into ``out`` (same shape), converting to ``out``'s dtype.
 
         When the file holds it in ``out``'s dtype and ``out`` is contiguous, its bytes are read from the
         file straight into ``out`` (one copy); otherwise it is read into fresh memory and copied over.
+        Its digest goes into :attr:`digests`, hashed from the bytes just read.
 
         Raises:
             AdapterLoadError: the file ended before the tensor's last byte (truncated while it was read).
@@ -181,48 +216,39 @@ class AdapterFile:
             and tuple(out.shape) == stored.shape
             and out.is_contiguous()
         ):
-            _pread_into(self, out.view(torch.uint8).reshape(-1).numpy().data, stored.begin)
+            raw = out.view(torch.uint8).reshape(-1).numpy().data
+            _pread_into(self, raw, stored.begin)
+            self.digests[tensor_name] = tensor_digest(tensor_name, stored.dtype, stored.shape, raw)
         else:
-            out.copy_(self.tensor(tensor_name))
+            out.copy_(self.tensor(tensor_name, record=True))
 
     def read_slice_into(
         self, tensor_name: str, out: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]
     ) -> None:
         """Put rows ``[rows)`` and columns ``[cols)`` of 2-D stored tensor ``tensor_name`` into ``out``
-        (shape ``[rows, cols]``), converting to ``out``'s dtype, reading only those bytes from the file.
+        (shape ``[rows, cols]``), converting to ``out``'s dtype.
 
-        A run of whole rows is one contiguous read (a tensor-parallel rank's rows of B); a column range is
-        one read per row (its columns of A), each row's bytes lying apart in the file.
+        The whole tensor is read (one contiguous read) and hashed into :attr:`digests`, then the part
+        copied: a tensor-parallel rank that keeps only its shard still knows the whole adapter's digest,
+        which the ranks compare before they register it (reading the whole of a column range costs less
+        than one read per row of it would).
 
         Raises:
             AdapterLoadError: the file ended before a byte read (truncated while it was read).
             ValueError: the ranges fall outside the tensor or do not match ``out``'s shape.
         """
         (r0, r1), (c0, c1) = rows, cols
-        if self._loaded is not None:
-            out.copy_(self._loaded[tensor_name][r0:r1, c0:c1])
-            return
-        stored = self._stored[tensor_name]
-        height, width = stored.shape
+        shape = (
+            self._loaded[tensor_name].shape if self._loaded is not None else self._stored[tensor_name].shape
+        )
+        height, width = shape
         if not (0 <= r0 <= r1 <= height and 0 <= c0 <= c1 <= width) or tuple(out.shape) != (r1 - r0, c1 - c0):
             raise ValueError(
-                f"slice rows {rows} cols {cols} of {tensor_name!r} {list(stored.shape)} into "
-                f"{list(out.shape)}"
+                f"slice rows {rows} cols {cols} of {tensor_name!r} {list(shape)} into {list(out.shape)}"
             )
-        if out.numel() == 0:
-            return
-        dtype = _SAFETENSORS_DTYPES[stored.dtype]
-        direct = dtype == out.dtype and out.is_contiguous()
-        target = out if direct else torch.empty(tuple(out.shape), dtype=dtype)
-        raw = target.view(torch.uint8).reshape(r1 - r0, -1).numpy()
-        size = _DTYPE_SIZES[stored.dtype]
-        if c0 == 0 and c1 == width:
-            _pread_into(self, raw.reshape(-1).data, stored.begin + r0 * width * size)
-        else:
-            for i in range(r1 - r0):
-                _pread_into(self, raw[i].data, stored.begin + ((r0 + i) * width + c0) * size)
-        if not direct:
-            out.copy_(target)
+        whole = self.tensor(tensor_name, record=True)
+        if out.numel():
+            out.copy_(whole[r0:r1, c0:c1])
 
     def check_unchanged(self) -> None:
         """Refuse the adapter if its weight file was replaced or rewritten since it was opened.
@@ -233,7 +259,8 @@ class AdapterFile:
             AdapterLoadError: the file's inode, size, modification or change time differs from when it
                 was opened (on its descriptor or under its name), or it is gone.
         """
-        self._folder.check_unchanged(self._weights)
+        if self._folder is not None and self._weights is not None:
+            self._folder.check_unchanged(self._weights)
 
     @property
     def file_bytes(self) -> int:
@@ -243,7 +270,8 @@ class AdapterFile:
 
     def close(self) -> None:
         """Close the weight file and the folder (idempotent); :meth:`tensor` cannot read afterwards."""
-        self._folder.close()
+        if self._folder is not None:
+            self._folder.close()
 
     def __enter__(self) -> AdapterFile:
         return self
@@ -263,6 +291,7 @@ def _pread_into(file: AdapterFile, out: memoryview, offset: int) -> None:
     done = 0
     while done < len(out):
         try:
+            assert file._weights is not None
             got = os.preadv(file._weights.fd, [out[done:]], offset + done)
         except OSError as exc:
             raise AdapterLoadError(
