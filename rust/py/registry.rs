@@ -582,6 +582,71 @@ impl PyLoRARegistry {
         detached(py, || self.shared.lock().invalidate_slots(&slots))
     }
 
+    /// Replaces the weights of `name`, registered as `serial`, by new ones the caller holds in host
+    /// memory: name, id, serial, pin, requests and slot stay; rank, bytes and scaling become these.
+    /// The adapter ends in the host tier (a fetch of it is over: its report will be refused); a slot
+    /// it holds keeps the old contents until the caller refreshes them. Returns the adapters evicted
+    /// from the host tier to make room (free their host tensors).
+    ///
+    /// Raises:
+    ///     AdapterNotFoundError: `name` is not registered, is being unloaded, or was registered again
+    ///         since (another serial).
+    ///     CapacityError: the host tier cannot make room, or the pinned adapters would overflow it.
+    ///     SpecError: rank < 1, a negative byte count, or a non-finite scaling.
+    ///     Nothing changes on an error.
+    #[pyo3(signature = (name, serial, *, rank, host_bytes, device_bytes, scaling = 1.0))]
+    fn replace(
+        &self,
+        py: Python<'_>,
+        name: Name,
+        serial: u64,
+        rank: i64,
+        host_bytes: i64,
+        device_bytes: i64,
+        scaling: f64,
+    ) -> PyResult<Vec<String>> {
+        let Ok(rank @ 1..) = u32::try_from(rank) else {
+            let msg = format!("adapter {:?}: rank must be in 1..=4294967295 (got {rank})", &*name);
+            return Err(new_error(py, "SpecError", msg));
+        };
+        let size = AdapterSize {
+            rank,
+            host_bytes: count(py, "host_bytes", host_bytes, 0)?,
+            device_bytes: count(py, "device_bytes", device_bytes, 0)?,
+            scaling: scaling as f32,
+        };
+        detached(py, || self.shared.lock().replace(&name, serial, size))
+    }
+
+    /// Where every adapter is, at one instant: a dict with `adapters`, a list sorted by name of
+    /// `(name, id, serial, tier, slot, pinned, in_flight, draining, host_bytes)` (`tier` is
+    /// "device", "host", "fetching" or "disk"; `slot` None outside the device tier), and the tiers'
+    /// room: `slots`, `free_slots`, `host_bytes`, `reserved_bytes`, `max_host_bytes`.
+    fn placement<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let p = detached(py, || Ok(self.shared.lock().placement()))?;
+        let adapters = p
+            .adapters
+            .iter()
+            .map(|a| {
+                let tier = match (a.slot, a.host, a.fetching) {
+                    (Some(_), _, _) => "device",
+                    (None, true, _) => "host",
+                    (None, false, true) => "fetching",
+                    (None, false, false) => "disk",
+                };
+                (&*a.name, &*a.id, a.serial, tier, a.slot, a.pinned, a.in_flight, a.draining, a.host_bytes)
+            })
+            .collect::<Vec<_>>();
+        let d = PyDict::new(py);
+        d.set_item("adapters", adapters)?;
+        d.set_item("slots", p.slots)?;
+        d.set_item("free_slots", p.free_slots)?;
+        d.set_item("host_bytes", p.host_bytes)?;
+        d.set_item("reserved_bytes", p.reserved_bytes)?;
+        d.set_item("max_host_bytes", p.max_host_bytes)?;
+        Ok(d)
+    }
+
     /// The registration serial of `name` (also while it is being unloaded): unique for the
     /// registry's life, so it tells a re-registered name from an earlier registration.
     ///

@@ -5,6 +5,7 @@
 //! - `tiers`: the host ledger and the device slot table (counts, bytes, candidate sets);
 //! - `residency`: moving adapters between tiers, keeping each tier's eviction candidates exact;
 //! - `fetch`: background reads (the fetching state: host bytes reserved, read in flight);
+//! - `lifecycle`: weights replaced in place under a name, and where every adapter is;
 //! - `plan`: one scheduler step's admission, slots, loads and segment arrays;
 //! - `step`: the step transaction (plan and acquire at once, `finish_step` releases all);
 //! - `unload`: draining and forgetting adapters;
@@ -27,6 +28,7 @@
 mod adapter;
 mod audit;
 mod fetch;
+mod lifecycle;
 mod plan;
 mod residency;
 mod step;
@@ -40,6 +42,7 @@ use std::sync::Arc;
 pub use self::adapter::AdapterSize;
 use self::adapter::{Adapter, Identity, Protection, Residency};
 pub use self::fetch::{Fetch, FetchPlan};
+pub use self::lifecycle::{Place, Placement};
 pub use self::plan::{Load, StepPlan};
 pub use self::step::{StepOptions, StepTicket};
 use self::tiers::{DeviceCandidate, DeviceTier, HostLedger, Tier, TierCounters};
