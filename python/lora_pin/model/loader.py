@@ -296,8 +296,12 @@ class BackgroundLoads:
                 ready = self._ready.get(job)
                 if ready is None:
                     outcomes.append(RUNNING)
-                elif ready.adapter is not None:
+                elif ready.adapter is not None and self.residency.is_current(job.name, ready.adapter):
                     outcomes.append(READ)
+                elif ready.adapter is not None:
+                    # Read before a replacement: refused alike on every rank (the ranks' reads may
+                    # have ended on either side of it); a later request reads the new weights.
+                    outcomes.append(AdapterLoadError(f"adapter {job.name!r}: replaced while it was read"))
                 else:
                     outcomes.append(ready.error or AdapterLoadError(f"adapter {job.name!r}: read cancelled"))
         if not jobs:

@@ -11,7 +11,7 @@ import argparse
 import contextlib
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +28,7 @@ from lora_pin.errors import (
 from lora_pin.model.adapter_dir import adapter_folders, checked_adapter_dir
 from lora_pin.model.attach import FusedSpec, attach, detach, model_targets
 from lora_pin.model.layers import StepSegments
+from lora_pin.model.lifecycle import AdapterIdentity, Lifecycle, Placement
 from lora_pin.model.loader import LOADING_MODES, BackgroundLoads, loading_mode
 from lora_pin.model.residency import Residency
 from lora_pin.model.step import HeldBack, Step, checked_names, request_indices, step_arrays
@@ -192,6 +193,11 @@ class LoRAManager(StepLoading):
                 lambda: [host.read(r.lora_name, r.lora_path) for r in refs],
                 self._collectives,
             )
+            from lora_pin.parallel.identity import agree_identity
+
+            for r, adapter in zip(refs, startup, strict=True):
+                what = f"start-up adapter {r.lora_name!r}"
+                agree_identity(self.tp, what, adapter.digest, adapter.whole_nbytes, self._collectives)
         else:
             startup = [host.read(r.lora_name, r.lora_path) if rank is None else None for r in refs]
         if rank is None:
@@ -209,6 +215,7 @@ class LoRAManager(StepLoading):
             chunk_size=chunk_size,
         )
         self.residency = Residency(self.registry, host, pool)
+        self._lifecycle = Lifecycle(self.residency, self.tp, self._collectives)
         self.pool, self.host = pool, host
         self._step_lock = threading.Lock()
         self._active: StepSegments | None = None
@@ -267,20 +274,71 @@ class LoRAManager(StepLoading):
 
     # ---- adapters -------------------------------------------------------------------------------
 
-    def load(self, name: str, path: str | os.PathLike[str], *, pinned: bool = False) -> LoRARef:
+    def load(
+        self, name: str, path: str | os.PathLike[str], *, pinned: bool = False, replace: bool = False
+    ) -> LoRARef:
         """Load the adapter at ``path`` as ``name`` (a fresh random id) into the host tier and register it.
+
+        With ``replace``, a registered ``name`` has its weights replaced in place, atomically: the steps
+        begun before finish on the old weights, every step begun after this returns uses the new ones;
+        its id and pin state stay (``pinned`` applies to a new registration only), its digest and
+        generation change (:meth:`identity`). See :mod:`lora_pin.model.lifecycle` for each tier. A name
+        not registered is loaded as without ``replace``.
+
+        With ``tp``, every rank calls it: the ranks agree on the read and on the whole adapter's digest
+        before any registers (ranks that read different files all refuse it).
 
         Raises:
             AdapterLoadError: the adapter cannot be served; PathNotAllowedError / UnsafeFormatError likewise.
-            DuplicateAdapterError: ``name`` is registered.
+            DuplicateAdapterError: ``name`` is registered (without ``replace``).
             CapacityError: the host tier is full of adapters that cannot be evicted, or pinning would leave
                 no slot for unpinned adapters. In every case nothing changes.
         """
-        if self.tp is not None:
-            return self._load_agreed(name, os.fspath(path), pinned)
-        ref = LoRARef.new(name, os.fspath(path), pinned)
-        self.residency.add(ref)
-        return ref
+        return self._lifecycle.load(name, os.fspath(path), None, None, pinned=pinned, replace=replace)
+
+    def load_tensors(
+        self,
+        name: str,
+        tensors: Mapping[str, torch.Tensor],
+        config: Any,
+        *,
+        pinned: bool = False,
+        replace: bool = False,
+    ) -> LoRARef:
+        """Load an adapter handed over in memory as ``name``: :meth:`load` without the files.
+
+        Args:
+            tensors: PEFT tensor names (``base_model.model.<module>.lora_A.weight`` ...; what PEFT's
+                ``get_peft_model_state_dict`` returns) to tensors of any device (copied to the CPU).
+                lora_pin keeps them to read them again after a host-tier eviction; changing them in
+                place afterwards makes that read fail (its digest differs) rather than serve them.
+            config: ``adapter_config.json``'s fields as a dict, or a PEFT config object.
+            pinned, replace: as :meth:`load`.
+
+        With ``tp``, every rank calls it with the whole tensors, and keeps its own part.
+
+        Raises:
+            AdapterLoadError: exactly where a load of the same files from disk raises it (config fields,
+                names, shapes, ranks, NaN/Inf, the ``max_tensors`` / ``max_file_bytes`` limits on the
+                tensors' count and bytes), or ``tensors`` is not a mapping of names to dense tensors.
+            DuplicateAdapterError, CapacityError: as :meth:`load`. In every case nothing changes.
+        """
+        return self._lifecycle.load(name, None, tensors, config, pinned=pinned, replace=replace)
+
+    def identity(self, name: str) -> AdapterIdentity:
+        """What adapter ``name`` serves now: name, id, content digest and generation
+        (:class:`~lora_pin.model.lifecycle.AdapterIdentity`). Put the digest in prefix-cache keys.
+
+        Raises:
+            AdapterNotFoundError: ``name`` is not registered.
+        """
+        return self._lifecycle.identity(name)
+
+    def placement(self) -> Placement:
+        """Where every adapter is (tier, slot, pin, requests in flight, digest, generation) with the free
+        slots and the host tier's bytes, as one consistent snapshot
+        (:class:`~lora_pin.model.lifecycle.Placement`); cheap enough to poll every second."""
+        return self._lifecycle.placement()
 
     def discover(self, names: Iterable[str | None]) -> list[str]:
         """Load from ``adapter_dir`` every adapter of ``names`` that is not registered yet (None entries
@@ -434,7 +492,9 @@ class LoRAManager(StepLoading):
         pool's size in bytes, requests deferred by steps (``deferred_requests``, once per step deferred),
         reads from disk after start-up (``adapter_reads``, taking ``adapter_read_seconds`` in all), and
         of those the reads the background loader ran and installed (``background_loads``), failed
-        (``background_load_failures``) and is running now (``loads_in_flight``)."""
+        (``background_load_failures``) and is running now (``loads_in_flight``); each adapter's
+        ``identities`` (``{name: {"id", "digest", "generation"}}``, see :meth:`identity`) and the slots
+        refreshed with an adapter's replaced weights (``slot_refreshes``)."""
         stats = dict(self.registry.stats())
         stats["pool_bytes"] = self.pool.nbytes
         evictions = sorted(self.residency.evictions.items())
@@ -446,6 +506,11 @@ class LoRAManager(StepLoading):
         stats["background_loads"] = self.residency.background_loads
         stats["background_load_failures"] = self._loads.failures
         stats["loads_in_flight"] = len(self._loads.loader.running())
+        stats["identities"] = {
+            name: {"id": i.id, "digest": i.digest, "generation": i.generation}
+            for name, i in sorted(self._lifecycle.identities().items())
+        }
+        stats["slot_refreshes"] = self.residency.refreshes
         if self._collectives is not None:
             stats["tp_collective_calls"] = dict(self._collectives.calls)
             stats["tp_collective_bytes"] = dict(self._collectives.nbytes)
@@ -634,24 +699,6 @@ class LoRAManager(StepLoading):
         from lora_pin.parallel.collective import agreed
 
         agreed(self.tp, what, do, self._collectives, undo)
-
-    def _load_agreed(self, name: str, path: str, pinned: bool) -> LoRARef:
-        """:meth:`load` on one tensor-parallel rank: read this rank's shards, agree with every rank, then
-        register under the one id rank 0 drew (or refuse on every rank, nothing changed)."""
-        from lora_pin.parallel.collective import agreed
-
-        assert self.tp is not None
-
-        def read() -> Any:
-            LoRARef.new(name, path, pinned)  # the name and path checks, before anything is read
-            if name in self.registry:
-                raise DuplicateAdapterError(f"adapter {name!r} is already registered")
-            return self.host.read(name, path)
-
-        adapter, agreement = agreed(self.tp, f"load of adapter {name!r}", read, self._collectives)
-        ref = LoRARef(name, path, pinned=pinned, lora_id=agreement.token)
-        self.residency.add(ref, adapter=adapter)
-        return ref
 
     def _start(
         self, names: Sequence[str | None], num_tokens: Sequence[int] | int, *, per_sequence: bool

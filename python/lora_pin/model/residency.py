@@ -39,18 +39,24 @@ from lora_pin.errors import (
 )
 from lora_pin.weights import DevicePool, HostTier
 from lora_pin.weights.host import HostAdapter
+from lora_pin.weights.tensors import AdapterTensors
 
 __all__ = ["Residency"]
 
 
 @dataclass(frozen=True)
 class _Source:
-    """Where a registered adapter is read from again, and what it weighed when registered."""
+    """Where a registered adapter is read from again (its folder, or the tensors it was handed over as),
+    and what was registered: the whole adapter's host bytes, the registration serial, the content
+    digest and the generation (the how-many-th load of the name in this manager)."""
 
     path: str
     root: Path | None
     host_bytes: int
     serial: int
+    digest: str
+    generation: int
+    tensors: AdapterTensors | None = None
 
 
 class Residency:
@@ -77,6 +83,14 @@ class Residency:
         self.read_seconds = 0.0
         # Background reads installed into the host tier (fetches and discoveries).
         self.background_loads = 0
+        # The last generation given to each name ever loaded: a name loaded again, after an unload or as
+        # a replacement, gets a greater one.
+        self._generations: dict[str, int] = {}
+        # Per slot: the (name, generation) whose weights a fill put there; a replaced adapter's slot is
+        # refreshed by the next step that uses it.
+        self._versions: list[tuple[str, int] | None] = [None] * pool.slots
+        # Slots refreshed after a replacement.
+        self.refreshes = 0
         cuda = pool.device.type == "cuda"
         # Carries each slot copy's dependencies (the slot's earlier readers) to the pool's copy stream,
         # instead of the compute stream with everything queued on it.
@@ -84,9 +98,16 @@ class Residency:
         # Per slot: recorded on the compute stream after the last work that read or cleared the slot.
         self._released: list[torch.cuda.Event | None] = [None] * pool.slots
 
-    def add(self, ref: LoRARef, root: Path | None = None, adapter: HostAdapter | None = None) -> None:
+    def add(
+        self,
+        ref: LoRARef,
+        root: Path | None = None,
+        adapter: HostAdapter | None = None,
+        tensors: AdapterTensors | None = None,
+    ) -> None:
         """Read the adapter ``ref`` names (unless ``adapter`` holds it read already) and register it,
-        holding its weights in the host tier.
+        holding its weights in the host tier. ``tensors``: it was handed over in memory (and is read
+        again from them after a host-tier eviction).
 
         The read runs outside the lock (it can take long); registering, holding the weights and
         dropping the host tier's victims happen at once under it, so two threads loading one name
@@ -98,23 +119,97 @@ class Residency:
                 nothing changes then.
         """
         if adapter is None:
-            adapter = self._timed_read(ref.lora_name, ref.lora_path, root)
+            adapter = self._timed_read(ref.lora_name, ref.lora_path, root, tensors)
         with self.lock:
+            # The whole adapter's bytes: alike on every tensor-parallel rank, whose registries must agree.
             evicted = self.registry.register(
                 ref,
                 rank=adapter.max_rank,
-                host_bytes=adapter.nbytes,
+                host_bytes=adapter.whole_nbytes,
                 device_bytes=self.pool.slot_nbytes,
             )
             # Weights still held under the name belong to a registration an unload has just forgotten
             # (its forget has not run yet): stale, replaced.
             self._drop_host(ref.lora_name)
             self.host.add(adapter)
-            for name in evicted:
-                self.evictions[(name, "host")] += 1
-                self._drop_host(name)
+            self._drop_evicted(evicted)
             serial = self.registry.serial(ref.lora_name)
-            self._sources[ref.lora_name] = _Source(ref.lora_path, root, adapter.nbytes, serial)
+            self._sources[ref.lora_name] = _Source(
+                ref.lora_path,
+                root,
+                adapter.whole_nbytes,
+                serial,
+                adapter.digest,
+                self._next_generation(ref.lora_name),
+                tensors,
+            )
+
+    def replace(
+        self, name: str, adapter: HostAdapter, path: str, root: Path | None, tensors: AdapterTensors | None
+    ) -> None:
+        """Serve ``adapter`` (read already, from ``path`` or ``tensors``) as the registered ``name`` from
+        now on, in place of its weights: the registration (id, pin, requests) stays; the generation grows
+        and the digest is ``adapter``'s.
+
+        The new weights enter the host tier at once, whatever tier the old ones were in (a fetch of the
+        old ones is over: its read is dropped when it ends). A device slot holding the old weights keeps
+        them for the step that runs now, if any, and is refreshed before the next step that uses it.
+
+        Raises:
+            AdapterNotFoundError: ``name`` is not registered (or is being unloaded).
+            CapacityError: the host tier cannot make room for the new weights. Nothing changes then.
+        """
+        with self.lock:
+            source = self._sources.get(name)
+            if source is None or name not in self.registry:
+                raise AdapterNotFoundError(f"adapter {name!r} is not registered: nothing to replace")
+            evicted = self.registry.replace(
+                name,
+                source.serial,
+                rank=adapter.max_rank,
+                host_bytes=adapter.whole_nbytes,
+                device_bytes=self.pool.slot_nbytes,
+            )
+            self._drop_host(name)
+            self.host.add(adapter)
+            self._drop_evicted(evicted)
+            self._sources[name] = _Source(
+                path,
+                root,
+                adapter.whole_nbytes,
+                source.serial,
+                adapter.digest,
+                self._next_generation(name),
+                tensors,
+            )
+
+    def identity(self, name: str) -> tuple[str, str, int]:
+        """``(id, digest, generation)`` of ``name`` (registered, or being unloaded), read at once.
+
+        Raises:
+            AdapterNotFoundError: ``name`` is not registered.
+        """
+        with self.lock:
+            source = self._sources.get(name)
+            if source is None:
+                raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+            return self.registry.lora_ref(name).lora_id, source.digest, source.generation
+
+    def versions(self) -> dict[str, tuple[str, int]]:
+        """``(digest, generation)`` of every adapter registered (or being unloaded), by name; call it
+        under :attr:`lock` to read it together with the registry."""
+        with self.lock:
+            return {name: (s.digest, s.generation) for name, s in self._sources.items()}
+
+    def _next_generation(self, name: str) -> int:
+        generation = self._generations.get(name, 0) + 1
+        self._generations[name] = generation
+        return generation
+
+    def _drop_evicted(self, names: Iterable[str]) -> None:
+        for name in names:
+            self.evictions[(name, "host")] += 1
+            self._drop_host(name)
 
     def read_into_host(self, name: str) -> None:
         """Read ``name`` (registered, evicted from host memory) again and enter it into the host tier.
@@ -167,20 +262,34 @@ class Residency:
             AdapterLoadError (and subclasses): the adapter cannot be read, or its files changed since it
                 was registered.
         """
-        with self.lock:
-            source = self._sources.get(name)
-        if source is None or source.serial != serial:
-            raise AdapterNotFoundError(f"adapter {name!r}: registration {serial} was unloaded meanwhile")
-        return self._read_checked(name, source)
+        while True:
+            with self.lock:
+                source = self._sources.get(name)
+            if source is None or source.serial != serial:
+                raise AdapterNotFoundError(f"adapter {name!r}: registration {serial} was unloaded meanwhile")
+            adapter = self._read_checked(name, source)
+            with self.lock:
+                if self._sources.get(name) is source:
+                    return adapter
+            # Replaced while it was read: the fetch is for what is served now.
 
-    def read_new(self, name: str, path: str, root: Path | None) -> HostAdapter:
-        """Read the adapter at ``path`` (not registered yet) as ``name``, confined to ``root``; changes
-        nothing but the read counters.
+    def read_new(
+        self, name: str, path: str, root: Path | None, tensors: AdapterTensors | None = None
+    ) -> HostAdapter:
+        """Read the adapter at ``path`` (or handed over as ``tensors``) as ``name``, confined to ``root``;
+        changes nothing but the read counters.
 
         Raises:
             AdapterLoadError (and subclasses): the adapter cannot be read or served.
         """
-        return self._timed_read(name, path, root)
+        return self._timed_read(name, path, root, tensors)
+
+    def is_current(self, name: str, adapter: HostAdapter) -> bool:
+        """Whether ``adapter`` (read for a fetch) holds the weights ``name`` is served with now: False
+        once the adapter was replaced (or unloaded) since the read began."""
+        with self.lock:
+            source = self._sources.get(name)
+            return source is not None and source.digest == adapter.digest
 
     def install_fetch(self, name: str, serial: int, adapter: HostAdapter) -> bool:
         """Enter ``adapter``, read for the fetch of ``name`` under ``serial``, into the host tier (its bytes
@@ -188,6 +297,10 @@ class Residency:
         adapter was unloaded, or registered again).
         """
         with self.lock:
+            if not self.is_current(name, adapter):
+                # Read before a replacement: the next step that needs it fetches the new weights.
+                self.abandon_fetch(name, serial)
+                return False
             try:
                 self.registry.fetch_done(name, serial)
             except (AdapterNotFoundError, UsageError):
@@ -274,6 +387,7 @@ class Residency:
                 self._filled[slot] = (generations[slot], self.pool.writes(slot))
                 self.registry.report_load(ticket, index, True)
             used = sorted(set(memoryview(plan.request_slots).cast("i")) - {-1})
+            self._refresh_replaced(used, generations)
             counts = self.pool.write_counts()
             stale = [s for s in used if self._filled[s] != (generations[s], counts[s])]
             if stale:
@@ -285,6 +399,22 @@ class Residency:
                 error.stale_slots = stale
                 raise error
             return tuple((s, counts[s]) for s in used)
+
+    def _refresh_replaced(self, slots: Iterable[int], generations: memoryview) -> None:
+        """Copy the current weights into each of ``slots`` whose adapter was replaced since it was filled
+        (before the step that is about to read it)."""
+        for slot in slots:
+            name = self.pool.occupant(slot)
+            source = None if name is None else self._sources.get(name)
+            if name is None or source is None or self._versions[slot] == (name, source.generation):
+                continue
+            try:
+                self._fill(slot, self.host[name])
+            except BaseException:
+                self._clear(slot)
+                raise
+            self._filled[slot] = (generations[slot], self.pool.writes(slot))
+            self.refreshes += 1
 
     def changed_slots(self, slot_writes: tuple[tuple[int, int], ...]) -> list[int]:
         """The slots among ``slot_writes`` (from :meth:`apply`) written since; on CUDA, also marks the
@@ -312,19 +442,26 @@ class Residency:
         self.host.add(adapter)
 
     def _read_checked(self, name: str, source: _Source) -> HostAdapter:
-        """Read ``name`` from its source, refused if its files changed since it was registered."""
-        adapter = self._timed_read(name, source.path, source.root)
-        if adapter.nbytes != source.host_bytes:
+        """Read ``name`` from its source, refused unless it is what was registered (the same digest and
+        whole bytes; on a tensor-parallel rank, the digest of the whole adapter)."""
+        adapter = self._timed_read(name, source.path, source.root, source.tensors)
+        if adapter.digest != source.digest or adapter.whole_nbytes != source.host_bytes:
             raise AdapterLoadError(
-                f"adapter {name!r} changed on disk since it was registered: it now takes "
-                f"{adapter.nbytes} host bytes, registered with {source.host_bytes} ({source.path}); "
-                "unload and load it again to serve the new files"
+                f"adapter {name!r} changed since it was registered ({source.path}): it now has digest "
+                f"{adapter.digest} and {adapter.whole_nbytes} host bytes, registered with "
+                f"{source.digest} and {source.host_bytes}; load it again (replace=True) to serve the new "
+                "weights"
             )
         return adapter
 
-    def _timed_read(self, name: str, path: str, root: Path | None) -> HostAdapter:
+    def _timed_read(
+        self, name: str, path: str, root: Path | None, tensors: AdapterTensors | None
+    ) -> HostAdapter:
         start = time.perf_counter()
-        adapter = self.host.read(name, path, root=root)
+        if tensors is None:
+            adapter = self.host.read(name, path, root=root)
+        else:
+            adapter = self.host.read_tensors(tensors)
         with self.lock:
             self.reads += 1
             self.read_seconds += time.perf_counter() - start
@@ -333,6 +470,8 @@ class Residency:
     def _fill(self, slot: int, adapter: HostAdapter) -> None:
         """Copy ``adapter`` into ``slot``; on CUDA the current stream waits for that copy only, and the copy
         waits only for the slot's earlier readers."""
+        source = self._sources.get(adapter.name)
+        self._versions[slot] = None if source is None else (adapter.name, source.generation)
         if self._fill_stream is None:
             self.pool.fill(slot, adapter)
             return
@@ -349,6 +488,7 @@ class Residency:
     def _clear(self, slot: int) -> None:
         """Empty ``slot`` on the current stream, after any copy into it, and record that for the next one."""
         self._filled[slot] = None
+        self._versions[slot] = None
         if self._fill_stream is None:
             self.pool.clear(slot)
             return
