@@ -386,6 +386,20 @@ def _group_numel(group: TargetGroup, ranks: dict[str, int], shards: ShardPlan | 
     return a_rank * group.n_slices * group.in_features + b_out * b_rank
 
 
+def _whole_numel(group: TargetGroup, ranks: dict[str, int], shards: ShardPlan | None) -> int:
+    """The elements of ``group``'s host module on an unsharded model: :func:`_group_numel` without
+    ``shards``, from the layers' unsharded widths (alike on every tensor-parallel rank)."""
+    if shards is None:
+        return _group_numel(group, ranks, None)
+    rank = max(_group_ranks(group, ranks))
+    full_in, full_out = group.in_features, 0
+    for member in group.members:
+        shard = shards.member(member.key)
+        full_in = full_in if shard is None else shard.full_in
+        full_out += member.out_features if shard is None else shard.full_out
+    return rank * group.n_slices * full_in + full_out * rank
+
+
 def _build_module(
     file: AdapterFile,
     group: TargetGroup,
@@ -585,10 +599,7 @@ def load_opened(
     _refuse_non_finite(file, pairs, slab, modules.values())
     file.check_unchanged()
     digest = adapter_digest(file.digests, _served(modules.values(), pairs))
-    element = slab.memory.element_size()
-    whole = (
-        slab.memory.nbytes if shards is None else sum(_group_numel(g, ranks, None) for g in touched) * element
-    )
+    whole = sum(_whole_numel(g, ranks, shards) for g in touched) * slab.memory.element_size()
     return HostAdapter(
         name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks), digest, whole
     )
