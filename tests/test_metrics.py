@@ -91,10 +91,22 @@ def test_a_scrape_reports_what_stats_says(tiny_llama: torch.nn.Module, adapters:
     for tier, t in (("device", dev), ("host", host)):
         for name in t["resident"]:
             pinned = "true" if name in stats["pinned_names"] else "false"
-            assert value("lora_pin_adapter_loaded", adapter=name, tier=tier, pinned=pinned) == 1
+            assert value("lora_pin_adapter_loaded", adapter=name, level=tier, pinned=pinned) == 1
         assert value("lora_pin_adapters_unlisted", tier=tier) == 0
     loaded = [k for k in samples if k[0] == "lora_pin_adapter_loaded"]
     assert len(loaded) == len(dev["resident"]) + len(host["resident"])
+    for name, identity in stats["identities"].items():
+        labels = {"adapter": name, "digest": identity["digest"], "generation": str(identity["generation"])}
+        assert value("lora_pin_adapter_info", **labels) == 1
+    assert len([k for k in samples if k[0] == "lora_pin_adapter_info"]) == len(stats["identities"]) == 4
+    # A replacement shows in the next scrape: same adapter, a new digest and generation.
+    before = stats["identities"]["a1"]
+    mgr.load("a1", adapters["a4"], replace=True)
+    after = mgr.stats()["identities"]["a1"]
+    assert after["generation"] == before["generation"] + 1 and after["digest"] != before["digest"]
+    samples = scrape(LoRAMetricsCollector(mgr))
+    info = {dict(k[1])["adapter"]: dict(k[1]) for k in samples if k[0] == "lora_pin_adapter_info"}
+    assert (info["a1"]["digest"], info["a1"]["generation"]) == (after["digest"], str(after["generation"]))
 
 
 def test_deferred_requests_count_once_per_step(
@@ -118,6 +130,7 @@ def test_per_adapter_series_are_capped_pinned_first(
     samples = scrape(LoRAMetricsCollector(mgr, max_adapters=1))
     loaded = {dict(k[1])["adapter"] for k in samples if k[0] == "lora_pin_adapter_loaded"}
     assert loaded == {"a0"}, "the one series goes to the pinned adapter"
+    assert {dict(k[1])["adapter"] for k in samples if k[0] == "lora_pin_adapter_info"} == {"a0"}
     for tier in ("device", "host"):
         resident = stats[tier]["resident"]
         unlisted = samples[("lora_pin_adapters_unlisted", (("tier", tier),))]

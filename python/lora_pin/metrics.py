@@ -24,10 +24,13 @@ Metrics (``tier`` is ``device`` or ``host``; a slot is one device-tier place):
 - ``lora_pin_background_loads_total``, ``lora_pin_background_load_failures_total``: reads the background
   loader ran off the steps' path and installed into the host tier, and those that failed;
   ``lora_pin_loads_in_flight``: its reads running or queued now.
-- ``lora_pin_adapter_loaded{adapter, tier, pinned}``: 1 per adapter resident in a tier. Bounded: at most
-  ``max_adapters`` adapters get series (pinned ones first, then by name); the rest are counted in
-  ``lora_pin_adapters_unlisted{tier}`` instead, so a server with thousands of adapters exports a bounded
-  number of series.
+- ``lora_pin_adapter_loaded{adapter, level, pinned}``: 1 per adapter resident at a level (``device``:
+  in a slot, ``host``: in host memory, which every adapter in a slot is too), the shape routers read from
+  vLLM's ``lora_adapter_loaded``; ``lora_pin_adapter_info{adapter, digest, generation}``: 1 per registered
+  adapter, naming what it serves (:meth:`LoRAManager.identity`). Both read one
+  :meth:`LoRAManager.placement` snapshot and are bounded: at most ``max_adapters`` adapters get series
+  (pinned ones first, then by name); the rest are counted in ``lora_pin_adapters_unlisted{tier}``
+  instead, so a server with thousands of adapters exports a bounded number of series.
 """
 
 from __future__ import annotations
@@ -157,23 +160,36 @@ class LoRAMetricsCollector:
         yield from self._per_adapter(core, stats)
 
     def _per_adapter(self, core: Any, stats: dict[str, Any]) -> Iterator[Any]:
-        pinned = set(stats["pinned_names"])
-        names = set(stats["device"]["resident"]) | set(stats["host"]["resident"])
-        listed = set(sorted(names, key=lambda n: (n not in pinned, n))[: self.max_adapters])
+        placement = self._manager.placement()
+        levels = {
+            "device": [a for a in placement.adapters if a.tier == "device"],
+            "host": [a for a in placement.adapters if a.tier in ("device", "host")],
+        }
+        ranked = sorted(placement.adapters, key=lambda a: (not a.pinned, a.name))
+        listed = {a.name for a in ranked[: self.max_adapters]}
         loaded = core.GaugeMetricFamily(
             "lora_pin_adapter_loaded",
-            f"1 per adapter resident in a tier (at most {self.max_adapters} adapters, pinned first).",
-            labels=["adapter", "tier", "pinned"],
+            f"1 per adapter resident at a level (at most {self.max_adapters} adapters, pinned first).",
+            labels=["adapter", "level", "pinned"],
         )
         unlisted = core.GaugeMetricFamily(
             "lora_pin_adapters_unlisted",
             "Adapters resident in a tier beyond the per-adapter series' cap.",
             labels=["tier"],
         )
-        for tier in _TIERS:
-            resident = stats[tier]["resident"]
-            for name in sorted(n for n in resident if n in listed):
-                loaded.add_metric([name, tier, "true" if name in pinned else "false"], 1)
-            unlisted.add_metric([tier], sum(n not in listed for n in resident))
+        for level, resident in levels.items():
+            for entry in resident:
+                if entry.name in listed:
+                    loaded.add_metric([entry.name, level, "true" if entry.pinned else "false"], 1)
+            unlisted.add_metric([level], sum(a.name not in listed for a in resident))
+        info = core.GaugeMetricFamily(
+            "lora_pin_adapter_info",
+            "1 per registered adapter, with the digest and generation it serves "
+            f"(at most {self.max_adapters} adapters, pinned first).",
+            labels=["adapter", "digest", "generation"],
+        )
+        for entry in ranked[: self.max_adapters]:
+            info.add_metric([entry.name, entry.digest, str(entry.generation)], 1)
         yield loaded
         yield unlisted
+        yield info
