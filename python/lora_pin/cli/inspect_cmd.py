@@ -26,8 +26,9 @@ def add_parser(subparsers: Any) -> None:
         help="show an adapter's ranks, alpha, scaling, targets and size, or why it cannot be served",
         description=(
             "Read a PEFT LoRA adapter directory and print its rank(s), alpha, scaling, target modules, layer "
-            "count, dtype and bytes. With --model, also validate it against that model's layers. Exit 2 with "
-            "the reason when it cannot be served."
+            "count, dtype, bytes and content digest (what a manager's identity(name).digest will be). With "
+            "--model, also validate it against that model's layers. Exit 2 with the reason when it cannot be "
+            "served."
         ),
     )
     p.add_argument("path", metavar="PATH", help="the adapter directory (adapter_config.json + weights)")
@@ -74,6 +75,20 @@ def _expert_pair_keys(file: AdapterFile) -> set[str]:
     if not file.config.target_parameters:
         return set()
     return {k for k in file.pairs if not file.config.targets(k)}
+
+
+def _digest(file: AdapterFile) -> str:
+    """The digest a manager gives the adapter (:mod:`lora_pin.weights.digest`), without a model: every pair
+    serves the module it names, at its tensors' rank (what a load checks against the model)."""
+    from lora_pin.weights.digest import ServedModule, adapter_digest
+
+    served = []
+    for key, pair in file.pairs.items():
+        file.tensor(pair.a_name, record=True)
+        file.tensor(pair.b_name, record=True)
+        rank = pair.a_shape[0]
+        served.append(ServedModule(key, rank, file.config.scaling_for(key, rank), pair.a_name, pair.b_name))
+    return adapter_digest(file.digests, served)
 
 
 def _model_targets(model_dir: str) -> LoRATargets:
@@ -153,12 +168,13 @@ def run(args: argparse.Namespace) -> int:
     _check_standalone(file)
     config = file.config
     dtype = getattr(torch, args.dtype)
+    digest = None
     if args.model is not None:
         targets = _model_targets(args.model)
         max_rank = (
             args.max_rank if args.max_rank is not None else max(p.a_shape[0] for p in file.pairs.values())
         )
-        load_adapter(
+        digest = load_adapter(
             args.path,
             args.path,
             targets,
@@ -167,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
             allowed_roots=args.allowed_root,
             allow_pickle=args.allow_pickle,
             pin_memory=False,
-        )
+        ).digest
     # Each module's rank from its tensors; an expert weight's (its tensors stack every expert) from the
     # config, by the target_parameters entry (--model checks it against the tensors).
     experts = _expert_pair_keys(file)
@@ -202,6 +218,9 @@ def run(args: argparse.Namespace) -> int:
     ]
     if experts:
         lines.insert(-3, f"expert weights: {', '.join(config.target_parameters)}")
+    if digest is None and not experts:
+        digest = _digest(file)
+    lines.append(f"digest:         {digest or 'needs --model (MoE expert weights)'}")
     if args.model is not None:
         lines.append(f"model:          {args.model} (validated)")
     sys.stdout.write("\n".join(lines) + "\n")
