@@ -88,7 +88,7 @@ def _digest(file: AdapterFile) -> str:
         file.tensor(pair.b_name, record=True)
         rank = pair.a_shape[0]
         served.append(ServedModule(key, rank, file.config.scaling_for(key, rank), pair.a_name, pair.b_name))
-    return adapter_digest(file.digests, served)
+    return adapter_digest(file.digests.result(), served)
 
 
 def _model_targets(model_dir: str) -> LoRATargets:

@@ -21,9 +21,11 @@ than SHA-256 because every served byte is hashed on every load: SHA-256 ran at 1
 
 from __future__ import annotations
 
+import queue
 import struct
+import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from blake3 import blake3
 __all__ = [
     "DIGEST_ALGORITHM",
     "ServedModule",
+    "TensorDigests",
     "adapter_digest",
     "stored_dtype_name",
     "tensor_bytes",
@@ -92,6 +95,72 @@ def tensor_bytes(tensor: torch.Tensor) -> Any:
     """A buffer of ``tensor``'s bytes in C order (a CPU tensor's own memory when it is contiguous)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().data
+
+
+@dataclass
+class TensorDigests:
+    """The digests of one adapter's tensors, hashed on a background thread while the reader goes on reading
+    (the hash of one tensor overlaps the read of the next; both release the GIL).
+
+    :meth:`add` queues a tensor's bytes (kept alive until hashed: the caller must not write them
+    meanwhile); :meth:`result` waits for every tensor queued and returns the digests by name.
+    """
+
+    _digests: dict[str, bytes] = field(default_factory=dict)
+    _queued: int = 0
+    _error: BaseException | None = None
+
+    def add(self, name: str, dtype: str, shape: tuple[int, ...], data: Any) -> None:
+        """Queue the digest of one tensor (see :func:`tensor_digest`)."""
+        self._queued += 1
+        _hasher().put((self, name, dtype, shape, data))
+
+    def result(self) -> dict[str, bytes]:
+        """Every queued tensor's digest, by name, once all are hashed.
+
+        Raises:
+            RuntimeError: hashing a tensor failed (the cause is chained).
+        """
+        if len(self._digests) < self._queued and self._error is None:
+            done = threading.Event()
+            _hasher().put((self, None, "", (), done))
+            done.wait()
+        if self._error is not None:
+            raise RuntimeError("hashing an adapter's tensors failed") from self._error
+        return self._digests
+
+
+_QUEUE: queue.SimpleQueue[tuple[TensorDigests, str | None, str, tuple[int, ...], Any]] | None = None
+_QUEUE_LOCK = threading.Lock()
+
+
+def _hasher() -> queue.SimpleQueue[tuple[TensorDigests, str | None, str, tuple[int, ...], Any]]:
+    """The queue of the one hashing thread (started on first use; a daemon, idle while nothing is loaded)."""
+    global _QUEUE
+    if _QUEUE is None:
+        with _QUEUE_LOCK:
+            if _QUEUE is None:
+                jobs: queue.SimpleQueue[tuple[TensorDigests, str | None, str, tuple[int, ...], Any]]
+                jobs = queue.SimpleQueue()
+                threading.Thread(
+                    target=_hash_forever, args=(jobs,), name="lora_pin-digest", daemon=True
+                ).start()
+                _QUEUE = jobs
+    return _QUEUE
+
+
+def _hash_forever(
+    jobs: queue.SimpleQueue[tuple[TensorDigests, str | None, str, tuple[int, ...], Any]],
+) -> None:
+    while True:
+        owner, name, dtype, shape, data = jobs.get()
+        if name is None:
+            data.set()  # every tensor the owner queued before this is hashed
+            continue
+        try:
+            owner._digests[name] = tensor_digest(name, dtype, shape, data)
+        except BaseException as exc:  # reported to the owner's result(), never lost in this thread
+            owner._error = exc
 
 
 @dataclass(frozen=True)

@@ -598,7 +598,7 @@ def load_opened(
     modules = {g.key: _build_module(file, g, ranks, pairs, slab, pin, shards) for g in touched}
     _refuse_non_finite(file, pairs, slab, modules.values())
     file.check_unchanged()
-    digest = adapter_digest(file.digests, _served(modules.values(), pairs))
+    digest = adapter_digest(file.digests.result(), _served(modules.values(), pairs))
     whole = sum(_whole_numel(g, ranks, shards) for g in touched) * slab.memory.element_size()
     return HostAdapter(
         name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks), digest, whole

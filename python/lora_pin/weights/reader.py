@@ -30,7 +30,7 @@ import torch
 
 from lora_pin.errors import AdapterLoadError, PathNotAllowedError, UnsafeFormatError
 from lora_pin.weights.config import AdapterConfig
-from lora_pin.weights.digest import stored_dtype_name, tensor_bytes, tensor_digest
+from lora_pin.weights.digest import TensorDigests, stored_dtype_name, tensor_bytes
 from lora_pin.weights.folder import AdapterFolder, FolderFile, path_within, real_roots, resolve_folder
 from lora_pin.weights.limits import (
     DEFAULT_MAX_FILE_BYTES,
@@ -138,10 +138,11 @@ class AdapterFile:
 
     ``pairs`` maps module keys (relative to the base model) to tensor names; ``unused`` lists every tensor
     name that is not a complete ``lora_A``/``lora_B`` pair. Tensors are read on demand with :meth:`tensor`.
-    ``digests`` holds the digest (:func:`~lora_pin.weights.digest.tensor_digest`) of every tensor read so
-    far with :meth:`read_into`, :meth:`read_slice_into` or ``tensor(..., record=True)``, taken from the
-    bytes as they were read. Close it (or use ``with``) when done: it holds the folder's and the weight
-    file's descriptors (none for tensors handed over in memory, :meth:`in_memory`).
+    ``digests`` hashes (:func:`~lora_pin.weights.digest.tensor_digest`) every tensor read with
+    :meth:`read_into`, :meth:`read_slice_into` or ``tensor(..., record=True)`` from the bytes as they were
+    read, on a background thread; ``digests.result()`` waits for them. Close it (or use ``with``) when
+    done: it holds the folder's and the weight file's descriptors (none for tensors handed over in memory,
+    :meth:`in_memory`).
     """
 
     name: str
@@ -155,7 +156,7 @@ class AdapterFile:
     _weights: FolderFile | None = field(repr=False)
     _stored: dict[str, _Stored] = field(default_factory=dict, repr=False)
     _loaded: dict[str, torch.Tensor] | None = field(default=None, repr=False)
-    digests: dict[str, bytes] = field(default_factory=dict, repr=False)
+    digests: TensorDigests = field(default_factory=TensorDigests, repr=False)
 
     @classmethod
     def in_memory(
@@ -189,13 +190,11 @@ class AdapterFile:
         raw = torch.empty(stored.end - stored.begin, dtype=torch.uint8)
         _pread_into(self, raw.numpy().data, stored.begin)
         if record:
-            self.digests[tensor_name] = tensor_digest(
-                tensor_name, stored.dtype, stored.shape, raw.numpy().data
-            )
+            self.digests.add(tensor_name, stored.dtype, stored.shape, raw.numpy().data)
         return raw.view(_SAFETENSORS_DTYPES[stored.dtype]).view(stored.shape)
 
     def _record(self, tensor_name: str, tensor: torch.Tensor) -> None:
-        self.digests[tensor_name] = tensor_digest(
+        self.digests.add(
             tensor_name, stored_dtype_name(tensor.dtype), tuple(tensor.shape), tensor_bytes(tensor)
         )
 
@@ -218,7 +217,7 @@ class AdapterFile:
         ):
             raw = out.view(torch.uint8).reshape(-1).numpy().data
             _pread_into(self, raw, stored.begin)
-            self.digests[tensor_name] = tensor_digest(tensor_name, stored.dtype, stored.shape, raw)
+            self.digests.add(tensor_name, stored.dtype, stored.shape, raw)
         else:
             out.copy_(self.tensor(tensor_name, record=True))
 
