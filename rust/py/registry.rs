@@ -595,6 +595,7 @@ impl PyLoRARegistry {
     ///     SpecError: rank < 1, a negative byte count, or a non-finite scaling.
     ///     Nothing changes on an error.
     #[pyo3(signature = (name, serial, *, rank, host_bytes, device_bytes, scaling = 1.0))]
+    #[allow(clippy::too_many_arguments)] // register's keyword arguments, plus the name and serial
     fn replace(
         &self,
         py: Python<'_>,
