@@ -126,3 +126,20 @@ def test_tensor_digests_cover_name_dtype_shape_and_bytes() -> None:
         tensor_digest("t", "F32", (2, 3), data.add(1).view(torch.uint8).numpy().data),
     ]
     assert len({base, *others}) == 6
+
+
+def test_a_forked_child_hashes_on_its_own_thread(adapter: Path, tiny_llama: torch.nn.Module) -> None:
+    import os
+    import signal
+
+    targets = LoRATargets.from_model(tiny_llama)
+    want = digest(adapter, targets)  # the hashing thread runs in this process now
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(30)  # a child left without a hashing thread would wait forever: it dies instead
+        try:
+            os._exit(0 if digest(adapter, targets) == want else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

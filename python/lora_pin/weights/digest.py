@@ -21,6 +21,7 @@ than SHA-256 because every served byte is hashed on every load: SHA-256 ran at 1
 
 from __future__ import annotations
 
+import os
 import queue
 import struct
 import threading
@@ -147,6 +148,15 @@ def _hasher() -> queue.SimpleQueue[tuple[TensorDigests, str | None, str, tuple[i
                 ).start()
                 _QUEUE = jobs
     return _QUEUE
+
+
+def _forget_hasher() -> None:
+    # A forked child has the queue but not the thread: it starts its own on first use.
+    global _QUEUE
+    _QUEUE = None
+
+
+os.register_at_fork(after_in_child=_forget_hasher)
 
 
 def _hash_forever(
