@@ -314,7 +314,7 @@ def test_tensors_changed_in_place_are_refused_when_read_again(world: World) -> N
     mgr.load("z", world.adapters["other"])
     assert mgr.placement()["m"].tier == "disk"
     tensors[A_KEY][0, 0] += 1.0
-    with pytest.raises(AdapterLoadError, match="changed since it was registered"):
+    with pytest.raises(AdapterLoadError, match="changed in memory since it was registered"):
         run(mgr, model, ["m"], 10)
 
 

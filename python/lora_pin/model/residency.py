@@ -447,7 +447,8 @@ class Residency:
         adapter = self._timed_read(name, source.path, source.root, source.tensors)
         if adapter.digest != source.digest or adapter.whole_nbytes != source.host_bytes:
             raise AdapterLoadError(
-                f"adapter {name!r} changed since it was registered ({source.path}): it now has digest "
+                f"adapter {name!r} changed {'on disk' if source.tensors is None else 'in memory'} since it "
+                f"was registered ({source.path}): it now has digest "
                 f"{adapter.digest} and {adapter.whole_nbytes} host bytes, registered with "
                 f"{source.digest} and {source.host_bytes}; load it again (replace=True) to serve the new "
                 "weights"
