@@ -6,10 +6,17 @@ Baselines, in the same process, on the same files (warm in the page cache after 
   shapes (what any loader must at least do: read the bytes and put them somewhere);
 * PEFT: ``PeftModel.load_adapter`` of each adapter into one already-wrapped model.
 
-lora_pin: ``load_adapter`` (config checks, PEFT matching, shape checks, normalisation into the host tier)
-followed by ``DevicePool.fill`` into slot i (zeroing what the adapter does not cover). The goal against the
-floor is for the host tier alone (``load_adapter``), which reads each byte once, as the floor does; the pool
-fill is a second copy the floor does not make.
+lora_pin: ``load_adapter`` (config checks, PEFT matching, shape checks, normalisation into the host tier,
+and the content digest: every served byte hashed with BLAKE3) followed by ``DevicePool.fill`` into slot i
+(zeroing what the adapter does not cover). The goal against the floor is for the host tier alone
+(``load_adapter``), which reads each byte once, as the floor does; the pool fill is a second copy the floor
+does not make. Also timed: hashing every adapter's tensors alone, one thread; and, to show what the digest
+costs, the host tier with the digest hashed inline on the reading thread and with no digest at all (both
+patched in here, by replacing ``TensorDigests.add``: the library always hashes, on its own thread).
+
+The loaders run in alternating rounds (floor, host tier, host tier + pool, PEFT, hashing; each timed as the
+median of ``--repeats`` runs); every ratio is taken within a round, and the median over ``--rounds`` is
+reported, so load from other processes on the machine shifts both sides of a ratio alike.
 
     .venv/bin/python benches/load_adapters.py --adapters 8 --layers 4 --hidden 1024 --rank 16
 """
@@ -22,12 +29,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
 from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
 from lora_pin.weights import DevicePool, LoRATargets, load_adapter
+from lora_pin.weights.digest import TensorDigests, tensor_digest
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -52,7 +61,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=2816)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
 
@@ -121,29 +131,73 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
 
+        def hash_only() -> None:
+            for state in states:
+                for key, tensor in state.items():
+                    tensor_digest(key, "F32", tuple(tensor.shape), tensor.view(torch.uint8).numpy().data)
+
+        states = [load_file(path / "adapter_model.safetensors") for path in paths]
         for fn in (lora_pin_load, floor_load):
             fn()  # warm the page cache and allocators
         peft_reset()
         peft_load()
-        ours = median_seconds(lora_pin_load, args.repeats)
-        host = median_seconds(host_load, args.repeats)
-        floor = median_seconds(floor_load, args.repeats)
-        peft = median_seconds(peft_load, args.repeats, reset=peft_reset)
+        threaded = TensorDigests.add
+
+        def inline(self: TensorDigests, name: str, dtype: str, shape: tuple[int, ...], data: Any) -> None:
+            self._queued += 1
+            self._digests[name] = tensor_digest(name, dtype, shape, data)
+
+        def unhashed(self: TensorDigests, name: str, dtype: str, shape: tuple[int, ...], data: Any) -> None:
+            self._queued += 1
+            self._digests[name] = bytes(32)
+
+        keys = ("ours", "host", "inline", "unhashed", "floor", "peft", "hash")
+        rounds: dict[str, list[float]] = {k: [] for k in keys}
+        for _ in range(args.rounds):
+            rounds["floor"].append(median_seconds(floor_load, args.repeats))
+            rounds["host"].append(median_seconds(host_load, args.repeats))
+            for variant, add in (("inline", inline), ("unhashed", unhashed)):
+                TensorDigests.add = add  # type: ignore[method-assign]
+                try:
+                    rounds[variant].append(median_seconds(host_load, args.repeats))
+                finally:
+                    TensorDigests.add = threaded  # type: ignore[method-assign]
+            rounds["ours"].append(median_seconds(lora_pin_load, args.repeats))
+            rounds["peft"].append(median_seconds(peft_load, args.repeats, reset=peft_reset))
+            rounds["hash"].append(median_seconds(hash_only, args.repeats))
         mib = sum((p / "adapter_model.safetensors").stat().st_size for p in paths) / 2**20
 
+    def ratio(top: str, bottom: str) -> float:
+        return statistics.median(a / b for a, b in zip(rounds[top], rounds[bottom], strict=True))
+
+    ours, host, floor, peft, hashed = (
+        statistics.median(rounds[k]) for k in ("ours", "host", "floor", "peft", "hash")
+    )
     n = args.adapters
     print(
         f"{n} adapters, {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
         f"r={args.rank}, all 7 modules, fp32, {mib:.1f} MiB on disk, device {device}, "
-        f"median of {args.repeats}"
+        f"{args.rounds} alternating rounds of median-of-{args.repeats} (times: medians over rounds)"
     )
     print(f"  lora_pin host tier + pool : {ours * 1e3:8.2f} ms  ({ours / n * 1e3:.2f} ms/adapter)")
-    print(f"  lora_pin host tier only   : {host * 1e3:8.2f} ms  ({host / n * 1e3:.2f} ms/adapter)")
+    print(
+        f"  lora_pin host tier only   : {host * 1e3:8.2f} ms  ({host / n * 1e3:.2f} ms/adapter), with digest"
+    )
     print(f"  floor load_file + copy_   : {floor * 1e3:8.2f} ms  ({floor / n * 1e3:.2f} ms/adapter)")
     print(f"  PEFT load_adapter         : {peft * 1e3:8.2f} ms  ({peft / n * 1e3:.2f} ms/adapter)")
+    print(f"  BLAKE3 of every tensor    : {hashed * 1e3:8.2f} ms  (one thread, alone)")
     print(
-        f"  host tier / floor = {host / floor:.2f}x (goal <= 1.3x); lora_pin / floor = {ours / floor:.2f}x; "
-        f"PEFT / lora_pin = {peft / ours:.1f}x (goal >= 10x)"
+        f"  host tier, digest inline  : {statistics.median(rounds['inline']) * 1e3:8.2f} ms; "
+        f"without a digest: {statistics.median(rounds['unhashed']) * 1e3:.2f} ms"
+    )
+    print(
+        f"  median of per-round ratios: inline / floor = {ratio('inline', 'floor'):.2f}x; "
+        f"without a digest / floor = {ratio('unhashed', 'floor'):.2f}x"
+    )
+    print(
+        f"  median of per-round ratios: host tier / floor = {ratio('host', 'floor'):.2f}x (goal <= 1.3x); "
+        f"lora_pin / floor = {ratio('ours', 'floor'):.2f}x; PEFT / lora_pin = {ratio('peft', 'ours'):.1f}x "
+        f"(goal >= 10x); hashing alone / floor = {ratio('hash', 'floor'):.2f}x"
     )
 
 
