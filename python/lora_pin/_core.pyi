@@ -4,6 +4,7 @@ from typing import Any, Literal, TypeAlias, final
 
 __all__ = [
     "EVICTION_POLICIES",
+    "MAX_ADAPTER_RANK",
     "MAX_SLOTS",
     "CpuSgmvPlan",
     "FetchPlan",
@@ -20,6 +21,7 @@ __all__ = [
 ]
 __version__: str
 MAX_SLOTS: int
+MAX_ADAPTER_RANK: int
 EVICTION_POLICIES: tuple[str, ...]
 
 @final
