@@ -50,6 +50,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="adapter items over --model, as a server takes them (PATH, NAME=PATH, JSON, @FILE)",
     )
     p.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="modules to wrap, e.g. lm_head q_proj v_proj (default: all, every linear layer but the output "
+        "layer, as PEFT's all-linear; name lm_head or embed_tokens to serve adapters on them)",
+    )
+    p.add_argument(
         "--cache-dir",
         type=Path,
         default=None,
@@ -197,7 +205,7 @@ def _serve(args: argparse.Namespace, model_dir: Path, items: list[str], tp: Any)
         max_loras_per_batch=args.max_loras_per_batch,
         max_loaded_loras=args.max_loaded_loras,
         max_lora_rank=max(_rank(r.lora_path) for r in refs),
-        lora_target_modules=["all"],
+        lora_target_modules=args.lora_target_modules or ["all"],
         eviction_policy=args.eviction_policy,
         tp=tp,
     )
