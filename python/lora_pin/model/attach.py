@@ -53,8 +53,9 @@ def model_targets(
     output.
 
     Raises:
-        SpecError: a selected module subclasses a linear layer but computes its own forward; a selected
-            expert weight belongs to an experts module lora_pin cannot serve; a fused
+        SpecError: a selected module subclasses a registered linear class (not ``torch.nn.Linear``, whose
+            subclasses are wrapped and their output checked at run time) but computes its own forward; a
+            selected expert weight belongs to an experts module lora_pin cannot serve; a fused
             module's widths do not add up to its output, or its members are not those of a known fused group
             (``qkv_proj`` = q/k/v, ``gate_up_proj`` = gate/up); or no module qualifies.
     """
@@ -90,10 +91,10 @@ def model_targets(
             else:
                 unserved[key] = _served_when_named("an embedding", selection)
             continue
-        if overrides_linear_forward(module):
+        if overrides_linear_forward(module) and linear_kind(module) is None:
             why = (
-                f"{key!r} ({type(module).__name__}) subclasses a linear layer but overrides its forward, so "
-                "its output may not be a tensor (a router returning a tuple, say): it cannot be wrapped"
+                f"{key!r} ({type(module).__name__}) subclasses a registered linear class but overrides its "
+                "forward, so what it returns cannot be told from that class: it cannot be wrapped"
             )
             if selection is not None and selected:
                 raise SpecError(
@@ -249,7 +250,7 @@ def attach(
         elif group.members[0].embedding:
             _set(model, key, LoRAEmbedding(original, buffers, active_step))
         else:
-            _set(model, key, LoRALinear(original, buffers, active_step, returns_bias=returns_bias))
+            _set(model, key, LoRALinear(original, buffers, active_step, returns_bias=returns_bias, key=key))
         originals[key] = original
     for key, by_name in experts.items():
         original = model.get_submodule(key)

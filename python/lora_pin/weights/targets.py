@@ -202,8 +202,11 @@ def linear_kind(module: torch.nn.Module) -> LinearKind | None:
     """How to wrap ``module`` (also one already wrapped by PEFT or a framework, through its
     ``base_layer``), or None if it is not a linear layer lora_pin knows.
 
-    A subclass of a registered class that overrides ``forward`` is not known: its output may not be the
-    layer's (a router returning a tuple, say).
+    A subclass of ``torch.nn.Linear`` that overrides ``forward`` is known as a linear, as PEFT wraps it
+    (Falcon's ``FalconLinear`` adds its bias after the matmul): the wrapper checks at run time that its
+    output is a tensor, and refuses one that returns something else (a router's tuple). A subclass of a
+    class registered with :func:`register_linear` that overrides ``forward`` is not known: what it returns
+    cannot be told from the class it subclasses.
     """
     base = getattr(module, "base_layer", None)
     if isinstance(base, torch.nn.Module):
@@ -216,7 +219,7 @@ def linear_kind(module: torch.nn.Module) -> LinearKind | None:
     for parent in cls.__mro__[1:]:
         kind = _KINDS.get(parent)
         if kind is not None:
-            return kind if cls.forward is parent.forward else None
+            return kind if cls.forward is parent.forward or parent is torch.nn.Linear else None
     return None
 
 
