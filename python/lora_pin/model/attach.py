@@ -229,6 +229,7 @@ def _expert_targets(
                     in_features,
                     out_features,
                     experts=layout.num_experts,
+                    peft_swapped=layout.peft_swapped,
                 )
             )
             module_of[parameter_key] = key

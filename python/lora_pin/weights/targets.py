@@ -64,7 +64,10 @@ class LinearTarget:
     An ``experts`` target (``experts`` > 0) is a 3-D MoE expert weight, PEFT's ``target_parameters``: ``key``
     is the parameter's (``model.layers.0.mlp.experts.gate_up_proj``), ``module`` its name, and
     ``in_features`` / ``out_features`` one expert's projection widths. Its group stores one slice per
-    expert (see :class:`TargetGroup`)."""
+    expert (see :class:`TargetGroup`). ``peft_swapped``: PEFT takes such a weight stored ``[E, in, out]``
+    on a module not marked ``is_transposed`` (Llama 4's experts) for ``[E, out, in]``, so its adapter
+    files hold lora_A ``[r * E, out]`` and lora_B ``[in, r * E]``: the same delta, the factors' roles
+    swapped."""
 
     layer: int | None
     module: str
@@ -73,6 +76,7 @@ class LinearTarget:
     out_features: int
     embedding: bool = False
     experts: int = 0
+    peft_swapped: bool = False
 
 
 @dataclass(frozen=True)
