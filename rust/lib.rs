@@ -15,6 +15,7 @@ pub mod sgmv;
 pub mod shared;
 pub mod sim;
 pub mod spec;
+pub mod textfile;
 
 #[cfg(feature = "python")]
 mod py;

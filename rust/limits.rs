@@ -4,6 +4,11 @@
 /// The most device slots a registry has (each is a LoRA-sized buffer on the GPU: far more than fit).
 pub const MAX_SLOTS: usize = 1 << 16;
 
+/// The largest LoRA rank a config may declare and a slot pool may be sized for (`r`, a `rank_pattern`
+/// value, `--max-lora-rank`): above every model's hidden size in use, so no real adapter reaches it.
+/// Exported to Python so the argument helpers check it without importing torch.
+pub const MAX_ADAPTER_RANK: usize = 1 << 14;
+
 /// How many unloaded names a registry remembers, so that unloading one again is a no-op (older ones
 /// are then unknown).
 pub const MAX_UNLOADED_NAMES: usize = 1 << 16;

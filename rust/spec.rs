@@ -13,12 +13,12 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::io::Read as _;
 
 use serde_json::{Map, Value};
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
+use crate::textfile::{read_regular_text, TextFileError};
 
 /// One adapter named at start-up or at run time.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -388,22 +388,16 @@ fn read_list_file(file: &str, loc: &Loc) -> Result<Vec<Value>> {
     if file.is_empty() {
         return Err(loc.error("'@' must be followed by the path of a JSON file"));
     }
-    let cannot = |e: std::io::Error| loc.error(&format!("cannot read the adapter list file {file:?}: {e}"));
-    let opened = open_nonblocking(file).map_err(cannot)?;
-    if !opened.metadata().map_err(cannot)?.is_file() {
-        return Err(loc.error(&format!(
+    let text = read_regular_text(file, MAX_LIST_FILE_BYTES).map_err(|e| match e {
+        TextFileError::Io(e) => loc.error(&format!("cannot read the adapter list file {file:?}: {e}")),
+        TextFileError::NotRegular => loc.error(&format!(
             "the adapter list file {file:?} is not a regular file (a FIFO, device or folder); only regular \
              files are read"
-        )));
-    }
-    let mut text = String::new();
-    // Read at most one byte past the limit: the file may grow after its size was seen.
-    opened.take(MAX_LIST_FILE_BYTES + 1).read_to_string(&mut text).map_err(cannot)?;
-    if text.len() as u64 > MAX_LIST_FILE_BYTES {
-        return Err(loc.error(&format!(
+        )),
+        TextFileError::TooLarge => loc.error(&format!(
             "the adapter list file {file:?} is larger than {MAX_LIST_FILE_BYTES} bytes; split it"
-        )));
-    }
+        )),
+    })?;
     match serde_json::from_str::<Value>(&text) {
         Ok(Value::Array(entries)) => match duplicate_key(&text) {
             Some(key) => Err(loc.error(&format!(
@@ -418,16 +412,6 @@ fn read_list_file(file: &str, loc: &Loc) -> Result<Vec<Value>> {
         ))),
         Err(e) => Err(loc.error(&format!("the adapter list file {file:?} is malformed JSON: {e}"))),
     }
-}
-
-/// `file` opened for reading without waiting: opening a FIFO blocks until a writer comes, so its type is
-/// checked on the opened file instead (regular files ignore the flag).
-fn open_nonblocking(file: &str) -> std::io::Result<std::fs::File> {
-    let mut options = std::fs::OpenOptions::new();
-    options.read(true);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NONBLOCK);
-    options.open(file)
 }
 
 /// The first key that appears twice in one object anywhere in `text` (valid JSON): `serde_json`

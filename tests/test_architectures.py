@@ -9,7 +9,8 @@ base rows the base model's own output on the batch bit for bit:
   the language model's, adapters on either tower, both, or Llava's projector, random pixels;
 - BART and T5: encoder and decoder layers with the same names, each sequence's adapter applied in both
   (encoder inputs ``[B, S]``, decoder inputs ``[B, T]``, cross-attention over the encoder's states);
-- Mamba: ``dt_proj`` targeted, whose ``weight`` the mixer reads directly (PEFT refuses ``out_proj`` there).
+- Mamba: ``dt_proj`` targeted, whose ``weight`` the mixer reads directly (PEFT refuses ``out_proj`` there);
+- Falcon: ``FalconLinear``, an ``nn.Linear`` subclass with its own forward, on every projection.
 """
 
 from __future__ import annotations
@@ -416,3 +417,33 @@ def test_refusals_name_the_module_and_the_way_out(gpt2: torch.nn.Module, tmp_pat
         mgr.load("head", head)
     with pytest.raises(SpecError, match=r"lora_target_modules names \['c_fc_typo'\]"):
         LoRAManager(copy.deepcopy(gpt2), [f"attn={attn}"], lora_target_modules=["c_proj", "c_fc_typo"])
+
+
+# ---------------------------------------------------------------- Falcon: a linear with its own forward
+
+
+@pytest.fixture(scope="module")
+def falcon() -> torch.nn.Module:
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=96, bias=True, alibi=False
+    )
+    return seeded(lambda: FalconForCausalLM(config))
+
+
+@pytest.mark.parametrize("targets", [["query_key_value", "dense_4h_to_h"], "all-linear"])
+def test_falcon_linear_overriding_forward_but_returning_a_tensor_is_served(
+    falcon: torch.nn.Module, tmp_path: Path, targets: Any
+) -> None:
+    # FalconLinear subclasses nn.Linear with its own forward (the bias added after the matmul); PEFT
+    # wraps it as a linear, and so must lora_pin.
+    adapters = {
+        "a": save_adapter(falcon, tmp_path / "a", 1, r=4, lora_alpha=8, target_modules=targets),
+        "b": save_adapter(
+            falcon, tmp_path / "b", 2, r=2, lora_alpha=2, target_modules=["dense", "dense_h_to_4h"]
+        ),
+    }
+    names: list[str | None] = ["a", None, "b", "a"]
+    mgr = check_against_peft(falcon, adapters, names, {"input_ids": ids(4, 5, 96, seed=3)}, logits)
+    assert {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"} <= set(mgr.targets.module_names)

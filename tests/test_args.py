@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -180,3 +182,79 @@ def test_vllm_config_serves_every_module_and_checks_the_dtype(
     with pytest.raises(SpecError, match=r"lora_dtype='float16' but the model is torch\.float32"):
         LoRAManager.from_config(copy.deepcopy(tiny_llama), vllm(["--enable-lora", "--lora-dtype", "float16"]))
     LoRAManager.from_config(copy.deepcopy(tiny_llama), vllm(["--enable-lora", "--lora-dtype", "float32"]))
+
+
+@dataclass
+class LoRAModulePath:
+    """vLLM's own (``vllm.entrypoints.openai.models.protocol``), as its API docs define it."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+class _VLLMLoRAParserAction(argparse.Action):
+    """vLLM's ``--lora-modules`` action: ``NAME=PATH`` or a JSON object, each made a ``LoRAModulePath``."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        modules = []
+        for item in values:
+            if "=" in item and "," not in item:
+                name, path = item.split("=")
+                modules.append(LoRAModulePath(name, path))
+            else:
+                modules.append(LoRAModulePath(**json.loads(item)))
+        setattr(namespace, self.dest, modules)
+
+
+def test_vllm_own_lora_modules_action_is_read() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lora-modules", nargs="+", action=_VLLMLoRAParserAction, default=None)
+    lora_pin.add_vllm_lora_args(parser)
+    modules = ["a=/a", '{"name": "b", "path": "/b", "base_model_name": "m"}']
+    argv = ["--enable-lora", "--max-loras", "2", "--lora-modules", *modules]
+    cfg = lora_pin.lora_config_from_vllm_args(parser.parse_args(argv))
+    assert [(r.lora_name, r.lora_path, r.base_model_name, r.pinned) for r in cfg.refs] == [
+        ("a", "/a", None, False),
+        ("b", "/b", "m", False),
+    ]
+
+
+def test_max_lora_rank_is_checked_against_the_managers_limit() -> None:
+    from lora_pin.weights.limits import MAX_ADAPTER_RANK
+
+    cfg = sglang(["--lora-paths", "a=/a", "--max-lora-rank", str(MAX_ADAPTER_RANK)])
+    assert cfg.max_lora_rank == MAX_ADAPTER_RANK
+    over = str(MAX_ADAPTER_RANK + 1)
+    with pytest.raises(
+        SpecError, match=rf"--max-lora-rank must be in 1\.\.{MAX_ADAPTER_RANK} \(got {over}\)"
+    ):
+        sglang(["--lora-paths", "a=/a", "--max-lora-rank", over])
+    with pytest.raises(SpecError, match=rf"--max-lora-rank must be in 1\.\.{MAX_ADAPTER_RANK}"):
+        vllm(["--enable-lora", "--max-lora-rank", over])
+
+
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [
+        (5, r"--lora-target-modules must be a list of module names, got int"),
+        ("q_proj", r"--lora-target-modules must be a list of module names, got the str 'q_proj'"),
+        (["q_proj", 5], r"--lora-target-modules\[1\] must be a module name \(str\), got int"),
+        (["q_proj", None], r"--lora-target-modules\[1\] must be a module name \(str\), got NoneType"),
+        (["q_proj", " "], r"--lora-target-modules\[1\] is an empty module name"),
+    ],
+)
+def test_non_str_target_modules_are_named_by_type_and_position(targets: Any, message: str) -> None:
+    ns = argparse.Namespace(lora_paths=["a=/a"], lora_target_modules=targets)
+    with pytest.raises(SpecError, match=message):
+        lora_pin.lora_config_from_args(ns)
+
+
+def test_a_framework_store_true_enable_lora_with_lora_paths_alone_warns_and_serves() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--enable-lora", action="store_true")  # default False, as frameworks write it
+    lora_pin.add_lora_args(parser)
+    with pytest.warns(UserWarning, match=r"--lora-paths.*enable_lora is False"):
+        cfg = lora_pin.lora_config_from_args(parser.parse_args(["--lora-paths", "a=/a"]))
+    assert cfg is not None and [r.lora_name for r in cfg.refs] == ["a"]
+    assert lora_pin.lora_config_from_args(parser.parse_args([])) is None

@@ -76,3 +76,36 @@ def test_demo_on_a_users_own_model_and_adapters(cache: Path) -> None:
     assert out.returncode == 0, out.stderr
     report = orjson.loads(out.stdout)
     assert report["ok"] and report["checked_steps"] >= 2 and report["pinned"] == []
+
+
+def test_demo_on_a_users_model_serves_an_adapter_on_lm_head(cache: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from lora_pin.demo.assets import ensure_demo_assets
+    from lora_pin.fixtures import save_peft_adapter
+
+    assets = ensure_demo_assets(cache)
+    base = AutoModelForCausalLM.from_pretrained(assets.model_dir)
+    head = save_peft_adapter(
+        base, tmp_path / "head", 1, r=4, lora_alpha=8, target_modules=["lm_head", "q_proj"]
+    )
+    items = [f"head={head}", f"law={assets.adapter_dirs['law']}"]
+    common = [
+        "--model",
+        str(assets.model_dir),
+        "--lora-paths",
+        *items,
+        "--requests",
+        "20",
+        "--check-every",
+        "2",
+    ]
+    out = run_demo(
+        *common, "--lora-target-modules", "lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    report = orjson.loads(out.stdout)
+    assert report["ok"] and report["checked_steps"] >= 2
+    # The default, every linear layer, leaves lm_head out as PEFT's all-linear does, and names it.
+    refused = run_demo(*common)
+    assert refused.returncode == 2 and "'lm_head'" in refused.stderr, refused.stderr

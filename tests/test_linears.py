@@ -1,6 +1,7 @@
 """Any linear layer: a framework's own linear class (one returning ``(out, bias)`` included) is wrapped once
 registered with ``lora_pin.register_linear``, outputs equal PEFT's; wrappers pass the base layer's
-attributes through; a linear subclass computing something else is refused by name, with the reason."""
+attributes through; an ``nn.Linear`` subclass with its own forward is wrapped, and refused by name at run
+time when it returns something else than a tensor."""
 
 from __future__ import annotations
 
@@ -137,19 +138,33 @@ def test_an_unregistered_framework_linear_is_named_as_missing(nets: Any) -> None
         LoRAManager(model, [f"a={paths['a']}"], lora_target_modules=["proj", "up"])
 
 
-def test_a_linear_subclass_returning_a_tuple_is_refused_by_name_and_skipped_by_all(nets: Any) -> None:
-    _, framework, paths = nets
+@pytest.mark.parametrize("modules", [["proj", "up", "router"], ["all"]])
+def test_a_linear_subclass_returning_a_tuple_serves_no_adapter_weights_on_it(
+    nets: Any, tmp_path: Path, modules: list[str]
+) -> None:
+    # An nn.Linear subclass with its own forward is wrapped (as PEFT wraps it), its output checked at run
+    # time: a router's tuple passes through untouched for adapters without weights on it (their delta
+    # there is zero), and an adapter with weights on it is refused naming the module.
+    from peft import LoraConfig, get_peft_model
+
+    plain, framework, paths = nets
+    cfg = LoraConfig(r=2, lora_alpha=4, target_modules=["router", "up"], init_lora_weights=False)
+    get_peft_model(copy.deepcopy(plain), cfg).save_pretrained(tmp_path / "r")
     lora_pin.register_linear(
         FrameworkLinear, features=lambda m: (m.input_size, m.output_size), returns_bias=True
     )
-    with pytest.raises(SpecError, match=r"'model\.layers\.0\.router' \(Router\) subclasses a linear layer"):
-        LoRAManager(copy.deepcopy(framework), [f"a={paths['a']}"], lora_target_modules=["proj", "router"])
     model = copy.deepcopy(framework)
-    mgr = LoRAManager(model, [f"a={paths['a']}"], lora_target_modules=["all"])
-    assert "router" not in mgr.targets.module_names and {"proj", "up"} <= set(mgr.targets.module_names)
-    x = torch.randn(2, 3, HIDDEN)
-    with torch.no_grad(), mgr.batch(["a", None]):
-        model(x)  # the router was left alone: the forward runs
+    items = [f"a={paths['a']}", f"r={tmp_path / 'r'}"]
+    mgr = LoRAManager(model, items, lora_target_modules=modules, max_loras_per_batch=2)
+    assert "router" in mgr.targets.module_names
+    x = torch.randn(2, 3, HIDDEN, generator=torch.Generator().manual_seed(5))
+    names: list[str | None] = ["a", None]
+    with torch.no_grad(), mgr.batch(names):
+        got = model(x)
+    torch.testing.assert_close(got, peft_reference(plain, paths, names, x), rtol=1e-5, atol=1e-6)
+    match = r"'model\.layers\.0\.router' \(Router\) returned tuple, not the tensor a linear layer returns"
+    with pytest.raises(SpecError, match=match), torch.no_grad(), mgr.batch(["r", None]):
+        model(x)
 
 
 def test_register_linear_checks_its_arguments() -> None:

@@ -660,3 +660,19 @@ def test_other_model_families_equal_peft(family: str, tmp_path: Path) -> None:
         base_logits = model(ids).logits  # no active step: the wrapped model is the base model
     assert torch.equal(got[1], base_logits[1]), "the base-model row was touched"
     assert not torch.equal(got[0], base_logits[0]) and not torch.equal(got[2], base_logits[2])
+
+
+def test_evictions_by_adapter_stay_bounded_over_endless_names(world: World) -> None:
+    from lora_pin.model.eviction_counts import MAX_EVICTION_KEYS
+
+    options = dict(max_loras_per_batch=1, max_loaded_loras=2, max_lora_rank=16)
+    mgr = LoRAManager(fresh_model(world), None, lora_target_modules=ATTN + MLP, **options)
+    names = MAX_EVICTION_KEYS + 100
+    for i in range(names):
+        mgr.load(f"n{i}", world.adapters["a8"])
+    stats = mgr.stats()
+    by_adapter = stats["evictions_by_adapter"]
+    assert len(by_adapter) <= MAX_EVICTION_KEYS
+    evicted = stats["host"]["evictions"] + stats["device"]["evictions"]
+    assert evicted == names - 2
+    assert sum(by_adapter.values()) + stats["evictions_by_adapter_others"] == evicted

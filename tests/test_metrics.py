@@ -153,3 +153,48 @@ def test_without_prometheus_client_the_error_names_the_extra() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("prometheus_client ")
     assert "pip install 'lora_pin[metrics]'" in out.stdout
+
+
+def test_a_second_collector_on_the_same_names_is_refused_not_duplicated(
+    tiny_llama: torch.nn.Module, adapters: dict[str, Path]
+) -> None:
+    mgr = LoRAManager(copy.deepcopy(tiny_llama), [f"a0={adapters['a0']}"], lora_target_modules=ATTN)
+    registry = CollectorRegistry()
+    registry.register(LoRAMetricsCollector(mgr))
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        registry.register(LoRAMetricsCollector(mgr))
+
+
+def test_two_managers_in_one_registry_are_told_apart_by_a_constant_label(
+    tiny_llama: torch.nn.Module, adapters: dict[str, Path]
+) -> None:
+    one = LoRAManager(copy.deepcopy(tiny_llama), [f"a0={adapters['a0']}"], lora_target_modules=ATTN)
+    two = LoRAManager(
+        copy.deepcopy(tiny_llama),
+        [f"a1={adapters['a1']}", f"a2={adapters['a2']}"],
+        max_loras_per_batch=3,
+        lora_target_modules=ATTN,
+    )
+    two.finish(two.prepare_step(["a1", "a2", "a1"], 1))
+    collector = LoRAMetricsCollector(one, labels={"model": "llama"})
+    collector.add(two, labels={"model": "qwen"})
+    samples = scrape(collector)
+    for model, mgr in (("llama", one), ("qwen", two)):
+        stats = mgr.stats()
+        assert samples[("lora_pin_pool_slots_total", (("model", model),))] == stats["device"]["capacity"]
+        assert samples[("lora_pin_adapters_registered", (("model", model),))] == stats["registered"]
+        key = ("lora_pin_hits_total", (("model", model), ("tier", "device")))
+        assert samples[key] == stats["device"]["hits"]
+        for name in stats["device"]["resident"]:
+            key = (
+                "lora_pin_adapter_loaded",
+                (("adapter", name), ("level", "device"), ("model", model), ("pinned", "false")),
+            )
+            assert samples[key] == 1
+    assert samples[("lora_pin_adapters_registered", (("model", "qwen"),))] == 2
+    with pytest.raises(ValueError, match=r"labels \{'model': 'llama'\} is already in this collector"):
+        collector.add(two, labels={"model": "llama"})
+    with pytest.raises(ValueError, match=r"label names: got \['team'\], this collector's are \['model'\]"):
+        collector.add(two, labels={"team": "x"})
+    with pytest.raises(ValueError, match="'tier' is a label lora_pin's metrics use"):
+        LoRAMetricsCollector(one, labels={"tier": "x"})

@@ -367,3 +367,60 @@ def test_inspect_summarises_an_expert_adapter_and_checks_it_against_the_model(
     assert "rank:           2, 4" in out and "target modules: none" in out and "(validated)" in out
     with pytest.raises(AdapterLoadError, match=r"ranks above the max rank 3: \{'experts.gate_up_proj': 4\}"):
         inspect(str(adapters["experts"]), "--max-rank", "3")
+
+
+# ---------------------------------------------------------------- Llama 4: [E, H, 2I] / [E, I, H] experts
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny Llama 4 text model: its experts module takes the routed hidden states alone ([E * T, H], each
+    token's row once per expert, scaled by its routing weight) and multiplies by gate_up_proj [E, H, 2I] and
+    down_proj [E, I, H]; its router is an nn.Linear subclass returning a tuple."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=12,
+        intermediate_size_mlp=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        max_position_embeddings=64,
+        moe_layers=[0, 1],
+        interleave_moe_layer_step=1,
+    )
+    torch.manual_seed(0)
+    base = Llama4ForCausalLM(config).eval()
+    root = tmp_path_factory.mktemp("llama4_adapters")
+    adapters = {
+        name: save_peft_adapter(base, root / name, i + 1, scale=0.2, **spec)
+        for i, (name, spec) in enumerate(SPECS.items())
+    }
+    return base, adapters
+
+
+def test_llama4_dense_experts_match_peft_per_adapter(llama4: Any) -> None:
+    base, adapters = llama4
+    names: list[str | None] = ["experts", None, "down", "mixed", "attn", None, "layer0", "experts", "mixed"]
+    model = copy.deepcopy(base)
+    mgr = LoRAManager(model, [f"{n}={p}" for n, p in adapters.items()], max_loras_per_batch=len(adapters))
+    assert sum(isinstance(m, LoRAExperts) for m in model.modules()) == 2
+    for length in (5, 1):
+        tokens = ids(len(names), length, seed=length)
+        with torch.no_grad(), mgr.batch(names):
+            got = model(input_ids=tokens).logits
+        with torch.no_grad():
+            plain = base(input_ids=tokens).logits
+        for name in {n for n in names if n is not None}:
+            rows = [i for i, n in enumerate(names) if n == name]
+            want = peft_rows(base, adapters[name], tokens[rows])
+            assert not torch.allclose(want, plain[rows], atol=1e-3), f"adapter {name} changes nothing"
+            torch.testing.assert_close(got[rows], want, rtol=1e-4, atol=1e-5, msg=f"adapter {name}")
+        base_rows = [i for i, n in enumerate(names) if n is None]
+        # Llama 4 routes every token through every expert (scaled): base rows are the model's own.
+        assert torch.equal(got[base_rows], plain[base_rows])

@@ -4,6 +4,10 @@ JSONL traces, and the simulator against the live ``LoRARegistry`` driven the way
 from __future__ import annotations
 
 import json
+import os
+import resource
+import subprocess
+import sys
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -111,7 +115,7 @@ def test_jsonl_trace_with_base_rows_and_arrivals(tmp_path: Path, capsys: pytest.
         (["--step-ms", "-1"], "--step-ms: '-1' is not a number in 0..inf"),
         (["--load-ms", "-5"], "--load-ms: '-5' is not a number in 0..inf"),
         (["--load-ms", "inf"], "--load-ms: 'inf' is not a number in 0..inf"),
-        (["--trace", "/nonexistent/t.jsonl"], "--trace: cannot read '/nonexistent/t.jsonl'"),
+        (["--trace", "/nonexistent/t.jsonl"], '--trace: cannot read the trace file "/nonexistent/t.jsonl"'),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(
@@ -125,6 +129,47 @@ def test_bad_arguments_exit_2_with_one_line(
     assert out == ""
     assert err.count("\n") == 1 and err.startswith("lora-pin simulate: error: ")
     assert message in err, err
+
+
+def _simulate_in_a_child(trace: str) -> subprocess.CompletedProcess[str]:
+    """``lora-pin simulate --trace trace`` in a child held to 2 GiB of address space and 60 s: what once
+    read ``/dev/zero`` until memory ran out, or waited for a FIFO's writer forever, fails the test instead."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    return subprocess.run(
+        [sys.executable, "-m", "lora_pin", "simulate", "--trace", trace, "--requests", "10"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=limit,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "folder", "too large"])
+def test_a_trace_that_is_not_a_regular_file_of_bounded_size_is_refused_at_once(
+    tmp_path: Path, kind: str
+) -> None:
+    if kind == "fifo":
+        path = tmp_path / "trace.fifo"
+        os.mkfifo(path)
+        trace, message = str(path), "is not a regular file"
+    elif kind == "device":
+        trace, message = "/dev/zero", "is not a regular file"
+    elif kind == "folder":
+        trace, message = str(tmp_path), "is not a regular file"
+    else:
+        path = tmp_path / "big.jsonl"
+        with open(path, "wb") as f:
+            f.truncate((256 << 20) + 1)  # sparse: no disk used
+        trace, message = str(path), f"is larger than {256 << 20} bytes"
+    done = _simulate_in_a_child(trace)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("lora-pin simulate: error: --trace: ")
+    assert f'the trace file "{trace}" {message}' in done.stderr, done.stderr
 
 
 def test_a_malformed_trace_names_the_file_and_line(

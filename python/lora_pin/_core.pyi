@@ -4,6 +4,7 @@ from typing import Any, Literal, TypeAlias, final
 
 __all__ = [
     "EVICTION_POLICIES",
+    "MAX_ADAPTER_RANK",
     "MAX_SLOTS",
     "CpuSgmvPlan",
     "FetchPlan",
@@ -20,6 +21,7 @@ __all__ = [
 ]
 __version__: str
 MAX_SLOTS: int
+MAX_ADAPTER_RANK: int
 EVICTION_POLICIES: tuple[str, ...]
 
 @final
@@ -179,6 +181,8 @@ class Trace:
     def generate(workload: str, *, adapters: int, requests: int, seed: int = 0) -> Trace: ...
     @staticmethod
     def from_jsonl(text: str, source: str = "<trace>") -> Trace: ...
+    @staticmethod
+    def from_file(path: str) -> Trace: ...
     @property
     def names(self) -> list[str]: ...
     def most_requested(self, k: int) -> list[str]: ...

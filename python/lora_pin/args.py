@@ -10,10 +10,11 @@ A serving framework adds our flags in one line::
 from __future__ import annotations
 
 import argparse
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from lora_pin._core import EVICTION_POLICIES, MAX_SLOTS, LoRARef, parse_lora_paths
+from lora_pin._core import EVICTION_POLICIES, MAX_ADAPTER_RANK, MAX_SLOTS, LoRARef, parse_lora_paths
 from lora_pin.errors import SpecError
 
 __all__ = [
@@ -149,13 +150,16 @@ def lora_config_from_args(ns: argparse.Namespace, *, prefix: str = "") -> LoRACo
     LoRA is on with ``--enable-lora``, with ``--lora-paths`` (as SGLang turns it on), or with
     ``--max-lora-rank`` or ``--lora-target-modules``; with none of them (no LoRA flag at all) it is off, as in
     SGLang. ``--lora-paths`` items may also be objects with ``lora_name``, ``lora_path`` and ``pinned``
-    attributes (what a framework's own ``--lora-paths`` action may have made of them).
+    attributes (what a framework's own ``--lora-paths`` action may have made of them). A framework's own
+    ``store_true`` ``--enable-lora`` reads False when not given, so ``enable_lora`` False with
+    ``--lora-paths`` warns (``UserWarning``) and serves them, as SGLang does with ``--lora-paths`` alone.
 
     Raises:
         SpecError: an adapter item is invalid, the limits disagree (the message gives the numbers), a limit
-            or the rank is below 1, ``all`` is not alone among the target modules, the eviction policy is
-            unknown, there are no start-up adapters and the rank or target modules are missing, or
-            ``enable_lora`` is False while adapters are given.
+            or the rank is out of range (the rank: ``1..MAX_ADAPTER_RANK``, the manager's limit), the target
+            modules are not a list of non-empty names (a wrong entry is named by its position and type),
+            ``all`` is not alone among them, the eviction policy is unknown, or there are no start-up
+            adapters and the rank or target modules are missing.
     """
 
     def get(flag: str, default: Any = None) -> Any:
@@ -166,7 +170,12 @@ def lora_config_from_args(ns: argparse.Namespace, *, prefix: str = "") -> LoRACo
     rank = get("max-lora-rank")
     targets = get("lora-target-modules")
     if enable is False and items:
-        raise SpecError("--lora-paths was given but enable_lora is False; drop one of them")
+        warnings.warn(
+            "--lora-paths was given while enable_lora is False (a store_true --enable-lora that was not "
+            "passed): serving the adapters, as SGLang does with --lora-paths alone",
+            UserWarning,
+            stacklevel=2,
+        )
     if not (enable or items or rank is not None or targets is not None):
         return None
     slots = get("max-loras-per-batch", DEFAULT_MAX_LORAS_PER_BATCH)
@@ -176,17 +185,8 @@ def lora_config_from_args(ns: argparse.Namespace, *, prefix: str = "") -> LoRACo
         _check_count("--max-loaded-loras", loaded, 2**63 - 1)
     refs = tuple(parse_lora_paths(_items(items), max_loras_per_batch=slots, max_loaded_loras=loaded))
     if rank is not None:
-        # Its upper bound (MAX_ADAPTER_RANK) is the manager's to check: that module needs torch.
-        _check_count("--max-lora-rank", rank, 2**31 - 1)
-    targets = None if targets is None else tuple(targets)
-    if targets is not None:
-        if not targets:
-            raise SpecError("--lora-target-modules was given without any module")
-        blank = [t for t in targets if not isinstance(t, str) or not t.strip()]
-        if blank:
-            raise SpecError(f"--lora-target-modules has an empty module name: {list(targets)!r}")
-        if "all" in targets and len(targets) > 1:
-            raise SpecError(f"--lora-target-modules: 'all' must stand alone (got {list(targets)!r})")
+        _check_count("--max-lora-rank", rank, MAX_ADAPTER_RANK)
+    targets = None if targets is None else _target_modules(targets)
     if not refs and (rank is None or targets is None):
         raise SpecError(
             "with no --lora-paths, both --max-lora-rank and --lora-target-modules are required to size the "
@@ -205,6 +205,30 @@ def lora_config_from_args(ns: argparse.Namespace, *, prefix: str = "") -> LoRACo
     )
 
 
+def _target_modules(targets: Any) -> tuple[str, ...]:
+    """``--lora-target-modules`` as a tuple of names, each entry checked.
+
+    Raises:
+        SpecError: ``targets`` is not a list, tuple or set (a str included: it would split into letters),
+            is empty, holds an entry that is not a str or is blank (named by position and type), or holds
+            ``all`` beside other names.
+    """
+    if isinstance(targets, str) or not isinstance(targets, (list, tuple, set, frozenset)):
+        got = f"the str {targets!r}" if isinstance(targets, str) else type(targets).__name__
+        raise SpecError(f"--lora-target-modules must be a list of module names, got {got}")
+    targets = tuple(targets)
+    if not targets:
+        raise SpecError("--lora-target-modules was given without any module")
+    for i, t in enumerate(targets):
+        if not isinstance(t, str):
+            raise SpecError(f"--lora-target-modules[{i}] must be a module name (str), got {type(t).__name__}")
+        if not t.strip():
+            raise SpecError(f"--lora-target-modules[{i}] is an empty module name: {list(targets)!r}")
+    if "all" in targets and len(targets) > 1:
+        raise SpecError(f"--lora-target-modules: 'all' must stand alone (got {list(targets)!r})")
+    return targets
+
+
 def _check_count(flag: str, value: Any, most: int) -> None:
     """Checked here with the flag's name: past 2^64 the core could not even take the number."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -216,17 +240,26 @@ def _check_count(flag: str, value: Any, most: int) -> None:
 
 
 def _items(items: Any) -> Any:
-    """``--lora-paths`` as ``parse_lora_paths`` takes it: objects a framework's own action made (with
-    ``lora_name``, ``lora_path`` and optionally ``pinned``) become dicts."""
+    """``--lora-paths`` / ``--lora-modules`` as ``parse_lora_paths`` takes them: objects a framework's own
+    action made become dicts, SGLang's (``lora_name``, ``lora_path``, optionally ``pinned``) and vLLM's
+    ``LoRAModulePath`` (``name``, ``path``, ``base_model_name``); the parser then checks their fields."""
     if not isinstance(items, (list, tuple)):
         return items
     out = []
     for item in items:
-        if hasattr(item, "lora_name") and hasattr(item, "lora_path") and not isinstance(item, LoRARef):
+        if isinstance(item, (str, dict, LoRARef)):
+            pass
+        elif hasattr(item, "lora_name") and hasattr(item, "lora_path"):
             item = {
                 "lora_name": item.lora_name,
                 "lora_path": item.lora_path,
                 "pinned": bool(getattr(item, "pinned", False)),
+            }
+        elif hasattr(item, "name") and hasattr(item, "path"):
+            item = {
+                "name": item.name,
+                "path": item.path,
+                "base_model_name": getattr(item, "base_model_name", None),
             }
         out.append(item)
     return out
@@ -309,7 +342,7 @@ def lora_config_from_vllm_args(ns: argparse.Namespace) -> LoRAConfig | None:
     if loaded < slots:
         raise SpecError(f"--max-cpu-loras={loaded} must be >= --max-loras={slots}")
     rank = getattr(ns, "max_lora_rank", VLLM_DEFAULT_MAX_LORA_RANK)
-    _check_count("--max-lora-rank", rank, 2**31 - 1)
+    _check_count("--max-lora-rank", rank, MAX_ADAPTER_RANK)
     dtype = getattr(ns, "lora_dtype", "auto")
     if dtype not in VLLM_LORA_DTYPES:
         raise SpecError(f"--lora-dtype must be one of {VLLM_LORA_DTYPES} (got {dtype!r})")

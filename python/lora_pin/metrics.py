@@ -1,13 +1,22 @@
 """Prometheus metrics over a :class:`~lora_pin.model.LoRAManager` (the ``metrics`` extra).
 
 ``pip install 'lora_pin[metrics]'`` installs ``prometheus_client``; this module imports it only when a
-collector is made, so ``import lora_pin.metrics`` stays cheap and works without it. Register a collector
-once per manager; every scrape reads :meth:`LoRAManager.stats` afresh::
+collector is made, so ``import lora_pin.metrics`` stays cheap and works without it. Register one collector
+per registry; every scrape reads :meth:`LoRAManager.stats` afresh::
 
     from prometheus_client import REGISTRY
     from lora_pin.metrics import LoRAMetricsCollector
 
     REGISTRY.register(LoRAMetricsCollector(manager))
+
+Several managers (one per model) share one collector, told apart by constant labels on every series::
+
+    collector = LoRAMetricsCollector(llama_manager, labels={"model": "llama"})
+    collector.add(qwen_manager, labels={"model": "qwen"})
+    REGISTRY.register(collector)
+
+The collector describes its metric families, so a registry refuses a second collector of the same names
+(``ValueError: Duplicated timeseries``) instead of exporting every series twice.
 
 Metrics (``tier`` is ``device`` or ``host``; a slot is one device-tier place):
 
@@ -36,7 +45,8 @@ Metrics (``tier`` is ``device`` or ``host``; a slot is one device-tier place):
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -47,6 +57,8 @@ __all__ = ["DEFAULT_MAX_ADAPTERS", "LoRAMetricsCollector"]
 DEFAULT_MAX_ADAPTERS = 64
 _TIERS = ("device", "host")
 _COUNTERS = ("hits", "misses", "loads", "evictions", "refusals")
+_OWN_LABELS = ("tier", "level", "adapter", "pinned", "digest", "generation")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
 def _prometheus_core() -> Any:
@@ -64,132 +76,207 @@ def _prometheus_core() -> Any:
 
 
 class LoRAMetricsCollector:
-    """A ``prometheus_client`` collector exposing one manager's counters and residency (see the module docs
-    for the metric names).
+    """A ``prometheus_client`` collector exposing the counters and residency of one or more managers (see
+    the module docs for the metric names).
 
     Args:
         manager: the manager to report on; every scrape calls its ``stats()``.
-        max_adapters: the most adapters given a ``lora_pin_adapter_loaded`` series, at least 0.
+        labels: constant labels put on every series of ``manager`` (``{"model": "llama"}``), so that
+            the managers :meth:`add` joins to this collector are told apart.
+        max_adapters: the most adapters given a ``lora_pin_adapter_loaded`` series per manager, at least 0.
 
     Raises:
         ModuleNotFoundError: prometheus_client is not installed (the message names the extra).
-        ValueError: ``max_adapters`` is negative.
+        ValueError: ``max_adapters`` is negative, or ``labels`` is invalid (see :meth:`add`).
     """
 
-    def __init__(self, manager: LoRAManager, *, max_adapters: int = DEFAULT_MAX_ADAPTERS) -> None:
+    def __init__(
+        self,
+        manager: LoRAManager,
+        *,
+        labels: Mapping[str, str] | None = None,
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
+    ) -> None:
         if max_adapters < 0:
             raise ValueError(f"max_adapters must be at least 0 (got {max_adapters})")
         self._core = _prometheus_core()
-        self._manager = manager
         self.max_adapters = max_adapters
+        self._label_names = sorted(labels or {})
+        self._managers: list[tuple[list[str], LoRAManager]] = []
+        self.add(manager, labels=labels)
+
+    def add(self, manager: LoRAManager, *, labels: Mapping[str, str] | None = None) -> None:
+        """Reports on ``manager`` too, its series carrying ``labels`` (a registry takes one collector per
+        set of metric names, so managers of one process share a collector).
+
+        Raises:
+            ValueError: ``labels`` names other labels than the first manager's, a label lora_pin's metrics
+                use themselves (``tier``, ``adapter``, ``pinned``) or an invalid Prometheus label
+                name, holds a value that is not a str, or repeats another manager's values.
+        """
+        labels = dict(labels or {})
+        if sorted(labels) != self._label_names:
+            raise ValueError(
+                f"every manager of a collector needs the same label names: got {sorted(labels)}, this "
+                f"collector's are {self._label_names}"
+            )
+        for name, value in labels.items():
+            if name in _OWN_LABELS:
+                raise ValueError(
+                    f"{name!r} is a label lora_pin's metrics use; name the constant label otherwise"
+                )
+            if not isinstance(name, str) or not _LABEL_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*)")
+            if not isinstance(value, str):
+                raise ValueError(f"label {name!r} must have a str value, got {type(value).__name__}")
+        values = [labels[n] for n in self._label_names]
+        if any(values == other for other, _ in self._managers):
+            raise ValueError(
+                f"a manager with labels {labels} is already in this collector; give each manager its own "
+                "values"
+            )
+        self._managers.append((values, manager))
 
     def describe(self) -> list[Any]:
-        """No metrics described up front: registering never scrapes the manager."""
-        return []
+        """The metric families (names, types, labels) without samples: registering never scrapes a manager,
+        and a registry can refuse a second collector of the same names."""
+        return list(self._families([], []))
 
     def collect(self) -> Iterator[Any]:
-        """The metric families of one scrape, read from one ``manager.stats()`` call."""
-        core = self._core
-        stats = self._manager.stats()
-        device, host = stats["device"], stats["host"]
-        tiers = {"device": device, "host": host}
+        """The metric families of one scrape, read from one ``stats()`` call per manager."""
+        rows = [(values, manager.stats()) for values, manager in self._managers]
+        placements = [(values, manager.placement()) for values, manager in self._managers]
+        return self._families(rows, placements)
 
-        def gauge(name: str, doc: str, value: float) -> Any:
-            return core.GaugeMetricFamily(name, doc, value=value)
+    def _families(
+        self, rows: list[tuple[list[str], dict[str, Any]]], placements: list[tuple[list[str], Any]]
+    ) -> Iterator[Any]:
+        """The metric families holding one sample set per ``(label values, stats)`` row."""
+        core, names = self._core, self._label_names
 
-        yield gauge("lora_pin_pool_slots_used", "Device slots holding an adapter.", device["used"])
-        yield gauge("lora_pin_pool_slots_total", "Device slots in the pool.", device["capacity"])
-        utilization = device["used"] / device["capacity"] if device["capacity"] else 0.0
-        yield gauge("lora_pin_pool_slots_utilization", "Share of device slots in use.", utilization)
-        yield gauge("lora_pin_adapters_registered", "Registered adapters.", stats["registered"])
-        yield gauge("lora_pin_adapters_pinned", "Pinned adapters.", stats["pinned"])
+        def family(kind: Any, name: str, doc: str, read: Callable[[dict[str, Any]], float]) -> Any:
+            made = kind(name, doc, labels=names)
+            for values, stats in rows:
+                made.add_metric(values, read(stats))
+            return made
 
-        per_tier = (
-            ("lora_pin_resident_adapters", "Adapters a tier holds.", lambda t: len(t["resident"])),
-            ("lora_pin_resident_bytes", "Bytes of the adapters a tier holds.", lambda t: t["bytes"]),
+        def gauge(name: str, doc: str, read: Callable[[dict[str, Any]], float]) -> Any:
+            return family(core.GaugeMetricFamily, name, doc, read)
+
+        def per_tier(kind: Any, name: str, doc: str, read: Callable[[dict[str, Any]], float | None]) -> Any:
+            made = kind(name, doc, labels=[*names, "tier"])
+            for values, stats in rows:
+                for tier in _TIERS:
+                    value = read(stats[tier])
+                    if value is not None:
+                        made.add_metric([*values, tier], value)
+            return made
+
+        yield gauge(
+            "lora_pin_pool_slots_used", "Device slots holding an adapter.", lambda s: s["device"]["used"]
         )
-        for name, doc, read in per_tier:
-            family = core.GaugeMetricFamily(name, doc, labels=["tier"])
-            for tier in _TIERS:
-                family.add_metric([tier], read(tiers[tier]))
-            yield family
-        capacity = core.GaugeMetricFamily(
+        yield gauge(
+            "lora_pin_pool_slots_total", "Device slots in the pool.", lambda s: s["device"]["capacity"]
+        )
+        yield gauge("lora_pin_pool_slots_utilization", "Share of device slots in use.", _utilization)
+        yield gauge("lora_pin_adapters_registered", "Registered adapters.", lambda s: s["registered"])
+        yield gauge("lora_pin_adapters_pinned", "Pinned adapters.", lambda s: s["pinned"])
+        gauge_family = core.GaugeMetricFamily
+        yield per_tier(
+            gauge_family, "lora_pin_resident_adapters", "Adapters a tier holds.", lambda t: len(t["resident"])
+        )
+        yield per_tier(
+            gauge_family,
+            "lora_pin_resident_bytes",
+            "Bytes of the adapters a tier holds.",
+            lambda t: t["bytes"],
+        )
+        yield per_tier(
+            gauge_family,
             "lora_pin_tier_capacity_adapters",
             "Adapters a tier can hold (bounded tiers only).",
-            labels=["tier"],
+            lambda t: t["capacity"],
         )
-        for tier in _TIERS:
-            if tiers[tier]["capacity"] is not None:
-                capacity.add_metric([tier], tiers[tier]["capacity"])
-        yield capacity
-
         for counter in _COUNTERS:
-            family = core.CounterMetricFamily(
-                f"lora_pin_{counter}", f"Adapter {counter} per tier since start.", labels=["tier"]
+            yield per_tier(
+                core.CounterMetricFamily,
+                f"lora_pin_{counter}",
+                f"Adapter {counter} per tier since start.",
+                lambda t, counter=counter: t[counter],
             )
-            for tier in _TIERS:
-                family.add_metric([tier], tiers[tier][counter])
-            yield family
-        yield core.CounterMetricFamily(
+        counter_family = core.CounterMetricFamily
+        yield family(
+            counter_family,
             "lora_pin_deferred_requests",
             "Requests deferred to a later step, counted once per step that deferred them.",
-            value=stats["deferred_requests"],
+            lambda s: s["deferred_requests"],
         )
-        yield core.CounterMetricFamily(
+        yield family(
+            counter_family,
             "lora_pin_background_loads",
             "Adapter reads the background loader ran and installed into the host tier.",
-            value=stats["background_loads"],
+            lambda s: s["background_loads"],
         )
-        yield core.CounterMetricFamily(
+        yield family(
+            counter_family,
             "lora_pin_background_load_failures",
             "Adapter reads the background loader ran that failed.",
-            value=stats["background_load_failures"],
+            lambda s: s["background_load_failures"],
         )
         yield gauge(
             "lora_pin_loads_in_flight",
             "Background adapter reads running or queued.",
-            stats["loads_in_flight"],
+            lambda s: s["loads_in_flight"],
         )
-        count, seconds = stats["adapter_reads"], stats["adapter_read_seconds"]
-        yield core.SummaryMetricFamily(
+        reads = core.SummaryMetricFamily(
             "lora_pin_adapter_load_seconds",
             "Seconds reading an adapter from disk into host memory, after start-up.",
-            count_value=count,
-            sum_value=seconds,
+            labels=names,
         )
-        yield from self._per_adapter(core, stats)
+        for values, stats in rows:
+            reads.add_metric(
+                values, count_value=stats["adapter_reads"], sum_value=stats["adapter_read_seconds"]
+            )
+        yield reads
+        yield from self._per_adapter(core, placements)
 
-    def _per_adapter(self, core: Any, stats: dict[str, Any]) -> Iterator[Any]:
-        placement = self._manager.placement()
-        levels = {
-            "device": [a for a in placement.adapters if a.tier == "device"],
-            "host": [a for a in placement.adapters if a.tier in ("device", "host")],
-        }
-        ranked = sorted(placement.adapters, key=lambda a: (not a.pinned, a.name))
-        listed = {a.name for a in ranked[: self.max_adapters]}
+    def _per_adapter(self, core: Any, placements: list[tuple[list[str], Any]]) -> Iterator[Any]:
+        names = self._label_names
         loaded = core.GaugeMetricFamily(
             "lora_pin_adapter_loaded",
             f"1 per adapter resident at a level (at most {self.max_adapters} adapters, pinned first).",
-            labels=["adapter", "level", "pinned"],
+            labels=[*names, "adapter", "level", "pinned"],
         )
         unlisted = core.GaugeMetricFamily(
             "lora_pin_adapters_unlisted",
             "Adapters resident in a tier beyond the per-adapter series' cap.",
-            labels=["tier"],
+            labels=[*names, "tier"],
         )
-        for level, resident in levels.items():
-            for entry in resident:
-                if entry.name in listed:
-                    loaded.add_metric([entry.name, level, "true" if entry.pinned else "false"], 1)
-            unlisted.add_metric([level], sum(a.name not in listed for a in resident))
         info = core.GaugeMetricFamily(
             "lora_pin_adapter_info",
             "1 per registered adapter, with the digest and generation it serves "
             f"(at most {self.max_adapters} adapters, pinned first).",
-            labels=["adapter", "digest", "generation"],
+            labels=[*names, "adapter", "digest", "generation"],
         )
-        for entry in ranked[: self.max_adapters]:
-            info.add_metric([entry.name, entry.digest, str(entry.generation)], 1)
+        for values, placement in placements:
+            levels = {
+                "device": [a for a in placement.adapters if a.tier == "device"],
+                "host": [a for a in placement.adapters if a.tier in ("device", "host")],
+            }
+            ranked = sorted(placement.adapters, key=lambda a: (not a.pinned, a.name))
+            listed = {a.name for a in ranked[: self.max_adapters]}
+            for level, resident in levels.items():
+                for entry in resident:
+                    if entry.name in listed:
+                        loaded.add_metric([*values, entry.name, level, "true" if entry.pinned else "false"], 1)
+                unlisted.add_metric([*values, level], sum(a.name not in listed for a in resident))
+            for entry in ranked[: self.max_adapters]:
+                info.add_metric([*values, entry.name, entry.digest, str(entry.generation)], 1)
         yield loaded
         yield unlisted
         yield info
+
+
+def _utilization(stats: dict[str, Any]) -> float:
+    device = stats["device"]
+    return device["used"] / device["capacity"] if device["capacity"] else 0.0

@@ -51,6 +51,17 @@ impl PyTrace {
         detached(py, || Ok(Self(Trace::from_jsonl(text, source)?)))
     }
 
+    /// Reads the JSONL trace file `path` (as `from_jsonl`) under the rules of an `@FILE` adapter list:
+    /// a regular file only (a FIFO or a device is refused at once), at most 256 MiB.
+    ///
+    /// Raises:
+    ///     SpecError: the file cannot be read, is not a regular file, is too large (each message names
+    ///         the file), or a line is wrong (naming the file, the line and the field).
+    #[staticmethod]
+    fn from_file(py: Python<'_>, path: &str) -> PyResult<Self> {
+        detached(py, || Ok(Self(Trace::from_file(path)?)))
+    }
+
     /// The adapters' names, in order of first use (generated traces: by index).
     #[getter]
     fn names(&self) -> Vec<String> {

@@ -136,6 +136,23 @@ fn jsonl_traces_are_read_with_errors_that_name_the_line() {
 }
 
 #[test]
+fn trace_files_are_read_only_when_regular_and_bounded() {
+    let dir = std::env::temp_dir().join(format!("lora_pin_trace_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("t.jsonl");
+    std::fs::write(&good, "{\"adapter\": \"x\", \"tokens\": 3}\n").unwrap();
+    assert_eq!(Trace::from_file(good.to_str().unwrap()).unwrap().names(), ["x"]);
+    let big = dir.join("big.jsonl");
+    std::fs::File::create(&big).unwrap().set_len(super::trace::MAX_TRACE_FILE_BYTES + 1).unwrap(); // sparse
+    let err = |file: &str| Trace::from_file(file).unwrap_err().to_string();
+    assert!(err(big.to_str().unwrap()).contains("is larger than"));
+    assert!(err("/dev/zero").contains("is not a regular file"));
+    assert!(err(dir.to_str().unwrap()).contains("is not a regular file"));
+    assert!(err(dir.join("missing").to_str().unwrap()).contains("cannot read the trace file"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn generators_are_deterministic_and_shaped_as_documented() {
     let a = Trace::generate(Workload::Zipf(1.2), 16, 5000, 7).unwrap();
     assert_eq!(a, Trace::generate(Workload::Zipf(1.2), 16, 5000, 7).unwrap());

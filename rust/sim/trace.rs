@@ -6,6 +6,11 @@
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
+use crate::textfile::{read_regular_text, TextFileError};
+
+/// The largest trace file [`Trace::from_file`] reads (256 MiB: some six million requests), so a wrong
+/// path such as `/dev/zero` cannot exhaust memory.
+pub const MAX_TRACE_FILE_BYTES: u64 = 256 << 20;
 
 /// One request of a trace.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -171,6 +176,28 @@ impl Trace {
             }
         }
         Ok(Self { names, requests })
+    }
+
+    /// Reads the JSONL trace file `file` (see [`Trace::from_jsonl`]) under the `@FILE` list's rules: a
+    /// regular file only (a FIFO or a device is refused without waiting), at most
+    /// [`MAX_TRACE_FILE_BYTES`]. Errors name the file.
+    ///
+    /// Errors: [`Error::Spec`]: the file cannot be read, is not a regular file, is larger than the limit,
+    /// or is not a valid trace (as [`Trace::from_jsonl`]).
+    pub fn from_file(file: &str) -> Result<Self> {
+        let text = read_regular_text(file, MAX_TRACE_FILE_BYTES).map_err(|e| {
+            Error::Spec(match e {
+                TextFileError::Io(e) => format!("cannot read the trace file {file:?}: {e}"),
+                TextFileError::NotRegular => format!(
+                    "the trace file {file:?} is not a regular file (a FIFO, device or folder); only regular \
+                     files are read"
+                ),
+                TextFileError::TooLarge => {
+                    format!("the trace file {file:?} is larger than {MAX_TRACE_FILE_BYTES} bytes; cut it")
+                }
+            })
+        })?;
+        Self::from_jsonl(&text, file)
     }
 
     /// Reads JSONL: one request per non-blank line, `{"adapter": NAME or null, "tokens": N}` with an

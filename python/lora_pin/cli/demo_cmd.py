@@ -29,6 +29,16 @@ def add_parser(subparsers: Any) -> None:
             "and a correctness check of sampled steps against PEFT."
         ),
     )
+    _add_model_args(p)
+    _add_capacity_args(p)
+    _add_workload_args(p)
+    _add_parallel_args(p)
+    _add_output_args(p)
+    p.set_defaults(run=run)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """What is served: the generated assets, or a local model with its adapters."""
     p.add_argument(
         "--model", type=Path, default=None, metavar="DIR", help="a local Hugging Face model folder"
     )
@@ -40,12 +50,24 @@ def add_parser(subparsers: Any) -> None:
         help="adapter items over --model, as a server takes them (PATH, NAME=PATH, JSON, @FILE)",
     )
     p.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="modules to wrap, e.g. lm_head q_proj v_proj (default: all, every linear layer but the output "
+        "layer, as PEFT's all-linear; name lm_head or embed_tokens to serve adapters on them)",
+    )
+    p.add_argument(
         "--cache-dir",
         type=Path,
         default=None,
         metavar="DIR",
         help="where the generated demo assets live (default ~/.cache/lora_pin)",
     )
+
+
+def _add_capacity_args(p: argparse.ArgumentParser) -> None:
+    """The two tiers' sizes and their eviction policy."""
     p.add_argument(
         "--max-loras-per-batch", type=int, default=4, metavar="N", help="device slots (default %(default)s)"
     )
@@ -62,6 +84,10 @@ def add_parser(subparsers: Any) -> None:
         choices=EVICTION_POLICIES,
         help="eviction policy of both tiers (default %(default)s)",
     )
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The replayed requests, their steps and how often a step is checked against PEFT."""
     p.add_argument("--requests", type=int, default=400, help="requests to serve (default %(default)s)")
     p.add_argument(
         "--batch-size", type=int, default=8, help="sequences a step takes at most (default %(default)s)"
@@ -82,6 +108,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the workload and the inputs (default %(default)s)"
     )
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Tensor parallelism over gloo processes on this machine."""
     p.add_argument(
         "--tp",
         type=int,
@@ -95,13 +125,16 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="with --tp, also cut the adapters' rank dimension (S-LoRA's scheme)",
     )
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """The report's form."""
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress bar (it is shown only when stderr is a terminal anyway)",
     )
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -172,7 +205,7 @@ def _serve(args: argparse.Namespace, model_dir: Path, items: list[str], tp: Any)
         max_loras_per_batch=args.max_loras_per_batch,
         max_loaded_loras=args.max_loaded_loras,
         max_lora_rank=max(_rank(r.lora_path) for r in refs),
-        lora_target_modules=["all"],
+        lora_target_modules=args.lora_target_modules or ["all"],
         eviction_policy=args.eviction_policy,
         tp=tp,
     )

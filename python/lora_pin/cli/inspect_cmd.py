@@ -10,6 +10,8 @@ from lora_pin.cli._model_dir import local_model_dir
 from lora_pin.errors import AdapterLoadError, SpecError
 
 if TYPE_CHECKING:
+    import torch
+
     from lora_pin.weights.reader import AdapterFile
     from lora_pin.weights.targets import LoRATargets
 
@@ -34,12 +36,31 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("path", metavar="PATH", help="the adapter directory (adapter_config.json + weights)")
     p.add_argument("--model", metavar="DIR", help="a Hugging Face model directory to validate against")
     p.add_argument("--max-rank", type=int, default=None, help="the pool's max rank (default: no limit)")
-    p.add_argument("--dtype", choices=_DTYPES, default="bfloat16", help="serving dtype for device bytes")
+    p.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default=None,
+        help="serving dtype for device bytes (default: the model's with --model, else bfloat16)",
+    )
     p.add_argument("--allow-pickle", action="store_true", help="read adapter_model.bin (weights_only=True)")
     p.add_argument(
         "--allowed-root", action="append", metavar="DIR", help="refuse paths outside DIR (repeatable)"
     )
     p.set_defaults(run=run)
+
+
+def _base_copies(file: AdapterFile) -> dict[str, str]:
+    """PEFT's copies of the base weights of the modules the adapter has a pair for, by module key: PEFT saves
+    ``<module>.base_layer.weight`` beside LoRA on ``lm_head`` or an embedding, and a manager serving the
+    adapter checks it against the model's weight (so does ``--model``)."""
+    from lora_pin.weights.reader import PEFT_PREFIX
+
+    copies = {}
+    for tensor_name in file.unused:
+        key = tensor_name.removeprefix(PEFT_PREFIX).removesuffix(".base_layer.weight")
+        if tensor_name == f"{PEFT_PREFIX}{key}.base_layer.weight" and key in file.pairs:
+            copies[key] = tensor_name
+    return copies
 
 
 def _check_standalone(file: AdapterFile) -> None:
@@ -48,8 +69,9 @@ def _check_standalone(file: AdapterFile) -> None:
         raise AdapterLoadError(
             f"{where}: no lora_A/lora_B tensor pair; it would silently serve base-model output"
         )
-    if file.unused:
-        raise AdapterLoadError(f"{where}: {len(file.unused)} tensor(s) would be unused: {file.unused[:8]}")
+    copies = set(_base_copies(file).values())
+    if unused := [n for n in file.unused if n not in copies]:
+        raise AdapterLoadError(f"{where}: {len(unused)} tensor(s) would be unused: {unused[:8]}")
     experts = _expert_pair_keys(file)
     for key, pair in file.pairs.items():
         rank = pair.a_shape[0]
@@ -91,9 +113,15 @@ def _digest(file: AdapterFile) -> str:
     return adapter_digest(file.digests.result(), served)
 
 
-def _model_targets(model_dir: str) -> LoRATargets:
-    """Every linear layer and MoE expert weight of the model at ``model_dir`` (built on the meta device: no
-    weights are read), so an adapter is checked against the model's own keys, whatever its architecture."""
+def _model_targets(model_dir: str, file: AdapterFile) -> tuple[LoRATargets, torch.dtype]:
+    """The targets a manager serving ``file`` would wrap in the model at ``model_dir`` (every linear layer
+    and MoE expert weight, and the output layer and embeddings the adapter names), and the model's dtype.
+    The model is built on the meta device: no weights are read but the base weights whose copies the
+    adapter holds (:func:`_base_copies`), which are checked against them as a manager checks them.
+
+    Raises:
+        SpecError: no model config or model can be read from ``model_dir``.
+    """
     import torch
     import transformers
 
@@ -104,6 +132,7 @@ def _model_targets(model_dir: str) -> LoRATargets:
         config = transformers.AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
         raise SpecError(f"--model: cannot read a model config from {model_dir!r}: {e}") from e
+    dtype = _config_dtype(config)
     errors = []
     # The classes adapters are trained on, most common first: the key layout PEFT saves depends on it.
     for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageTextToText", "AutoModel"):
@@ -113,8 +142,76 @@ def _model_targets(model_dir: str) -> LoRATargets:
         except (ValueError, AttributeError) as e:
             errors.append(f"{auto}: {e}")
             continue
-        return _with_experts(model, LoRATargets.from_model(model, "all-linear"))
+        targets = _with_experts(model, LoRATargets.from_model(model, "all-linear"))
+        return _with_heads(model, model_dir, file, targets), dtype
     raise SpecError(f"--model: cannot build a model from {model_dir!r}: {'; '.join(errors)}")
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    """The dtype a model config declares (``dtype``, or ``torch_dtype`` before transformers 5); float32,
+    what ``from_pretrained`` gives, when it declares none."""
+    import torch
+
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    return declared if isinstance(declared, torch.dtype) else torch.float32
+
+
+def _with_heads(model: Any, model_dir: str, file: AdapterFile, targets: LoRATargets) -> LoRATargets:
+    """``targets`` plus the output layer and the embeddings ``file`` has pairs for (served when named, as a
+    manager built with the adapter's target modules serves them), with the base weights of those whose
+    copies the adapter holds read from the checkpoint."""
+    import torch
+
+    from lora_pin.model.attach import model_targets
+    from lora_pin.weights.targets import LoRATargets, ModuleSelection, output_layer_keys
+
+    heads = output_layer_keys(model) | {
+        k for k, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
+    }
+    named = sorted(k for k in file.pairs if k in heads)
+    if not named:
+        return targets
+    found, _ = model_targets(model, ModuleSelection(names=tuple(named)))
+    weights = _checkpoint_weights(model, model_dir, [k for k in _base_copies(file) if k in named])
+    linears = [t for t in targets.linears if t.key not in named] + list(found.linears)
+    unserved = {k: why for k, why in targets.unserved.items() if k not in named}
+    return LoRATargets.from_linears(linears, fuse=False, unserved=unserved, base_weights=weights)
+
+
+def _checkpoint_weights(model: Any, model_dir: str, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The ``weight`` of each module ``keys`` names, read from the safetensors checkpoint in ``model_dir``
+    (one file or an index of shards) under the name the model gives that parameter (a tied ``lm_head``
+    reads the embedding's).
+
+    Raises:
+        SpecError: the checkpoint has no safetensors file holding one of them.
+    """
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    first_name = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    shard_of: dict[str, str] = {}
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            shard_of = json.load(f).get("weight_map", {})
+    weights = {}
+    for key in keys:
+        name = first_name[id(model.get_submodule(key).weight)]
+        path = os.path.join(model_dir, shard_of.get(name, "model.safetensors"))
+        try:
+            with safe_open(path, framework="pt") as f:
+                weights[key] = f.get_tensor(name)
+        except (OSError, KeyError, ValueError) as e:
+            raise SpecError(
+                f"--model: cannot read {name!r} from {path!r} to check the adapter's copy of {key!r}'s base "
+                f"weight: {e}"
+            ) from e
+    return weights
 
 
 def _with_experts(model: Any, targets: LoRATargets) -> LoRATargets:
@@ -167,10 +264,11 @@ def run(args: argparse.Namespace) -> int:
     file = open_adapter(args.path, args.path, allowed_roots=args.allowed_root, allow_pickle=args.allow_pickle)
     _check_standalone(file)
     config = file.config
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, args.dtype or "bfloat16")
     digest = None
     if args.model is not None:
-        targets = _model_targets(args.model)
+        targets, model_dtype = _model_targets(args.model, file)
+        dtype = getattr(torch, args.dtype) if args.dtype else model_dtype
         max_rank = (
             args.max_rank if args.max_rank is not None else max(p.a_shape[0] for p in file.pairs.values())
         )
@@ -214,10 +312,15 @@ def run(args: argparse.Namespace) -> int:
         f"target modules: {', '.join(modules) or 'none'}",
         f"layers:         {len(layers)} ({', '.join(map(str, layers))})",
         f"tensors:        {2 * len(file.pairs)}",
-        f"device bytes:   {params * element} ({args.dtype})",
+        f"device bytes:   {params * element} ({str(dtype).removeprefix('torch.')})",
     ]
     if experts:
         lines.insert(-3, f"expert weights: {', '.join(config.target_parameters)}")
+    if copies := _base_copies(file):
+        checked = (
+            "equal to the model's" if args.model is not None else "checked against the model when served"
+        )
+        lines.insert(-1, f"base copies:    {', '.join(sorted(copies))} (PEFT's; {checked})")
     if digest is None and not experts:
         digest = _digest(file)
     lines.append(f"digest:         {digest or 'needs --model (MoE expert weights)'}")

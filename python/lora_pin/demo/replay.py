@@ -105,7 +105,6 @@ def replay(
         False: deque(r for r in requests if not r.prefill),
     }
     gen = torch.Generator().manual_seed(seed)
-    model = manager.model
     # disable=None: tqdm draws only when stderr is a terminal, so logs and pipes get no bar.
     disable = None if progress else True
     bar = tqdm(total=len(requests), unit="req", disable=disable, desc="lora-pin demo", leave=False)
@@ -114,45 +113,80 @@ def replay(
         while queue[True] or queue[False]:
             if not queue[kind]:
                 kind = not kind
-            waiting = queue[kind]
-            batch = [waiting.popleft() for _ in range(min(batch_size, len(waiting)))]
-            names = [r.adapter for r in batch]
-            admitted = manager.split(names)[0]
-            for i in reversed([i for i in range(len(batch)) if i not in set(admitted)]):
-                waiting.appendleft(batch[i])
-            report.deferred += len(batch) - len(admitted)
-            names = [names[i] for i in admitted]
+            names = _admit(manager, queue[kind], batch_size, report)
             length = prefill_len if kind else 1
             ids = torch.randint(0, vocab_size, (len(names), length), generator=gen).to(manager.device)
-            t0 = time.perf_counter()
-            with manager.batch(names):
-                # The next step's adapters start loading while this one runs: now, not before it began,
-                # since its own adapters are protected from the evictions those reads make room by.
-                # (Every tensor-parallel rank replays the same queue, so all prefetch alike.)
-                if manager.loading == "background":
-                    manager.prefetch(r.adapter for r in islice(queue[not kind], batch_size))
-                logits = model(ids).logits
-            elapsed = time.perf_counter() - t0
-            report.step_times.append(elapsed)
-            report.seconds += elapsed
-            report.tokens += ids.numel()
-            report.steps += 1
+            logits = _step(manager, names, ids, queue[not kind], batch_size, report)
             if oracle is not None and check_every and report.steps % check_every == 1 % check_every:
-                want = oracle(ids, adapter_names=[n or "__base__" for n in names]).logits
-                err = _relative_error(logits.float(), want.float())
-                report.checked_steps += 1
-                report.max_relative_error = max(report.max_relative_error, err)
-                if err > tolerance:
-                    report.failed_steps.append(report.steps)
-                # How far the adapters moved the logits from the base model's: a check that compares
-                # two base-model outputs would prove nothing.
-                base = model(ids).logits
-                report.adapter_effect = max(
-                    report.adapter_effect, _relative_error(base.float(), want.float())
-                )
+                _check(manager, oracle, names, ids, logits, tolerance, report)
             bar.update(len(names))
             kind = not kind
     bar.close()
+    _final_stats(manager, report)
+    return report
+
+
+def _admit(manager: LoRAManager, waiting: deque[Request], batch_size: int, report: ReplayReport) -> list[Any]:
+    """Take up to ``batch_size`` requests from ``waiting``; those that do not fit the slots go back to its
+    front, in order. Returns the admitted requests' adapter names."""
+    batch = [waiting.popleft() for _ in range(min(batch_size, len(waiting)))]
+    names = [r.adapter for r in batch]
+    admitted = manager.split(names)[0]
+    for i in reversed([i for i in range(len(batch)) if i not in set(admitted)]):
+        waiting.appendleft(batch[i])
+    report.deferred += len(batch) - len(admitted)
+    return [names[i] for i in admitted]
+
+
+def _step(
+    manager: LoRAManager,
+    names: list[Any],
+    ids: torch.Tensor,  # [len(names), length]
+    upcoming: deque[Request],
+    batch_size: int,
+    report: ReplayReport,
+) -> torch.Tensor:
+    """Run one timed step of ``ids`` under ``names``; returns its logits ``[len(names), length, vocab]``."""
+    t0 = time.perf_counter()
+    with manager.batch(names):
+        # The next step's adapters start loading while this one runs: now, not before it began,
+        # since its own adapters are protected from the evictions those reads make room by.
+        # (Every tensor-parallel rank replays the same queue, so all prefetch alike.)
+        if manager.loading == "background":
+            manager.prefetch(r.adapter for r in islice(upcoming, batch_size))
+        logits = manager.model(ids).logits
+    elapsed = time.perf_counter() - t0
+    report.step_times.append(elapsed)
+    report.seconds += elapsed
+    report.tokens += ids.numel()
+    report.steps += 1
+    return logits
+
+
+def _check(
+    manager: LoRAManager,
+    oracle: Any,
+    names: list[Any],
+    ids: torch.Tensor,
+    logits: torch.Tensor,
+    tolerance: float,
+    report: ReplayReport,
+) -> None:
+    """Compare the step's ``logits`` with ``oracle``'s (PEFT's mixed batch) within ``tolerance``."""
+    want = oracle(ids, adapter_names=[n or "__base__" for n in names]).logits
+    err = _relative_error(logits.float(), want.float())
+    report.checked_steps += 1
+    report.max_relative_error = max(report.max_relative_error, err)
+    if err > tolerance:
+        report.failed_steps.append(report.steps)
+    # How far the adapters moved the logits from the base model's: a check that compares
+    # two base-model outputs would prove nothing.
+    base = manager.model(ids).logits
+    report.adapter_effect = max(report.adapter_effect, _relative_error(base.float(), want.float()))
+
+
+def _final_stats(manager: LoRAManager, report: ReplayReport) -> None:
+    """The manager's stats at the end, and the evictions of pinned adapters (there should be none)."""
     stats = manager.stats()
     report.stats = stats
     # Every pinned adapter (the host tier holds them all), not only those in a device slot now.
@@ -162,4 +196,3 @@ def replay(
         for key, count in stats["evictions_by_adapter"].items()
         if key.rsplit("/", 1)[0] in set(report.pinned)
     }
-    return report

@@ -53,106 +53,144 @@ def model_targets(
     output.
 
     Raises:
-        SpecError: a selected module subclasses a linear layer but computes its own forward; a selected
-            expert weight belongs to an experts module lora_pin cannot serve; a fused
+        SpecError: a selected module subclasses a registered linear class (not ``torch.nn.Linear``, whose
+            subclasses are wrapped and their output checked at run time) but computes its own forward; a
+            selected expert weight belongs to an experts module lora_pin cannot serve; a fused
             module's widths do not add up to its output, or its members are not those of a known fused group
             (``qkv_proj`` = q/k/v, ``gate_up_proj`` = gate/up); or no module qualifies.
     """
-    fused = dict(fused_modules or {})
-    known = {members: group for group, members in FUSED_GROUPS.items()}
-    linears: list[LinearTarget] = []
-    module_of: dict[str, str] = {}
-    unserved: dict[str, str] = {}
-    base_weights: dict[str, torch.Tensor] = {}
-    output = output_layer_keys(model)
+    found = _Found(selection, dict(fused_modules or {}), output_layer_keys(model))
     for key, module in model.named_modules():
         if isinstance(module, (LoRALinear, LoRAExperts)):
             raise SpecError(
                 f"{key!r} is already wrapped by another LoRAManager; detach() that one first (one manager "
                 "per model: a second would wrap the first's wrappers)"
             )
-        parent, _, name = key.rpartition(".")
         layout = expert_layout(module)
         if layout is not None:
-            linears += _expert_targets(key, module, layout, selection, module_of, unserved)
-            continue
-        selected = selection is None or selection.selects(key)
-        if isinstance(module, torch.nn.Embedding):
-            if selection is not None and selected:
-                linears.append(
-                    LinearTarget(
-                        layer_index(key), name, key, module.num_embeddings, module.embedding_dim, True
-                    )
-                )
-                module_of[key] = key
-                if module.weight.device.type != "meta":
-                    base_weights[key] = module.weight
-            else:
-                unserved[key] = _served_when_named("an embedding", selection)
-            continue
-        if overrides_linear_forward(module):
-            why = (
-                f"{key!r} ({type(module).__name__}) subclasses a linear layer but overrides its forward, so "
-                "its output may not be a tensor (a router returning a tuple, say): it cannot be wrapped"
-            )
-            if selection is not None and selected:
-                raise SpecError(
-                    f"{why}. Leave it out of lora_target_modules, or teach lora_pin its output with "
-                    "lora_pin.register_linear(cls, returns_bias=...) if it is a linear layer"
-                )
-            unserved[key] = why
-            continue
-        features = linear_features(module)
-        if features is None:
-            continue
-        if key in output and not (selection is not None and selected):
-            unserved[key] = _served_when_named("the model's output layer", selection)
-            continue
-        index = layer_index(key)
-        if name in fused:
-            spec = list(fused[name])
-            fused_group = known.get(tuple(m for m, _ in spec))
-            if fused_group is None:
-                raise SpecError(
-                    f"fused module {name!r} lists {[m for m, _ in spec]}; a fused module must stack one of "
-                    f"{ {g: list(m) for g, m in FUSED_GROUPS.items()} }"
-                )
-            if sum(w for _, w in spec) != features[1]:
-                raise SpecError(
-                    f"fused module {key!r} has {features[1]} outputs but its members' widths "
-                    f"{[w for _, w in spec]} add up to {sum(w for _, w in spec)}"
-                )
-            for member, width in spec:
-                linears.append(LinearTarget(index, member, f"{parent}.{member}", features[0], width))
-            module_of[f"{parent}.{fused_group}" if parent else fused_group] = key
-        elif selected:
-            linears.append(LinearTarget(index, name, key, features[0], features[1]))
-            module_of[key] = key
-            weight = getattr(module, "weight", None)
-            if key in output and isinstance(weight, torch.Tensor) and weight.device.type != "meta":
-                base_weights[key] = weight
-        else:
-            unserved[key] = (
-                f"this manager does not wrap it: lora_target_modules selects {selection}; build the manager "
-                "with lora_target_modules= naming it (or ['all'])"
-            )
-    if not linears:
-        wanted = "any name" if selection is None else f"selected by {selection}"
-        raise SpecError(
-            f"the model has no linear layer {wanted} (lora_target_modules= "
-            "chooses the modules to serve; ['all'] serves every linear layer)"
+            found.linears += _expert_targets(key, module, layout, selection, found.module_of, found.unserved)
+        elif isinstance(module, torch.nn.Embedding):
+            found.embedding(key, module)
+        elif overrides_linear_forward(module) and linear_kind(module) is None:
+            found.refuse_own_forward(key, module)
+        elif (features := linear_features(module)) is not None:
+            found.linear(key, module, features)
+    return found.targets()
+
+
+class _Found:
+    """What :func:`model_targets` has found so far, and the rule for each kind of module it meets."""
+
+    def __init__(
+        self, selection: ModuleSelection | None, fused: dict[str, Sequence[tuple[str, int]]], output: set[str]
+    ) -> None:
+        self.selection = selection
+        self.fused = fused
+        self.output = output
+        self.known = {members: group for group, members in FUSED_GROUPS.items()}
+        self.linears: list[LinearTarget] = []
+        self.module_of: dict[str, str] = {}
+        self.unserved: dict[str, str] = {}
+        self.base_weights: dict[str, torch.Tensor] = {}
+
+    def named(self, key: str) -> bool:
+        """Whether the selection names ``key`` (``['all']`` names nothing: it takes every linear layer)."""
+        return self.selection is not None and self.selection.selects(key)
+
+    def embedding(self, key: str, module: torch.nn.Embedding) -> None:
+        """An embedding is a target when named (PEFT's all-linear leaves it out)."""
+        if not self.named(key):
+            self.unserved[key] = _served_when_named("an embedding", self.selection)
+            return
+        name = key.rpartition(".")[2]
+        self.linears.append(
+            LinearTarget(layer_index(key), name, key, module.num_embeddings, module.embedding_dim, True)
         )
-    targets = LoRATargets.from_linears(
-        linears, fuse=bool(fused), unserved=unserved, base_weights=base_weights
-    )
-    for group in targets.groups:
-        if group.key not in module_of:
+        self.module_of[key] = key
+        if module.weight.device.type != "meta":
+            self.base_weights[key] = module.weight
+
+    def refuse_own_forward(self, key: str, module: torch.nn.Module) -> None:
+        """A subclass of a registered linear class computing its own forward: refused when named, else
+        left out with the reason."""
+        why = (
+            f"{key!r} ({type(module).__name__}) subclasses a registered linear class but overrides its "
+            "forward, so what it returns cannot be told from that class: it cannot be wrapped"
+        )
+        if self.named(key):
             raise SpecError(
-                f"{[m.key for m in group.members]} would be served fused as {group.key!r}, but the model "
-                "computes them in separate modules; do not pass fused_modules for a model with separate "
-                "projections"
+                f"{why}. Leave it out of lora_target_modules, or teach lora_pin its output with "
+                "lora_pin.register_linear(cls, returns_bias=...) if it is a linear layer"
             )
-    return targets, module_of
+        self.unserved[key] = why
+
+    def linear(self, key: str, module: torch.nn.Module, features: tuple[int, int]) -> None:
+        """A linear layer: the output layer only when named, a fused module's members, or itself when
+        selected."""
+        parent, _, name = key.rpartition(".")
+        selected = self.selection is None or self.selection.selects(key)
+        if key in self.output and not self.named(key):
+            self.unserved[key] = _served_when_named("the model's output layer", self.selection)
+        elif name in self.fused:
+            self._fused(key, parent, name, features)
+        elif selected:
+            self.linears.append(LinearTarget(layer_index(key), name, key, features[0], features[1]))
+            self.module_of[key] = key
+            weight = getattr(module, "weight", None)
+            if key in self.output and isinstance(weight, torch.Tensor) and weight.device.type != "meta":
+                self.base_weights[key] = weight
+        else:
+            self.unserved[key] = (
+                f"this manager does not wrap it: lora_target_modules selects {self.selection}; build the "
+                "manager with lora_target_modules= naming it (or ['all'])"
+            )
+
+    def _fused(self, key: str, parent: str, name: str, features: tuple[int, int]) -> None:
+        """A fused module (``fused_modules``): one target per member, computed by ``key``.
+
+        Raises:
+            SpecError: its members are not a known fused group, or their widths do not add up.
+        """
+        spec = list(self.fused[name])
+        fused_group = self.known.get(tuple(m for m, _ in spec))
+        if fused_group is None:
+            raise SpecError(
+                f"fused module {name!r} lists {[m for m, _ in spec]}; a fused module must stack one of "
+                f"{ {g: list(m) for g, m in FUSED_GROUPS.items()} }"
+            )
+        if sum(w for _, w in spec) != features[1]:
+            raise SpecError(
+                f"fused module {key!r} has {features[1]} outputs but its members' widths "
+                f"{[w for _, w in spec]} add up to {sum(w for _, w in spec)}"
+            )
+        index = layer_index(key)
+        for member, width in spec:
+            self.linears.append(LinearTarget(index, member, f"{parent}.{member}", features[0], width))
+        self.module_of[f"{parent}.{fused_group}" if parent else fused_group] = key
+
+    def targets(self) -> tuple[LoRATargets, dict[str, str]]:
+        """The targets found and the module computing each group.
+
+        Raises:
+            SpecError: nothing qualified, or a fused group's members live in separate modules.
+        """
+        if not self.linears:
+            wanted = "any name" if self.selection is None else f"selected by {self.selection}"
+            raise SpecError(
+                f"the model has no linear layer {wanted} (lora_target_modules= "
+                "chooses the modules to serve; ['all'] serves every linear layer)"
+            )
+        targets = LoRATargets.from_linears(
+            self.linears, fuse=bool(self.fused), unserved=self.unserved, base_weights=self.base_weights
+        )
+        for group in targets.groups:
+            if group.key not in self.module_of:
+                raise SpecError(
+                    f"{[m.key for m in group.members]} would be served fused as {group.key!r}, but the model "
+                    "computes them in separate modules; do not pass fused_modules for a model with separate "
+                    "projections"
+                )
+        return targets, self.module_of
 
 
 def _expert_targets(
@@ -191,6 +229,7 @@ def _expert_targets(
                     in_features,
                     out_features,
                     experts=layout.num_experts,
+                    peft_swapped=layout.peft_swapped,
                 )
             )
             module_of[parameter_key] = key
@@ -249,7 +288,7 @@ def attach(
         elif group.members[0].embedding:
             _set(model, key, LoRAEmbedding(original, buffers, active_step))
         else:
-            _set(model, key, LoRALinear(original, buffers, active_step, returns_bias=returns_bias))
+            _set(model, key, LoRALinear(original, buffers, active_step, returns_bias=returns_bias, key=key))
         originals[key] = original
     for key, by_name in experts.items():
         original = model.get_submodule(key)

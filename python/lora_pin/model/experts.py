@@ -14,10 +14,18 @@ model run on the same batch (whatever experts implementation the model is config
 layouts transformers' default experts forward computes are served: gated (``act_fn(gate) * up`` through
 the class's ``_apply_gate``), concatenated ``gate_up_proj``, no biases, no post-expert norm. Other
 expert modules (gpt-oss's interleaved, biased experts, say) are refused with the reason.
+
+Llama 4's experts are "dense": called as ``experts(hidden_states [E * T, H])``, every token's row once per
+expert, already scaled by its routing weight (zero for experts not chosen), with ``gate_up_proj``
+``[E, H, 2I]`` and ``down_proj`` ``[E, I, H]`` multiplied from the right (``bmm(x, W)``). The module's own
+forward computes every row; the adapter tokens' rows are then recomputed with their expert LoRA in every
+expert's block. PEFT, seeing no ``is_transposed``, reads those weights the other way round, so their
+adapter files hold the factors with their roles swapped (see ``LinearTarget.peft_swapped``).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -44,6 +52,12 @@ class ExpertLayout:
     num_experts: int
     features: Mapping[str, tuple[int, int]]
     transposed: bool
+    #: Called as ``experts(hidden_states [E * T, H])`` with every token's row once per expert, already
+    #: scaled by its routing weight (Llama 4), instead of with ``top_k_index`` and ``top_k_weights``.
+    dense: bool = False
+    #: PEFT reads the weights the other way round than the forward uses them (see
+    #: :attr:`~lora_pin.weights.targets.LinearTarget.peft_swapped`).
+    peft_swapped: bool = False
 
 
 def _three_d_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -75,7 +89,11 @@ def expert_layout(module: torch.nn.Module) -> ExpertLayout | str | None:
     if not callable(getattr(module, "_apply_gate", None)) and not callable(getattr(module, "act_fn", None)):
         return f"{kind} has no act_fn or _apply_gate: lora_pin cannot compute its gate"
     gate_up, down = params["gate_up_proj"], params["down_proj"]
-    transposed = bool(getattr(module, "is_transposed", False))
+    dense = _takes_hidden_states_only(module)
+    # A dense experts module multiplies by its weights (``bmm(x, W)``): they are [E, in, out], though it is
+    # not marked is_transposed, so PEFT takes them for [E, out, in].
+    marked = bool(getattr(module, "is_transposed", False))
+    transposed = marked or dense
     # Per expert, as PEFT reads them: [out, in], or [in, out] when transposed.
     gu_out, gu_in = gate_up.shape[1:] if not transposed else gate_up.shape[:0:-1]
     d_out, d_in = down.shape[1:] if not transposed else down.shape[:0:-1]
@@ -85,7 +103,17 @@ def expert_layout(module: torch.nn.Module) -> ExpertLayout | str | None:
             "[E, 2 * I, H] and [E, H, I] of gated experts (or their transposes)"
         )
     features = {"gate_up_proj": (int(gu_in), int(gu_out)), "down_proj": (int(d_in), int(d_out))}
-    return ExpertLayout(int(gate_up.shape[0]), features, transposed)
+    return ExpertLayout(int(gate_up.shape[0]), features, transposed, dense, transposed and not marked)
+
+
+def _takes_hidden_states_only(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward takes the hidden states alone (routing applied by its caller)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.kind in positional for p in parameters] == [True]
 
 
 class LoRAExperts(BaseLayerWrapper):
@@ -115,11 +143,14 @@ class LoRAExperts(BaseLayerWrapper):
         self._pool_buffers = dict(buffers)
         self._active_step = active_step
 
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *routing: torch.Tensor) -> torch.Tensor:
         """``hidden_states [T, H]``, ``top_k_index [T, k]``, ``top_k_weights [T, k]`` -> ``[T, H]``: the
-        experts' output, each adapter token's computed with its adapter's expert LoRA."""
+        experts' output, each adapter token's computed with its adapter's expert LoRA. A dense experts
+        module (:attr:`ExpertLayout.dense`) takes ``hidden_states [E * T, H]`` alone and returns
+        ``[E * T, H]``."""
+        if self._layout.dense:
+            return self._dense(hidden_states, *routing)
+        top_k_index, top_k_weights = routing
         step = self._active_step()
         if step is None or not step.any_adapter:
             return self.base_layer(hidden_states, top_k_index, top_k_weights)
@@ -146,6 +177,67 @@ class LoRAExperts(BaseLayerWrapper):
             adapted = self._adapter_rows(hidden_states, top_k_index, top_k_weights, tokens, slots, step)
             result.index_copy_(0, tokens, adapted.to(result.dtype))
         return result
+
+    def _dense(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[E * T, H]`` (expert e's block of rows is every token, scaled by its routing weight) ->
+        ``[E * T, H]``: the module's own output, with each adapter token's rows in every block computed
+        with its adapter's expert LoRA."""
+        result = self.base_layer(hidden_states)
+        step = self._active_step()
+        if step is None or not step.any_adapter:
+            return result
+        self._check_input_dtype(hidden_states)
+        n_experts = self._layout.num_experts
+        width = hidden_states.shape[-1]
+        n_tokens = hidden_states.shape[0] // n_experts
+        tokens, slots = self._adapter_tokens(step.for_input(hidden_states[:n_tokens]), n_tokens)
+        if not tokens.numel():
+            return result
+        x = hidden_states.view(n_experts, n_tokens, width).index_select(1, tokens)  # [E, N, H]
+        base = self.base_layer
+        gate_up = torch.bmm(x, base.gate_up_proj) + self._dense_delta("gate_up_proj", x, slots)
+        gate = getattr(base, "_apply_gate", None)
+        h = gate(gate_up) if callable(gate) else _default_gate(base, gate_up)
+        out = torch.bmm(h, base.down_proj) + self._dense_delta("down_proj", h, slots)
+        result.view(n_experts, n_tokens, width).index_copy_(1, tokens, out.to(result.dtype))
+        return result
+
+    def _adapter_tokens(self, seg: SegmentBatch, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens (int64 ``[N]``) whose adapter has expert LoRA here, and their slots (``[N]``)."""
+        counts = (seg.seg_indptr[1:] - seg.seg_indptr[:-1]).long()
+        in_order = torch.repeat_interleave(seg.seg_slots.long(), counts, output_size=seg.perm.shape[0])
+        slot_of = torch.full((n_tokens,), -1, dtype=torch.long, device=in_order.device)
+        slot_of[seg.perm.long()] = in_order
+        with_experts = torch.stack([(b.ranks > 0).any(dim=1) for b in self._pool_buffers.values()]).any(0)
+        served = (slot_of >= 0) & with_experts[slot_of.clamp_min(0)]
+        tokens = served.nonzero().squeeze(1)
+        return tokens, slot_of[tokens]
+
+    def _dense_delta(self, name: str, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | float:
+        """``x [E, N, in]``'s expert LoRA delta on weight ``name``, each token with its slot's adapter:
+        ``[E, N, out]`` (0 when no adapter here has LoRA on ``name``)."""
+        buffers = self._pool_buffers.get(name)
+        if buffers is None:
+            return 0.0
+        n_experts, out_features = self._layout.num_experts, self._layout.features[name][1]
+        delta = x.new_zeros((n_experts, x.shape[1], out_features))
+        for slot in torch.unique(slots).tolist():
+            rows = (slots == slot).nonzero().squeeze(1)
+            a = buffers.a[slot].view(n_experts, -1, x.shape[-1])  # [E, R, in]
+            b = buffers.b[slot].view(n_experts, out_features, -1)  # [E, out, R]
+            scaling = buffers.scalings[slot].to(x.dtype).view(n_experts, 1, 1)
+            shrunk = torch.bmm(x.index_select(1, rows), a.transpose(1, 2))
+            delta.index_copy_(1, rows, torch.bmm(shrunk, b.transpose(1, 2)) * scaling)
+        return delta
+
+    def _check_input_dtype(self, hidden_states: torch.Tensor) -> None:
+        """Raises OpArgumentError when ``hidden_states`` is not in the pool's dtype."""
+        pool_dtype = next(iter(self._pool_buffers.values())).a.dtype
+        if hidden_states.dtype != pool_dtype:
+            raise OpArgumentError(
+                f"{self.extra_repr()}: the input is {hidden_states.dtype} but the adapter pool is "
+                f"{pool_dtype}, the model's dtype when the LoRAManager was built"
+            )
 
     def _adapter_rows(
         self,

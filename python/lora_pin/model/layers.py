@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lora_pin.errors import UsageError
+from lora_pin.errors import SpecError, UsageError
 from lora_pin.ops import KernelMeta, OpArgumentError, SegmentBatch, expand, segments_from_slots, shrink
 from lora_pin.weights.pool import GroupBuffers
 
@@ -130,6 +130,7 @@ class LoRALinear(BaseLayerWrapper):
         active_step: returns the active :class:`StepSegments`, or None outside a step.
         returns_bias: ``base_layer`` returns ``(out, bias)`` (see :func:`lora_pin.register_linear`); the
             wrapper then returns the same pair, the delta added to ``out``.
+        key: the module's key in the model, for errors.
 
     Attributes the wrapper does not have itself (``weight``, ``bias``, ``in_features`` ...) are the base
     layer's, so model code that reads them directly (Mamba reads ``dt_proj.weight``) keeps working.
@@ -142,10 +143,12 @@ class LoRALinear(BaseLayerWrapper):
         active_step: Callable[[], StepSegments | None],
         *,
         returns_bias: bool = False,
+        key: str = "",
     ) -> None:
         super().__init__()
         self.base_layer = base_layer
         self._returns_bias = returns_bias
+        self._key = key
         self._pool_buffers = buffers
         self._active_step = active_step
         self._n_slices = buffers.group.n_slices
@@ -164,12 +167,32 @@ class LoRALinear(BaseLayerWrapper):
         if step is None or not step.any_adapter:
             return result
         seg = step.for_input(x)
+        if not isinstance(out, torch.Tensor):
+            return self._untouched(result, seg)
         buf = self._pool_buffers
         self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
         meta = self._kernel_meta(seg)
         flat_out = out.view(-1, out.shape[-1])
         expand(flat_out, shrink(x.reshape(-1, x.shape[-1]), buf.a, meta), buf.b, meta)
         return result
+
+    def _untouched(self, result: Any, seg: SegmentBatch) -> Any:
+        """The output of a base layer that returns no tensor (a linear subclass computing its own forward:
+        a router's tuple), returned as is when no adapter of the step has weights on this layer (their
+        deltas are zero, so that is their exact output).
+
+        Raises:
+            SpecError: an adapter of the step has weights here, which cannot be added to such an output.
+        """
+        slots = seg.seg_slots[seg.seg_slots >= 0].long()
+        if not bool((self._pool_buffers.ranks[slots] > 0).any()):
+            return result
+        kind = type(self.base_layer).__name__
+        raise SpecError(
+            f"{self._key!r} ({kind}) returned {type(result).__name__}, not the tensor a linear layer "
+            "returns, so an adapter's weights on it cannot be added to its output; serve adapters without "
+            "weights on it (leave it out of their target_modules)"
+        )
 
     def _check_dtype(self, what: str, dtype: torch.dtype, more: str = "") -> None:
         """Refuse a tensor of another dtype than the pool's (the model's when the manager was built).

@@ -494,11 +494,14 @@ class LoRAManager(StepLoading):
         of those the reads the background loader ran and installed (``background_loads``), failed
         (``background_load_failures``) and is running now (``loads_in_flight``); each adapter's
         ``identities`` (``{name: {"id", "digest", "generation"}}``, see :meth:`identity`) and the slots
-        refreshed with an adapter's replaced weights (``slot_refreshes``)."""
+        refreshed with an adapter's replaced weights (``slot_refreshes``). Evictions per adapter
+        (``evictions_by_adapter``, keyed ``"name/tier"``) list the 256 adapter/tier pairs evicted most;
+        ``evictions_by_adapter_others`` counts the rest, so endless adapter names stay bounded."""
         stats = dict(self.registry.stats())
         stats["pool_bytes"] = self.pool.nbytes
         evictions = sorted(self.residency.evictions.items())
         stats["evictions_by_adapter"] = {f"{n}/{tier}": c for (n, tier), c in evictions}
+        stats["evictions_by_adapter_others"] = self.residency.evictions.others
         stats["host_bytes"] = self.residency.host_bytes
         stats["deferred_requests"] = self._deferred_requests
         stats["adapter_reads"] = self.residency.reads

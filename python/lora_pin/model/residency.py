@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from lora_pin.errors import (
     StalePlanError,
     UsageError,
 )
+from lora_pin.model.eviction_counts import TopEvictions
 from lora_pin.weights import DevicePool, HostTier
 from lora_pin.weights.host import HostAdapter
 from lora_pin.weights.tensors import AdapterTensors
@@ -72,7 +72,7 @@ class Residency:
         self.registry = registry
         self.host = host
         self.pool = pool
-        self.evictions: Counter[tuple[str, str]] = Counter()
+        self.evictions = TopEvictions()
         # Guards the host tier's dict, the pool's writes and the bookkeeping below against other threads.
         self.lock = threading.RLock()
         self._sources: dict[str, _Source] = {}

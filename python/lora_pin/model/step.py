@@ -118,7 +118,7 @@ def checked_names(names: Iterable[str | None]) -> list[str | None]:
 
     Raises:
         UsageError: ``names`` is a str, or an entry is neither (named by its position).
-        SpecError: an entry holds a lone surrogate (``json.loads`` gives one for ``"\ud800"``): it has no
+        SpecError: an entry holds a lone surrogate (``json.loads`` gives one for ``"\\ud800"``): it has no
             UTF-8 encoding, so it can name no adapter or folder.
     """
     if isinstance(names, str):

@@ -180,21 +180,25 @@ def _expert_pairs(file: AdapterFile, targets: LoRATargets) -> dict[str, LoraTens
 
 
 def _check_expert_pair(file: AdapterFile, pair: LoraTensorPair, target: LinearTarget, max_rank: int) -> int:
-    """The rank of an expert weight's pair: PEFT's A ``[r * E, in]`` and B ``[out, r * E]``."""
+    """The rank of an expert weight's pair: PEFT's A ``[r * E, in]`` and B ``[out, r * E]`` (A
+    ``[r * E, out]`` and B ``[in, r * E]`` for a ``peft_swapped`` target)."""
     where = f"adapter {file.name!r} ({file.weights_path})"
     experts = target.experts
     stacked = pair.a_shape[0]
+    a_width, b_height = target.in_features, target.out_features
+    if target.peft_swapped:
+        a_width, b_height = b_height, a_width
     if (
         pair.embedding
         or stacked % experts
-        or pair.a_shape != (stacked, target.in_features)
-        or pair.b_shape != (target.out_features, stacked)
+        or pair.a_shape != (stacked, a_width)
+        or pair.b_shape != (b_height, stacked)
     ):
         raise AdapterLoadError(
             f"{where}: tensors {pair.a_name!r} {list(pair.a_shape)} / {pair.b_name!r} {list(pair.b_shape)} "
             f"do not fit expert weight {target.key!r} ({experts} experts, in={target.in_features}, "
-            f"out={target.out_features}): expected lora_A [r * {experts}, {target.in_features}] and "
-            f"lora_B [{target.out_features}, r * {experts}]"
+            f"out={target.out_features}): expected lora_A [r * {experts}, {a_width}] and "
+            f"lora_B [{b_height}, r * {experts}]"
         )
     rank = stacked // experts
     configured = file.config.rank_for(target.key)
@@ -428,7 +432,7 @@ def _build_module(
     b = slab.take((b_out, b_rank), padded)
     offsets = group.slice_offsets if shards is None else shards.b_offsets(group)
     if group.experts:
-        _read_experts(file, pairs[group.key], group.experts, a, b)
+        _read_experts(file, pairs[group.key], group.experts, a, b, group.members[0].peft_swapped)
     for s, member in enumerate(() if group.experts else group.members):
         if not slice_ranks[s]:
             continue
@@ -454,17 +458,30 @@ def _build_module(
 
 
 def _read_experts(
-    file: AdapterFile, pair: LoraTensorPair, experts: int, a: torch.Tensor, b: torch.Tensor
+    file: AdapterFile,
+    pair: LoraTensorPair,
+    experts: int,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    peft_swapped: bool,
 ) -> None:
     """Put an expert weight's PEFT tensors into an experts group's A ``[E * r, in]`` and B ``[E * out, r]``.
 
     PEFT's A ``[r * E, in]`` holds expert e's rows at ``[e * r, (e + 1) * r)``, the pool's layout already;
     its B ``[out, r * E]`` holds expert e's column j at ``j * E + e`` (``lora_B.weight`` reshaped
-    ``[out, r, E]``), so B is regrouped expert by expert.
+    ``[out, r, E]``), so B is regrouped expert by expert. For a ``peft_swapped`` weight, PEFT's delta
+    ``B_e A_e`` is ``[in, out]``: expert e's A is then PEFT's B_e transposed and its B PEFT's A_e transposed.
     """
+    out_features, rank = b.shape[0] // experts, b.shape[1]
+    in_features = a.shape[1]
+    if peft_swapped:
+        stored_b = file.tensor(pair.b_name, record=True)  # [in, r * E]
+        a.view(experts, rank, in_features).copy_(stored_b.view(in_features, rank, experts).permute(2, 1, 0))
+        stored_a = file.tensor(pair.a_name, record=True)  # [r * E, out]
+        b.view(experts, out_features, rank).copy_(stored_a.view(experts, rank, out_features).permute(0, 2, 1))
+        return
     file.read_into(pair.a_name, a)
     stored = file.tensor(pair.b_name, record=True)
-    out_features, rank = b.shape[0] // experts, b.shape[1]
     b.view(experts, out_features, rank).copy_(stored.view(out_features, rank, experts).permute(2, 0, 1))
 
 
@@ -476,8 +493,9 @@ def _slices(module: HostModule, pairs: dict[str, LoraTensorPair]) -> Iterator[tu
     offsets = group.slice_offsets if module.b.shape[0] == group.out_total else (0, module.b.shape[0])
     if group.experts:
         pair = pairs[module.group.key]
-        yield pair.a_name, module.a
-        yield pair.b_name, module.b
+        swapped = group.members[0].peft_swapped
+        yield (pair.b_name if swapped else pair.a_name), module.a
+        yield (pair.a_name if swapped else pair.b_name), module.b
         return
     for s, (member, r) in enumerate(zip(group.members, module.ranks, strict=True)):
         if r:

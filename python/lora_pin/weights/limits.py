@@ -18,6 +18,7 @@ import os
 import stat
 from pathlib import Path
 
+from lora_pin import _core
 from lora_pin.errors import AdapterLoadError
 
 __all__ = [
@@ -35,9 +36,11 @@ DEFAULT_MAX_FILE_BYTES = 16 << 30
 DEFAULT_MAX_TENSORS = 65_536
 """Most tensors one weight file may hold: 2 per targeted linear, ~1,800 for a 405B model's 7 linears."""
 
-MAX_ADAPTER_RANK = 16_384
-"""Largest ``r`` (or ``rank_pattern`` value) a config may declare; above every model's hidden size in use,
-so no real adapter reaches it, and a pool sized from a config can never be asked for more."""
+MAX_ADAPTER_RANK: int = _core.MAX_ADAPTER_RANK
+"""Largest ``r`` (or ``rank_pattern`` value) a config may declare and ``max_lora_rank`` a pool may take
+(16,384); above every model's hidden size in use, so no real adapter reaches it, and a pool sized from a
+config can never be asked for more. Defined in the core, so that the argument helpers check the same
+number without importing torch."""
 
 MAX_CONFIG_BYTES = 1 << 20
 """Largest ``adapter_config.json`` read (1 MiB); PEFT writes about 1 KiB."""

@@ -64,7 +64,10 @@ class LinearTarget:
     An ``experts`` target (``experts`` > 0) is a 3-D MoE expert weight, PEFT's ``target_parameters``: ``key``
     is the parameter's (``model.layers.0.mlp.experts.gate_up_proj``), ``module`` its name, and
     ``in_features`` / ``out_features`` one expert's projection widths. Its group stores one slice per
-    expert (see :class:`TargetGroup`)."""
+    expert (see :class:`TargetGroup`). ``peft_swapped``: PEFT takes such a weight stored ``[E, in, out]``
+    on a module not marked ``is_transposed`` (Llama 4's experts) for ``[E, out, in]``, so its adapter
+    files hold lora_A ``[r * E, out]`` and lora_B ``[in, r * E]``: the same delta, the factors' roles
+    swapped."""
 
     layer: int | None
     module: str
@@ -73,6 +76,7 @@ class LinearTarget:
     out_features: int
     embedding: bool = False
     experts: int = 0
+    peft_swapped: bool = False
 
 
 @dataclass(frozen=True)
@@ -202,8 +206,11 @@ def linear_kind(module: torch.nn.Module) -> LinearKind | None:
     """How to wrap ``module`` (also one already wrapped by PEFT or a framework, through its
     ``base_layer``), or None if it is not a linear layer lora_pin knows.
 
-    A subclass of a registered class that overrides ``forward`` is not known: its output may not be the
-    layer's (a router returning a tuple, say).
+    A subclass of ``torch.nn.Linear`` that overrides ``forward`` is known as a linear, as PEFT wraps it
+    (Falcon's ``FalconLinear`` adds its bias after the matmul): the wrapper checks at run time that its
+    output is a tensor, and refuses one that returns something else (a router's tuple). A subclass of a
+    class registered with :func:`register_linear` that overrides ``forward`` is not known: what it returns
+    cannot be told from the class it subclasses.
     """
     base = getattr(module, "base_layer", None)
     if isinstance(base, torch.nn.Module):
@@ -216,7 +223,7 @@ def linear_kind(module: torch.nn.Module) -> LinearKind | None:
     for parent in cls.__mro__[1:]:
         kind = _KINDS.get(parent)
         if kind is not None:
-            return kind if cls.forward is parent.forward else None
+            return kind if cls.forward is parent.forward or parent is torch.nn.Linear else None
     return None
 
 
