@@ -13,11 +13,14 @@ import asyncio
 import logging
 import threading
 from collections import Counter
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from lora_pin.errors import AdapterNotFoundError, LoraPinError
+from lora_pin.serve.metrics import BASE_LABEL
 
 if TYPE_CHECKING:
+    from lora_pin._core import LoRARef
     from lora_pin.model import LoRAManager
 
 __all__ = ["AdapterAdmin", "AdapterBusyError"]
@@ -39,22 +42,40 @@ class AdapterAdmin:
     the manager's own calls that read from disk or wait run on worker threads.
     """
 
-    def __init__(self, manager: LoRAManager, unload_timeout: float = DEFAULT_UNLOAD_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        manager: LoRAManager | None,
+        startup: Iterable[LoRARef] = (),
+        unload_timeout: float = DEFAULT_UNLOAD_TIMEOUT_S,
+    ) -> None:
         self.manager = manager
+        # name -> path of every adapter registered through this server (the registry lists no names).
+        self._paths: dict[str, str] = {r.lora_name: r.lora_path for r in startup}
         self.unload_timeout = unload_timeout
         self._lock = threading.Lock()
         self._outstanding: Counter[str] = Counter()
         self._draining: set[str] = set()
         self._evictions: dict[tuple[str, str], int] = {}
 
+    @property
+    def _lora(self) -> LoRAManager:
+        if self.manager is None:
+            raise AdapterNotFoundError("LoRA is off on this server (no adapter can be loaded)")
+        return self.manager
+
+    def _registered(self, name: str) -> bool:
+        return self.manager is not None and name in self.manager.registry
+
     def serves(self, name: str) -> bool:
         """Whether requests for ``name`` are accepted now (registered, not being unloaded)."""
         with self._lock:
-            return name not in self._draining and name in self.manager.registry
+            return name not in self._draining and self._registered(name)
 
     def acquire(self, name: str | None) -> bool:
-        """Count one request for ``name`` (None: the base, not counted); False if it is not served now."""
+        """Count one request for ``name`` (None: the base); False if it is not served now."""
         if name is None:
+            with self._lock:
+                self._outstanding[BASE_LABEL] += 1
             return True
         with self._lock:
             if name in self._draining or name not in self.manager.registry:
@@ -64,24 +85,21 @@ class AdapterAdmin:
 
     def release(self, name: str | None) -> None:
         """The request counted by :meth:`acquire` for ``name`` has ended."""
-        if name is None:
-            return
+        key = BASE_LABEL if name is None else name
         with self._lock:
-            self._outstanding[name] -= 1
-            if self._outstanding[name] <= 0:
-                del self._outstanding[name]
+            self._outstanding[key] -= 1
+            if self._outstanding[key] <= 0:
+                del self._outstanding[key]
 
     def outstanding(self) -> dict[str, int]:
-        """Queued and running requests per adapter (adapters with none are left out)."""
+        """Queued and running requests per adapter (``__base__``: the base model; none: left out)."""
         with self._lock:
             return dict(self._outstanding)
 
-    def names(self) -> list[str]:
-        """The adapters that accept requests, sorted."""
-        stats = self.manager.registry.stats()
-        registered = stats.get("registered_names") or []
+    def served(self) -> dict[str, str]:
+        """The adapters that accept requests and their paths, by name."""
         with self._lock:
-            return sorted(n for n in registered if n not in self._draining)
+            return {n: p for n, p in sorted(self._paths.items()) if n not in self._draining}
 
     async def load(self, name: str, path: str, *, pinned: bool = False) -> None:
         """Load the adapter at ``path`` as ``name`` (read on a worker thread).
@@ -91,10 +109,12 @@ class AdapterAdmin:
                 :meth:`LoRAManager.load`; nothing changes then.
         """
         try:
-            ref = await asyncio.to_thread(self.manager.load, name, path, pinned=pinned)
+            ref = await asyncio.to_thread(self._lora.load, name, path, pinned=pinned)
         except LoraPinError as e:
             log.warning("adapter %r: load refused: %s", name, e)
             raise
+        with self._lock:
+            self._paths[name] = ref.lora_path
         log.info(
             "adapter %r: loaded from %s (id %s%s)", name, path, ref.lora_id, ", pinned" if pinned else ""
         )
@@ -109,7 +129,7 @@ class AdapterAdmin:
         with self._lock:
             if name in self._draining or name not in self.manager.registry:
                 log.warning("adapter %r: unload refused: not loaded", name)
-                raise AdapterNotFoundError(name)
+                raise AdapterNotFoundError(f"The lora adapter '{name}' cannot be found.")
             self._draining.add(name)
         try:
             loop = asyncio.get_running_loop()
@@ -122,7 +142,9 @@ class AdapterAdmin:
                         f"{self.unload_timeout:g} s; it stays loaded"
                     )
                 await asyncio.sleep(0.01)
-            await asyncio.to_thread(self.manager.unload, name, self.unload_timeout)
+            await asyncio.to_thread(self._lora.unload, name, self.unload_timeout)
+            with self._lock:
+                self._paths.pop(name, None)
         finally:
             with self._lock:
                 self._draining.discard(name)
@@ -131,7 +153,7 @@ class AdapterAdmin:
     def pin(self, name: str) -> None:
         """Pin ``name``. Raises AdapterNotFoundError or CapacityError as :meth:`LoRAManager.pin`."""
         try:
-            self.manager.pin(name)
+            self._lora.pin(name)
         except LoraPinError as e:
             log.warning("adapter %r: pin refused: %s", name, e)
             raise
@@ -140,7 +162,7 @@ class AdapterAdmin:
     def unpin(self, name: str) -> None:
         """Unpin ``name``. Raises AdapterNotFoundError as :meth:`LoRAManager.unpin`."""
         try:
-            self.manager.unpin(name)
+            self._lora.unpin(name)
         except LoraPinError as e:
             log.warning("adapter %r: unpin refused: %s", name, e)
             raise
@@ -148,7 +170,7 @@ class AdapterAdmin:
 
     def log_evictions(self) -> None:
         """One log line per eviction since the last call (the manager counts them per adapter and tier)."""
-        current = dict(self.manager.residency.evictions)
+        current = {} if self.manager is None else dict(self.manager.residency.evictions)
         for (name, tier), count in current.items():
             for _ in range(count - self._evictions.get((name, tier), 0)):
                 log.info("adapter %r: evicted from the %s tier", name, tier)

@@ -155,12 +155,22 @@ class LoRAEngine:
         """Queue ``prompt_ids`` for generation with ``adapter`` (None: the base model) as ``request_id``.
 
         Register a result handler for ``request_id`` on :attr:`cb` first, so no output is missed.
+
+        Raises:
+            RuntimeError: the engine is stopping and takes no more requests.
         """
         with self._lock:
             self._adapter_of[request_id] = adapter
-        self.cb.add_request(
-            list(prompt_ids), request_id=request_id, max_new_tokens=max_new_tokens, streaming=streaming
+        accepted = self.cb.add_request(
+            list(prompt_ids),
+            request_id=request_id,
+            max_new_tokens=max_new_tokens,
+            streaming=streaming,
+            record_timestamps=True,
         )
+        if accepted is None:
+            self.done(request_id)
+            raise RuntimeError("the engine is not accepting requests (it is stopping)")
 
     def done(self, request_id: str) -> None:
         """Forget ``request_id`` (its last output was delivered)."""
