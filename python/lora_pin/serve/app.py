@@ -176,7 +176,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise HTTPError(404, UnknownModelError(str(body.get("model"))).args[0], "NotFoundError", "model")
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         answer = _Answer(state, request_id, adapter, body, len(prompt_ids), chat)
-        outputs = _generate(state, request_id, prompt_ids, adapter, max_tokens, bool(body.get("stream")))
+        outputs = _submit(state, request_id, prompt_ids, adapter, max_tokens, bool(body.get("stream")))
         if body.get("stream"):
             return StreamingResponse(answer.stream(outputs), media_type="text/event-stream")
         return await answer.whole(outputs)
@@ -241,7 +241,7 @@ def _max_tokens(state: ServerState, limit: Any, prompt_len: int) -> int:
     return limit
 
 
-async def _generate(
+def _submit(
     state: ServerState,
     request_id: str,
     prompt_ids: list[int],
@@ -249,24 +249,37 @@ async def _generate(
     max_tokens: int,
     stream: bool,
 ) -> AsyncIterator[Any]:
-    """The engine's outputs for one request (each one cumulative), until the finished one.
+    """Queue one request (its count taken by the caller); its outputs, each one cumulative.
 
-    Releases the request's count when it ends; a request given up by its client is cancelled.
+    Raises:
+        HTTPError: 503, the engine takes no requests now (it is starting again after an error).
     """
     queue: asyncio.Queue[Any] = asyncio.Queue()
     engine = state.engine
-    finished = False
     try:
         engine.cb.register_result_handler(request_id, queue.put_nowait)
         engine.submit(request_id, prompt_ids, adapter, max_new_tokens=max_tokens, streaming=stream)
+    except RuntimeError as e:
+        state.admin.release(adapter)
+        raise HTTPError(503, str(e), "ServiceUnavailable") from e
+    return _outputs(state, queue, request_id, adapter)
+
+
+async def _outputs(
+    state: ServerState, queue: asyncio.Queue[Any], request_id: str, adapter: str | None
+) -> AsyncIterator[Any]:
+    """The engine's outputs for one request until the finished one; then releases the request's count.
+    A request given up by its client is cancelled."""
+    finished = False
+    try:
         while not finished:
             output = await queue.get()
             finished = output.is_finished()
             yield output
     finally:
         if not finished:
-            engine.cb.cancel_request(request_id)
-        engine.done(request_id)
+            state.engine.cb.cancel_request(request_id)
+        state.engine.done(request_id)
         state.admin.release(adapter)
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +44,9 @@ if TYPE_CHECKING:
     from lora_pin.model import LoRAManager, Step
 
 __all__ = ["EngineConfig", "LoRAEngine"]
+
+# How often the supervisor checks that the engine's generation thread runs.
+_SUPERVISE_INTERVAL_S = 0.2
 
 log = logging.getLogger("lora_pin.serve")
 
@@ -102,7 +105,8 @@ class LoRAEngine:
         self._adapter_of: dict[str, str | None] = {}
         self._step: Step | None = None
         self._index: dict[str, int] = {}
-        self.on_request_done: Callable[[str, str | None], None] | None = None
+        self._stopping = threading.Event()
+        self.restarts = 0
         lora_on = manager is not None
         scheduler_type = "fifo"
         if lora_on:
@@ -127,13 +131,27 @@ class LoRAEngine:
     # ---- the engine's side -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine's generation thread."""
+        """Start the engine's generation thread, and a supervisor that starts it again should it end."""
+        self._stopping.clear()
         self.cb.start()
+        supervisor = threading.Thread(target=self._supervise, name="lora_pin-engine-supervisor", daemon=True)
+        supervisor.start()
+
+    def _supervise(self) -> None:
+        # The engine ends its thread on an error inside a step (its forward raising, say), after failing
+        # the requests it holds, which are answered with that error. The server serves on.
+        while not self._stopping.wait(_SUPERVISE_INTERVAL_S):
+            if not self.cb.is_running() and not self._stopping.is_set():
+                self.restarts += 1
+                log.error("the engine's generation thread ended on an error; starting it again")
+                self._end_step()
+                self.cb.start()
 
     def stop(self) -> None:
         """Stop the generation thread (requests in flight are failed) and forget the scheduler."""
         from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING
 
+        self._stopping.set()
         if self.cb.is_running():
             self.cb.stop(block=True, timeout=30, hard_stop=True)
         if self.manager is not None:
