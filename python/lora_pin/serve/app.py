@@ -2,7 +2,7 @@
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI's, streaming or not; ``model`` names
   the base, an adapter (vLLM) or ``base:adapter`` (SGLang); SGLang's ``lora_path`` field too; vLLM's
-  ``return_token_ids``;
+  ``return_token_ids`` and ``ignore_eos``;
 - ``GET /v1/models``: the base and every adapter, with vLLM's ``root`` and ``parent``;
 - ``POST /v1/load_lora_adapter``, ``/v1/unload_lora_adapter``: vLLM's bodies, status codes, messages;
 - ``POST /load_lora_adapter``, ``/unload_lora_adapter``: SGLang's, ``{success, error_message,
@@ -176,7 +176,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise HTTPError(404, UnknownModelError(str(body.get("model"))).args[0], "NotFoundError", "model")
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         answer = _Answer(state, request_id, adapter, body, len(prompt_ids), chat)
-        outputs = _submit(state, request_id, prompt_ids, adapter, max_tokens, bool(body.get("stream")))
+        outputs = _submit(state, request_id, prompt_ids, adapter, max_tokens, body)
         if body.get("stream"):
             return StreamingResponse(answer.stream(outputs), media_type="text/event-stream")
         return await answer.whole(outputs)
@@ -247,7 +247,7 @@ def _submit(
     prompt_ids: list[int],
     adapter: str | None,
     max_tokens: int,
-    stream: bool,
+    body: dict[str, Any],
 ) -> AsyncIterator[Any]:
     """Queue one request (its count taken by the caller); its outputs, each one cumulative.
 
@@ -258,7 +258,14 @@ def _submit(
     engine = state.engine
     try:
         engine.cb.register_result_handler(request_id, queue.put_nowait)
-        engine.submit(request_id, prompt_ids, adapter, max_new_tokens=max_tokens, streaming=stream)
+        engine.submit(
+            request_id,
+            prompt_ids,
+            adapter,
+            max_new_tokens=max_tokens,
+            streaming=bool(body.get("stream")),
+            ignore_eos=bool(body.get("ignore_eos")),
+        )
     except RuntimeError as e:
         state.admin.release(adapter)
         raise HTTPError(503, str(e), "ServiceUnavailable") from e

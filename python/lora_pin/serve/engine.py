@@ -169,8 +169,10 @@ class LoRAEngine:
         *,
         max_new_tokens: int,
         streaming: bool,
+        ignore_eos: bool = False,
     ) -> None:
-        """Queue ``prompt_ids`` for generation with ``adapter`` (None: the base model) as ``request_id``.
+        """Queue ``prompt_ids`` for generation with ``adapter`` (None: the base model) as ``request_id``;
+        ``ignore_eos``: generate ``max_new_tokens`` whatever comes (load tests).
 
         Register a result handler for ``request_id`` on :attr:`cb` first, so no output is missed.
 
@@ -185,6 +187,7 @@ class LoRAEngine:
             max_new_tokens=max_new_tokens,
             streaming=streaming,
             record_timestamps=True,
+            eos_token_id=-1 if ignore_eos else None,
         )
         if accepted is None:
             self.done(request_id)
