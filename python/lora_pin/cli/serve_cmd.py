@@ -101,7 +101,12 @@ def add_parser(subparsers: Any) -> None:
         metavar="N",
         help="largest request body (default 4 MiB)",
     )
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="log level of the server and the adapter events (default %(default)s)",
+    )
     add_lora_args(p)
     p.set_defaults(run=run)
 
