@@ -419,3 +419,46 @@ def test_a_failed_adapter_read_fails_its_request_alone(world: dict[str, Any]) ->
     assert ok[0] == oracle.tokens(_prompt(2), dirs["ad03"], 4)
     assert base[0] == oracle.tokens(_prompt(3), None, 4)
     assert lora.http("GET", "/health")[0] == 200
+
+
+def test_an_unload_waits_for_the_adapters_queued_and_running_requests(world: dict[str, Any]) -> None:
+    """Requests of ``ad09`` running and queued when its unload arrives all finish with its tokens; a new
+    request for it meanwhile is 404; the unload answers once they are done."""
+    lora, dirs, oracle = world["lora"], world["dirs"], world["oracle"]
+    prompts = [_prompt(20 + i, length=30) for i in range(6)]
+    n = 200  # long enough that the unload arrives while they run
+
+    async def run() -> tuple[list[Any], list[float], Any, float, float, Any]:
+        client = lora.async_client()
+        finished: list[float] = []
+
+        async def one(i: int, prompt: list[int]) -> Any:
+            result = await _complete(client, "ad09", prompt, n, i % 2 == 0, ignore_eos=True)
+            finished.append(time.monotonic())
+            return result
+
+        requests = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+        await asyncio.sleep(0.1)
+        sent = time.monotonic()
+        unload = asyncio.create_task(
+            asyncio.to_thread(lora.http, "POST", "/v1/unload_lora_adapter", {"lora_name": "ad09"})
+        )
+        await asyncio.sleep(0.05)
+        refused = await asyncio.gather(
+            _complete(client, "ad09", prompts[0], 2, False), return_exceptions=True
+        )
+        results = await asyncio.gather(*requests)
+        unloaded = await unload
+        done = time.monotonic()
+        await client.close()
+        return results, finished, refused[0], sent, done, unloaded
+
+    results, finished, refused, sent, done, (status, text) = asyncio.run(run())
+    assert sent < min(finished), "the unload arrived after the requests: the test proves nothing"
+    assert done >= max(finished)
+    for prompt, (tokens, _) in zip(prompts, results, strict=True):
+        expected = oracle.tokens(prompt, dirs["ad09"], n)
+        assert tokens[: len(expected)] == expected and len(tokens) == n
+    assert isinstance(refused, openai.NotFoundError)
+    assert status == 200, text
+    assert "ad09" not in {m.id for m in lora.client().models.list().data}
