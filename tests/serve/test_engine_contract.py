@@ -50,6 +50,19 @@ def test_the_scheduler_registry_and_the_hooks_the_lora_scheduler_overrides() -> 
     assert "waiting_requests" in inspect.getsource(Scheduler.reset)
 
 
+def test_the_forward_runs_on_the_engines_compute_stream() -> None:
+    """engine.py queues the manager's copies and step arrays on the stream the forward runs on."""
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
+    assert "self.compute_stream" in inspect.getsource(ContinuousBatchingIOs.__init__)
+    assert "stream_context(compute_stream)" in inspect.getsource(ModelRunner.compute_batch)
+    assert "self.inputs_and_outputs" in inspect.getsource(cb.continuous_api.ContinuousBatchProcessor.__init__)
+    assert "self.batch_processor = batch_processor" in inspect.getsource(
+        cb.ContinuousBatchingManager._run_generation_loop
+    )
+
+
 def test_the_request_states_fields_and_the_output_router() -> None:
     from transformers.generation.continuous_batching.requests import (
         FutureRequestState,

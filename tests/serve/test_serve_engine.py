@@ -96,3 +96,48 @@ def test_the_engine_serves_on_after_an_error_in_a_step(engine: LoRAEngine) -> No
         assert engine.restarts == 1 and engine.is_alive()
     finally:
         hook.remove()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_mixed_batches_match_peft(tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path) -> None:
+    """On CUDA the engine runs its forward on a stream of its own: lora_pin's slot copies and step arrays
+    are queued there, so each request still gets its own adapter's tokens (as PEFT, greedy)."""
+    import copy
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    dirs = make_adapters(
+        tmp_path,
+        {
+            n: {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "seed": i}
+            for i, n in enumerate("abc")
+        },
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).to("cuda").eval()
+    reference = copy.deepcopy(model)
+    manager = LoRAManager(model, [f"{n}={d}" for n, d in dirs.items()], max_loras_per_batch=2)
+    eng = LoRAEngine(model, manager, EngineConfig(num_blocks=64, page_size=16, max_batch_tokens=64))
+    jobs = {
+        f"r{i}": ([5 + i, 40 + i, 60, 70 + i, 9] * (1 + i % 3), [None, "a", "b", "c"][i % 4])
+        for i in range(12)
+    }
+    eng.start()
+    try:
+        for rid, (prompt, adapter) in jobs.items():
+            eng.submit(rid, prompt, adapter, max_new_tokens=8, streaming=False)
+        done = _results(eng, list(jobs))
+    finally:
+        eng.stop()
+        manager.detach()
+    for rid, (prompt, adapter) in jobs.items():
+        peft = (
+            reference
+            if adapter is None
+            else PeftModel.from_pretrained(copy.deepcopy(reference), str(dirs[adapter]))
+        )
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(8):
+                ids.append(int(peft(torch.tensor([ids], device="cuda")).logits[0, -1].argmax()))
+        assert done[rid].generated_tokens == ids[len(prompt) :], rid

@@ -27,10 +27,14 @@ and it is admitted.
 
 A request whose adapter failed to read, or was unloaded while it waited, fails alone: it is answered
 with its error and the engine goes on.
+
+On CUDA the engine runs its forward on a stream of its own; the manager's calls are made with that stream
+current, so the forward waits for the step's slot copies and arrays, and later copies wait for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -200,13 +204,26 @@ class LoRAEngine:
 
     # ---- the scheduler's side (runs on the engine's thread) -------------------------------------------
 
+    def _forward_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """The stream the engine's forward runs on, made current (on CPU: nothing).
+
+        The manager queues its slot copies' waits, its step arrays and its end-of-step marks on the
+        current stream; the engine runs its forward on a stream of its own (``compute_stream``). Queued
+        there, the forward waits for the step's copies, and a later copy into one of its slots waits for
+        the forward.
+        """
+        processor = self.cb.batch_processor
+        stream = None if processor is None else processor.inputs_and_outputs.compute_stream
+        return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
     def _end_step(self) -> None:
         """Finish the last step: its forward ran and its requests were updated."""
         step, self._step = self._step, None
         if step is None or self.manager is None:
             return
         try:
-            self.manager.finish(step)
+            with self._forward_stream():
+                self.manager.finish(step)
         except StalePlanError as e:
             # Cannot happen while unloads wait for steps; logged rather than silently ignored.
             log.error("a step's slot was rewritten while it ran: %s", e)
@@ -230,7 +247,8 @@ class LoRAEngine:
             return []
         tokens = [1 if s.status.name == "DECODING" else max(1, len(s.remaining_prefill_tokens)) for s in kept]
         try:
-            step = self.manager.prepare_step(names, tokens)
+            with self._forward_stream():
+                step = self.manager.prepare_step(names, tokens)
         except (AdapterNotFoundError, StalePlanError) as e:
             # An unload (or a rewritten slot) between the check and the plan: the next loop plans again.
             log.info("step planned again: %s", e)
@@ -260,11 +278,12 @@ class LoRAEngine:
         """Tell the manager the batch the engine built: its requests in order, with its token counts."""
         if self._step is None or self.manager is None or not scheduled:
             return
-        self.manager.run_subset(
-            self._step,
-            [self._index[f.state.request_id] for f in scheduled],
-            [f.query_length for f in scheduled],
-        )
+        with self._forward_stream():
+            self.manager.run_subset(
+                self._step,
+                [self._index[f.state.request_id] for f in scheduled],
+                [f.query_length for f in scheduled],
+            )
 
     def _fail(self, scheduler: Any, state: Any, error: Exception, removed: set[str]) -> None:
         """Answer one request with ``error`` and drop it from the engine; the batch goes on."""
