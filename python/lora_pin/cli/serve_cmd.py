@@ -133,10 +133,12 @@ def build_server(args: argparse.Namespace) -> Any:
             "--allow-runtime-lora-updating needs --lora-root: the folders adapters may be loaded from"
         )
     config = lora_config_from_args(args)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        # transformers types PreTrainedModel.to through a decorator that mypy reads as taking a model.
+        model = model.to(device).eval()  # type: ignore[arg-type]
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
         raise SpecError(f"--model: cannot load a causal LM and its tokenizer from {model_dir!r}: {e}") from e

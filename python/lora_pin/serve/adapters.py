@@ -78,7 +78,7 @@ class AdapterAdmin:
                 self._outstanding[BASE_LABEL] += 1
             return True
         with self._lock:
-            if name in self._draining or name not in self.manager.registry:
+            if name in self._draining or not self._registered(name):
                 return False
             self._outstanding[name] += 1
             return True
@@ -127,7 +127,7 @@ class AdapterAdmin:
             AdapterBusyError: its requests did not end within the unload timeout; it serves again.
         """
         with self._lock:
-            if name in self._draining or name not in self.manager.registry:
+            if name in self._draining or not self._registered(name):
                 log.warning("adapter %r: unload refused: not loaded", name)
                 raise AdapterNotFoundError(f"The lora adapter '{name}' cannot be found.")
             self._draining.add(name)

@@ -405,7 +405,7 @@ class _Answer:
             }
             yield f"data: {json.dumps({'error': error})}\n\n"
         elif self.include_usage:
-            usage = {
+            usage: dict[str, Any] = {
                 "id": self.request_id,
                 "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created,

@@ -296,7 +296,7 @@ class LoRAEngine:
         self.cb.output_router.fail_and_deliver(state, error)
 
 
-def _scheduler_class(engine: LoRAEngine, base: type) -> type:
+def _scheduler_class(engine: LoRAEngine, base: type[Any]) -> type[Any]:
     """The engine's scheduler ``base`` with lora_pin's admission in front of its own budgets."""
 
     class LoRAScheduler(base):  # type: ignore[misc, valid-type]
