@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["make_peft_adapter", "make_tiny_llama", "save_peft_adapter"]
+__all__ = ["make_peft_adapter", "make_tiny_llama", "save_char_tokenizer", "save_peft_adapter"]
 
 
 def make_tiny_llama(
@@ -140,4 +140,30 @@ def save_peft_adapter(
                 param.copy_(torch.randn(param.shape, generator=generator) * scale)
     path = Path(out_dir)
     peft_model.save_pretrained(str(path))
+    return path
+
+
+def save_char_tokenizer(directory: str | os.PathLike[str]) -> Path:
+    """Save a character-level tokenizer for the tiny models (vocab 128) under ``directory``; returns it.
+
+    Each ASCII character is its own token (id = its code point), except ids 0, 1 and 2: ``<unk>`` (any
+    other character), ``<s>`` and ``</s>`` (the end of sequence). It has a chat template
+    (``role: content`` lines, then ``assistant:``), so a model folder holding it can be served over HTTP.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(i): i for i in range(3, 128)} | {"<unk>": 0, "<s>": 1, "</s>": 2}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    path = Path(directory)
+    fast.save_pretrained(path)
     return path

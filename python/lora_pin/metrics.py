@@ -268,7 +268,8 @@ class LoRAMetricsCollector:
             for level, resident in levels.items():
                 for entry in resident:
                     if entry.name in listed:
-                        loaded.add_metric([*values, entry.name, level, "true" if entry.pinned else "false"], 1)
+                        pinned = "true" if entry.pinned else "false"
+                        loaded.add_metric([*values, entry.name, level, pinned], 1)
                 unlisted.add_metric([*values, level], sum(a.name not in listed for a in resident))
             for entry in ranked[: self.max_adapters]:
                 info.add_metric([*values, entry.name, entry.digest, str(entry.generation)], 1)

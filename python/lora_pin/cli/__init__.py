@@ -13,15 +13,21 @@ import sys
 from collections.abc import Sequence
 
 from lora_pin import __version__
-from lora_pin.cli import demo_cmd, inspect_cmd, parse_cmd, simulate_cmd
+from lora_pin.cli import demo_cmd, inspect_cmd, parse_cmd, serve_cmd, simulate_cmd
 from lora_pin.errors import LoraPinError, SpecError
 
 __all__ = ["build_parser", "main"]
 
-_SUBCOMMANDS = (demo_cmd, parse_cmd, inspect_cmd, simulate_cmd)
+_SUBCOMMANDS = (demo_cmd, parse_cmd, inspect_cmd, simulate_cmd, serve_cmd)
 
 # Optional dependencies by top-level module name, and the extra that installs them.
-_EXTRAS = {"transformers": "hf", "peft": "hf", "prometheus_client": "metrics"}
+_EXTRAS = {
+    "transformers": "hf",
+    "peft": "hf",
+    "prometheus_client": "metrics",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+}
 
 # Conventional shell statuses: 128 + SIGINT, 128 + SIGPIPE.
 EXIT_INTERRUPTED = 130

@@ -33,7 +33,7 @@ from lora_pin.model.loader import LOADING_MODES, BackgroundLoads, loading_mode
 from lora_pin.model.residency import Residency
 from lora_pin.model.step import HeldBack, Step, checked_names, request_indices, step_arrays
 from lora_pin.model.step_loading import StepLoading
-from lora_pin.ops import CUDA_CHUNK_SIZE
+from lora_pin.ops import CUDA_CHUNK_SIZE, segments_from_slots
 from lora_pin.unloading import unload_async
 from lora_pin.weights import (
     DEFAULT_MAX_FILE_BYTES,
@@ -763,3 +763,35 @@ class LoRAManager(StepLoading):
             self._active, self._active_step = active, step
             self._deferred_requests += len(step.deferred)
         return step
+
+    def run_subset(self, step: Step, requests: Sequence[int], num_tokens: Sequence[int]) -> None:
+        """Run only ``requests`` of the active ``step``, in this order, ``num_tokens[k]`` tokens for
+        ``requests[k]``: for an engine that admits with :meth:`prepare_step` and then schedules, under its
+        own token and memory budgets, a subset of the admitted requests (a prefill split over steps, a
+        request left for the next step). The model then sees ``[sum(num_tokens), in]`` rows, each request's
+        contiguous, in ``requests`` order; the admitted requests left out run nothing and are released by
+        :meth:`finish` with the rest. May be called again before the forward to change the subset.
+
+        Raises:
+            LoraPinError: ``step`` is not the active step.
+            UsageError: ``requests`` and ``num_tokens`` differ in length, an index is not among
+                ``step.admitted`` or repeats, or a count is below 1. Nothing changes then.
+        """
+        if len(requests) != len(num_tokens):
+            raise UsageError(f"run_subset: {len(requests)} requests but {len(num_tokens)} token counts")
+        position = {r: k for k, r in enumerate(step.admitted)}
+        picked = [position.get(r, -1) for r in requests]
+        if -1 in picked or len(set(picked)) != len(picked):
+            raise UsageError(
+                f"run_subset: requests {list(requests)} must be distinct admitted indices of the "
+                f"step (admitted: {list(step.admitted)})"
+            )
+        if any(n < 1 for n in num_tokens):
+            raise UsageError(f"run_subset: every token count must be at least 1 (got {list(num_tokens)})")
+        slots = step.request_slots.cpu().long()[torch.tensor(picked, dtype=torch.long)]
+        token_slots = torch.repeat_interleave(slots, torch.tensor(list(num_tokens), dtype=torch.long))
+        segments = segments_from_slots(token_slots, self.chunk_size, device=self.device)
+        with self.residency.lock:
+            if step is not self._active_step:
+                raise LoraPinError("run_subset: that step is not the active one (finished already?)")
+            self._active = StepSegments(segments=segments, any_adapter=segments.perm.numel() > 0)

@@ -1,0 +1,205 @@
+"""``lora-pin serve``: many adapters over HTTP on transformers' continuous-batching engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from lora_pin.args import add_lora_args, lora_config_from_args
+from lora_pin.cli._model_dir import local_model_dir
+from lora_pin.errors import SpecError
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Registers ``serve`` on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model and its LoRA adapters over HTTP (OpenAI-compatible; vLLM/SGLang endpoints)",
+        description=(
+            "Loads --model and the --lora-paths adapters (pinned ones pinned) before the port opens, then "
+            "serves /v1/completions, /v1/chat/completions, /v1/models, the adapter endpoints, /health and "
+            "/metrics on transformers' continuous-batching engine. Needs the serve extra."
+        ),
+    )
+    p.add_argument(
+        "--model", type=Path, required=True, metavar="DIR", help="a local Hugging Face model folder"
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the base model's name in requests (default: --model)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("LORA_PIN_API_KEY"),
+        help="every request must bear 'Authorization: Bearer KEY' (default: $LORA_PIN_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="enable the load/unload/pin/unpin endpoints (needs --lora-root)",
+    )
+    p.add_argument(
+        "--lora-root",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="adapters (start-up ones too) must lie under one of these folders; repeatable",
+    )
+    p.add_argument(
+        "--lora-loading",
+        default="background",
+        choices=("background", "blocking"),
+        help="how adapters missing from host memory are read (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens one step takes (engine default)",
+    )
+    p.add_argument(
+        "--num-blocks", type=int, default=None, metavar="N", help="KV-cache pages (engine default)"
+    )
+    p.add_argument("--page-size", type=int, default=None, metavar="N", help="tokens per KV-cache page")
+    p.add_argument(
+        "--max-memory-percent",
+        type=float,
+        default=None,
+        metavar="F",
+        help="share of free device memory the KV cache may take, 0..1 (engine default)",
+    )
+    p.add_argument("--dtype", default="auto", choices=_DTYPES, help="the model's dtype (default %(default)s)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="longest prompt plus output (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="a chat request's output limit when it sets none (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 << 20,
+        metavar="N",
+        help="largest request body (default 4 MiB)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="log level of the server and the adapter events (default %(default)s)",
+    )
+    add_lora_args(p)
+    p.set_defaults(run=run)
+
+
+def build_server(args: argparse.Namespace) -> Any:
+    """The :class:`~lora_pin.serve.app.ServerState` for ``args``: model, manager (its start-up adapters
+    loaded and pinned) and engine built and started.
+
+    Raises:
+        SpecError: bad arguments; AdapterLoadError: a start-up adapter cannot be served.
+    """
+    import torch
+    import transformers
+
+    from lora_pin.model import LoRAManager
+    from lora_pin.serve.adapters import AdapterAdmin
+    from lora_pin.serve.app import ServerState
+    from lora_pin.serve.engine import EngineConfig, LoRAEngine
+    from lora_pin.serve.metrics import ServeMetrics
+
+    model_dir = local_model_dir(args.model)
+    if args.allow_runtime_lora_updating and not args.lora_root:
+        raise SpecError(
+            "--allow-runtime-lora-updating needs --lora-root: the folders adapters may be loaded from"
+        )
+    config = lora_config_from_args(args)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        # transformers types PreTrainedModel.to through a decorator that mypy reads as taking a model.
+        model = model.to(device).eval()  # type: ignore[arg-type]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise SpecError(f"--model: cannot load a causal LM and its tokenizer from {model_dir!r}: {e}") from e
+    manager = None
+    if config is not None:
+        manager = LoRAManager.from_config(
+            model, config, allowed_roots=args.lora_root, loading=args.lora_loading
+        )
+    startup = () if config is None else config.refs
+    log = logging.getLogger("lora_pin.serve")
+    for ref in startup:
+        log.info(
+            "adapter %r: loaded from %s at start-up%s",
+            ref.lora_name,
+            ref.lora_path,
+            ", pinned" if ref.pinned else "",
+        )
+    engine_config = EngineConfig(
+        max_batch_tokens=args.max_batch_tokens,
+        num_blocks=args.num_blocks,
+        page_size=args.page_size,
+        max_memory_percent=args.max_memory_percent,
+    )
+    engine = LoRAEngine(model, manager, engine_config, eos_token_id=tokenizer.eos_token_id)
+    admin = AdapterAdmin(manager, startup)
+    max_len = args.max_model_len or getattr(model.config, "max_position_embeddings", None) or 2048
+    state = ServerState(
+        engine=engine,
+        tokenizer=tokenizer,
+        admin=admin,
+        metrics=ServeMetrics(manager, admin.outstanding),
+        base_name=args.served_model_name or str(args.model),
+        max_model_len=max_len,
+        api_key=args.api_key,
+        allow_runtime_updates=args.allow_runtime_lora_updating,
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens,
+    )
+    engine.start()
+    return state
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serves until interrupted; 0 after a clean shutdown.
+
+    Raises:
+        SpecError: bad arguments; AdapterLoadError: a start-up adapter cannot be served.
+    """
+    import uvicorn
+
+    from lora_pin.serve.app import build_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    state = build_server(args)
+    try:
+        uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        state.engine.stop()
+    return 0

@@ -1,0 +1,317 @@
+"""lora_pin inside transformers' continuous-batching engine (``init_continuous_batching``, paged KV).
+
+The engine keeps its own loop, scheduler, paged cache and packed ``[1, T]`` forward. lora_pin enters
+through one seam the engine offers, its scheduler registry (``SCHEDULER_MAPPING``, chosen by
+``ContinuousBatchingConfig.scheduler_type``): a subclass of the engine's scheduler asks the
+:class:`~lora_pin.model.LoRAManager` which of the engine's candidate requests may run
+(:meth:`~lora_pin.model.LoRAManager.prepare_step`: admits what fits the slots, defers the rest, never fails
+mid-batch), lets the engine schedule among those with its own token and cache budgets, and tells the
+manager the batch the engine built (:meth:`~lora_pin.model.LoRAManager.run_subset`). The step ends
+(:meth:`~lora_pin.model.LoRAManager.finish`) when the engine's loop comes round again, after the forward
+and the update of the requests.
+
+What the integration turns off while LoRA is on, and why:
+
+- block sharing (the prefix cache): the engine hashes blocks by their tokens only, and offers no
+  supported way to add the adapter to the key, so KV computed under one adapter would be reused for
+  another's (or the base's) same prompt;
+- CUDA graphs and compiled steps: the segments' shapes change with every step's adapter mix;
+- asynchronous batching: a step's segments must be those of the batch the forward runs, and async
+  batching prepares the next batch while the last one runs.
+
+Fairness: the engine offers its candidates oldest first (running requests, then waiting ones in
+arrival order). Once a waiting request is deferred for want of a slot, no younger waiting request that
+needs an adapter starts in that step (base-model requests still do: they hold no slot), so a deferred
+request is not overtaken again and again by younger ones: the running ones finish, their slots free up,
+and it is admitted.
+
+A request whose adapter failed to read, or was unloaded while it waited, fails alone: it is answered
+with its error and the engine goes on.
+
+On CUDA the engine runs its forward on a stream of its own; the manager's calls are made with that stream
+current, so the forward waits for the step's slot copies and arrays, and later copies wait for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lora_pin.errors import AdapterNotFoundError, LoraPinError, StalePlanError
+
+if TYPE_CHECKING:
+    from lora_pin.model import LoRAManager, Step
+
+__all__ = ["EngineConfig", "LoRAEngine"]
+
+# How often the supervisor checks that the engine's generation thread runs.
+_SUPERVISE_INTERVAL_S = 0.2
+
+log = logging.getLogger("lora_pin.serve")
+
+
+class EngineConfig:
+    """The engine's own settings (the ``--max-batch-tokens``, ``--num-blocks``, ``--page-size``,
+    ``--max-memory-percent`` flags): None leaves the engine's default."""
+
+    def __init__(
+        self,
+        *,
+        max_batch_tokens: int | None = None,
+        num_blocks: int | None = None,
+        page_size: int | None = None,
+        max_memory_percent: float | None = None,
+        max_requests_per_batch: int | None = None,
+    ) -> None:
+        self.max_batch_tokens = max_batch_tokens
+        self.num_blocks = num_blocks
+        self.page_size = page_size
+        self.max_memory_percent = max_memory_percent
+        self.max_requests_per_batch = max_requests_per_batch
+
+
+class LoRAEngine:
+    """transformers' continuous-batching engine over ``model``, with ``manager``'s adapters per request.
+
+    Args:
+        model: a transformers causal LM (the one ``manager`` wraps); the engine switches its attention to
+            a paged implementation while it runs.
+        manager: the LoRA manager, or None to serve the base model alone (the engine's own defaults).
+        config: the engine's settings.
+        eos_token_id: the token(s) that end a request.
+
+    Requests go in with :meth:`submit` and come out through the engine's own ``register_result_handler``
+    (``engine.cb``, a ``ContinuousBatchingManager``). Greedy decoding.
+
+    Raises:
+        ValueError, RuntimeError: from transformers, when the model cannot run continuous batching.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        manager: LoRAManager | None,
+        config: EngineConfig | None = None,
+        *,
+        eos_token_id: int | list[int] | None = None,
+    ) -> None:
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+        from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING
+
+        config = config or EngineConfig()
+        self.manager = manager
+        self._lock = threading.Lock()
+        self._adapter_of: dict[str, str | None] = {}
+        self._step: Step | None = None
+        self._index: dict[str, int] = {}
+        self._stopping = threading.Event()
+        self.restarts = 0
+        lora_on = manager is not None
+        scheduler_type = "fifo"
+        if lora_on:
+            scheduler_type = f"lora_pin-{id(self):x}"
+            SCHEDULER_MAPPING[scheduler_type] = _scheduler_class(self, SCHEDULER_MAPPING["fifo"])
+        self._scheduler_type = scheduler_type
+        cb_config = ContinuousBatchingConfig(
+            scheduler_type=scheduler_type,
+            allow_block_sharing=not lora_on,
+            use_cuda_graph=False if lora_on else None,
+            use_async_batching=False if lora_on else None,
+            default_compile_level=0,
+            **{k: v for k, v in vars(config).items() if v is not None},
+        )
+        generation = GenerationConfig(
+            do_sample=False, eos_token_id=-1 if eos_token_id is None else eos_token_id
+        )
+        self.cb: Any = model.init_continuous_batching(  # type: ignore[operator]
+            generation_config=generation, continuous_batching_config=cb_config
+        )
+
+    # ---- the engine's side -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine's generation thread, and a supervisor that starts it again should it end."""
+        self._stopping.clear()
+        self.cb.start()
+        supervisor = threading.Thread(target=self._supervise, name="lora_pin-engine-supervisor", daemon=True)
+        supervisor.start()
+
+    def _supervise(self) -> None:
+        # The engine ends its thread on an error inside a step (its forward raising, say), after failing
+        # the requests it holds, which are answered with that error. The server serves on.
+        while not self._stopping.wait(_SUPERVISE_INTERVAL_S):
+            if not self.cb.is_running() and not self._stopping.is_set():
+                self.restarts += 1
+                log.error("the engine's generation thread ended on an error; starting it again")
+                self._end_step()
+                self.cb.start()
+
+    def stop(self) -> None:
+        """Stop the generation thread (requests in flight are failed) and forget the scheduler."""
+        from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING
+
+        self._stopping.set()
+        if self.cb.is_running():
+            self.cb.stop(block=True, timeout=30, hard_stop=True)
+        if self.manager is not None:
+            SCHEDULER_MAPPING.pop(self._scheduler_type, None)
+
+    def is_alive(self) -> bool:
+        """Whether the generation thread runs."""
+        return bool(self.cb.is_running())
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        adapter: str | None,
+        *,
+        max_new_tokens: int,
+        streaming: bool,
+        ignore_eos: bool = False,
+    ) -> None:
+        """Queue ``prompt_ids`` for generation with ``adapter`` (None: the base model) as ``request_id``;
+        ``ignore_eos``: generate ``max_new_tokens`` whatever comes (load tests).
+
+        Register a result handler for ``request_id`` on :attr:`cb` first, so no output is missed.
+
+        Raises:
+            RuntimeError: the engine is stopping and takes no more requests.
+        """
+        with self._lock:
+            self._adapter_of[request_id] = adapter
+        accepted = self.cb.add_request(
+            list(prompt_ids),
+            request_id=request_id,
+            max_new_tokens=max_new_tokens,
+            streaming=streaming,
+            record_timestamps=True,
+            eos_token_id=-1 if ignore_eos else None,
+        )
+        if accepted is None:
+            self.done(request_id)
+            raise RuntimeError("the engine is not accepting requests (it is stopping)")
+
+    def done(self, request_id: str) -> None:
+        """Forget ``request_id`` (its last output was delivered)."""
+        with self._lock:
+            self._adapter_of.pop(request_id, None)
+
+    # ---- the scheduler's side (runs on the engine's thread) -------------------------------------------
+
+    def _forward_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """The stream the engine's forward runs on, made current (on CPU: nothing).
+
+        The manager queues its slot copies' waits, its step arrays and its end-of-step marks on the
+        current stream; the engine runs its forward on a stream of its own (``compute_stream``). Queued
+        there, the forward waits for the step's copies, and a later copy into one of its slots waits for
+        the forward.
+        """
+        processor = self.cb.batch_processor
+        stream = None if processor is None else processor.inputs_and_outputs.compute_stream
+        return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+    def _end_step(self) -> None:
+        """Finish the last step: its forward ran and its requests were updated."""
+        step, self._step = self._step, None
+        if step is None or self.manager is None:
+            return
+        try:
+            with self._forward_stream():
+                self.manager.finish(step)
+        except StalePlanError as e:
+            # Cannot happen while unloads wait for steps; logged rather than silently ignored.
+            log.error("a step's slot was rewritten while it ran: %s", e)
+
+    def _admit(self, scheduler: Any, candidates: list[Any], removed: set[str]) -> list[Any]:
+        """The candidates lora_pin admits this step, oldest first; fails those whose adapter is gone."""
+        assert self.manager is not None
+        self._end_step()
+        with self._lock:
+            adapters = [self._adapter_of.get(s.request_id) for s in candidates]
+        registry = self.manager.registry
+        kept: list[Any] = []
+        names: list[str | None] = []
+        for state, name in zip(candidates, adapters, strict=True):
+            if name is not None and name not in registry:
+                self._fail(scheduler, state, AdapterNotFoundError(f"adapter {name!r} was unloaded"), removed)
+            else:
+                kept.append(state)
+                names.append(name)
+        if not kept:
+            return []
+        tokens = [1 if s.status.name == "DECODING" else max(1, len(s.remaining_prefill_tokens)) for s in kept]
+        try:
+            with self._forward_stream():
+                step = self.manager.prepare_step(names, tokens)
+        except (AdapterNotFoundError, StalePlanError) as e:
+            # An unload (or a rewritten slot) between the check and the plan: the next loop plans again.
+            log.info("step planned again: %s", e)
+            return []
+        except LoraPinError as e:
+            for state in kept:
+                self._fail(scheduler, state, e, removed)
+            return []
+        self._step = step
+        for i, error in step.failed.items():
+            self._fail(scheduler, kept[i], error, removed)
+        waiting_for_slot = set(step.deferred) - set(step.loading)
+        admitted = set(step.admitted)
+        chosen: list[Any] = []
+        self._index = {}
+        barrier = False
+        for i, state in enumerate(kept):
+            pending = state.status.name == "PENDING"
+            if pending and i in waiting_for_slot:
+                barrier = True
+            if i in admitted and not (barrier and pending and names[i] is not None):
+                chosen.append(state)
+                self._index[state.request_id] = i
+        return chosen
+
+    def _run(self, scheduled: list[Any]) -> None:
+        """Tell the manager the batch the engine built: its requests in order, with its token counts."""
+        if self._step is None or self.manager is None or not scheduled:
+            return
+        with self._forward_stream():
+            self.manager.run_subset(
+                self._step,
+                [self._index[f.state.request_id] for f in scheduled],
+                [f.query_length for f in scheduled],
+            )
+
+    def _fail(self, scheduler: Any, state: Any, error: Exception, removed: set[str]) -> None:
+        """Answer one request with ``error`` and drop it from the engine; the batch goes on."""
+        request_id = state.request_id
+        log.warning("request %s failed: %s", request_id, error)
+        scheduler.waiting_requests.pop(request_id, None)
+        removed.add(request_id)
+        state.generated_tokens = list(state.generated_tokens)
+        scheduler.finish_request(request_id)
+        self.cb.output_router.fail_and_deliver(state, error)
+
+
+def _scheduler_class(engine: LoRAEngine, base: type[Any]) -> type[Any]:
+    """The engine's scheduler ``base`` with lora_pin's admission in front of its own budgets."""
+
+    class LoRAScheduler(base):  # type: ignore[misc, valid-type]
+        def clear_cancelled_requests(self) -> list[Any]:
+            # Called first in every round of the engine's loop: the last step's forward and update are over.
+            engine._end_step()
+            cancelled: list[Any] = super().clear_cancelled_requests()
+            return cancelled
+
+        def _process_candidates(
+            self, candidates: list[Any], token_budget: int, cache_budget: int, removed: set[str]
+        ) -> Any:
+            admitted = engine._admit(self, candidates, removed)
+            result = super()._process_candidates(admitted, token_budget, cache_budget, removed)
+            engine._run(result[0])
+            return result
+
+    return LoRAScheduler

@@ -1,0 +1,123 @@
+"""The server's ``/metrics``: lora_pin's collector plus the requests the server answered.
+
+Besides :class:`~lora_pin.metrics.LoRAMetricsCollector`'s metrics (slots, tiers, loads, evictions ...):
+
+- ``lora_pin_serve_requests_total{adapter, outcome}``: requests answered (``ok``, ``error``);
+- ``lora_pin_serve_time_to_first_token_seconds{adapter}``: histogram, from acceptance to the first token;
+- ``lora_pin_serve_time_per_output_token_seconds{adapter}``: histogram, the mean gap between a request's
+  later tokens;
+- ``lora_pin_serve_requests_outstanding{adapter}``: queued and running requests now.
+
+``adapter`` is the adapter's name, ``__base__`` for the base model, and ``__other__`` for adapters past the
+series cap (``max_adapters`` distinct names get their own series, first come first served), so thousands of
+adapters never mean thousands of series.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from lora_pin.metrics import DEFAULT_MAX_ADAPTERS, LoRAMetricsCollector
+
+if TYPE_CHECKING:
+    from lora_pin.model import LoRAManager
+
+__all__ = ["BASE_LABEL", "OTHER_LABEL", "ServeMetrics"]
+
+BASE_LABEL = "__base__"
+OTHER_LABEL = "__other__"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServeMetrics:
+    """A Prometheus registry of its own for one server (``render()`` gives the scrape's text).
+
+    Args:
+        manager: the LoRA manager (None: LoRA off, only the request metrics).
+        outstanding: returns the queued and running requests per adapter at each scrape.
+        max_adapters: the cap on distinct adapter labels.
+    """
+
+    def __init__(
+        self,
+        manager: LoRAManager | None,
+        outstanding: Callable[[], dict[str, int]],
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
+    ) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        if manager is not None:
+            self.registry.register(LoRAMetricsCollector(manager, max_adapters=max_adapters))
+        self.registry.register(_Outstanding(outstanding, self.label))
+        self._max_adapters = max_adapters
+        self._labels: set[str] = set()
+        self._lock = threading.Lock()
+        self.requests = Counter(
+            "lora_pin_serve_requests", "Requests answered", ["adapter", "outcome"], registry=self.registry
+        )
+        self.ttft = Histogram(
+            "lora_pin_serve_time_to_first_token_seconds",
+            "From a request's acceptance to its first token",
+            ["adapter"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "lora_pin_serve_time_per_output_token_seconds",
+            "Mean time between a request's tokens after the first",
+            ["adapter"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def label(self, adapter: str | None) -> str:
+        """The ``adapter`` label of ``adapter`` (None: the base), within the series cap."""
+        if adapter is None:
+            return BASE_LABEL
+        with self._lock:
+            if adapter in self._labels:
+                return adapter
+            if len(self._labels) < self._max_adapters:
+                self._labels.add(adapter)
+                return adapter
+        return OTHER_LABEL
+
+    def observe(self, adapter: str | None, ok: bool, ttft: float | None, tpot: float | None) -> None:
+        """Count one answered request, with its latencies when it produced tokens."""
+        label = self.label(adapter)
+        self.requests.labels(label, "ok" if ok else "error").inc()
+        if ttft is not None:
+            self.ttft.labels(label).observe(ttft)
+        if tpot is not None:
+            self.tpot.labels(label).observe(tpot)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        from prometheus_client import generate_latest
+
+        return bytes(generate_latest(self.registry))
+
+
+class _Outstanding:
+    """``lora_pin_serve_requests_outstanding{adapter}``, read at each scrape."""
+
+    def __init__(self, outstanding: Callable[[], dict[str, int]], label: Callable[[str | None], str]) -> None:
+        self._outstanding = outstanding
+        self._label = label
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        family = GaugeMetricFamily(
+            "lora_pin_serve_requests_outstanding", "Queued and running requests", labels=["adapter"]
+        )
+        by_label: dict[str, int] = {}
+        for name, count in self._outstanding().items():
+            label = self._label(None if name == BASE_LABEL else name)
+            by_label[label] = by_label.get(label, 0) + count
+        for label, count in sorted(by_label.items()):
+            family.add_metric([label], count)
+        yield family

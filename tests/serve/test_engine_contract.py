@@ -1,0 +1,173 @@
+"""The seams of transformers' continuous-batching engine that ``lora_pin.serve`` builds on.
+
+Its internals change almost every release; the ``serve`` extra pins the minor version, and this file
+fails when an upgrade removes or changes any seam the integration uses, so the upgrade fails in CI and
+not at a user's. Each check names the seam and where lora_pin uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lora_pin import LoRAManager
+from lora_pin.serve.engine import EngineConfig, LoRAEngine
+
+cb = pytest.importorskip("transformers.generation.continuous_batching")
+
+
+def _params(function: Any) -> list[str]:
+    return list(inspect.signature(function).parameters)
+
+
+def test_the_scheduler_registry_and_the_hooks_the_lora_scheduler_overrides() -> None:
+    from transformers.generation.continuous_batching.scheduler import (
+        SCHEDULER_MAPPING,
+        FIFOScheduler,
+        Scheduler,
+    )
+
+    # engine.py registers its scheduler here, chosen by ContinuousBatchingConfig.scheduler_type.
+    assert SCHEDULER_MAPPING["fifo"] is FIFOScheduler and issubclass(FIFOScheduler, Scheduler)
+    # Overridden: admission in front of the engine's budgets; the end of the last step.
+    assert _params(Scheduler._process_candidates) == [
+        "self",
+        "candidates",
+        "token_budget",
+        "cache_budget",
+        "request_ids_to_remove_from_waiting",
+    ]
+    assert _params(Scheduler.clear_cancelled_requests) == ["self"]
+    assert _params(Scheduler.finish_request) == ["self", "request_id"]
+    # clear_cancelled_requests runs first in every round of the loop, after the last step's update.
+    source = inspect.getsource(cb.continuous_api.ContinuousBatchProcessor.prepare_next_batch)
+    assert source.index("clear_cancelled_requests") < source.index("schedule_batch")
+    assert "waiting_requests" in inspect.getsource(Scheduler.reset)
+
+
+def test_the_forward_runs_on_the_engines_compute_stream() -> None:
+    """engine.py queues the manager's copies and step arrays on the stream the forward runs on."""
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
+    assert "self.compute_stream" in inspect.getsource(ContinuousBatchingIOs.__init__)
+    assert "stream_context(compute_stream)" in inspect.getsource(ModelRunner.compute_batch)
+    assert "self.inputs_and_outputs" in inspect.getsource(cb.continuous_api.ContinuousBatchProcessor.__init__)
+    assert "self.batch_processor = batch_processor" in inspect.getsource(
+        cb.ContinuousBatchingManager._run_generation_loop
+    )
+
+
+def test_the_request_states_fields_and_the_output_router() -> None:
+    from transformers.generation.continuous_batching.requests import (
+        FutureRequestState,
+        GenerationOutput,
+        RequestState,
+        RequestStatus,
+    )
+
+    fields = {f.name for f in dataclasses.fields(RequestState)}
+    assert {"request_id", "remaining_prefill_tokens", "initial_tokens", "generated_tokens"} <= fields
+    assert isinstance(RequestState.status, property)
+    assert {"PENDING", "DECODING"} <= set(RequestStatus.__members__)
+    assert {"state", "query_length"} <= set(FutureRequestState.__slots__)
+    outputs = {f.name for f in dataclasses.fields(GenerationOutput)}
+    assert {"request_id", "generated_tokens", "error", "timestamps"} <= outputs
+    assert callable(GenerationOutput.is_finished)
+    assert _params(cb.continuous_api.OutputRouter.fail_and_deliver) == ["self", "state", "error"]
+
+
+def test_the_managers_entry_points() -> None:
+    manager = cb.ContinuousBatchingManager
+    add = inspect.signature(manager.add_request).parameters
+    assert {"input_ids", "request_id", "max_new_tokens", "streaming", "record_timestamps"} <= set(add)
+    assert _params(manager.register_result_handler) == ["self", "request_id", "callback"]
+    assert _params(manager.cancel_request) == ["self", "request_id"]
+    assert {"block", "timeout", "hard_stop"} <= set(_params(manager.stop))
+    for name in ("start", "is_running", "get_result"):
+        assert callable(getattr(manager, name))
+    from transformers import GenerationMixin
+
+    assert {"generation_config", "continuous_batching_config"} <= set(
+        _params(GenerationMixin.init_continuous_batching)
+    )
+
+
+def test_the_config_fields_the_integration_sets() -> None:
+    from transformers import ContinuousBatchingConfig
+
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    assert {
+        "scheduler_type",
+        "allow_block_sharing",
+        "use_cuda_graph",
+        "use_async_batching",
+        "default_compile_level",
+        "varlen_compile_config",
+        "decode_compile_config",
+        *vars(EngineConfig()),
+    } <= fields
+
+
+def test_block_hashing_still_has_no_key_but_the_tokens() -> None:
+    """Block sharing is off while LoRA is on because the prefix match and the block hashes take tokens
+    only. Should the engine grow a way to add a key (an adapter's identity), this fails: key the blocks
+    by adapter then, and turn sharing back on."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import (
+        compute_block_hash,
+    )
+
+    assert _params(PagedAttentionCache.search_prefix_match) == ["self", "request_id", "prompt_ids"]
+    assert _params(PagedAttentionCache.mark_complete_blocks) == ["self", "state", "complete_blocks"]
+    assert _params(compute_block_hash) == ["parent_hash", "tokens"]
+
+
+def test_the_forward_runs_the_scheduled_requests_tokens_in_order(
+    tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path
+) -> None:
+    """The packed ``[1, T]`` input holds the scheduled requests' tokens, each request's contiguous, in
+    the order the scheduler returned (what ``LoRAManager.run_subset`` is told), and the step ends before
+    the next round: the adapters' in-flight counts drop to zero."""
+    from transformers import AutoModelForCausalLM
+
+    dirs = make_adapters(tmp_path, {"a": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "seed": 1}})
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    manager = LoRAManager(model, [f"a={dirs['a']}"], max_loras_per_batch=2)
+    seen: list[list[int]] = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].reshape(-1).tolist())
+    )
+    told: list[tuple[list[int], list[int]]] = []
+    run_subset = manager.run_subset
+    manager.run_subset = lambda step, requests, tokens: (  # type: ignore[method-assign]
+        told.append((list(requests), list(tokens))),
+        run_subset(step, requests, tokens),
+    )[1]
+    engine = LoRAEngine(model, manager, EngineConfig(num_blocks=32, page_size=16, max_batch_tokens=64))
+    prompts = {"r0": [10, 11, 12], "r1": [20, 21], "r2": [30, 31, 32, 33]}
+    try:
+        for rid, prompt in prompts.items():
+            engine.submit(rid, prompt, "a" if rid != "r1" else None, max_new_tokens=2, streaming=False)
+        engine.start()
+        finished = 0
+        deadline = time.monotonic() + 60
+        while finished < 3 and time.monotonic() < deadline:
+            output = engine.cb.get_result(timeout=0.5)
+            finished += output is not None and output.is_finished()
+        assert finished == 3
+        assert seen[0] == prompts["r0"] + prompts["r1"] + prompts["r2"]
+        assert told[0] == ([0, 1, 2], [3, 2, 4])
+        deadline = time.monotonic() + 5
+        while manager.registry.in_flight("a") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert manager.registry.in_flight("a") == 0
+    finally:
+        hook.remove()
+        engine.stop()
+        manager.detach()

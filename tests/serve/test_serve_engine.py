@@ -1,0 +1,143 @@
+"""lora_pin inside transformers' continuous-batching engine, below HTTP: fairness of deferred requests,
+and an engine that serves on after an error inside a step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lora_pin import LoRAManager
+from lora_pin.serve.engine import EngineConfig, LoRAEngine
+
+POISON = 127
+
+
+@pytest.fixture
+def engine(tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path) -> Iterator[LoRAEngine]:
+    """Three adapters over two slots, on a fresh copy of the tiny Llama."""
+    from transformers import AutoModelForCausalLM
+
+    dirs = make_adapters(
+        tmp_path,
+        {
+            n: {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "seed": i}
+            for i, n in enumerate("abc")
+        },
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    manager = LoRAManager(model, [f"{n}={d}" for n, d in dirs.items()], max_loras_per_batch=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    eng = LoRAEngine(model, manager, EngineConfig(num_blocks=64, page_size=16, max_batch_tokens=256))
+    eng.start()
+    try:
+        yield eng
+    finally:
+        eng.stop()
+        manager.detach()
+        torch.set_num_threads(threads)
+
+
+def _results(eng: LoRAEngine, ids: list[str], timeout: float = 60.0) -> dict[str, Any]:
+    """Each request's finished output, and the order they finished in (``"order"``)."""
+    results: dict[str, Any] = {"order": []}
+    deadline = time.monotonic() + timeout
+    while len(results) - 1 < len(ids) and time.monotonic() < deadline:
+        output = eng.cb.get_result(timeout=0.5)
+        if output is not None and output.is_finished():
+            results[output.request_id] = output
+            results["order"].append(output.request_id)
+    assert len(results) - 1 == len(ids), f"only {results['order']} finished"
+    return results
+
+
+def test_a_request_deferred_for_a_slot_is_not_overtaken_by_younger_ones(engine: LoRAEngine) -> None:
+    """Two slots, adapters a and b busy: c's request waits for a slot. Younger requests for a and b would
+    fit the slots a and b hold, and without the rule would keep running ahead of it."""
+    order = ["a1", "b1", "c1", "a2", "b2", "a3", "b3", "a4", "b4"]
+    for i, rid in enumerate(order):
+        engine.submit(rid, [5 + i, 40, 60, 70, 9], rid[0], max_new_tokens=6, streaming=False)
+    done = _results(engine, order)
+    finished = done["order"]
+    assert all(done[r].error is None for r in order)
+    younger = order[order.index("c1") + 1 :]
+    overtaken_by = [r for r in younger if finished.index(r) < finished.index("c1")]
+    # c1 shares its wave with at most one younger request (the one admitted into the other slot).
+    assert len(overtaken_by) <= 1, finished
+
+
+def test_the_engine_serves_on_after_an_error_in_a_step(engine: LoRAEngine) -> None:
+    """A forward that raises (a request carrying a token the model refuses) fails the requests of that
+    step with the error; the engine's thread is started again and the next requests are served."""
+    model = engine.cb.model
+
+    def refuse(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if bool((args[0] == POISON).any()):
+            raise RuntimeError("this model refuses token 127")
+
+    hook = model.get_input_embeddings().register_forward_pre_hook(refuse)
+    try:
+        engine.submit("bad", [5, POISON, 9], "a", max_new_tokens=3, streaming=False)
+        bad = _results(engine, ["bad"])["bad"]
+        assert bad.error is not None and "refuses token 127" in bad.error
+        deadline = time.monotonic() + 10
+        while not engine.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        engine.submit("good", [5, 6, 9], "b", max_new_tokens=3, streaming=False)
+        engine.submit("base", [5, 6, 9], None, max_new_tokens=3, streaming=False)
+        done = _results(engine, ["good", "base"])
+        assert done["good"].error is None and len(done["good"].generated_tokens) == 3
+        assert done["base"].error is None
+        assert engine.restarts == 1 and engine.is_alive()
+    finally:
+        hook.remove()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_mixed_batches_match_peft(tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path) -> None:
+    """On CUDA the engine runs its forward on a stream of its own: lora_pin's slot copies and step arrays
+    are queued there, so each request still gets its own adapter's tokens (as PEFT, greedy)."""
+    import copy
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    dirs = make_adapters(
+        tmp_path,
+        {
+            n: {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "seed": i}
+            for i, n in enumerate("abc")
+        },
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).to("cuda").eval()
+    reference = copy.deepcopy(model)
+    manager = LoRAManager(model, [f"{n}={d}" for n, d in dirs.items()], max_loras_per_batch=2)
+    eng = LoRAEngine(model, manager, EngineConfig(num_blocks=64, page_size=16, max_batch_tokens=64))
+    jobs = {
+        f"r{i}": ([5 + i, 40 + i, 60, 70 + i, 9] * (1 + i % 3), [None, "a", "b", "c"][i % 4])
+        for i in range(12)
+    }
+    eng.start()
+    try:
+        for rid, (prompt, adapter) in jobs.items():
+            eng.submit(rid, prompt, adapter, max_new_tokens=8, streaming=False)
+        done = _results(eng, list(jobs))
+    finally:
+        eng.stop()
+        manager.detach()
+    for rid, (prompt, adapter) in jobs.items():
+        peft = (
+            reference
+            if adapter is None
+            else PeftModel.from_pretrained(copy.deepcopy(reference), str(dirs[adapter]))
+        )
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(8):
+                ids.append(int(peft(torch.tensor([ids], device="cuda")).logits[0, -1].argmax()))
+        assert done[rid].generated_tokens == ids[len(prompt) :], rid
