@@ -116,10 +116,12 @@ impl Registry {
                 self.host.count, self.host.bytes
             ));
         }
-        if self.host.max_count.is_some_and(|m| count > m) || self.host.max_bytes.is_some_and(|m| bytes > m) {
-            return Err(format!(
-                "host tier over capacity: {count} adapters, {bytes} bytes (reservations included)"
-            ));
+        // Reservations evict nobody, so only the resident adapters are bounded by the capacity.
+        let (resident, resident_bytes) = (count - fetching, bytes - reserved);
+        if self.host.max_count.is_some_and(|m| resident > m)
+            || self.host.max_bytes.is_some_and(|m| resident_bytes > m)
+        {
+            return Err(format!("host tier over capacity: {resident} adapters, {resident_bytes} bytes"));
         }
         if pinned != self.pinned || pinned >= self.config.slots {
             return Err(format!(

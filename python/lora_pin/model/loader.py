@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lora_pin._core import LoRARef
-from lora_pin.errors import AdapterLoadError, DuplicateAdapterError, LoraPinError, SpecError
+from lora_pin.errors import AdapterLoadError, CapacityError, DuplicateAdapterError, LoraPinError, SpecError
 from lora_pin.model.residency import Residency
 from lora_pin.weights.host import HostAdapter
 
@@ -186,6 +186,9 @@ class BackgroundLoads:
         self._errors: dict[str, tuple[int | None, LoraPinError]] = {}
         # Folder and confining root of each adapter_dir adapter being read before it is registered.
         self._folders: dict[str, tuple[Path, Path | None]] = {}
+        # Fetches read whose adapter the host tier had no room for yet (its adapters all protected):
+        # installed again at the next install.
+        self._no_room: list[Completion] = []
         self.failures = 0
 
     def start_fetches(self, to_fetch: Iterable[tuple[str, int]]) -> list[str]:
@@ -227,11 +230,12 @@ class BackgroundLoads:
             self._install_agreed()
             return
         with self.residency.lock:
-            for done in self.loader.take():
+            waiting, self._no_room = self._no_room, []
+            for done in waiting + self.loader.take():
                 if done.job.serial is None:
                     self._install_discovery(done)
-                else:
-                    self._install_fetch(done, done.job.serial)
+                elif not self._install_fetch(done, done.job.serial):
+                    self._no_room.append(done)
 
     def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
         """Block until no read of ``names`` (None: of any adapter) is running or queued; False on timeout.
@@ -240,6 +244,9 @@ class BackgroundLoads:
 
     def busy(self, name: str) -> bool:
         """Whether a read of ``name`` is running, queued, or done and not installed yet."""
+        with self.residency.lock:
+            if any(done.job.name == name for done in self._no_room):
+                return True
         return self.loader.busy(name)
 
     @property
@@ -270,6 +277,7 @@ class BackgroundLoads:
         self.loader.cancel(name)
         with self.residency.lock:
             self._errors.pop(name, None)
+            self._no_room = [done for done in self._no_room if done.job.name != name]
 
     def close(self) -> None:
         """Stop the loader's threads once their running reads end; reads not started are dropped."""
@@ -312,7 +320,10 @@ class BackgroundLoads:
                 ready = self._ready.pop(job, None)
                 assert job.serial is not None
                 if ready is not None and not agreement.failed:
-                    self._install_fetch(ready, job.serial)
+                    if not self._install_fetch(ready, job.serial):
+                        # No room on any rank (their registries agree): open again, still read here.
+                        self._open[job] = None
+                        self._ready[job] = ready
                     continue
                 # This rank's own read, if it succeeded, is dropped here; one still running is dropped
                 # when it ends.
@@ -321,13 +332,18 @@ class BackgroundLoads:
                 if self.residency.abandon_fetch(job.name, job.serial):
                     self._fail(job.name, job.serial, error)
 
-    def _install_fetch(self, done: Completion, serial: int) -> None:
+    def _install_fetch(self, done: Completion, serial: int) -> bool:
+        """Install or fail one finished fetch; False when what it read must wait for host room."""
         name = done.job.name
         if done.adapter is not None:
-            self.residency.install_fetch(name, serial, done.adapter)
+            try:
+                self.residency.install_fetch(name, serial, done.adapter)
+            except CapacityError:
+                return False
         elif self.residency.abandon_fetch(name, serial) and not done.cancelled:
             # A fetch that was over already (unloaded meanwhile) concerns no request.
             self._fail(name, serial, done.error)
+        return True
 
     def _install_discovery(self, done: Completion) -> None:
         name = done.job.name

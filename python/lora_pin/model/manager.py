@@ -388,9 +388,10 @@ class LoRAManager(StepLoading):
         steps find them there: pass a scheduler's waiting queue (None entries and repeats are fine);
         returns the names whose reads began, in first-appearance order.
 
-        Never blocks on a read. Each read's host memory is set aside when it begins (the host tier
-        evicts idle adapters for it, as a load would); an adapter the host tier cannot make room for now
-        (its adapters are all pinned, in a step or being read) is skipped. Names not registered are
+        Never blocks on a read. Each read's host memory is set aside when it begins, and idle adapters
+        leave the host tier for it only once it has been read (a read that fails evicts nobody); an
+        adapter the host tier cannot make room for now (its adapters are all pinned, in a step or being
+        read) is skipped. Names not registered are
         read from ``adapter_dir`` and registered once read. A read that fails is reported to the
         requests of the next step that names the adapter (:attr:`Step.failed`).
 
