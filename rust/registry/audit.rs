@@ -129,6 +129,14 @@ impl Registry {
                 self.pinned, self.config.slots
             ));
         }
+        if let (Some(max), Some((name, needs))) = (self.host.max_bytes, self.largest_unpinned(None)) {
+            if self.pinned_host_bytes + needs > max {
+                return Err(format!(
+                    "{name:?} ({needs} host bytes) cannot fit beside the pinned adapters ({} of {max} bytes)",
+                    self.pinned_host_bytes
+                ));
+            }
+        }
         if (host_cands, idle, queued)
             != (self.host.candidates.len(), self.device.idle.len(), self.device.queued.len())
         {

@@ -34,6 +34,35 @@ fn pins_are_refused_with_the_numbers_and_reserve_their_slots() {
 }
 
 #[test]
+fn every_registered_adapter_fits_in_the_host_tier_beside_the_pinned_ones() {
+    // 250 host bytes, three slots: pinning b and c (200 bytes) would leave 50, and a needs 100, so
+    // a's requests would wait for ever; the pin is refused with the numbers, as is a registration
+    // that could never enter beside the pins.
+    let mut config = Config::new(3);
+    config.max_host_bytes = Some(250);
+    let mut reg = Registry::new(config).unwrap();
+    for n in ["a", "b", "c"] {
+        reg.register(lora(n), size(4, 100)).unwrap();
+    }
+    reg.pin("b").unwrap();
+    let before = reg.stats();
+    let err = reg.pin("c").unwrap_err();
+    assert!(matches!(err, Error::Capacity(_)));
+    let msg = err.to_string();
+    assert!(msg.contains("\"a\" needs 100") && msg.contains("200 of max_host_bytes=250"), "{msg}");
+    let pinned = LoRARef::with_deterministic_id("d", "/srv/d", true, None).unwrap();
+    assert!(matches!(reg.register(pinned, size(4, 60)), Err(Error::Capacity(_))));
+    let err = reg.register(lora("e"), size(4, 200)).unwrap_err().to_string();
+    assert!(err.contains("could never enter the host tier beside them"), "{err}");
+    assert_eq!((reg.stats().pinned_names, reg.stats().registered), (before.pinned_names, before.registered));
+    reg.audit().unwrap();
+    // Without a, c may be pinned.
+    assert_eq!(reg.unload("a").unwrap(), Unload::Done);
+    reg.pin("c").unwrap();
+    reg.audit().unwrap();
+}
+
+#[test]
 fn a_failed_fetch_leaves_every_other_adapter_where_it_was() {
     // The host tier (two places) holds b and c, both in slots; a's read begins and fails.
     let mut reg = registry(2, Some(2), "lru", &["a", "b", "c"]);

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from lora_pin import AdapterLoadError, LoRAManager
+from lora_pin import AdapterLoadError, CapacityError, LoRAManager, LoRARef
 
 TARGETS = ["q_proj", "v_proj"]
 IDS = torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(5))
@@ -101,4 +101,30 @@ def test_a_read_that_succeeds_makes_its_room_when_it_is_installed(world: Any) ->
     assert step(mgr, ["a"]).admitted == (0,)
     assert places(mgr)[0] == ["a", "c"]
     assert "b" not in mgr.host
+    mgr.registry.audit()
+
+
+# ---- item 5: every registered adapter fits beside the pinned ones -------------------------------------
+
+
+def test_a_pin_that_would_leave_an_adapter_no_host_room_is_refused(world: Any) -> None:
+    """Host memory for two and a half adapters: with b and c pinned, a could never enter it again and
+    its requests would wait for ever, so pinning c is refused with the numbers, and a is served."""
+    _, paths = world
+    nbytes = manager(world, lora_paths=[f"a={paths['a']}"])[0].host["a"].nbytes
+    mgr, _ = manager(world, max_loras_per_batch=3, max_host_bytes=nbytes * 5 // 2)
+    for name in "abc":
+        mgr.load(name, paths[name])  # c evicts a
+    mgr.pin("b")
+    with pytest.raises(CapacityError) as refused:
+        mgr.pin("c")
+    message = str(refused.value)
+    assert '"a"' in message and f"max_host_bytes={nbytes * 5 // 2}" in message, message
+    assert mgr.registry.stats()["pinned_names"] == ["b"]
+    assert step(mgr, ["a"]).loading == (0,)
+    assert mgr.wait_loads(timeout=20)
+    assert step(mgr, ["a"]).admitted == (0,)
+    # Nor may an adapter be registered that could never enter beside the pins.
+    with pytest.raises(CapacityError, match="could never enter the host tier beside them"):
+        mgr.registry.register(LoRARef.new("big", "/srv/big"), rank=4, host_bytes=2 * nbytes, device_bytes=1)
     mgr.registry.audit()
