@@ -28,7 +28,13 @@ from lora_pin.errors import (
 from lora_pin.model.adapter_dir import adapter_folders, checked_adapter_dir
 from lora_pin.model.attach import FusedSpec, attach, detach, model_targets
 from lora_pin.model.layers import StepSegments
-from lora_pin.model.loader import LOADING_MODES, BackgroundLoads, loading_mode
+from lora_pin.model.loader import (
+    DEFAULT_LOAD_TIMEOUT,
+    LOADING_MODES,
+    BackgroundLoads,
+    checked_load_timeout,
+    loading_mode,
+)
 from lora_pin.model.residency import Residency
 from lora_pin.model.step import HeldBack, Step, checked_names, request_indices, step_arrays
 from lora_pin.model.step_loading import StepLoading
@@ -91,6 +97,11 @@ class LoRAManager(StepLoading):
             start). ``"blocking"``: a step reads what it needs before it begins, and every request waits
             for that. :meth:`batch` waits for its reads in either mode (it must run whole).
         load_workers: threads of the background loader (reads run at once).
+        load_timeout: seconds a background read may run (default 300). One still running then (a hung
+            disk or network mount) is abandoned: the requests waiting on its adapter fail with an
+            :class:`AdapterLoadError` naming the adapter, its path and the deadline (:attr:`Step.failed`,
+            or raised by :meth:`batch`), its host memory is given back, a new thread takes its
+            worker's place, and whatever it reads, should it ever end, is discarded.
         tp: this process's place in a tensor-parallel group (:class:`lora_pin.parallel.TensorParallel`),
             for a model whose linears are a framework's parallel layers
             (:func:`lora_pin.parallel.register_parallel_linear`): each rank reads and holds only its shard
@@ -111,8 +122,8 @@ class LoRAManager(StepLoading):
 
     Raises:
         SpecError: the specs or limits are invalid, the rank/target modules cannot be determined,
-            ``adapter_dir`` is not a folder (or lies outside ``allowed_roots``), ``loading`` is not a mode
-            or ``load_workers`` is below 1.
+            ``adapter_dir`` is not a folder (or lies outside ``allowed_roots``), ``loading`` is not a mode,
+            ``load_workers`` is below 1 or ``load_timeout`` is not a number of seconds above 0.
         AdapterLoadError: a start-up adapter cannot be served (the message names it and why); nothing is
             attached then.
         PoolError: the device pool cannot be allocated.
@@ -138,10 +149,12 @@ class LoRAManager(StepLoading):
         max_tensors: int = DEFAULT_MAX_TENSORS,
         loading: str | None = None,
         load_workers: int = 2,
+        load_timeout: float = DEFAULT_LOAD_TIMEOUT,
         tp: TensorParallel | None = None,
     ) -> None:
         if isinstance(load_workers, bool) or not isinstance(load_workers, int) or load_workers < 1:
             raise SpecError(f"load_workers must be an int of at least 1 (got {load_workers!r})")
+        load_timeout = checked_load_timeout(load_timeout)
         refs = parse_lora_paths(
             lora_paths, max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras
         )
@@ -215,7 +228,7 @@ class LoRAManager(StepLoading):
         self._active_step: Step | None = None
         self._deferred_requests = 0
         self.loading = loading
-        self._loads = BackgroundLoads(self.residency, load_workers, self.tp, self._collectives)
+        self._loads = BackgroundLoads(self.residency, load_workers, load_timeout, self.tp, self._collectives)
         # Adapters of the groups after the first of the last split, prefetched by the next step.
         self._prefetch_next: list[str] = []
         self._wrapped: dict[str, torch.nn.Module] = {}
