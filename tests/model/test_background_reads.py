@@ -279,3 +279,24 @@ def test_the_interpreter_exits_while_a_read_hangs(world: Any, tmp_path: Path) ->
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "failed: AdapterLoadError" in done.stdout
+
+
+# ---- item 13: waiting for the next read ---------------------------------------------------------------
+
+
+def test_wait_for_read_returns_when_a_read_ends(world: Any) -> None:
+    """A loop whose requests all wait for a read waits for it instead of spinning: ``wait_for_read``
+    blocks while the read runs, returns once it ends, and at once when no read is in flight."""
+    mgr = evicted_world(world)
+    assert mgr.wait_for_read(timeout=0)
+    with hung_reads("a") as release:
+        got = step(mgr, ["a"])
+        assert got.admitted == () and got.loading == (0,)
+        assert not mgr.wait_for_read(timeout=0.2)
+        threading.Timer(0.2, release.set).start()
+        started = time.monotonic()
+        assert mgr.wait_for_read(timeout=20)
+        assert time.monotonic() - started < 10
+    assert mgr.wait_for_read(timeout=0), "a finished read not installed yet returns at once"
+    assert step(mgr, ["a"]).admitted == (0,)
+    assert mgr.wait_for_read(timeout=0)

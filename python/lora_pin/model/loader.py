@@ -177,6 +177,11 @@ class BackgroundLoader:
             lambda: not any(wanted is None or j.name in wanted for j in self._runs), timeout
         )
 
+    def wait_any(self, timeout: float | None = None) -> bool:
+        """Block until a completion waits to be taken (one may already), or no read is in flight;
+        False on timeout."""
+        return self._wait_until(lambda: bool(self._done) or not self._runs, timeout)
+
     def cancel(self, name: str) -> None:
         """End the reads of ``name`` (its adapter was unloaded): queued ones complete as ``cancelled``;
         a running one too, abandoned (its worker replaced, its result discarded)."""
@@ -362,6 +367,11 @@ class BackgroundLoads:
                     self._install_discovery(done)
                 elif not self._install_fetch(done, done.job.serial):
                     self._no_room.append(done)
+
+    def wait_any(self, timeout: float | None = None) -> bool:
+        """Block until a read finishes (at once if one has since the last install, or none is in
+        flight); False on timeout. What it read enters the host tier at the next :meth:`install`."""
+        return self.loader.wait_any(timeout)
 
     def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
         """Block until no read of ``names`` (None: of any adapter) is running or queued; False on timeout.

@@ -439,9 +439,20 @@ class LoRAManager(StepLoading):
         """Block until every background read begun so far has finished (what they read enters the host
         tier at the next step's start); False if some still run after ``timeout`` seconds.
 
-        For warm-up (:meth:`prefetch`, then wait) and tests; a serving loop never needs to wait.
+        For warm-up (:meth:`prefetch`, then wait) and tests; a serving loop waits with
+        :meth:`wait_for_read` instead.
         """
         return self._loads.wait(timeout=timeout)
+
+    def wait_for_read(self, timeout: float | None = None) -> bool:
+        """Block until a background read finishes (or fails, or is abandoned at ``load_timeout``): at
+        once when one has finished since the last step, or none is in flight. False if none finished
+        within ``timeout`` seconds. What it read enters the host tier at the next step's start.
+
+        For a serving loop whose requests all wait for reads (a step admitted nothing, and every
+        deferred request is in :attr:`Step.loading`): wait here instead of spinning on empty steps.
+        """
+        return self._loads.wait_any(timeout)
 
     def stats(self) -> dict[str, Any]:
         """Counters per tier (hits, misses, loads, evictions, refusals), resident and pinned sets, the
