@@ -181,6 +181,12 @@ class PythonPlanner:
             for e in self.slot_of
         )
 
+    def _check_fits_beside_pins(self, name: str, nbytes: int) -> None:
+        pinned_bytes = sum(e.host_bytes for e in self._pinned())
+        if self.max_host_bytes is not None and pinned_bytes + nbytes > self.max_host_bytes:
+            self.host["refusals"] += 1
+            raise errors.CapacityError(f"cannot register {name!r}: it never fits beside the pinned ones")
+
     def _check_pin(self, name: str, nbytes: int) -> None:
         pinned = self._pinned()
         if len(pinned) + 1 > self.slots - 1:
@@ -195,6 +201,14 @@ class PythonPlanner:
         ):
             self.host["refusals"] += 1
             raise errors.CapacityError(f"cannot pin {name!r}: max_host_bytes={self.max_host_bytes}")
+        others = [e.host_bytes for e in self.entries.values() if not e.pinned and e.name != name]
+        if (
+            self.max_host_bytes is not None
+            and others
+            and sum(e.host_bytes for e in pinned) + nbytes + max(others) > self.max_host_bytes
+        ):
+            self.host["refusals"] += 1
+            raise errors.CapacityError(f"cannot pin {name!r}: another adapter would no longer fit")
 
     # -- the API ------------------------------------------------------------------------------------
     def register(self, ref: LoRARef, *, rank: int, host_bytes: int, scaling: float = 1.0) -> list[str]:
@@ -208,6 +222,8 @@ class PythonPlanner:
             raise errors.DuplicateAdapterError(f"id {ref.lora_id} is registered")
         if ref.pinned:
             self._check_pin(ref.lora_name, host_bytes)
+        else:
+            self._check_fits_beside_pins(ref.lora_name, host_bytes)
         if not self._room_possible(host_bytes):
             self.host["refusals"] += 1
             raise errors.CapacityError(f"cannot register {ref.lora_name!r}: the host tier is full")

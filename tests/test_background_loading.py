@@ -111,7 +111,8 @@ def test_a_step_defers_an_evicted_adapter_and_reads_it_off_its_thread(world: Any
 def test_deferred_requests_keep_their_order(world: Any) -> None:
     """Requests deferred for a read come back in request order, and resubmitted first they are admitted
     in that order. ``b``'s read needs the place of ``d``, admitted for a younger request: ``d`` waits
-    (the core's rule that a waiting adapter's read goes before younger requests)."""
+    (the core's rule that a waiting adapter's read goes before younger requests), in host memory until
+    a read has succeeded and takes its place."""
     _, paths = world
     mgr, _ = manager(world, max_loras_per_batch=2, max_loaded_loras=3)
     for name in "abcde":
@@ -119,7 +120,7 @@ def test_deferred_requests_keep_their_order(world: Any) -> None:
     names: list[str | None] = ["a", "c", None, "b", "a", "d"]
     step = mgr.prepare_step(names, 1)
     mgr.finish(step)
-    assert step.admitted == (1, 2) and step.deferred == step.loading == (0, 3, 4, 5)
+    assert step.admitted == (1, 2) and step.deferred == (0, 3, 4, 5) and step.loading == (0, 3, 4)
     assert mgr.registry.stats()["host"]["fetching"] == ["a", "b"]
     assert mgr.wait_loads(timeout=30)
     waiting = [names[i] for i in step.deferred]
@@ -205,7 +206,8 @@ def test_a_cold_request_behind_steady_hot_traffic_is_served(world: Any) -> None:
 def test_a_failed_background_read_reaches_only_its_requests(world: Any, tmp_path: Path) -> None:
     """``a``'s files broke after it was evicted from host memory: its read fails in the background, the
     next step lists ``a``'s requests in ``failed`` (neither admitted nor deferred), the other requests
-    run, no other adapter moves, and nothing is counted for ``a``. A later request retries the read."""
+    run, no other adapter moves (none ever left for ``a``'s read), and nothing is counted for ``a``. A
+    later request retries the read."""
     _, paths = world
     mgr, _ = manager(world, max_loras_per_batch=2, max_loaded_loras=3)
     folder = tmp_path / "a"
@@ -216,7 +218,7 @@ def test_a_failed_background_read_reaches_only_its_requests(world: Any, tmp_path
     weights = folder / "adapter_model.safetensors"
     good = weights.read_bytes()
     weights.write_bytes(b"not a safetensors file")
-    step = mgr.prepare_step(["a"], 1)  # a's read begins (b makes room for it)
+    step = mgr.prepare_step(["a"], 1)  # a's read begins, evicting nobody
     mgr.finish(step)
     assert step.deferred == (0,)
     assert mgr.wait_loads(timeout=30)
@@ -228,7 +230,7 @@ def test_a_failed_background_read_reaches_only_its_requests(world: Any, tmp_path
     assert sorted(step.failed) == [1, 3]
     assert all(isinstance(e, AdapterLoadError) and "'a'" in str(e) for e in step.failed.values())
     host = mgr.registry.stats()["host"]
-    assert sorted(host["resident"]) == sorted(before["resident"]) == ["c", "d"]
+    assert sorted(host["resident"]) == sorted(before["resident"]) == ["b", "c", "d"]
     assert host["bytes"] == before["bytes"] == mgr.stats()["host_bytes"]
     assert mgr.stats()["background_load_failures"] == 1
     mgr.registry.audit()
@@ -331,17 +333,19 @@ def test_batch_waits_for_its_reads_on_the_loader(world: Any, want: Any) -> None:
 
 
 def test_batch_waits_for_room_held_by_prefetched_reads(world: Any, want: Any) -> None:
-    """Every place in the host tier is set aside for a prefetched read when ``batch(["d"])`` begins: it
-    waits for those reads to end, then has ``d`` read, still on a loader thread."""
+    """Every place in the host tier is set aside for a prefetched read when ``batch(["d"])`` begins (``d``
+    is out of host memory): it waits for those reads to end, then has ``d`` read, still on a loader
+    thread."""
     _, paths = world
     mgr, model = manager(world, max_loras_per_batch=2, max_loaded_loras=3)
-    for name in "abcdef":
-        mgr.load(name, paths[name])  # d, e, f resident
+    for name in "abcdefg":
+        mgr.load(name, paths[name])  # e, f, g resident
     with slow_store(delay_ms=200) as store:
         assert mgr.prefetch(["a", "b", "c"]) == ["a", "b", "c"]
         assert mgr.registry.stats()["host"]["fetching"] == ["a", "b", "c"]
         with torch.no_grad(), mgr.batch(["d"]):
             got = model(IDS).logits
+        assert mgr.wait_loads(timeout=30)
     torch.testing.assert_close(got, want["d"], rtol=1e-5, atol=1e-6)
     assert all(thread.startswith("lora_pin-load") for _, thread in store.reads), store.reads
     mgr.registry.audit()

@@ -55,6 +55,8 @@ def served_manager(tiny_llama: torch.nn.Module, adapters: dict[str, Path]) -> Lo
     # The reads those steps began in the background end, enter the host tier and take their requests.
     assert mgr.wait_loads(timeout=30)
     mgr.finish(mgr.prepare_step(["a2", "a3"], 1))
+    # Installing those reads evicted others, which that step may have begun reading again.
+    assert mgr.wait_loads(timeout=30)
     return mgr
 
 

@@ -458,13 +458,13 @@ impl PyLoRARegistry {
 
     /// Starts background reads ahead of any step: fetches every adapter named in `names` (a
     /// scheduler's waiting queue, in order; None entries and repeats are fine) that is neither in
-    /// the host tier nor being fetched. Host room is made by evicting unprotected adapters, never
-    /// resident ones named earlier in `names`; an adapter the tier cannot make room for now is
-    /// skipped. May be called while a step is open (its adapters are protected).
+    /// the host tier nor being fetched. Each fetch reserves its host bytes and evicts nobody (room is
+    /// made by `fetch_done`, once its read succeeded); one that could not fit beside the protected
+    /// adapters, the other reservations and the resident ones named earlier in `names` is skipped.
+    /// May be called while a step is open (its adapters are protected).
     ///
     /// Returns a `FetchPlan`: `to_fetch` (`(name, serial)` to read and report with `fetch_done` /
-    /// `fetch_failed`), `evicted` (names that left the host tier: free their tensors) and
-    /// `skipped`.
+    /// `fetch_failed`) and `skipped`.
     ///
     /// Raises:
     ///     AdapterNotFoundError: a name is not registered or being unloaded (nothing was started).
@@ -477,17 +477,21 @@ impl PyLoRARegistry {
         Ok(PyFetchPlan::new(plan, self.strs.clone()))
     }
 
-    /// Reports the fetch of `name` for registration `serial` (from `to_fetch`) done: the adapter
-    /// enters the host tier in the room reserved when the fetch started (nothing is evicted). Put
-    /// its host tensors in place before the next step admits it.
+    /// Reports the fetch of `name` for registration `serial` (from `to_fetch`) done, its read
+    /// having succeeded: the adapter enters the host tier, unprotected adapters leaving it to make
+    /// room; returns their names (free their host tensors). Put its host tensors in place before
+    /// the next step admits it.
     ///
     /// Raises:
     ///     AdapterNotFoundError: `name` is not registered under `serial` any more (unloaded or
     ///         registered again): drop the bytes read.
     ///     UsageError: it is not being fetched (cancelled by an unload, taken over by a blocking
     ///         read, or reported already): drop the bytes read.
-    fn fetch_done(&self, py: Python<'_>, name: Name, serial: u64) -> PyResult<()> {
-        detached(py, || self.shared.lock().fetch_done(&name, serial))
+    ///     CapacityError: the adapters protected now (pinned, in a step, fresh) leave it no room;
+    ///         the fetch goes on: keep the bytes and report it again after a step. Nothing changed.
+    fn fetch_done(&self, py: Python<'_>, name: Name, serial: u64) -> PyResult<Vec<String>> {
+        let evicted = detached(py, || self.shared.lock().fetch_done(&name, serial))?;
+        Ok(evicted.iter().map(|n| n.to_string()).collect())
     }
 
     /// Reports the fetch of `name` for registration `serial` failed: its host reservation is

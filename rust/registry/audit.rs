@@ -116,16 +116,26 @@ impl Registry {
                 self.host.count, self.host.bytes
             ));
         }
-        if self.host.max_count.is_some_and(|m| count > m) || self.host.max_bytes.is_some_and(|m| bytes > m) {
-            return Err(format!(
-                "host tier over capacity: {count} adapters, {bytes} bytes (reservations included)"
-            ));
+        // Reservations evict nobody, so only the resident adapters are bounded by the capacity.
+        let (resident, resident_bytes) = (count - fetching, bytes - reserved);
+        if self.host.max_count.is_some_and(|m| resident > m)
+            || self.host.max_bytes.is_some_and(|m| resident_bytes > m)
+        {
+            return Err(format!("host tier over capacity: {resident} adapters, {resident_bytes} bytes"));
         }
         if pinned != self.pinned || pinned >= self.config.slots {
             return Err(format!(
                 "{pinned} pinned adapters (counter {}) for {} slots",
                 self.pinned, self.config.slots
             ));
+        }
+        if let (Some(max), Some((name, needs))) = (self.host.max_bytes, self.largest_unpinned(None)) {
+            if self.pinned_host_bytes + needs > max {
+                return Err(format!(
+                    "{name:?} ({needs} host bytes) cannot fit beside the pinned adapters ({} of {max} bytes)",
+                    self.pinned_host_bytes
+                ));
+            }
         }
         if (host_cands, idle, queued)
             != (self.host.candidates.len(), self.device.idle.len(), self.device.queued.len())

@@ -1,8 +1,10 @@
 //! Background reads: the **fetching** state. An adapter outside the host tier whose weights a
-//! background reader is reading is *fetching*: its host bytes are reserved in the host ledger
-//! (room is made once, when the fetch starts, evicting unprotected adapters), it is in no slot,
-//! takes no requests and is no eviction candidate. [`Registry::fetch_done`] turns the reservation
-//! into residency; [`Registry::fetch_failed`] and an unload release it. A fetch is named by the
+//! background reader is reading is *fetching*: its host bytes are reserved in the host ledger, it
+//! is in no slot, takes no requests and is no eviction candidate. A reservation evicts nobody: a
+//! fetch starts only when the protected adapters and the other reservations leave it room, and
+//! [`Registry::fetch_done`] makes the room (evicting unprotected adapters) once the read has
+//! succeeded, so a read that fails or is abandoned leaves every other adapter where it was;
+//! [`Registry::fetch_failed`] and an unload release the reservation. A fetch is named by the
 //! adapter's name and registration serial, so a report for a fetch that was cancelled (or for an
 //! earlier registration of the name) is refused and the caller drops the bytes it read.
 //!
@@ -34,17 +36,16 @@ pub struct Fetch {
 pub struct FetchPlan {
     /// Fetches started, in the order of the names given.
     pub to_fetch: Vec<Fetch>,
-    /// Adapters evicted from the host tier (and from their slots) to make room: free their tensors.
-    pub evicted: Vec<Arc<str>>,
     /// Adapters that need a fetch but the host tier cannot make room for now (it is full of
     /// protected adapters); in the order of the names given.
     pub skipped: Vec<Arc<str>>,
 }
 
 impl Registry {
-    /// Starts fetching `key` (outside the host tier, not fetching) if the host tier can make room:
-    /// evicts unprotected adapters into `evicted` and reserves its bytes. Returns whether it started.
-    pub(crate) fn start_fetch(&mut self, key: AdapterKey, evicted: &mut Vec<Eviction>) -> bool {
+    /// Starts fetching `key` (outside the host tier, not fetching) if the host tier could make room
+    /// for it beside the protected adapters and the other reservations: reserves its bytes, evicting
+    /// nobody. Returns whether it started.
+    pub(crate) fn start_fetch(&mut self, key: AdapterKey) -> bool {
         let a = self.get(key);
         debug_assert!(a.residency.host_since.is_none() && !a.residency.fetching);
         let bytes = a.identity.size.host_bytes;
@@ -52,7 +53,6 @@ impl Registry {
             self.host.counters.refusals += 1;
             return false;
         }
-        self.make_host_room(bytes, evicted);
         self.get_mut(key).residency.fetching = true;
         self.host.count += 1;
         self.host.bytes += bytes;
@@ -62,52 +62,61 @@ impl Registry {
         true
     }
 
+    /// Whether `key`, being fetched, could enter the host tier now (after evicting every unprotected
+    /// adapter): [`Registry::end_fetch`] into the host tier may be called.
+    pub(crate) fn fetch_fits(&self, key: AdapterKey) -> bool {
+        self.host.resident_room_possible(self.get(key).identity.size.host_bytes)
+    }
+
     /// Ends the fetch of `key`: its reservation is released (`into_host`: false) or becomes its
-    /// place in the host tier (`into_host`: true; no room to make, it was made at the start).
-    pub(crate) fn end_fetch(&mut self, key: AdapterKey, into_host: bool) {
+    /// place in the host tier (`into_host`: true, after [`Registry::fetch_fits`]), unprotected
+    /// adapters leaving first to make the room, into `evicted`.
+    pub(crate) fn end_fetch(&mut self, key: AdapterKey, into_host: bool, evicted: &mut Vec<Eviction>) {
         let a = self.get_mut(key);
         debug_assert!(a.residency.fetching);
         a.residency.fetching = false;
         let bytes = a.identity.size.host_bytes;
         self.host.reserved_count -= 1;
         self.host.reserved_bytes -= bytes;
+        self.host.count -= 1;
+        self.host.bytes -= bytes;
         if into_host {
+            self.make_host_room(bytes, evicted);
+            self.host.count += 1;
+            self.host.bytes += bytes;
             let now = self.tick();
             self.get_mut(key).residency.host_since = Some(now);
             self.host.counters.loads += 1;
-        } else {
-            self.host.count -= 1;
-            self.host.bytes -= bytes;
         }
         self.refresh(key);
     }
 
     /// Starts fetching the adapters named in `names` that are neither in the host tier nor being
     /// fetched, in order (`None` entries and repeats are skipped): a scheduler's waiting queue, so
-    /// their reads run before any step needs them. Room is made by evicting unprotected adapters,
-    /// never those named earlier in `names` (the queue's head keeps what it will need); an adapter
-    /// the tier cannot make room for is skipped. Needs no step, and may run while one is open.
+    /// their reads run before any step needs them. A fetch starts only if it could fit beside the
+    /// protected adapters, the other reservations and the resident adapters named earlier in
+    /// `names` (the queue's head keeps what it will need); an adapter the tier has no such room for
+    /// is skipped. Evicts nobody. Needs no step, and may run while one is open.
     ///
     /// Errors: [`Error::AdapterNotFound`] for a name not registered (or being unloaded); nothing
     /// is started then.
     pub fn prefetch(&mut self, names: &[Option<&str>]) -> Result<FetchPlan> {
         let keys = names.iter().flatten().map(|n| self.lookup(n, false)).collect::<Result<Vec<_>>>()?;
         let mut plan = FetchPlan::default();
-        let mut evictions = Vec::new();
-        self.fetch_in_order(&keys, false, &mut evictions, &mut plan.to_fetch, &mut plan.skipped);
-        plan.evicted = evictions.into_iter().filter(|e| e.tier == Tier::Host).map(|e| e.name).collect();
+        self.fetch_in_order(&keys, false, &mut plan.to_fetch, &mut plan.skipped);
         Ok(plan)
     }
 
     /// Starts the fetches `keys` need, in order (repeats skipped): started ones go to `to_fetch`,
-    /// ones the host tier cannot make room for to `skipped`. The resident adapters among `keys` are
-    /// shielded from the evictions: those named before the one being fetched, or all of them
-    /// (`shield_all`, for a batch that must run whole).
+    /// ones the host tier cannot make room for to `skipped`. The resident adapters among `keys`
+    /// count as protected in that room: those named before the one being fetched, or all of them
+    /// (`shield_all`, for a batch that must run whole). A batch that must run whole also keeps its
+    /// resident adapters: they become *fresh* (until the batch's next plan admits them), so the
+    /// room its fetches make when they are done is never taken from the batch itself.
     pub(crate) fn fetch_in_order(
         &mut self,
         keys: &[AdapterKey],
         shield_all: bool,
-        evictions: &mut Vec<Eviction>,
         to_fetch: &mut Vec<Fetch>,
         skipped: &mut Vec<Arc<str>>,
     ) {
@@ -124,7 +133,12 @@ impl Registry {
         };
         if shield_all {
             for &key in keys {
-                shield(self, key);
+                let a = self.get_mut(key);
+                if a.residency.host_since.is_some() && !a.protection.fresh {
+                    a.protection.fresh = true;
+                    self.fresh.push(key);
+                    self.refresh(key);
+                }
             }
         }
         let mut seen = vec![false; self.adapters.len()];
@@ -140,7 +154,7 @@ impl Registry {
                 shield(self, key);
                 continue;
             }
-            if self.start_fetch(key, evictions) {
+            if self.start_fetch(key) {
                 let a = self.get(key);
                 to_fetch.push(Fetch { name: Arc::clone(&a.identity.name), serial: a.identity.serial });
             } else {
@@ -153,21 +167,32 @@ impl Registry {
         }
     }
 
-    /// The fetch of `name` for registration `serial` finished: the adapter enters the host tier
-    /// (its bytes were reserved when the fetch started, so nothing is evicted now), *fresh*: never
-    /// evicted until a plan admits it, or plans a step without it (its requests are gone).
+    /// The fetch of `name` for registration `serial` read its adapter: the adapter enters the host
+    /// tier, unprotected adapters leaving to make its room (returned, in order: the caller frees
+    /// them), *fresh*: never evicted until a plan admits it, or plans a step without it (its
+    /// requests are gone).
     ///
     /// Errors: [`Error::AdapterNotFound`] when `name` is not registered under `serial` any more
     /// (unloaded, or registered again); [`Error::Usage`] when it is not being fetched (the fetch
-    /// was cancelled, taken over by a blocking read, or reported already). The caller then drops
-    /// the bytes it read; nothing changes.
-    pub fn fetch_done(&mut self, name: &str, serial: u64) -> Result<()> {
+    /// was cancelled, taken over by a blocking read, or reported already): the caller then drops
+    /// the bytes it read. [`Error::Capacity`] when the adapters protected now (pinned, in a step,
+    /// in flight, fresh) leave it no room: the fetch goes on, its bytes kept by the caller, who
+    /// reports it again later (once a step has ended). Nothing changes on an error.
+    pub fn fetch_done(&mut self, name: &str, serial: u64) -> Result<Vec<Arc<str>>> {
         let key = self.fetching(name, serial)?;
-        self.end_fetch(key, true);
+        if !self.fetch_fits(key) {
+            let bytes = self.get(key).identity.size.host_bytes;
+            return Err(Error::Capacity(format!(
+                "adapter {name:?} was read but cannot enter the host tier yet: {}",
+                self.host.shortage(bytes)
+            )));
+        }
+        let mut evicted = Vec::new();
+        self.end_fetch(key, true, &mut evicted);
         self.get_mut(key).protection.fresh = true;
         self.fresh.push(key);
         self.refresh(key);
-        Ok(())
+        Ok(evicted.into_iter().filter(|e| e.tier == Tier::Host).map(|e| e.name).collect())
     }
 
     /// The fetch of `name` for registration `serial` failed: its reservation is released and the
@@ -176,7 +201,7 @@ impl Registry {
     /// Errors: as [`Registry::fetch_done`].
     pub fn fetch_failed(&mut self, name: &str, serial: u64) -> Result<()> {
         let key = self.fetching(name, serial)?;
-        self.end_fetch(key, false);
+        self.end_fetch(key, false, &mut Vec::new());
         Ok(())
     }
 

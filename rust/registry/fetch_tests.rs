@@ -1,3 +1,5 @@
+use std::sync::Arc;
+
 use crate::error::Error;
 use crate::policy::AdapterKey;
 use crate::registry::testkit::*;
@@ -36,8 +38,8 @@ fn fetch_mode_defers_a_host_miss_reserves_its_room_and_admits_it_once_fetched() 
     let (p, ticket) = begin(&mut reg, &[Some("a"), Some("b"), None, Some("a")], FETCH);
     assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([1, 2].as_slice(), [0, 3].as_slice()));
     assert_eq!(fetches(&p), [("a", serial)]);
-    // b is in the step: the room for a is made by evicting c, and the plan says so.
-    assert_eq!(evicted(&p, Tier::Host), ["c"]);
+    // The reservation evicts nobody: c leaves only once a's read has succeeded.
+    assert!(p.evictions.is_empty());
     assert!(p.loads.iter().all(|l| &*l.name == "b" && l.source == LoadSource::Host));
     let stats = reg.stats();
     assert_eq!(
@@ -46,10 +48,11 @@ fn fetch_mode_defers_a_host_miss_reserves_its_room_and_admits_it_once_fetched() 
     );
     assert_eq!(
         (stats.host.resident.as_slice(), stats.host.used, stats.host.bytes),
-        (["b".to_owned()].as_slice(), 1, 100)
+        (["b".to_owned(), "c".to_owned()].as_slice(), 2, 200)
     );
     reg.finish_step(ticket.unwrap()).unwrap();
-    reg.fetch_done("a", serial).unwrap();
+    // b ran in the step, so c is the least recently used.
+    assert_eq!(reg.fetch_done("a", serial).unwrap(), [Arc::from("c")]);
     reg.audit().unwrap();
     assert_eq!(reg.stats().host.resident, ["a", "b"]);
     assert_eq!(reg.stats().host.reserved_bytes, 0);
@@ -64,7 +67,7 @@ fn requests_waiting_for_a_fetch_never_take_budget_from_admitted_ones() {
     let mut reg = registry(1, Some(2), "lru", &["a", "b", "c"]);
     let (p, _) = begin(&mut reg, &[Some("a"), Some("b"), Some("a")], FETCH);
     assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([1].as_slice(), [0, 2].as_slice()));
-    assert_eq!((fetches(&p).len(), evicted(&p, Tier::Host)), (1, vec!["c"]));
+    assert_eq!((fetches(&p).len(), evicted(&p, Tier::Host)), (1, vec![]));
 }
 
 #[test]
@@ -77,10 +80,13 @@ fn a_fetch_the_host_tier_has_no_room_for_is_retried_by_the_next_step() {
     assert_eq!(reg.stats().host.counters.refusals, 1);
     reg.report_load(ticket.unwrap(), 0, true).unwrap();
     reg.finish_step(ticket.unwrap()).unwrap();
-    let (p, _) = begin(&mut reg, &[Some("a")], FETCH);
+    let (p, t) = begin(&mut reg, &[Some("a")], FETCH);
     assert_eq!((fetches(&p).len(), p.deferred.as_slice()), (1, [0].as_slice()));
-    assert_eq!(evicted(&p, Tier::Host), ["b"]);
-    assert_eq!(evicted(&p, Tier::Device), ["b"]);
+    assert!(p.evictions.is_empty(), "b leaves both tiers once a's read has succeeded");
+    reg.finish_step(t.unwrap()).unwrap();
+    assert_eq!(reg.fetch_done("a", reg.serial("a").unwrap()).unwrap(), [Arc::from("b")]);
+    assert_eq!(reg.stats().device.resident, Vec::<String>::new());
+    reg.audit().unwrap();
 }
 
 #[test]
@@ -128,8 +134,8 @@ fn unloading_an_adapter_being_fetched_cancels_the_fetch_at_once() {
     reg.audit().unwrap();
     let host = reg.stats().host;
     assert!(host.fetching.is_empty() && host.reserved_bytes == 0);
-    // The reservation is gone; the adapter evicted to make room for it stays out.
-    assert_eq!((reg.host.count, reg.host.bytes, reg.host.reserved_count), (1, 100, 0));
+    // The reservation is gone, and it evicted nobody.
+    assert_eq!((reg.host.count, reg.host.bytes, reg.host.reserved_count), (2, 200, 0));
     assert!(matches!(reg.fetch_done("a", serial), Err(Error::Usage(_))));
     reg.release(&[Some(&id)]).unwrap();
     assert_eq!(reg.unload("a").unwrap(), Unload::Done);
@@ -164,13 +170,17 @@ fn prefetch_starts_reads_in_queue_order_and_never_evicts_the_queue_head() {
     reg.audit().unwrap();
     let names: Vec<&str> = p.to_fetch.iter().map(|f| &*f.name).collect();
     assert_eq!(names, ["a"]);
-    assert_eq!(p.evicted.iter().map(|n| &**n).collect::<Vec<_>>(), ["c"]);
     assert_eq!(p.skipped.iter().map(|n| &**n).collect::<Vec<_>>(), ["b"]);
+    assert_eq!(reg.stats().host.resident, ["c", "d"], "a reservation evicts nobody");
     // Fetching already: nothing more to start.
     assert!(reg.prefetch(&[Some("a")]).unwrap().to_fetch.is_empty());
     // With d no longer in the queue, b may take its place.
     let p = reg.prefetch(&[Some("b")]).unwrap();
-    assert_eq!((p.to_fetch.len(), p.evicted.len()), (1, 1));
+    assert_eq!(p.to_fetch.len(), 1);
+    reg.audit().unwrap();
+    // The reads' reports make the room, each evicting the least recently used.
+    assert_eq!(reg.fetch_done("a", reg.serial("a").unwrap()).unwrap(), [Arc::from("c")]);
+    assert_eq!(reg.fetch_done("b", reg.serial("b").unwrap()).unwrap(), [Arc::from("d")]);
     reg.audit().unwrap();
 }
 
@@ -179,7 +189,7 @@ fn prefetch_while_a_step_is_open_leaves_the_step_alone() {
     let mut reg = registry(2, Some(2), "lru", &["a", "b", "c"]);
     let (_, ticket) = begin(&mut reg, &[Some("b"), Some("c")], FETCH);
     let p = reg.prefetch(&[Some("a")]).unwrap();
-    assert!(p.to_fetch.is_empty() && p.evicted.is_empty());
+    assert!(p.to_fetch.is_empty());
     assert_eq!(p.skipped.len(), 1);
     reg.finish_step(ticket.unwrap()).unwrap();
     assert_eq!(reg.prefetch(&[Some("a")]).unwrap().to_fetch.len(), 1);
@@ -190,10 +200,10 @@ fn a_blocking_read_of_an_adapter_being_fetched_takes_over_its_reservation() {
     let mut reg = with_a_evicted();
     let serial = reg.serial("a").unwrap();
     assert_eq!(reg.prefetch(&[Some("a")]).unwrap().to_fetch.len(), 1);
-    // A blocking step (fetch off) reads a itself: no second room is made, nothing is evicted.
+    // A blocking step (fetch off) reads a itself: no second reservation; the room is made now.
     let (p, ticket) = begin(&mut reg, &[Some("a")], StepOptions::default());
     assert_eq!(p.loads[0].source, LoadSource::Disk);
-    assert!(evicted(&p, Tier::Host).is_empty());
+    assert_eq!(evicted(&p, Tier::Host), ["b"]);
     reg.report_load(ticket.unwrap(), 0, true).unwrap();
     reg.finish_step(ticket.unwrap()).unwrap();
     assert!(matches!(reg.fetch_done("a", serial), Err(Error::Usage(_))), "the background read is dropped");
@@ -202,7 +212,7 @@ fn a_blocking_read_of_an_adapter_being_fetched_takes_over_its_reservation() {
     // So does enter_host_tier, the read-first path.
     let mut reg = with_a_evicted();
     reg.prefetch(&[Some("a")]).unwrap();
-    assert!(reg.enter_host_tier("a", serial).unwrap().is_empty());
+    assert_eq!(reg.enter_host_tier("a", serial).unwrap(), ["b"]);
     assert!(matches!(reg.fetch_failed("a", serial), Err(Error::Usage(_))));
     assert_eq!(reg.stats().host.resident, ["a", "c"]);
     reg.audit().unwrap();
@@ -252,9 +262,9 @@ fn a_fetched_adapter_stays_fresh_until_a_plan_admits_it_or_leaves_it_out() {
     // One slot (a step uses one unpinned adapter), two host places; x and y resident.
     let mut reg = registry(1, Some(2), "lru", &["a", "b", "x", "y"]);
     let (p, t) = begin(&mut reg, &[Some("x"), Some("a"), Some("b")], FETCH);
-    assert_eq!(fetches(&p), [("a", reg.serial("a").unwrap())], "y made room for a; none is left for b");
+    assert_eq!(fetches(&p), [("a", reg.serial("a").unwrap())], "y's place goes to a; none is left for b");
     reg.finish_step(t.unwrap()).unwrap();
-    reg.fetch_done("a", reg.serial("a").unwrap()).unwrap();
+    assert_eq!(reg.fetch_done("a", reg.serial("a").unwrap()).unwrap(), [Arc::from("y")]);
     // x still takes the one slot, so a's requests wait again: b's fetch must not undo a's.
     let (p, t) = begin(&mut reg, &[Some("x"), Some("a"), Some("b")], FETCH);
     assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([0].as_slice(), [1, 2].as_slice()));
@@ -263,14 +273,14 @@ fn a_fetched_adapter_stays_fresh_until_a_plan_admits_it_or_leaves_it_out() {
     reg.finish_step(t.unwrap()).unwrap();
     // Nor may a prefetch: x's place goes instead.
     let p = reg.prefetch(&[Some("b")]).unwrap();
-    assert_eq!((p.to_fetch.len(), p.evicted.iter().map(|n| &**n).collect::<Vec<_>>()), (1, vec!["x"]));
+    assert_eq!(p.to_fetch.len(), 1);
     // a's turn: admitted, and fresh no more.
     let (p, t) = begin(&mut reg, &[Some("a"), Some("b")], FETCH);
     assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([0].as_slice(), [1].as_slice()));
     assert!(!reg.get(reg.lookup("a", false).unwrap()).protection.fresh);
     reg.finish_step(t.unwrap()).unwrap();
     // A fetched adapter whose requests are gone is fresh only until the next plan.
-    reg.fetch_done("b", reg.serial("b").unwrap()).unwrap();
+    assert_eq!(reg.fetch_done("b", reg.serial("b").unwrap()).unwrap(), [Arc::from("x")]);
     assert_eq!(reg.fresh.len(), 1);
     let (_, t) = begin(&mut reg, &[Some("a")], FETCH);
     assert!(reg.fresh.is_empty());
@@ -282,8 +292,8 @@ fn a_whole_batch_that_cannot_begin_ends_the_freshness_of_adapters_it_leaves_out(
     // One host place: a is fetched and fresh, then a batch that must run whole asks for b only.
     let mut reg = registry(1, Some(1), "lru", &["a", "b"]);
     let p = reg.prefetch(&[Some("a")]).unwrap();
-    assert_eq!((p.to_fetch.len(), p.evicted.iter().map(|n| &**n).collect::<Vec<_>>()), (1, vec!["b"]));
-    reg.fetch_done("a", reg.serial("a").unwrap()).unwrap();
+    assert_eq!(p.to_fetch.len(), 1);
+    assert_eq!(reg.fetch_done("a", reg.serial("a").unwrap()).unwrap(), [Arc::from("b")]);
     let whole = StepOptions { all_or_nothing: true, fetch: true };
     // The batch plans no step, yet it leaves a out: a stays through this plan, protected no more after.
     let (p, t) = begin(&mut reg, &[Some("b")], whole);
@@ -293,7 +303,8 @@ fn a_whole_batch_that_cannot_begin_ends_the_freshness_of_adapters_it_leaves_out(
     let (p, t) = begin(&mut reg, &[Some("b")], whole);
     assert!(t.is_none());
     assert_eq!(fetches(&p), [("b", reg.serial("b").unwrap())]);
-    assert_eq!(evicted(&p, Tier::Host), ["a"]);
+    assert!(p.evictions.is_empty());
+    assert_eq!(reg.fetch_done("b", reg.serial("b").unwrap()).unwrap(), [Arc::from("a")]);
 }
 
 #[test]
@@ -305,8 +316,9 @@ fn a_waiting_request_takes_host_room_from_younger_requests_never_older_ones() {
     let (p, t) = begin(&mut reg, &[Some("a"), Some("b"), Some("x")], FETCH);
     assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([1].as_slice(), [0, 2].as_slice()));
     assert_eq!(fetches(&p), [("a", a_serial)]);
-    assert_eq!(evicted(&p, Tier::Host), ["x"]);
+    assert!(p.evictions.is_empty());
     reg.finish_step(t.unwrap()).unwrap();
+    assert_eq!(reg.fetch_done("a", a_serial).unwrap(), [Arc::from("x")]);
     // With a's request the youngest, the older ones keep their places and a waits.
     let mut reg = registry(2, Some(2), "lru", &["a", "b", "x"]);
     let (p, _) = begin(&mut reg, &[Some("b"), Some("x"), Some("a")], FETCH);

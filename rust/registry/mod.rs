@@ -274,14 +274,17 @@ impl Registry {
     ///
     /// Errors: [`Error::DuplicateAdapter`] naming both refs (same name or same id);
     /// [`Error::AdapterInUse`] while an adapter of that name is being unloaded; [`Error::Capacity`]
-    /// when the pin or the host tier cannot take it (nothing is evicted then); [`Error::Spec`] for a
+    /// when the pin or the host tier cannot take it, or it could never fit in the host tier beside
+    /// the pinned adapters (see [`Registry::pin`]; nothing is evicted then); [`Error::Spec`] for a
     /// rank of 0, a non-finite scaling, or byte totals past 2^64.
     pub fn register(&mut self, r: LoRARef, size: AdapterSize) -> Result<Vec<String>> {
         check_size(&r, size)?;
         self.check_name_free(&r)?;
         let totals = self.registered_totals_with(&r, size)?;
         if r.pinned {
-            self.check_pin(&r.lora_name, size.host_bytes)?;
+            self.check_pin(&r.lora_name, size.host_bytes, None)?;
+        } else {
+            self.check_fits_beside_pins(&r, size.host_bytes)?;
         }
         if !self.host.room_possible(size.host_bytes) {
             self.host.counters.refusals += 1;
@@ -392,7 +395,39 @@ impl Registry {
         self.refresh(key);
     }
 
-    fn check_pin(&mut self, name: &str, host_bytes: u64) -> Result<()> {
+    /// Refuses an unpinned adapter that could never enter the host tier beside the pinned ones: its
+    /// requests would wait forever.
+    fn check_fits_beside_pins(&mut self, r: &LoRARef, host_bytes: u64) -> Result<()> {
+        let Some(max) = self.host.max_bytes else { return Ok(()) };
+        if self.pinned_host_bytes.saturating_add(host_bytes) <= max {
+            return Ok(());
+        }
+        self.host.counters.refusals += 1;
+        Err(Error::Capacity(format!(
+            "cannot register {} ({host_bytes} host bytes): the pinned adapters take {} of \
+             max_host_bytes={max}, so it could never enter the host tier beside them; unpin one or \
+             raise max_host_bytes",
+            describe(r),
+            self.pinned_host_bytes
+        )))
+    }
+
+    /// The registered unpinned adapter with the most host bytes, `except` aside: the one that needs
+    /// the most room beside the pinned adapters.
+    fn largest_unpinned(&self, except: Option<AdapterKey>) -> Option<(&str, u64)> {
+        self.adapters
+            .iter()
+            .enumerate()
+            .filter_map(|(i, a)| a.as_ref().filter(|a| !a.protection.pinned).map(|a| (i, a)))
+            .filter(|&(i, _)| except != Some(AdapterKey(i as u32)))
+            .map(|(_, a)| (a.spec_name(), a.identity.size.host_bytes))
+            .max_by_key(|&(_, bytes)| bytes)
+    }
+
+    /// Whether `name` (`key` when registered) of `host_bytes` may be pinned: one slot stays for
+    /// unpinned adapters, and every other registered adapter still fits in the host tier beside the
+    /// pinned ones (else its requests would wait forever).
+    fn check_pin(&mut self, name: &str, host_bytes: u64, key: Option<AdapterKey>) -> Result<()> {
         let slots = self.config.slots;
         if self.pinned + 1 > slots - 1 {
             self.device.counters.refusals += 1;
@@ -413,13 +448,25 @@ impl Registry {
             }
         }
         if let Some(max) = self.host.max_bytes {
-            if self.pinned_host_bytes + host_bytes > max {
+            let pinned = self.pinned_host_bytes + host_bytes;
+            if pinned > max {
                 self.host.counters.refusals += 1;
                 return Err(Error::Capacity(format!(
                     "cannot pin adapter {name:?} ({host_bytes} host bytes): pinned adapters already take \
                      {} of max_host_bytes={max}",
                     self.pinned_host_bytes
                 )));
+            }
+            if let Some((other, needs)) = self.largest_unpinned(key).filter(|&(_, b)| pinned + b > max) {
+                let why = format!(
+                    "cannot pin adapter {name:?} ({host_bytes} host bytes): the pinned adapters would take \
+                     {pinned} of max_host_bytes={max}, leaving {} bytes, and adapter {other:?} needs {needs}; \
+                     every registered adapter must fit in the host tier beside the pinned ones (unload it, \
+                     unpin another or raise max_host_bytes)",
+                    max - pinned
+                );
+                self.host.counters.refusals += 1;
+                return Err(Error::Capacity(why));
             }
         }
         Ok(())
@@ -429,7 +476,9 @@ impl Registry {
     /// tier before is read again on its next use and stays). Pinning a pinned adapter does nothing.
     ///
     /// Errors: [`Error::AdapterNotFound`]; [`Error::Capacity`] with the numbers when fewer than one
-    /// device slot would stay for unpinned adapters, or the pinned adapters would overflow the host tier.
+    /// device slot would stay for unpinned adapters, the pinned adapters would overflow the host tier,
+    /// or another registered adapter would no longer fit in it beside them (the invariant that keeps
+    /// every request from waiting forever: each registered adapter fits beside the pinned ones).
     pub fn pin(&mut self, name: &str) -> Result<()> {
         let key = self.lookup(name, false)?;
         let a = self.get(key);
@@ -437,7 +486,7 @@ impl Registry {
             return Ok(());
         }
         let bytes = a.identity.size.host_bytes;
-        self.check_pin(name, bytes)?;
+        self.check_pin(name, bytes, Some(key))?;
         self.pinned += 1;
         self.pinned_host_bytes += bytes;
         self.get_mut(key).protection.pinned = true;

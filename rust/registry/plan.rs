@@ -194,7 +194,7 @@ impl Registry {
             if !self.host.room_possible(bytes) {
                 self.yield_room(first, bytes, &mut waiting.firsts, marks);
             }
-            if self.start_fetch(key, &mut plan.evictions) {
+            if self.start_fetch(key) {
                 let a = self.get(key);
                 plan.to_fetch.push(Fetch { name: Arc::clone(&a.identity.name), serial: a.identity.serial });
             }
@@ -369,14 +369,15 @@ impl Registry {
         let bytes = a.identity.size.host_bytes;
         // A blocking read of an adapter being fetched takes over the fetch's reservation.
         let fetching = a.residency.fetching;
-        if source == LoadSource::Disk && !fetching && !self.host.room_possible(bytes) {
+        let host_room = if fetching { self.fetch_fits(key) } else { self.host.room_possible(bytes) };
+        if source == LoadSource::Disk && !host_room {
             return Err(Refusal::Host);
         }
         if !self.device.slot_possible() {
             return Err(Refusal::Device);
         }
         match source {
-            LoadSource::Disk if fetching => self.end_fetch(key, true),
+            LoadSource::Disk if fetching => self.end_fetch(key, true, &mut plan.evictions),
             LoadSource::Disk => {
                 self.make_host_room(bytes, &mut plan.evictions);
                 self.enter_host(key);

@@ -34,6 +34,74 @@ fn pins_are_refused_with_the_numbers_and_reserve_their_slots() {
 }
 
 #[test]
+fn every_registered_adapter_fits_in_the_host_tier_beside_the_pinned_ones() {
+    // 250 host bytes, three slots: pinning b and c (200 bytes) would leave 50, and a needs 100, so
+    // a's requests would wait for ever; the pin is refused with the numbers, as is a registration
+    // that could never enter beside the pins.
+    let mut config = Config::new(3);
+    config.max_host_bytes = Some(250);
+    let mut reg = Registry::new(config).unwrap();
+    for n in ["a", "b", "c"] {
+        reg.register(lora(n), size(4, 100)).unwrap();
+    }
+    reg.pin("b").unwrap();
+    let before = reg.stats();
+    let err = reg.pin("c").unwrap_err();
+    assert!(matches!(err, Error::Capacity(_)));
+    let msg = err.to_string();
+    assert!(msg.contains("\"a\" needs 100") && msg.contains("200 of max_host_bytes=250"), "{msg}");
+    let pinned = LoRARef::with_deterministic_id("d", "/srv/d", true, None).unwrap();
+    assert!(matches!(reg.register(pinned, size(4, 60)), Err(Error::Capacity(_))));
+    let err = reg.register(lora("e"), size(4, 200)).unwrap_err().to_string();
+    assert!(err.contains("could never enter the host tier beside them"), "{err}");
+    assert_eq!((reg.stats().pinned_names, reg.stats().registered), (before.pinned_names, before.registered));
+    reg.audit().unwrap();
+    // Without a, c may be pinned.
+    assert_eq!(reg.unload("a").unwrap(), Unload::Done);
+    reg.pin("c").unwrap();
+    reg.audit().unwrap();
+}
+
+#[test]
+fn a_failed_fetch_leaves_every_other_adapter_where_it_was() {
+    // The host tier (two places) holds b and c, both in slots; a's read begins and fails.
+    let mut reg = registry(2, Some(2), "lru", &["a", "b", "c"]);
+    step(&mut reg, &[Some("b"), Some("c")]);
+    reg.end_step().unwrap();
+    let before = residency(&reg);
+    let evictions = (reg.stats().host.counters.evictions, reg.stats().device.counters.evictions);
+    let p = reg.prefetch(&[Some("a")]).unwrap();
+    assert_eq!(p.to_fetch.len(), 1);
+    assert_eq!(residency(&reg), before, "a reservation evicts nobody");
+    reg.fetch_failed("a", reg.serial("a").unwrap()).unwrap();
+    assert_eq!(residency(&reg), before);
+    assert_eq!((reg.stats().host.counters.evictions, reg.stats().device.counters.evictions), evictions);
+    reg.audit().unwrap();
+}
+
+#[test]
+fn a_read_the_protected_adapters_leave_no_room_for_waits_and_changes_nothing() {
+    let mut reg = registry(2, Some(2), "lru", &["a", "b", "c"]);
+    let serial = reg.serial("a").unwrap();
+    assert_eq!(reg.prefetch(&[Some("a")]).unwrap().to_fetch.len(), 1);
+    // A step takes b and c (the whole host tier) before a's read ends.
+    let keys: Vec<_> = ["b", "c"].iter().map(|n| Some(reg.lookup(n, false).unwrap())).collect();
+    let (p, ticket) = reg.begin_step(&keys, &[1, 1], false).unwrap();
+    assert_eq!(p.admitted, [0, 1]);
+    let before = (residency(&reg), reg.stats().host);
+    assert!(matches!(reg.fetch_done("a", serial), Err(Error::Capacity(_))));
+    assert_eq!((residency(&reg), reg.stats().host), before);
+    reg.audit().unwrap();
+    for index in 0..p.loads.len() {
+        reg.report_load(ticket, index, true).unwrap();
+    }
+    reg.finish_step(ticket).unwrap();
+    // Once the step is over, the same report makes its room.
+    assert_eq!(reg.fetch_done("a", serial).unwrap().len(), 1);
+    reg.audit().unwrap();
+}
+
+#[test]
 fn registration_errors_name_both_refs() {
     let mut reg = registry(2, None, "lru", &["a"]);
     let other = LoRARef::with_deterministic_id("a", "/elsewhere", false, None).unwrap();
@@ -182,6 +250,15 @@ fn check_plan(
     assert_eq!(*p.seg_indptr.last().unwrap() as usize, p.token_perm.len());
 }
 
+/// Where each adapter is: in the host tier or not, and its slot.
+fn residency(reg: &Registry) -> HashMap<String, (bool, Option<u32>)> {
+    reg.adapters
+        .iter()
+        .flatten()
+        .map(|a| (a.identity.spec.lora_name.clone(), (a.residency.host_since.is_some(), a.residency.slot)))
+        .collect()
+}
+
 /// A fetch-mode plan's fetches: each adapter listed once, now fetching, and all its requests
 /// deferred; recorded in `fetches` for the reports.
 fn check_fetches(
@@ -314,6 +391,7 @@ proptest! {
                         Ok((p, None)) => {
                             // Fetch mode, all or nothing: no step, every request waits.
                             prop_assert!(*fetch && *all && open.is_none());
+                            prop_assert!(p.evictions.is_empty(), "a fetch evicted from the host tier");
                             prop_assert_eq!(p.deferred.len(), req.len());
                             check_fetches(&reg, req, &p, &mut fetches)?;
                         }
@@ -323,6 +401,8 @@ proptest! {
                             check_plan(&reg, &before, req, &p);
                             if *fetch {
                                 prop_assert!(p.loads.iter().all(|l| l.source == LoadSource::Host), "a disk read in a step");
+                                // A fetch evicts nobody when it starts: room is made when its read succeeded.
+                                prop_assert!(p.evictions.iter().all(|e| e.tier == Tier::Device), "a fetch evicted from the host tier");
                                 check_fetches(&reg, req, &p, &mut fetches)?;
                             } else {
                                 prop_assert!(p.to_fetch.is_empty());
@@ -358,12 +438,6 @@ proptest! {
                                 prop_assert!(p.to_fetch.iter().filter(|g| g.name == f.name).count() == 1);
                                 fetches.insert(f.name.to_string(), f.serial);
                             }
-                            for g in &p.evicted {
-                                let (pinned, loading, in_step, in_flight) = before[&**g];
-                                prop_assert!(!pinned && !loading && !in_step && !in_flight, "{g} was protected");
-                                // Never one named before the adapter whose room it made.
-                                prop_assert!(!names.contains(&Some(&**g)) || reg.lookup(g, false).is_ok());
-                            }
                         }
                         Err(e) => prop_assert!(matches!(e, Error::AdapterNotFound { .. }), "{e}"),
                     }
@@ -373,11 +447,32 @@ proptest! {
                     let live = reg.lookup(&name(*n), true).ok().map(|k| reg.get(k)).filter(|a| a.identity.serial == serial);
                     let fetching = live.is_some_and(|a| a.residency.fetching);
                     let live = live.is_some();
-                    let got = if *ok { reg.fetch_done(&name(*n), serial) } else { reg.fetch_failed(&name(*n), serial) };
+                    let places = residency(&reg);
+                    let got = if *ok { reg.fetch_done(&name(*n), serial) } else { reg.fetch_failed(&name(*n), serial).map(|()| Vec::new()) };
+                    let moved = !*ok || got.is_err();
                     match got {
-                        Ok(()) => prop_assert!(fetching),
+                        Ok(gone) => {
+                            prop_assert!(fetching);
+                            for g in gone {
+                                let (pinned, loading, in_step, in_flight) = before[&*g];
+                                prop_assert!(!pinned && !loading && !in_step && !in_flight, "{g} was protected");
+                            }
+                        }
+                        Err(Error::Capacity(_)) => {
+                            // Read, but the protected adapters leave it no room now: it goes on.
+                            prop_assert!(*ok && fetching);
+                            fetches.insert(name(*n), serial);
+                        }
                         Err(Error::Usage(_)) => prop_assert!(live && !fetching),
                         Err(e) => prop_assert!(!live && matches!(e, Error::AdapterNotFound { .. }), "{e}"),
+                    }
+                    if moved {
+                        // A failed read (or a refused report) moves no other adapter in either tier.
+                        let mut after = residency(&reg);
+                        after.remove(&name(*n));
+                        let mut places = places;
+                        places.remove(&name(*n));
+                        prop_assert_eq!(places, after);
                     }
                 }
             }

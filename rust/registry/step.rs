@@ -80,7 +80,7 @@ impl Registry {
             let outside = keys.iter().any(|&k| self.get(k).residency.host_since.is_none());
             if outside {
                 let mut skipped = Vec::new();
-                self.fetch_in_order(&keys, true, &mut plan.evictions, &mut plan.to_fetch, &mut skipped);
+                self.fetch_in_order(&keys, true, &mut plan.to_fetch, &mut skipped);
                 // This plan defers the whole batch: fresh adapters it does not ask for lose their
                 // protection after it, as after a plan that begins a step without them (so the
                 // batch's next plan may make room with them, never this one).
@@ -196,12 +196,10 @@ impl Registry {
         if self.get(key).residency.host_since.is_some() {
             return Ok(Vec::new());
         }
-        if self.get(key).residency.fetching {
-            // The caller's own read takes over the fetch's reservation (its report will be refused).
-            self.end_fetch(key, true);
-            return Ok(Vec::new());
-        }
-        if !self.host.room_possible(bytes) {
+        let fetching = self.get(key).residency.fetching;
+        // The caller's own read takes over the fetch's reservation (its report will be refused).
+        let possible = if fetching { self.fetch_fits(key) } else { self.host.room_possible(bytes) };
+        if !possible {
             self.host.counters.refusals += 1;
             return Err(Error::Capacity(format!(
                 "cannot read adapter {name:?} again: {}",
@@ -209,10 +207,14 @@ impl Registry {
             )));
         }
         let mut evicted = Vec::new();
-        self.make_host_room(bytes, &mut evicted);
-        self.enter_host(key);
-        self.host.counters.misses += 1;
-        self.host.counters.loads += 1;
+        if fetching {
+            self.end_fetch(key, true, &mut evicted);
+        } else {
+            self.make_host_room(bytes, &mut evicted);
+            self.enter_host(key);
+            self.host.counters.misses += 1;
+            self.host.counters.loads += 1;
+        }
         Ok(evicted.into_iter().filter(|e| e.tier == Tier::Host).map(|e| e.name.to_string()).collect())
     }
 

@@ -64,8 +64,11 @@ pub(crate) enum DeviceCandidate {
 }
 
 /// Host memory: what it holds, counted (the tensors themselves live in Python). `count` and
-/// `bytes` are the used room: resident adapters plus the reservations of those being fetched, so
-/// room is made once, when a fetch starts, and a finished fetch fits without evicting anyone.
+/// `bytes` are the claimed room: resident adapters plus the reservations of those being fetched.
+/// The resident adapters alone never exceed the capacity. A reservation evicts nobody: a fetch
+/// starts when the protected adapters and the other reservations leave it room (so every read in
+/// flight could enter at once, were the unprotected adapters gone), and the room a finished
+/// fetch needs is made when it is done, so a read that fails has evicted no one.
 #[derive(Debug)]
 pub(crate) struct HostLedger {
     pub(crate) max_count: Option<usize>,
@@ -100,13 +103,23 @@ impl HostLedger {
         }
     }
 
-    /// Whether one more adapter of `bytes` fits now.
+    /// Whether one more resident adapter of `bytes` fits beside the resident ones now
+    /// (reservations aside: they are room promised, not room held).
     pub(super) fn has_room(&self, bytes: u64) -> bool {
-        self.max_count.is_none_or(|m| self.count < m)
-            && self.max_bytes.is_none_or(|m| self.bytes + bytes <= m)
+        self.max_count.is_none_or(|m| self.count - self.reserved_count < m)
+            && self.max_bytes.is_none_or(|m| self.bytes - self.reserved_bytes + bytes <= m)
     }
 
-    /// Whether one more adapter of `bytes` would fit after evicting every candidate.
+    /// Whether one more resident adapter of `bytes` would fit beside the resident ones after
+    /// evicting every candidate (reservations aside): whether a finished fetch can enter now.
+    pub(crate) fn resident_room_possible(&self, bytes: u64) -> bool {
+        let count = self.count - self.reserved_count - self.candidates.len();
+        let used = self.bytes - self.reserved_bytes - self.candidate_bytes;
+        self.max_count.is_none_or(|m| count < m) && self.max_bytes.is_none_or(|m| used + bytes <= m)
+    }
+
+    /// Whether one more adapter of `bytes` would fit after evicting every candidate, counting every
+    /// reservation as held: the check for a new claim (a registration, a fetch, a blocking read).
     pub(crate) fn room_possible(&self, bytes: u64) -> bool {
         let count = self.count - self.candidates.len();
         let used = self.bytes - self.candidate_bytes;

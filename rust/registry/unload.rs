@@ -73,7 +73,7 @@ impl Registry {
         // A read in flight is cancelled at once, whatever the requests still in flight: the
         // reservation is released now, and the reader's report is refused (it drops the bytes).
         if self.get(key).residency.fetching {
-            self.end_fetch(key, false);
+            self.end_fetch(key, false, &mut Vec::new());
         }
         Ok(self.finish_unload(key))
     }

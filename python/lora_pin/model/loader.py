@@ -21,15 +21,17 @@ open. A rank's finished reads wait for that agreement.
 from __future__ import annotations
 
 import functools
+import math
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lora_pin._core import LoRARef
-from lora_pin.errors import AdapterLoadError, DuplicateAdapterError, LoraPinError, SpecError
+from lora_pin.errors import AdapterLoadError, CapacityError, DuplicateAdapterError, LoraPinError, SpecError
 from lora_pin.model.residency import Residency
 from lora_pin.weights.host import HostAdapter
 
@@ -37,10 +39,24 @@ if TYPE_CHECKING:
     from lora_pin.parallel import TensorParallel
     from lora_pin.parallel.layers import CollectiveLog
 
-__all__ = ["LOADING_MODES", "BackgroundLoader", "BackgroundLoads", "Completion", "LoadJob", "loading_mode"]
+__all__ = [
+    "DEFAULT_LOAD_TIMEOUT",
+    "LOADING_MODES",
+    "BackgroundLoader",
+    "BackgroundLoads",
+    "Completion",
+    "LoadJob",
+    "checked_load_timeout",
+    "loading_mode",
+]
 
 #: How a manager reads adapters evicted from host memory (see :class:`~lora_pin.model.LoRAManager`).
 LOADING_MODES = ("background", "blocking")
+
+#: Seconds a background read may run before it is abandoned (``LoRAManager(load_timeout=...)``): well
+#: past a 16 GiB weight file (the ``max_file_bytes`` default) at 100 MB/s, yet a hung mount fails its
+#: requests within minutes instead of stopping all loading.
+DEFAULT_LOAD_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)
@@ -67,86 +83,199 @@ class Completion:
     cancelled: bool = False
 
 
+class _Run:
+    """One submitted read: queued, then running on a worker until it ends or is abandoned."""
+
+    __slots__ = ("abandoned", "job", "path", "read", "started")
+
+    def __init__(self, job: LoadJob, read: Callable[[], HostAdapter], path: str | None) -> None:
+        self.job, self.read, self.path = job, read, path
+        self.started: float | None = None
+        # Set (under the loader's lock) when its completion was queued without it: past its deadline,
+        # or cancelled while running. Its worker was replaced; whatever the read returns is discarded.
+        self.abandoned = False
+
+
 class BackgroundLoader:
     """Runs adapter reads on ``workers`` threads and queues their completions, in the order they finish.
 
+    A read running longer than ``timeout`` seconds (a hung disk or network mount) is abandoned: it
+    completes at once with an :class:`~lora_pin.errors.AdapterLoadError` naming the adapter, its path and
+    the deadline, another thread takes its worker's place so later reads run, and whatever it returns
+    if it ever ends is discarded. Deadlines are checked whenever the loader is asked anything, and
+    waits wake up for them. The threads are daemons: a read stuck in the kernel never keeps the
+    interpreter from exiting (``concurrent.futures`` joins its workers at exit).
+
     Args:
         workers: threads reading at once (at least 1).
+        timeout: seconds a read may run (positive).
 
     Thread safety: every method may be called from any thread.
     """
 
-    def __init__(self, workers: int) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lora_pin-load")
-        # Guards the two collections below; waiters are woken on every completion.
+    def __init__(self, workers: int, timeout: float) -> None:
+        self.workers = workers
+        self.timeout = timeout
+        # Guards everything below; waiters are woken on every completion and every submission.
         self._changed = threading.Condition()
-        self._running: dict[LoadJob, Future[HostAdapter]] = {}
+        self._queued: deque[_Run] = deque()
+        # Every run submitted and not completed (queued or running), by job.
+        self._runs: dict[LoadJob, _Run] = {}
         self._done: list[Completion] = []
+        # Workers not abandoned: idle, or running a read within its deadline.
+        self._threads = 0
+        self._started_threads = 0
+        self._closed = False
+        self.abandoned = 0
 
-    def submit(self, job: LoadJob, read: Callable[[], HostAdapter]) -> bool:
-        """Start ``read`` for ``job`` on a worker, unless the same job is in flight or its completion
-        waits to be taken; returns whether it started.
+    def submit(self, job: LoadJob, read: Callable[[], HostAdapter], path: str | None) -> bool:
+        """Start ``read`` (of the adapter at ``path``) for ``job`` on a worker, unless the same job is in
+        flight or its completion waits to be taken; returns whether it started.
 
         Raises:
             RuntimeError: the loader was closed.
         """
         with self._changed:
-            if job in self._running or any(c.job == job for c in self._done):
+            if self._closed:
+                raise RuntimeError("the background loader was closed")
+            self._expire()
+            if job in self._runs or any(c.job == job for c in self._done):
                 return False
-            future = self._pool.submit(read)
-            self._running[job] = future
-        future.add_done_callback(lambda f: self._finished(job, f))
+            run = _Run(job, read, path)
+            self._runs[job] = run
+            self._queued.append(run)
+            self._staff()
+            self._changed.notify_all()
         return True
 
     def busy(self, name: str) -> bool:
         """Whether a read of ``name`` is running, queued, or done and not yet taken."""
         with self._changed:
-            return any(j.name == name for j in self._running) or any(c.job.name == name for c in self._done)
+            self._expire()
+            return any(j.name == name for j in self._runs) or any(c.job.name == name for c in self._done)
 
     def running(self) -> list[LoadJob]:
         """The jobs submitted and not finished yet, in submission order."""
         with self._changed:
-            return list(self._running)
+            self._expire()
+            return list(self._runs)
 
     def take(self) -> list[Completion]:
         """Every completion not taken yet, in the order the reads finished (never blocks)."""
         with self._changed:
+            self._expire()
             done, self._done = self._done, []
         return done
 
     def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
         """Block until no read of any of ``names`` (None: of any adapter) is running or queued; returns
-        False on timeout. Completions stay queued for :meth:`take`.
+        False on timeout. Completions stay queued for :meth:`take`. Returns by the reads' deadlines at
+        the latest (an abandoned read completes).
         """
         wanted = None if names is None else set(names)
-        with self._changed:
-            return self._changed.wait_for(
-                lambda: not any(wanted is None or j.name in wanted for j in self._running), timeout=timeout
-            )
+        return self._wait_until(
+            lambda: not any(wanted is None or j.name in wanted for j in self._runs), timeout
+        )
+
+    def wait_any(self, timeout: float | None = None) -> bool:
+        """Block until a completion waits to be taken (one may already), or no read is in flight;
+        False on timeout."""
+        return self._wait_until(lambda: bool(self._done) or not self._runs, timeout)
 
     def cancel(self, name: str) -> None:
-        """Drop the reads of ``name`` that have not started (they complete as ``cancelled``); one that is
-        running finishes, and its completion is refused when installed."""
+        """End the reads of ``name`` (its adapter was unloaded): queued ones complete as ``cancelled``;
+        a running one too, abandoned (its worker replaced, its result discarded)."""
         with self._changed:
-            futures = [f for j, f in self._running.items() if j.name == name]
-        for future in futures:
-            future.cancel()
+            for run in [r for j, r in self._runs.items() if j.name == name]:
+                if run.started is None:
+                    self._queued.remove(run)
+                else:
+                    self._abandon(run)
+                self._complete(run, Completion(run.job, None, None, cancelled=True))
 
     def close(self) -> None:
-        """Cancel every read not started and stop the threads once the running ones end."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _finished(self, job: LoadJob, future: Future[HostAdapter]) -> None:
-        if future.cancelled():
-            completion = Completion(job, None, None, cancelled=True)
-        elif (error := future.exception()) is not None:
-            completion = Completion(job, None, error)
-        else:
-            completion = Completion(job, future.result(), None)
+        """Cancel every read not started and stop the threads once the running ones end (a stuck one
+        is a daemon and never holds the interpreter)."""
         with self._changed:
-            self._running.pop(job, None)
-            self._done.append(completion)
+            self._closed = True
+            while self._queued:
+                run = self._queued.popleft()
+                self._complete(run, Completion(run.job, None, None, cancelled=True))
             self._changed.notify_all()
+
+    def _wait_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while True:
+                self._expire()
+                if done():
+                    return True
+                now = time.monotonic()
+                if end is not None and now >= end:
+                    return False
+                # Wake up for the next deadline: nothing notifies when a read merely runs too long.
+                deadlines = [r.started + self.timeout for r in self._runs.values() if r.started is not None]
+                wake = [t - now for t in (end, min(deadlines, default=None)) if t is not None]
+                self._changed.wait(max(min(wake), 0.0) if wake else None)
+
+    def _expire(self) -> None:
+        """Abandon every running read past its deadline (under the lock)."""
+        now = time.monotonic()
+        late = [r for r in self._runs.values() if r.started is not None and now - r.started > self.timeout]
+        for run in late:
+            self._abandon(run)
+            error = AdapterLoadError(
+                f"adapter {run.job.name!r}: reading {run.path or 'it'} did not finish within "
+                f"load_timeout={self.timeout:g} s (a hung disk or network mount?); the read was abandoned "
+                "and a later request reads it again"
+            )
+            self._complete(run, Completion(run.job, None, error))
+
+    def _abandon(self, run: _Run) -> None:
+        """Give up on ``run``, which a worker is running: that worker is replaced (under the lock)."""
+        run.abandoned = True
+        self.abandoned += 1
+        self._threads -= 1
+        self._staff()
+
+    def _complete(self, run: _Run, completion: Completion) -> None:
+        if self._runs.get(run.job) is run:
+            del self._runs[run.job]
+        self._done.append(completion)
+        self._changed.notify_all()
+
+    def _staff(self) -> None:
+        """Start workers until there are ``workers``, or one per queued read (under the lock)."""
+        while not self._closed and self._threads < min(self.workers, len(self._queued) + self._busy()):
+            self._threads += 1
+            self._started_threads += 1
+            name = f"lora_pin-load-{self._started_threads}"
+            threading.Thread(target=self._work, name=name, daemon=True).start()
+
+    def _busy(self) -> int:
+        return sum(1 for r in self._runs.values() if r.started is not None and not r.abandoned)
+
+    def _work(self) -> None:
+        with self._changed:
+            while True:
+                while not self._queued and not self._closed:
+                    self._changed.wait()
+                if not self._queued:
+                    self._threads -= 1
+                    return
+                run = self._queued.popleft()
+                run.started = time.monotonic()
+                self._changed.notify_all()  # waiters now have a deadline to wake up for
+                self._changed.release()
+                try:
+                    completion = Completion(run.job, run.read(), None)
+                except BaseException as exc:  # handed to the requests waiting on the adapter
+                    completion = Completion(run.job, None, exc)
+                finally:
+                    self._changed.acquire()
+                if run.abandoned:
+                    return  # replaced already; what it read is discarded
+                self._complete(run, completion)
 
 
 class BackgroundLoads:
@@ -157,6 +286,7 @@ class BackgroundLoads:
     Args:
         residency: the manager's tensors and the registry they follow.
         workers: loader threads.
+        timeout: seconds a read may run before it is abandoned (its requests fail).
         tp: this rank's place in a tensor-parallel group: installs agree over its ranks first (see the
             module's doc); fetches then begin, and installs and unloads run, in the same order on every
             rank, as every collective does. Discoveries are not available then.
@@ -170,11 +300,12 @@ class BackgroundLoads:
         self,
         residency: Residency,
         workers: int,
+        timeout: float = DEFAULT_LOAD_TIMEOUT,
         tp: TensorParallel | None = None,
         log: CollectiveLog | None = None,
     ) -> None:
         self.residency = residency
-        self.loader = BackgroundLoader(workers)
+        self.loader = BackgroundLoader(workers, timeout)
         self.tp = tp
         self._log = log
         # With tp: the fetches begun and not agreed over yet, in the order they began (alike on every
@@ -186,12 +317,15 @@ class BackgroundLoads:
         self._errors: dict[str, tuple[int | None, LoraPinError]] = {}
         # Folder and confining root of each adapter_dir adapter being read before it is registered.
         self._folders: dict[str, tuple[Path, Path | None]] = {}
+        # Fetches read whose adapter the host tier had no room for yet (its adapters all protected):
+        # installed again at the next install.
+        self._no_room: list[Completion] = []
         self.failures = 0
 
     def start_fetches(self, to_fetch: Iterable[tuple[str, int]]) -> list[str]:
         """Read each ``(name, serial)`` the core has begun fetching; returns the names whose reads began
         (with ``tp``: every name, alike on every rank, whose read began here or was under way already)."""
-        read = self.residency.read_fetch
+        read, path = self.residency.read_fetch, self.residency.source_path
         if self.tp is not None:
             names = []
             for name, serial in to_fetch:
@@ -200,13 +334,13 @@ class BackgroundLoads:
                     self._open[job] = None
                 # Not started when a read of the same registration still runs here (one agreed failed
                 # before it ended): its result serves this fetch.
-                self.loader.submit(job, functools.partial(read, name, serial))
+                self.loader.submit(job, functools.partial(read, name, serial), path(name))
                 names.append(name)
             return names
         return [
             name
             for name, serial in to_fetch
-            if self.loader.submit(LoadJob(name, serial), functools.partial(read, name, serial))
+            if self.loader.submit(LoadJob(name, serial), functools.partial(read, name, serial), path(name))
         ]
 
     def start_discovery(self, name: str, folder: Path, root: Path | None) -> bool:
@@ -215,7 +349,7 @@ class BackgroundLoads:
         with self.residency.lock:
             self._folders[name] = (folder, root)
         read = functools.partial(self.residency.read_new, name, str(folder), root)
-        return self.loader.submit(LoadJob(name, None), read)
+        return self.loader.submit(LoadJob(name, None), read, str(folder))
 
     def install(self) -> None:
         """Enter every finished read into the host tier (registering discoveries); record each failure.
@@ -227,11 +361,17 @@ class BackgroundLoads:
             self._install_agreed()
             return
         with self.residency.lock:
-            for done in self.loader.take():
+            waiting, self._no_room = self._no_room, []
+            for done in waiting + self.loader.take():
                 if done.job.serial is None:
                     self._install_discovery(done)
-                else:
-                    self._install_fetch(done, done.job.serial)
+                elif not self._install_fetch(done, done.job.serial):
+                    self._no_room.append(done)
+
+    def wait_any(self, timeout: float | None = None) -> bool:
+        """Block until a read finishes (at once if one has since the last install, or none is in
+        flight); False on timeout. What it read enters the host tier at the next :meth:`install`."""
+        return self.loader.wait_any(timeout)
 
     def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
         """Block until no read of ``names`` (None: of any adapter) is running or queued; False on timeout.
@@ -240,6 +380,9 @@ class BackgroundLoads:
 
     def busy(self, name: str) -> bool:
         """Whether a read of ``name`` is running, queued, or done and not installed yet."""
+        with self.residency.lock:
+            if any(done.job.name == name for done in self._no_room):
+                return True
         return self.loader.busy(name)
 
     @property
@@ -266,10 +409,12 @@ class BackgroundLoads:
         return taken
 
     def forget(self, name: str) -> None:
-        """Drop what is pending for ``name`` (unloaded): its reads not started, its recorded failure."""
+        """Drop what is pending for ``name`` (unloaded): its reads (one running is abandoned, its worker
+        replaced), what they read, its recorded failure."""
         self.loader.cancel(name)
         with self.residency.lock:
             self._errors.pop(name, None)
+            self._no_room = [done for done in self._no_room if done.job.name != name]
 
     def close(self) -> None:
         """Stop the loader's threads once their running reads end; reads not started are dropped."""
@@ -316,7 +461,10 @@ class BackgroundLoads:
                 ready = self._ready.pop(job, None)
                 assert job.serial is not None
                 if ready is not None and not agreement.failed:
-                    self._install_fetch(ready, job.serial)
+                    if not self._install_fetch(ready, job.serial):
+                        # No room on any rank (their registries agree): open again, still read here.
+                        self._open[job] = None
+                        self._ready[job] = ready
                     continue
                 # This rank's own read, if it succeeded, is dropped here; one still running is dropped
                 # when it ends.
@@ -325,13 +473,18 @@ class BackgroundLoads:
                 if self.residency.abandon_fetch(job.name, job.serial):
                     self._fail(job.name, job.serial, error)
 
-    def _install_fetch(self, done: Completion, serial: int) -> None:
+    def _install_fetch(self, done: Completion, serial: int) -> bool:
+        """Install or fail one finished fetch; False when what it read must wait for host room."""
         name = done.job.name
         if done.adapter is not None:
-            self.residency.install_fetch(name, serial, done.adapter)
+            try:
+                self.residency.install_fetch(name, serial, done.adapter)
+            except CapacityError:
+                return False
         elif self.residency.abandon_fetch(name, serial) and not done.cancelled:
             # A fetch that was over already (unloaded meanwhile) concerns no request.
             self._fail(name, serial, done.error)
+        return True
 
     def _install_discovery(self, done: Completion) -> None:
         name = done.job.name
@@ -354,6 +507,21 @@ class BackgroundLoads:
             error = wrapped
         self._errors[name] = (serial, error)
         self.failures += 1
+
+
+def checked_load_timeout(timeout: object) -> float:
+    """``timeout`` as the seconds a background read may run.
+
+    Raises:
+        SpecError: it is not a finite number above 0.
+    """
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not (math.isfinite(timeout) and timeout > 0)
+    ):
+        raise SpecError(f"load_timeout must be a finite number of seconds above 0 (got {timeout!r})")
+    return float(timeout)
 
 
 def loading_mode(loading: str | None, parallel: bool, adapter_dir: bool) -> str:

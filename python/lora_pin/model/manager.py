@@ -29,7 +29,13 @@ from lora_pin.model.adapter_dir import adapter_folders, checked_adapter_dir
 from lora_pin.model.attach import FusedSpec, attach, detach, model_targets
 from lora_pin.model.layers import StepSegments
 from lora_pin.model.lifecycle import AdapterIdentity, Lifecycle, Placement
-from lora_pin.model.loader import LOADING_MODES, BackgroundLoads, loading_mode
+from lora_pin.model.loader import (
+    DEFAULT_LOAD_TIMEOUT,
+    LOADING_MODES,
+    BackgroundLoads,
+    checked_load_timeout,
+    loading_mode,
+)
 from lora_pin.model.residency import Residency
 from lora_pin.model.step import HeldBack, Step, checked_names, request_indices, step_arrays
 from lora_pin.model.step_loading import StepLoading
@@ -92,6 +98,11 @@ class LoRAManager(StepLoading):
             start). ``"blocking"``: a step reads what it needs before it begins, and every request waits
             for that. :meth:`batch` waits for its reads in either mode (it must run whole).
         load_workers: threads of the background loader (reads run at once).
+        load_timeout: seconds a background read may run (default 300). One still running then (a hung
+            disk or network mount) is abandoned: the requests waiting on its adapter fail with an
+            :class:`AdapterLoadError` naming the adapter, its path and the deadline (:attr:`Step.failed`,
+            or raised by :meth:`batch`), its host memory is given back, a new thread takes its
+            worker's place, and whatever it reads, should it ever end, is discarded.
         tp: this process's place in a tensor-parallel group (:class:`lora_pin.parallel.TensorParallel`),
             for a model whose linears are a framework's parallel layers
             (:func:`lora_pin.parallel.register_parallel_linear`): each rank reads and holds only its shard
@@ -112,8 +123,8 @@ class LoRAManager(StepLoading):
 
     Raises:
         SpecError: the specs or limits are invalid, the rank/target modules cannot be determined,
-            ``adapter_dir`` is not a folder (or lies outside ``allowed_roots``), ``loading`` is not a mode
-            or ``load_workers`` is below 1.
+            ``adapter_dir`` is not a folder (or lies outside ``allowed_roots``), ``loading`` is not a mode,
+            ``load_workers`` is below 1 or ``load_timeout`` is not a number of seconds above 0.
         AdapterLoadError: a start-up adapter cannot be served (the message names it and why); nothing is
             attached then.
         PoolError: the device pool cannot be allocated.
@@ -139,10 +150,12 @@ class LoRAManager(StepLoading):
         max_tensors: int = DEFAULT_MAX_TENSORS,
         loading: str | None = None,
         load_workers: int = 2,
+        load_timeout: float = DEFAULT_LOAD_TIMEOUT,
         tp: TensorParallel | None = None,
     ) -> None:
         if isinstance(load_workers, bool) or not isinstance(load_workers, int) or load_workers < 1:
             raise SpecError(f"load_workers must be an int of at least 1 (got {load_workers!r})")
+        load_timeout = checked_load_timeout(load_timeout)
         refs = parse_lora_paths(
             lora_paths, max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras
         )
@@ -222,7 +235,7 @@ class LoRAManager(StepLoading):
         self._active_step: Step | None = None
         self._deferred_requests = 0
         self.loading = loading
-        self._loads = BackgroundLoads(self.residency, load_workers, self.tp, self._collectives)
+        self._loads = BackgroundLoads(self.residency, load_workers, load_timeout, self.tp, self._collectives)
         # Adapters of the groups after the first of the last split, prefetched by the next step.
         self._prefetch_next: list[str] = []
         self._wrapped: dict[str, torch.nn.Module] = {}
@@ -446,9 +459,10 @@ class LoRAManager(StepLoading):
         steps find them there: pass a scheduler's waiting queue (None entries and repeats are fine);
         returns the names whose reads began, in first-appearance order.
 
-        Never blocks on a read. Each read's host memory is set aside when it begins (the host tier
-        evicts idle adapters for it, as a load would); an adapter the host tier cannot make room for now
-        (its adapters are all pinned, in a step or being read) is skipped. Names not registered are
+        Never blocks on a read. Each read's host memory is set aside when it begins, and idle adapters
+        leave the host tier for it only once it has been read (a read that fails evicts nobody); an
+        adapter the host tier cannot make room for now (its adapters are all pinned, in a step or being
+        read) is skipped. Names not registered are
         read from ``adapter_dir`` and registered once read. A read that fails is reported to the
         requests of the next step that names the adapter (:attr:`Step.failed`).
 
@@ -483,9 +497,20 @@ class LoRAManager(StepLoading):
         """Block until every background read begun so far has finished (what they read enters the host
         tier at the next step's start); False if some still run after ``timeout`` seconds.
 
-        For warm-up (:meth:`prefetch`, then wait) and tests; a serving loop never needs to wait.
+        For warm-up (:meth:`prefetch`, then wait) and tests; a serving loop waits with
+        :meth:`wait_for_read` instead.
         """
         return self._loads.wait(timeout=timeout)
+
+    def wait_for_read(self, timeout: float | None = None) -> bool:
+        """Block until a background read finishes (or fails, or is abandoned at ``load_timeout``): at
+        once when one has finished since the last step, or none is in flight. False if none finished
+        within ``timeout`` seconds. What it read enters the host tier at the next step's start.
+
+        For a serving loop whose requests all wait for reads (a step admitted nothing, and every
+        deferred request is in :attr:`Step.loading`): wait here instead of spinning on empty steps.
+        """
+        return self._loads.wait_any(timeout)
 
     def stats(self) -> dict[str, Any]:
         """Counters per tier (hits, misses, loads, evictions, refusals), resident and pinned sets, the

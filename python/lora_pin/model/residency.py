@@ -292,9 +292,13 @@ class Residency:
             return source is not None and source.digest == adapter.digest
 
     def install_fetch(self, name: str, serial: int, adapter: HostAdapter) -> bool:
-        """Enter ``adapter``, read for the fetch of ``name`` under ``serial``, into the host tier (its bytes
-        were reserved when the fetch began); False, and nothing held, when that fetch is over (the
-        adapter was unloaded, or registered again).
+        """Enter ``adapter``, read for the fetch of ``name`` under ``serial``, into the host tier, the core
+        evicting unprotected adapters for it now that its read has succeeded; False, and nothing held,
+        when that fetch is over (the adapter was unloaded, or registered again).
+
+        Raises:
+            CapacityError: the adapters protected now (pinned, in a step, fresh) leave it no room; the
+                fetch goes on and nothing changed: install it again after a step.
         """
         with self.lock:
             if not self.is_current(name, adapter):
@@ -302,13 +306,22 @@ class Residency:
                 self.abandon_fetch(name, serial)
                 return False
             try:
-                self.registry.fetch_done(name, serial)
+                evicted = self.registry.fetch_done(name, serial)
             except (AdapterNotFoundError, UsageError):
                 return False
+            for victim in evicted:
+                self.evictions[(victim, "host")] += 1
+                self._drop_host(victim)
             self._drop_host(name)
             self.host.add(adapter)
             self.background_loads += 1
             return True
+
+    def source_path(self, name: str) -> str | None:
+        """Where registered ``name`` is read from again (None once it is forgotten)."""
+        with self.lock:
+            source = self._sources.get(name)
+        return None if source is None else source.path
 
     def install_new(self, ref: LoRARef, root: Path | None, adapter: HostAdapter) -> None:
         """Register ``ref`` with ``adapter``, read in the background (a discovery), as :meth:`add`.

@@ -64,9 +64,7 @@ class StepLoading:
         """Begin fetching ``names`` (registered) that are not in host memory; the names whose reads began."""
         if not names:
             return []
-        fetch = self.registry.prefetch(names)
-        self.residency.drop_evicted(fetch.evicted)
-        return self._loads.start_fetches(fetch.to_fetch)
+        return self._loads.start_fetches(self.registry.prefetch(names).to_fetch)
 
     def _discover_waiting(self, names: Sequence[str | None]) -> None:
         """Register the ``adapter_dir`` adapters of ``names`` not registered yet, read by the loader; waits.

@@ -293,12 +293,6 @@ impl PyFetchPlan {
         fetch_list(py, &self.strs, &self.plan.to_fetch)
     }
 
-    /// Adapters evicted from the host tier to make room (and from their slots): free their tensors.
-    #[getter]
-    fn evicted<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.plan.evicted.iter().map(|n| self.strs.get(py, n)))
-    }
-
     /// Adapters that need a fetch but the host tier cannot make room for now (full of protected
     /// adapters), in the order of the names given.
     #[getter]
@@ -307,11 +301,6 @@ impl PyFetchPlan {
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "FetchPlan(to_fetch={}, evicted={}, skipped={})",
-            self.plan.to_fetch.len(),
-            self.plan.evicted.len(),
-            self.plan.skipped.len()
-        )
+        format!("FetchPlan(to_fetch={}, skipped={})", self.plan.to_fetch.len(), self.plan.skipped.len())
     }
 }

@@ -1,0 +1,302 @@
+"""Background reads that hang, fail or can never fit: a read has a deadline and an abandoned read gives
+back its place (its host reservation and its worker); a read that fails evicts no other adapter; a pin
+that would leave a registered adapter no room in the host tier is refused; a serving loop can wait for
+the next read instead of spinning.
+
+A hung read is a read of an adapter that blocks on an ``Event`` (or, in the subprocess, on opening a
+FIFO no one writes to) until the test lets it go: a stand-in for a hung network mount.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lora_pin import AdapterLoadError, CapacityError, LoRAManager, LoRARef, SpecError
+from lora_pin.weights import HostTier
+
+TARGETS = ["q_proj", "v_proj"]
+IDS = torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def world(
+    tiny_llama: torch.nn.Module, make_adapters: Any, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Any, dict[str, Path]]:
+    """The session's tiny Llama (copied per manager) and adapters a-d of rank 4."""
+    root = tmp_path_factory.mktemp("adapters")
+    specs = {n: dict(r=4, lora_alpha=8, target_modules=TARGETS, seed=i + 1) for i, n in enumerate("abcd")}
+    return tiny_llama, make_adapters(root, specs)
+
+
+def manager(world: Any, **kwargs: Any) -> tuple[LoRAManager, Any]:
+    base, _ = world
+    model = copy.deepcopy(base)
+    kwargs.setdefault("max_lora_rank", 4)
+    kwargs.setdefault("lora_target_modules", TARGETS)
+    return LoRAManager(model, **kwargs), model
+
+
+def evicted_world(world: Any, **kwargs: Any) -> LoRAManager:
+    """A manager whose host tier (two places) holds b and c, both in device slots: a was evicted."""
+    _, paths = world
+    mgr, _ = manager(world, max_loras_per_batch=2, max_loaded_loras=2, **kwargs)
+    for name in "abc":
+        mgr.load(name, paths[name])
+    mgr.finish(mgr.prepare_step(["b", "c"], 1))
+    assert places(mgr) == (["b", "c"], ["b", "c"])
+    return mgr
+
+
+def places(mgr: LoRAManager) -> tuple[list[str], list[str]]:
+    stats = mgr.registry.stats()
+    return sorted(stats["host"]["resident"]), sorted(stats["device"]["resident"])
+
+
+def step(mgr: LoRAManager, names: list[str | None]) -> Any:
+    got = mgr.prepare_step(names, 1)
+    mgr.finish(got)
+    return got
+
+
+@contextlib.contextmanager
+def hung_reads(*names: str, times: int = 1) -> Iterator[threading.Event]:
+    """The first ``times`` reads of each of ``names`` block until the yielded event is set (on exit at
+    the latest); other reads run as usual."""
+    release = threading.Event()
+    left = dict.fromkeys(names, times)
+    original = HostTier.read
+
+    def read(self: HostTier, name: str, path: Any, **kwargs: Any) -> Any:
+        if left.get(name, 0) > 0:
+            left[name] -= 1
+            release.wait()
+        return original(self, name, path, **kwargs)
+
+    HostTier.read = read  # type: ignore[method-assign]
+    try:
+        yield release
+    finally:
+        HostTier.read = original  # type: ignore[method-assign]
+        release.set()
+
+
+def wait_until(condition: Any, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+# ---- item 3: a failed read evicts no one ------------------------------------------------------------
+
+
+def test_a_failed_background_read_evicts_no_other_adapter(world: Any, tmp_path: Path) -> None:
+    """a's files broke after it left host memory; its background read fails. b and c, which the host
+    tier would have evicted to make room for it, stay in both tiers: room is made only once a read has
+    succeeded."""
+    _, paths = world
+    mgr, _ = manager(world, max_loras_per_batch=2, max_loaded_loras=2)
+    shutil.copytree(paths["a"], tmp_path / "a")
+    mgr.load("a", tmp_path / "a")
+    for name in "bc":
+        mgr.load(name, paths[name])
+    step(mgr, ["b", "c"])
+    before = places(mgr)
+    assert before == (["b", "c"], ["b", "c"])
+    (tmp_path / "a" / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    assert step(mgr, ["a"]).loading == (0,)
+    assert places(mgr) == before, "the read's reservation evicted an adapter"
+    assert mgr.wait_loads(timeout=20)
+    got = step(mgr, ["a", None])
+    assert list(got.failed) == [0] and isinstance(got.failed[0], AdapterLoadError)
+    assert places(mgr) == before
+    stats = mgr.stats()
+    assert stats["host_bytes"] == stats["host"]["bytes"] and stats["host"]["reserved_bytes"] == 0
+    mgr.registry.audit()
+
+
+def test_a_read_that_succeeds_makes_its_room_when_it_is_installed(world: Any) -> None:
+    """The counterpart: a's read succeeds, and the least recently used adapter leaves for it then."""
+    mgr = evicted_world(world)
+    step(mgr, ["c"])
+    assert step(mgr, ["a"]).loading == (0,)
+    assert places(mgr) == (["b", "c"], ["b", "c"])
+    assert mgr.wait_loads(timeout=20)
+    assert step(mgr, ["a"]).admitted == (0,)
+    assert places(mgr)[0] == ["a", "c"]
+    assert "b" not in mgr.host
+    mgr.registry.audit()
+
+
+# ---- item 5: every registered adapter fits beside the pinned ones -------------------------------------
+
+
+def test_a_pin_that_would_leave_an_adapter_no_host_room_is_refused(world: Any) -> None:
+    """Host memory for two and a half adapters: with b and c pinned, a could never enter it again and
+    its requests would wait for ever, so pinning c is refused with the numbers, and a is served."""
+    _, paths = world
+    nbytes = manager(world, lora_paths=[f"a={paths['a']}"])[0].host["a"].nbytes
+    mgr, _ = manager(world, max_loras_per_batch=3, max_host_bytes=nbytes * 5 // 2)
+    for name in "abc":
+        mgr.load(name, paths[name])  # c evicts a
+    mgr.pin("b")
+    with pytest.raises(CapacityError) as refused:
+        mgr.pin("c")
+    message = str(refused.value)
+    assert '"a"' in message and f"max_host_bytes={nbytes * 5 // 2}" in message, message
+    assert mgr.registry.stats()["pinned_names"] == ["b"]
+    assert step(mgr, ["a"]).loading == (0,)
+    assert mgr.wait_loads(timeout=20)
+    assert step(mgr, ["a"]).admitted == (0,)
+    # Nor may an adapter be registered that could never enter beside the pins.
+    with pytest.raises(CapacityError, match="could never enter the host tier beside them"):
+        mgr.registry.register(LoRARef.new("big", "/srv/big"), rank=4, host_bytes=2 * nbytes, device_bytes=1)
+    mgr.registry.audit()
+
+
+# ---- item 2: deadlines ------------------------------------------------------------------------------
+
+
+def test_a_hung_read_fails_its_requests_at_the_deadline_and_gives_its_place_back(world: Any) -> None:
+    """One loader thread, a's read hangs: past ``load_timeout`` a's requests fail naming the adapter,
+    its path and the deadline; its host reservation is released; a replacement thread reads d; a later
+    request for a reads it again; the hung read's late result is discarded, never installed."""
+    _, paths = world
+    mgr = evicted_world(world, load_workers=1, load_timeout=0.5)
+    mgr.load("d", paths["d"])  # evicts b
+    with hung_reads("a") as release:
+        assert step(mgr, ["a"]).loading == (0,)
+        assert mgr.registry.stats()["host"]["fetching"] == ["a"]
+        time.sleep(0.6)
+        got = step(mgr, ["a", None])
+        assert list(got.failed) == [0] and got.admitted == (1,)
+        error = got.failed[0]
+        assert isinstance(error, AdapterLoadError)
+        assert "'a'" in str(error) and str(paths["a"]) in str(error) and "load_timeout=0.5" in str(error)
+        host = mgr.registry.stats()["host"]
+        assert host["fetching"] == [] and host["reserved_bytes"] == 0
+        # The only worker is stuck in a's read: b is read by the thread that replaced it.
+        assert step(mgr, ["b"]).loading == (0,)
+        assert mgr.wait_loads(timeout=20)
+        assert step(mgr, ["b"]).admitted == (0,)
+        release.set()
+        wait_until(lambda: mgr._loads.loader.abandoned == 1 and mgr.stats()["loads_in_flight"] == 0)
+    time.sleep(0.2)  # the abandoned read returns its adapter now: it must be dropped
+    assert "a" not in mgr.host
+    again = step(mgr, ["a"])
+    assert again.deferred == again.loading == (0,) and not again.failed, "the late result was installed"
+    assert mgr.wait_loads(timeout=20)
+    assert step(mgr, ["a"]).admitted == (0,)
+    assert mgr.stats()["background_load_failures"] == 1
+    mgr.registry.audit()
+
+
+def test_unloading_an_adapter_whose_read_hangs_frees_its_worker(world: Any) -> None:
+    """With one loader thread stuck in a's read, unloading a returns at once and later reads run."""
+    mgr = evicted_world(world, load_workers=1)
+    with hung_reads("a"):
+        assert step(mgr, ["a"]).loading == (0,)
+        wait_until(lambda: mgr.stats()["loads_in_flight"] == 1)
+        mgr.unload("a", timeout=5)
+        mgr.load("d", world[1]["d"])  # evicts b
+        assert step(mgr, ["b"]).loading == (0,)
+        assert mgr.wait_loads(timeout=20), "no thread left to read b"
+        assert step(mgr, ["b"]).admitted == (0,)
+    mgr.registry.audit()
+
+
+def test_batch_returns_at_the_deadline_and_detach_works(world: Any) -> None:
+    """``batch()`` over an adapter whose read hangs raises at the deadline instead of blocking for
+    ever, and the manager can then be detached."""
+    mgr = evicted_world(world, load_timeout=0.5)
+    with hung_reads("a"):
+        started = time.monotonic()
+        with pytest.raises(AdapterLoadError, match=r"load_timeout=0\.5"), mgr.batch(["a"]):
+            pass
+        assert time.monotonic() - started < 10
+        mgr.detach()
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan"), True, "5"])
+def test_bad_load_timeouts_are_refused(world: Any, timeout: Any) -> None:
+    with pytest.raises(SpecError, match="load_timeout must be a finite number of seconds above 0"):
+        manager(world, load_timeout=timeout)
+
+
+def test_the_interpreter_exits_while_a_read_hangs(world: Any, tmp_path: Path) -> None:
+    """A read blocked in the kernel (opening a FIFO no one writes to) fails at the deadline, and the
+    process still exits: no loader thread is one the interpreter joins at exit."""
+    _, paths = world
+    fifo = tmp_path / "hang"
+    os.mkfifo(fifo)
+    script = textwrap.dedent(
+        f"""
+        import copy, time
+        import torch
+        from transformers import AutoModelForCausalLM
+        from lora_pin import LoRAManager
+        from lora_pin.fixtures import make_tiny_llama
+        from lora_pin.weights import HostTier
+
+        model = AutoModelForCausalLM.from_pretrained(make_tiny_llama({str(tmp_path / "base")!r}))
+        mgr = LoRAManager(model, max_loras_per_batch=1, max_loaded_loras=1, max_lora_rank=4,
+                          lora_target_modules={TARGETS!r}, load_timeout=0.5)
+        mgr.load("a", {str(paths["a"])!r})
+        mgr.load("b", {str(paths["b"])!r})
+        original = HostTier.read
+
+        def read(self, name, path, **kwargs):
+            if name == "a":
+                open({str(fifo)!r}).read()  # blocks: no writer
+            return original(self, name, path, **kwargs)
+
+        HostTier.read = read
+        step = mgr.prepare_step(["a"], 1)
+        mgr.finish(step)
+        assert step.loading == (0,)
+        time.sleep(0.7)
+        step = mgr.prepare_step(["a"], 1)
+        mgr.finish(step)
+        print("failed:", type(step.failed[0]).__name__, flush=True)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "failed: AdapterLoadError" in done.stdout
+
+
+# ---- item 13: waiting for the next read ---------------------------------------------------------------
+
+
+def test_wait_for_read_returns_when_a_read_ends(world: Any) -> None:
+    """A loop whose requests all wait for a read waits for it instead of spinning: ``wait_for_read``
+    blocks while the read runs, returns once it ends, and at once when no read is in flight."""
+    mgr = evicted_world(world)
+    assert mgr.wait_for_read(timeout=0)
+    with hung_reads("a") as release:
+        got = step(mgr, ["a"])
+        assert got.admitted == () and got.loading == (0,)
+        assert not mgr.wait_for_read(timeout=0.2)
+        threading.Timer(0.2, release.set).start()
+        started = time.monotonic()
+        assert mgr.wait_for_read(timeout=20)
+        assert time.monotonic() - started < 10
+    assert mgr.wait_for_read(timeout=0), "a finished read not installed yet returns at once"
+    assert step(mgr, ["a"]).admitted == (0,)
+    assert mgr.wait_for_read(timeout=0)
