@@ -34,7 +34,8 @@ _HANDLES = itertools.count()
 class PreparedDelta:
     """The LoRA delta of one layer group in one step, for inputs ``[n_tokens, in]`` (see the module).
 
-    Made by :func:`prepare_delta`; :meth:`apply` adds the delta to a layer's output.
+    Made by :func:`prepare_delta`; :meth:`apply` adds the delta to a layer's output. ``empty``: no row of
+    the step uses an adapter with a rank in this group, so there is nothing to apply.
     """
 
     __slots__ = (
@@ -42,6 +43,7 @@ class PreparedDelta:
         "a",
         "b",
         "dtype",
+        "empty",
         "handle",
         "in_features",
         "meta",
@@ -58,13 +60,10 @@ class PreparedDelta:
         self.n_tokens, self.in_features, self.out_total = n_tokens, a.shape[2], b.shape[1]
         self.dtype = a.dtype
         self.plan = plan
+        # No row of the step uses an adapter with a rank in this group: apply has nothing to do.
+        self.empty = plan.empty
         self.handle = next(_HANDLES)
         _BY_HANDLE[self.handle] = self
-
-    @property
-    def empty(self) -> bool:
-        """No row of the step uses an adapter with a rank in this group: :meth:`apply` has nothing to do."""
-        return self.plan.empty
 
     def apply(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """``out += delta(x)`` in place, as :func:`lora_pin.ops.lora_delta_` with the prepared meta.
