@@ -181,3 +181,19 @@ def test_a_layer_whose_group_no_row_uses_makes_no_op_call():
         calls.names.clear()
         module(x)
     assert [name for name in calls.names if name.startswith("lora_pin")] == ["lora_pin.lora_delta_.default"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_runs_of_one_slot_match_the_reference(dtype):
+    # Runs longer than a block of the fused path, one of a slot with a rank-0 slice, beside base rows.
+    gen = torch.Generator().manual_seed(5)
+    layer = random_layer(3, 40, [64, 16, 16], [8, (4, 0, 8)], dtype, gen)
+    token_slots = torch.tensor([1] * 300 + [-1] * 7 + [0] * 200 + [2] * 129)
+    x = torch.randn(token_slots.shape[0], 40, generator=gen).to(dtype)
+    out = torch.randn(token_slots.shape[0], 96, generator=gen).to(dtype)
+    delta = prepare_delta(layer.meta(segments_from_slots(token_slots, 64)), layer.a, layer.b, x.shape[0])
+    got = out.clone()
+    with torch.inference_mode():
+        delta.apply(got, x)
+    _assert_close(got, _reference(layer, token_slots, x, out))
+    assert torch.equal(got[300:307], out[300:307])

@@ -21,7 +21,7 @@ import torch
 
 from lora_pin.errors import OpArgumentError
 from lora_pin.ops._checks import check_expand_args, check_shrink_args
-from lora_pin.ops.grouped import Plan, build_plan, kernel_ok
+from lora_pin.ops.grouped import Plan, kernel_ok, plan_for
 from lora_pin.ops.segments import KernelMeta
 
 __all__ = ["PreparedDelta", "prepare_delta", "prepared_plan"]
@@ -123,12 +123,17 @@ def prepare_delta(meta: KernelMeta, a: torch.Tensor, b: torch.Tensor, n_tokens: 
             (shapes, dtypes, devices, segment contents), checked here once instead of on every call.
     """
     slot_scalings = meta.expand_layout()[0]
-    x = a.new_empty(n_tokens, a.shape[2])
-    max_rank = check_shrink_args(x, a, meta)
-    v = a.new_empty(n_tokens, meta.n_slices * max_rank)
-    check_expand_args(b.new_empty(n_tokens, b.shape[1]), v, b, meta)
+
+    def like(t: torch.Tensor, columns: int) -> torch.Tensor:
+        # The checks read shapes, dtypes and devices only: one element stands for the whole tensor.
+        return t.new_empty_strided((n_tokens, columns), (0, 0))
+
+    max_rank = check_shrink_args(like(a, a.shape[2]), a, meta)
+    check_expand_args(like(b, b.shape[1]), like(a, meta.n_slices * max_rank), b, meta)
     kernel = kernel_ok(a.dtype, a, b, slot_scalings)
-    return PreparedDelta(meta, a, b, n_tokens, build_plan(meta, n_tokens, max_rank, a.dtype, kernel))
+    # From the cache of plans by content: the layer groups of a model mostly share their ranks, so one
+    # plan (and one reading of the arrays) serves all of them in a step.
+    return PreparedDelta(meta, a, b, n_tokens, plan_for(meta, n_tokens, max_rank, a.dtype, kernel))
 
 
 def prepared_plan(
