@@ -197,3 +197,23 @@ def test_long_runs_of_one_slot_match_the_reference(dtype):
         delta.apply(got, x)
     _assert_close(got, _reference(layer, token_slots, x, out))
     assert torch.equal(got[300:307], out[300:307])
+
+
+def test_groups_of_one_shape_share_a_plan_only_when_their_ranks_agree():
+    layer, token_slots, x, out = _case("uniform", 1, torch.float32)
+    segments = segments_from_slots(token_slots)
+    first = prepare_delta(layer.meta(segments), layer.a, layer.b, x.shape[0])
+    # Another group of the same shapes and ranks (other weights): the plan is shared, the result its own.
+    other_a, other_b = layer.a.flip(0).contiguous(), layer.b.flip(0).contiguous()
+    same = prepare_delta(layer.meta(segments), other_a, other_b, x.shape[0], like=first)
+    assert same.plan is first.plan
+    got = out.clone()
+    with torch.inference_mode():
+        same.apply(got, x)
+    _assert_close(got, lora_reference(out, x, other_a, other_b, token_slots, *layer[2:]))
+    # A group whose adapters have no rank in it: planned on its own (empty), not given the first's plan.
+    ranks = torch.zeros_like(layer.slot_ranks)
+    unused = prepare_delta(
+        layer.meta(segments)._replace(slot_ranks=ranks), layer.a, layer.b, x.shape[0], like=first
+    )
+    assert unused.plan is not first.plan and unused.empty and not first.empty

@@ -60,6 +60,8 @@ class StepSegments:
     _adapter_slots: torch.Tensor | None = None
     # (group's A buffer, input shape less features) -> the group's prepared delta in this step (CPU).
     _deltas: dict[tuple[int, torch.Size], PreparedDelta] = field(default_factory=dict)
+    # (input shape less features, A's shape, B's shape) -> the last group prepared in full with them.
+    _shared: dict[tuple[torch.Size, ...], PreparedDelta] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.sequence_slots is not None and self.segments is not None:
@@ -107,7 +109,12 @@ class StepSegments:
         if delta is None:
             seg = self.for_input(x)
             meta = KernelMeta.for_layer(seg, buffers.ranks, buffers.scalings, buffers.slice_offsets)
-            delta = prepare_delta(meta, buffers.a, buffers.b, x.numel() // x.shape[-1])
+            # Each layer runs once a step: groups of one shape share the checks and plan of the first.
+            shape_key = (x.shape[:-1], buffers.a.shape, buffers.b.shape)
+            like = self._shared.get(shape_key)
+            delta = prepare_delta(meta, buffers.a, buffers.b, x.numel() // x.shape[-1], like=like)
+            if like is None or delta.plan is not like.plan:
+                self._shared[shape_key] = delta
             self._deltas[key] = delta
         return delta
 

@@ -108,7 +108,9 @@ class PreparedDelta:
         )
 
 
-def prepare_delta(meta: KernelMeta, a: torch.Tensor, b: torch.Tensor, n_tokens: int) -> PreparedDelta:
+def prepare_delta(
+    meta: KernelMeta, a: torch.Tensor, b: torch.Tensor, n_tokens: int, like: PreparedDelta | None = None
+) -> PreparedDelta:
     """Checks and plans the LoRA delta of ``meta``'s segments over a pool group's ``a`` and ``b``, for
     CPU inputs of ``n_tokens`` rows.
 
@@ -117,12 +119,19 @@ def prepare_delta(meta: KernelMeta, a: torch.Tensor, b: torch.Tensor, n_tokens: 
             (:meth:`KernelMeta.for_layer`).
         a: ``[slots, n_slices * R, in]``, the group's stacked A; b: ``[slots, out_total, R]``, its B.
         n_tokens: ``T``, the rows of the layer inputs the delta will be applied to.
+        like: the prepared delta of another group of the same step: when it was made from the same
+            segment arrays, for buffers of the same shapes, dtype and device, the same slice offsets and
+            equal ranks, its checks and plan hold for this group too and are reused (the layers of a
+            model are called once each per step, so the work done once per step must be shared among
+            them); otherwise everything is checked and planned.
 
     Raises:
         OpArgumentError: everything :func:`lora_pin.ops.shrink` and :func:`~lora_pin.ops.expand` refuse
             (shapes, dtypes, devices, segment contents), checked here once instead of on every call.
     """
     slot_scalings = meta.expand_layout()[0]
+    if like is not None and _same_layout(like, meta, a, b, n_tokens):
+        return PreparedDelta(meta, a, b, n_tokens, like.plan)
 
     def like(t: torch.Tensor, columns: int) -> torch.Tensor:
         # The checks read shapes, dtypes and devices only: one element stands for the whole tensor.
@@ -134,6 +143,40 @@ def prepare_delta(meta: KernelMeta, a: torch.Tensor, b: torch.Tensor, n_tokens: 
     # From the cache of plans by content: the layer groups of a model mostly share their ranks, so one
     # plan (and one reading of the arrays) serves all of them in a step.
     return PreparedDelta(meta, a, b, n_tokens, plan_for(meta, n_tokens, max_rank, a.dtype, kernel))
+
+
+def _same_layout(
+    like: PreparedDelta, meta: KernelMeta, a: torch.Tensor, b: torch.Tensor, n_tokens: int
+) -> bool:
+    """Whether ``like``'s checks and plan hold for ``meta`` over ``a`` and ``b`` (:func:`prepare_delta`)."""
+    other = like.meta
+    scalings, other_scalings = meta.slot_scalings, other.slot_scalings
+    return (
+        n_tokens == like.n_tokens
+        and meta.perm is other.perm
+        and meta.seg_indptr is other.seg_indptr
+        and meta.seg_slots is other.seg_slots
+        and meta.n_slices == other.n_slices
+        and meta.slice_offsets == other.slice_offsets
+        and a.shape == like.a.shape
+        and b.shape == like.b.shape
+        and a.dtype is like.a.dtype
+        and b.dtype is like.a.dtype
+        and a.device == like.a.device
+        and b.device == like.a.device
+        and a.is_contiguous() == like.a.is_contiguous()
+        and b.is_contiguous() == like.b.is_contiguous()
+        and scalings is not None
+        and other_scalings is not None
+        and scalings.shape == other_scalings.shape
+        and scalings.dtype is other_scalings.dtype
+        and scalings.device == other_scalings.device
+        and scalings.is_contiguous() == other_scalings.is_contiguous()
+        and meta.slot_ranks.shape == other.slot_ranks.shape
+        and meta.slot_ranks.dtype is other.slot_ranks.dtype
+        and meta.slot_ranks.device == other.slot_ranks.device
+        and torch.equal(meta.slot_ranks, other.slot_ranks)
+    )
 
 
 def prepared_plan(
