@@ -561,11 +561,12 @@ def test_gpu_benchmark_dry_run(capsys, monkeypatch):
 
 
 def test_cpu_benchmark_agrees_with_its_baselines(capsys, monkeypatch):
-    # Every case cross-checks lora_pin against PEFT's loop and gather-bmm before timing.
-    argv = ["--hidden", "32", "--slice-widths", "16,8", "--ranks", "4,8", "--decode-batch", "8"]
-    argv += ["--prefill-requests", "2", "--prefill-tokens", "20", "--budget", "0", "--max-reps", "1"]
-    assert _load_bench("cpu_ops", monkeypatch).main([*argv, "--flush-mb", "1", "--threads", "0"]) == 0
-    assert "goal met in every case" in capsys.readouterr().out
+    # Every case cross-checks lora_pin against PEFT's loop, gather-bmm, vLLM's and SGLang's paths first.
+    argv = ["--hidden", "32", "--ranks", "4,8", "--decode-batch", "8", "--adapters", "3,8", "--threads", "1"]
+    argv += ["--prefill-requests", "2", "--prefill-tokens", "20", "--rounds", "1", "--fixed-calls", "10"]
+    assert _load_bench("cpu_ops", monkeypatch).main([*argv, "--flush-mb", "1", "--dtype", "fp32,bf16"]) == 0
+    printed = capsys.readouterr().out
+    assert "goal met in every case" in printed and "layer, no row uses the group" in printed
 
 
 def test_the_documented_line_registers_the_ops_in_a_fresh_process() -> None:

@@ -239,6 +239,19 @@ class CpuSgmvPlan:
         *,
         threads: int = 1,
     ) -> None: ...
+    def lora_delta(
+        self,
+        dtype: str,
+        out: tuple[int, int],
+        x: tuple[int, int],
+        in_features: int,
+        a: tuple[int, int],
+        b: tuple[int, int],
+        scalings: tuple[int, int],
+        slice_offsets: Sequence[int],
+        *,
+        threads: int = 1,
+    ) -> None: ...
 
 @final
 class PatternSet:

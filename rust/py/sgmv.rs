@@ -252,6 +252,48 @@ impl PyCpuSgmvPlan {
         })
     }
 
+    /// Shrink then expand in one call: ``out += scaling · (x @ Aᵀ) @ Bᵀ`` for the plan's tokens, with
+    /// ``v`` kept in a scratch buffer (``shrink`` and ``expand`` without a tensor between them).
+    ///
+    /// Buffers as for ``shrink`` and ``expand``: ``out`` ``[n_tokens, out_total]``, ``x``
+    /// ``[n_tokens, in_features]``, ``a`` ``[slots, n_slices * R, in_features]``, ``b``
+    /// ``[slots, out_total, R]`` of ``dtype``, ``scalings`` float32 ``[slots, n_slices]``.
+    ///
+    /// Raises:
+    ///     OpArgumentError: as for ``shrink`` and ``expand`` (``out`` untouched).
+    ///     UsageError: this CPU lacks AVX-512.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (dtype, out, x, in_features, a, b, scalings, slice_offsets, *, threads = 1))]
+    fn lora_delta(
+        &self,
+        py: Python<'_>,
+        dtype: &str,
+        out: Raw,
+        x: Raw,
+        in_features: usize,
+        a: Raw,
+        b: Raw,
+        scalings: Raw,
+        slice_offsets: Vec<usize>,
+        threads: usize,
+    ) -> PyResult<()> {
+        let dtype = Dtype::parse(py, dtype)?;
+        let size = dtype.size();
+        check(py, "out", out, size, None)?;
+        check(py, "x", x, size, Some((out, size)))?;
+        check(py, "a", a, size, Some((out, size)))?;
+        check(py, "b", b, size, Some((out, size)))?;
+        check(py, "slot_scalings", scalings, 4, Some((out, size)))?;
+        let plan = &self.0;
+        detached(py, move || {
+            // SAFETY: as in `shrink`.
+            let (out, x, a, b, scalings) = unsafe {
+                (data_mut(dtype, out), data(dtype, x), data(dtype, a), data(dtype, b), view::<f32>(scalings))
+            };
+            plan.lora_delta(out, x, in_features, a, b, scalings, &slice_offsets, threads)
+        })
+    }
+
     fn __repr__(&self) -> String {
         format!("CpuSgmvPlan(rows={})", self.0.n_rows())
     }

@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{CpuPlan, Group};
+use super::{CpuPlan, Tile};
 
 /// Whether this CPU has everything the kernels use.
 pub(super) fn detected() -> bool {
@@ -169,8 +169,11 @@ fn first(n: usize) -> __mmask16 {
     ((1u32 << n) - 1) as __mmask16
 }
 
-/// Rows of A per register block (the tokens of a block: 1 to 4).
-const ROWS: usize = 4;
+/// Rows of A per register block (the tokens of a block: 1 to 4); shrink tiles start at multiples.
+pub(super) const ROWS: usize = 4;
+
+/// Output columns per expand block; expand tiles start at multiples.
+pub(super) const COLUMNS: usize = 16;
 
 /// `[Σ_i a_r[i] · x_t[i]]` for 4 rows of A and `NT` token rows of x, all `n` long.
 #[inline(always)]
@@ -222,12 +225,13 @@ unsafe fn store_one<E: Elem>(p: *mut E, value: f32) {
     p.write(E::from_f32(value))
 }
 
-/// [`CpuPlan::shrink`] for `groups` (the plan's, or a share of them: groups write disjoint rows of `v`).
+/// [`CpuPlan::shrink`] for `tiles` (rows `lo..hi` of A in one slice of one group; tiles write
+/// disjoint columns of `v`).
 /// Safety: the module's contract; `x`, `a` and `v` are the buffers `CpuPlan::shrink` checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
 pub(super) unsafe fn shrink<E: Elem>(
     plan: &CpuPlan,
-    groups: &[Group],
+    tiles: &[Tile],
     x: *const E,
     in_features: usize,
     a: *const E,
@@ -235,26 +239,25 @@ pub(super) unsafe fn shrink<E: Elem>(
 ) {
     let (n_slices, max_rank) = (plan.n_slices, plan.max_rank);
     let v_stride = n_slices * max_rank;
-    for g in groups {
+    for tile in tiles {
+        let (g, s) = (&plan.groups[tile.group], tile.slice);
         let tokens = &plan.tokens[g.start..g.end];
-        for s in 0..n_slices {
-            let rank = plan.rank(g.slot, s);
-            let a_slice = a.add((g.slot * n_slices + s) * max_rank * in_features);
-            for j0 in (0..rank).step_by(ROWS) {
-                // A short last block repeats its last row; the repeats are computed and dropped.
-                let nr = (rank - j0).min(ROWS);
-                let mut rows = [a_slice; ROWS];
-                for (r, row) in rows.iter_mut().enumerate() {
-                    *row = a_slice.add((j0 + r.min(nr - 1)) * in_features);
-                }
-                for block in tokens.chunks(4) {
-                    let out = Out { v, v_stride, col: s * max_rank + j0, n_rows: nr };
-                    match block.len() {
-                        1 => rows_times_tokens::<E, 1>(rows, x, in_features, block, out),
-                        2 => rows_times_tokens::<E, 2>(rows, x, in_features, block, out),
-                        3 => rows_times_tokens::<E, 3>(rows, x, in_features, block, out),
-                        _ => rows_times_tokens::<E, 4>(rows, x, in_features, block, out),
-                    }
+        let rank = plan.rank(g.slot, s);
+        let a_slice = a.add((g.slot * n_slices + s) * max_rank * in_features);
+        for j0 in (tile.lo..tile.hi.min(rank)).step_by(ROWS) {
+            // A short last block repeats its last row; the repeats are computed and dropped.
+            let nr = (rank - j0).min(ROWS);
+            let mut rows = [a_slice; ROWS];
+            for (r, row) in rows.iter_mut().enumerate() {
+                *row = a_slice.add((j0 + r.min(nr - 1)) * in_features);
+            }
+            for block in tokens.chunks(4) {
+                let out = Out { v, v_stride, col: s * max_rank + j0, n_rows: nr };
+                match block.len() {
+                    1 => rows_times_tokens::<E, 1>(rows, x, in_features, block, out),
+                    2 => rows_times_tokens::<E, 2>(rows, x, in_features, block, out),
+                    3 => rows_times_tokens::<E, 3>(rows, x, in_features, block, out),
+                    _ => rows_times_tokens::<E, 4>(rows, x, in_features, block, out),
                 }
             }
         }
@@ -319,12 +322,13 @@ unsafe fn fold_lanes(a: __m512, b: __m512) -> __m512 {
     _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(a, b), _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b))
 }
 
-/// [`CpuPlan::expand`] for `groups` (the plan's, or a share: groups write disjoint rows of `out`).
+/// [`CpuPlan::expand`] for `tiles` (columns `lo..hi` of one slice's output for one group; tiles write
+/// disjoint elements of `out`).
 /// Safety: the module's contract; the buffers are the ones `CpuPlan::expand` checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
 pub(super) unsafe fn expand<E: Elem>(
     plan: &CpuPlan,
-    groups: &[Group],
+    tiles: &[Tile],
     out: *mut E,
     v: *const E,
     b: *const E,
@@ -334,32 +338,31 @@ pub(super) unsafe fn expand<E: Elem>(
     let (n_slices, max_rank) = (plan.n_slices, plan.max_rank);
     let out_total = slice_offsets[n_slices];
     let v_stride = n_slices * max_rank;
-    for g in groups {
+    for tile in tiles {
+        let (g, s) = (&plan.groups[tile.group], tile.slice);
         let tokens = &plan.tokens[g.start..g.end];
-        for s in 0..n_slices {
-            let rank = plan.rank(g.slot, s);
-            let (lo, hi) = (slice_offsets[s], slice_offsets[s + 1]);
-            if rank == 0 || lo == hi {
-                continue;
-            }
-            let scale = _mm512_set1_ps(scalings[g.slot * n_slices + s]);
-            let b_rows = b.add((g.slot * out_total + lo) * max_rank);
-            let width = hi - lo;
-            for o0 in (0..width).step_by(16) {
-                let n_out = (width - o0).min(16);
-                let block = b_rows.add(o0 * max_rank);
-                let m = first(n_out);
-                for &t in tokens {
-                    let v_row = v.add(t * v_stride + s * max_rank);
-                    let p = if n_out == 16 {
-                        row_products::<E>(block, max_rank, 15, v_row, rank)
-                    } else {
-                        row_products::<E>(block, max_rank, n_out - 1, v_row, rank)
-                    };
-                    let dst = out.add(t * out_total + lo + o0);
-                    let sum = _mm512_fmadd_ps(transpose_sum(&p), scale, E::load_masked(dst, m));
-                    E::store_masked(dst, m, sum);
-                }
+        let rank = plan.rank(g.slot, s);
+        let (lo, hi) = (slice_offsets[s], slice_offsets[s + 1]);
+        if rank == 0 || lo == hi {
+            continue;
+        }
+        let scale = _mm512_set1_ps(scalings[g.slot * n_slices + s]);
+        let b_rows = b.add((g.slot * out_total + lo) * max_rank);
+        let width = hi - lo;
+        for o0 in (tile.lo..tile.hi.min(width)).step_by(COLUMNS) {
+            let n_out = (width - o0).min(COLUMNS);
+            let block = b_rows.add(o0 * max_rank);
+            let m = first(n_out);
+            for &t in tokens {
+                let v_row = v.add(t * v_stride + s * max_rank);
+                let p = if n_out == COLUMNS {
+                    row_products::<E>(block, max_rank, COLUMNS - 1, v_row, rank)
+                } else {
+                    row_products::<E>(block, max_rank, n_out - 1, v_row, rank)
+                };
+                let dst = out.add(t * out_total + lo + o0);
+                let sum = _mm512_fmadd_ps(transpose_sum(&p), scale, E::load_masked(dst, m));
+                E::store_masked(dst, m, sum);
             }
         }
     }

@@ -15,6 +15,7 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod pool;
 
 use crate::error::{Error, Result};
 
@@ -271,11 +272,11 @@ impl CpuPlan {
     ) {
         let (x, a, v) =
             (avx512::Shared(x.as_ptr()), avx512::Shared(a.as_ptr()), avx512::Shared(v.as_mut_ptr()));
-        let cost = |g: &Group| self.weights(g.slot, |_| in_features) * work_factor(g);
-        self.in_parallel(threads, cost, |groups| {
+        let units = |g: &Group, s: usize| (self.rank(g.slot, s), avx512::ROWS, avx512::ROWS * in_features);
+        self.in_parallel(threads, units, |tiles| {
             // SAFETY: `shrink` checked the CPU (`require_kernels`) and every length against the plan,
-            // whose tokens, slots and ranks `new` bounded; the threads' groups write disjoint rows.
-            unsafe { avx512::shrink(self, groups, x.get(), in_features, a.get(), v.get()) }
+            // whose tokens, slots and ranks `new` bounded; the tiles write disjoint columns of `v`.
+            unsafe { avx512::shrink(self, tiles, x.get(), in_features, a.get(), v.get()) }
         });
     }
 
@@ -363,45 +364,114 @@ impl CpuPlan {
     ) {
         let (out, v, b) =
             (avx512::Shared(out.as_mut_ptr()), avx512::Shared(v.as_ptr()), avx512::Shared(b.as_ptr()));
-        let cost =
-            |g: &Group| self.weights(g.slot, |s| slice_offsets[s + 1] - slice_offsets[s]) * work_factor(g);
-        self.in_parallel(threads, cost, |groups| {
-            // SAFETY: as in `shrink_typed`; `slice_offsets` rise to `out_total`, which sized `out` and `b`.
-            unsafe { avx512::expand(self, groups, out.get(), v.get(), b.get(), scalings, slice_offsets) }
+        let units = |g: &Group, s: usize| {
+            let rank = self.rank(g.slot, s);
+            let width = if rank == 0 { 0 } else { slice_offsets[s + 1] - slice_offsets[s] };
+            (width, avx512::COLUMNS, avx512::COLUMNS * rank)
+        };
+        self.in_parallel(threads, units, |tiles| {
+            // SAFETY: as in `shrink_typed`; `slice_offsets` rise to `out_total`, which sized `out` and
+            // `b`; the tiles write disjoint columns of `out`.
+            unsafe { avx512::expand(self, tiles, out.get(), v.get(), b.get(), scalings, slice_offsets) }
         });
     }
 
-    /// Weight elements a slot's group reads: its rank times `per_rank(slice)` over the slices.
-    fn weights(&self, slot: usize, per_rank: impl Fn(usize) -> usize) -> usize {
-        (0..self.n_slices).map(|s| self.rank(slot, s) * per_rank(s)).sum()
+    /// Shrink then expand (`out += scaling · (x Aᵀ) Bᵀ` for the plan's tokens), with `v` kept in a
+    /// scratch buffer of the call: [`CpuPlan::shrink`] and [`CpuPlan::expand`] in one call.
+    ///
+    /// Shapes as for those two; `x`, `a`, `b` and `out` share one dtype.
+    ///
+    /// Errors: as for [`CpuPlan::shrink`] and [`CpuPlan::expand`]; `out` is untouched on any error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn lora_delta(
+        &self,
+        out: DataMut<'_>,
+        x: Data<'_>,
+        in_features: usize,
+        a: Data<'_>,
+        b: Data<'_>,
+        scalings: &[f32],
+        slice_offsets: &[usize],
+        threads: usize,
+    ) -> Result<()> {
+        let (t, s, r) = (self.n_tokens, self.n_slices, self.max_rank);
+        let n = [t, s, r].iter().try_fold(1usize, |p, &d| p.checked_mul(d));
+        let n = n.ok_or_else(|| arg(format!("v: [{t}, {s} * {r}] overflows the address space")))?;
+        // Shrink writes only the scratch, and expand checks everything before it writes `out`.
+        match x {
+            Data::F32(_) => {
+                let mut v = vec![0f32; n];
+                self.shrink(x, in_features, a, DataMut::F32(&mut v), threads)?;
+                self.expand(out, Data::F32(&v), b, scalings, slice_offsets, threads)
+            }
+            Data::Bf16(_) => {
+                let mut v = vec![0u16; n];
+                self.shrink(x, in_features, a, DataMut::Bf16(&mut v), threads)?;
+                self.expand(out, Data::Bf16(&v), b, scalings, slice_offsets, threads)
+            }
+            Data::F16(_) => {
+                let mut v = vec![0u16; n];
+                self.shrink(x, in_features, a, DataMut::F16(&mut v), threads)?;
+                self.expand(out, Data::F16(&v), b, scalings, slice_offsets, threads)
+            }
+        }
     }
 
-    /// Runs `kernel` over the plan's groups on up to `threads` threads (the calling one included), in
-    /// contiguous shares of about equal `cost`, each share at least [`MIN_SHARE`].
-    fn in_parallel(&self, threads: usize, cost: impl Fn(&Group) -> usize, kernel: impl Fn(&[Group]) + Sync) {
-        let costs: Vec<usize> = self.groups.iter().map(cost).collect();
-        let total: usize = costs.iter().sum();
-        let threads = threads.min(self.groups.len()).min(total / self.min_share).max(1);
-        if threads == 1 {
-            return kernel(&self.groups);
-        }
-        let mut shares = Vec::with_capacity(threads);
-        let (mut start, mut done) = (0, 0);
-        for (i, c) in costs.iter().enumerate() {
-            done += c;
-            if shares.len() + 1 < threads && done * threads >= total * (shares.len() + 1) {
-                shares.push(&self.groups[start..=i]);
-                start = i + 1;
+    /// Runs `kernel` over the plan's work on up to `threads` threads of the pool (the calling one
+    /// included). The work of a group in slice `s` is `units(group, s) = (extent, step, cost)`:
+    /// `extent` rows of A (shrink) or columns of the slice's output (expand), taken `step` at a time,
+    /// each step reading `cost` weight elements (scaled by [`work_factor`]). Shares are tiles of whole
+    /// steps, so the work of one busy slot is shared too; each share holds at least [`MIN_SHARE`].
+    fn in_parallel(
+        &self,
+        threads: usize,
+        units: impl Fn(&Group, usize) -> (usize, usize, usize),
+        kernel: impl Fn(&[Tile]) + Sync,
+    ) {
+        let mut total = 0usize;
+        for g in &self.groups {
+            for s in 0..self.n_slices {
+                let (extent, step, cost) = units(g, s);
+                total += extent.div_ceil(step) * cost * work_factor(g);
             }
         }
-        shares.push(&self.groups[start..]);
-        let kernel = &kernel;
-        std::thread::scope(|scope| {
-            for share in &shares[1..] {
-                scope.spawn(move || kernel(share));
+        // A few shares per thread: a thread that a neighbour slows takes fewer of them.
+        let n_tasks = if threads <= 1 { 1 } else { (total / self.min_share).clamp(1, 4 * threads) };
+        let quota = total.div_ceil(n_tasks).max(1);
+        let mut tiles = Vec::new();
+        let mut bounds = vec![0];
+        let mut filled = 0usize;
+        for (index, g) in self.groups.iter().enumerate() {
+            for s in 0..self.n_slices {
+                let (extent, step, cost) = units(g, s);
+                let (n_steps, step_cost) = (extent.div_ceil(step), (cost * work_factor(g)).max(1));
+                let mut done = 0;
+                while done < n_steps {
+                    let take = quota.saturating_sub(filled).div_ceil(step_cost).clamp(1, n_steps - done);
+                    tiles.push(Tile {
+                        group: index,
+                        slice: s,
+                        lo: done * step,
+                        hi: ((done + take) * step).min(extent),
+                    });
+                    filled += take * step_cost;
+                    done += take;
+                    if filled >= quota && bounds.len() < n_tasks {
+                        bounds.push(tiles.len());
+                        filled = 0;
+                    }
+                }
             }
-            kernel(shares[0]);
-        });
+        }
+        if bounds.last() != Some(&tiles.len()) {
+            bounds.push(tiles.len());
+        }
+        let n_shares = bounds.len() - 1;
+        if n_shares <= 1 {
+            return kernel(&tiles);
+        }
+        let share = |i: usize| kernel(&tiles[bounds[i]..bounds[i + 1]]);
+        pool::pool().run(threads, n_shares, &share);
     }
 
     /// The same plan, sharing work among threads from `min_share` up (tests: tiny shapes, threaded).
@@ -422,9 +492,19 @@ impl CpuPlan {
     }
 }
 
-/// The least work (weight elements, scaled by [`work_factor`]) worth a thread of its own: about
-/// 50 µs of streaming, well above the cost of starting one.
-const MIN_SHARE: usize = 1 << 19;
+/// The least work (weight elements, scaled by [`work_factor`]) worth a share of its own: about
+/// 15 µs of streaming fp32 weights from memory, above the cost of waking a pooled thread.
+const MIN_SHARE: usize = 1 << 17;
+
+/// Part of one group's work in one slice: rows `lo..hi` of A (shrink) or columns `lo..hi` of the
+/// slice's output (expand).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Tile {
+    pub(crate) group: usize,
+    pub(crate) slice: usize,
+    pub(crate) lo: usize,
+    pub(crate) hi: usize,
+}
 
 /// How a group's cost grows with its tokens: the kernels read its weights once per 4 tokens from
 /// cache, and the first pass from memory dominates.

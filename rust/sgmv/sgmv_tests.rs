@@ -313,10 +313,46 @@ impl Case {
         }
         Ok(())
     }
+
+    /// `lora_delta` gives bit for bit what `shrink` then `expand` give (same kernels, same rounding of v).
+    fn check_lora_delta(&self, dtype: Dtype) -> std::result::Result<(), TestCaseError> {
+        let mut rng = Rng(self.seed);
+        let (t, s, r, n) = (self.n_tokens, self.n_slices, self.max_rank, self.in_features);
+        let mut offsets = vec![0usize];
+        for w in &self.widths {
+            offsets.push(offsets.last().unwrap() + w);
+        }
+        let out_total = offsets[s];
+        let x = Tensor::new(dtype, (0..t * n).map(|_| rng.uniform()));
+        let a = Tensor::new(dtype, (0..self.n_slots * s * r * n).map(|_| rng.uniform()));
+        let b = Tensor::new(dtype, (0..self.n_slots * out_total * r).map(|_| rng.uniform()));
+        let scalings: Vec<f32> = (0..self.n_slots * s).map(|_| rng.uniform() * 4.0).collect();
+        let before: Vec<f32> = (0..t * out_total).map(|_| rng.uniform()).collect();
+        let plan = self.plan();
+        let mut v = Tensor::new(dtype, (0..t * s * r).map(|_| 0.0));
+        plan.shrink(x.data(), n, a.data(), v.data_mut(), self.threads).unwrap();
+        let mut want = Tensor::new(dtype, before.iter().copied());
+        plan.expand(want.data_mut(), v.data(), b.data(), &scalings, &offsets, self.threads).unwrap();
+        let mut got = Tensor::new(dtype, before.iter().copied());
+        plan.lora_delta(got.data_mut(), x.data(), n, a.data(), b.data(), &scalings, &offsets, self.threads)
+            .unwrap();
+        for i in 0..t * out_total {
+            prop_assert_eq!(got.raw(i), want.raw(i), "{:?} element {}", dtype, i);
+        }
+        Ok(())
+    }
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    #[test]
+    fn lora_delta_is_shrink_then_expand(case in case()) {
+        prop_assume!(available());
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            case.check_lora_delta(dtype)?;
+        }
+    }
 
     #[test]
     fn shrink_matches_the_reference(case in case()) {
@@ -401,4 +437,49 @@ fn a_huge_token_count_allocates_nothing_per_token() {
     assert_eq!(plan.n_rows(), 2);
     let repeated = CpuPlan::new(1 << 45, &[7, 7], &[0, 2], &[0], &[2], 1, 2);
     assert!(matches!(repeated, Err(Error::OpArgument(ref m)) if m.contains("token 7 appears")));
+}
+
+#[test]
+fn the_pool_runs_every_task_once_under_concurrent_calls() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // Four callers share the pool's workers: one holds them, the others run on their own threads.
+    std::thread::scope(|scope| {
+        for caller in 0..4 {
+            scope.spawn(move || {
+                for round in 0..200 {
+                    let n = 1 + (caller * 7 + round) % 23;
+                    let counts: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                    super::pool::pool().run(3, n, &|i| {
+                        counts[i].fetch_add(1, Ordering::Relaxed);
+                    });
+                    assert!(
+                        counts.iter().all(|c| c.load(Ordering::Relaxed) == 1),
+                        "caller {caller} round {round}"
+                    );
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn a_task_that_panics_on_a_worker_panics_the_caller_and_the_pool_goes_on() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let pool = super::pool::pool();
+    for _ in 0..20 {
+        let result = std::panic::catch_unwind(|| {
+            pool.run(2, 64, &|i| {
+                if i % 2 == 1 {
+                    panic!("task {i} failed");
+                }
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            })
+        });
+        assert!(result.is_err());
+    }
+    let ran = AtomicUsize::new(0);
+    pool.run(2, 16, &|_| {
+        ran.fetch_add(1, Ordering::Relaxed);
+    });
+    assert_eq!(ran.load(Ordering::Relaxed), 16);
 }

@@ -15,7 +15,16 @@ from typing import Any
 import torch
 
 from lora_pin.errors import SpecError, UsageError
-from lora_pin.ops import KernelMeta, OpArgumentError, SegmentBatch, expand, segments_from_slots, shrink
+from lora_pin.ops import (
+    KernelMeta,
+    OpArgumentError,
+    PreparedDelta,
+    SegmentBatch,
+    expand,
+    prepare_delta,
+    segments_from_slots,
+    shrink,
+)
 from lora_pin.weights.pool import GroupBuffers
 
 __all__ = ["BaseLayerWrapper", "LoRAEmbedding", "LoRALinear", "StepSegments"]
@@ -37,6 +46,8 @@ class StepSegments:
       no data-dependent shape in the forward, so ``torch.compile(fullgraph=True)`` traces it).
 
     ``any_adapter`` is False when every row is base-model only: the layers then skip the ops entirely.
+    On CPU each layer group's delta is checked and planned once per step and input shape
+    (:meth:`delta_for`), and a group that no row of the step uses is skipped without an op call.
     """
 
     segments: SegmentBatch | None = None
@@ -47,6 +58,10 @@ class StepSegments:
     # Per sequence: the adapter sequences (int64 [N1], grouped by slot) and their slots (int32 [N1]).
     _adapter_sequences: torch.Tensor | None = None
     _adapter_slots: torch.Tensor | None = None
+    # (group's A buffer, input shape less features) -> the group's prepared delta in this step (CPU).
+    _deltas: dict[tuple[int, torch.Size], PreparedDelta] = field(default_factory=dict)
+    # (input shape less features, A's shape, B's shape) -> the last group prepared in full with them.
+    _shared: dict[tuple[torch.Size, ...], PreparedDelta] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.sequence_slots is not None and self.segments is not None:
@@ -79,6 +94,29 @@ class StepSegments:
             cached = self._segments_of_length(length)
             self._by_length[length] = cached
         return cached
+
+    def delta_for(self, buffers: GroupBuffers, x: torch.Tensor) -> PreparedDelta:
+        """The step's LoRA delta in the layer group of ``buffers`` for CPU input ``x`` (``[..., in]``),
+        checked and planned on the first call of the step for that group and shape.
+
+        Raises:
+            UsageError: as :meth:`for_input`.
+            OpArgumentError: as :func:`lora_pin.ops.prepare_delta`.
+        """
+        # By the identity of the group's A buffer, which the entry holds, so the id stays its own.
+        key = (id(buffers.a), x.shape[:-1])
+        delta = self._deltas.get(key)
+        if delta is None:
+            seg = self.for_input(x)
+            meta = KernelMeta.for_layer(seg, buffers.ranks, buffers.scalings, buffers.slice_offsets)
+            # Each layer runs once a step: groups of one shape share the checks and plan of the first.
+            shape_key = (x.shape[:-1], buffers.a.shape, buffers.b.shape)
+            like = self._shared.get(shape_key)
+            delta = prepare_delta(meta, buffers.a, buffers.b, x.numel() // x.shape[-1], like=like)
+            if like is None or delta.plan is not like.plan:
+                self._shared[shape_key] = delta
+            self._deltas[key] = delta
+        return delta
 
     def _segments_of_length(self, length: int) -> SegmentBatch:
         """Segments for ``length`` rows per sequence: each adapter sequence's rows, cut into chunks."""
@@ -166,10 +204,17 @@ class LoRALinear(BaseLayerWrapper):
         step = self._active_step()
         if step is None or not step.any_adapter:
             return result
-        seg = step.for_input(x)
         if not isinstance(out, torch.Tensor):
-            return self._untouched(result, seg)
+            return self._untouched(result, step.for_input(x))
         buf = self._pool_buffers
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():
+            delta = step.delta_for(buf, x)
+            if not delta.empty:
+                if x.dtype is not delta.dtype:
+                    self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
+                delta.apply(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]))
+            return result
+        seg = step.for_input(x)
         self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
         meta = self._kernel_meta(seg)
         flat_out = out.view(-1, out.shape[-1])

@@ -19,6 +19,7 @@ from lora_pin.ops.experts import (
     expert_segments,
     flat_expert_buffers,
 )
+from lora_pin.ops.prepared import PreparedDelta, prepare_delta
 from lora_pin.ops.reference import expand_reference, lora_reference, shrink_reference
 from lora_pin.ops.segments import CUDA_CHUNK_SIZE, KernelMeta, SegmentBatch, segments_from_slots
 
@@ -27,6 +28,7 @@ __all__ = [
     "ExpertMeta",
     "KernelMeta",
     "OpArgumentError",
+    "PreparedDelta",
     "SegmentBatch",
     "expand",
     "expand_reference",
@@ -36,6 +38,7 @@ __all__ = [
     "flat_expert_buffers",
     "lora_delta_",
     "lora_reference",
+    "prepare_delta",
     "segments_from_slots",
     "shrink",
     "shrink_reference",

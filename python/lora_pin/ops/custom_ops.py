@@ -18,7 +18,8 @@ from lora_pin.ops._checks import (
     check_expand_memory,
     check_shrink_args,
 )
-from lora_pin.ops.grouped import expand_grouped, shrink_grouped
+from lora_pin.ops.grouped import delta_planned, expand_grouped, kernel_ok, plan_for, shrink_grouped
+from lora_pin.ops.prepared import prepared_plan
 from lora_pin.ops.segments import KernelMeta
 
 __all__ = ["expand", "lora_delta_", "shrink"]
@@ -151,6 +152,82 @@ def _expand_cuda(
 
 _expand_op.register_fake(_expand_fake)
 
+# The fused op is registered at the dispatcher's level (a schema and one kernel per device) rather than
+# through torch.library.custom_op, whose Python wrapper costs more than the rest of a small call: this op
+# runs once per LoRA layer and step.
+torch.library.define(
+    "lora_pin::lora_delta_",
+    "(Tensor(a!) out, Tensor x, Tensor a, Tensor b, Tensor perm, Tensor seg_indptr, Tensor seg_slots, "
+    "Tensor slot_ranks, Tensor slot_scalings, int[] slice_offsets, int prepared=-1) -> ()",
+)
+
+
+@torch.library.impl("lora_pin::lora_delta_", "cpu")
+def _lora_delta_cpu(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    perm: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    slice_offsets: list[int],
+    prepared: int = -1,
+) -> None:
+    arrays = (perm, seg_indptr, seg_slots, slot_ranks, slot_scalings)
+    plan = prepared_plan(prepared, out, x, a, b, arrays)
+    if plan is None:
+        meta = _expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+        max_rank = check_shrink_args(x, a, meta)
+        check_expand_args(out, x.new_empty(x.shape[0], meta.n_slices * max_rank), b, meta)
+        check_expand_memory(out, x=x, a=a, b=b, slot_scalings=slot_scalings)
+        kernel = kernel_ok(x.dtype, out, a, b, slot_scalings)
+        plan = plan_for(meta, x.shape[0], max_rank, x.dtype, kernel)
+    delta_planned(out, x, a, b, slot_scalings, slice_offsets, plan)
+
+
+@torch.library.impl("lora_pin::lora_delta_", "cuda")
+def _lora_delta_cuda(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    perm: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    slice_offsets: list[int],
+    prepared: int = -1,
+) -> None:
+    from lora_pin.ops.triton_sgmv import sgmv_expand, sgmv_shrink
+
+    meta = _expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    check_shrink_args(x, a, meta)
+    check_expand_memory(out, a=a, b=b, slot_scalings=slot_scalings)
+    sgmv_expand(out, sgmv_shrink(x, a, meta, interpret=False), b, meta, interpret=False)
+
+
+@torch.library.register_fake("lora_pin::lora_delta_")
+def _lora_delta_fake(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    perm: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    slice_offsets: list[int],
+    prepared: int = -1,
+) -> None:
+    meta = _expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    max_rank = check_shrink_args(x, a, meta)
+    check_expand_args(out, x.new_empty(x.shape[0], meta.n_slices * max_rank), b, meta)
+
 
 def shrink(x: torch.Tensor, a: torch.Tensor, meta: KernelMeta) -> torch.Tensor:
     """LoRA shrink for a batch whose tokens use different adapters: ``v[t] = x[t] @ A[slot(t)]ᵀ``.
@@ -199,10 +276,22 @@ def expand(out: torch.Tensor, v: torch.Tensor, b: torch.Tensor, meta: KernelMeta
             an int; or ``out``, ``v`` or ``b`` requires grad with grad mode on: the ops are for inference
             and the in-place add would silently drop the LoRA path from the gradient.
     """
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (out, v, b)):
+    _refuse_grad(out, v, b)
+    slot_scalings, offsets = _expand_layout(meta)
+    torch.ops.lora_pin.expand(
+        out, v, b, meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks, slot_scalings, offsets
+    )
+
+
+def _refuse_grad(*tensors: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise OpArgumentError(
             "lora_pin ops have no autograd formula; run them under torch.inference_mode() or torch.no_grad()"
         )
+
+
+def _expand_layout(meta: KernelMeta) -> tuple[torch.Tensor, list[int]]:
+    """``meta``'s scalings and slice offsets as the registered ops take them (the offsets as ints)."""
     slot_scalings, slice_offsets = meta.expand_layout()
     try:
         offsets = [operator.index(o) for o in slice_offsets]
@@ -212,9 +301,7 @@ def expand(out: torch.Tensor, v: torch.Tensor, b: torch.Tensor, meta: KernelMeta
         raise OpArgumentError(
             f"n_slices={meta.n_slices} but slice_offsets {offsets} hold {len(offsets) - 1} slices"
         )
-    torch.ops.lora_pin.expand(
-        out, v, b, meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks, slot_scalings, offsets
-    )
+    return slot_scalings, offsets
 
 
 def lora_delta_(
@@ -224,7 +311,13 @@ def lora_delta_(
 
     Returns ``out``.
 
-    Shapes as for :func:`shrink` and :func:`expand`.
+    Shapes and errors as for :func:`shrink` and :func:`expand`. One ``lora_pin::lora_delta_`` call: a
+    caller that runs the same segments through many layers prepares them once instead
+    (:func:`lora_pin.ops.prepare_delta`).
     """
-    expand(out, shrink(x, a, meta), b, meta)
+    _refuse_grad(out, x, a, b)
+    slot_scalings, offsets = _expand_layout(meta)
+    torch.ops.lora_pin.lora_delta_(
+        out, x, a, b, meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks, slot_scalings, offsets
+    )
     return out

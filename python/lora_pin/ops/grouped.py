@@ -41,7 +41,17 @@ from lora_pin._core import CpuSgmvPlan, sgmv_cpu_available
 from lora_pin.ops._checks import check_segment_contents
 from lora_pin.ops.segments import KernelMeta
 
-__all__ = ["expand_grouped", "shrink_grouped"]
+__all__ = [
+    "Plan",
+    "build_plan",
+    "delta_planned",
+    "expand_grouped",
+    "expand_planned",
+    "kernel_ok",
+    "plan_for",
+    "shrink_grouped",
+    "shrink_planned",
+]
 
 # A slot's rows that split into runs of consecutive tokens at least this long on average are computed
 # run by run on views; shorter runs are gathered into one block instead. Gathering copies out's rows
@@ -55,6 +65,9 @@ _MIN_RUN = 16
 _DENSE_MAX_TOKENS = 4
 _DENSE_MAX_PADDING = 1.1
 _DENSE_MAX_PADDING_REDUCED = 1.75
+# Rows of a run of one slot's consecutive tokens computed per block by the fused op: shrink then expand,
+# while the block's rows are in cache (a prefill request's rows, as SGLang's per-request GEMMs have them).
+_RUN_BLOCK = 128
 # A bf16/fp16 expand of at most this many rows multiplies in fp32 (see expand_grouped).
 _FP32_PRODUCT_MAX_ROWS = 12
 # Slots with at most this many tokens go to the native kernels (where the CPU has them); busier slots
@@ -93,7 +106,7 @@ class _Dense(NamedTuple):
     positions: torch.Tensor | None
 
 
-class _Plan(NamedTuple):
+class Plan(NamedTuple):
     """How one call runs: which slots are batched, which rows are views, which are gathered."""
 
     ranks: list[list[int]]
@@ -108,23 +121,28 @@ class _Plan(NamedTuple):
     # Slots run by the native kernels (none of their tokens is anywhere else); None when there are none.
     kernel: CpuSgmvPlan | None = None
 
+    @property
+    def empty(self) -> bool:
+        """Whether the call has no work: no row uses a slot with a rank in this layer group."""
+        return not (self.runs or self.gathered_rows is not None or self.dense or self.kernel is not None)
+
 
 def _content(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
     return str(t.dtype), tuple(t.shape), t.detach().cpu().contiguous().numpy().tobytes()
 
 
-class _PlanCache:
+class PlanCache:
     """Plans keyed by the contents of the segment arrays and ranks (never by identity: a buffer the
     planner refills in place, or a new tensor at a freed address, must not hit a stale plan)."""
 
     def __init__(self, size: int) -> None:
         self._size = size
-        self._plans: OrderedDict[Hashable, _Plan] = OrderedDict()
+        self._plans: OrderedDict[Hashable, Plan] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(
         self, meta: KernelMeta, n_tokens: int, max_rank: int, dtype: torch.dtype, kernel: bool = False
-    ) -> _Plan:
+    ) -> Plan:
         max_padding = _DENSE_MAX_PADDING if dtype == torch.float32 else _DENSE_MAX_PADDING_REDUCED
         kernel_tokens = _KERNEL_MAX_TOKENS[dtype] if kernel else 0
         key = (
@@ -140,7 +158,7 @@ class _PlanCache:
             if plan is not None:
                 self._plans.move_to_end(key)
                 return plan
-        plan = _build_plan(meta, n_tokens, max_rank, max_padding, kernel_tokens)
+        plan = build_plan(meta, n_tokens, max_rank, dtype, kernel)
         with self._lock:
             self._plans[key] = plan
             while len(self._plans) > self._size:
@@ -148,7 +166,7 @@ class _PlanCache:
         return plan
 
 
-_PLANS = _PlanCache(_PLAN_CACHE_SIZE)
+_PLANS = PlanCache(_PLAN_CACHE_SIZE)
 
 
 def _dense_blocks(
@@ -203,11 +221,17 @@ def _dense_blocks(
     return blocks, [span for span in spans if span[0] not in taken]
 
 
-def _build_plan(
-    meta: KernelMeta, n_tokens: int, max_rank: int, max_padding: float, kernel_tokens: int
-) -> _Plan:
-    """Reads the segment arrays once and decides: the native kernels, the batched path, or per group
-    views or gathering."""
+def build_plan(
+    meta: KernelMeta, n_tokens: int, max_rank: int, dtype: torch.dtype, kernel: bool = False
+) -> Plan:
+    """Reads the segment arrays once (checking their contents) and decides: the native kernels (when
+    ``kernel``), the batched path, or per group views or gathering.
+
+    Raises:
+        OpArgumentError: as :func:`lora_pin.ops._checks.check_segment_contents`.
+    """
+    max_padding = _DENSE_MAX_PADDING if dtype == torch.float32 else _DENSE_MAX_PADDING_REDUCED
+    kernel_tokens = _KERNEL_MAX_TOKENS[dtype] if kernel else 0
     perm = meta.perm
     indptr, seg_slot_list, ranks = meta.seg_indptr.tolist(), meta.seg_slots.tolist(), meta.slot_ranks.tolist()
     check_segment_contents(perm, indptr, seg_slot_list, ranks, n_tokens, max_rank)
@@ -224,15 +248,15 @@ def _build_plan(
         else:
             spans.append([slot, lo, hi])
     if not spans:
-        return _Plan(ranks, [], None, [], [], [])
+        return Plan(ranks, [], None, [], [], [])
     native = None
     if kernel_tokens:
         native, spans = _kernel_groups(spans, perm, ranks, n_tokens, max_rank, kernel_tokens)
         if not spans:
-            return _Plan(ranks, [], None, [], [], [], native)
+            return Plan(ranks, [], None, [], [], [], native)
     dense, spans = _dense_blocks(spans, perm, ranks, max_padding)
     if not spans:
-        return _Plan(ranks, [], None, [], [], dense, native)
+        return Plan(ranks, [], None, [], [], dense, native)
 
     # Cut every span into runs of consecutive tokens. Runs long enough for a GEMM to pay become views
     # (no copy); a span of short runs (decode tokens of one adapter spread over the batch) is gathered.
@@ -267,7 +291,7 @@ def _build_plan(
         rows = perm  # the spans are in perm's order and cover it
     else:
         rows = torch.cat([perm[lo:hi] for lo, hi in gathered_spans])
-    return _Plan(ranks, runs, rows, gathered_slots, [hi - lo for lo, hi in gathered_spans], dense, native)
+    return Plan(ranks, runs, rows, gathered_slots, [hi - lo for lo, hi in gathered_spans], dense, native)
 
 
 def _kernel_groups(
@@ -307,7 +331,7 @@ def _raw(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.numel()
 
 
-def _kernel_ok(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
+def kernel_ok(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
     """Whether this call may run the native kernels: a CPU that has them, a dtype they take, and CPU
     tensors they can read in place (contiguous)."""
     return (
@@ -393,11 +417,20 @@ def shrink_grouped(
     meta: KernelMeta,
 ) -> torch.Tensor:
     """:func:`lora_pin.ops.shrink` on CPU; arguments already checked by ``check_shrink_args``."""
-    n_slices = meta.n_slices
+    max_rank = a.shape[1] // meta.n_slices
+    kernel = x.device.type == "cpu" and kernel_ok(x.dtype, a)
+    return shrink_planned(x, a, meta.n_slices, _PLANS.get(meta, x.shape[0], max_rank, x.dtype, kernel))
+
+
+def shrink_planned(
+    x: torch.Tensor,  # [T, in]
+    a: torch.Tensor,  # [slots, n_slices * R, in]
+    n_slices: int,
+    plan: Plan,
+) -> torch.Tensor:
+    """Shrink by a plan made for these shapes (:func:`build_plan`); returns ``v`` ``[T, n_slices * R]``."""
     max_rank = a.shape[1] // n_slices
     v = x.new_zeros(x.shape[0], n_slices * max_rank)  # [T, n_slices * R]
-    kernel = x.device.type == "cpu" and _kernel_ok(x.dtype, a)
-    plan = _PLANS.get(meta, x.shape[0], max_rank, x.dtype, kernel)
     if plan.kernel is not None:
         xc = x.contiguous()
         plan.kernel.shrink(
@@ -440,10 +473,22 @@ def expand_grouped(
 ) -> None:
     """:func:`lora_pin.ops.expand` on CPU; arguments already checked by ``check_expand_args``."""
     slot_scalings, slice_offsets = meta.expand_layout()
+    kernel = kernel_ok(out.dtype, out, b, slot_scalings)
+    plan = _PLANS.get(meta, out.shape[0], b.shape[2], out.dtype, kernel)
+    expand_planned(out, v, b, slot_scalings, slice_offsets, plan)
+
+
+def expand_planned(
+    out: torch.Tensor,  # [T, out_total], updated in place
+    v: torch.Tensor,  # [T, n_slices * R]
+    b: torch.Tensor,  # [slots, out_total, R]
+    slot_scalings: torch.Tensor,  # float32 [slots, n_slices]
+    slice_offsets: Sequence[int],
+    plan: Plan,
+) -> None:
+    """Expand by a plan made for these shapes (:func:`build_plan`)."""
     max_rank = b.shape[2]
     n_slices = len(slice_offsets) - 1
-    kernel = _kernel_ok(out.dtype, out, b, slot_scalings)
-    plan = _PLANS.get(meta, out.shape[0], max_rank, out.dtype, kernel)
     if plan.kernel is not None:
         vc = v.contiguous()
         plan.kernel.expand(
@@ -498,3 +543,85 @@ def expand_grouped(
                 expand_rows(outs, vs, b_t, slot, s)
     if plan.gathered_rows is not None:
         out.index_copy_(0, plan.gathered_rows, out_gathered)
+
+
+def delta_planned(
+    out: torch.Tensor,  # [T, out_total], updated in place
+    x: torch.Tensor,  # [T, in]
+    a: torch.Tensor,  # [slots, n_slices * R, in]
+    b: torch.Tensor,  # [slots, out_total, R]
+    slot_scalings: torch.Tensor,  # float32 [slots, n_slices]
+    slice_offsets: Sequence[int],
+    plan: Plan,
+) -> None:
+    """Shrink then expand by a plan made for these shapes (:func:`build_plan`). A plan whose every slot
+    runs on the native kernels is one native call, with ``v`` in its scratch memory."""
+    if plan.kernel is not None and not (plan.runs or plan.dense or plan.gathered_rows is not None):
+        xc = x.contiguous()
+        plan.kernel.lora_delta(
+            _KERNEL_DTYPES[x.dtype],
+            _raw(out),
+            _raw(xc),
+            xc.shape[1],
+            _raw(a),
+            _raw(b),
+            _raw(slot_scalings),
+            slice_offsets,
+            threads=torch.get_num_threads(),
+        )
+        return
+    if plan.runs:
+        _runs_delta(out, x, a, b, slot_scalings, slice_offsets, plan)
+        plan = plan._replace(runs=[])
+        if plan.empty:
+            return
+    v = shrink_planned(x, a, len(slice_offsets) - 1, plan)
+    expand_planned(out, v, b, slot_scalings, slice_offsets, plan)
+
+
+def _runs_delta(
+    out: torch.Tensor,  # [T, out_total], updated in place
+    x: torch.Tensor,  # [T, in]
+    a: torch.Tensor,  # [slots, n_slices * R, in]
+    b: torch.Tensor,  # [slots, out_total, R]
+    slot_scalings: torch.Tensor,  # float32 [slots, n_slices]
+    slice_offsets: Sequence[int],
+    plan: Plan,
+) -> None:
+    """The plan's runs (consecutive rows of one slot) as GEMMs on views of ``x`` and ``out``, shrink and
+    expand back to back for each block of at most ``_RUN_BLOCK`` rows, so that the block's rows of ``x``,
+    ``v`` and ``out`` are still in cache when the expand reads them (a whole prefill's ``out`` is not)."""
+    max_rank, n_slices = b.shape[2], len(slice_offsets) - 1
+    scalings = slot_scalings.tolist()
+    a_t = a.transpose(1, 2)  # [slots, in, n_slices * R]
+    reduced_precision = out.dtype != torch.float32
+    for run in plan.runs:
+        ranks, slot = plan.ranks[run.slot], run.slot
+        end = run.start + run.size
+        for start in range(run.start, end, _RUN_BLOCK):
+            rows = slice(start, min(start + _RUN_BLOCK, end))
+            xs = x[rows]
+            if all(r == max_rank for r in ranks):
+                vs = torch.mm(xs, a_t[slot])
+            else:
+                vs = x.new_zeros(xs.shape[0], n_slices * max_rank)
+                for s, rank in enumerate(ranks):
+                    if rank:
+                        cols = slice(s * max_rank, s * max_rank + rank)
+                        torch.mm(xs, a_t[slot, :, cols], out=vs[:, cols])
+            for s, rank in enumerate(ranks):
+                lo, hi = slice_offsets[s], slice_offsets[s + 1]
+                if not rank or lo == hi:
+                    continue
+                v_s = vs[:, s * max_rank : s * max_rank + rank]
+                b_s = b[slot, lo:hi, :rank].T  # [rank, width_s]
+                outs = out[rows, lo:hi]
+                if reduced_precision and outs.shape[0] <= _FP32_PRODUCT_MAX_ROWS:
+                    outs.add_(torch.mm(v_s.float(), b_s.float()), alpha=scalings[slot][s])
+                else:
+                    outs.addmm_(v_s, b_s, alpha=scalings[slot][s])
+
+
+def plan_for(meta: KernelMeta, n_tokens: int, max_rank: int, dtype: torch.dtype, kernel: bool) -> Plan:
+    """The plan of ``meta`` for these shapes, from the cache of plans by content (built on a miss)."""
+    return _PLANS.get(meta, n_tokens, max_rank, dtype, kernel)

@@ -1,0 +1,219 @@
+"""The per-step prepared LoRA delta (``prepare_delta``, the fused ``lora_pin::lora_delta_`` op) and the
+layer path that uses it: correctness against the fp64 reference, opcheck, no op call for an unused
+group, results independent of the thread count. Every test runs with the native kernels and with the
+torch path alone."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lora_pin._testing import PATTERNS, random_layer, request_slots
+from lora_pin.model.layers import LoRALinear, StepSegments
+from lora_pin.ops import (
+    OpArgumentError,
+    grouped,
+    lora_delta_,
+    lora_reference,
+    prepare_delta,
+    segments_from_slots,
+)
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def cpu_path(request, monkeypatch):
+    native = request.param == "native"
+    if native and not grouped.sgmv_cpu_available():
+        pytest.skip("this CPU lacks AVX-512: only the torch path runs here")
+    monkeypatch.setattr(grouped, "use_cpu_kernels", native)
+    return request.param
+
+
+def _case(pattern, tokens_per_request, dtype, seed=0, n_requests=12, hidden=48, widths=(64, 16, 16)):
+    gen = torch.Generator().manual_seed(seed)
+    layer = random_layer(10, hidden, list(widths), [8, (4, 0, 8)], dtype, gen)
+    slots = request_slots(pattern, n_requests, 10, gen, base_fraction=0.25)
+    token_slots = torch.repeat_interleave(slots, tokens_per_request)
+    x = torch.randn(token_slots.shape[0], hidden, generator=gen).to(dtype)
+    out = torch.randn(token_slots.shape[0], layer.slice_offsets[-1], generator=gen).to(dtype)
+    return layer, token_slots, x, out
+
+
+def _reference(layer, token_slots, x, out):
+    return lora_reference(out, x, layer.a, layer.b, token_slots, *layer[2:])
+
+
+def _assert_close(got, want):
+    tol = TOLERANCE[got.dtype]
+    torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 19], ids=["decode", "prefill"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_prepared_delta_matches_the_fp64_reference(pattern, tokens, dtype):
+    layer, token_slots, x, out = _case(pattern, tokens, dtype)
+    delta = prepare_delta(layer.meta(segments_from_slots(token_slots, 4)), layer.a, layer.b, x.shape[0])
+    got = out.clone()
+    with torch.inference_mode():
+        delta.apply(got, x)
+        delta.apply(again := out.clone(), x)  # a second call of the step reuses the plan
+    _assert_close(got, _reference(layer, token_slots, x, out))
+    assert torch.equal(again, got)
+    base = token_slots < 0
+    assert torch.equal(got[base], out[base])  # rows with no adapter are untouched, bit for bit
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_results_do_not_depend_on_the_thread_count(threads, cpu_path):
+    # Big enough for the kernels to cut one busy slot's work into tiles on several threads.
+    layer, token_slots, x, out = _case("identical", 1, torch.float32, n_requests=64, hidden=512)
+    meta = layer.meta(segments_from_slots(token_slots, 16))
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lora_delta_(out.clone(), x, layer.a, layer.b, meta)
+        torch.set_num_threads(threads)
+        many = lora_delta_(out.clone(), x, layer.a, layer.b, meta)
+    finally:
+        torch.set_num_threads(previous)
+    if cpu_path == "native":  # the kernels' tiles change who computes an output, not how (BLAS may differ)
+        assert torch.equal(one, many)
+    _assert_close(many, _reference(layer, token_slots, x, out))
+
+
+def test_the_fused_op_passes_opcheck_with_and_without_a_prepared_plan():
+    layer, token_slots, x, out = _case("uniform", 3, torch.float32)
+    meta = layer.meta(segments_from_slots(token_slots, 4))
+    delta = prepare_delta(meta, layer.a, layer.b, x.shape[0])
+    args = (out, x, layer.a, layer.b, *meta[:4], meta.slot_scalings, list(meta.slice_offsets))
+    torch.library.opcheck(torch.ops.lora_pin.lora_delta_.default, args)
+    torch.library.opcheck(torch.ops.lora_pin.lora_delta_.default, (*args, delta.handle))
+
+
+def test_a_plan_serves_only_the_tensors_it_was_made_from():
+    layer, first_slots, x, out = _case("distinct", 1, torch.float32)
+    delta = prepare_delta(layer.meta(segments_from_slots(first_slots)), layer.a, layer.b, x.shape[0])
+    # Another step's arrays with the first one's handle: the op checks and plans them in full.
+    other_slots = torch.flip(first_slots, [0])
+    other = layer.meta(segments_from_slots(other_slots))
+    got = out.clone()
+    with torch.inference_mode():
+        torch.ops.lora_pin.lora_delta_(
+            got, x, layer.a, layer.b, *other[:4], other.slot_scalings, list(other.slice_offsets), delta.handle
+        )
+    _assert_close(got, _reference(layer, other_slots, x, out))
+
+
+def test_apply_refuses_inputs_it_was_not_prepared_for():
+    layer, token_slots, x, out = _case("zipf", 1, torch.float32)
+    delta = prepare_delta(layer.meta(segments_from_slots(token_slots)), layer.a, layer.b, x.shape[0])
+    with pytest.raises(OpArgumentError, match=r"prepared for x torch\.float32"):
+        delta.apply(out[:-1].clone(), x[:-1])
+    with pytest.raises(OpArgumentError, match=r"got x torch\.bfloat16"):
+        delta.apply(out.clone(), x.bfloat16())
+
+
+def test_prepare_refuses_bad_segments_by_name():
+    layer, token_slots, x, _ = _case("uniform", 1, torch.float32)
+    meta = layer.meta(segments_from_slots(token_slots))
+    bad = meta._replace(perm=meta.perm.clone().fill_(x.shape[0]))
+    with pytest.raises(OpArgumentError, match="perm holds tokens outside"):
+        prepare_delta(bad, layer.a, layer.b, x.shape[0])
+
+
+class _Calls(TorchDispatchMode):
+    """Records the name of every op the dispatcher runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _Output(torch.nn.Module):
+    def __init__(self, out: torch.Tensor) -> None:
+        super().__init__()
+        self.out = out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out
+
+
+def _layer(layer, ranks, token_slots, out):
+    buffers = types.SimpleNamespace(
+        group=types.SimpleNamespace(n_slices=3, key="qkv"),
+        a=layer.a,
+        b=layer.b,
+        ranks=ranks,
+        scalings=layer.slot_scalings,
+        slice_offsets=layer.slice_offsets,
+    )
+    step = StepSegments(segments=segments_from_slots(token_slots), any_adapter=True)
+    return LoRALinear(_Output(out), buffers, lambda: step)
+
+
+def test_a_layer_whose_group_no_row_uses_makes_no_op_call():
+    layer, _, x, out = _case("uniform", 1, torch.float32)
+    # Slots 1 and 2 have no rank in this group (their adapters target other modules).
+    ranks = layer.slot_ranks.clone()
+    ranks[1:3] = 0
+    token_slots = torch.tensor([1, -1, 2, 1] * 3)
+    module = _layer(layer, ranks, token_slots, out.clone())
+    with torch.inference_mode(), _Calls() as calls:
+        module(x)  # the first call of the step prepares (and may run ops to check the arrays)
+        calls.names.clear()
+        result = module(x)
+    assert calls.names == []
+    assert torch.equal(result, out)
+    # The same layer with a row on a slot the group has makes one op call, the fused one.
+    module = _layer(layer, ranks, torch.tensor([1, -1, 0, 1] * 3), out.clone())
+    with torch.inference_mode(), _Calls() as calls:
+        module(x)
+        calls.names.clear()
+        module(x)
+    assert [name for name in calls.names if name.startswith("lora_pin")] == ["lora_pin.lora_delta_.default"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_runs_of_one_slot_match_the_reference(dtype):
+    # Runs longer than a block of the fused path, one of a slot with a rank-0 slice, beside base rows.
+    gen = torch.Generator().manual_seed(5)
+    layer = random_layer(3, 40, [64, 16, 16], [8, (4, 0, 8)], dtype, gen)
+    token_slots = torch.tensor([1] * 300 + [-1] * 7 + [0] * 200 + [2] * 129)
+    x = torch.randn(token_slots.shape[0], 40, generator=gen).to(dtype)
+    out = torch.randn(token_slots.shape[0], 96, generator=gen).to(dtype)
+    delta = prepare_delta(layer.meta(segments_from_slots(token_slots, 64)), layer.a, layer.b, x.shape[0])
+    got = out.clone()
+    with torch.inference_mode():
+        delta.apply(got, x)
+    _assert_close(got, _reference(layer, token_slots, x, out))
+    assert torch.equal(got[300:307], out[300:307])
+
+
+def test_groups_of_one_shape_share_a_plan_only_when_their_ranks_agree():
+    layer, token_slots, x, out = _case("uniform", 1, torch.float32)
+    segments = segments_from_slots(token_slots)
+    first = prepare_delta(layer.meta(segments), layer.a, layer.b, x.shape[0])
+    # Another group of the same shapes and ranks (other weights): the plan is shared, the result its own.
+    other_a, other_b = layer.a.flip(0).contiguous(), layer.b.flip(0).contiguous()
+    same = prepare_delta(layer.meta(segments), other_a, other_b, x.shape[0], like=first)
+    assert same.plan is first.plan
+    got = out.clone()
+    with torch.inference_mode():
+        same.apply(got, x)
+    _assert_close(got, lora_reference(out, x, other_a, other_b, token_slots, *layer[2:]))
+    # A group whose adapters have no rank in it: planned on its own (empty), not given the first's plan.
+    ranks = torch.zeros_like(layer.slot_ranks)
+    unused = prepare_delta(
+        layer.meta(segments)._replace(slot_ranks=ranks), layer.a, layer.b, x.shape[0], like=first
+    )
+    assert unused.plan is not first.plan and unused.empty and not first.empty
