@@ -15,7 +15,10 @@ __all__ = [
     "Trace",
     "__version__",
     "check_limits",
+    "home_replicas",
     "parse_lora_paths",
+    "rank_replicas",
+    "replication_factor",
     "sgmv_cpu_available",
     "simulate",
 ]
@@ -199,6 +202,15 @@ def simulate(
     record: bool = False,
     progress: Callable[[int], object] | None = None,
 ) -> dict[str, Any]: ...
+def rank_replicas(
+    adapter: str | None,
+    replicas: Sequence[tuple[str, str, int, int, int]],
+    *,
+    pinned: bool = False,
+    homes: int = 1,
+) -> list[int]: ...
+def replication_factor(share: float, replicas: int) -> int: ...
+def home_replicas(adapter: str, replicas: Sequence[str], homes: int) -> list[int]: ...
 def sgmv_cpu_available() -> bool: ...
 
 @final

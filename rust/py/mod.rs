@@ -4,6 +4,7 @@
 mod errors;
 mod patterns;
 mod registry;
+mod routing;
 mod sgmv;
 mod sim;
 mod spec;
@@ -20,6 +21,8 @@ pub mod _core {
     use super::patterns::PyPatternSet;
     #[pymodule_export]
     use super::registry::{PyFetchPlan, PyLoRARegistry, PyStepPlan};
+    #[pymodule_export]
+    use super::routing::{home_replicas, rank_replicas, replication_factor};
     #[pymodule_export]
     use super::sgmv::{sgmv_cpu_available, PyCpuSgmvPlan};
     #[pymodule_export]
