@@ -24,7 +24,7 @@ fn non_negative(py: Python<'_>, what: &str, v: i64) -> PyResult<usize> {
 #[pymethods]
 impl PyTrace {
     /// `requests` requests over `adapters` adapters (`adapter-000`, ...) following `workload`:
-    /// `zipf:ALPHA`, `uniform`, `shifting`, `bursty` or `scan`; one token each; the same arguments
+    /// `zipf:ALPHA`, `power:ALPHA`, `uniform`, `shifting`, `bursty` or `scan`; one token each; the same arguments
     /// give the same trace.
     ///
     /// Raises:

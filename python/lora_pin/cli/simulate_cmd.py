@@ -37,7 +37,7 @@ def add_parser(subparsers: Any) -> None:
     src.add_argument(
         "--workload",
         default="zipf:1.0",
-        help="generate a trace: zipf:ALPHA, uniform, shifting, bursty or scan (default %(default)s)",
+        help="generate a trace: zipf:ALPHA, power:ALPHA (S-LoRA), uniform, shifting, bursty or scan (default %(default)s)",
     )
     p.add_argument("--adapters", default="128", help="adapters in a generated trace (default %(default)s)")
     p.add_argument("--requests", default="100000", help="requests in a generated trace (default %(default)s)")
