@@ -126,7 +126,8 @@ pub fn simulate_replicas(
     let mut queue_sums = vec![0u64; replicas];
     let mut busy = vec![0u64; replicas];
     let mut inputs = StepInputs::default();
-    let mut rng = SplitMix::new(seed);
+    // Not the trace's own stream: the same seed there picks the adapters.
+    let mut rng = SplitMix::new(seed ^ 0xBB67_AE85_84CA_A73B);
     let mut stats: Vec<ReplicaStats> = names
         .iter()
         .map(|n| ReplicaStats {
