@@ -26,7 +26,7 @@ pub mod _core {
     #[pymodule_export]
     use super::sgmv::{sgmv_cpu_available, PyCpuSgmvPlan};
     #[pymodule_export]
-    use super::sim::{simulate, PyTrace};
+    use super::sim::{simulate, simulate_replicas, PyTrace};
     #[pymodule_export]
     use super::spec::{check_limits, parse_lora_paths, PyLoRARef};
 
