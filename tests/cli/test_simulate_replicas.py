@@ -4,6 +4,8 @@ against the single-replica replay (one replica must decide exactly as ``simulate
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +79,40 @@ def test_bad_replica_arguments_exit_2_naming_the_flag(
     code, out, err = _cli(capsys, "--requests", "100", *argv)
     assert code == 2 and out == ""
     assert message in err and err.count("\n") == 1, err
+
+
+def test_plot_writes_an_image_of_the_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    out_file = str(tmp_path / "sweep.png")
+    argv = [
+        "--requests",
+        "2000",
+        "--replicas",
+        "2,4",
+        "--slots",
+        "4,8",
+        "--host",
+        "16,none",
+        "--policy",
+        "lru",
+    ]
+    code, _, err = _cli(capsys, *argv, "--plot", out_file)
+    assert (code, err) == (0, "")
+    with open(out_file, "rb") as f:
+        head = f.read(8)
+    assert head == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_names_the_extra_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # None in sys.modules makes `import matplotlib` raise ImportError, as when it is not installed.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, out, err = _cli(capsys, "--requests", "100", "--replicas", "2", "--plot", "x.png")
+    assert (code, out) == (1, "")
+    assert "lora_pin[plot]" in err and err.count("\n") == 1, err
+
+
+def test_plot_needs_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _cli(capsys, "--requests", "100", "--plot", "x.png")
+    assert code == 2 and out == "" and "--plot" in err and "--replicas" in err

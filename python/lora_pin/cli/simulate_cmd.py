@@ -10,6 +10,7 @@ from typing import Any
 
 from lora_pin._core import MAX_SLOTS, Trace, simulate, simulate_replicas
 from lora_pin.args import EVICTION_POLICIES
+from lora_pin.cli._plot import MISSING, draw
 from lora_pin.errors import SpecError
 
 __all__ = ["add_parser", "run"]
@@ -105,6 +106,14 @@ def add_parser(subparsers: Any) -> None:
         help=(
             "with --replicas: queued requests at which affinity spills to the next choice "
             "(default: the batch size)"
+        ),
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        help=(
+            "with --replicas: draw loads and hit rates against slots, host tier and replicas per router "
+            "into FILE (.png, .svg, ...; needs the plot extra)"
         ),
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -394,13 +403,22 @@ def _cluster_table(rows: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Prints one table per (slots, host) configuration, or ``--json``; returns 0.
+    """Prints one table per (slots, host) configuration, or ``--json``; returns 0 (1 when ``--plot`` is
+    given and matplotlib is missing, saying which extra to install).
 
     Raises:
         SpecError: a bad argument (a list item that is not a number, an unknown workload or policy, a pin
             the trace never names or beyond max_loras_per_batch - 1) or an unreadable or malformed trace;
             the CLI prints the message on one line and exits 2.
     """
+    if args.plot is not None:
+        if args.replicas is None:
+            raise SpecError("--plot: draws the replica sweep; give --replicas N too")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            sys.stderr.write(f"lora-pin simulate: {MISSING}\n")
+            return 1
     trace, about = _trace(args)
     if args.replicas is not None:
         rows = _cluster_rows(args, trace, about)
@@ -408,6 +426,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         rows = _rows(args, trace)
         table = _table
+    if args.plot is not None:
+        try:
+            draw(rows, args.plot)
+        except OSError as e:
+            raise SpecError(f"--plot: cannot write {args.plot!r}: {e}") from e
     if args.json:
         json.dump({"trace": about, "results": rows}, sys.stdout, indent=1)
         sys.stdout.write("\n")
