@@ -11,6 +11,7 @@ pub mod limits;
 pub mod patterns;
 pub mod policy;
 pub mod registry;
+pub mod routing;
 pub mod sgmv;
 pub mod shared;
 pub mod sim;

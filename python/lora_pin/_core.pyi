@@ -15,9 +15,13 @@ __all__ = [
     "Trace",
     "__version__",
     "check_limits",
+    "home_replicas",
     "parse_lora_paths",
+    "rank_replicas",
+    "replication_factor",
     "sgmv_cpu_available",
     "simulate",
+    "simulate_replicas",
 ]
 __version__: str
 MAX_SLOTS: int
@@ -183,6 +187,7 @@ class Trace:
     def from_file(path: str) -> Trace: ...
     @property
     def names(self) -> list[str]: ...
+    def with_gamma_arrivals(self, rate: float, *, cv: float = 1.0, seed: int = 0) -> Trace: ...
     def most_requested(self, k: int) -> list[str]: ...
     def requests(self) -> list[tuple[str | None, int, float | None]]: ...
     def __len__(self) -> int: ...
@@ -200,6 +205,30 @@ def simulate(
     load_ms: float = 0.0,
     record: bool = False,
     progress: Callable[[int], object] | None = None,
+) -> dict[str, Any]: ...
+def rank_replicas(
+    adapter: str | None,
+    replicas: Sequence[tuple[str, str, int, int, int]],
+    *,
+    pinned: bool = False,
+    homes: int = 1,
+) -> list[int]: ...
+def replication_factor(share: float, replicas: int) -> int: ...
+def home_replicas(adapter: str, replicas: Sequence[str], homes: int) -> list[int]: ...
+def simulate_replicas(
+    trace: Trace,
+    *,
+    replicas: int,
+    router: str,
+    slots: int,
+    max_loaded_loras: int | None = None,
+    policy: str = "lru",
+    pins: Sequence[str] = ...,
+    batch_size: int = 4,
+    step_seconds: float = 0.02,
+    adapter_bytes: int = 33554432,
+    queue_bound: int = 16,
+    seed: int = 0,
 ) -> dict[str, Any]: ...
 def sgmv_cpu_available() -> bool: ...
 

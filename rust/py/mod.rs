@@ -4,6 +4,7 @@
 mod errors;
 mod patterns;
 mod registry;
+mod routing;
 mod sgmv;
 mod sim;
 mod spec;
@@ -21,9 +22,11 @@ pub mod _core {
     #[pymodule_export]
     use super::registry::{PyFetchPlan, PyLoRARegistry, PyStepPlan};
     #[pymodule_export]
+    use super::routing::{home_replicas, rank_replicas, replication_factor};
+    #[pymodule_export]
     use super::sgmv::{sgmv_cpu_available, PyCpuSgmvPlan};
     #[pymodule_export]
-    use super::sim::{simulate, PyTrace};
+    use super::sim::{simulate, simulate_replicas, PyTrace};
     #[pymodule_export]
     use super::spec::{check_limits, parse_lora_paths, PyLoRARef};
 

@@ -10,7 +10,10 @@ use pyo3::types::{PyDict, PyList};
 use super::errors::new_error;
 use super::{detached, shielded};
 use crate::registry::StepPlan;
-use crate::sim::{simulate_until, FetchReport, SimConfig, SimReport, TierReport, Trace, Workload};
+use crate::sim::{
+    simulate_replicas as replicas_run, simulate_until, FetchReport, Router, SimConfig, SimReport, TierReport,
+    Trace, Workload,
+};
 
 /// A request trace: adapter names and requests (adapter or None, tokens, optional arrival time).
 /// Build one with `Trace.generate` or `Trace.from_jsonl`.
@@ -24,7 +27,7 @@ fn non_negative(py: Python<'_>, what: &str, v: i64) -> PyResult<usize> {
 #[pymethods]
 impl PyTrace {
     /// `requests` requests over `adapters` adapters (`adapter-000`, ...) following `workload`:
-    /// `zipf:ALPHA`, `uniform`, `shifting`, `bursty` or `scan`; one token each; the same arguments
+    /// `zipf:ALPHA`, `power:ALPHA`, `uniform`, `shifting`, `bursty` or `scan`; one token each; the same arguments
     /// give the same trace.
     ///
     /// Raises:
@@ -60,6 +63,17 @@ impl PyTrace {
     #[staticmethod]
     fn from_file(py: Python<'_>, path: &str) -> PyResult<Self> {
         detached(py, || Ok(Self(Trace::from_file(path)?)))
+    }
+
+    /// This trace with Gamma gaps between arrivals (S-LoRA's arrivals): mean gap `1 / rate` seconds,
+    /// coefficient of variation `cv` (shape `1 / cv**2`; 1 is Poisson). Replaces any arrival times.
+    ///
+    /// Raises:
+    ///     SpecError: `rate` or `cv` not a finite number above 0.
+    #[pyo3(signature = (rate, *, cv = 1.0, seed = 0))]
+    fn with_gamma_arrivals(&self, py: Python<'_>, rate: f64, cv: f64, seed: u64) -> PyResult<Self> {
+        let trace = self.0.clone();
+        detached(py, move || Ok(Self(trace.with_gamma_arrivals(rate, cv, seed)?)))
     }
 
     /// The adapters' names, in order of first use (generated traces: by index).
@@ -260,4 +274,76 @@ fn report_progress(py: Python<'_>, progress: Option<&Py<PyAny>>, served: usize) 
         progress.call1(py, (served,))?;
     }
     Ok(())
+}
+
+/// Replays `trace` over `replicas` replicas, each with its own registry configured as `simulate`'s
+/// arguments say (pins on every replica), behind `router`: `random`, `least-loaded` (shortest
+/// queue) or `affinity` (`lora_pin.routing.rank_replicas`, homes from each adapter's share of the
+/// trace, spilling past `queue_bound` queued requests). One clock in steps of `step_seconds`:
+/// arrived requests are routed one by one, then every replica with work plans one step. Give the
+/// trace arrival times (`Trace.with_gamma_arrivals`); without them all requests arrive at once.
+///
+/// Returns a dict: `steps` (of the clock) and `replicas`, a list with per replica `routed`,
+/// `queue_mean`, `queue_max`, `utilisation` (share of steps with a batch), `steps`, `uses`,
+/// `deferrals`, `adapter_requests`, and `device` / `host` as `simulate` gives them.
+///
+/// Raises:
+///     SpecError: as `simulate`, an unknown router, 0 replicas, a queue bound of 0, or `load_ms` > 0.
+#[pyfunction]
+#[pyo3(signature = (
+    trace, *, replicas, router, slots, max_loaded_loras = None, policy = "lru", pins = Vec::new(),
+    batch_size = 4, step_seconds = 0.02, adapter_bytes = 33554432, queue_bound = 16, seed = 0
+))]
+#[allow(clippy::too_many_arguments)]
+pub fn simulate_replicas<'py>(
+    py: Python<'py>,
+    trace: &Bound<'py, PyTrace>,
+    replicas: i64,
+    router: &str,
+    slots: i64,
+    max_loaded_loras: Option<i64>,
+    policy: &str,
+    pins: Vec<String>,
+    batch_size: i64,
+    step_seconds: f64,
+    adapter_bytes: u64,
+    queue_bound: i64,
+    seed: u64,
+) -> PyResult<Bound<'py, PyDict>> {
+    shielded(py, || {
+        let config = SimConfig {
+            slots: non_negative(py, "slots", slots)?,
+            max_loaded: max_loaded_loras.map(|v| non_negative(py, "max_loaded_loras", v)).transpose()?,
+            policy: policy.to_owned(),
+            pins,
+            batch_size: non_negative(py, "batch_size", batch_size)?,
+            step_seconds,
+            adapter_bytes,
+            load_ms: 0.0,
+        };
+        let replicas = non_negative(py, "replicas", replicas)?;
+        let queue_bound = non_negative(py, "queue_bound", queue_bound)?;
+        let router = Router::parse(router)?;
+        let trace = &trace.get().0;
+        let report = detached(py, || replicas_run(trace, &config, replicas, router, queue_bound, seed))?;
+        let list = PyList::empty(py);
+        for r in &report.replicas {
+            let d = PyDict::new(py);
+            d.set_item("routed", r.routed)?;
+            d.set_item("queue_mean", r.queue_mean)?;
+            d.set_item("queue_max", r.queue_max)?;
+            d.set_item("utilisation", r.utilisation)?;
+            d.set_item("steps", r.sim.steps)?;
+            d.set_item("uses", r.sim.uses)?;
+            d.set_item("deferrals", r.sim.deferrals)?;
+            d.set_item("adapter_requests", r.sim.adapter_requests)?;
+            d.set_item("device", tier(py, &r.sim.device, Some(r.sim.uses))?)?;
+            d.set_item("host", tier(py, &r.sim.host, None)?)?;
+            list.append(d)?;
+        }
+        let d = PyDict::new(py);
+        d.set_item("steps", report.steps)?;
+        d.set_item("replicas", list)?;
+        Ok(d)
+    })
 }

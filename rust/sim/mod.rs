@@ -5,11 +5,13 @@
 pub mod belady;
 mod fetches;
 pub mod replay;
+pub mod replicas;
 pub mod trace;
 
 pub use belady::{min_misses, Demand};
 pub use fetches::FetchReport;
 pub use replay::{sim_ref, simulate, simulate_until, simulate_with, SimConfig, SimReport, TierReport};
+pub use replicas::{simulate_replicas, ClusterReport, ReplicaReport, Router};
 pub use trace::{Request, Trace, Workload};
 
 #[cfg(test)]

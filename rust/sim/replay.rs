@@ -238,7 +238,7 @@ pub fn simulate_until<B>(
 }
 
 /// Refuses a batch size of 0 and a negative or non-finite step or load time.
-fn check_config(config: &SimConfig) -> Result<()> {
+pub(super) fn check_config(config: &SimConfig) -> Result<()> {
     if config.batch_size == 0 {
         return Err(Error::Spec("batch_size must be at least 1 (got 0)".into()));
     }
@@ -252,7 +252,7 @@ fn check_config(config: &SimConfig) -> Result<()> {
 }
 
 /// Each request's arrival time; one without a time arrives with the request before it (the first at 0).
-fn arrival_times(requests: &[Request]) -> Vec<f64> {
+pub(super) fn arrival_times(requests: &[Request]) -> Vec<f64> {
     requests
         .iter()
         .scan(0.0, |last, r| {
@@ -264,7 +264,7 @@ fn arrival_times(requests: &[Request]) -> Vec<f64> {
 
 /// The per-step argument lists of the registry calls, kept between steps so a step allocates none.
 #[derive(Default)]
-struct StepInputs {
+pub(super) struct StepInputs {
     keys: Vec<Option<AdapterKey>>,
     tokens: Vec<u32>,
 }
@@ -275,7 +275,7 @@ impl StepInputs {
     /// finish. Returns the plan.
     ///
     /// Errors: the registry's.
-    fn serve(
+    pub(super) fn serve(
         &mut self,
         reg: &mut Registry,
         trace: &Trace,
@@ -305,7 +305,7 @@ impl StepInputs {
 
 /// Adds one step's admitted requests to `report` (tokens, adapter requests, uses, deferrals, the step)
 /// and its distinct adapters, in first-use order, to `demand`.
-fn count_step(
+pub(super) fn count_step(
     report: &mut SimReport,
     demand: &mut Demand,
     requests: &[Request],
@@ -345,7 +345,7 @@ fn keep_deferred(queue: &mut VecDeque<u32>, batch: &[u32], deferred: &[u32]) {
 
 /// What a tier did between the `start` and `end` snapshots, with `adapter_bytes` per miss and the
 /// Belady bound for the same demand.
-fn tier_report(
+pub(super) fn tier_report(
     end: &TierStats,
     start: &TierStats,
     adapter_bytes: u64,
@@ -363,7 +363,7 @@ fn tier_report(
 
 /// A registry with the trace's adapters registered (pinned ones first, pinned) and their keys by
 /// trace index.
-fn setup(trace: &Trace, config: &SimConfig) -> Result<(Registry, Vec<AdapterKey>)> {
+pub(super) fn setup(trace: &Trace, config: &SimConfig) -> Result<(Registry, Vec<AdapterKey>)> {
     let mut rc = Config::new(config.slots);
     rc.max_loaded = config.max_loaded;
     rc.device_policy = PolicyKind::parse("policy", &config.policy)?;

@@ -288,3 +288,39 @@ proptest! {
         prop_assert_eq!(r.device.hits + r.device.misses, r.uses);
     }
 }
+
+#[test]
+fn power_workload_matches_the_inverse_cdf_of_numpy_power() {
+    // P(id < k) = P(x < k / n) = (k / n)^alpha for numpy's power(alpha).
+    let n = 100;
+    let t = Trace::generate(Workload::parse("power:0.3").unwrap(), n, 200_000, 5).unwrap();
+    for k in [1usize, 10, 50] {
+        let below = t.requests().iter().filter(|r| (r.adapter.unwrap() as usize) < k).count();
+        let want = (k as f64 / n as f64).powf(0.3);
+        let got = below as f64 / 200_000.0;
+        assert!((got - want).abs() < 0.01, "k={k}: {got} vs {want}");
+    }
+    let u = Trace::generate(Workload::Power(1.0), 4, 40_000, 1).unwrap();
+    let zeros = u.requests().iter().filter(|r| r.adapter == Some(0)).count();
+    assert!((9_000..11_000).contains(&zeros), "{zeros}");
+    assert!(Workload::parse("power:0").is_err());
+    assert_eq!(Workload::parse("power:0.5").unwrap().label(), "power:0.5");
+}
+
+#[test]
+fn gamma_arrivals_have_the_asked_rate_and_coefficient_of_variation() {
+    for cv in [0.5, 1.0, 3.0] {
+        let t = Trace::generate(Workload::Uniform, 4, 100_000, 2)
+            .unwrap()
+            .with_gamma_arrivals(50.0, cv, 9)
+            .unwrap();
+        let times: Vec<f64> = t.requests().iter().map(|r| r.arrival.unwrap()).collect();
+        let gaps: Vec<f64> = times.windows(2).map(|w| w[1] - w[0]).collect();
+        let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+        let var = gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / gaps.len() as f64;
+        assert!((mean * 50.0 - 1.0).abs() < 0.05, "cv {cv}: mean gap {mean}");
+        assert!((var.sqrt() / mean - cv).abs() < 0.08 * cv, "cv {cv}: got {}", var.sqrt() / mean);
+    }
+    let t = Trace::generate(Workload::Uniform, 4, 10, 2).unwrap();
+    assert!(t.with_gamma_arrivals(0.0, 1.0, 0).is_err());
+}

@@ -36,6 +36,10 @@ pub enum Workload {
     /// Adapter of rank `r` (0-based) with probability proportional to `1 / (r + 1)^alpha`; adapter
     /// `i` has rank `i`.
     Zipf(f64),
+    /// S-LoRA's popularity: adapter `min(floor(x * n), n - 1)` where `x` follows numpy's
+    /// `power(alpha)` (density `alpha * x^(alpha - 1)` on `[0, 1]`, drawn as `u^(1 / alpha)`): alpha 1
+    /// is uniform, lower alphas crowd the requests onto the low adapter ids.
+    Power(f64),
     /// Every adapter equally likely.
     Uniform,
     /// Zipf with alpha 1 whose ranking rotates: at request `i` of `m` the rank-`r` adapter is
@@ -50,25 +54,31 @@ pub enum Workload {
 }
 
 impl Workload {
-    /// Parses `zipf:ALPHA`, `uniform`, `shifting`, `bursty` or `scan`.
+    /// Parses `zipf:ALPHA`, `power:ALPHA`, `uniform`, `shifting`, `bursty` or `scan`.
     ///
     /// Errors: [`Error::Spec`] naming the value and the choices, or a bad alpha.
     pub fn parse(text: &str) -> Result<Self> {
-        let choices = "choose zipf:ALPHA (ALPHA > 0), uniform, shifting, bursty or scan";
+        let choices = "choose zipf:ALPHA, power:ALPHA (ALPHA > 0), uniform, shifting, bursty or scan";
+        let alpha = |a: &str| match a.parse::<f64>() {
+            Ok(a) if a.is_finite() && a > 0.0 => Ok(a),
+            _ => Err(Error::Spec(format!(
+                "workload {text:?}: ALPHA must be a finite number above 0 (got {a:?})"
+            ))),
+        };
         match text.trim() {
             "uniform" => Ok(Self::Uniform),
             "shifting" => Ok(Self::Shifting),
             "bursty" => Ok(Self::Bursty),
             "scan" => Ok(Self::Scan),
-            other => match other.strip_prefix("zipf:") {
-                Some(alpha) => match alpha.parse::<f64>() {
-                    Ok(a) if a.is_finite() && a > 0.0 => Ok(Self::Zipf(a)),
-                    _ => Err(Error::Spec(format!(
-                        "workload {text:?}: ALPHA must be a finite number above 0 (got {alpha:?})"
-                    ))),
-                },
-                None => Err(Error::Spec(format!("workload {text:?} is not a workload; {choices}"))),
-            },
+            other => {
+                if let Some(a) = other.strip_prefix("zipf:") {
+                    Ok(Self::Zipf(alpha(a)?))
+                } else if let Some(a) = other.strip_prefix("power:") {
+                    Ok(Self::Power(alpha(a)?))
+                } else {
+                    Err(Error::Spec(format!("workload {text:?} is not a workload; {choices}")))
+                }
+            }
         }
     }
 
@@ -76,6 +86,7 @@ impl Workload {
     pub fn label(&self) -> String {
         match self {
             Self::Zipf(a) => format!("zipf:{a}"),
+            Self::Power(a) => format!("power:{a}"),
             Self::Uniform => "uniform".into(),
             Self::Shifting => "shifting".into(),
             Self::Bursty => "bursty".into(),
@@ -110,6 +121,32 @@ impl SplitMix {
     /// Uniform in `0..n` (`n > 0`).
     pub(crate) fn below(&mut self, n: usize) -> usize {
         ((self.next_u64() as u128 * n as u128) >> 64) as usize
+    }
+}
+
+/// A standard normal draw (Box-Muller).
+fn normal(rng: &mut SplitMix) -> f64 {
+    let u = 1.0 - rng.unit();
+    (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * rng.unit()).cos()
+}
+
+/// A Gamma(`shape`, 1) draw (Marsaglia and Tsang 2000; shapes below 1 boosted by `u^(1/shape)`).
+fn gamma(rng: &mut SplitMix, shape: f64) -> f64 {
+    if shape < 1.0 {
+        return gamma(rng, shape + 1.0) * (1.0 - rng.unit()).powf(1.0 / shape);
+    }
+    let d = shape - 1.0 / 3.0;
+    let c = 1.0 / (9.0 * d).sqrt();
+    loop {
+        let x = normal(rng);
+        let v = (1.0 + c * x).powi(3);
+        if v <= 0.0 {
+            continue;
+        }
+        let u = 1.0 - rng.unit();
+        if u.ln() < 0.5 * x * x + d - d * v + d * v.ln() {
+            return d * v;
+        }
     }
 }
 
@@ -286,6 +323,10 @@ impl Trace {
                 let z = ZipfSampler::new(n, alpha);
                 picks.extend((0..requests).map(|_| z.sample(&mut rng)));
             }
+            Workload::Power(alpha) => picks.extend((0..requests).map(|_| {
+                let x = rng.unit().powf(1.0 / alpha);
+                ((x * n as f64) as usize).min(n - 1)
+            })),
             Workload::Shifting => {
                 let z = ZipfSampler::new(n, 1.0);
                 picks.extend((0..requests).map(|i| {
@@ -309,6 +350,28 @@ impl Trace {
             .map(|a| Request { adapter: Some(a as u32), tokens: 1, arrival: None })
             .collect();
         Ok(Self { names, requests })
+    }
+
+    /// This trace with Gamma-distributed gaps between arrivals, as S-LoRA's workloads: mean gap
+    /// `1 / rate` seconds, coefficient of variation `cv` (shape `1 / cv^2`; cv 1 is Poisson arrivals,
+    /// higher is burstier). Replaces any arrival times; the same arguments give the same times.
+    ///
+    /// Errors: [`Error::Spec`] when `rate` or `cv` is not a finite number above 0.
+    pub fn with_gamma_arrivals(mut self, rate: f64, cv: f64, seed: u64) -> Result<Self> {
+        for (what, v) in [("rate", rate), ("cv", cv)] {
+            if !v.is_finite() || v <= 0.0 {
+                return Err(Error::Spec(format!("arrival {what} must be a finite number above 0 (got {v})")));
+            }
+        }
+        let shape = 1.0 / (cv * cv);
+        let scale = 1.0 / (rate * shape);
+        let mut rng = SplitMix::new(seed ^ 0x6A09_E667_F3BC_C908);
+        let mut clock = 0.0;
+        for r in &mut self.requests {
+            clock += gamma(&mut rng, shape) * scale;
+            r.arrival = Some(clock);
+        }
+        Ok(self)
     }
 
     /// The adapters' names; a request's `adapter` indexes into them.

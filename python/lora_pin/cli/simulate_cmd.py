@@ -8,8 +8,9 @@ import json
 import sys
 from typing import Any
 
-from lora_pin._core import MAX_SLOTS, Trace, simulate
+from lora_pin._core import MAX_SLOTS, Trace, simulate, simulate_replicas
 from lora_pin.args import EVICTION_POLICIES
+from lora_pin.cli._plot import MISSING, draw
 from lora_pin.errors import SpecError
 
 __all__ = ["add_parser", "run"]
@@ -37,7 +38,10 @@ def add_parser(subparsers: Any) -> None:
     src.add_argument(
         "--workload",
         default="zipf:1.0",
-        help="generate a trace: zipf:ALPHA, uniform, shifting, bursty or scan (default %(default)s)",
+        help=(
+            "generate a trace: zipf:ALPHA, power:ALPHA (S-LoRA), uniform, shifting, bursty or scan "
+            "(default %(default)s)"
+        ),
     )
     p.add_argument("--adapters", default="128", help="adapters in a generated trace (default %(default)s)")
     p.add_argument("--requests", default="100000", help="requests in a generated trace (default %(default)s)")
@@ -68,6 +72,48 @@ def add_parser(subparsers: Any) -> None:
             "time a read from disk takes; above 0 the loop runs in background mode (misses deferred and "
             "read off the step path) and reports the requests deferred by fetches and their extra wait; "
             "0 = reads block the step that needs them (default %(default)s)"
+        ),
+    )
+    p.add_argument(
+        "--replicas",
+        default=None,
+        metavar="N[,N...]",
+        help=(
+            "simulate N replicas behind a router (a list sweeps), each with its own slots, host tier and "
+            "pins; reports loads, hit rates and queues per replica and overall"
+        ),
+    )
+    p.add_argument(
+        "--router",
+        default="random,least-loaded,affinity",
+        help="routers to compare with --replicas: random, least-loaded, affinity (default %(default)s)",
+    )
+    p.add_argument(
+        "--arrival-rate",
+        default=None,
+        metavar="REQ_PER_S",
+        help=(
+            "with --replicas: Gamma arrivals at this mean rate (default: 80%% of the cluster's capacity, "
+            "replicas * batch size per step); a --trace file keeps its own arrivals unless this is given"
+        ),
+    )
+    p.add_argument(
+        "--cv", default="1", help="coefficient of variation of the arrival gaps (default %(default)s)"
+    )
+    p.add_argument(
+        "--queue-bound",
+        default=None,
+        help=(
+            "with --replicas: queued requests at which affinity spills to the next choice "
+            "(default: the batch size)"
+        ),
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        help=(
+            "with --replicas: draw loads and hit rates against slots, host tier and replicas per router "
+            "into FILE (.png, .svg, ...; needs the plot extra)"
         ),
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -238,21 +284,158 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out[1:]) + "\n"
 
 
+ROUTERS = ("random", "least-loaded", "affinity")
+
+
+def _cluster_rows(args: argparse.Namespace, trace: Trace, about: dict[str, Any]) -> list[dict[str, Any]]:
+    assert args.replicas is not None
+    counts = [_int("--replicas", r, least=1, most=1024) for r in _list("--replicas", args.replicas)]
+    routers = _list("--router", args.router)
+    for router in routers:
+        if router not in ROUTERS:
+            raise SpecError(f"--router: {router!r} is not a router; choose from {', '.join(ROUTERS)}")
+    slots = [_int("--slots", s, least=1, most=MAX_SLOTS) for s in _list("--slots", args.slots)]
+    hosts = [None if h == "none" else _int("--host", h, least=1) for h in _list("--host", args.host)]
+    policies = _list("--policy", args.policy)
+    for policy in policies:
+        if policy not in EVICTION_POLICIES:
+            raise SpecError(
+                f"--policy: {policy!r} is not an eviction policy; choose from {', '.join(EVICTION_POLICIES)}"
+            )
+    pins = list(args.pin) or trace.most_requested(_int("--pin-top", args.pin_top, least=0))
+    batch = _int("--batch-size", args.batch_size, least=1)
+    step_seconds = _number("--step-ms", args.step_ms) / 1000
+    adapter_bytes = int(_number("--adapter-mb", args.adapter_mb, most=2**43) * (1 << 20))
+    bound = batch if args.queue_bound is None else _int("--queue-bound", args.queue_bound, least=1)
+    cv = _number("--cv", args.cv)
+    if _number("--load-ms", args.load_ms) > 0:
+        raise SpecError("--load-ms: background loading is not modelled with --replicas; leave it at 0")
+    rows = []
+    for n in counts:
+        timed = trace
+        if args.arrival_rate is not None or args.trace is None:
+            if args.arrival_rate is None:
+                rate = 0.8 * n * batch / max(step_seconds, 1e-9)
+            else:
+                rate = _number("--arrival-rate", args.arrival_rate)
+            timed = trace.with_gamma_arrivals(rate, cv=cv, seed=about.get("seed", 0))
+            about.setdefault("arrivals", {})[n] = {"rate": rate, "cv": cv}
+        for s in slots:
+            for h in hosts:
+                for policy in policies:
+                    for router in routers:
+                        report = simulate_replicas(
+                            timed,
+                            replicas=n,
+                            router=router,
+                            slots=s,
+                            max_loaded_loras=h,
+                            policy=policy,
+                            pins=pins,
+                            batch_size=batch,
+                            step_seconds=step_seconds,
+                            adapter_bytes=adapter_bytes,
+                            queue_bound=bound,
+                        )
+                        reps = report["replicas"]
+                        uses = sum(r["uses"] for r in reps)
+                        loads = sum(r["device"]["misses"] for r in reps)
+                        total = {
+                            "loads": loads,
+                            "evictions": sum(r["device"]["evictions"] for r in reps),
+                            "disk_reads": sum(r["host"]["misses"] for r in reps),
+                            "uses": uses,
+                            "hit_rate": 0.0 if uses == 0 else (uses - loads) / uses,
+                            "queue_mean_max": max(r["queue_mean"] for r in reps),
+                            "queue_max": max(r["queue_max"] for r in reps),
+                            "utilisation_max": max(r["utilisation"] for r in reps),
+                        }
+                        rows.append(
+                            {
+                                "replicas": n,
+                                "router": router,
+                                "slots": s,
+                                "max_loaded_loras": h,
+                                "policy": policy,
+                                "pins": pins,
+                                "queue_bound": bound,
+                                "overall": total,
+                                "clock_steps": report["steps"],
+                                "per_replica": reps,
+                            }
+                        )
+    return rows
+
+
+def _cluster_table(rows: list[dict[str, Any]]) -> str:
+    out: list[str] = []
+    header = (
+        f"{'router':<13} {'loads':>8} {'hit rate':>9} {'evictions':>9} {'disk reads':>10} "
+        f"{'queue mean':>10} {'queue max':>9} {'util':>6}"
+    )
+    current = None
+    for r in rows:
+        key = (r["replicas"], r["slots"], r["max_loaded_loras"], r["policy"])
+        if key != current:
+            current = key
+            cap = r["max_loaded_loras"]
+            host = "unbounded" if cap is None else f"{cap} adapters"
+            out += [
+                "",
+                f"replicas={r['replicas']}  slots={r['slots']}  host={host}  policy={r['policy']}  "
+                f"queue bound={r['queue_bound']}  (queue/util: the worst replica)",
+                header,
+            ]
+        t = r["overall"]
+        out.append(
+            f"{r['router']:<13} {t['loads']:>8} {_pct(t['hit_rate']):>9} {t['evictions']:>9} "
+            f"{t['disk_reads']:>10} {t['queue_mean_max']:>10.2f} {t['queue_max']:>9} "
+            f"{100 * t['utilisation_max']:>5.1f}%"
+        )
+        for i, rep in enumerate(r["per_replica"]):
+            d = rep["device"]
+            out.append(
+                f"  replica-{i:<4} {d['misses']:>8} {_pct(d['hit_rate']):>9} {d['evictions']:>9} "
+                f"{rep['host']['misses']:>10} {rep['queue_mean']:>10.2f} {rep['queue_max']:>9} "
+                f"{100 * rep['utilisation']:>5.1f}%"
+            )
+    return "\n".join(out[1:]) + "\n"
+
+
 def run(args: argparse.Namespace) -> int:
-    """Prints one table per (slots, host) configuration, or ``--json``; returns 0.
+    """Prints one table per (slots, host) configuration, or ``--json``; returns 0 (1 when ``--plot`` is
+    given and matplotlib is missing, saying which extra to install).
 
     Raises:
         SpecError: a bad argument (a list item that is not a number, an unknown workload or policy, a pin
             the trace never names or beyond max_loras_per_batch - 1) or an unreadable or malformed trace;
             the CLI prints the message on one line and exits 2.
     """
+    if args.plot is not None:
+        if args.replicas is None:
+            raise SpecError("--plot: draws the replica sweep; give --replicas N too")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            sys.stderr.write(f"lora-pin simulate: {MISSING}\n")
+            return 1
     trace, about = _trace(args)
-    rows = _rows(args, trace)
+    if args.replicas is not None:
+        rows = _cluster_rows(args, trace, about)
+        table = _cluster_table
+    else:
+        rows = _rows(args, trace)
+        table = _table
+    if args.plot is not None:
+        try:
+            draw(rows, args.plot)
+        except OSError as e:
+            raise SpecError(f"--plot: cannot write {args.plot!r}: {e}") from e
     if args.json:
         json.dump({"trace": about, "results": rows}, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         name = about.get("file") or about["workload"]
         sys.stdout.write(f"trace: {name}, {about['requests']} requests over {about['adapters']} adapters\n")
-        sys.stdout.write(_table(rows))
+        sys.stdout.write(table(rows))
     return 0
