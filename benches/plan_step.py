@@ -54,6 +54,7 @@ class Plan:
     seg_slots: list[int] = field(default_factory=list)
     loads: list[tuple[str, str, int, str]] = field(default_factory=list)
     evictions: list[tuple[str, str, int]] = field(default_factory=list)
+    failed: list[tuple[int, str]] = field(default_factory=list)
 
 
 def _counters() -> dict[str, int]:

@@ -159,10 +159,25 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
             decided[e.name] = False
 
     def begin_step_fetch(self, names: list[str | None], num_tokens: list[int]) -> Any:
-        for n in names:
-            if n is not None:
+        # Requests of an adapter unloaded (or being unloaded) fail: planned as base requests of no
+        # tokens, then taken out of the admitted ones.
+        failed = []
+        for i, n in enumerate(names):
+            if n is None:
+                continue
+            e = self.entries.get(n)
+            if (e is None and n in self.unloaded) or (e is not None and e.draining):
+                failed.append(i)
+            else:
                 self._lookup(n, False)
-        return self.plan(names, num_tokens, fetch=True)
+        names = [None if i in failed else n for i, n in enumerate(names)]
+        num_tokens = [0 if i in failed else t for i, t in enumerate(num_tokens)]
+        plan = self.plan(names, num_tokens, fetch=True)
+        kept = [at for at, i in enumerate(plan.admitted) if i not in failed]
+        plan.request_slots = [plan.request_slots[at] for at in kept]
+        plan.admitted = [plan.admitted[at] for at in kept]
+        plan.failed = [(i, "unloaded") for i in failed]
+        return plan
 
     def prefetch(self, names: list[str | None]) -> tuple[list[tuple[str, int]], list[str], list[str]]:
         entries = [self._lookup(n, False) for n in names if n is not None]
@@ -352,6 +367,7 @@ class RegistryVsModel(RuleBasedStateMachine):
         if not got:
             return
         expected, plan = got
+        assert plan.failed == expected.failed
         assert plan.admitted == expected.admitted
         assert plan.deferred == expected.deferred
         assert ints(plan.request_slots) == expected.request_slots

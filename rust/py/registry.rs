@@ -4,6 +4,7 @@
 mod requests;
 mod step;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -11,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
 use pyo3::types::PyDict;
 
-use self::requests::{token_counts, NameCache, Requests, Resolved};
+use self::requests::{token_counts, NameCache, Requests, Resolved, Unregistered};
 use self::step::{NameStrs, RequestIndices};
 pub use self::step::{PyFetchPlan, PyStepPlan};
 
@@ -21,7 +22,9 @@ use super::text::{int_arg, Name};
 use super::{detached, shielded};
 use crate::policy::{AdapterKey, PolicyKind};
 use crate::registry::tiers::TierCounters;
-use crate::registry::{AdapterSize, Config, Registry, StepOptions, StepTicket, TierStats, Unload};
+use crate::registry::{
+    AdapterSize, Config, Registry, StepOptions, StepPlan, StepRequests, StepTicket, TierStats, Unload,
+};
 use crate::shared::SharedRegistry;
 
 /// How long an unload waits with the GIL released before it checks for Ctrl-C.
@@ -67,12 +70,15 @@ fn usage(py: Python<'_>, msg: String) -> PyErr {
 impl PyLoRARegistry {
     /// Reads a step's names (and token counts, when given), resolves them to keys under the lock and
     /// runs `f` there, with the GIL released; returns `f`'s result and the number of requests.
+    /// Names not registered are held or unknown as `unregistered` says (an error without it); `f`
+    /// gets the unknown ones.
     fn with_requests<R: Send>(
         &self,
         py: Python<'_>,
         names: &Bound<'_, PyAny>,
         num_tokens: Option<&Bound<'_, PyAny>>,
-        f: impl Fn(&mut Registry, &[Option<AdapterKey>], &[u32]) -> crate::Result<R> + Send + Sync,
+        unregistered: Option<&Unregistered>,
+        f: impl Fn(&mut Registry, StepRequests<'_>, Vec<Arc<str>>) -> crate::Result<R> + Send + Sync,
     ) -> PyResult<(R, usize)> {
         let mut use_cache = true;
         loop {
@@ -89,10 +95,16 @@ impl PyLoRARegistry {
             // Borrowed, not moved: the names must be dropped with the GIL held, after the closure.
             let done = detached(py, || {
                 let mut reg = self.shared.lock();
-                match requests.resolve(&reg)? {
+                match requests.resolve(&reg, unregistered)? {
                     Resolved::Stale => Ok(None),
-                    Resolved::Keys { epoch, keys } => {
-                        Ok(Some((f(&mut reg, requests.adapters(), &tokens)?, epoch, keys)))
+                    Resolved::Keys { epoch, keys, holds, unknown } => {
+                        let unknown = unknown.iter().map(|&m| Arc::from(&*requests.misses[m])).collect();
+                        let step = StepRequests {
+                            adapters: requests.adapters(),
+                            num_tokens: &tokens,
+                            holds: &holds,
+                        };
+                        Ok(Some((f(&mut reg, step, unknown)?, epoch, keys)))
                     }
                 }
             })?;
@@ -373,8 +385,9 @@ impl PyLoRARegistry {
         names: &Bound<'_, PyAny>,
         num_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<PyStepPlan> {
-        let (plan, n) = self
-            .with_requests(py, names, Some(num_tokens), |reg, adapters, tokens| reg.plan(adapters, tokens))?;
+        let (plan, n) = self.with_requests(py, names, Some(num_tokens), None, |reg, step, _| {
+            reg.plan(step.adapters, step.num_tokens)
+        })?;
         let indices = self.indices.at_least(py, n)?;
         Ok(PyStepPlan::new(plan, None, indices, self.strs.clone()))
     }
@@ -403,11 +416,24 @@ impl PyLoRARegistry {
     /// started (the batch's resident adapters are not evicted for them); begin again once the
     /// fetches are done.
     ///
+    /// The core sees the whole step: `failed` names adapters whose last read failed (their
+    /// requests fail), `discovering` names not registered yet that are being read (their requests
+    /// wait), and a name unloaded while its requests waited fails them (so does one being
+    /// unloaded); the plan lists those in `failed` as `(index, why)` and runs the rest. With
+    /// `defer_unknown`, names nobody knows begin no step: the result has no `ticket` and lists them
+    /// in `unknown` (discover them and begin again). Each deferred request's reason is in
+    /// `reasons`.
+    ///
     /// Raises:
-    ///     AdapterNotFoundError: a name is unknown or being unloaded (nothing was planned).
+    ///     AdapterNotFoundError: a name is unknown (nothing was planned); with `all_or_nothing`,
+    ///         also one being unloaded or in `failed` (a batch runs whole).
     ///     CapacityError: `all_or_nothing` and not every request fits (the message has the numbers).
     ///     UsageError: as `plan`, a step is open already, or both `read_first` and `fetch`.
-    #[pyo3(signature = (names, num_tokens, *, all_or_nothing = false, read_first = false, fetch = false))]
+    #[pyo3(signature = (
+        names, num_tokens, *, all_or_nothing = false, read_first = false, fetch = false, failed = Vec::new(),
+        discovering = Vec::new(), defer_unknown = false
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn begin_step(
         &self,
         py: Python<'_>,
@@ -416,32 +442,24 @@ impl PyLoRARegistry {
         all_or_nothing: bool,
         read_first: bool,
         fetch: bool,
+        failed: Vec<PyBackedStr>,
+        discovering: Vec<PyBackedStr>,
+        defer_unknown: bool,
     ) -> PyResult<PyStepPlan> {
-        if read_first && fetch {
-            let msg =
-                "begin_step: read_first (read misses first, then begin) and fetch (defer misses and fetch \
-                       them in the background) exclude each other; pass one";
-            return Err(usage(py, msg.to_owned()));
-        }
-        let (begun, n) = self.with_requests(py, names, Some(num_tokens), |reg, adapters, tokens| {
-            if read_first {
-                // A batch refused whole must not make anyone read (and make host room) first.
-                if let Some(why) = all_or_nothing.then(|| reg.overflow(adapters)).flatten() {
-                    return Err(crate::Error::Capacity(why));
+        let unregistered = Unregistered { failed, discovering, defer: defer_unknown, whole: all_or_nothing };
+        let (begun, n) =
+            self.with_requests(py, names, Some(num_tokens), Some(&unregistered), |reg, step, unknown| {
+                if !unknown.is_empty() {
+                    return Ok((StepPlan { unknown, ..StepPlan::default() }, None));
                 }
-                let misses = reg.host_misses(adapters);
-                if !misses.is_empty() {
-                    return Ok(Err(misses));
-                }
-            }
-            let options = StepOptions { all_or_nothing, fetch };
-            reg.begin_step_with(adapters, tokens, options).map(Ok)
-        })?;
+                let failed: Vec<AdapterKey> =
+                    unregistered.failed.iter().filter_map(|n| reg.lookup(n, true).ok()).collect();
+                let options = StepOptions { all_or_nothing, fetch, read_first };
+                reg.begin_step_held(step, &failed, options)
+            })?;
         let indices = self.indices.at_least(py, n)?;
-        Ok(match begun {
-            Ok((plan, ticket)) => PyStepPlan::new(plan, ticket.map(|t| t.0), indices, self.strs.clone()),
-            Err(misses) => PyStepPlan::reads_first(misses, indices, self.strs.clone()),
-        })
+        let (plan, ticket) = begun;
+        Ok(PyStepPlan::new(plan, ticket.map(|t| t.0), indices, self.strs.clone()))
     }
 
     /// Enters `name`, whose weights the caller has just read again for registration `serial` (see
@@ -531,7 +549,7 @@ impl PyLoRARegistry {
     ///     AdapterNotFoundError: a name is unknown.
     ///     UsageError: a name is not a str.
     fn split(&self, py: Python<'_>, names: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
-        Ok(self.with_requests(py, names, None, |reg, adapters, _| Ok(reg.split(adapters)))?.0)
+        Ok(self.with_requests(py, names, None, None, |reg, step, _| Ok(reg.split(step.adapters)))?.0)
     }
 
     /// Why the batch `names` cannot run as one step, with the numbers, or None when it fits.
@@ -540,7 +558,7 @@ impl PyLoRARegistry {
     ///     AdapterNotFoundError: a name is unknown.
     ///     UsageError: a name is not a str.
     fn overflow(&self, py: Python<'_>, names: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
-        Ok(self.with_requests(py, names, None, |reg, adapters, _| Ok(reg.overflow(adapters)))?.0)
+        Ok(self.with_requests(py, names, None, None, |reg, step, _| Ok(reg.overflow(step.adapters)))?.0)
     }
 
     /// Ends the protection of the latest plan's adapters (the next plan does this itself).

@@ -40,7 +40,7 @@ use std::sync::Arc;
 pub use self::adapter::AdapterSize;
 use self::adapter::{Adapter, Identity, Protection, Residency};
 pub use self::fetch::{Fetch, FetchPlan};
-pub use self::plan::{Load, StepPlan};
+pub use self::plan::{Deferral, Hold, Load, StepPlan, StepRequests};
 pub use self::step::{StepOptions, StepTicket};
 use self::tiers::{DeviceCandidate, DeviceTier, HostLedger, Tier, TierCounters};
 pub use self::unload::Unload;

@@ -60,6 +60,12 @@ impl UnloadedNames {
 }
 
 impl Registry {
+    /// Whether `name` was unloaded (among the latest [`MAX_UNLOADED_NAMES`] names) and not
+    /// registered since.
+    pub fn was_unloaded(&self, name: &str) -> bool {
+        self.unloaded.contains(name)
+    }
+
     /// Starts (or continues) unloading `name`: it is unregistered (no new acquires, its pin dropped)
     /// and forgotten as soon as no request is in flight. Unloading a forgotten adapter is `Done`.
     ///

@@ -291,7 +291,7 @@ impl StepInputs {
             self.keys.push(r.adapter.map(|a| keys[a as usize]));
             self.tokens.push(r.tokens);
         }
-        let options = StepOptions { all_or_nothing: false, fetch };
+        let options = StepOptions { fetch, ..StepOptions::default() };
         let (plan, ticket) = reg.begin_step_with(&self.keys, &self.tokens, options)?;
         let ticket =
             ticket.ok_or_else(|| Error::Usage("begin_step without all_or_nothing began no step".into()))?;
