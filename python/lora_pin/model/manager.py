@@ -30,7 +30,7 @@ from lora_pin.model.attach import FusedSpec, attach, detach, model_targets
 from lora_pin.model.layers import StepSegments
 from lora_pin.model.loader import LOADING_MODES, BackgroundLoads, loading_mode
 from lora_pin.model.residency import Residency
-from lora_pin.model.step import HeldBack, Step, checked_names, request_indices, step_arrays
+from lora_pin.model.step import Step, checked_names, step_arrays
 from lora_pin.model.step_loading import StepLoading
 from lora_pin.ops import CUDA_CHUNK_SIZE
 from lora_pin.unloading import unload_async
@@ -48,6 +48,9 @@ if TYPE_CHECKING:
     from lora_pin.parallel import TensorParallel
 
 __all__ = ["LOADING_MODES", "LoRAManager", "Step"]
+
+# The core's reasons for a deferred request whose adapter is not in host memory (Step.loading).
+_NOT_IN_HOST = frozenset({"loading", "host_room"})
 
 
 class LoRAManager(StepLoading):
@@ -663,14 +666,13 @@ class LoRAManager(StepLoading):
                 raise LoraPinError("the manager is detached")
             if not isinstance(names, (list, tuple)):
                 names = checked_names(names)  # read more than once below; a str is refused
-            held: HeldBack | None = None
             if self.loading == "background" and not per_sequence:
-                plan, held = self._begin_deferring(names, num_tokens)
+                plan = self._begin_deferring(names, num_tokens)
             else:
                 plan = self._begin(names, num_tokens, per_sequence)
             try:
                 slot_writes = self.residency.apply(plan)
-                step = self._activate(names, plan, slot_writes, per_sequence, held)
+                step = self._activate(names, plan, slot_writes, per_sequence)
             except BaseException as exc:
                 self.registry.finish_step(plan.ticket)
                 if isinstance(exc, StalePlanError):
@@ -689,27 +691,28 @@ class LoRAManager(StepLoading):
         plan: Any,
         slot_writes: tuple[tuple[int, int], ...],
         per_sequence: bool,
-        held: HeldBack | None,
     ) -> Step:
         request_slots, segments, active = step_arrays(plan, self.device, per_sequence, self.chunk_size)
-        admitted, deferred, failed = request_indices(plan, held)
+        deferred = tuple(plan.deferred)
+        reasons: tuple[str, ...] = ()
         loading: tuple[int, ...] = ()
-        if deferred and self.loading == "background" and not per_sequence:
-            with self.residency.lock:
-                # After apply: the host tier holds exactly what the core counts resident.
-                loading = tuple(i for i in deferred if (n := names[i]) is not None and n not in self.host)
+        if deferred:
+            reasons = tuple(plan.reasons)
+            if self.loading == "background" and not per_sequence:
+                loading = tuple(i for i, why in zip(deferred, reasons, strict=True) if why in _NOT_IN_HOST)
         step = Step(
-            admitted,
-            deferred,
-            request_slots,
-            segments,
-            plan.num_tokens,
-            plan.ticket,
-            slot_writes,
-            failed,
-            loading,
+            admitted=tuple(plan.admitted),
+            deferred=deferred,
+            request_slots=request_slots,
+            segments=segments,
+            num_tokens=plan.num_tokens,
+            _ticket=plan.ticket,
+            _slot_writes=slot_writes,
+            failed=self._failures(names, plan.failed),
+            loading=loading,
+            reasons=reasons,
         )
         with self.residency.lock:
             self._active, self._active_step = active, step
-            self._deferred_requests += len(step.deferred)
+            self._deferred_requests += len(deferred)
         return step

@@ -250,14 +250,15 @@ class Residency:
                 lists them, for :meth:`LoRARegistry.invalidate_slots` once the step is finished.
             KeyboardInterrupt, SystemExit: as raised, with the same cleanup.
         """
-        generations = memoryview(plan.slot_generations).cast("q")
         ticket = plan.ticket
+        loads = plan.loads
         with self.lock:
             for name, tier, _slot in plan.evictions:
                 self.evictions[(name, tier)] += 1
                 if tier == "host":
                     self._drop_host(name)
-            for index, (name, _lora_id, slot, source) in enumerate(plan.loads):
+            generations = memoryview(plan.slot_generations).cast("q") if loads else None
+            for index, (name, _lora_id, slot, source) in enumerate(loads):
                 try:
                     if source == "disk" or name not in self.host:
                         self._read_again(name)
@@ -271,20 +272,21 @@ class Residency:
                     raise AdapterLoadError(
                         f"adapter {name!r}: loading into slot {slot} failed: {exc!r}"
                     ) from exc
+                assert generations is not None
                 self._filled[slot] = (generations[slot], self.pool.writes(slot))
                 self.registry.report_load(ticket, index, True)
-            used = sorted(set(memoryview(plan.request_slots).cast("i")) - {-1})
+            used = plan.slots_used
             counts = self.pool.write_counts()
-            stale = [s for s in used if self._filled[s] != (generations[s], counts[s])]
+            filled = self._filled
+            stale = {s: g for s, g in used if filled[s] != (g, counts[s])}
             if stale:
                 error = StalePlanError(
-                    f"the step's plan names slot generation(s) "
-                    f"{ {s: generations[s] for s in stale} } but the pool holds "
-                    f"{ {s: self._filled[s] for s in stale} } (generation, writes) there; no step ran"
+                    f"the step's plan names slot generation(s) {stale} but the pool holds "
+                    f"{ {s: filled[s] for s in stale} } (generation, writes) there; no step ran"
                 )
-                error.stale_slots = stale
+                error.stale_slots = list(stale)
                 raise error
-            return tuple((s, counts[s]) for s in used)
+            return tuple([(s, counts[s]) for s, _ in used])
 
     def changed_slots(self, slot_writes: tuple[tuple[int, int], ...]) -> list[int]:
         """The slots among ``slot_writes`` (from :meth:`apply`) written since; on CUDA, also marks the
