@@ -72,6 +72,10 @@ class Residency:
         self._sources: dict[str, _Source] = {}
         # Per slot: (registry slot generation, pool write count) right after a step filled it.
         self._filled: list[tuple[int, int] | None] = [None] * pool.slots
+        # The last check that passed: the slots it covered with their generations, the pool's write counts
+        # then, and its result. Every change of `_filled` writes its slot (and so changes the counts), so
+        # the same slots and counts pass again.
+        self._passed: tuple[list[tuple[int, int]], tuple[int, ...], tuple[tuple[int, int], ...]] | None = None
         # Reads from disk after start-up and their total seconds (lora_pin.metrics' load-time summary).
         self.reads = 0
         self.read_seconds = 0.0
@@ -277,6 +281,9 @@ class Residency:
                 self.registry.report_load(ticket, index, True)
             used = plan.slots_used
             counts = self.pool.write_counts()
+            passed = self._passed
+            if passed is not None and passed[0] == used and passed[1] == counts:
+                return passed[2]
             filled = self._filled
             stale = {s: g for s, g in used if filled[s] != (g, counts[s])}
             if stale:
@@ -286,7 +293,9 @@ class Residency:
                 )
                 error.stale_slots = list(stale)
                 raise error
-            return tuple([(s, counts[s]) for s, _ in used])
+            writes = tuple([(s, counts[s]) for s, _ in used])
+            self._passed = (used, counts, writes)
+            return writes
 
     def changed_slots(self, slot_writes: tuple[tuple[int, int], ...]) -> list[int]:
         """The slots among ``slot_writes`` (from :meth:`apply`) written since; on CUDA, also marks the
