@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.requests} requests, {args.adapters} adapters, {args.slots} slots, all resident: "
         f"LoRAManager.prepare_step + finish {ours:.1f} us; registry begin_step + finish_step {core:.1f} us "
-        f"({ours / core:.2f}x; the core's share {100 * core / ours:.0f}%); plan + acquire + release + end_step "
-        f"{separate:.1f} us"
+        f"({ours / core:.2f}x; the core's share {100 * core / ours:.0f}%); "
+        f"plan + acquire + release + end_step {separate:.1f} us"
     )
     return 0
 

@@ -22,6 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from lora_pin import errors
 from lora_pin._core import LoRARef, LoRARegistry
 
+# The core's rule (rust/limits.rs OVERDUE_AFTER): an adapter deferred for room by this many consecutive
+# plans that name it is admitted first by the next plans, oldest first.
+OVERDUE_AFTER = 4
+
 
 @dataclass
 class Entry:
@@ -38,6 +42,7 @@ class Entry:
     loading: str | None = None
     in_step: bool = False
     in_host: bool = True
+    deferred_plans: int = 0
     slot: int | None = None
 
 
@@ -311,7 +316,7 @@ class PythonPlanner:
         self.end_step()
         budget = self.slots - len(self._pinned())
         decided: dict[str, bool] = {}
-        unpinned = 0
+        unpinned = self._admit_overdue(found, budget, decided, {}, fetch=False)
         for e in found:
             if e is None or e.name in decided:
                 continue
@@ -325,7 +330,43 @@ class PythonPlanner:
         plan = Plan()
         self._place_step(plan, decided)
         self._outputs(found, num_tokens, decided, plan)
+        self._count_deferrals(decided)
         return plan
+
+    def _admit_overdue(
+        self,
+        found: list[Entry | None],
+        budget: int,
+        decided: dict[str, bool],
+        firsts: dict[str, int],
+        fetch: bool,
+    ) -> int:
+        """Admit the overdue adapters among ``found`` first, oldest first (then by first request), up to
+        ``budget``; in fetch mode not those outside the host tier. Returns how many."""
+        named = {e.name: e for e in found if e is not None}
+        overdue = [
+            e
+            for e in named.values()
+            if e.deferred_plans >= OVERDUE_AFTER and not e.pinned and not (fetch and not e.in_host)
+        ]
+        overdue.sort(key=lambda e: -e.deferred_plans)
+        for e in overdue[:budget]:
+            decided[e.name] = True
+            e.in_step = True
+            self.step.append(e)
+            firsts[e.name] = 0
+        return len(overdue[:budget])
+
+    def _count_deferrals(
+        self, decided: dict[str, bool], waiting_for_read: frozenset[str] = frozenset()
+    ) -> None:
+        """One more plan deferring each adapter ``decided`` refused (but those waiting for a read), none
+        since admission for the admitted ones."""
+        for name, admitted in decided.items():
+            if name in waiting_for_read:
+                continue
+            e = self.entries[name]
+            e.deferred_plans = 0 if admitted else e.deferred_plans + 1
 
     def _place_step(self, plan: Plan, decided: dict[str, bool]) -> None:
         """Give each admitted adapter a slot, loading it (from disk when it is not in the host tier);

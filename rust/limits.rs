@@ -4,6 +4,12 @@
 /// The most device slots a registry has (each is a LoRA-sized buffer on the GPU: far more than fit).
 pub const MAX_SLOTS: usize = 1 << 16;
 
+/// After how many consecutive plans that name an adapter and defer it for room it is *overdue*: the
+/// next plans admit overdue adapters first, oldest first, before the batch's order. With `B` slots
+/// left by the pinned adapters, a request whose adapter its scheduler keeps naming therefore waits
+/// at most `OVERDUE_AFTER + ceil(W / B)` plans for room, `W` being the adapters overdue at once.
+pub const OVERDUE_AFTER: u32 = 4;
+
 /// How many unloaded names a registry remembers, so that unloading one again is a no-op (older ones
 /// are then unknown).
 pub const MAX_UNLOADED_NAMES: usize = 1 << 16;

@@ -106,7 +106,7 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
         decided: dict[str, bool] = {}
         waiting: list[tuple[Any, int]] = []
         firsts: dict[str, int] = {}
-        unpinned = 0
+        unpinned = self._admit_overdue(found, budget, decided, firsts, fetch)
         for i, e in enumerate(found):
             if e is None or e.name in decided:
                 continue
@@ -133,6 +133,7 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
         self._place_step(plan, decided)
         self.fresh = [n for n in self.fresh if decided.get(n) is False]
         self._outputs(found, num_tokens, decided, plan)
+        self._count_deferrals(decided, frozenset(e.name for e, _ in waiting if e.name in self.fetching))
         return plan
 
     def _yield_room(self, first: int, nbytes: int, firsts: dict[str, int], decided: dict[str, bool]) -> None:

@@ -122,6 +122,8 @@ pub struct Registry {
     pub(crate) plan_marks: Vec<i32>,
     /// An empty buffer for the next plan's `step` (the previous step's, kept to reuse its memory).
     pub(crate) spare_step: Vec<AdapterKey>,
+    /// How many adapters are overdue (deferred by [`crate::limits::OVERDUE_AFTER`] plans or more).
+    pub(crate) overdue: usize,
     /// The step transaction [`Registry::begin_step`] opened, until [`Registry::finish_step`].
     open_step: Option<step::OpenStep>,
     steps_begun: u64,
@@ -168,6 +170,7 @@ impl Registry {
             fresh: Vec::new(),
             plan_marks: Vec::new(),
             spare_step: Vec::new(),
+            overdue: 0,
             open_step: None,
             steps_begun: 0,
             names_epoch: 0,
@@ -381,6 +384,7 @@ impl Registry {
                 uses: 0,
                 host_candidate: false,
                 device_candidate: DeviceCandidate::No,
+                deferred_plans: 0,
             },
         });
         self.host.count += 1;

@@ -19,6 +19,7 @@ use super::tiers::Eviction;
 use super::{LoadSource, Registry};
 use crate::error::{Error, Result};
 use crate::hash::FxHashMap;
+use crate::limits::OVERDUE_AFTER;
 use crate::policy::AdapterKey;
 
 /// A load the caller must perform before running the step.
@@ -307,6 +308,7 @@ impl Registry {
         self.place_admitted(&mut marks, &mut plan);
         self.end_freshness(&marks);
         self.fill_outputs(&marks, requests, total, &mut plan);
+        self.count_deferrals(adapters, &mut marks);
         self.plan_marks = marks;
         Ok(plan)
     }
@@ -418,7 +420,12 @@ impl Registry {
         let spare = std::mem::take(&mut self.spare_step);
         let mut previous = std::mem::replace(&mut self.step, spare);
         let budget = self.config.slots - self.pinned;
-        let mut unpinned = 0;
+        let overdue = if self.overdue > 0 {
+            self.admit_overdue(adapters, marks, budget, waiting.as_deref_mut())
+        } else {
+            0
+        };
+        let mut unpinned = overdue;
         let base_mark = marks.len() - 1;
         for (i, &request) in adapters.iter().enumerate() {
             // Base-model requests read the base mark (never UNSEEN) instead of branching on None,
@@ -437,7 +444,8 @@ impl Registry {
                 }
             }
             if !(a.protection.pinned || unpinned < budget) {
-                *mark = DEFER_DEVICE;
+                // Refused only because overdue adapters went first: it gave way.
+                *mark = if unpinned - overdue < budget { DEFER_FAIRNESS } else { DEFER_DEVICE };
                 self.device.counters.refusals += 1;
                 continue;
             }
@@ -460,6 +468,65 @@ impl Registry {
         }
         previous.clear();
         self.spare_step = previous;
+    }
+
+    /// Admits the overdue adapters the requests name before anything else, oldest first, up to
+    /// `budget`; returns how many it admitted (all unpinned). In fetch mode (`waiting`) one outside
+    /// the host tier is left to the fetch path, and the admitted ones count as the oldest requests.
+    fn admit_overdue(
+        &mut self,
+        adapters: &[Option<AdapterKey>],
+        marks: &mut [i32],
+        budget: usize,
+        mut waiting: Option<&mut Waiting>,
+    ) -> usize {
+        // (plans deferred, first request, key); the mark ADMITTED here only dedupes.
+        let mut overdue: Vec<(u32, u32, AdapterKey)> = Vec::new();
+        for (i, &request) in adapters.iter().enumerate() {
+            let Some(key) = request else { continue };
+            if marks[key.index()] != UNSEEN {
+                continue;
+            }
+            marks[key.index()] = ADMITTED;
+            let a = self.get(key);
+            let outside = waiting.is_some() && a.residency.host_since.is_none();
+            if a.residency.deferred_plans >= OVERDUE_AFTER && !a.protection.pinned && !outside {
+                overdue.push((a.residency.deferred_plans, i as u32, key));
+            }
+        }
+        for &request in adapters.iter().flatten() {
+            marks[request.index()] = UNSEEN;
+        }
+        overdue.sort_unstable_by_key(|&(plans, first, _)| (std::cmp::Reverse(plans), first));
+        overdue.truncate(budget);
+        for &(_, _, key) in &overdue {
+            marks[key.index()] = ADMITTED;
+            self.step.push(key);
+            if let Some(waiting) = waiting.as_deref_mut() {
+                waiting.firsts.push(0);
+            }
+            if !std::mem::replace(&mut self.get_mut(key).protection.in_step, true) {
+                self.refresh(key);
+            }
+        }
+        overdue.len()
+    }
+
+    /// Counts, per adapter the requests name, one more plan deferring it for room, or none since it
+    /// was admitted (a read it waits for counts neither way); keeps `overdue` exact. Leaves the
+    /// requests' marks [`UNSEEN`].
+    fn count_deferrals(&mut self, adapters: &[Option<AdapterKey>], marks: &mut [i32]) {
+        for &key in adapters.iter().flatten() {
+            let mark = std::mem::replace(&mut marks[key.index()], UNSEEN);
+            if mark == UNSEEN || mark == DEFER_LOADING {
+                continue;
+            }
+            let plans = &mut self.get_mut(key).residency.deferred_plans;
+            let was = *plans >= OVERDUE_AFTER;
+            *plans = if is_deferred(mark) { plans.saturating_add(1) } else { 0 };
+            let now = *plans >= OVERDUE_AFTER;
+            self.overdue = self.overdue + usize::from(now) - usize::from(was);
+        }
     }
 
     /// A slot (and a host place) for every admitted adapter, in batch order; an adapter no tier can
@@ -686,3 +753,7 @@ pub(super) fn check_step_size(requests: usize, num_tokens: &[u32]) -> Result<usi
 #[cfg(test)]
 #[path = "plan_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "fairness_tests.rs"]
+mod fairness_tests;
