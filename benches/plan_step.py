@@ -9,16 +9,19 @@ Run: ``.venv/bin/python benches/plan_step.py``
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
+from lora_pin import _testing as protocol
 from lora_pin import errors
 from lora_pin._core import LoRARef, LoRARegistry
 
@@ -473,9 +476,16 @@ def run(
     planner: PythonPlanner | LoRARegistry, steps: list[list[str | None]], tokens: int | list[int]
 ) -> float:
     """Seconds per step: plan, read every output the model runner needs, report the loads done."""
+    plan_step: Callable[[list[str | None], int | list[int]], Any]
+    load_done: Callable[[str], None]
+    if isinstance(planner, PythonPlanner):
+        plan_step, load_done = planner.plan, planner.load_done
+    else:
+        plan_step = functools.partial(protocol.plan, planner)
+        load_done = functools.partial(protocol.load_done, planner)
     start = time.perf_counter()
     for step in steps:
-        plan = planner.plan(step, tokens)
+        plan = plan_step(step, tokens)
         _ = (
             plan.admitted,
             plan.request_slots,
@@ -485,7 +495,7 @@ def run(
             plan.evictions,
         )
         for load in plan.loads:
-            planner.load_done(load[0])
+            load_done(load[0])
     return (time.perf_counter() - start) / len(steps)
 
 

@@ -17,6 +17,7 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from lora_pin import _testing as protocol
 from lora_pin import errors
 from lora_pin._core import LoRARef, LoRARegistry
 from lora_pin.errors import LoraPinError
@@ -299,7 +300,9 @@ class RegistryVsModel(RuleBasedStateMachine):
 
     @rule(name=names)
     def acquire(self, name: str) -> None:
-        got = same_outcome(lambda: self.reg.acquire([name, None]), lambda: self.model.acquire([name, None]))
+        got = same_outcome(
+            lambda: protocol.acquire(self.reg, [name, None]), lambda: self.model.acquire([name, None])
+        )
         if got:
             assert got[0] == got[1]
             self.ids.setdefault(name, []).append(got[0][0])
@@ -309,13 +312,13 @@ class RegistryVsModel(RuleBasedStateMachine):
     def release(self, data: st.DataObject) -> None:
         name = data.draw(st.sampled_from(sorted(n for n, ids in self.ids.items() if ids)))
         lora_id = self.ids[name].pop()
-        same_outcome(lambda: self.reg.release([lora_id]), lambda: self.model.release([lora_id]))
+        same_outcome(lambda: protocol.release(self.reg, [lora_id]), lambda: self.model.release([lora_id]))
 
     @rule(name=names)
     def over_release(self, name: str) -> None:
         lora_id = LoRARef(name, f"/srv/{name}").lora_id
         ids = [lora_id] * (len(self.ids.get(name, [])) + 1)
-        same_outcome(lambda: self.reg.release(ids), lambda: self.model.release(ids))
+        same_outcome(lambda: protocol.release(self.reg, ids), lambda: self.model.release(ids))
 
     @rule(name=names)
     def unload(self, name: str) -> None:
@@ -333,7 +336,9 @@ class RegistryVsModel(RuleBasedStateMachine):
         """Plans a step; unless `loaded` is 0, reports its loads done as a serving loop would."""
         batch = [n for n, _ in requests]
         tokens = [t for _, t in requests]
-        got = same_outcome(lambda: self.reg.plan(batch, tokens), lambda: self.model.plan(batch, tokens))
+        got = same_outcome(
+            lambda: protocol.plan(self.reg, batch, tokens), lambda: self.model.plan(batch, tokens)
+        )
         if not got:
             return
         expected, plan = got
@@ -350,7 +355,7 @@ class RegistryVsModel(RuleBasedStateMachine):
         assert torch.frombuffer(plan.slot_generations, dtype=torch.int64).tolist() == self.model.generations
         if loaded:
             for name, *_ in plan.loads:
-                self.reg.load_done(name)
+                protocol.load_done(self.reg, name)
                 self.model.load_done(name)
 
     @rule(
@@ -415,13 +420,13 @@ class RegistryVsModel(RuleBasedStateMachine):
     @rule(name=names, ok=st.booleans())
     def finish_load(self, name: str, ok: bool) -> None:
         if ok:
-            same_outcome(lambda: self.reg.load_done(name), lambda: self.model.load_done(name))
+            same_outcome(lambda: protocol.load_done(self.reg, name), lambda: self.model.load_done(name))
         else:
-            same_outcome(lambda: self.reg.load_failed(name), lambda: self.model.load_failed(name))
+            same_outcome(lambda: protocol.load_failed(self.reg, name), lambda: self.model.load_failed(name))
 
     @rule()
     def end_step(self) -> None:
-        self.reg.end_step()
+        protocol.end_step(self.reg)
         self.model.end_step()
 
     @invariant()

@@ -19,6 +19,8 @@ pub mod _core {
     #[pymodule_export]
     use super::patterns::PyPatternSet;
     #[pymodule_export]
+    use super::registry::{acquire, end_step, load_done, load_failed, plan, release};
+    #[pymodule_export]
     use super::registry::{PyFetchPlan, PyLoRARegistry, PyStepPlan};
     #[pymodule_export]
     use super::sgmv::{sgmv_cpu_available, PyCpuSgmvPlan};

@@ -1,6 +1,7 @@
 //! `LoRARegistry` and `StepPlan` for Python: a frozen class around the shared registry (one lock, so
 //! threads never see "Already borrowed"), the GIL released whenever the lock is taken.
 
+mod protocol;
 mod requests;
 mod step;
 
@@ -12,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
 use pyo3::types::PyDict;
 
+pub use self::protocol::{acquire, end_step, load_done, load_failed, plan, release};
 use self::requests::{token_counts, NameCache, Requests, Resolved, Unregistered};
 use self::step::{NameStrs, RequestIndices};
 pub use self::step::{PyFetchPlan, PyStepPlan};
@@ -244,31 +246,6 @@ impl PyLoRARegistry {
         detached(py, || self.shared.lock().unpin(&name))
     }
 
-    /// Counts one more request in flight per adapter name, atomically; None (the base model) passes
-    /// through. Returns the adapters' ids, to hand to `release`.
-    ///
-    /// Raises:
-    ///     AdapterNotFoundError: a name is not registered (nothing was counted).
-    fn acquire(&self, py: Python<'_>, names: Vec<Option<PyBackedStr>>) -> PyResult<Vec<Option<String>>> {
-        let ids = detached(py, || {
-            let names: Vec<Option<&str>> = names.iter().map(|n| n.as_deref()).collect();
-            self.shared.lock().acquire(&names)
-        })?;
-        Ok(ids.into_iter().map(|id| id.map(|id| id.to_string())).collect())
-    }
-
-    /// Counts one request less in flight per id, atomically; None passes through.
-    ///
-    /// Raises:
-    ///     AdapterNotFoundError: an id is unknown.
-    ///     UsageError: an id is released more often than it is in flight (nothing was released).
-    fn release(&self, py: Python<'_>, ids: Vec<Option<PyBackedStr>>) -> PyResult<()> {
-        detached(py, || {
-            let ids: Vec<Option<&str>> = ids.iter().map(|n| n.as_deref()).collect();
-            self.shared.release(&ids)
-        })
-    }
-
     /// Unloads an adapter: unregisters it (no new acquires; its pin is dropped), waits with the GIL
     /// released until its in-flight requests finish, then forgets it (the caller frees its tensors).
     /// Idempotent: unloading a forgotten adapter returns at once (for the latest 65536 names unloaded).
@@ -359,37 +336,6 @@ impl PyLoRARegistry {
             }
             Unload::Draining { in_flight, .. } => Ok(in_flight),
         }
-    }
-
-    /// Plans one scheduler step and commits it, without acquiring its requests (a planner for
-    /// tests, simulations and benchmarks: a serving loop uses `begin_step`, which plans and acquires
-    /// at once).
-    ///
-    /// `names[i]` is request i's adapter (None for the base model) and `num_tokens[i]` its tokens this
-    /// step; `num_tokens` may also be one int, every request's count (a decode step). Requests are
-    /// admitted in order while every admitted adapter can have a device slot (at most
-    /// `max_loras_per_batch - pinned` distinct unpinned adapters, plus pinned ones); the others are
-    /// deferred, never failed. Admitted adapters are protected from eviction until the next plan or
-    /// `end_step`; planned loads until `load_done` / `load_failed`.
-    ///
-    /// Passing the same str objects every step (e.g. each request keeps its adapter name) is
-    /// fastest: names already seen are recognised by identity, without reading their text.
-    ///
-    /// Raises:
-    ///     AdapterNotFoundError: a name is unknown (nothing was planned).
-    ///     UsageError: the lengths differ, a token count is negative or not an int, a name is not
-    ///         a str, or a step transaction is open.
-    fn plan(
-        &self,
-        py: Python<'_>,
-        names: &Bound<'_, PyAny>,
-        num_tokens: &Bound<'_, PyAny>,
-    ) -> PyResult<PyStepPlan> {
-        let (plan, n) = self.with_requests(py, names, Some(num_tokens), None, |reg, step, _| {
-            reg.plan(step.adapters, step.num_tokens)
-        })?;
-        let indices = self.indices.at_least(py, n)?;
-        Ok(PyStepPlan::new(plan, None, indices, self.strs.clone()))
     }
 
     /// Begins a step transaction: plans the step as `plan` does and, atomically with it, acquires
@@ -559,36 +505,6 @@ impl PyLoRARegistry {
     ///     UsageError: a name is not a str.
     fn overflow(&self, py: Python<'_>, names: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
         Ok(self.with_requests(py, names, None, None, |reg, step, _| Ok(reg.overflow(step.adapters)))?.0)
-    }
-
-    /// Ends the protection of the latest plan's adapters (the next plan does this itself).
-    ///
-    /// Raises:
-    ///     UsageError: a step transaction is open (`finish_step` ends it).
-    fn end_step(&self, py: Python<'_>) -> PyResult<()> {
-        detached(py, || self.shared.lock().end_step())
-    }
-
-    /// Reports a load `plan` planned finished: the adapter's loading protection ends.
-    ///
-    /// Raises:
-    ///     AdapterNotFoundError: the name is unknown.
-    ///     UsageError: no load of it is pending, or it belongs to the open step transaction.
-    fn load_done(&self, py: Python<'_>, name: Name) -> PyResult<()> {
-        if let Some(mut reg) = self.shared.try_lock() {
-            return shielded(py, || reg.load_done(&name).map_err(PyErr::from));
-        }
-        detached(py, || self.shared.lock().load_done(&name))
-    }
-
-    /// Reports a load `plan` planned failed: the adapter leaves its slot (and the host tier, if the
-    /// load was to read it from disk). Nothing else changes.
-    ///
-    /// Raises:
-    ///     AdapterNotFoundError: the name is unknown.
-    ///     UsageError: no load of it is pending, or it belongs to the open step transaction.
-    fn load_failed(&self, py: Python<'_>, name: Name) -> PyResult<()> {
-        detached(py, || self.shared.lock().load_failed(&name))
     }
 
     /// Empties `slots` in the registry's view: each occupant leaves its slot and is loaded again on

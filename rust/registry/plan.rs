@@ -480,22 +480,25 @@ impl Registry {
         budget: usize,
         mut waiting: Option<&mut Waiting>,
     ) -> usize {
-        // (plans deferred, first request, key); the mark ADMITTED here only dedupes.
+        // (plans deferred, first request, key); the mark ADMITTED here only dedupes, and the distinct
+        // keys seen are UNSEEN again after.
         let mut overdue: Vec<(u32, u32, AdapterKey)> = Vec::new();
+        let mut seen: Vec<AdapterKey> = Vec::new();
         for (i, &request) in adapters.iter().enumerate() {
             let Some(key) = request else { continue };
             if marks[key.index()] != UNSEEN {
                 continue;
             }
             marks[key.index()] = ADMITTED;
+            seen.push(key);
             let a = self.get(key);
             let outside = waiting.is_some() && a.residency.host_since.is_none();
             if a.residency.deferred_plans >= OVERDUE_AFTER && !a.protection.pinned && !outside {
                 overdue.push((a.residency.deferred_plans, i as u32, key));
             }
         }
-        for &request in adapters.iter().flatten() {
-            marks[request.index()] = UNSEEN;
+        for key in seen {
+            marks[key.index()] = UNSEEN;
         }
         overdue.sort_unstable_by_key(|&(plans, first, _)| (std::cmp::Reverse(plans), first));
         overdue.truncate(budget);
