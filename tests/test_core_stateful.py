@@ -1,5 +1,5 @@
 """Hypothesis drives the Rust registry and a plain-Python model of the same rules
-(``benches/plan_step.py``'s ``PythonPlanner``, dicts and OrderedDicts scanned in policy order, with the
+(``tests/core/planner_model.py``'s ``PythonPlanner``, dicts and OrderedDicts scanned in policy order, with the
 fetching state added here) with the same random operations; every result, every plan array, every
 error class and the per-tier counters must agree, and the registry's own invariant audit must pass
 after every step."""
@@ -23,13 +23,13 @@ from lora_pin._core import LoRARef, LoRARegistry
 from lora_pin.errors import LoraPinError
 
 _spec = importlib.util.spec_from_file_location(
-    "plan_step", Path(__file__).resolve().parents[1] / "benches" / "plan_step.py"
+    "planner_model", Path(__file__).resolve().parent / "core" / "planner_model.py"
 )
 assert _spec is not None and _spec.loader is not None
-plan_step = importlib.util.module_from_spec(_spec)
-sys.modules["plan_step"] = plan_step
-_spec.loader.exec_module(plan_step)
-PythonPlanner = plan_step.PythonPlanner
+planner_model = importlib.util.module_from_spec(_spec)
+sys.modules["planner_model"] = planner_model
+_spec.loader.exec_module(planner_model)
+PythonPlanner = planner_model.PythonPlanner
 
 
 class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
@@ -123,7 +123,7 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
                 firsts[e.name] = i
             else:
                 self.device["refusals"] += 1
-        plan = plan_step.Plan()
+        plan = planner_model.Plan()
         plan.to_fetch = []
         for e, first in waiting:
             if e.name in self.fetching:
