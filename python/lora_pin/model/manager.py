@@ -592,14 +592,14 @@ class LoRAManager(StepLoading):
             SpecError: with no start-up adapters, max_rank or modules is missing; max_rank is out of range;
                 a regex is refused.
         """
+        if max_rank is not None and not 1 <= max_rank <= MAX_ADAPTER_RANK:
+            raise SpecError(f"max_lora_rank must be in 1..{MAX_ADAPTER_RANK} (got {max_rank})")
         if modules is not None and not isinstance(modules, str) and list(modules) == ["all"]:
             if max_rank is None and not refs:
                 raise SpecError(
                     "with no start-up adapters, max_lora_rank is required to size the slot pool (got "
                     "lora_target_modules=['all'] and max_lora_rank=None)"
                 )
-            if max_rank is not None and not 1 <= max_rank <= MAX_ADAPTER_RANK:
-                raise SpecError(f"max_lora_rank must be in 1..{MAX_ADAPTER_RANK} (got {max_rank})")
             return max_rank, None
         if not refs and (max_rank is None or modules is None):
             raise SpecError(
@@ -618,8 +618,6 @@ class LoRAManager(StepLoading):
         else:
             # Names given here also name MoE expert weights (``experts.gate_up_proj``).
             selection = ModuleSelection.of(modules, () if isinstance(modules, str) else modules)
-        if max_rank is not None and not 1 <= max_rank <= MAX_ADAPTER_RANK:
-            raise SpecError(f"max_lora_rank must be in 1..{MAX_ADAPTER_RANK} (got {max_rank})")
         return max_rank, selection
 
     def _active_segments(self) -> StepSegments | None:
