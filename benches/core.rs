@@ -75,7 +75,7 @@ fn bench_plan(c: &mut Criterion) {
         let name = if fetch { "begin_finish_step_256_fetch_mode" } else { "begin_finish_step_256" };
         group.bench_function(name, |b| {
             b.iter(|| {
-                let options = StepOptions { all_or_nothing: false, fetch };
+                let options = StepOptions { fetch, ..StepOptions::default() };
                 let (plan, ticket) = reg.begin_step_with(&keyed[i % keyed.len()], &tokens, options).unwrap();
                 let ticket = ticket.unwrap();
                 for index in 0..plan.loads.len() {

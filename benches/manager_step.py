@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     from lora_pin import LoRAManager
+    from lora_pin import _testing as protocol
     from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
 
     transformers.logging.set_verbosity_error()
@@ -68,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             reg.finish_step(reg.begin_step(names, 1).ticket)
 
         def separate_calls() -> None:
-            plan = reg.plan(names, 1)
-            ids = reg.acquire([names[i] for i in plan.admitted])
-            reg.release(ids)
-            reg.end_step()
+            plan = protocol.plan(reg, names, 1)
+            ids = protocol.acquire(reg, [names[i] for i in plan.admitted])
+            protocol.release(reg, ids)
+            protocol.end_step(reg)
 
         manager_step()  # the first step loads every adapter into a slot
         transaction()
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.requests} requests, {args.adapters} adapters, {args.slots} slots, all resident: "
         f"LoRAManager.prepare_step + finish {ours:.1f} us; registry begin_step + finish_step {core:.1f} us "
-        f"({ours / core:.2f}x); plan + acquire + release + end_step {separate:.1f} us"
+        f"({ours / core:.2f}x; the core's share {100 * core / ours:.0f}%); "
+        f"plan + acquire + release + end_step {separate:.1f} us"
     )
     return 0
 

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from lora_pin import _testing as protocol
 from lora_pin._core import LoRARef, LoRARegistry, StepPlan
 from lora_pin.errors import AdapterNotFoundError, SpecError, UsageError
 
@@ -46,23 +47,23 @@ def test_same_objects_fresh_objects_tuples_and_generators_plan_alike() -> None:
     for step in steps:
         tokens = [rng.randint(0, 3) for _ in step]
         plans = [
-            regs[0].plan(step, tokens),
-            regs[1].plan([fresh(n) for n in step], tokens),
-            regs[2].plan(tuple(step), tuple(tokens)),
-            regs[3].plan((n for n in step), iter(tokens)),
+            protocol.plan(regs[0], step, tokens),
+            protocol.plan(regs[1], [fresh(n) for n in step], tokens),
+            protocol.plan(regs[2], tuple(step), tuple(tokens)),
+            protocol.plan(regs[3], (n for n in step), iter(tokens)),
         ]
         first = outputs(plans[0])
         assert all(outputs(p) == first for p in plans[1:]), step
         for reg, plan in zip(regs, plans, strict=True):
             for load in plan.loads:
-                reg.load_done(load[0])
+                protocol.load_done(reg, load[0])
 
 
 def test_token_counts_from_a_generator_of_fresh_ints_are_each_read() -> None:
     # Each int is freed once read, and the next may be made at the same address: no identity shortcut.
     reg = make()
     counts = [1000 + i for i in range(6)]
-    plan = reg.plan(["a"] * 6, (1000 + i for i in range(6)))
+    plan = protocol.plan(reg, ["a"] * 6, (1000 + i for i in range(6)))
     assert plan.num_tokens == sum(counts)
     assert list(memoryview(plan.seg_indptr).cast("i"))[-1] == sum(counts)
 
@@ -70,9 +71,9 @@ def test_token_counts_from_a_generator_of_fresh_ints_are_each_read() -> None:
 def test_bools_are_not_token_counts() -> None:
     reg = make()
     with pytest.raises(UsageError, match="num_tokens must be an int"):
-        reg.plan(["a"], True)
+        protocol.plan(reg, ["a"], True)
     with pytest.raises(UsageError, match=r"num_tokens\[1\] must be an int, got True"):
-        reg.plan(["a", "b"], [1, True])
+        protocol.plan(reg, ["a", "b"], [1, True])
 
 
 def test_limits_name_their_minimum_and_the_slot_ceiling() -> None:
@@ -89,7 +90,9 @@ def test_limits_name_their_minimum_and_the_slot_ceiling() -> None:
 
     step = ["a", None, "b", "c", "a", "d", "e", None]
     for n in (0, 1, 3):
-        assert outputs(make().plan(step, n)) == outputs(make().plan(step, [n] * len(step)))
+        assert outputs(protocol.plan(make(), step, n)) == outputs(
+            protocol.plan(make(), step, [n] * len(step))
+        )
 
 
 @pytest.mark.parametrize(
@@ -106,19 +109,19 @@ def test_limits_name_their_minimum_and_the_slot_ceiling() -> None:
 )
 def test_bad_token_counts_name_the_value(tokens: object, message: str) -> None:
     with pytest.raises(UsageError, match=message):
-        make().plan(["a", "b"], tokens)  # type: ignore[arg-type]
+        protocol.plan(make(), ["a", "b"], tokens)  # type: ignore[arg-type]
 
 
 def test_bad_names_name_the_item() -> None:
     reg = make()
     with pytest.raises(UsageError, match=r"names\[1\] must be an adapter name \(str\) or None, got int"):
-        reg.plan(["a", 7], 1)  # type: ignore[list-item]
+        protocol.plan(reg, ["a", 7], 1)  # type: ignore[list-item]
     with pytest.raises(UsageError, match="names must be a sequence of adapter names"):
-        reg.plan(5, 1)  # type: ignore[arg-type]
+        protocol.plan(reg, 5, 1)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="got the str 'ab'"):
-        reg.plan("ab", 1)
+        protocol.plan(reg, "ab", 1)
     with pytest.raises(AdapterNotFoundError, match='"zz"'):
-        reg.plan(["a", "zz"], 1)
+        protocol.plan(reg, ["a", "zz"], 1)
 
 
 def test_a_str_subclass_is_a_name() -> None:
@@ -126,23 +129,23 @@ def test_a_str_subclass_is_a_name() -> None:
         pass
 
     reg = make()
-    plan = reg.plan([Name("a"), Name("a"), "b"], 1)
+    plan = protocol.plan(reg, [Name("a"), Name("a"), "b"], 1)
     assert [load[0] for load in plan.loads] == ["a", "b"]
 
 
 def test_a_cached_name_object_follows_unload_and_register() -> None:
     reg = make(slots=4, names="ab")
     a = fresh("a")
-    assert reg.plan([a], 1).loads[0][0] == "a"
-    reg.load_done("a")
-    reg.end_step()
+    assert protocol.plan(reg, [a], 1).loads[0][0] == "a"
+    protocol.load_done(reg, "a")
+    protocol.end_step(reg)
     reg.unload("a")
     # Its key is free now; a new adapter takes it. The cached object must not resolve to it.
     reg.register(LoRARef("c", "/srv/c"), rank=7, host_bytes=10, device_bytes=10)
     with pytest.raises(AdapterNotFoundError, match='"a"'):
-        reg.plan([a], 1)
+        protocol.plan(reg, [a], 1)
     reg.register(LoRARef("a", "/srv/a2"), rank=9, host_bytes=10, device_bytes=10)
-    plan = reg.plan([a, "c"], 1)
+    plan = protocol.plan(reg, [a, "c"], 1)
     assert [(n, i) for n, i, _, _ in plan.loads] == [
         ("a", LoRARef("a", "/srv/a2").lora_id),
         ("c", LoRARef("c", "/srv/c").lora_id),
@@ -154,10 +157,10 @@ def test_a_cached_name_object_follows_unload_and_register() -> None:
 
 def test_a_polled_unload_never_unloads_a_later_adapter_of_the_same_name() -> None:
     reg = make(names="ab")
-    ids = reg.acquire(["a"])
+    ids = protocol.acquire(reg, ["a"])
     handle = reg.begin_unload("a")
     assert handle is not None and reg.finish_unload(handle) == 1
-    reg.release(ids)
+    protocol.release(reg, ids)
     assert reg.try_unload("a") is True  # someone else finishes it by name...
     reg.register(LoRARef("a", "/srv/a2"), rank=9, host_bytes=10, device_bytes=10)  # ...and loads anew
     assert reg.finish_unload(handle) == 0  # done: the new "a" is not this unload's
@@ -177,14 +180,14 @@ def test_an_unload_timeout_too_long_for_a_clock_waits_without_failing() -> None:
 def test_try_unload_of_a_draining_adapter_keeps_planning_its_requests() -> None:
     reg = make(names="ab")
     a = fresh("a")
-    reg.plan([a], 1)
-    ids = reg.acquire(["a"])
+    protocol.plan(reg, [a], 1)
+    ids = protocol.acquire(reg, ["a"])
     assert reg.try_unload("a") is False
-    assert reg.plan([a, "b"], 1).admitted == [0, 1]
-    reg.release(ids)
+    assert protocol.plan(reg, [a, "b"], 1).admitted == [0, 1]
+    protocol.release(reg, ids)
     assert reg.try_unload("a") is True
     with pytest.raises(AdapterNotFoundError):
-        reg.plan([a], 1)
+        protocol.plan(reg, [a], 1)
 
 
 @pytest.mark.parametrize(("distinct", "length"), [(3, 200), (5, 30), (10, 200), (60, 200)])
@@ -196,7 +199,7 @@ def test_admitted_and_deferred_partition_the_requests(distinct: int, length: int
     rng = random.Random(distinct)
     for _ in range(10):
         step = [rng.choice(names) if rng.random() > 0.3 else None for _ in range(length)]
-        plan = reg.plan(step, 1)
+        plan = protocol.plan(reg, step, 1)
         admitted, deferred = plan.admitted, plan.deferred
         assert sorted(admitted + deferred) == list(range(len(step)))
         assert admitted == sorted(admitted) and deferred == sorted(deferred)
@@ -210,7 +213,7 @@ def test_admitted_and_deferred_partition_the_requests(distinct: int, length: int
         first.append(-1)  # a fresh list per read, built from a shared one that must stay intact
         assert plan.admitted == admitted
         for load in plan.loads:
-            reg.load_done(load[0])
+            protocol.load_done(reg, load[0])
 
 
 def test_many_cached_names_resolve_to_their_own_adapters() -> None:
@@ -223,9 +226,9 @@ def test_many_cached_names_resolve_to_their_own_adapters() -> None:
     rng = random.Random(7)
     for _ in range(5):
         step = rng.sample(names, 300) + rng.sample(names, 300)
-        same, new = regs[0].plan(step, 1), regs[1].plan([fresh(n) for n in step], 1)
+        same, new = protocol.plan(regs[0], step, 1), protocol.plan(regs[1], [fresh(n) for n in step], 1)
         assert outputs(same) == outputs(new)
         assert [regs[0].lora_ref(n).lora_id for n, _, _, _ in same.loads] == [i for _, i, _, _ in same.loads]
         for reg, plan in zip(regs, (same, new), strict=True):
             for load in plan.loads:
-                reg.load_done(load[0])
+                protocol.load_done(reg, load[0])

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+from lora_pin import _testing as protocol
 from lora_pin._core import LoRARef, LoRARegistry, StepPlan
 from lora_pin.errors import (
     AdapterInUseError,
@@ -38,7 +39,7 @@ def tensor(buf: bytearray, dtype: torch.dtype) -> torch.Tensor:
 
 def test_plan_buffers_become_tensors_without_a_warning() -> None:
     reg = make(chunk_size=2)
-    plan = reg.plan(["a", None, "b", "a"], [2, 1, 3, 1])
+    plan = protocol.plan(reg, ["a", None, "b", "a"], [2, 1, 3, 1])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         i32 = {k: tensor(getattr(plan, k), torch.int32).tolist() for k in ("request_slots", "token_perm")}
@@ -57,7 +58,7 @@ def test_plan_buffers_become_tensors_without_a_warning() -> None:
 
 
 def test_an_all_base_step_has_empty_adapter_buffers() -> None:
-    plan = make().plan([None, None], [3, 1])
+    plan = protocol.plan(make(), [None, None], [3, 1])
     assert plan.admitted == [0, 1] and plan.token_perm == bytearray() and plan.seg_slots == bytearray()
     assert tensor(plan.seg_indptr, torch.int32).tolist() == [0]
 
@@ -67,21 +68,21 @@ def test_errors_are_the_documented_classes_and_name_the_values() -> None:
     with pytest.raises(DuplicateAdapterError, match=r"/srv/a.*/srv/a"):
         reg.register(LoRARef("a", "/srv/a"), rank=8, host_bytes=1, device_bytes=1)
     with pytest.raises(AdapterNotFoundError, match=r'"zz".*registered: "a", "b", "c"') as info:
-        reg.acquire(["a", "zz"])
+        protocol.acquire(reg, ["a", "zz"])
     assert isinstance(info.value, KeyError) and reg.in_flight("a") == 0
     reg.pin("a")
     with pytest.raises(CapacityError, match="max_loras_per_batch=2 allows at most 1 pinned"):
         reg.pin("b")
     with pytest.raises(UsageError, match="0 request"):
-        reg.release([LoRARef("b", "/srv/b").lora_id])
+        protocol.release(reg, [LoRARef("b", "/srv/b").lora_id])
     with pytest.raises(UsageError, match="2 adapter names but 1 token counts"):
-        reg.plan(["a", "b"], [1])
+        protocol.plan(reg, ["a", "b"], [1])
     with pytest.raises(UsageError, match=r"names\[1\] must be an adapter name"):
-        reg.plan(["a", 3], [1, 1])
+        protocol.plan(reg, ["a", 3], [1, 1])  # type: ignore[list-item]
     with pytest.raises(UsageError, match=r"num_tokens\[0\] must be in"):
-        reg.plan(["a"], [-1])
+        protocol.plan(reg, ["a"], [-1])
     with pytest.raises(UsageError, match="no load"):
-        reg.load_done("c")
+        protocol.load_done(reg, "c")
     with pytest.raises(SpecError, match="rank must be in"):
         reg.register(LoRARef("d", "/d"), rank=0, host_bytes=1, device_bytes=1)
     with pytest.raises(SpecError, match='"lfu" is not an eviction policy'):
@@ -93,7 +94,7 @@ def test_errors_are_the_documented_classes_and_name_the_values() -> None:
 def test_stats_and_repr_show_the_tiers() -> None:
     reg = make(2, 3, names="abcd", eviction_policy="fifo")
     reg.pin("b")
-    reg.plan(["b", "c", "d"], [1, 1, 1])
+    protocol.plan(reg, ["b", "c", "d"], [1, 1, 1])
     s = reg.stats()
     assert s["registered"] == 4 and s["pinned"] == 1
     assert s["host"]["resident"] == ["b", "c", "d"] and s["host"]["evictions"] == 1
@@ -109,15 +110,15 @@ def test_stats_and_repr_show_the_tiers() -> None:
 
 def test_unload_blocks_until_released_then_is_idempotent() -> None:
     reg = make()
-    ids = reg.acquire(["a", None, "a"])
+    ids = protocol.acquire(reg, ["a", None, "a"])
     with pytest.raises(UnloadTimeoutError, match=r'"a" timed out.*2 request'):
         reg.unload("a", timeout=0.05)
     assert "a" not in reg and reg.in_flight("a") == 2
     with pytest.raises(AdapterNotFoundError):
-        reg.acquire(["a"])
+        protocol.acquire(reg, ["a"])
     with pytest.raises(AdapterInUseError):
         reg.register(LoRARef("a", "/srv/a"), rank=8, host_bytes=1, device_bytes=1)
-    threading.Timer(0.05, reg.release, args=(ids,)).start()
+    threading.Timer(0.05, protocol.release, args=(reg, ids)).start()
     started = time.monotonic()
     reg.unload("a", timeout=5)
     assert time.monotonic() - started < 2
@@ -130,7 +131,7 @@ def test_unload_blocks_until_released_then_is_idempotent() -> None:
 
 def test_asyncio_unload_while_in_use_does_not_block_the_loop() -> None:
     reg = make()
-    ids = reg.acquire(["b"])
+    ids = protocol.acquire(reg, ["b"])
 
     async def scenario() -> list[str]:
         events: list[str] = []
@@ -139,7 +140,7 @@ def test_asyncio_unload_while_in_use_does_not_block_the_loop() -> None:
             for _ in range(5):
                 await asyncio.sleep(0.01)
                 events.append("tick")
-            reg.release(ids)
+            protocol.release(reg, ids)
             events.append("released")
 
         unload = asyncio.create_task(unload_async(reg, "b", timeout=5))
@@ -149,7 +150,7 @@ def test_asyncio_unload_while_in_use_does_not_block_the_loop() -> None:
         await unload
         events.append("unloaded")
         with pytest.raises(UnloadTimeoutError):
-            reg.acquire(["c"])
+            protocol.acquire(reg, ["c"])
             await unload_async(reg, "c", timeout=0.02)
         return events
 
@@ -174,9 +175,9 @@ def test_eight_threads_of_random_operations_keep_the_invariants() -> None:
                     if op == 0:
                         reg.register(LoRARef(name, f"/p/{name}"), rank=8, host_bytes=1, device_bytes=1)
                     elif op == 1:
-                        held += reg.acquire([name])
+                        held += protocol.acquire(reg, [name])
                     elif op == 2 and held:
-                        reg.release([held.pop()])
+                        protocol.release(reg, [held.pop()])
                     elif op == 3:
                         reg.pin(name)
                     elif op == 4:
@@ -185,12 +186,12 @@ def test_eight_threads_of_random_operations_keep_the_invariants() -> None:
                         reg.try_unload(name)
                     else:
                         batch = [rng.choice([*names, None]) for _ in range(16)]
-                        plan = reg.plan([n for n in batch if n is None or n in reg], [1] * 16)
+                        plan = protocol.plan(reg, [n for n in batch if n is None or n in reg], [1] * 16)
                         for load in plan.loads:
-                            reg.load_done(load[0])
+                            protocol.load_done(reg, load[0])
                 except expected:
                     pass
-            reg.release(held)
+            protocol.release(reg, held)
         except BaseException as e:  # reported by the main thread
             errors.append(e)
 

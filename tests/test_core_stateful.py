@@ -1,5 +1,5 @@
 """Hypothesis drives the Rust registry and a plain-Python model of the same rules
-(``benches/plan_step.py``'s ``PythonPlanner``, dicts and OrderedDicts scanned in policy order, with the
+(``tests/core/planner_model.py``'s ``PythonPlanner``, dicts and OrderedDicts scanned in policy order, with the
 fetching state added here) with the same random operations; every result, every plan array, every
 error class and the per-tier counters must agree, and the registry's own invariant audit must pass
 after every step."""
@@ -17,18 +17,19 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from lora_pin import _testing as protocol
 from lora_pin import errors
 from lora_pin._core import LoRARef, LoRARegistry
 from lora_pin.errors import LoraPinError
 
 _spec = importlib.util.spec_from_file_location(
-    "plan_step", Path(__file__).resolve().parents[1] / "benches" / "plan_step.py"
+    "planner_model", Path(__file__).resolve().parent / "core" / "planner_model.py"
 )
 assert _spec is not None and _spec.loader is not None
-plan_step = importlib.util.module_from_spec(_spec)
-sys.modules["plan_step"] = plan_step
-_spec.loader.exec_module(plan_step)
-PythonPlanner = plan_step.PythonPlanner
+planner_model = importlib.util.module_from_spec(_spec)
+sys.modules["planner_model"] = planner_model
+_spec.loader.exec_module(planner_model)
+PythonPlanner = planner_model.PythonPlanner
 
 
 class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
@@ -124,7 +125,7 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
         decided: dict[str, bool] = {}
         waiting: list[tuple[Any, int]] = []
         firsts: dict[str, int] = {}
-        unpinned = 0
+        unpinned = self._admit_overdue(found, budget, decided, firsts, fetch)
         for i, e in enumerate(found):
             if e is None or e.name in decided:
                 continue
@@ -140,7 +141,7 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
                 firsts[e.name] = i
             else:
                 self.device["refusals"] += 1
-        plan = plan_step.Plan()
+        plan = planner_model.Plan()
         plan.to_fetch = []
         for e, first in waiting:
             if e.name in self.fetching:
@@ -151,6 +152,7 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
         self._place_step(plan, decided)
         self.fresh = [n for n in self.fresh if decided.get(n) is False]
         self._outputs(found, num_tokens, decided, plan)
+        self._count_deferrals(decided, frozenset(e.name for e, _ in waiting if e.name in self.fetching))
         return plan
 
     def _yield_room(self, first: int, nbytes: int, firsts: dict[str, int], decided: dict[str, bool]) -> None:
@@ -177,10 +179,25 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
             decided[e.name] = False
 
     def begin_step_fetch(self, names: list[str | None], num_tokens: list[int]) -> Any:
-        for n in names:
-            if n is not None:
+        # Requests of an adapter unloaded (or being unloaded) fail: planned as base requests of no
+        # tokens, then taken out of the admitted ones.
+        failed = []
+        for i, n in enumerate(names):
+            if n is None:
+                continue
+            e = self.entries.get(n)
+            if (e is None and n in self.unloaded) or (e is not None and e.draining):
+                failed.append(i)
+            else:
                 self._lookup(n, False)
-        return self.plan(names, num_tokens, fetch=True)
+        names = [None if i in failed else n for i, n in enumerate(names)]
+        num_tokens = [0 if i in failed else t for i, t in enumerate(num_tokens)]
+        plan = self.plan(names, num_tokens, fetch=True)
+        kept = [at for at, i in enumerate(plan.admitted) if i not in failed]
+        plan.request_slots = [plan.request_slots[at] for at in kept]
+        plan.admitted = [plan.admitted[at] for at in kept]
+        plan.failed = [(i, "unloaded") for i in failed]
+        return plan
 
     def prefetch(self, names: list[str | None]) -> tuple[list[tuple[str, int]], list[str]]:
         entries = [self._lookup(n, False) for n in names if n is not None]
@@ -305,7 +322,9 @@ class RegistryVsModel(RuleBasedStateMachine):
 
     @rule(name=names)
     def acquire(self, name: str) -> None:
-        got = same_outcome(lambda: self.reg.acquire([name, None]), lambda: self.model.acquire([name, None]))
+        got = same_outcome(
+            lambda: protocol.acquire(self.reg, [name, None]), lambda: self.model.acquire([name, None])
+        )
         if got:
             assert got[0] == got[1]
             self.ids.setdefault(name, []).append(got[0][0])
@@ -315,13 +334,13 @@ class RegistryVsModel(RuleBasedStateMachine):
     def release(self, data: st.DataObject) -> None:
         name = data.draw(st.sampled_from(sorted(n for n, ids in self.ids.items() if ids)))
         lora_id = self.ids[name].pop()
-        same_outcome(lambda: self.reg.release([lora_id]), lambda: self.model.release([lora_id]))
+        same_outcome(lambda: protocol.release(self.reg, [lora_id]), lambda: self.model.release([lora_id]))
 
     @rule(name=names)
     def over_release(self, name: str) -> None:
         lora_id = LoRARef(name, f"/srv/{name}").lora_id
         ids = [lora_id] * (len(self.ids.get(name, [])) + 1)
-        same_outcome(lambda: self.reg.release(ids), lambda: self.model.release(ids))
+        same_outcome(lambda: protocol.release(self.reg, ids), lambda: self.model.release(ids))
 
     @rule(name=names)
     def unload(self, name: str) -> None:
@@ -339,7 +358,9 @@ class RegistryVsModel(RuleBasedStateMachine):
         """Plans a step; unless `loaded` is 0, reports its loads done as a serving loop would."""
         batch = [n for n, _ in requests]
         tokens = [t for _, t in requests]
-        got = same_outcome(lambda: self.reg.plan(batch, tokens), lambda: self.model.plan(batch, tokens))
+        got = same_outcome(
+            lambda: protocol.plan(self.reg, batch, tokens), lambda: self.model.plan(batch, tokens)
+        )
         if not got:
             return
         expected, plan = got
@@ -356,7 +377,7 @@ class RegistryVsModel(RuleBasedStateMachine):
         assert torch.frombuffer(plan.slot_generations, dtype=torch.int64).tolist() == self.model.generations
         if loaded:
             for name, *_ in plan.loads:
-                self.reg.load_done(name)
+                protocol.load_done(self.reg, name)
                 self.model.load_done(name)
 
     @rule(
@@ -374,6 +395,7 @@ class RegistryVsModel(RuleBasedStateMachine):
         if not got:
             return
         expected, plan = got
+        assert plan.failed == expected.failed
         assert plan.admitted == expected.admitted
         assert plan.deferred == expected.deferred
         assert ints(plan.request_slots) == expected.request_slots
@@ -424,13 +446,13 @@ class RegistryVsModel(RuleBasedStateMachine):
     @rule(name=names, ok=st.booleans())
     def finish_load(self, name: str, ok: bool) -> None:
         if ok:
-            same_outcome(lambda: self.reg.load_done(name), lambda: self.model.load_done(name))
+            same_outcome(lambda: protocol.load_done(self.reg, name), lambda: self.model.load_done(name))
         else:
-            same_outcome(lambda: self.reg.load_failed(name), lambda: self.model.load_failed(name))
+            same_outcome(lambda: protocol.load_failed(self.reg, name), lambda: self.model.load_failed(name))
 
     @rule()
     def end_step(self) -> None:
-        self.reg.end_step()
+        protocol.end_step(self.reg)
         self.model.end_step()
 
     @invariant()

@@ -38,6 +38,7 @@ from lora_pin import (
     StalePlanError,
     UnsafeFormatError,
 )
+from lora_pin import _testing as protocol
 from lora_pin.weights import AdapterConfig, open_adapter, read_adapter_config
 
 LONG = os.environ.get("LORA_PIN_LONG") == "1"
@@ -410,7 +411,7 @@ def test_unload_waits_for_in_flight_requests(world: World) -> None:
     assert not returned.is_set(), "unload returned while a request still used the adapter"
     assert "a" not in mgr.registry  # but no new request can take it
     with pytest.raises(lora_pin.AdapterNotFoundError):
-        mgr.registry.acquire(["a"])
+        protocol.acquire(mgr.registry, ["a"])
     mgr.finish(step)
     worker.join(timeout=30)
     assert returned.is_set() and "a" not in mgr.host
@@ -422,7 +423,7 @@ def test_stale_plan_is_detected(world: World) -> None:
     # A plan made behind the manager's back moves adapters between slots without filling them: the pool
     # no longer holds what the registry's slot generations say.
     assert sorted(mgr.registry.stats()["device"]["resident"]) == ["b", "c"]
-    mgr.registry.plan(["a"], [1])  # a takes b's slot in the registry; nothing is copied
+    protocol.plan(mgr.registry, ["a"], [1])  # a takes b's slot in the registry; nothing is copied
     with pytest.raises(StalePlanError, match="slot generation"):
         run_batch(mgr, model, ["a", "c"])
     got = run_batch(mgr, model, ["a", "c"])  # the stale adapter was marked not resident: reloaded

@@ -325,8 +325,9 @@ def test_load_ms_reports_the_requests_deferred_by_fetches(capsys: pytest.Capture
     header = next(line for line in out.splitlines() if line.startswith("policy"))
     assert header.split()[-6:] == ["by", "fetch", "wait", "ms", "wait", "steps"]
     line = next(line for line in out.splitlines() if line.startswith("lru"))
-    assert line.split()[10] == str(f["deferred_requests"])
-    assert line.split()[11:14] == [f"{f['wait_ms_mean']:.1f}", "/", f"{f['wait_ms_p99']:.1f}"]
+    assert line.split()[10] == str(row["worst_wait"])
+    assert line.split()[11] == str(f["deferred_requests"])
+    assert line.split()[12:15] == [f"{f['wait_ms_mean']:.1f}", "/", f"{f['wait_ms_p99']:.1f}"]
     # Blocking mode (the default) keeps the table as it was, and reads in the step.
     code, out, _ = run_cli(capsys, *argv, "--policy", "lru")
     assert "by fetch" not in out

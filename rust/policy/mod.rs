@@ -87,7 +87,7 @@ impl PolicyKind {
         [PolicyKind::Lru, PolicyKind::Fifo, PolicyKind::Reuse, PolicyKind::Hybrid];
 
     /// The kind's name: what [`PolicyKind::parse`] accepts.
-    pub fn name(self) -> &'static str {
+    pub const fn name(self) -> &'static str {
         match self {
             PolicyKind::Lru => "lru",
             PolicyKind::Fifo => "fifo",
@@ -125,8 +125,19 @@ impl fmt::Display for PolicyKind {
     }
 }
 
-/// The names [`PolicyKind::parse`] accepts: the one list Python's choices come from.
-pub const POLICY_NAMES: &[&str] = &["lru", "fifo", "reuse", "hybrid"];
+/// The names [`PolicyKind::parse`] accepts: the one list Python's choices come from, derived from
+/// [`PolicyKind::ALL`] and [`PolicyKind::name`].
+pub const POLICY_NAMES: &[&str] = &NAMES;
+
+const NAMES: [&str; PolicyKind::ALL.len()] = {
+    let mut names = [""; PolicyKind::ALL.len()];
+    let mut i = 0;
+    while i < names.len() {
+        names[i] = PolicyKind::ALL[i].name();
+        i += 1;
+    }
+    names
+};
 
 /// Candidates ordered by a score, smallest first (ties broken by key): the building block of
 /// score-based policies. O(log n) insert, remove and victim.

@@ -4,13 +4,36 @@
 use std::any::Any;
 
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 
 use crate::error::Error;
 
-/// The class `name` from `lora_pin.errors`.
+/// The classes of `lora_pin.errors` the bindings raise, each looked up once and kept.
+const CLASSES: [&str; 10] = [
+    "LoraPinError",
+    "SpecError",
+    "AdapterNotFoundError",
+    "DuplicateAdapterError",
+    "CapacityError",
+    "AdapterInUseError",
+    "UnloadTimeoutError",
+    "UsageError",
+    "OpArgumentError",
+    "AdapterLoadError",
+];
+
+static CACHED: [PyOnceLock<Py<PyType>>; CLASSES.len()] = [const { PyOnceLock::new() }; CLASSES.len()];
+
+/// The class `name` from `lora_pin.errors` (resolved once per class and cached, not on every raise).
 pub(crate) fn error_class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyType>> {
-    Ok(py.import("lora_pin.errors")?.getattr(name)?.cast_into::<PyType>()?)
+    let lookup = || -> PyResult<Py<PyType>> {
+        Ok(py.import("lora_pin.errors")?.getattr(name)?.cast_into::<PyType>()?.unbind())
+    };
+    match CLASSES.iter().position(|&c| c == name) {
+        Some(i) => Ok(CACHED[i].get_or_try_init(py, lookup)?.bind(py).clone()),
+        None => Ok(lookup()?.into_bound(py)),
+    }
 }
 
 /// A `name` error (a class in `lora_pin.errors`) carrying `msg`.

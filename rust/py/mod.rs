@@ -20,6 +20,8 @@ pub mod _core {
     #[pymodule_export]
     use super::patterns::PyPatternSet;
     #[pymodule_export]
+    use super::registry::{acquire, end_step, load_done, load_failed, plan, release};
+    #[pymodule_export]
     use super::registry::{PyFetchPlan, PyLoRARegistry, PyStepPlan};
     #[pymodule_export]
     use super::routing::{home_replicas, rank_replicas, replication_factor};

@@ -1,9 +1,11 @@
 //! `LoRARegistry` and `StepPlan` for Python: a frozen class around the shared registry (one lock, so
 //! threads never see "Already borrowed"), the GIL released whenever the lock is taken.
 
+mod protocol;
 mod requests;
 mod step;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -11,7 +13,8 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
 use pyo3::types::PyDict;
 
-use self::requests::{token_counts, NameCache, Requests, Resolved};
+pub use self::protocol::{acquire, end_step, load_done, load_failed, plan, release};
+use self::requests::{token_counts, NameCache, Requests, Resolved, Unregistered};
 use self::step::{NameStrs, RequestIndices};
 pub use self::step::{PyFetchPlan, PyStepPlan};
 
@@ -21,7 +24,9 @@ use super::text::{int_arg, Name};
 use super::{detached, shielded};
 use crate::policy::{AdapterKey, PolicyKind};
 use crate::registry::tiers::TierCounters;
-use crate::registry::{AdapterSize, Config, Registry, StepOptions, StepTicket, TierStats, Unload};
+use crate::registry::{
+    AdapterSize, Config, Registry, StepOptions, StepPlan, StepRequests, StepTicket, TierStats, Unload,
+};
 use crate::shared::SharedRegistry;
 
 /// How long an unload waits with the GIL released before it checks for Ctrl-C.
@@ -67,12 +72,15 @@ fn usage(py: Python<'_>, msg: String) -> PyErr {
 impl PyLoRARegistry {
     /// Reads a step's names (and token counts, when given), resolves them to keys under the lock and
     /// runs `f` there, with the GIL released; returns `f`'s result and the number of requests.
+    /// Names not registered are held or unknown as `unregistered` says (an error without it); `f`
+    /// gets the unknown ones.
     fn with_requests<R: Send>(
         &self,
         py: Python<'_>,
         names: &Bound<'_, PyAny>,
         num_tokens: Option<&Bound<'_, PyAny>>,
-        f: impl Fn(&mut Registry, &[Option<AdapterKey>], &[u32]) -> crate::Result<R> + Send + Sync,
+        unregistered: Option<&Unregistered>,
+        f: impl Fn(&mut Registry, StepRequests<'_>, Vec<Arc<str>>) -> crate::Result<R> + Send + Sync,
     ) -> PyResult<(R, usize)> {
         let mut use_cache = true;
         loop {
@@ -89,10 +97,16 @@ impl PyLoRARegistry {
             // Borrowed, not moved: the names must be dropped with the GIL held, after the closure.
             let done = detached(py, || {
                 let mut reg = self.shared.lock();
-                match requests.resolve(&reg)? {
+                match requests.resolve(&reg, unregistered)? {
                     Resolved::Stale => Ok(None),
-                    Resolved::Keys { epoch, keys } => {
-                        Ok(Some((f(&mut reg, requests.adapters(), &tokens)?, epoch, keys)))
+                    Resolved::Keys { epoch, keys, holds, unknown } => {
+                        let unknown = unknown.iter().map(|&m| Arc::from(&*requests.misses[m])).collect();
+                        let step = StepRequests {
+                            adapters: requests.adapters(),
+                            num_tokens: &tokens,
+                            holds: &holds,
+                        };
+                        Ok(Some((f(&mut reg, step, unknown)?, epoch, keys)))
                     }
                 }
             })?;
@@ -232,31 +246,6 @@ impl PyLoRARegistry {
         detached(py, || self.shared.lock().unpin(&name))
     }
 
-    /// Counts one more request in flight per adapter name, atomically; None (the base model) passes
-    /// through. Returns the adapters' ids, to hand to `release`.
-    ///
-    /// Raises:
-    ///     AdapterNotFoundError: a name is not registered (nothing was counted).
-    fn acquire(&self, py: Python<'_>, names: Vec<Option<PyBackedStr>>) -> PyResult<Vec<Option<String>>> {
-        let ids = detached(py, || {
-            let names: Vec<Option<&str>> = names.iter().map(|n| n.as_deref()).collect();
-            self.shared.lock().acquire(&names)
-        })?;
-        Ok(ids.into_iter().map(|id| id.map(|id| id.to_string())).collect())
-    }
-
-    /// Counts one request less in flight per id, atomically; None passes through.
-    ///
-    /// Raises:
-    ///     AdapterNotFoundError: an id is unknown.
-    ///     UsageError: an id is released more often than it is in flight (nothing was released).
-    fn release(&self, py: Python<'_>, ids: Vec<Option<PyBackedStr>>) -> PyResult<()> {
-        detached(py, || {
-            let ids: Vec<Option<&str>> = ids.iter().map(|n| n.as_deref()).collect();
-            self.shared.release(&ids)
-        })
-    }
-
     /// Unloads an adapter: unregisters it (no new acquires; its pin is dropped), waits with the GIL
     /// released until its in-flight requests finish, then forgets it (the caller frees its tensors).
     /// Idempotent: unloading a forgotten adapter returns at once (for the latest 65536 names unloaded).
@@ -349,36 +338,6 @@ impl PyLoRARegistry {
         }
     }
 
-    /// Plans one scheduler step and commits it, without acquiring its requests (a planner for
-    /// tests, simulations and benchmarks: a serving loop uses `begin_step`, which plans and acquires
-    /// at once).
-    ///
-    /// `names[i]` is request i's adapter (None for the base model) and `num_tokens[i]` its tokens this
-    /// step; `num_tokens` may also be one int, every request's count (a decode step). Requests are
-    /// admitted in order while every admitted adapter can have a device slot (at most
-    /// `max_loras_per_batch - pinned` distinct unpinned adapters, plus pinned ones); the others are
-    /// deferred, never failed. Admitted adapters are protected from eviction until the next plan or
-    /// `end_step`; planned loads until `load_done` / `load_failed`.
-    ///
-    /// Passing the same str objects every step (e.g. each request keeps its adapter name) is
-    /// fastest: names already seen are recognised by identity, without reading their text.
-    ///
-    /// Raises:
-    ///     AdapterNotFoundError: a name is unknown (nothing was planned).
-    ///     UsageError: the lengths differ, a token count is negative or not an int, a name is not
-    ///         a str, or a step transaction is open.
-    fn plan(
-        &self,
-        py: Python<'_>,
-        names: &Bound<'_, PyAny>,
-        num_tokens: &Bound<'_, PyAny>,
-    ) -> PyResult<PyStepPlan> {
-        let (plan, n) = self
-            .with_requests(py, names, Some(num_tokens), |reg, adapters, tokens| reg.plan(adapters, tokens))?;
-        let indices = self.indices.at_least(py, n)?;
-        Ok(PyStepPlan::new(plan, None, indices, self.strs.clone()))
-    }
-
     /// Begins a step transaction: plans the step as `plan` does and, atomically with it, acquires
     /// every admitted request, so no unload or re-registration can come between the two. The
     /// returned plan's `ticket` identifies the step: report each planned load with
@@ -403,11 +362,24 @@ impl PyLoRARegistry {
     /// started (the batch's resident adapters are not evicted for them); begin again once the
     /// fetches are done.
     ///
+    /// The core sees the whole step: `failed` names adapters whose last read failed (their
+    /// requests fail), `discovering` names not registered yet that are being read (their requests
+    /// wait), and a name unloaded while its requests waited fails them (so does one being
+    /// unloaded); the plan lists those in `failed` as `(index, why)` and runs the rest. With
+    /// `defer_unknown`, names nobody knows begin no step: the result has no `ticket` and lists them
+    /// in `unknown` (discover them and begin again). Each deferred request's reason is in
+    /// `reasons`.
+    ///
     /// Raises:
-    ///     AdapterNotFoundError: a name is unknown or being unloaded (nothing was planned).
+    ///     AdapterNotFoundError: a name is unknown (nothing was planned); with `all_or_nothing`,
+    ///         also one being unloaded or in `failed` (a batch runs whole).
     ///     CapacityError: `all_or_nothing` and not every request fits (the message has the numbers).
     ///     UsageError: as `plan`, a step is open already, or both `read_first` and `fetch`.
-    #[pyo3(signature = (names, num_tokens, *, all_or_nothing = false, read_first = false, fetch = false))]
+    #[pyo3(signature = (
+        names, num_tokens, *, all_or_nothing = false, read_first = false, fetch = false, failed = Vec::new(),
+        discovering = Vec::new(), defer_unknown = false
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn begin_step(
         &self,
         py: Python<'_>,
@@ -416,32 +388,24 @@ impl PyLoRARegistry {
         all_or_nothing: bool,
         read_first: bool,
         fetch: bool,
+        failed: Vec<PyBackedStr>,
+        discovering: Vec<PyBackedStr>,
+        defer_unknown: bool,
     ) -> PyResult<PyStepPlan> {
-        if read_first && fetch {
-            let msg =
-                "begin_step: read_first (read misses first, then begin) and fetch (defer misses and fetch \
-                       them in the background) exclude each other; pass one";
-            return Err(usage(py, msg.to_owned()));
-        }
-        let (begun, n) = self.with_requests(py, names, Some(num_tokens), |reg, adapters, tokens| {
-            if read_first {
-                // A batch refused whole must not make anyone read (and make host room) first.
-                if let Some(why) = all_or_nothing.then(|| reg.overflow(adapters)).flatten() {
-                    return Err(crate::Error::Capacity(why));
+        let unregistered = Unregistered { failed, discovering, defer: defer_unknown, whole: all_or_nothing };
+        let (begun, n) =
+            self.with_requests(py, names, Some(num_tokens), Some(&unregistered), |reg, step, unknown| {
+                if !unknown.is_empty() {
+                    return Ok((StepPlan { unknown, ..StepPlan::default() }, None));
                 }
-                let misses = reg.host_misses(adapters);
-                if !misses.is_empty() {
-                    return Ok(Err(misses));
-                }
-            }
-            let options = StepOptions { all_or_nothing, fetch };
-            reg.begin_step_with(adapters, tokens, options).map(Ok)
-        })?;
+                let failed: Vec<AdapterKey> =
+                    unregistered.failed.iter().filter_map(|n| reg.lookup(n, true).ok()).collect();
+                let options = StepOptions { all_or_nothing, fetch, read_first };
+                reg.begin_step_held(step, &failed, options)
+            })?;
         let indices = self.indices.at_least(py, n)?;
-        Ok(match begun {
-            Ok((plan, ticket)) => PyStepPlan::new(plan, ticket.map(|t| t.0), indices, self.strs.clone()),
-            Err(misses) => PyStepPlan::reads_first(misses, indices, self.strs.clone()),
-        })
+        let (plan, ticket) = begun;
+        Ok(PyStepPlan::new(plan, ticket.map(|t| t.0), indices, self.strs.clone()))
     }
 
     /// Enters `name`, whose weights the caller has just read again for registration `serial` (see
@@ -535,7 +499,7 @@ impl PyLoRARegistry {
     ///     AdapterNotFoundError: a name is unknown.
     ///     UsageError: a name is not a str.
     fn split(&self, py: Python<'_>, names: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
-        Ok(self.with_requests(py, names, None, |reg, adapters, _| Ok(reg.split(adapters)))?.0)
+        Ok(self.with_requests(py, names, None, None, |reg, step, _| Ok(reg.split(step.adapters)))?.0)
     }
 
     /// Why the batch `names` cannot run as one step, with the numbers, or None when it fits.
@@ -544,37 +508,7 @@ impl PyLoRARegistry {
     ///     AdapterNotFoundError: a name is unknown.
     ///     UsageError: a name is not a str.
     fn overflow(&self, py: Python<'_>, names: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
-        Ok(self.with_requests(py, names, None, |reg, adapters, _| Ok(reg.overflow(adapters)))?.0)
-    }
-
-    /// Ends the protection of the latest plan's adapters (the next plan does this itself).
-    ///
-    /// Raises:
-    ///     UsageError: a step transaction is open (`finish_step` ends it).
-    fn end_step(&self, py: Python<'_>) -> PyResult<()> {
-        detached(py, || self.shared.lock().end_step())
-    }
-
-    /// Reports a load `plan` planned finished: the adapter's loading protection ends.
-    ///
-    /// Raises:
-    ///     AdapterNotFoundError: the name is unknown.
-    ///     UsageError: no load of it is pending, or it belongs to the open step transaction.
-    fn load_done(&self, py: Python<'_>, name: Name) -> PyResult<()> {
-        if let Some(mut reg) = self.shared.try_lock() {
-            return shielded(py, || reg.load_done(&name).map_err(PyErr::from));
-        }
-        detached(py, || self.shared.lock().load_done(&name))
-    }
-
-    /// Reports a load `plan` planned failed: the adapter leaves its slot (and the host tier, if the
-    /// load was to read it from disk). Nothing else changes.
-    ///
-    /// Raises:
-    ///     AdapterNotFoundError: the name is unknown.
-    ///     UsageError: no load of it is pending, or it belongs to the open step transaction.
-    fn load_failed(&self, py: Python<'_>, name: Name) -> PyResult<()> {
-        detached(py, || self.shared.lock().load_failed(&name))
+        Ok(self.with_requests(py, names, None, None, |reg, step, _| Ok(reg.overflow(step.adapters)))?.0)
     }
 
     /// Empties `slots` in the registry's view: each occupant leaves its slot and is loaded again on

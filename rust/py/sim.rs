@@ -167,7 +167,8 @@ const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 /// when no request can run the loop waits for the next fetch (a wait is not a step). 0 (the
 /// default) reads in the step that needs the adapter, as blocking mode does.
 ///
-/// Returns a dict: `steps`, `requests`, `adapter_requests`, `deferrals`, `tokens`, `uses`, `device`
+/// Returns a dict: `steps`, `requests`, `adapter_requests`, `deferrals`, `worst_wait` (the most steps
+/// one request was deferred), `tokens`, `uses`, `device`
 /// and `host` (each `hits`, `misses`, `evictions`, `bytes_moved`, `belady_misses`; the device also
 /// `hit_rate` and `belady_hit_rate`), and with `record=True` a `steps_log` list of per-step dicts
 /// (`batch`: trace indices, `admitted` / `deferred`: positions in the batch, `loads`: (name, slot,
@@ -251,6 +252,7 @@ pub fn simulate<'py>(
         d.set_item("requests", report.requests)?;
         d.set_item("adapter_requests", report.adapter_requests)?;
         d.set_item("deferrals", report.deferrals)?;
+        d.set_item("worst_wait", report.worst_wait)?;
         d.set_item("tokens", report.tokens)?;
         d.set_item("uses", report.uses)?;
         d.set_item("device", tier(py, &report.device, Some(report.uses))?)?;

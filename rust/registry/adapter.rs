@@ -75,6 +75,9 @@ pub(crate) struct Residency {
     pub(crate) uses: u64,
     pub(crate) host_candidate: bool,
     pub(crate) device_candidate: DeviceCandidate,
+    /// Consecutive plans that named it and deferred it for room (device or host, or fairness);
+    /// from [`crate::limits::OVERDUE_AFTER`] on it is admitted before younger requests.
+    pub(crate) deferred_plans: u32,
 }
 
 /// One registered (or draining) adapter.

@@ -142,6 +142,15 @@ impl Registry {
         {
             return Err("candidate sets and adapters disagree".into());
         }
+        let overdue = self
+            .adapters
+            .iter()
+            .flatten()
+            .filter(|a| a.residency.deferred_plans >= crate::limits::OVERDUE_AFTER)
+            .count();
+        if overdue != self.overdue {
+            return Err(format!("{overdue} overdue adapters, counter {}", self.overdue));
+        }
         Ok(())
     }
 }

@@ -6,7 +6,7 @@ use crate::registry::testkit::*;
 use crate::registry::tiers::Tier;
 use crate::registry::{LoadSource, Registry, StepOptions, StepPlan, StepTicket, Unload};
 
-const FETCH: StepOptions = StepOptions { all_or_nothing: false, fetch: true };
+const FETCH: StepOptions = StepOptions { all_or_nothing: false, fetch: true, read_first: false };
 
 fn keys(reg: &Registry, names: &[Option<&str>]) -> Vec<Option<AdapterKey>> {
     names.iter().map(|n| n.map(|n| reg.lookup(n, false).unwrap())).collect()
@@ -222,7 +222,7 @@ fn a_blocking_read_of_an_adapter_being_fetched_takes_over_its_reservation() {
 fn all_or_nothing_in_fetch_mode_begins_no_step_until_every_adapter_is_in_the_host_tier() {
     let mut reg = with_a_evicted();
     let serial = reg.serial("a").unwrap();
-    let both = StepOptions { all_or_nothing: true, fetch: true };
+    let both = StepOptions { all_or_nothing: true, fetch: true, read_first: false };
     let (p, ticket) = begin(&mut reg, &[Some("b"), Some("a"), None, Some("a")], both);
     assert_eq!((ticket, p.deferred.as_slice()), (None, [0, 1, 2, 3].as_slice()));
     assert!(p.admitted.is_empty() && p.loads.is_empty());
@@ -294,7 +294,7 @@ fn a_whole_batch_that_cannot_begin_ends_the_freshness_of_adapters_it_leaves_out(
     let p = reg.prefetch(&[Some("a")]).unwrap();
     assert_eq!(p.to_fetch.len(), 1);
     assert_eq!(reg.fetch_done("a", reg.serial("a").unwrap()).unwrap(), [Arc::from("b")]);
-    let whole = StepOptions { all_or_nothing: true, fetch: true };
+    let whole = StepOptions { all_or_nothing: true, fetch: true, read_first: false };
     // The batch plans no step, yet it leaves a out: a stays through this plan, protected no more after.
     let (p, t) = begin(&mut reg, &[Some("b")], whole);
     assert!(t.is_none() && p.to_fetch.is_empty() && p.evictions.is_empty());

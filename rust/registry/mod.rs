@@ -43,7 +43,7 @@ pub use self::adapter::AdapterSize;
 use self::adapter::{Adapter, Identity, Protection, Residency};
 pub use self::fetch::{Fetch, FetchPlan};
 pub use self::lifecycle::{Place, Placement};
-pub use self::plan::{Load, StepPlan};
+pub use self::plan::{Deferral, Hold, Load, StepPlan, StepRequests};
 pub use self::step::{StepOptions, StepTicket};
 use self::tiers::{DeviceCandidate, DeviceTier, HostLedger, Tier, TierCounters};
 pub use self::unload::Unload;
@@ -125,6 +125,8 @@ pub struct Registry {
     pub(crate) plan_marks: Vec<i32>,
     /// An empty buffer for the next plan's `step` (the previous step's, kept to reuse its memory).
     pub(crate) spare_step: Vec<AdapterKey>,
+    /// How many adapters are overdue (deferred by [`crate::limits::OVERDUE_AFTER`] plans or more).
+    pub(crate) overdue: usize,
     /// The step transaction [`Registry::begin_step`] opened, until [`Registry::finish_step`].
     open_step: Option<step::OpenStep>,
     steps_begun: u64,
@@ -171,6 +173,7 @@ impl Registry {
             fresh: Vec::new(),
             plan_marks: Vec::new(),
             spare_step: Vec::new(),
+            overdue: 0,
             open_step: None,
             steps_begun: 0,
             names_epoch: 0,
@@ -387,6 +390,7 @@ impl Registry {
                 uses: 0,
                 host_candidate: false,
                 device_candidate: DeviceCandidate::No,
+                deferred_plans: 0,
             },
         });
         self.host.count += 1;

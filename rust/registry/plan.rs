@@ -19,6 +19,7 @@ use super::tiers::Eviction;
 use super::{LoadSource, Registry};
 use crate::error::{Error, Result};
 use crate::hash::FxHashMap;
+use crate::limits::OVERDUE_AFTER;
 use crate::policy::AdapterKey;
 
 /// A load the caller must perform before running the step.
@@ -68,9 +69,79 @@ pub struct StepPlan {
     pub slot_scalings: Vec<f32>,
     /// `[slots]` each slot's generation, bumped whenever its occupant changes.
     pub slot_generations: Vec<i64>,
+    /// The slots the admitted requests use, ascending.
+    pub slots_used: Vec<u32>,
     /// Fetch mode: the fetches this plan started, in first-request order (their adapters'
     /// requests are in `deferred`; host evictions that made their room are in `evictions`).
     pub to_fetch: Vec<Fetch>,
+    /// Why each deferred request waits, parallel to `deferred`.
+    pub reasons: Vec<Deferral>,
+    /// The requests that fail this step (neither admitted nor deferred) and why, in batch order.
+    pub failed: Vec<(u32, Hold)>,
+    /// Read-first mode: the adapters to read into the host tier before the step can begin (no
+    /// step began then).
+    pub to_read: Vec<Arc<str>>,
+    /// Names the step's requests use that are neither registered nor held (no step began then):
+    /// with [`super::StepOptions::defer_unknown`], for the caller to discover and begin again.
+    pub unknown: Vec<Arc<str>>,
+}
+
+/// Why a deferred request waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Deferral {
+    /// Its adapter needs a device slot and none can be had now: more distinct unpinned adapters
+    /// than the slots left by the pinned ones, or every slot holds a protected adapter.
+    DeviceRoom,
+    /// Its adapter is outside the host tier, and the tier cannot make room for it now (full of
+    /// pinned, in-flight or fetching adapters).
+    HostRoom,
+    /// Its adapter is being read (fetched, or discovered in `adapter_dir`).
+    Loading,
+    /// It gave its place to an older waiting request (see `admit_waiting_first`).
+    Fairness,
+}
+
+impl Deferral {
+    /// The reason's name, as Python sees it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::DeviceRoom => "device_room",
+            Self::HostRoom => "host_room",
+            Self::Loading => "loading",
+            Self::Fairness => "fairness",
+        }
+    }
+}
+
+/// A request the caller hands the core without an adapter key to plan it by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Hold {
+    /// Its adapter is being discovered (read from `adapter_dir`, not registered yet): deferred.
+    Discovering,
+    /// Its adapter's last read failed: the request fails.
+    ReadFailed,
+    /// Its adapter was unloaded (or is being unloaded) while it waited: the request fails.
+    Unloaded,
+}
+
+impl Hold {
+    /// The hold's name, as Python sees it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Discovering => "discovering",
+            Self::ReadFailed => "read_failed",
+            Self::Unloaded => "unloaded",
+        }
+    }
+
+    fn mark(self) -> i32 {
+        match self {
+            Self::Discovering => DEFER_LOADING,
+            Self::ReadFailed => FAILED_READ,
+            Self::Unloaded => FAILED_UNLOADED,
+        }
+    }
 }
 
 impl StepPlan {
@@ -78,14 +149,64 @@ impl StepPlan {
     pub fn num_tokens(&self) -> usize {
         self.token_slots.len()
     }
+
+    /// The step's kernel arrays in one native-endian buffer, for one host-to-device copy: `token_perm`
+    /// widened to int64 (8-byte aligned, first), then `request_slots`, `seg_indptr` and `seg_slots`
+    /// as int32; with each part's length in int32 words (`2 * N`, `A`, `S + 1`, `S`).
+    pub fn step_arrays(&self) -> (Vec<u8>, [usize; 4]) {
+        let words = [
+            2 * self.token_perm.len(),
+            self.request_slots.len(),
+            self.seg_indptr.len(),
+            self.seg_slots.len(),
+        ];
+        let mut bytes = Vec::with_capacity(4 * words.iter().sum::<usize>());
+        for &t in &self.token_perm {
+            bytes.extend_from_slice(&i64::from(t).to_ne_bytes());
+        }
+        for part in [&self.request_slots, &self.seg_indptr, &self.seg_slots] {
+            for &v in part {
+                bytes.extend_from_slice(&v.to_ne_bytes());
+            }
+        }
+        (bytes, words)
+    }
 }
 
 /// A key's mark before admission looks at it.
 const UNSEEN: i32 = i32::MIN;
-/// A key's mark once admitted, until it has its slot (then the mark is the slot).
-const ADMITTED: i32 = -3;
-/// A deferred key's mark.
-const DEFERRED: i32 = -2;
+/// A key's mark once admitted, until it has its slot (then the mark is the slot; -1 is the base
+/// model's).
+const ADMITTED: i32 = -2;
+/// A deferred key's marks, one per [`Deferral`] (`DEFER_DEVICE - mark` is its discriminant).
+const DEFER_DEVICE: i32 = -3;
+const DEFER_HOST: i32 = -4;
+const DEFER_LOADING: i32 = -5;
+const DEFER_FAIRNESS: i32 = -6;
+/// Failed requests' marks (per request only: no key is marked so).
+const FAILED_READ: i32 = -7;
+const FAILED_UNLOADED: i32 = -8;
+
+fn is_deferred(mark: i32) -> bool {
+    (DEFER_FAIRNESS..=DEFER_DEVICE).contains(&mark)
+}
+
+fn deferral(mark: i32) -> Deferral {
+    match mark {
+        DEFER_DEVICE => Deferral::DeviceRoom,
+        DEFER_HOST => Deferral::HostRoom,
+        DEFER_LOADING => Deferral::Loading,
+        _ => Deferral::Fairness,
+    }
+}
+
+fn failure(mark: i32) -> Hold {
+    if mark == FAILED_READ {
+        Hold::ReadFailed
+    } else {
+        Hold::Unloaded
+    }
+}
 
 /// Fetch mode's admission notes: the adapters outside the host tier with their first request, in
 /// first-request order, and each admitted adapter's first request (parallel to the step list).
@@ -95,7 +216,19 @@ struct Waiting {
     firsts: Vec<u32>,
 }
 
-/// Why an adapter was deferred.
+/// One step's requests: request `i` uses `adapters[i]` (None: the base model, or a held request)
+/// for `num_tokens[i]` tokens; `holds` are the requests planned by their hold, not by a key.
+#[derive(Debug, Clone, Copy)]
+pub struct StepRequests<'a> {
+    /// Each request's adapter.
+    pub adapters: &'a [Option<AdapterKey>],
+    /// Each request's tokens.
+    pub num_tokens: &'a [u32],
+    /// `(request, hold)`, requests ascending, each with `None` in `adapters`.
+    pub holds: &'a [(u32, Hold)],
+}
+
+/// Why a place was refused to an adapter.
 #[derive(Clone, Copy)]
 enum Refusal {
     Host,
@@ -141,7 +274,7 @@ impl Registry {
     /// Errors: [`Error::Usage`] when the two slices differ in length, the admitted tokens overflow
     /// an `i32`, or a step transaction is open (nothing is planned then).
     pub fn plan(&mut self, adapters: &[Option<AdapterKey>], num_tokens: &[u32]) -> Result<StepPlan> {
-        self.plan_in(adapters, num_tokens, false)
+        self.plan_in(StepRequests { adapters, num_tokens, holds: &[] }, false)
     }
 
     /// [`Registry::plan`], in fetch mode when `fetch`: a request whose adapter is not in the host
@@ -151,13 +284,12 @@ impl Registry {
     /// either mode a fresh adapter (see [`Registry::fetch_done`]) stays fresh only if this plan
     /// defers it.
     ///
+    /// The requests' holds (sorted by request, each with no adapter) are neither admitted nor
+    /// counted: each is deferred or fails as its [`Hold`] says.
+    ///
     /// Errors: as [`Registry::plan`].
-    pub fn plan_in(
-        &mut self,
-        adapters: &[Option<AdapterKey>],
-        num_tokens: &[u32],
-        fetch: bool,
-    ) -> Result<StepPlan> {
+    pub fn plan_in(&mut self, requests: StepRequests<'_>, fetch: bool) -> Result<StepPlan> {
+        let StepRequests { adapters, num_tokens, .. } = requests;
         self.refuse_open_step("plan")?;
         let total = check_step_size(adapters.len(), num_tokens)?;
         // This plan's decision per adapter key, in a dense table the per-request loops read instead
@@ -175,7 +307,8 @@ impl Registry {
         }
         self.place_admitted(&mut marks, &mut plan);
         self.end_freshness(&marks);
-        self.fill_outputs(&marks, adapters, num_tokens, total, &mut plan);
+        self.fill_outputs(&marks, requests, total, &mut plan);
+        self.count_deferrals(adapters, &mut marks);
         self.plan_marks = marks;
         Ok(plan)
     }
@@ -188,6 +321,7 @@ impl Registry {
         for &(key, first) in &waiting.keys {
             let a = self.get(key);
             if a.residency.fetching {
+                marks[key.index()] = DEFER_LOADING;
                 continue;
             }
             let bytes = a.identity.size.host_bytes;
@@ -195,6 +329,7 @@ impl Registry {
                 self.yield_room(first, bytes, &mut waiting.firsts, marks);
             }
             if self.start_fetch(key) {
+                marks[key.index()] = DEFER_LOADING;
                 let a = self.get(key);
                 plan.to_fetch.push(Fetch { name: Arc::clone(&a.identity.name), serial: a.identity.serial });
             }
@@ -231,7 +366,7 @@ impl Registry {
         for at in picks {
             let key = self.step.remove(at);
             firsts.remove(at);
-            marks[key.index()] = DEFERRED;
+            marks[key.index()] = DEFER_FAIRNESS;
             self.get_mut(key).protection.in_step = false;
             self.refresh(key);
         }
@@ -245,7 +380,7 @@ impl Registry {
         }
         let mut fresh = std::mem::take(&mut self.fresh);
         fresh.retain(|&key| {
-            let keep = marks[key.index()] == DEFERRED;
+            let keep = is_deferred(marks[key.index()]);
             if !keep {
                 self.get_mut(key).protection.fresh = false;
                 self.refresh(key);
@@ -271,7 +406,7 @@ impl Registry {
     }
 
     /// Admission by budget, in batch order: marks each admitted adapter [`ADMITTED`] and puts it in
-    /// the step, each refused one [`DEFERRED`]; the previous step's adapters not admitted again
+    /// the step, each refused one deferred (its reason's mark); the previous step's adapters not admitted again
     /// lose their protection. With `waiting` (fetch mode), an adapter outside the host tier is
     /// deferred without counting against the budget, and noted there.
     fn admit(
@@ -285,7 +420,12 @@ impl Registry {
         let spare = std::mem::take(&mut self.spare_step);
         let mut previous = std::mem::replace(&mut self.step, spare);
         let budget = self.config.slots - self.pinned;
-        let mut unpinned = 0;
+        let overdue = if self.overdue > 0 {
+            self.admit_overdue(adapters, marks, budget, waiting.as_deref_mut())
+        } else {
+            0
+        };
+        let mut unpinned = overdue;
         let base_mark = marks.len() - 1;
         for (i, &request) in adapters.iter().enumerate() {
             // Base-model requests read the base mark (never UNSEEN) instead of branching on None,
@@ -298,13 +438,14 @@ impl Registry {
             let a = self.get_mut(key);
             if let Some(waiting) = waiting.as_deref_mut() {
                 if a.residency.host_since.is_none() {
-                    *mark = DEFERRED;
+                    *mark = DEFER_HOST;
                     waiting.keys.push((key, i as u32));
                     continue;
                 }
             }
             if !(a.protection.pinned || unpinned < budget) {
-                *mark = DEFERRED;
+                // Refused only because overdue adapters went first: it gave way.
+                *mark = if unpinned - overdue < budget { DEFER_FAIRNESS } else { DEFER_DEVICE };
                 self.device.counters.refusals += 1;
                 continue;
             }
@@ -329,6 +470,68 @@ impl Registry {
         self.spare_step = previous;
     }
 
+    /// Admits the overdue adapters the requests name before anything else, oldest first, up to
+    /// `budget`; returns how many it admitted (all unpinned). In fetch mode (`waiting`) one outside
+    /// the host tier is left to the fetch path, and the admitted ones count as the oldest requests.
+    fn admit_overdue(
+        &mut self,
+        adapters: &[Option<AdapterKey>],
+        marks: &mut [i32],
+        budget: usize,
+        mut waiting: Option<&mut Waiting>,
+    ) -> usize {
+        // (plans deferred, first request, key); the mark ADMITTED here only dedupes, and the distinct
+        // keys seen are UNSEEN again after.
+        let mut overdue: Vec<(u32, u32, AdapterKey)> = Vec::new();
+        let mut seen: Vec<AdapterKey> = Vec::new();
+        for (i, &request) in adapters.iter().enumerate() {
+            let Some(key) = request else { continue };
+            if marks[key.index()] != UNSEEN {
+                continue;
+            }
+            marks[key.index()] = ADMITTED;
+            seen.push(key);
+            let a = self.get(key);
+            let outside = waiting.is_some() && a.residency.host_since.is_none();
+            if a.residency.deferred_plans >= OVERDUE_AFTER && !a.protection.pinned && !outside {
+                overdue.push((a.residency.deferred_plans, i as u32, key));
+            }
+        }
+        for key in seen {
+            marks[key.index()] = UNSEEN;
+        }
+        overdue.sort_unstable_by_key(|&(plans, first, _)| (std::cmp::Reverse(plans), first));
+        overdue.truncate(budget);
+        for &(_, _, key) in &overdue {
+            marks[key.index()] = ADMITTED;
+            self.step.push(key);
+            if let Some(waiting) = waiting.as_deref_mut() {
+                waiting.firsts.push(0);
+            }
+            if !std::mem::replace(&mut self.get_mut(key).protection.in_step, true) {
+                self.refresh(key);
+            }
+        }
+        overdue.len()
+    }
+
+    /// Counts, per adapter the requests name, one more plan deferring it for room, or none since it
+    /// was admitted (a read it waits for counts neither way); keeps `overdue` exact. Leaves the
+    /// requests' marks [`UNSEEN`].
+    fn count_deferrals(&mut self, adapters: &[Option<AdapterKey>], marks: &mut [i32]) {
+        for &key in adapters.iter().flatten() {
+            let mark = std::mem::replace(&mut marks[key.index()], UNSEEN);
+            if mark == UNSEEN || mark == DEFER_LOADING {
+                continue;
+            }
+            let plans = &mut self.get_mut(key).residency.deferred_plans;
+            let was = *plans >= OVERDUE_AFTER;
+            *plans = if is_deferred(mark) { plans.saturating_add(1) } else { 0 };
+            let now = *plans >= OVERDUE_AFTER;
+            self.overdue = self.overdue + usize::from(now) - usize::from(was);
+        }
+    }
+
     /// A slot (and a host place) for every admitted adapter, in batch order; an adapter no tier can
     /// make room for is deferred after all. Leaves each admitted adapter's slot as its mark.
     fn place_admitted(&mut self, marks: &mut [i32], plan: &mut StepPlan) {
@@ -339,11 +542,16 @@ impl Registry {
             if self.get(key).residency.slot.is_some() {
                 self.device.counters.hits += 1;
             } else if let Err(refusal) = self.bring_in(key, plan) {
-                match refusal {
-                    Refusal::Host => self.host.counters.refusals += 1,
-                    Refusal::Device => self.device.counters.refusals += 1,
-                }
-                marks[key.index()] = DEFERRED;
+                marks[key.index()] = match refusal {
+                    Refusal::Host => {
+                        self.host.counters.refusals += 1;
+                        DEFER_HOST
+                    }
+                    Refusal::Device => {
+                        self.device.counters.refusals += 1;
+                        DEFER_DEVICE
+                    }
+                };
                 self.get_mut(key).protection.in_step = false;
                 at -= 1;
                 self.step.remove(at);
@@ -403,15 +611,10 @@ impl Registry {
         Ok(())
     }
 
-    /// The plan's arrays, from each adapter key's mark (its slot, or [`DEFERRED`]).
-    fn fill_outputs(
-        &self,
-        marks: &[i32],
-        adapters: &[Option<AdapterKey>],
-        num_tokens: &[u32],
-        total: usize,
-        plan: &mut StepPlan,
-    ) {
+    /// The plan's arrays, from each adapter key's mark (its slot, or why it waits) and each held
+    /// request's hold.
+    fn fill_outputs(&self, marks: &[i32], requests: StepRequests<'_>, total: usize, plan: &mut StepPlan) {
+        let StepRequests { adapters, num_tokens, holds } = requests;
         let slots = self.config.slots;
         // Buckets: one per slot, then one for base-model tokens, so the per-request and per-token
         // loops index instead of branching on -1 (base rows are mixed in unpredictably).
@@ -426,24 +629,42 @@ impl Registry {
         let base_mark = marks.len() - 1;
         let mut request_slots: Vec<i32> =
             adapters.iter().map(|key| marks[key.map_or(base_mark, AdapterKey::index)]).collect();
+        for &(i, hold) in holds {
+            request_slots[i as usize] = hold.mark();
+        }
         let mut admitted: Vec<u32> = (0..adapters.len() as u32).collect();
         let mut deferred = Vec::new();
-        if request_slots.contains(&DEFERRED) {
-            deferred = admitted.iter().copied().filter(|&i| request_slots[i as usize] == DEFERRED).collect();
-            admitted.retain(|&i| request_slots[i as usize] != DEFERRED);
+        let all_admitted = !request_slots.iter().any(|&slot| slot < -1);
+        if !all_admitted {
+            for &i in &admitted {
+                let mark = request_slots[i as usize];
+                if is_deferred(mark) {
+                    deferred.push(i);
+                    // One that gave way and left the host tier too (its room went to an older
+                    // request's fetch) now waits for the host tier.
+                    let left =
+                        adapters[i as usize].is_some_and(|k| self.get(k).residency.host_since.is_none());
+                    let why =
+                        if mark == DEFER_FAIRNESS && left { Deferral::HostRoom } else { deferral(mark) };
+                    plan.reasons.push(why);
+                } else if mark < -1 {
+                    plan.failed.push((i, failure(mark)));
+                }
+            }
+            admitted.retain(|&i| request_slots[i as usize] >= -1);
         }
         let mut token_slots = Vec::with_capacity(total);
         // One token per request (a decode step): the token slots are the admitted requests' slots.
         let single = num_tokens.iter().all(|&n| n == 1);
         if !single {
             for (&slot, &n) in request_slots.iter().zip(num_tokens) {
-                if slot != DEFERRED {
+                if slot >= -1 {
                     token_slots.extend(std::iter::repeat_n(slot, n as usize));
                 }
             }
         }
-        if !deferred.is_empty() {
-            request_slots.retain(|&slot| slot != DEFERRED);
+        if !all_admitted {
+            request_slots.retain(|&slot| slot >= -1);
         }
         if single {
             token_slots.extend_from_slice(&request_slots);
@@ -502,6 +723,8 @@ impl Registry {
             plan.slot_scalings.push(scaling);
             plan.slot_generations.push(self.device.generations[s] as i64);
         }
+        plan.slots_used = self.step.iter().map(|&k| marks[k.index()] as u32).collect();
+        plan.slots_used.sort_unstable();
     }
 }
 
@@ -534,3 +757,7 @@ pub(super) fn check_step_size(requests: usize, num_tokens: &[u32]) -> Result<usi
 #[cfg(test)]
 #[path = "plan_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "fairness_tests.rs"]
+mod fairness_tests;

@@ -387,7 +387,7 @@ proptest! {
                         names.iter().map(|n| n.as_deref().map(|n| reg.lookup(n, false)).transpose()).collect();
                     let Ok(keys) = keys else { continue };
                     let tokens: Vec<u32> = req.iter().map(|&(_, t)| t).collect();
-                    match reg.begin_step_with(&keys, &tokens, StepOptions { all_or_nothing: *all, fetch: *fetch }) {
+                    match reg.begin_step_with(&keys, &tokens, StepOptions { all_or_nothing: *all, fetch: *fetch, read_first: false }) {
                         Ok((p, None)) => {
                             // Fetch mode, all or nothing: no step, every request waits.
                             prop_assert!(*fetch && *all && open.is_none());

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use super::plan::{check_step_size, StepPlan};
+use super::plan::{check_step_size, Hold, StepPlan, StepRequests};
 use super::tiers::Tier;
 use super::Registry;
 use crate::error::{Error, Result};
@@ -23,6 +23,9 @@ pub struct StepOptions {
     pub all_or_nothing: bool,
     /// Fetch mode (background reads): see [`Registry::plan_in`].
     pub fetch: bool,
+    /// Read-first mode (blocking reads): a step that would read adapters from disk is not begun;
+    /// the plan lists them in `to_read` instead (see [`Registry::host_misses`]).
+    pub read_first: bool,
 }
 
 /// What an open step holds.
@@ -52,8 +55,12 @@ impl Registry {
         num_tokens: &[u32],
         all_or_nothing: bool,
     ) -> Result<(StepPlan, StepTicket)> {
-        self.check_begin(adapters)?;
-        self.begin_checked(adapters, num_tokens, StepOptions { all_or_nothing, fetch: false })
+        let requests = StepRequests { adapters, num_tokens, holds: &[] };
+        let options = StepOptions { all_or_nothing, ..StepOptions::default() };
+        let (plan, ticket) = self.begin_step_held(requests, &[], options)?;
+        // Without fetch or read_first a step that is not refused always begins.
+        let ticket = ticket.ok_or_else(|| Error::Usage("begin_step: no step began".into()))?;
+        Ok((plan, ticket))
     }
 
     /// [`Registry::begin_step`] with options. In fetch mode a request whose adapter is not in the
@@ -69,7 +76,50 @@ impl Registry {
         num_tokens: &[u32],
         options: StepOptions,
     ) -> Result<(StepPlan, Option<StepTicket>)> {
-        self.check_begin(adapters)?;
+        self.begin_step_held(StepRequests { adapters, num_tokens, holds: &[] }, &[], options)
+    }
+
+    /// [`Registry::begin_step_with`] over a whole step: `requests.holds` are requests the caller
+    /// could give no adapter key (deferred or failed as their [`Hold`] says), and the requests of
+    /// an adapter in `failed` (its last read failed) fail, as do those of an adapter being
+    /// unloaded ([`Hold::Unloaded`]); the plan lists them in `failed` and runs the rest. With
+    /// `read_first`, a step that would read adapters from disk begins not: the plan lists them in
+    /// `to_read` (read them, [`Registry::enter_host_tier`] them, and begin again).
+    ///
+    /// Errors: as [`Registry::begin_step`]; with `all_or_nothing`, a failed request (a batch must
+    /// run whole) is [`Error::AdapterNotFound`] or [`Error::Capacity`] as before; [`Error::Usage`]
+    /// when a hold names no request, or one with an adapter, or holds are out of order, or both
+    /// `read_first` and `fetch` are set.
+    pub fn begin_step_held(
+        &mut self,
+        requests: StepRequests<'_>,
+        failed: &[AdapterKey],
+        options: StepOptions,
+    ) -> Result<(StepPlan, Option<StepTicket>)> {
+        if options.read_first && options.fetch {
+            return Err(Error::Usage(
+                "begin_step: read_first (read misses first, then begin) and fetch (defer misses and fetch \
+                 them in the background) exclude each other; pass one"
+                    .into(),
+            ));
+        }
+        let owned = self.check_holds(requests, failed, options.all_or_nothing)?;
+        let requests = match &owned {
+            Some((adapters, holds)) => StepRequests { adapters, num_tokens: requests.num_tokens, holds },
+            None => requests,
+        };
+        let adapters = requests.adapters;
+        let num_tokens = requests.num_tokens;
+        if options.read_first {
+            // A batch refused whole must not make anyone read (and make host room) first.
+            if let Some(why) = options.all_or_nothing.then(|| self.overflow(adapters)).flatten() {
+                return Err(Error::Capacity(why));
+            }
+            let to_read = self.host_misses(adapters);
+            if !to_read.is_empty() {
+                return Ok((StepPlan { to_read, ..StepPlan::default() }, None));
+            }
+        }
         if options.fetch && options.all_or_nothing {
             if let Some(why) = self.overflow(adapters) {
                 return Err(Error::Capacity(why));
@@ -89,17 +139,20 @@ impl Registry {
                 return Ok((plan, None));
             }
         }
-        let (plan, ticket) = self.begin_checked(adapters, num_tokens, options)?;
+        let (plan, ticket) = self.begin_checked(requests, options)?;
         Ok((plan, Some(ticket)))
     }
 
-    /// Refuses a step while one is open, or one with an adapter being unloaded.
-    fn check_begin(&self, adapters: &[Option<AdapterKey>]) -> Result<()> {
+    /// Refuses a step while one is open, or (`all_or_nothing`) one with an adapter being unloaded.
+    fn check_begin(&self, adapters: &[Option<AdapterKey>], all_or_nothing: bool) -> Result<()> {
         if let Some(open) = &self.open_step {
             return Err(Error::Usage(format!(
                 "step {} is open; finish it before beginning another",
                 open.ticket.0
             )));
+        }
+        if !all_or_nothing {
+            return Ok(());
         }
         for key in adapters.iter().flatten() {
             let a = self.get(*key);
@@ -113,20 +166,80 @@ impl Registry {
         Ok(())
     }
 
-    /// Begins a step [`Registry::check_begin`] allowed.
+    /// [`Registry::check_begin`], and the holds checked; returns the requests with the requests
+    /// of adapters in `failed` or being unloaded turned into holds, when there are any.
+    #[allow(clippy::type_complexity)]
+    fn check_holds(
+        &self,
+        requests: StepRequests<'_>,
+        failed: &[AdapterKey],
+        all_or_nothing: bool,
+    ) -> Result<Option<(Vec<Option<AdapterKey>>, Vec<(u32, Hold)>)>> {
+        let StepRequests { adapters, holds, .. } = requests;
+        self.check_begin(adapters, all_or_nothing)?;
+        let mut previous = None;
+        for &(i, hold) in holds {
+            if adapters.get(i as usize) != Some(&None) || previous.is_some_and(|p| p >= i) {
+                return Err(Error::Usage(format!(
+                    "begin_step: hold {hold:?} of request {i} names no request without an adapter, or \
+                     holds are not in ascending request order"
+                )));
+            }
+            previous = Some(i);
+        }
+        let held = |key: AdapterKey| {
+            if failed.contains(&key) {
+                Some(Hold::ReadFailed)
+            } else if self.get(key).protection.draining {
+                Some(Hold::Unloaded)
+            } else {
+                None
+            }
+        };
+        if all_or_nothing && !failed.is_empty() {
+            if let Some(key) = adapters.iter().flatten().copied().find(|&k| failed.contains(&k)) {
+                return Err(Error::AdapterNotFound {
+                    name: format!("{} (its last read failed)", self.get(key).spec_name()),
+                    registered: self.not_found_list(),
+                });
+            }
+        }
+        if !adapters.iter().flatten().any(|&k| held(k).is_some()) {
+            return Ok(None);
+        }
+        let mut owned = adapters.to_vec();
+        let mut owned_holds = Vec::with_capacity(holds.len());
+        let mut given = holds.iter().peekable();
+        for (i, request) in owned.iter_mut().enumerate() {
+            if let Some(&&(at, hold)) = given.peek() {
+                if at as usize == i {
+                    owned_holds.push((at, hold));
+                    given.next();
+                    continue;
+                }
+            }
+            if let Some(hold) = request.and_then(held) {
+                owned_holds.push((i as u32, hold));
+                *request = None;
+            }
+        }
+        Ok(Some((owned, owned_holds)))
+    }
+
+    /// Begins a step [`Registry::check_holds`] allowed.
     fn begin_checked(
         &mut self,
-        adapters: &[Option<AdapterKey>],
-        num_tokens: &[u32],
+        requests: StepRequests<'_>,
         options: StepOptions,
     ) -> Result<(StepPlan, StepTicket)> {
+        let adapters = requests.adapters;
         let all_or_nothing = options.all_or_nothing;
         if all_or_nothing {
             if let Some(why) = self.overflow(adapters) {
                 return Err(Error::Capacity(why));
             }
         }
-        let plan = self.plan_in(adapters, num_tokens, options.fetch)?;
+        let plan = self.plan_in(requests, options.fetch)?;
         let ticket = StepTicket(self.steps_begun + 1);
         self.steps_begun += 1;
         let held = self.step.iter().map(|&k| (k, self.get(k).identity.serial)).collect();

@@ -3,7 +3,7 @@ use std::time::Duration;
 
 use crate::error::Error;
 use crate::registry::testkit::*;
-use crate::registry::{LoadSource, StepTicket, Unload};
+use crate::registry::{Deferral, Hold, LoadSource, StepOptions, StepRequests, StepTicket, Unload};
 use crate::shared::SharedRegistry;
 
 #[test]
@@ -96,17 +96,60 @@ fn all_or_nothing_refuses_a_batch_that_does_not_fit_and_changes_nothing() {
 }
 
 #[test]
-fn an_adapter_being_unloaded_takes_no_new_step() {
-    let mut reg = registry(2, None, "lru", &["a"]);
-    let a = reg.lookup("a", false).unwrap();
+fn an_adapter_being_unloaded_fails_its_requests_and_the_rest_run() {
+    let mut reg = registry(2, None, "lru", &["a", "b"]);
+    let (a, b) = (reg.lookup("a", false).unwrap(), reg.lookup("b", false).unwrap());
     reg.acquire(&[Some("a")]).unwrap();
     assert!(matches!(reg.unload("a").unwrap(), Unload::Draining { .. }));
-    let err = reg.begin_step(&[Some(a)], &[1], false).unwrap_err();
+    let err = reg.begin_step(&[Some(a), Some(b)], &[1, 1], true).unwrap_err();
     assert!(
         matches!(err, Error::AdapterNotFound { .. }) && err.to_string().contains("being unloaded"),
-        "{err}"
+        "a batch runs whole: {err}"
     );
-    assert_eq!(reg.in_flight("a").unwrap(), 1);
+    let (plan, ticket) = reg.begin_step(&[Some(a), Some(b), None], &[1, 1, 1], false).unwrap();
+    assert_eq!(plan.failed, [(0, Hold::Unloaded)]);
+    assert_eq!((plan.admitted, plan.deferred), (vec![1, 2], vec![]));
+    assert_eq!(reg.in_flight("a").unwrap(), 1, "the failed request holds nothing");
+    reg.finish_step(ticket).unwrap();
+    reg.audit().unwrap();
+}
+
+#[test]
+fn held_requests_wait_or_fail_and_hold_nothing() {
+    let mut reg = registry(2, None, "lru", &["a"]);
+    let a = reg.lookup("a", false).unwrap();
+    let adapters = [None, Some(a), None, Some(a)];
+    let holds = [(0, Hold::Discovering), (2, Hold::Unloaded)];
+    let requests = StepRequests { adapters: &adapters, num_tokens: &[3, 1, 5, 2], holds: &holds };
+    let (plan, ticket) = reg.begin_step_held(requests, &[], StepOptions::default()).unwrap();
+    assert_eq!((plan.admitted.clone(), plan.deferred.clone()), (vec![1, 3], vec![0]));
+    assert_eq!(
+        (plan.reasons.clone(), plan.failed.clone()),
+        (vec![Deferral::Loading], vec![(2, Hold::Unloaded)])
+    );
+    assert_eq!(plan.num_tokens(), 3, "only the admitted requests' tokens");
+    reg.finish_step(ticket.unwrap()).unwrap();
+    let (plan, ticket) = reg.begin_step_held(requests, &[a], StepOptions::default()).unwrap();
+    assert_eq!(plan.failed, [(1, Hold::ReadFailed), (2, Hold::Unloaded), (3, Hold::ReadFailed)]);
+    assert!(plan.admitted.is_empty());
+    reg.finish_step(ticket.unwrap()).unwrap();
+    assert_eq!(reg.in_flight("a").unwrap(), 0);
+    let bad = [(1, Hold::Discovering)];
+    let requests = StepRequests { adapters: &adapters, num_tokens: &[1; 4], holds: &bad };
+    assert!(matches!(reg.begin_step_held(requests, &[], StepOptions::default()), Err(Error::Usage(_))));
+    reg.audit().unwrap();
+}
+
+#[test]
+fn each_deferred_request_says_why() {
+    // Two slots, one pinned: one unpinned adapter a step.
+    let mut reg = registry(2, None, "lru", &["p", "a", "b"]);
+    reg.pin("p").unwrap();
+    let keys: Vec<_> = ["a", "b", "p"].iter().map(|n| Some(reg.lookup(n, false).unwrap())).collect();
+    let (plan, ticket) = reg.begin_step(&keys, &[1, 1, 1], false).unwrap();
+    assert_eq!((plan.admitted.clone(), plan.deferred.clone()), (vec![0, 2], vec![1]));
+    assert_eq!(plan.reasons, [Deferral::DeviceRoom]);
+    reg.finish_step(ticket).unwrap();
 }
 
 /// The budget counts every pinned adapter, also one evicted from host memory before it was pinned

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use super::Registry;
 use crate::error::Result;
 use crate::hash::FxHashMap;
-use crate::limits::MAX_UNLOADED_NAMES;
+use crate::limits::{MAX_UNLOADED_NAMES, OVERDUE_AFTER};
 use crate::policy::AdapterKey;
 
 /// What an unload found.
@@ -60,6 +60,12 @@ impl UnloadedNames {
 }
 
 impl Registry {
+    /// Whether `name` was unloaded (among the latest [`MAX_UNLOADED_NAMES`] names) and not
+    /// registered since.
+    pub fn was_unloaded(&self, name: &str) -> bool {
+        self.unloaded.contains(name)
+    }
+
     /// Starts (or continues) unloading `name`: it is unregistered (no new acquires, its pin dropped)
     /// and forgotten as soon as no request is in flight. Unloading a forgotten adapter is `Done`.
     ///
@@ -116,6 +122,7 @@ impl Registry {
         self.step.retain(|&k| k != key);
         self.fresh.retain(|&k| k != key);
         let a = self.adapters[key.index()].take().expect("a live adapter key");
+        self.overdue -= usize::from(a.residency.deferred_plans >= OVERDUE_AFTER);
         self.bytes_registered.0 -= a.identity.size.host_bytes;
         self.bytes_registered.1 -= a.identity.size.device_bytes;
         self.names_epoch += 1;

@@ -94,6 +94,9 @@ pub struct SimReport {
     pub adapter_requests: u64,
     /// Deferrals: a request deferred in `k` steps counts `k` times.
     pub deferrals: u64,
+    /// The most steps any one request was deferred (see `limits::OVERDUE_AFTER` for the bound on
+    /// waits for room).
+    pub worst_wait: u64,
     /// Tokens served.
     pub tokens: u64,
     /// Adapter uses: per step, the distinct adapters it admitted (the denominator of the device hit
@@ -179,6 +182,8 @@ pub fn simulate_until<B>(
     let arrivals = arrival_times(requests);
     let mut report = SimReport { requests: requests.len() as u64, ..SimReport::default() };
     let mut demand = Demand::new();
+    // Per request of the trace: the steps it was deferred so far.
+    let mut waits = vec![0u64; requests.len()];
     let mut queue: VecDeque<u32> = VecDeque::with_capacity(config.batch_size.min(requests.len()));
     let mut next = 0usize;
     let mut clock = 0.0f64;
@@ -217,6 +222,11 @@ pub fn simulate_until<B>(
             continue;
         }
         count_step(&mut report, &mut demand, requests, &batch, &plan);
+        for &d in &plan.deferred {
+            let waited = &mut waits[batch[d as usize] as usize];
+            *waited += 1;
+            report.worst_wait = report.worst_wait.max(*waited);
+        }
         if let ControlFlow::Break(b) = on_step(&batch, &plan) {
             return Ok(ControlFlow::Break(b));
         }
@@ -291,7 +301,7 @@ impl StepInputs {
             self.keys.push(r.adapter.map(|a| keys[a as usize]));
             self.tokens.push(r.tokens);
         }
-        let options = StepOptions { all_or_nothing: false, fetch };
+        let options = StepOptions { fetch, ..StepOptions::default() };
         let (plan, ticket) = reg.begin_step_with(&self.keys, &self.tokens, options)?;
         let ticket =
             ticket.ok_or_else(|| Error::Usage("begin_step without all_or_nothing began no step".into()))?;

@@ -68,6 +68,19 @@ fn deferred_requests_wait_at_the_front_and_count_once_per_step() {
     .unwrap();
     assert_eq!(batches, [(vec![0, 1, 2, 3], vec![0, 2], vec![1, 3]), (vec![1, 3], vec![0, 1], vec![])]);
     assert_eq!((r.steps, r.deferrals, r.requests, r.tokens, r.uses), (2, 2, 4, 4, 2));
+    assert_eq!(r.worst_wait, 1, "b's requests each waited one step");
+}
+
+#[test]
+fn the_worst_wait_is_reported_and_bounded() {
+    // One slot, batches of 4 over a steady mix of three adapters: every request waits for its turn.
+    let names: Vec<&str> = (0..60).map(|i| ["a", "b", "c"][(i * 7 / 3) % 3]).collect();
+    let r =
+        simulate_with(&trace_of(&names), &SimConfig { batch_size: 4, ..SimConfig::new(1, "lru") }, |_, _| {})
+            .unwrap();
+    assert!(r.worst_wait >= 1, "{r:?}");
+    // One slot, no pins: at most OVERDUE_AFTER + 3 adapters' turns.
+    assert!(r.worst_wait <= u64::from(crate::limits::OVERDUE_AFTER) + 3, "{r:?}");
 }
 
 #[test]

@@ -247,7 +247,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
     out: list[str] = []
     header = (
         f"{'policy':<7} {'hit rate':>9} {'belady':>9} {'gap':>8} {'loads':>9} {'evictions':>9} "
-        f"{'GiB moved':>10} {'disk reads':>10} {'belady':>8} {'deferred':>9}"
+        f"{'GiB moved':>10} {'disk reads':>10} {'belady':>8} {'deferred':>9} {'worst wait':>10}"
     )
     # Background mode: requests deferred by fetches and their extra wait (mean / p99).
     background = any(r["load_ms"] > 0 for r in rows)
@@ -273,7 +273,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         line = (
             f"{r['policy']:<7} {_pct(d['hit_rate']):>9} {_pct(d['belady_hit_rate']):>9} {100 * gap:>6.2f}pp "
             f"{d['misses']:>9} {d['evictions']:>9} {_gib(d['bytes_moved'] + h['bytes_moved']):>10} "
-            f"{h['misses']:>10} {belady_reads:>8} {r['deferrals']:>9}"
+            f"{h['misses']:>10} {belady_reads:>8} {r['deferrals']:>9} {r['worst_wait']:>10}"
         )
         if background:
             f = r["fetch"]

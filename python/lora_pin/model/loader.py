@@ -58,6 +58,11 @@ LOADING_MODES = ("background", "blocking")
 #: requests within minutes instead of stopping all loading.
 DEFAULT_LOAD_TIMEOUT = 300.0
 
+#: Seconds an ``adapter_dir`` adapter, read, waits for host room (a host tier full of pinned, in-flight
+#: or fetching adapters) before its requests fail with the ``CapacityError``: each step's install tries
+#: to register it again, so a tier that is full only briefly makes its requests wait, not fail.
+DISCOVERY_ROOM_WAIT_SECONDS = 60.0
+
 
 @dataclass(frozen=True)
 class LoadJob:
@@ -320,6 +325,9 @@ class BackgroundLoads:
         # Fetches read whose adapter the host tier had no room for yet (its adapters all protected):
         # installed again at the next install.
         self._no_room: list[Completion] = []
+        # Discoveries read but refused room by the host tier: each with the monotonic time it gives up,
+        # and the refusal.
+        self._room_waits: dict[str, tuple[Completion, float, CapacityError]] = {}
         self.failures = 0
 
     def start_fetches(self, to_fetch: Iterable[tuple[str, int]]) -> list[str]:
@@ -347,6 +355,8 @@ class BackgroundLoads:
         """Read the adapter in ``folder`` (confined to ``root``), to register it as ``name`` once read;
         False when that read is under way already."""
         with self.residency.lock:
+            if name in self._room_waits:
+                return False  # read already, waiting for room
             self._folders[name] = (folder, root)
         read = functools.partial(self.residency.read_new, name, str(folder), root)
         return self.loader.submit(LoadJob(name, None), read, str(folder))
@@ -361,6 +371,8 @@ class BackgroundLoads:
             self._install_agreed()
             return
         with self.residency.lock:
+            for done, _, _ in list(self._room_waits.values()):
+                self._install_discovery(done)
             waiting, self._no_room = self._no_room, []
             for done in waiting + self.loader.take():
                 if done.job.serial is None:
@@ -385,10 +397,38 @@ class BackgroundLoads:
                 return True
         return self.loader.busy(name)
 
-    @property
-    def has_errors(self) -> bool:
-        """Whether any failure waits to be handed to requests."""
-        return bool(self._errors)
+    def failed_names(self) -> list[str]:
+        """The adapters whose failure waits to be handed to requests (see :meth:`take_errors`): those
+        still about the adapter's current registration, or for a discovery a name not registered; a
+        failure about an earlier registration is dropped here."""
+        if not self._errors:
+            return []
+        registry = self.residency.registry
+        with self.residency.lock:
+            for name, (serial, _) in list(self._errors.items()):
+                registered = name in registry
+                if (serial is None) == registered or (registered and registry.serial(name) != serial):
+                    del self._errors[name]
+            return list(self._errors)
+
+    def stop_waiting_for_room(self, names: Iterable[str]) -> dict[str, CapacityError]:
+        """Drop the discoveries of ``names`` read but waiting for host room (for a caller that cannot
+        wait: a batch); returns why each was refused room."""
+        with self.residency.lock:
+            refused = {}
+            for name in names:
+                waiting = self._room_waits.pop(name, None)
+                if waiting is not None:
+                    self._folders.pop(name, None)
+                    refused[name] = waiting[2]
+            return refused
+
+    def discovering(self) -> list[str]:
+        """The ``adapter_dir`` adapters being read before they are registered (not installed yet)."""
+        if not self._folders:
+            return []
+        with self.residency.lock:
+            return list(self._folders)
 
     def take_errors(self, names: Iterable[str]) -> dict[str, LoraPinError]:
         """Hand over (and forget) the failures recorded for ``names``: those still about the adapter's
@@ -489,6 +529,7 @@ class BackgroundLoads:
     def _install_discovery(self, done: Completion) -> None:
         name = done.job.name
         folder, root = self._folders.pop(name)
+        waited = self._room_waits.pop(name, None)
         if done.adapter is None:
             if not done.cancelled:
                 self._fail(name, None, done.error)
@@ -497,6 +538,14 @@ class BackgroundLoads:
             self.residency.install_new(LoRARef.new(name, str(folder), False), root, done.adapter)
         except DuplicateAdapterError:
             return  # registered meanwhile by another thread: theirs stands
+        except CapacityError as exc:
+            # Its requests wait while the host tier is full of protected adapters, as a fetch's would.
+            give_up = time.monotonic() + DISCOVERY_ROOM_WAIT_SECONDS if waited is None else waited[1]
+            if time.monotonic() < give_up:
+                self._folders[name] = (folder, root)
+                self._room_waits[name] = (done, give_up, exc)
+                return
+            self._fail(name, None, exc)
         except LoraPinError as exc:
             self._fail(name, None, exc)
 

@@ -37,7 +37,7 @@ from lora_pin.model.loader import (
     loading_mode,
 )
 from lora_pin.model.residency import Residency
-from lora_pin.model.step import HeldBack, Step, checked_names, request_indices, step_arrays
+from lora_pin.model.step import Step, checked_names, step_arrays
 from lora_pin.model.step_loading import StepLoading
 from lora_pin.ops import CUDA_CHUNK_SIZE, segments_from_slots
 from lora_pin.unloading import unload_async
@@ -55,6 +55,9 @@ if TYPE_CHECKING:
     from lora_pin.parallel import TensorParallel
 
 __all__ = ["LOADING_MODES", "LoRAManager", "Step"]
+
+# The core's reasons for a deferred request whose adapter is not in host memory (Step.loading).
+_NOT_IN_HOST = frozenset({"loading", "host_room"})
 
 
 class LoRAManager(StepLoading):
@@ -682,14 +685,14 @@ class LoRAManager(StepLoading):
             SpecError: with no start-up adapters, max_rank or modules is missing; max_rank is out of range;
                 a regex is refused.
         """
+        if max_rank is not None and not 1 <= max_rank <= MAX_ADAPTER_RANK:
+            raise SpecError(f"max_lora_rank must be in 1..{MAX_ADAPTER_RANK} (got {max_rank})")
         if modules is not None and not isinstance(modules, str) and list(modules) == ["all"]:
             if max_rank is None and not refs:
                 raise SpecError(
                     "with no start-up adapters, max_lora_rank is required to size the slot pool (got "
                     "lora_target_modules=['all'] and max_lora_rank=None)"
                 )
-            if max_rank is not None and not 1 <= max_rank <= MAX_ADAPTER_RANK:
-                raise SpecError(f"max_lora_rank must be in 1..{MAX_ADAPTER_RANK} (got {max_rank})")
             return max_rank, None
         if not refs and (max_rank is None or modules is None):
             raise SpecError(
@@ -708,8 +711,6 @@ class LoRAManager(StepLoading):
         else:
             # Names given here also name MoE expert weights (``experts.gate_up_proj``).
             selection = ModuleSelection.of(modules, () if isinstance(modules, str) else modules)
-        if max_rank is not None and not 1 <= max_rank <= MAX_ADAPTER_RANK:
-            raise SpecError(f"max_lora_rank must be in 1..{MAX_ADAPTER_RANK} (got {max_rank})")
         return max_rank, selection
 
     def _active_segments(self) -> StepSegments | None:
@@ -738,14 +739,13 @@ class LoRAManager(StepLoading):
                 raise LoraPinError("the manager is detached")
             if not isinstance(names, (list, tuple)):
                 names = checked_names(names)  # read more than once below; a str is refused
-            held: HeldBack | None = None
             if self.loading == "background" and not per_sequence:
-                plan, held = self._begin_deferring(names, num_tokens)
+                plan = self._begin_deferring(names, num_tokens)
             else:
                 plan = self._begin(names, num_tokens, per_sequence)
             try:
                 slot_writes = self.residency.apply(plan)
-                step = self._activate(names, plan, slot_writes, per_sequence, held)
+                step = self._activate(names, plan, slot_writes, per_sequence)
             except BaseException as exc:
                 self.registry.finish_step(plan.ticket)
                 if isinstance(exc, StalePlanError):
@@ -764,29 +764,30 @@ class LoRAManager(StepLoading):
         plan: Any,
         slot_writes: tuple[tuple[int, int], ...],
         per_sequence: bool,
-        held: HeldBack | None,
     ) -> Step:
         request_slots, segments, active = step_arrays(plan, self.device, per_sequence, self.chunk_size)
-        admitted, deferred, failed = request_indices(plan, held)
+        deferred = tuple(plan.deferred)
+        reasons: tuple[str, ...] = ()
         loading: tuple[int, ...] = ()
-        if deferred and self.loading == "background" and not per_sequence:
-            with self.residency.lock:
-                # After apply: the host tier holds exactly what the core counts resident.
-                loading = tuple(i for i in deferred if (n := names[i]) is not None and n not in self.host)
+        if deferred:
+            reasons = tuple(plan.reasons)
+            if self.loading == "background" and not per_sequence:
+                loading = tuple(i for i, why in zip(deferred, reasons, strict=True) if why in _NOT_IN_HOST)
         step = Step(
-            admitted,
-            deferred,
-            request_slots,
-            segments,
-            plan.num_tokens,
-            plan.ticket,
-            slot_writes,
-            failed,
-            loading,
+            admitted=tuple(plan.admitted),
+            deferred=deferred,
+            request_slots=request_slots,
+            segments=segments,
+            num_tokens=plan.num_tokens,
+            _ticket=plan.ticket,
+            _slot_writes=slot_writes,
+            failed=self._failures(names, plan.failed),
+            loading=loading,
+            reasons=reasons,
         )
         with self.residency.lock:
             self._active, self._active_step = active, step
-            self._deferred_requests += len(step.deferred)
+            self._deferred_requests += len(deferred)
         return step
 
     def run_subset(self, step: Step, requests: Sequence[int], num_tokens: Sequence[int]) -> None:

@@ -78,6 +78,10 @@ class Residency:
         self._sources: dict[str, _Source] = {}
         # Per slot: (registry slot generation, pool write count) right after a step filled it.
         self._filled: list[tuple[int, int] | None] = [None] * pool.slots
+        # The last check that passed: the slots it covered with their generations, the pool's write counts
+        # then, and its result. Every change of `_filled` writes its slot (and so changes the counts), so
+        # the same slots and counts pass again.
+        self._passed: tuple[list[tuple[int, int]], tuple[int, ...], tuple[tuple[int, int], ...]] | None = None
         # Reads from disk after start-up and their total seconds (lora_pin.metrics' load-time summary).
         self.reads = 0
         self.read_seconds = 0.0
@@ -91,6 +95,8 @@ class Residency:
         self._versions: list[tuple[str, int] | None] = [None] * pool.slots
         # Slots refreshed after a replacement.
         self.refreshes = 0
+        # Set by a replacement: some slot may hold replaced weights, refreshed before a step reads it.
+        self._replaced = False
         cuda = pool.device.type == "cuda"
         # Carries each slot copy's dependencies (the slot's earlier readers) to the pool's copy stream,
         # instead of the compute stream with everything queued on it.
@@ -182,6 +188,7 @@ class Residency:
                 self._next_generation(name),
                 tensors,
             )
+            self._replaced = True
 
     def identity(self, name: str) -> tuple[str, str, int]:
         """``(id, digest, generation)`` of ``name`` (registered, or being unloaded), read at once.
@@ -376,14 +383,15 @@ class Residency:
                 lists them, for :meth:`LoRARegistry.invalidate_slots` once the step is finished.
             KeyboardInterrupt, SystemExit: as raised, with the same cleanup.
         """
-        generations = memoryview(plan.slot_generations).cast("q")
         ticket = plan.ticket
+        loads = plan.loads
         with self.lock:
             for name, tier, _slot in plan.evictions:
                 self.evictions[(name, tier)] += 1
                 if tier == "host":
                     self._drop_host(name)
-            for index, (name, _lora_id, slot, source) in enumerate(plan.loads):
+            generations = memoryview(plan.slot_generations).cast("q") if loads else None
+            for index, (name, _lora_id, slot, source) in enumerate(loads):
                 try:
                     if source == "disk" or name not in self.host:
                         self._read_again(name)
@@ -397,37 +405,49 @@ class Residency:
                     raise AdapterLoadError(
                         f"adapter {name!r}: loading into slot {slot} failed: {exc!r}"
                     ) from exc
+                assert generations is not None
                 self._filled[slot] = (generations[slot], self.pool.writes(slot))
                 self.registry.report_load(ticket, index, True)
-            used = sorted(set(memoryview(plan.request_slots).cast("i")) - {-1})
-            self._refresh_replaced(used, generations)
+            used = plan.slots_used
+            if self._replaced:
+                self._refresh_replaced(used)
             counts = self.pool.write_counts()
-            stale = [s for s in used if self._filled[s] != (generations[s], counts[s])]
+            passed = self._passed
+            if passed is not None and passed[0] == used and passed[1] == counts:
+                return passed[2]
+            filled = self._filled
+            stale = {s: g for s, g in used if filled[s] != (g, counts[s])}
             if stale:
                 error = StalePlanError(
-                    f"the step's plan names slot generation(s) "
-                    f"{ {s: generations[s] for s in stale} } but the pool holds "
-                    f"{ {s: self._filled[s] for s in stale} } (generation, writes) there; no step ran"
+                    f"the step's plan names slot generation(s) {stale} but the pool holds "
+                    f"{ {s: filled[s] for s in stale} } (generation, writes) there; no step ran"
                 )
-                error.stale_slots = stale
+                error.stale_slots = list(stale)
                 raise error
-            return tuple((s, counts[s]) for s in used)
+            writes = tuple([(s, counts[s]) for s, _ in used])
+            self._passed = (used, counts, writes)
+            return writes
 
-    def _refresh_replaced(self, slots: Iterable[int], generations: memoryview) -> None:
-        """Copy the current weights into each of ``slots`` whose adapter was replaced since it was filled
-        (before the step that is about to read it)."""
-        for slot in slots:
-            name = self.pool.occupant(slot)
-            source = None if name is None else self._sources.get(name)
-            if name is None or source is None or self._versions[slot] == (name, source.generation):
-                continue
-            try:
-                self._fill(slot, self.host[name])
-            except BaseException:
-                self._clear(slot)
-                raise
-            self._filled[slot] = (generations[slot], self.pool.writes(slot))
-            self.refreshes += 1
+    def _refresh_replaced(self, used: Iterable[tuple[int, int]]) -> None:
+        """Copy the current weights into each slot of ``used`` (``(slot, generation)`` pairs of the step
+        about to run) whose adapter was replaced since the slot was filled; once no slot holds replaced
+        weights any more, steps skip this again."""
+        for slot, generation in used:
+            if self._stale_version(slot):
+                try:
+                    self._fill(slot, self.host[self.pool.occupant(slot)])
+                except BaseException:
+                    self._clear(slot)
+                    raise
+                self._filled[slot] = (generation, self.pool.writes(slot))
+                self.refreshes += 1
+        self._replaced = any(self._stale_version(s) for s in range(self.pool.slots))
+
+    def _stale_version(self, slot: int) -> bool:
+        """Whether ``slot`` holds an adapter's weights from before its replacement."""
+        name = self.pool.occupant(slot)
+        source = None if name is None else self._sources.get(name)
+        return source is not None and self._versions[slot] != (name, source.generation)
 
     def changed_slots(self, slot_writes: tuple[tuple[int, int], ...]) -> list[int]:
         """The slots among ``slot_writes`` (from :meth:`apply`) written since; on CUDA, also marks the

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,10 +13,10 @@ from lora_pin.errors import LoraPinError, SpecError, UsageError
 from lora_pin.model.layers import StepSegments
 from lora_pin.ops import SegmentBatch
 
-__all__ = ["HeldBack", "Step", "checked_names", "device_buffer", "request_indices", "step_arrays"]
+__all__ = ["Step", "checked_names", "step_arrays"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Step:
     """One planned scheduler step (from :meth:`LoRAManager.prepare_step` or :meth:`LoRAManager.batch`).
 
@@ -30,12 +29,16 @@ class Step:
         segments: the token grouping the LoRA layers use; tokens are the admitted requests' tokens,
             each request's contiguous, in ``admitted`` order.
         num_tokens: ``T``, the admitted requests' tokens.
-        failed: request index -> why its adapter could not be loaded (a background read that failed);
-            these requests are neither admitted nor deferred. A later request for the adapter tries again.
+        failed: request index -> why it cannot run: its adapter's background read failed (a later
+            request for the adapter tries again), or its adapter was unloaded while it waited. These
+            requests are neither admitted nor deferred.
         loading: the deferred requests whose adapter is not in host memory: being read in the background,
             or waiting for host memory to be read into (in request order; background loading only). They
             cost a step nothing until admitted: a scheduler may resubmit them without counting them
             against its batch budget.
+        reasons: why each deferred request waits, parallel to ``deferred``, as the core decided it:
+            ``"device_room"``, ``"host_room"``, ``"loading"`` or ``"fairness"`` (see
+            ``LoRARegistry.begin_step``).
     """
 
     admitted: tuple[int, ...]
@@ -47,30 +50,7 @@ class Step:
     _slot_writes: tuple[tuple[int, int], ...] = ()
     failed: Mapping[int, LoraPinError] = field(default_factory=dict)
     loading: tuple[int, ...] = ()
-
-
-def device_buffer(data: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A flat buffer from the core as a tensor on ``device`` (no Python loop; empty buffers allowed)."""
-    if len(data) == 0:
-        return torch.empty(0, dtype=dtype, device=device)
-    # The plan's getters hand out a fresh bytearray each call: the tensor may own it, no copy needed.
-    host = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=dtype)
-    if device.type == "cuda":
-        # From pinned memory the copy is queued on the stream and the host goes on: a copy from pageable
-        # memory would wait for every kernel already queued, once per array per step. (The caching host
-        # allocator keeps the pinned block until the copy has run.)
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
-@dataclass
-class HeldBack:
-    """The requests of a background-loading step that the core does not see, by request index."""
-
-    new: dict[str, Path]
-    kept: list[int] = field(default_factory=list)
-    waiting: list[int] = field(default_factory=list)
-    failed: dict[int, LoraPinError] = field(default_factory=dict)
+    reasons: tuple[str, ...] = ()
 
 
 def step_arrays(
@@ -79,16 +59,33 @@ def step_arrays(
     """The core plan's arrays on ``device``: each admitted request's slot (int32 ``[len(admitted)]``, -1
     for base), the token segments, and the :class:`StepSegments` the LoRA layers read while it runs.
 
+    The core hands every array in one buffer (``StepPlan.step_arrays``): one tensor, one copy to the
+    device, and views of it.
+
     A per-sequence plan (:meth:`~lora_pin.model.LoRAManager.batch`) was made with one token per sequence:
     its segments serve decode inputs, and those of longer inputs are derived from them in the layers.
     """
-    request_slots = device_buffer(plan.request_slots, torch.int32, device)
-    segments = SegmentBatch(
-        device_buffer(plan.token_perm, torch.int32, device).long(),
-        device_buffer(plan.seg_indptr, torch.int32, device),
-        device_buffer(plan.seg_slots, torch.int32, device),
-    )
-    any_adapter = segments.perm.numel() > 0
+    data, words = plan.step_arrays()
+    if device.type == "cpu":
+        # Views of the buffer, each by its own dtype: no copy (the tensors share the fresh bytearray).
+        n_perm, n_requests, n_indptr, n_segments = words
+        perm = _part(data, torch.int64, n_perm // 2, 0)
+        at = 4 * n_perm
+        request_slots = _part(data, torch.int32, n_requests, at)
+        at += 4 * n_requests
+        seg_indptr = _part(data, torch.int32, n_indptr, at)
+        seg_slots = _part(data, torch.int32, n_segments, at + 4 * n_indptr)
+    else:
+        # One copy to the device, then views of it. Never empty: seg_indptr has its leading 0.
+        flat = torch.frombuffer(data, dtype=torch.int32)
+        # From pinned memory a CUDA copy is queued on the stream and the host goes on: a copy from
+        # pageable memory would wait for every kernel already queued. (The caching host allocator keeps
+        # the pinned block until the copy has run.)
+        flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
+        perm32, request_slots, seg_indptr, seg_slots = flat.split_with_sizes(words)
+        perm = perm32.view(torch.int64)
+    segments = SegmentBatch(perm, seg_indptr, seg_slots)
+    any_adapter = words[0] > 0
     if per_sequence:
         active = StepSegments(
             segments, sequence_slots=request_slots.long(), chunk_size=chunk_size, any_adapter=any_adapter
@@ -98,19 +95,11 @@ def step_arrays(
     return request_slots, segments, active
 
 
-def request_indices(
-    plan: Any, held: HeldBack | None
-) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, LoraPinError]]:
-    """``(admitted, deferred, failed)`` as indices into the step's requests. With ``held``, the core
-    planned only the kept requests (its indices are positions among them), and the held-back ones are
-    deferred (waiting for discovery) or failed (their adapter's read failed)."""
-    admitted, deferred = tuple(plan.admitted), tuple(plan.deferred)
-    if held is None:
-        return admitted, deferred, {}
-    kept = held.kept
-    admitted = tuple(kept[i] for i in admitted)
-    deferred = tuple(sorted([kept[i] for i in deferred] + held.waiting))
-    return admitted, deferred, held.failed
+def _part(data: bytearray, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+    """``count`` values of ``dtype`` at byte ``offset`` of ``data``, sharing its memory."""
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype, count=count, offset=offset)
 
 
 def checked_names(names: Iterable[str | None]) -> list[str | None]:

@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_pin._core import LoRARegistry
-from lora_pin.errors import CapacityError, LoraPinError, UsageError
+from lora_pin.errors import AdapterLoadError, AdapterNotFoundError, CapacityError, LoraPinError
 from lora_pin.model.adapter_dir import adapter_folders
 from lora_pin.model.loader import BackgroundLoads
 from lora_pin.model.residency import Residency
-from lora_pin.model.step import HeldBack
 
 if TYPE_CHECKING:
     from lora_pin.parallel import TensorParallel
@@ -33,8 +32,9 @@ __all__ = ["StepLoading"]
 _READ_FIRST_ATTEMPTS = 2
 # Rounds for a batch waiting for background reads: one may find the host tier full of adapters being read
 # (prefetched), the next full of those reads, fresh, and only the one after starts the batch's own reads.
-# Each round waits for reads, so a margin past the four a lone caller needs costs nothing.
-_FETCH_FIRST_ATTEMPTS = 8
+# Each round waits for reads, so a margin past the four a lone caller needs costs nothing (one more round
+# may discover adapter_dir adapters).
+_FETCH_FIRST_ATTEMPTS = 9
 
 
 class StepLoading:
@@ -56,10 +56,6 @@ class StepLoading:
 
         def _forget(self, name: str) -> None: ...
 
-    def _folders(self, names: list[str]) -> dict[str, Path]:
-        """The ``adapter_dir`` folder of each of ``names`` (none registered): :func:`adapter_folders`."""
-        return adapter_folders(self.registry, self.adapter_dir, names)
-
     def _fetch(self, names: list[str]) -> list[str]:
         """Begin fetching ``names`` (registered) that are not in host memory; the names whose reads began."""
         if not names:
@@ -71,7 +67,7 @@ class StepLoading:
         All or nothing, as :meth:`discover`.
 
         Raises:
-            AdapterNotFoundError, PathNotAllowedError: as :meth:`_folders`; nothing is read then.
+            AdapterNotFoundError, PathNotAllowedError: as :func:`adapter_folders`; nothing is read then.
             AdapterLoadError, CapacityError: one of them could not be read or registered; those that were
                 are unloaded again.
         """
@@ -86,7 +82,8 @@ class StepLoading:
             self._loads.start_discovery(name, folder, self.adapter_dir)
         self._loads.wait(found)
         self._loads.install()
-        errors = self._loads.take_errors(found)
+        errors: dict[str, LoraPinError] = {**self._loads.take_errors(found)}
+        errors.update(self._loads.stop_waiting_for_room(found))
         if errors:
             for name, folder in found.items():
                 # Only discoveries of these folders go; one a step on another thread has taken up
@@ -115,14 +112,19 @@ class StepLoading:
         fails changes nothing (in background loading by the loader, waited for); should other threads
         evict them again before the step begins (each time), the step reads them itself.
         """
+        discovered = self.adapter_dir is None
         if self.loading == "background":
-            if self.adapter_dir is not None:
-                self._discover_waiting(names)
             wanted = [n for n in dict.fromkeys(names) if n is not None]
             for _ in range(_FETCH_FIRST_ATTEMPTS):
                 self._loads.install()
                 # Begins no step unless every adapter is in host memory; fetches what is not.
-                plan = self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence, fetch=True)
+                plan = self.registry.begin_step(
+                    names, num_tokens, all_or_nothing=per_sequence, fetch=True, defer_unknown=not discovered
+                )
+                if plan.unknown:
+                    discovered = True
+                    self._discover_waiting(plan.unknown)
+                    continue
                 if plan.ticket is not None:
                     return plan
                 self.residency.drop_evicted(n for n, tier, _ in plan.evictions if tier == "host")
@@ -138,13 +140,19 @@ class StepLoading:
                 for error in self._loads.take_errors(wanted).values():
                     raise error
         else:
-            if self.adapter_dir is not None:
-                self.discover(names)
-            for _ in range(_READ_FIRST_ATTEMPTS):
+            for _ in range(_READ_FIRST_ATTEMPTS + 1):
                 self._loads.install()
                 plan = self.registry.begin_step(
-                    names, num_tokens, all_or_nothing=per_sequence, read_first=True
+                    names,
+                    num_tokens,
+                    all_or_nothing=per_sequence,
+                    read_first=True,
+                    defer_unknown=not discovered,
                 )
+                if plan.unknown:
+                    discovered = True
+                    self.discover(plan.unknown)
+                    continue
                 if plan.ticket is not None:
                     return plan
                 self._read_first(plan.to_read)
@@ -207,51 +215,55 @@ class StepLoading:
         for name, adapter in read:
             self.residency.enter_host(name, adapter)
 
-    def _begin_deferring(
-        self, names: Sequence[str | None], num_tokens: Sequence[int] | int
-    ) -> tuple[Any, HeldBack | None]:
+    def _begin_deferring(self, names: Sequence[str | None], num_tokens: Sequence[int] | int) -> Any:
         """The step transaction of background loading: reads finished since the last step enter the host
         tier first; requests whose adapter is not there are deferred, and their reads begin.
 
-        Requests the core never sees: those whose adapter's last read failed (failed now), and those whose
-        ``adapter_dir`` adapter is not registered yet (deferred; its read begins).
-        """
-        self._loads.install()
-        held = None
-        if self.adapter_dir is not None or self._loads.has_errors:
-            held = self._hold_back(names, num_tokens)
-        if held is None:
-            plan = self.registry.begin_step(names, num_tokens, fetch=True)
-        else:
-            tokens = num_tokens if isinstance(num_tokens, int) else [num_tokens[i] for i in held.kept]
-            plan = self.registry.begin_step([names[i] for i in held.kept], tokens, fetch=True)
-            for name, folder in held.new.items():
-                self._loads.start_discovery(name, folder, self.adapter_dir)
-        self._loads.start_fetches(plan.to_fetch)
-        return plan, held
-
-    def _hold_back(self, names: Sequence[str | None], num_tokens: Sequence[int] | int) -> HeldBack | None:
-        """Which requests of ``names`` fail or wait without the core; None when every request goes to it.
+        The core sees every request: those whose adapter's last read failed, or that was unloaded while
+        they waited, fail (the plan's ``failed``); those whose ``adapter_dir`` adapter is being read
+        wait. A name nobody knows is looked for in ``adapter_dir`` first (nothing is planned until
+        then), and its read begins.
 
         Raises:
-            AdapterNotFoundError, PathNotAllowedError: as :meth:`_folders` (nothing changed).
-            UsageError: ``num_tokens`` is a sequence of another length than ``names``.
+            AdapterNotFoundError, PathNotAllowedError: as :func:`adapter_folders` (nothing changed).
         """
-        if not isinstance(num_tokens, int) and len(num_tokens) != len(names):
-            raise UsageError(f"num_tokens has {len(num_tokens)} entries but names has {len(names)}")
-        distinct = [n for n in dict.fromkeys(names) if n is not None]
-        new = adapter_folders(
-            self.registry, self.adapter_dir, [n for n in distinct if n not in self.registry]
+        self._loads.install()
+        failed = self._loads.failed_names()
+        discovering = self._loads.discovering()
+        plan = self.registry.begin_step(
+            names,
+            num_tokens,
+            fetch=True,
+            failed=failed,
+            discovering=discovering,
+            defer_unknown=self.adapter_dir is not None,
         )
-        errors = self._loads.take_errors(distinct)
-        if not errors and not new:
-            return None
-        held = HeldBack(new={n: f for n, f in new.items() if n not in errors})
-        for i, name in enumerate(names):
-            if name is None or (name not in errors and name not in new):
-                held.kept.append(i)
-            elif name in errors:
-                held.failed[i] = errors[name]
-            else:
-                held.waiting.append(i)
-        return held
+        if plan.unknown:
+            new = adapter_folders(self.registry, self.adapter_dir, plan.unknown)
+            for name, folder in new.items():
+                self._loads.start_discovery(name, folder, self.adapter_dir)
+            plan = self.registry.begin_step(
+                names, num_tokens, fetch=True, failed=failed, discovering=[*discovering, *new]
+            )
+        self._loads.start_fetches(plan.to_fetch)
+        return plan
+
+    def _failures(
+        self, names: Sequence[str | None], failed: list[tuple[int, str]]
+    ) -> dict[int, LoraPinError]:
+        """Why each request of the plan's ``failed`` (``(index, why)``) cannot run, by request index."""
+        if not failed:
+            return {}
+        errors = self._loads.take_errors({n for i, why in failed if why == "read_failed" and (n := names[i])})
+        out: dict[int, LoraPinError] = {}
+        for i, why in failed:
+            name = names[i]
+            error = errors.get(name) if name is not None else None
+            if error is None and why == "read_failed":
+                error = AdapterLoadError(f"adapter {name!r}: its background read failed")
+            elif error is None:
+                error = AdapterNotFoundError(
+                    f"adapter {name!r} was unloaded while its requests waited; they do not run"
+                )
+            out[i] = error
+        return out

@@ -13,7 +13,7 @@ use pyo3::types::{PyBool, PyInt, PyList, PyString, PyTuple};
 
 use super::usage;
 use crate::policy::AdapterKey;
-use crate::registry::Registry;
+use crate::registry::{Hold, Registry};
 
 /// Hashes a Python object's address: addresses are unique while the objects live, and aligned, so
 /// the multiply spreads them and the shift brings high bits down to the bucket bits.
@@ -100,7 +100,7 @@ impl NameCache {
         py: Python<'_>,
         epoch: u64,
         names: &[PyBackedStr],
-        keys: &[AdapterKey],
+        keys: &[Option<AdapterKey>],
     ) -> AddressMap<(Py<PyString>, AdapterKey)> {
         let mut old = AddressMap::default();
         if epoch < self.epoch {
@@ -110,7 +110,9 @@ impl NameCache {
             old = self.take();
             self.epoch = epoch;
         }
-        for (name, &key) in names.iter().zip(keys) {
+        // Names held (no key) are looked up again by every step: they are few, and short-lived.
+        for (name, key) in names.iter().zip(keys) {
+            let Some(key) = *key else { continue };
             let name = name.as_py_str().bind(py);
             if name.is_exact_instance_of::<PyString>() {
                 let address = name.as_ptr() as usize;
@@ -136,10 +138,44 @@ pub(super) struct Requests {
     hits_epoch: Option<u64>,
 }
 
+/// How [`Requests::resolve`] treats a name that is not registered (nor being unloaded).
+#[derive(Default)]
+pub(super) struct Unregistered {
+    /// Names whose last read failed (their requests fail).
+    pub(super) failed: Vec<PyBackedStr>,
+    /// Names being discovered (their requests wait).
+    pub(super) discovering: Vec<PyBackedStr>,
+    /// Any other such name is listed in `unknown` for the caller to discover, instead of an error.
+    pub(super) defer: bool,
+    /// The step must run whole: a request that would fail is an error instead.
+    pub(super) whole: bool,
+}
+
+impl Unregistered {
+    /// The hold of unregistered `name`, or None when it goes to `unknown`.
+    ///
+    /// Errors: [`crate::Error::AdapterNotFound`] for a name nobody knows.
+    fn hold(&self, reg: &Registry, name: &str) -> crate::Result<Option<Hold>> {
+        let failed = self.failed.iter().any(|n| &**n == name);
+        if !self.whole && failed {
+            Ok(Some(Hold::ReadFailed))
+        } else if !failed && self.discovering.iter().any(|n| &**n == name) {
+            Ok(Some(Hold::Discovering))
+        } else if !failed && self.defer {
+            Ok(None)
+        } else if !self.whole && reg.was_unloaded(name) {
+            Ok(Some(Hold::Unloaded))
+        } else {
+            Err(reg.not_found(name))
+        }
+    }
+}
+
 /// What [`Requests::resolve`] found.
 pub(super) enum Resolved {
-    /// Every request has its key; `misses[i]` resolved to `keys[i]` at names epoch `epoch`.
-    Keys { epoch: u64, keys: Vec<AdapterKey> },
+    /// Every request has its key or its hold; `misses[i]` resolved to `keys[i]` at names epoch
+    /// `epoch` (None: held, or unknown).
+    Keys { epoch: u64, keys: Vec<Option<AdapterKey>>, holds: Vec<(u32, Hold)>, unknown: Vec<usize> },
     /// A name changed its key since the cache was filled: read the requests again without it.
     Stale,
 }
@@ -181,19 +217,48 @@ impl Requests {
         self.adapters.len()
     }
 
-    /// Looks up the names the cache did not know, with the registry locked, and fills in their keys.
+    /// Looks up the names the cache did not know, with the registry locked, and fills in their keys;
+    /// a name not registered is held, or listed as unknown (by its index into `misses`), as
+    /// `unregistered` says.
     ///
-    /// Errors: [`crate::Error::AdapterNotFound`] for an unknown name.
-    pub(super) fn resolve(&mut self, reg: &Registry) -> crate::Result<Resolved> {
+    /// Errors: [`crate::Error::AdapterNotFound`] for an unknown name (`unregistered` None, or
+    /// saying so).
+    pub(super) fn resolve(
+        &mut self,
+        reg: &Registry,
+        unregistered: Option<&Unregistered>,
+    ) -> crate::Result<Resolved> {
         let epoch = reg.names_epoch();
         if self.hits_epoch.is_some_and(|e| e != epoch) {
             return Ok(Resolved::Stale);
         }
-        let keys = self.misses.iter().map(|n| reg.lookup(n, true)).collect::<crate::Result<Vec<_>>>()?;
-        for &(request, miss) in &self.patches {
-            self.adapters[request as usize] = Some(keys[miss as usize]);
+        let mut keys = Vec::with_capacity(self.misses.len());
+        let mut held = Vec::new();
+        let mut unknown = Vec::new();
+        for (m, name) in self.misses.iter().enumerate() {
+            match (reg.lookup(name, true), unregistered) {
+                (Ok(key), _) => keys.push(Some(key)),
+                (Err(e), None) => return Err(e),
+                (Err(_), Some(u)) => {
+                    match u.hold(reg, name)? {
+                        Some(hold) => held.push((m, hold)),
+                        None => unknown.push(m),
+                    }
+                    keys.push(None);
+                }
+            }
         }
-        Ok(Resolved::Keys { epoch, keys })
+        let mut holds = Vec::new();
+        for &(request, miss) in &self.patches {
+            let key = keys[miss as usize];
+            self.adapters[request as usize] = key;
+            if key.is_none() {
+                if let Some(&(_, hold)) = held.iter().find(|&&(m, _)| m == miss as usize) {
+                    holds.push((request, hold));
+                }
+            }
+        }
+        Ok(Resolved::Keys { epoch, keys, holds, unknown })
     }
 
     /// Each request's adapter key, once resolved.

@@ -88,8 +88,6 @@ pub struct PyStepPlan {
     plan: StepPlan,
     /// The step transaction's ticket (`begin_step`), None for a bare `plan`.
     ticket: Option<u64>,
-    /// Adapters to read before the step can begin (`begin_step(read_first=True)`); empty otherwise.
-    to_read: Vec<Arc<str>>,
     /// At least `0..len(admitted) + len(deferred)`, shared with other plans.
     indices: Py<PyList>,
     /// The registry's strs for names.
@@ -98,12 +96,7 @@ pub struct PyStepPlan {
 
 impl PyStepPlan {
     pub(super) fn new(plan: StepPlan, ticket: Option<u64>, indices: Py<PyList>, strs: NameStrs) -> Self {
-        Self { plan, ticket, to_read: Vec::new(), indices, strs }
-    }
-
-    /// No step: the adapters to read before one can begin.
-    pub(super) fn reads_first(names: Vec<Arc<str>>, indices: Py<PyList>, strs: NameStrs) -> Self {
-        Self { plan: StepPlan::default(), ticket: None, to_read: names, indices, strs }
+        Self { plan, ticket, indices, strs }
     }
 }
 
@@ -129,14 +122,52 @@ impl PyStepPlan {
     /// them outside the host tier; nothing was planned then), else empty.
     #[getter]
     fn to_read<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.to_read.iter().map(|n| self.strs.get(py, n)))
+        PyList::new(py, self.plan.to_read.iter().map(|n| self.strs.get(py, n)))
+    }
+
+    /// Names the step's requests use that nobody knows (`begin_step(defer_unknown=True)`; no step
+    /// began then): discover them and begin again. Else empty.
+    #[getter]
+    fn unknown<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.plan.unknown.iter().map(|n| self.strs.get(py, n)))
+    }
+
+    /// Why each deferred request waits, parallel to `deferred`: "device_room" (no slot now),
+    /// "host_room" (outside the host tier, which cannot make room now), "loading" (being read) or
+    /// "fairness" (it gave way to an older waiting request).
+    #[getter]
+    fn reasons<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.plan.reasons.iter().map(|r| PyString::intern(py, r.as_str())))
+    }
+
+    /// `(index, why)` of each request that fails this step, in batch order: why is "read_failed"
+    /// (its adapter's last read failed) or "unloaded" (its adapter was unloaded while it waited).
+    #[getter]
+    fn failed<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.plan.failed.iter().map(|&(i, hold)| (i, PyString::intern(py, hold.as_str()))))
+    }
+
+    /// The step's kernel arrays in one call: `(buffer, words)`, a native-endian `bytearray` holding
+    /// `token_perm` as int64, then `request_slots`, `seg_indptr` and `seg_slots` as int32, and the
+    /// four parts' lengths in int32 words (`2 * N`, `A`, `S + 1`, `S`): one int32 tensor of it,
+    /// split by `words`, gives every array (the first viewed as int64) with one copy to a device.
+    fn step_arrays<'py>(&self, py: Python<'py>) -> (Bound<'py, PyByteArray>, (usize, usize, usize, usize)) {
+        let (bytes, [a, b, c, d]) = self.plan.step_arrays();
+        (PyByteArray::new(py, &bytes), (a, b, c, d))
+    }
+
+    /// `(slot, generation)` of each slot the admitted requests use, ascending.
+    #[getter]
+    fn slots_used(&self) -> Vec<(u32, i64)> {
+        let generations = &self.plan.slot_generations;
+        self.plan.slots_used.iter().map(|&s| (s, generations[s as usize])).collect()
     }
 
     /// Indices of the admitted requests, in batch order.
     #[getter]
     fn admitted<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let deferred = &self.plan.deferred;
-        if deferred.len() > DELETE_AT_MOST {
+        if deferred.len() > DELETE_AT_MOST || !self.plan.failed.is_empty() {
             return PyList::new(py, &self.plan.admitted);
         }
         let list = self.indices.bind(py).get_slice(0, self.plan.admitted.len() + deferred.len());
