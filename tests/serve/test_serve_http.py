@@ -328,6 +328,14 @@ def test_prefix_sharing_same_prompt_and_an_adapter_replaced_under_its_name(world
     )
     assert status == 200, text
     assert asyncio.run(same_prompt(["ad05"]))[0][0] == oracle.tokens(prompt, dirs["ad05"], 8)
+    # An in-place load that is refused (a broken file) leaves the old weights serving under the name.
+    status, _ = lora.http(
+        "POST",
+        "/v1/load_lora_adapter",
+        {"lora_name": "ad05", "lora_path": str(dirs["ad00"].parent / "broken"), "load_inplace": True},
+    )
+    assert status == 400
+    assert asyncio.run(same_prompt(["ad05"]))[0][0] == oracle.tokens(prompt, dirs["ad05"], 8)
 
 
 def test_refusals_change_nothing_and_the_server_goes_on(world: dict[str, Any]) -> None:

@@ -101,22 +101,25 @@ class AdapterAdmin:
         with self._lock:
             return {n: p for n, p in sorted(self._paths.items()) if n not in self._draining}
 
-    async def load(self, name: str, path: str, *, pinned: bool = False) -> None:
-        """Load the adapter at ``path`` as ``name`` (read on a worker thread).
+    async def load(self, name: str, path: str, *, pinned: bool = False, replace: bool = False) -> None:
+        """Load the adapter at ``path`` as ``name`` (read on a worker thread); with ``replace``, replace a
+        registered ``name``'s weights in place (:meth:`LoRAManager.load`).
 
         Raises:
             DuplicateAdapterError, AdapterLoadError, PathNotAllowedError, CapacityError, SpecError: as
                 :meth:`LoRAManager.load`; nothing changes then.
         """
         try:
-            ref = await asyncio.to_thread(self._lora.load, name, path, pinned=pinned)
+            ref = await asyncio.to_thread(self._lora.load, name, path, pinned=pinned, replace=replace)
         except LoraPinError as e:
             log.warning("adapter %r: load refused: %s", name, e)
             raise
         with self._lock:
-            self._paths[name] = ref.lora_path
+            # A replacement keeps the registration (and so its first path): the new weights' path is ours.
+            self._paths[name] = path if replace else ref.lora_path
+        what = "replaced in place" if replace else "loaded"
         log.info(
-            "adapter %r: loaded from %s (id %s%s)", name, path, ref.lora_id, ", pinned" if pinned else ""
+            "adapter %r: %s from %s (id %s%s)", name, what, path, ref.lora_id, ", pinned" if pinned else ""
         )
 
     async def unload(self, name: str) -> None:

@@ -432,12 +432,13 @@ def _adapter_routes(app: FastAPI, state: ServerState, body_of: Any) -> None:
     async def vllm_load(request: Request) -> Any:
         body = await body_of(request)
         name, path = names(body, "lora_name", "lora_path")
-        if body.get("load_inplace") and admin.serves(name):
-            await _unload_or_raise(admin, name)
-        elif admin.serves(name):
+        inplace = bool(body.get("load_inplace")) and admin.serves(name)
+        if admin.serves(name) and not inplace:
             raise HTTPError(400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput")
         try:
-            await admin.load(name, path)
+            # In place: the registered adapter's weights are replaced atomically (id, pin and queued
+            # requests stay); a refused replacement leaves the old weights serving.
+            await admin.load(name, path, replace=inplace)
         except DuplicateAdapterError as e:
             raise HTTPError(
                 400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput"
