@@ -238,6 +238,19 @@ print(f"served a mixed batch equal to PEFT under {sys.version_info[:2]}")
 """
 
 
+def _runtime_requirements(wheel: Path) -> list[str]:
+    """The names of the wheel's own runtime dependencies (``Requires-Dist`` without an extra), so the
+    environment gets what a pip user's would, whatever the package comes to depend on."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        message = email.message_from_bytes(z.read(meta))
+    names = []
+    for requirement in message.get_all("Requires-Dist") or []:
+        if "extra ==" not in requirement:
+            names.append(re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0])
+    return names
+
+
 def _pinned(name: str) -> str:
     """``name==VERSION`` as requirements/dev.txt pins it."""
     text = (ROOT / "requirements" / "dev.txt").read_text()
@@ -305,7 +318,7 @@ def test_the_wheel_serves_a_mixed_batch_under_another_python(wheel: Path, tmp_pa
     # --no-compile: byte-compiling torch's thousands of modules would add a minute for nothing here.
     pip = [str(venv_python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"]
     subprocess.run([*pip, "--no-deps", str(wheel)], check=True, timeout=300)
-    runtime = ("safetensors", "orjson", "tqdm", "numpy")
+    runtime = [n for n in _runtime_requirements(wheel) if n != "torch"]
     subprocess.run([*pip, *(_pinned(n) for n in runtime)], check=True, timeout=600)
     _install_torch(venv_python, pip)
     installed = time.monotonic() - started
