@@ -12,21 +12,11 @@ import argparse
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-
-def best_us(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:
-    """Best-of-``rounds`` mean microseconds per call."""
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
+from manager_step import best_us  # benches/ is on the path when a bench runs as a script
 
 
 def main(argv: list[str] | None = None) -> int:
