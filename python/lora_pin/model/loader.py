@@ -130,6 +130,10 @@ class BackgroundLoader:
         # Workers not abandoned: idle, or running a read within its deadline.
         self._threads = 0
         self._started_threads = 0
+        # Workers waiting for a read: close() joins them, so none is still ending (and freeing what
+        # its last read held) while the interpreter shuts down, where a daemon thread that frees a
+        # tensor is torn down mid-call and the process aborts.
+        self._idle: set[threading.Thread] = set()
         self._closed = False
         self.abandoned = 0
 
@@ -198,15 +202,20 @@ class BackgroundLoader:
                     self._abandon(run)
                 self._complete(run, Completion(run.job, None, None, cancelled=True))
 
-    def close(self) -> None:
-        """Cancel every read not started and stop the threads once the running ones end (a stuck one
-        is a daemon and never holds the interpreter)."""
+    def close(self, grace: float = 10.0) -> None:
+        """Cancel every read not started and stop the threads: the idle ones have ended when this
+        returns (waiting at most ``grace`` seconds for them); a running one ends with its read (a stuck
+        one is a daemon and never holds the interpreter)."""
         with self._changed:
             self._closed = True
             while self._queued:
                 run = self._queued.popleft()
                 self._complete(run, Completion(run.job, None, None, cancelled=True))
             self._changed.notify_all()
+            idle = list(self._idle)
+        end = time.monotonic() + grace
+        for thread in idle:
+            thread.join(max(end - time.monotonic(), 0.0))
 
     def _wait_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
@@ -261,10 +270,13 @@ class BackgroundLoader:
         return sum(1 for r in self._runs.values() if r.started is not None and not r.abandoned)
 
     def _work(self) -> None:
+        me = threading.current_thread()
         with self._changed:
             while True:
+                self._idle.add(me)
                 while not self._queued and not self._closed:
                     self._changed.wait()
+                self._idle.discard(me)
                 if not self._queued:
                     self._threads -= 1
                     return
@@ -281,6 +293,8 @@ class BackgroundLoader:
                 if run.abandoned:
                     return  # replaced already; what it read is discarded
                 self._complete(run, completion)
+                # An idle worker holds nothing: what the read held is freed now, by a live interpreter.
+                del run, completion
 
 
 class BackgroundLoads:

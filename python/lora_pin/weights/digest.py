@@ -163,14 +163,19 @@ def _hash_forever(
     jobs: queue.SimpleQueue[tuple[TensorDigests, str | None, str, tuple[int, ...], Any]],
 ) -> None:
     while True:
-        owner, name, dtype, shape, data = jobs.get()
-        if name is None:
-            data.set()  # every tensor the owner queued before this is hashed
-            continue
-        try:
-            owner._digests[name] = tensor_digest(name, dtype, shape, data)
-        except BaseException as exc:  # reported to the owner's result(), never lost in this thread
-            owner._error = exc
+        # One call per job: the tensor and its owner are freed before the next wait, not held by an
+        # idle thread (a daemon that frees them while the interpreter shuts down aborts the process).
+        _hash_one(*jobs.get())
+
+
+def _hash_one(owner: TensorDigests, name: str | None, dtype: str, shape: tuple[int, ...], data: Any) -> None:
+    if name is None:
+        data.set()  # every tensor the owner queued before this is hashed
+        return
+    try:
+        owner._digests[name] = tensor_digest(name, dtype, shape, data)
+    except BaseException as exc:  # reported to the owner's result(), never lost in this thread
+        owner._error = exc
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,68 @@
+"""The background loader's threads at shutdown: an idle worker holds nothing its last read returned, and
+``close()`` returns only once the idle workers have ended.
+
+Why it matters: a daemon thread still ending while the interpreter shuts down, and freeing a tensor then,
+is torn down in the middle of torch's deallocator and the process aborts ("terminate called without an
+active exception"). It happened to TP ranks that exited right after ``detach()``.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from typing import Any
+
+from lora_pin.model.loader import BackgroundLoader, LoadJob
+
+
+class _Payload:
+    """Stands for what a read returns (an adapter's tensors): only its lifetime matters here."""
+
+
+def test_an_idle_worker_keeps_nothing_of_its_last_read() -> None:
+    loader = BackgroundLoader(workers=1, timeout=30.0)
+    payload = _Payload()
+    alive = weakref.ref(payload)
+    box: list[Any] = [payload]
+    del payload
+    assert loader.submit(LoadJob("a", 1), lambda: box.pop(), None)
+    assert loader.wait(timeout=10)
+    done = loader.take()
+    assert [c.job for c in done] == [LoadJob("a", 1)] and done[0].adapter is not None
+    del done
+    gc.collect()
+    assert alive() is None, "the idle worker still holds what its read returned"
+    loader.close()
+
+
+def test_close_returns_once_the_idle_workers_have_ended() -> None:
+    loader = BackgroundLoader(workers=2, timeout=30.0)
+    workers: list[threading.Thread] = []
+    for i in range(2):
+        loader.submit(LoadJob(f"a{i}", 1), lambda: workers.append(threading.current_thread()), None)
+    assert loader.wait(timeout=10)
+    assert workers, "no read ran"
+    loader.close()
+    assert [t.name for t in workers if t.is_alive()] == []
+
+
+def test_close_does_not_wait_for_a_stuck_read() -> None:
+    loader = BackgroundLoader(workers=1, timeout=30.0)
+    release = threading.Event()
+    started = threading.Event()
+
+    def stuck() -> None:
+        started.set()
+        release.wait(30)
+
+    loader.submit(LoadJob("a", 1), stuck, None)
+    assert started.wait(10)
+    ended = threading.Event()
+    closer = threading.Thread(target=lambda: (loader.close(), ended.set()))
+    closer.start()
+    try:
+        assert ended.wait(5), "close() waited for a running read"
+    finally:
+        release.set()
+        closer.join(10)
