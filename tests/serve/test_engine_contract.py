@@ -44,6 +44,16 @@ def test_the_scheduler_registry_and_the_hooks_the_lora_scheduler_overrides() -> 
     ]
     assert _params(Scheduler.clear_cancelled_requests) == ["self"]
     assert _params(Scheduler.finish_request) == ["self", "request_id"]
+    # Cancellation: the engine marks a cancelled request it holds, which the removal that follows drops;
+    # it counts the requests taken in (every one enters through add_waiting_request) and those held.
+    assert _params(Scheduler.set_request_cancellation) == ["self", "request_id"]
+    assert _params(Scheduler.add_waiting_request) == ["self", "state"]
+    assert "_requests_to_cancel" in inspect.getsource(Scheduler.clear_cancelled_requests)
+    assert "add_waiting_request" in inspect.getsource(
+        cb.continuous_api.ContinuousBatchProcessor._update_tp_group_state
+    )
+    reset = inspect.getsource(Scheduler.reset)
+    assert "self.active_requests" in reset and "self.waiting_requests" in reset
     # clear_cancelled_requests runs first in every round of the loop, after the last step's update.
     source = inspect.getsource(cb.continuous_api.ContinuousBatchProcessor.prepare_next_batch)
     assert source.index("clear_cancelled_requests") < source.index("schedule_batch")
@@ -60,6 +70,10 @@ def test_the_forward_runs_on_the_engines_compute_stream() -> None:
     assert "self.inputs_and_outputs" in inspect.getsource(cb.continuous_api.ContinuousBatchProcessor.__init__)
     assert "self.batch_processor = batch_processor" in inspect.getsource(
         cb.ContinuousBatchingManager._run_generation_loop
+    )
+    # engine.stats() reads the scheduler's queues through the batch processor.
+    assert "self.scheduler = scheduler" in inspect.getsource(
+        cb.continuous_api.ContinuousBatchProcessor.__init__
     )
 
 
@@ -80,6 +94,9 @@ def test_the_request_states_fields_and_the_output_router() -> None:
     assert {"request_id", "generated_tokens", "error", "timestamps"} <= outputs
     assert callable(GenerationOutput.is_finished)
     assert _params(cb.continuous_api.OutputRouter.fail_and_deliver) == ["self", "state", "error"]
+    # engine.py counts and removes per-request handlers; a request without one goes to the shared queue.
+    assert "self.result_handlers" in inspect.getsource(cb.continuous_api.OutputRouter.__init__)
+    assert "self.output_queue.put" in inspect.getsource(cb.continuous_api.OutputRouter.deliver)
 
 
 def test_the_managers_entry_points() -> None:

@@ -8,6 +8,7 @@ import asyncio
 import copy
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -93,8 +94,25 @@ class Server:
     def client(self) -> Any:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", max_retries=0)
 
-    def async_client(self) -> Any:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", max_retries=0)
+    def async_client(self, timeout: float | None = None) -> Any:
+        return openai.AsyncOpenAI(
+            base_url=self.url + "/v1",
+            api_key=self.api_key or "none",
+            max_retries=0,
+            **({} if timeout is None else {"timeout": timeout}),
+        )
+
+    def metric(self, name: str, **labels: str) -> dict[str, float]:
+        """``{label values: value}`` of every sample of ``name`` in ``/metrics`` whose labels include
+        ``labels`` (a sample without labels under ``""``)."""
+        status, text = self.http("GET", "/metrics")
+        assert status == 200, text
+        found: dict[str, float] = {}
+        for m in re.finditer(rf"^{name}(?:\{{(.*)\}})? (\S+)$", text, re.M):
+            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+            if all(have.get(k) == v for k, v in labels.items()):
+                found[",".join(f"{k}={v}" for k, v in sorted(have.items()))] = float(m.group(2))
+        return found
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -177,7 +195,15 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         root / "lora.log",
     )  # fmt: skip
     plain = Server(
-        ["--model", str(base_dir), "--served-model-name", "tiny", *engine, "--api-key", API_KEY],
+        [
+            "--model",
+            str(base_dir),
+            "--served-model-name",
+            "tiny",
+            *engine,
+            "--api-key",
+            API_KEY,
+        ],
         root / "plain.log",
         api_key=API_KEY,
     )
@@ -470,3 +496,56 @@ def test_an_unload_waits_for_the_adapters_queued_and_running_requests(world: dic
     assert isinstance(refused, openai.NotFoundError)
     assert status == 200, text
     assert "ad09" not in {m.id for m in lora.client().models.list().data}
+
+
+def test_a_client_that_goes_away_cancels_its_request_and_leaves_nothing_behind(world: dict[str, Any]) -> None:
+    """A streamed request closed after its first chunk and a plain one whose client times out, both far
+    from their last token: each is cancelled in the engine (counted ``cancelled``, not answered), and
+    nothing of them stays in the engine's tables or the adapters' counts (``/metrics``)."""
+    lora = world["lora"]
+
+    def cancelled() -> float:
+        return sum(lora.metric("lora_pin_serve_requests_total", outcome="cancelled").values())
+
+    before = cancelled()
+
+    async def run() -> None:
+        client = lora.async_client()
+        stream = await client.completions.create(
+            model="ad02",
+            prompt=_prompt(7),
+            max_tokens=220,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for _ in stream:
+            break
+        await stream.close()
+        impatient = lora.async_client(timeout=0.5)
+        with pytest.raises(openai.APITimeoutError):
+            await impatient.completions.create(
+                model="ad03",
+                prompt=_prompt(8),
+                max_tokens=220,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+        await impatient.close()
+        await client.close()
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 10
+    while True:
+        held = lora.metric("lora_pin_serve_engine_requests")
+        outstanding = lora.metric("lora_pin_serve_requests_outstanding")
+        if not any(held.values()) and not outstanding and cancelled() - before == 2:
+            break
+        assert time.monotonic() < deadline, (held, outstanding, cancelled() - before)
+        time.sleep(0.05)
+    assert set(held) == {f"state={s}" for s in ("queued", "running", "tracked", "result_handlers")}
+    prompt = _prompt(9)
+    r = lora.client().completions.create(
+        model="ad03", prompt=prompt, max_tokens=5, temperature=0, extra_body={"return_token_ids": True}
+    )
+    assert r.choices[0].token_ids == world["oracle"].tokens(prompt, world["dirs"]["ad03"], 5)

@@ -10,6 +10,10 @@
 - ``POST /v1/pin_lora_adapter``, ``/v1/unpin_lora_adapter``: ``{lora_name}``, in vLLM's shapes;
 - ``GET /health`` (200 while the engine's thread runs, 503 if not), ``GET /metrics`` (Prometheus text).
 
+A request whose client goes away before its answer (a closed stream, a timeout, a dropped connection) is
+cancelled in the engine (:meth:`~lora_pin.serve.engine.LoRAEngine.cancel`): its KV-cache pages and its
+adapter's count are released and nothing of it stays behind.
+
 The adapter endpoints exist only with ``allow_runtime_updates`` (as vLLM's exist only when runtime
 updating is allowed): without it they are 404. With ``api_key`` every endpoint needs
 ``Authorization: Bearer <key>`` (401 ``{"error": "Unauthorized"}`` otherwise, vLLM's answer). Errors are
@@ -26,12 +30,13 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from lora_pin.errors import AdapterNotFoundError, DuplicateAdapterError, LoraPinError
 from lora_pin.serve.adapters import AdapterAdmin, AdapterBusyError
@@ -141,7 +146,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(request: Request) -> Any:
         body = await body_of(request)
         prompt_ids = _prompt_ids(state, body.get("prompt"))
-        return await _answer(state, body, prompt_ids, body.get("max_tokens", 16), chat=False)
+        return await _answer(request, body, prompt_ids, body.get("max_tokens", 16), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -158,10 +163,10 @@ def build_app(state: ServerState) -> FastAPI:
         if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "keys"):
             prompt_ids = prompt_ids["input_ids"]
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        return await _answer(state, body, list(prompt_ids), limit or state.default_max_tokens, chat=True)
+        return await _answer(request, body, list(prompt_ids), limit or state.default_max_tokens, chat=True)
 
     async def _answer(
-        state: ServerState, body: dict[str, Any], prompt_ids: list[int], limit: Any, chat: bool
+        request: Request, body: dict[str, Any], prompt_ids: list[int], limit: Any, chat: bool
     ) -> Any:
         adapter = _adapter_of(state, body)
         max_tokens = _max_tokens(state, limit, len(prompt_ids))
@@ -176,10 +181,13 @@ def build_app(state: ServerState) -> FastAPI:
             raise HTTPError(404, UnknownModelError(str(body.get("model"))).args[0], "NotFoundError", "model")
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         answer = _Answer(state, request_id, adapter, body, len(prompt_ids), chat)
-        outputs = _submit(state, request_id, prompt_ids, adapter, max_tokens, body)
+        flight = _submit(state, request_id, prompt_ids, adapter, max_tokens, body)
         if body.get("stream"):
-            return StreamingResponse(answer.stream(outputs), media_type="text/event-stream")
-        return await answer.whole(outputs)
+            return _Stream(answer.stream(flight.outputs()), flight)
+        try:
+            return await _unless_disconnected(answer.whole(flight.outputs()), request)
+        finally:
+            flight.close()
 
     if state.allow_runtime_updates:
         _adapter_routes(app, state, body_of)
@@ -248,16 +256,16 @@ def _submit(
     adapter: str | None,
     max_tokens: int,
     body: dict[str, Any],
-) -> AsyncIterator[Any]:
-    """Queue one request (its count taken by the caller); its outputs, each one cumulative.
+) -> _Flight:
+    """Queue one request (its count taken by the caller).
 
     Raises:
         HTTPError: 503, the engine takes no requests now (it is starting again after an error).
     """
-    queue: asyncio.Queue[Any] = asyncio.Queue()
+    flight = _Flight(state, request_id, adapter)
     engine = state.engine
     try:
-        engine.cb.register_result_handler(request_id, queue.put_nowait)
+        engine.cb.register_result_handler(request_id, flight.queue.put_nowait)
         engine.submit(
             request_id,
             prompt_ids,
@@ -267,27 +275,80 @@ def _submit(
             ignore_eos=bool(body.get("ignore_eos")),
         )
     except RuntimeError as e:
+        engine.cb.output_router.result_handlers.pop(request_id, None)
         state.admin.release(adapter)
         raise HTTPError(503, str(e), "ServiceUnavailable") from e
-    return _outputs(state, queue, request_id, adapter)
+    return flight
 
 
-async def _outputs(
-    state: ServerState, queue: asyncio.Queue[Any], request_id: str, adapter: str | None
-) -> AsyncIterator[Any]:
-    """The engine's outputs for one request until the finished one; then releases the request's count.
-    A request given up by its client is cancelled."""
-    finished = False
+class _Flight:
+    """One request in the engine, from its submission until the server lets it go (:meth:`close`)."""
+
+    def __init__(self, state: ServerState, request_id: str, adapter: str | None) -> None:
+        self.state, self.request_id, self.adapter = state, request_id, adapter
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+        self._closed = False
+
+    async def outputs(self) -> AsyncIterator[Any]:
+        """The engine's outputs, each one cumulative, until the finished one."""
+        try:
+            while not self.finished:
+                output = await self.queue.get()
+                self.finished = output.is_finished()
+                yield output
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Let the request go (again: nothing): cancelled in the engine unless its last output came;
+        its adapter's count released."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.finished:
+            self.state.engine.done(self.request_id)
+        else:
+            self.state.engine.cancel(self.request_id)
+            self.state.metrics.count(self.adapter, "cancelled")
+        self.state.admin.release(self.adapter)
+
+
+class _Stream(StreamingResponse):
+    """A streamed answer that lets its request go however the response ends: the last chunk sent, the
+    client gone (Starlette cancels the response then), or the body never started."""
+
+    def __init__(self, content: AsyncIterator[str], flight: _Flight) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._flight = flight
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._flight.close()
+
+
+async def _unless_disconnected(work: Awaitable[Any], request: Request) -> Any:
+    """``work``'s result, or, should the client go away first, ``work`` cancelled and a 499 that no one
+    reads. Starlette does not cancel a plain (not streamed) endpoint when its client goes away."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        while not finished:
-            output = await queue.get()
-            finished = output.is_finished()
-            yield output
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not finished:
-            state.engine.cb.cancel_request(request_id)
-        state.engine.done(request_id)
-        state.admin.release(adapter)
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (the body is read already: only a disconnect can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class _Answer:

@@ -28,6 +28,11 @@ and it is admitted.
 A request whose adapter failed to read, or was unloaded while it waited, fails alone: it is answered
 with its error and the engine goes on.
 
+A request its client gave up (:meth:`LoRAEngine.cancel`) leaves the engine at the start of the next
+round of its loop, wherever it was (not yet taken in, waiting, running): its KV-cache pages are freed, its
+slot is released with the step that ran it, and the engine forgets it (its record and its result
+handler) once no output of it can come any more. :meth:`LoRAEngine.stats` counts what the engine holds.
+
 On CUDA the engine runs its forward on a stream of its own; the manager's calls are made with that stream
 current, so the forward waits for the step's slot copies and arrays, and later copies wait for it.
 """
@@ -38,6 +43,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +53,7 @@ from lora_pin.errors import AdapterNotFoundError, LoraPinError, StalePlanError
 if TYPE_CHECKING:
     from lora_pin.model import LoRAManager, Step
 
-__all__ = ["EngineConfig", "LoRAEngine"]
+__all__ = ["EngineConfig", "EngineStats", "LoRAEngine"]
 
 # How often the supervisor checks that the engine's generation thread runs.
 _SUPERVISE_INTERVAL_S = 0.2
@@ -75,6 +81,24 @@ class EngineConfig:
         self.max_requests_per_batch = max_requests_per_batch
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine holds now (:meth:`LoRAEngine.stats`), in requests.
+
+    Attributes:
+        queued: submitted and not started (in the engine's waiting queue, or not taken in yet).
+        running: started and not finished (holding KV-cache pages).
+        tracked: requests the engine keeps a record of: submitted and not yet :meth:`~LoRAEngine.done`,
+            or cancelled and not yet let go by the engine.
+        result_handlers: per-request result handlers registered on the engine's output router.
+    """
+
+    queued: int
+    running: int
+    tracked: int
+    result_handlers: int
+
+
 class LoRAEngine:
     """transformers' continuous-batching engine over ``model``, with ``manager``'s adapters per request.
 
@@ -86,7 +110,8 @@ class LoRAEngine:
         eos_token_id: the token(s) that end a request.
 
     Requests go in with :meth:`submit` and come out through the engine's own ``register_result_handler``
-    (``engine.cb``, a ``ContinuousBatchingManager``). Greedy decoding.
+    (``engine.cb``, a ``ContinuousBatchingManager``); :meth:`done` after the last output, :meth:`cancel`
+    when the client gives up before it. Greedy decoding.
 
     Raises:
         ValueError, RuntimeError: from transformers, when the model cannot run continuous batching.
@@ -106,16 +131,19 @@ class LoRAEngine:
         config = config or EngineConfig()
         self.manager = manager
         self._lock = threading.Lock()
+        # Every request from submit() to done(), or to the round after its cancel() that lets it go.
         self._adapter_of: dict[str, str | None] = {}
+        # Those of them the engine's scheduler has taken in, and those cancelled.
+        self._arrived: set[str] = set()
+        self._cancelled: set[str] = set()
         self._step: Step | None = None
         self._index: dict[str, int] = {}
         self._stopping = threading.Event()
         self.restarts = 0
         lora_on = manager is not None
-        scheduler_type = "fifo"
-        if lora_on:
-            scheduler_type = f"lora_pin-{id(self):x}"
-            SCHEDULER_MAPPING[scheduler_type] = _scheduler_class(self, SCHEDULER_MAPPING["fifo"])
+        # Installed with LoRA off too: it lets cancelled requests go.
+        scheduler_type = f"lora_pin-{id(self):x}"
+        SCHEDULER_MAPPING[scheduler_type] = _scheduler_class(self, SCHEDULER_MAPPING["fifo"])
         self._scheduler_type = scheduler_type
         cb_config = ContinuousBatchingConfig(
             scheduler_type=scheduler_type,
@@ -149,6 +177,11 @@ class LoRAEngine:
                 self.restarts += 1
                 log.error("the engine's generation thread ended on an error; starting it again")
                 self._end_step()
+                # The engine failed every request it held and starts with an empty scheduler.
+                with self._lock:
+                    gone = self._cancelled & self._arrived
+                for request_id in gone:
+                    self._forget(request_id)
                 self.cb.start()
 
     def stop(self) -> None:
@@ -158,8 +191,7 @@ class LoRAEngine:
         self._stopping.set()
         if self.cb.is_running():
             self.cb.stop(block=True, timeout=30, hard_stop=True)
-        if self.manager is not None:
-            SCHEDULER_MAPPING.pop(self._scheduler_type, None)
+        SCHEDULER_MAPPING.pop(self._scheduler_type, None)
 
     def is_alive(self) -> bool:
         """Whether the generation thread runs."""
@@ -201,6 +233,59 @@ class LoRAEngine:
         """Forget ``request_id`` (its last output was delivered)."""
         with self._lock:
             self._adapter_of.pop(request_id, None)
+            self._arrived.discard(request_id)
+            self._cancelled.discard(request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Give up ``request_id`` before its last output: the engine drops it at the start of its next
+        round, wherever it is (its KV-cache pages freed, its slot released with the step that ran it),
+        then forgets it and removes its result handler; an output it still makes meanwhile goes to that
+        handler. A request that is done or unknown: nothing happens. Thread-safe."""
+        with self._lock:
+            if request_id not in self._adapter_of:
+                return
+            self._cancelled.add(request_id)
+        # Also wakes the engine's loop, which may be idle: a request that ended unseen is forgotten then.
+        self.cb.cancel_request(request_id)
+
+    def stats(self) -> EngineStats:
+        """The requests the engine holds now (see :class:`EngineStats`); cheap, any thread."""
+        processor = self.cb.batch_processor
+        scheduler = None if processor is None else processor.scheduler
+        waiting = 0 if scheduler is None else len(scheduler.waiting_requests)
+        running = 0 if scheduler is None else len(scheduler.active_requests)
+        with self._lock:
+            tracked = len(self._adapter_of)
+            not_taken_in = tracked - len(self._arrived) - len(self._cancelled - self._arrived)
+        return EngineStats(
+            queued=max(0, not_taken_in) + waiting,
+            running=running,
+            tracked=tracked,
+            result_handlers=len(self.cb.output_router.result_handlers),
+        )
+
+    def _forget(self, request_id: str) -> None:
+        """Drop every record of ``request_id``: the engine holds it no more and makes no output of it."""
+        self.done(request_id)
+        self.cb.output_router.result_handlers.pop(request_id, None)
+
+    # ---- cancellation (runs on the engine's thread) ------------------------------------------------
+
+    def _taken_in(self, request_id: str) -> None:
+        """The engine's scheduler took ``request_id`` into its waiting queue."""
+        with self._lock:
+            if request_id in self._adapter_of:
+                self._arrived.add(request_id)
+
+    def _drop_cancelled(self, scheduler: Any) -> list[str]:
+        """Mark the cancelled requests the scheduler holds for its own removal, which follows; returns
+        every cancelled request it has taken in (the engine forgets them after the removal)."""
+        with self._lock:
+            gone = list(self._cancelled & self._arrived)
+        for request_id in gone:
+            if request_id in scheduler.active_requests or request_id in scheduler.waiting_requests:
+                scheduler.set_request_cancellation(request_id)
+        return gone
 
     # ---- the scheduler's side (runs on the engine's thread) -------------------------------------------
 
@@ -230,7 +315,8 @@ class LoRAEngine:
 
     def _admit(self, scheduler: Any, candidates: list[Any], removed: set[str]) -> list[Any]:
         """The candidates lora_pin admits this step, oldest first; fails those whose adapter is gone."""
-        assert self.manager is not None
+        if self.manager is None:
+            return candidates
         self._end_step()
         with self._lock:
             adapters = [self._adapter_of.get(s.request_id) for s in candidates]
@@ -301,10 +387,18 @@ def _scheduler_class(engine: LoRAEngine, base: type[Any]) -> type[Any]:
 
     class LoRAScheduler(base):  # type: ignore[misc, valid-type]
         def clear_cancelled_requests(self) -> list[Any]:
-            # Called first in every round of the engine's loop: the last step's forward and update are over.
+            # Called first in every round of the engine's loop: the last step's forward and update are
+            # over, and its outputs delivered, so no output of a request removed now can come any more.
             engine._end_step()
+            gone = engine._drop_cancelled(self)
             cancelled: list[Any] = super().clear_cancelled_requests()
+            for request_id in gone:
+                engine._forget(request_id)
             return cancelled
+
+        def add_waiting_request(self, state: Any) -> None:
+            super().add_waiting_request(state)
+            engine._taken_in(state.request_id)
 
         def _process_candidates(
             self, candidates: list[Any], token_budget: int, cache_budget: int, removed: set[str]

@@ -2,11 +2,15 @@
 
 Besides :class:`~lora_pin.metrics.LoRAMetricsCollector`'s metrics (slots, tiers, loads, evictions ...):
 
-- ``lora_pin_serve_requests_total{adapter, outcome}``: requests answered (``ok``, ``error``);
+- ``lora_pin_serve_requests_total{adapter, outcome}``: requests answered (``ok``, ``error``), given up by
+  their client before the answer (``cancelled``);
 - ``lora_pin_serve_time_to_first_token_seconds{adapter}``: histogram, from acceptance to the first token;
 - ``lora_pin_serve_time_per_output_token_seconds{adapter}``: histogram, the mean gap between a request's
   later tokens;
-- ``lora_pin_serve_requests_outstanding{adapter}``: queued and running requests now.
+- ``lora_pin_serve_requests_outstanding{adapter}``: queued and running requests now;
+- ``lora_pin_serve_engine_requests{state}``: what the engine holds now
+  (:class:`~lora_pin.serve.engine.EngineStats`): ``queued``, ``running``, ``tracked`` (its per-request
+  records), ``result_handlers``.
 
 ``adapter`` is the adapter's name, ``__base__`` for the base model, and ``__other__`` for adapters past the
 series cap (``max_adapters`` distinct names get their own series, first come first served), so thousands of
@@ -23,6 +27,7 @@ from lora_pin.metrics import DEFAULT_MAX_ADAPTERS, LoRAMetricsCollector
 
 if TYPE_CHECKING:
     from lora_pin.model import LoRAManager
+    from lora_pin.serve.engine import EngineStats
 
 __all__ = ["BASE_LABEL", "OTHER_LABEL", "ServeMetrics"]
 
@@ -38,6 +43,7 @@ class ServeMetrics:
         manager: the LoRA manager (None: LoRA off, only the request metrics).
         outstanding: returns the queued and running requests per adapter at each scrape.
         max_adapters: the cap on distinct adapter labels.
+        engine_stats: returns what the engine holds, at each scrape (None: not exported).
     """
 
     def __init__(
@@ -45,6 +51,7 @@ class ServeMetrics:
         manager: LoRAManager | None,
         outstanding: Callable[[], dict[str, int]],
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
+        engine_stats: Callable[[], EngineStats] | None = None,
     ) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -52,6 +59,8 @@ class ServeMetrics:
         if manager is not None:
             self.registry.register(LoRAMetricsCollector(manager, max_adapters=max_adapters))
         self.registry.register(_Outstanding(outstanding, self.label))
+        if engine_stats is not None:
+            self.registry.register(_EngineRequests(engine_stats))
         self._max_adapters = max_adapters
         self._labels: set[str] = set()
         self._lock = threading.Lock()
@@ -94,6 +103,10 @@ class ServeMetrics:
         if tpot is not None:
             self.tpot.labels(label).observe(tpot)
 
+    def count(self, adapter: str | None, outcome: str) -> None:
+        """Count one request that got no answer: ``cancelled`` by its client."""
+        self.requests.labels(self.label(adapter), outcome).inc()
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         from prometheus_client import generate_latest
@@ -120,4 +133,23 @@ class _Outstanding:
             by_label[label] = by_label.get(label, 0) + count
         for label, count in sorted(by_label.items()):
             family.add_metric([label], count)
+        yield family
+
+
+class _EngineRequests:
+    """``lora_pin_serve_engine_requests{state}``, read at each scrape."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        from dataclasses import asdict
+
+        from prometheus_client.core import GaugeMetricFamily
+
+        family = GaugeMetricFamily(
+            "lora_pin_serve_engine_requests", "Requests the engine holds, by state", labels=["state"]
+        )
+        for state, count in asdict(self._stats()).items():
+            family.add_metric([state], count)
         yield family
