@@ -157,7 +157,7 @@ class Oracle:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The model, its adapters (and spares to load at run time), the oracle, and two servers: ``lora``
     (12 adapters over 4 slots and an 8-adapter host tier, runtime updates allowed under the adapter root)
-    and ``plain`` (LoRA off, an API key, no runtime updates)."""
+    and ``plain`` (LoRA off, an API key, no runtime updates, at most 2 requests queued)."""
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("serve")
@@ -203,6 +203,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             *engine,
             "--api-key",
             API_KEY,
+            "--max-queued-requests",
+            "2",
         ],
         root / "plain.log",
         api_key=API_KEY,
@@ -549,3 +551,45 @@ def test_a_client_that_goes_away_cancels_its_request_and_leaves_nothing_behind(w
         model="ad03", prompt=prompt, max_tokens=5, temperature=0, extra_body={"return_token_ids": True}
     )
     assert r.choices[0].token_ids == world["oracle"].tokens(prompt, world["dirs"]["ad03"], 5)
+
+
+def test_past_max_queued_requests_a_request_is_refused_with_503_and_retry_after(
+    world: dict[str, Any],
+) -> None:
+    """``plain`` lets at most 2 requests wait for the engine to start them. 16 at once, each a prefill of
+    most of a step's token budget (so the engine starts about one a step): the ones past the bound get
+    SGLang's answer, 503 "The request queue is full." in OpenAI's error shape with ``Retry-After``; the
+    others their own tokens; and the server answers on."""
+    plain, oracle = world["plain"], world["oracle"]
+    prompts = [_prompt(40 + i, length=60) for i in range(16)]
+
+    def refused() -> float:
+        return sum(plain.metric("lora_pin_serve_requests_total", outcome="refused").values())
+
+    before = refused()
+
+    async def run() -> list[Any]:
+        client = plain.async_client()
+        results = await asyncio.gather(
+            *(_complete(client, "tiny", p, 3, False) for p in prompts), return_exceptions=True
+        )
+        await client.close()
+        return results
+
+    results = asyncio.run(run())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert errors, "no request was refused: the bound was never reached"
+    for e in errors:
+        assert isinstance(e, openai.InternalServerError) and e.status_code == 503, e
+        assert e.response.headers["retry-after"] == "1"
+        assert e.response.json()["error"] == {
+            "message": "The request queue is full.",
+            "type": "ServiceUnavailable",
+            "param": None,
+            "code": 503,
+        }
+    for prompt, result in zip(prompts, results, strict=True):
+        if not isinstance(result, BaseException):
+            assert result[0] == oracle.tokens(prompt, None, 3)
+    assert refused() - before == len(errors)
+    assert plain.client().completions.create(model="tiny", prompt=prompts[0], max_tokens=3).choices

@@ -11,6 +11,7 @@ from typing import Any
 from lora_pin.args import add_lora_args, lora_config_from_args
 from lora_pin.cli._model_dir import local_model_dir
 from lora_pin.errors import SpecError
+from lora_pin.serve import DEFAULT_MAX_QUEUED_REQUESTS
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -102,6 +103,14 @@ def add_parser(subparsers: Any) -> None:
         help="largest request body (default 4 MiB)",
     )
     p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=DEFAULT_MAX_QUEUED_REQUESTS,
+        metavar="N",
+        help="requests that may wait for the engine to start them; past it a new one gets 503 with "
+        "Retry-After (default %(default)s)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),
@@ -128,6 +137,8 @@ def build_server(args: argparse.Namespace) -> Any:
     from lora_pin.serve.metrics import ServeMetrics
 
     model_dir = local_model_dir(args.model)
+    if args.max_queued_requests < 1:
+        raise SpecError(f"--max-queued-requests must be at least 1 (got {args.max_queued_requests})")
     if args.allow_runtime_lora_updating and not args.lora_root:
         raise SpecError(
             "--allow-runtime-lora-updating needs --lora-root: the folders adapters may be loaded from"
@@ -169,13 +180,14 @@ def build_server(args: argparse.Namespace) -> Any:
         engine=engine,
         tokenizer=tokenizer,
         admin=admin,
-        metrics=ServeMetrics(manager, admin.outstanding),
+        metrics=ServeMetrics(manager, admin.outstanding, engine_stats=engine.stats),
         base_name=args.served_model_name or str(args.model),
         max_model_len=max_len,
         api_key=args.api_key,
         allow_runtime_updates=args.allow_runtime_lora_updating,
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens,
+        max_queued_requests=args.max_queued_requests,
     )
     engine.start()
     return state

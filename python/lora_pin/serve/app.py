@@ -12,7 +12,9 @@
 
 A request whose client goes away before its answer (a closed stream, a timeout, a dropped connection) is
 cancelled in the engine (:meth:`~lora_pin.serve.engine.LoRAEngine.cancel`): its KV-cache pages and its
-adapter's count are released and nothing of it stays behind.
+adapter's count are released and nothing of it stays behind. At most ``max_queued_requests`` requests wait
+for the engine to start them; past that a new one is refused at once with 503 and ``Retry-After``
+(SGLang's ``--max-queued-requests``, its status and message), so a flood cannot grow the server's memory.
 
 The adapter endpoints exist only with ``allow_runtime_updates`` (as vLLM's exist only when runtime
 updating is allowed): without it they are 404. With ``api_key`` every endpoint needs
@@ -39,6 +41,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.types import Receive, Scope, Send
 
 from lora_pin.errors import AdapterNotFoundError, DuplicateAdapterError, LoraPinError
+from lora_pin.serve import DEFAULT_MAX_QUEUED_REQUESTS
 from lora_pin.serve.adapters import AdapterAdmin, AdapterBusyError
 from lora_pin.serve.naming import UnknownModelError, requested_adapter
 
@@ -46,9 +49,11 @@ if TYPE_CHECKING:
     from lora_pin.serve.engine import LoRAEngine
     from lora_pin.serve.metrics import ServeMetrics
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "ServerState", "build_app"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "QUEUE_FULL_RETRY_AFTER_S", "ServerState", "build_app"]
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+# The ``Retry-After`` of a refusal for a full queue: a step or a few free room.
+QUEUE_FULL_RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -66,6 +71,7 @@ class ServerState:
         allow_runtime_updates: whether the adapter endpoints exist.
         max_body_bytes: the largest request body.
         default_max_tokens: a chat request's output limit when it sets none.
+        max_queued_requests: the most requests waiting for the engine to start them; past it, 503.
     """
 
     engine: LoRAEngine
@@ -78,19 +84,30 @@ class ServerState:
     allow_runtime_updates: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_max_tokens: int = 256
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
 
 
 class HTTPError(Exception):
-    """An answer in OpenAI's error shape."""
+    """An answer in OpenAI's error shape (``headers``: extra response headers)."""
 
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError", param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "BadRequestError",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.headers = headers
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None) -> Any:
+def _error(
+    status: int, message: str, kind: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> Any:
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -108,7 +125,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(HTTPError)
     async def http_error(request: Request, exc: HTTPError) -> Any:
-        return _error(exc.status, exc.message, exc.kind, exc.param)
+        return _error(exc.status, exc.message, exc.kind, exc.param, exc.headers)
 
     async def body_of(request: Request) -> dict[str, Any]:
         data = bytearray()
@@ -176,6 +193,14 @@ def build_app(state: ServerState) -> FastAPI:
         if temperature is not None and (not isinstance(temperature, (int, float)) or temperature > 0):
             raise HTTPError(
                 400, "this server decodes greedily: temperature must be 0 or unset", param="temperature"
+            )
+        if state.engine.stats().queued >= state.max_queued_requests:
+            state.metrics.count(adapter, "refused")
+            raise HTTPError(
+                503,
+                "The request queue is full.",
+                "ServiceUnavailable",
+                headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
             )
         if not state.admin.acquire(adapter):
             raise HTTPError(404, UnknownModelError(str(body.get("model"))).args[0], "NotFoundError", "model")

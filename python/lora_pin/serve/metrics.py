@@ -3,14 +3,14 @@
 Besides :class:`~lora_pin.metrics.LoRAMetricsCollector`'s metrics (slots, tiers, loads, evictions ...):
 
 - ``lora_pin_serve_requests_total{adapter, outcome}``: requests answered (``ok``, ``error``), given up by
-  their client before the answer (``cancelled``);
+  their client before the answer (``cancelled``), refused for a full queue (``refused``);
 - ``lora_pin_serve_time_to_first_token_seconds{adapter}``: histogram, from acceptance to the first token;
 - ``lora_pin_serve_time_per_output_token_seconds{adapter}``: histogram, the mean gap between a request's
   later tokens;
 - ``lora_pin_serve_requests_outstanding{adapter}``: queued and running requests now;
 - ``lora_pin_serve_engine_requests{state}``: what the engine holds now
-  (:class:`~lora_pin.serve.engine.EngineStats`): ``queued``, ``running``, ``tracked`` (its per-request
-  records), ``result_handlers``.
+  (:class:`~lora_pin.serve.engine.EngineStats`): ``queued`` (the queue ``--max-queued-requests`` bounds),
+  ``running``, ``tracked`` (its per-request records), ``result_handlers``.
 
 ``adapter`` is the adapter's name, ``__base__`` for the base model, and ``__other__`` for adapters past the
 series cap (``max_adapters`` distinct names get their own series, first come first served), so thousands of
@@ -104,7 +104,7 @@ class ServeMetrics:
             self.tpot.labels(label).observe(tpot)
 
     def count(self, adapter: str | None, outcome: str) -> None:
-        """Count one request that got no answer: ``cancelled`` by its client."""
+        """Count one request that got no answer: ``cancelled`` by its client, ``refused`` at the door."""
         self.requests.labels(self.label(adapter), outcome).inc()
 
     def render(self) -> bytes:
