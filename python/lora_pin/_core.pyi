@@ -6,6 +6,7 @@ __all__ = [
     "EVICTION_POLICIES",
     "MAX_ADAPTER_RANK",
     "MAX_SLOTS",
+    "OVERDUE_AFTER",
     "CpuSgmvPlan",
     "FetchPlan",
     "LoRARef",
@@ -32,6 +33,7 @@ __all__ = [
 __version__: str
 MAX_SLOTS: int
 MAX_ADAPTER_RANK: int
+OVERDUE_AFTER: int
 EVICTION_POLICIES: tuple[str, ...]
 
 @final

@@ -37,6 +37,7 @@ pub mod _core {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add("MAX_SLOTS", crate::limits::MAX_SLOTS)?;
         m.add("MAX_ADAPTER_RANK", crate::limits::MAX_ADAPTER_RANK)?;
+        m.add("OVERDUE_AFTER", crate::limits::OVERDUE_AFTER)?;
         m.add("EVICTION_POLICIES", pyo3::types::PyTuple::new(m.py(), crate::policy::POLICY_NAMES)?)
     }
 }

@@ -1,5 +1,6 @@
-"""lora_pin inside transformers' continuous-batching engine, below HTTP: fairness of deferred requests,
-and an engine that serves on after an error inside a step."""
+"""lora_pin inside transformers' continuous-batching engine, below HTTP: the order requests are admitted
+in (pinned adapters' first, deferred ones within the age bound), and an engine that serves on after an
+error inside a step."""
 
 from __future__ import annotations
 
@@ -17,9 +18,14 @@ from lora_pin.serve.engine import EngineConfig, LoRAEngine
 POISON = 127
 
 
-@pytest.fixture
-def engine(tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path) -> Iterator[LoRAEngine]:
-    """Three adapters over two slots, on a fresh copy of the tiny Llama."""
+def _engine(
+    tiny_llama_dir: Path,
+    make_adapters: Any,
+    tmp_path: Path,
+    pinned: tuple[str, ...] = (),
+    max_requests_per_batch: int | None = None,
+) -> Iterator[LoRAEngine]:
+    """Adapters a, b, c (``pinned`` ones pinned) over two slots, on a fresh copy of the tiny Llama."""
     from transformers import AutoModelForCausalLM
 
     dirs = make_adapters(
@@ -31,9 +37,14 @@ def engine(tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path) -> Iterator
     )
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
     manager = LoRAManager(model, [f"{n}={d}" for n, d in dirs.items()], max_loras_per_batch=2)
+    for name in pinned:
+        manager.pin(name)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    eng = LoRAEngine(model, manager, EngineConfig(num_blocks=64, page_size=16, max_batch_tokens=256))
+    config = EngineConfig(
+        num_blocks=64, page_size=16, max_batch_tokens=256, max_requests_per_batch=max_requests_per_batch
+    )
+    eng = LoRAEngine(model, manager, config)
     eng.start()
     try:
         yield eng
@@ -41,6 +52,18 @@ def engine(tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path) -> Iterator
         eng.stop()
         manager.detach()
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def engine(tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path) -> Iterator[LoRAEngine]:
+    """Three adapters over two slots."""
+    yield from _engine(tiny_llama_dir, make_adapters, tmp_path)
+
+
+@pytest.fixture
+def narrow_engine(tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path) -> Iterator[LoRAEngine]:
+    """Three adapters over two slots, ``a`` pinned, at most two requests a step: requests queue."""
+    yield from _engine(tiny_llama_dir, make_adapters, tmp_path, pinned=("a",), max_requests_per_batch=2)
 
 
 def _results(eng: LoRAEngine, ids: list[str], timeout: float = 60.0) -> dict[str, Any]:
@@ -56,19 +79,39 @@ def _results(eng: LoRAEngine, ids: list[str], timeout: float = 60.0) -> dict[str
     return results
 
 
-def test_a_request_deferred_for_a_slot_is_not_overtaken_by_younger_ones(engine: LoRAEngine) -> None:
-    """Two slots, adapters a and b busy: c's request waits for a slot. Younger requests for a and b would
-    fit the slots a and b hold, and without the rule would keep running ahead of it."""
-    order = ["a1", "b1", "c1", "a2", "b2", "a3", "b3", "a4", "b4"]
+def test_a_deferred_request_waits_for_younger_resident_ones_at_most_overdue_after_rounds(
+    narrow_engine: LoRAEngine,
+) -> None:
+    """Two requests a step, b holding the one free slot with a stream of younger b requests behind it:
+    c1 needs the slot. The b requests cost no load and go first, but c1 is overdue after
+    ``OVERDUE_AFTER`` rounds and goes first then, so it finishes before most of them (served strictly
+    by cost, it would finish after all of them)."""
+    order = ["b1", "c1", *(f"b{i}" for i in range(2, 10))]
     for i, rid in enumerate(order):
-        engine.submit(rid, [5 + i, 40, 60, 70, 9], rid[0], max_new_tokens=6, streaming=False)
-    done = _results(engine, order)
+        narrow_engine.submit(rid, [5 + i, 40, 60, 70, 9], rid[0], max_new_tokens=6, streaming=False)
+    done = _results(narrow_engine, order)
     finished = done["order"]
     assert all(done[r].error is None for r in order)
     younger = order[order.index("c1") + 1 :]
     overtaken_by = [r for r in younger if finished.index(r) < finished.index("c1")]
-    # c1 shares its wave with at most one younger request (the one admitted into the other slot).
-    assert len(overtaken_by) <= 1, finished
+    assert len(overtaken_by) <= len(younger) // 2, finished
+
+
+def test_a_pinned_adapters_request_goes_before_older_ones_that_wait_for_a_slot(
+    narrow_engine: LoRAEngine,
+) -> None:
+    """Two requests a step, one free slot, b and c requests queued (each waits for the slot, or for the
+    step's room): a request for the pinned adapter a, submitted last, needs no slot and costs no load, so
+    it starts in the next round and finishes before most of them (in arrival order it would be last)."""
+    queued = [f"{n}{i}" for i in range(1, 5) for n in "bc"]
+    for i, rid in enumerate(queued):
+        narrow_engine.submit(rid, [5 + i, 40, 60, 70, 9], rid[0], max_new_tokens=6, streaming=False)
+    time.sleep(0.05)
+    narrow_engine.submit("a1", [9, 40, 60, 70, 9], "a", max_new_tokens=6, streaming=False)
+    done = _results(narrow_engine, [*queued, "a1"])
+    finished = done["order"]
+    assert all(done[r].error is None for r in [*queued, "a1"])
+    assert finished.index("a1") <= 3, finished
 
 
 def test_the_engine_serves_on_after_an_error_in_a_step(engine: LoRAEngine) -> None:

@@ -19,11 +19,17 @@ What the integration turns off while LoRA is on, and why:
 - asynchronous batching: a step's segments must be those of the batch the forward runs, and async
   batching prepares the next batch while the last one runs.
 
-Fairness: the engine offers its candidates oldest first (running requests, then waiting ones in
-arrival order). Once a waiting request is deferred for want of a slot, no younger waiting request that
-needs an adapter starts in that step (base-model requests still do: they hold no slot), so a deferred
-request is not overtaken again and again by younger ones: the running ones finish, their slots free up,
-and it is admitted.
+Order and fairness: the engine offers its candidates running requests first, then waiting ones in
+arrival order. lora_pin offers the waiting ones in four ranks, each in arrival order: first those that
+have waited ``OVERDUE_AFTER`` rounds or more (the core's age bound, the same number), then pinned
+adapters', then those that cost no load (an adapter's already in a device slot, the base model's), then
+the rest. So pinned adapters' requests do not queue behind requests that wait for a slot or a read, and no
+request waits more than ``OVERDUE_AFTER`` rounds behind younger ones: the core admits an adapter
+deferred that long before the others, and its request then goes first in the engine's token budget.
+Once a waiting request is deferred for want of a slot, no request after it in that order that needs an
+adapter starts in that step (base-model requests still do: they hold no slot), so a deferred request is
+not overtaken again and again by the later ones of its rank: the running ones finish, their slots free
+up, and it is admitted.
 
 A request whose adapter failed to read, or was unloaded while it waited, fails alone: it is answered
 with its error and the engine goes on.
@@ -48,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lora_pin._core import OVERDUE_AFTER
 from lora_pin.errors import AdapterNotFoundError, LoraPinError, StalePlanError
 
 if TYPE_CHECKING:
@@ -138,6 +145,8 @@ class LoRAEngine:
         self._cancelled: set[str] = set()
         self._step: Step | None = None
         self._index: dict[str, int] = {}
+        # Waiting requests -> the rounds of admission they were offered in and did not start.
+        self._rounds: dict[str, int] = {}
         self._stopping = threading.Event()
         self.restarts = 0
         lora_on = manager is not None
@@ -313,13 +322,41 @@ class LoRAEngine:
             # Cannot happen while unloads wait for steps; logged rather than silently ignored.
             log.error("a step's slot was rewritten while it ran: %s", e)
 
+    def _offer_order(self, candidates: list[Any], adapters: list[str | None]) -> list[int]:
+        """The order lora_pin offers ``candidates`` in (indices): running ones as given, then waiting
+        ones overdue, then pinned adapters', then those that cost no load (an adapter's in a device slot,
+        the base model's), then the rest, each rank in the given (arrival) order. Counts the rounds each
+        waiting request is offered in."""
+        assert self.manager is not None
+        stats = self.manager.registry.stats()
+        pinned = set(stats["pinned_names"])
+        resident = {*stats["device"]["resident"], None}
+        rounds = {}
+        ranked = []
+        for i, (state, name) in enumerate(zip(candidates, adapters, strict=True)):
+            if state.status.name != "PENDING":
+                ranked.append((0, i))
+                continue
+            waited = self._rounds.get(state.request_id, 0)
+            rounds[state.request_id] = waited + 1
+            overdue = waited >= OVERDUE_AFTER
+            ranked.append((1 if overdue else 2 if name in pinned else 3 if name in resident else 4, i))
+        # Started requests (and gone ones) leave the count: only this round's waiting ones stay.
+        self._rounds = rounds
+        ranked.sort()
+        return [i for _, i in ranked]
+
     def _admit(self, scheduler: Any, candidates: list[Any], removed: set[str]) -> list[Any]:
-        """The candidates lora_pin admits this step, oldest first; fails those whose adapter is gone."""
+        """The candidates lora_pin admits this step, in the order it offers them (see the module's
+        docs); fails those whose adapter is gone."""
         if self.manager is None:
             return candidates
         self._end_step()
         with self._lock:
             adapters = [self._adapter_of.get(s.request_id) for s in candidates]
+        order = self._offer_order(candidates, adapters)
+        candidates = [candidates[i] for i in order]
+        adapters = [adapters[i] for i in order]
         registry = self.manager.registry
         kept: list[Any] = []
         names: list[str | None] = []
