@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lora_pin import LoRAManager
-from lora_pin.serve.engine import EngineConfig, LoRAEngine
+from lora_pin.serve.engine import EngineConfig, EngineStats, LoRAEngine
 
 POISON = 127
 
@@ -112,6 +112,31 @@ def test_a_pinned_adapters_request_goes_before_older_ones_that_wait_for_a_slot(
     finished = done["order"]
     assert all(done[r].error is None for r in [*queued, "a1"])
     assert finished.index("a1") <= 3, finished
+
+
+def test_a_cancelled_request_leaves_the_engine_wherever_it_was(narrow_engine: LoRAEngine) -> None:
+    """Two requests a step: a running request and a waiting one are cancelled; both leave the engine
+    without an output, the others finish whole, and once they are done the engine holds nothing."""
+    engine = narrow_engine
+    ids = [f"r{i}" for i in range(6)]
+    for i, rid in enumerate(ids):
+        engine.submit(rid, [5 + i, 40, 60, 70, 9], "b" if i % 2 else None, max_new_tokens=30, streaming=False)
+    deadline = time.monotonic() + 30
+    while engine.stats().running < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats().queued >= 1
+    engine.cancel("r0")  # running: it was offered first
+    engine.cancel("r5")  # waiting: two requests a step, and it is offered last
+    kept = ["r1", "r2", "r3", "r4"]
+    done = _results(engine, kept)
+    assert all(done[r].error is None and len(done[r].generated_tokens) == 30 for r in kept)
+    assert engine.cb.get_result(timeout=0.5) is None  # nothing of r0 or r5 came out
+    for rid in kept:
+        engine.done(rid)
+    deadline = time.monotonic() + 5
+    while engine.stats() != EngineStats(0, 0, 0, 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.stats() == EngineStats(0, 0, 0, 0)
 
 
 def test_the_engine_serves_on_after_an_error_in_a_step(engine: LoRAEngine) -> None:

@@ -21,11 +21,12 @@ What the integration turns off while LoRA is on, and why:
 
 Order and fairness: the engine offers its candidates running requests first, then waiting ones in
 arrival order. lora_pin offers the waiting ones in four ranks, each in arrival order: first those that
-have waited ``OVERDUE_AFTER`` rounds or more (the core's age bound, the same number), then pinned
-adapters', then those that cost no load (an adapter's already in a device slot, the base model's), then
-the rest. So pinned adapters' requests do not queue behind requests that wait for a slot or a read, and no
-request waits more than ``OVERDUE_AFTER`` rounds behind younger ones: the core admits an adapter
-deferred that long before the others, and its request then goes first in the engine's token budget.
+younger requests overtook in ``OVERDUE_AFTER`` rounds or more (the core's age bound, the same number),
+then pinned adapters', then those that cost no load (an adapter's already in a device slot, the base
+model's), then the rest. So pinned adapters' requests do not queue behind requests that wait for a slot
+or a read, and no request is passed over by younger ones in more than ``OVERDUE_AFTER`` rounds: then it
+goes first in the engine's token budget (and the core admits an adapter deferred that long before the
+others). A queue served in arrival order overtakes no one, so waiting alone makes no request overdue.
 Once a waiting request is deferred for want of a slot, no request after it in that order that needs an
 adapter starts in that step (base-model requests still do: they hold no slot), so a deferred request is
 not overtaken again and again by the later ones of its rank: the running ones finish, their slots free
@@ -145,8 +146,10 @@ class LoRAEngine:
         self._cancelled: set[str] = set()
         self._step: Step | None = None
         self._index: dict[str, int] = {}
-        # Waiting requests -> the rounds of admission they were offered in and did not start.
-        self._rounds: dict[str, int] = {}
+        # Waiting requests -> the rounds in which a younger waiting request started and they did not.
+        self._overtaken: dict[str, int] = {}
+        # This round's waiting requests, in arrival order.
+        self._waiting: list[str] = []
         self._stopping = threading.Event()
         self.restarts = 0
         lora_on = manager is not None
@@ -324,25 +327,28 @@ class LoRAEngine:
 
     def _offer_order(self, candidates: list[Any], adapters: list[str | None]) -> list[int]:
         """The order lora_pin offers ``candidates`` in (indices): running ones as given, then waiting
-        ones overdue, then pinned adapters', then those that cost no load (an adapter's in a device slot,
-        the base model's), then the rest, each rank in the given (arrival) order. Counts the rounds each
-        waiting request is offered in."""
+        ones overdue (overtaken by younger ones in ``OVERDUE_AFTER`` rounds), then pinned adapters', then
+        those that cost no load (an adapter's in a device slot, the base model's), then the rest, each
+        rank in the given (arrival) order."""
         assert self.manager is not None
         stats = self.manager.registry.stats()
         pinned = set(stats["pinned_names"])
         resident = {*stats["device"]["resident"], None}
-        rounds = {}
+        counts: dict[str, int] = {}
+        waiting: list[str] = []
         ranked = []
         for i, (state, name) in enumerate(zip(candidates, adapters, strict=True)):
             if state.status.name != "PENDING":
                 ranked.append((0, i))
                 continue
-            waited = self._rounds.get(state.request_id, 0)
-            rounds[state.request_id] = waited + 1
-            overdue = waited >= OVERDUE_AFTER
+            overtaken = self._overtaken.get(state.request_id, 0)
+            counts[state.request_id] = overtaken
+            waiting.append(state.request_id)
+            overdue = overtaken >= OVERDUE_AFTER
             ranked.append((1 if overdue else 2 if name in pinned else 3 if name in resident else 4, i))
         # Started requests (and gone ones) leave the count: only this round's waiting ones stay.
-        self._rounds = rounds
+        self._overtaken = counts
+        self._waiting = waiting
         ranked.sort()
         return [i for _, i in ranked]
 
@@ -398,9 +404,15 @@ class LoRAEngine:
         return chosen
 
     def _run(self, scheduled: list[Any]) -> None:
-        """Tell the manager the batch the engine built: its requests in order, with its token counts."""
+        """Tell the manager the batch the engine built: its requests in order, with its token counts.
+        Counts a round against each waiting request that a younger one overtook."""
         if self._step is None or self.manager is None or not scheduled:
             return
+        started = {f.state.request_id for f in scheduled}
+        youngest = max((i for i, r in enumerate(self._waiting) if r in started), default=-1)
+        for request_id in self._waiting[:youngest]:
+            if request_id not in started:
+                self._overtaken[request_id] += 1
         with self._forward_stream():
             self.manager.run_subset(
                 self._step,
