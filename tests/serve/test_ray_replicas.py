@@ -155,15 +155,15 @@ def _replicas() -> dict[str, dict[str, Any]]:
 
 def _complete(url: str, model: str, prompt: list[int], max_tokens: int = 6) -> tuple[list[int], str]:
     """One completion over HTTP: its token ids and the replica that answered (its header)."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    raw = client.completions.with_raw_response.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0,
-        extra_body={"return_token_ids": True},
-    )
-    return list(raw.parse().choices[0].token_ids), raw.headers["x-lora-pin-replica"]
+    with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client:
+        raw = client.completions.with_raw_response.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        return list(raw.parse().choices[0].token_ids), raw.headers["x-lora-pin-replica"]
 
 
 def _prompt(i: int) -> list[int]:
@@ -208,7 +208,8 @@ def test_one_adapters_requests_stay_on_one_replica_until_it_spills(world: dict[s
             )
             return str(raw.headers["x-lora-pin-replica"])
 
-        return set(await asyncio.gather(*(one(i) for i in range(3 * QUEUE_BOUND))))
+        async with client:
+            return set(await asyncio.gather(*(one(i) for i in range(3 * QUEUE_BOUND))))
 
     # More requests at once than one replica's queue bound: the rest spill to the other replica.
     assert len(asyncio.run(burst())) == 2
