@@ -29,3 +29,5 @@ def test_bad_replica_settings_are_refused_before_a_cluster_starts() -> None:
         ray_app({"flags": "--model /m --replicas 2 --replica-queue-bound 0"})
     with pytest.raises(ValueError, match="replica_cpus"):
         ray_app({"flags": "--model /m --replicas 2 --replica-cpus 0"})
+    with pytest.raises(ValueError, match="replica_gpus"):
+        ray_app({"flags": "--model /m --replicas 2 --replica-gpus -1"})

@@ -124,6 +124,13 @@ def add_parser(subparsers: Any) -> None:
         help="Ray's logical CPUs per replica (default %(default)s)",
     )
     replicas.add_argument(
+        "--replica-gpus",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="GPUs per replica; Ray gives each replica its own devices (default %(default)s: CPU)",
+    )
+    replicas.add_argument(
         "--replica-queue-bound",
         type=int,
         default=8,
@@ -262,5 +269,6 @@ def ray_app(options: dict[str, str]) -> Any:
         build_server,
         replicas=max(1, args.replicas),
         replica_cpus=args.replica_cpus,
+        replica_gpus=args.replica_gpus,
         queue_bound=args.replica_queue_bound,
     )

@@ -39,6 +39,7 @@ def build_application(
     *,
     replicas: int,
     replica_cpus: float = 0.5,
+    replica_gpus: float = 0.0,
     queue_bound: int = 8,
     max_ongoing_requests: int = 64,
 ) -> Any:
@@ -50,18 +51,25 @@ def build_application(
         build_state: ``lora_pin.cli.serve_cmd.build_server`` (model, manager, engine started).
         replicas: how many replicas (>= 1).
         replica_cpus: Ray's logical CPUs each replica claims (fractional on small machines).
+        replica_gpus: GPUs each replica claims (Ray then gives it those devices alone); 0 on CPU.
         queue_bound: a replica's queued and running requests at which requests spill to the next choice.
         max_ongoing_requests: Ray Serve's own limit per replica (requests past it wait in the ingress).
 
     Raises:
-        ValueError: ``replicas`` or ``queue_bound`` below 1, ``replica_cpus`` not positive, or
-            ``max_ongoing_requests`` below ``queue_bound``.
+        ValueError: ``replicas`` or ``queue_bound`` below 1, ``replica_cpus`` not positive,
+            ``replica_gpus`` negative, or ``max_ongoing_requests`` below ``queue_bound``.
     """
-    if replicas < 1 or queue_bound < 1 or replica_cpus <= 0 or max_ongoing_requests < queue_bound:
+    if (
+        replicas < 1
+        or queue_bound < 1
+        or replica_cpus <= 0
+        or replica_gpus < 0
+        or max_ongoing_requests < queue_bound
+    ):
         raise ValueError(
             f"replicas ({replicas}) and queue_bound ({queue_bound}) must be at least 1, replica_cpus "
-            f"({replica_cpus}) above 0, and max_ongoing_requests ({max_ongoing_requests}) at least "
-            "queue_bound"
+            f"({replica_cpus}) above 0, replica_gpus ({replica_gpus}) at least 0, and "
+            f"max_ongoing_requests ({max_ongoing_requests}) at least queue_bound"
         )
     router = RequestRouterConfig(
         request_router_class=LoRARouter,
@@ -73,7 +81,7 @@ def build_application(
         LoRAReplica,
         name=REPLICA_DEPLOYMENT,
         num_replicas=replicas,
-        ray_actor_options={"num_cpus": replica_cpus},
+        ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         max_ongoing_requests=max_ongoing_requests,
         request_router_config=router,
     )
@@ -112,6 +120,7 @@ def run_local(
             build_state,
             replicas=replicas,
             replica_cpus=args.replica_cpus,
+            replica_gpus=args.replica_gpus,
             queue_bound=args.replica_queue_bound,
         )
         serve.run(application, name="lora_pin", route_prefix="/")
