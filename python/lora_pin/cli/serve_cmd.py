@@ -116,6 +116,37 @@ def add_parser(subparsers: Any) -> None:
         choices=("debug", "info", "warning", "error"),
         help="log level of the server and the adapter events (default %(default)s)",
     )
+    replicas = p.add_argument_group("replicas on Ray Serve (the ray extra)")
+    replicas.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve N replicas, each with its own engine and adapters, on a local Ray cluster behind one "
+        "ingress that routes by adapter placement (default: one server, no Ray)",
+    )
+    replicas.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=0.5,
+        metavar="F",
+        help="Ray's logical CPUs per replica (default %(default)s)",
+    )
+    replicas.add_argument(
+        "--replica-gpus",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="GPUs per replica; Ray gives each replica its own devices (default %(default)s: CPU)",
+    )
+    replicas.add_argument(
+        "--replica-queue-bound",
+        type=int,
+        default=8,
+        metavar="N",
+        help="a replica's queued and running requests at which its adapters' requests spill to the "
+        "next replica (default %(default)s)",
+    )
     add_lora_args(p)
     p.set_defaults(run=run)
 
@@ -199,19 +230,57 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         SpecError: bad arguments; AdapterLoadError: a start-up adapter cannot be served.
     """
-    import uvicorn
-
-    from lora_pin.serve.app import build_app
-
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if args.replicas < 0:
+        raise SpecError(f"--replicas must be 0 (one server) or more (got {args.replicas})")
+    if args.replicas > 0:
+        from lora_pin.serve.ray import run_local
+
+        return run_local(args, build_server, replicas=args.replicas)
+    import uvicorn
+
+    from lora_pin.serve.app import build_app
+
     state = build_server(args)
     try:
         uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level)
     finally:
         state.engine.stop()
     return 0
+
+
+def ray_app(options: dict[str, str]) -> Any:
+    """The replicated server as a Ray Serve application builder, for an existing cluster:
+    ``serve run lora_pin.cli.serve_cmd:ray_app flags="--model DIR --replicas 2 ..."`` (or the same
+    ``import_path`` and ``args`` in a Serve config file). ``flags`` holds ``lora-pin serve``'s flags;
+    ``--host``/``--port`` are Ray Serve's own settings there.
+
+    Raises:
+        SpecError: ``flags`` is missing or not valid ``lora-pin serve`` flags.
+    """
+    import shlex
+
+    from lora_pin.serve.ray import build_application
+
+    parser = argparse.ArgumentParser(prog="lora-pin", exit_on_error=False)
+    add_parser(parser.add_subparsers())
+    flags = options.get("flags")
+    if not isinstance(flags, str) or not flags.strip():
+        raise SpecError('ray_app needs flags="--model DIR ..." (lora-pin serve\'s flags)')
+    try:
+        args = parser.parse_args(["serve", *shlex.split(flags)])
+    except (argparse.ArgumentError, SystemExit) as e:
+        raise SpecError(f"ray_app: flags {flags!r} are not lora-pin serve's flags: {e}") from e
+    return build_application(
+        args,
+        build_server,
+        replicas=max(1, args.replicas),
+        replica_cpus=args.replica_cpus,
+        replica_gpus=args.replica_gpus,
+        queue_bound=args.replica_queue_bound,
+    )

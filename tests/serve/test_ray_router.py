@@ -1,0 +1,195 @@
+"""The replicated server's routing and bookkeeping on fabricated replica stats: the ranker the Ray Serve
+request router uses, the routing stats a replica reports, and how the ingress merges adapter changes
+and the replicas' answers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from lora_pin.model.lifecycle import AdapterPlacement, Placement
+from lora_pin.routing import home_replicas
+from lora_pin.serve.ray.ingress import apply_change, combine
+from lora_pin.serve.ray.router import AffinityRanker, RouteHint, replica_stats
+
+NAMES = ["r0", "r1", "r2", "r3"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _stats(holding: dict[str, str] | None = None, free: int = 2) -> dict[str, Any]:
+    return {"free_slots": free, "holding": holding or {}}
+
+
+def _rows(**holding: dict[str, str]) -> list[tuple[str, dict[str, Any]]]:
+    return [(n, _stats(holding.get(n))) for n in NAMES]
+
+
+def test_device_beats_host_beats_home_beats_load() -> None:
+    ranker = AffinityRanker(queue_bound=4)
+    rows = _rows(r2={"a": "host"}, r3={"a": "device"})
+    for _ in range(2):
+        ranker.sent("r3")  # busier, yet holds the adapter in a slot
+    order = ranker.rank(RouteHint(adapter="a"), rows)
+    assert [NAMES[i] for i in order[:2]] == ["r3", "r2"]
+    home = NAMES[home_replicas("b", NAMES, 1)[0]]
+    assert NAMES[ranker.rank(RouteHint(adapter="b"), _rows())[0]] == home
+
+
+def test_pinned_and_base_requests_go_by_load_alone() -> None:
+    ranker = AffinityRanker(queue_bound=4)
+    rows = _rows(r0={"p": "device"}, r1={"p": "device"}, r2={"p": "device"}, r3={"p": "device"})
+    for name in ("r0", "r0", "r1", "r3"):
+        ranker.sent(name)
+    assert NAMES[ranker.rank(RouteHint(adapter="p", pinned=True), rows)[0]] == "r2"
+    assert NAMES[ranker.rank(RouteHint(), rows)[0]] == "r2"
+    # Pinned everywhere, so where it sits in a slot says nothing: a busy holder is not preferred.
+    rows = _rows(r0={"p": "device"})
+    assert NAMES[ranker.rank(RouteHint(adapter="p", pinned=True), rows)[0]] != "r0"
+
+
+def test_a_replica_at_its_queue_bound_spills_and_takes_again_when_it_drains() -> None:
+    ranker = AffinityRanker(queue_bound=2)
+    rows = _rows(r1={"a": "device"})
+    hint = RouteHint(adapter="a")
+    ranker.sent("r1")
+    assert NAMES[ranker.rank(hint, rows)[0]] == "r1"
+    ranker.sent("r1")
+    assert NAMES[ranker.rank(hint, rows)[0]] != "r1"
+    assert NAMES[ranker.rank(hint, rows)[-1]] == "r1"
+    ranker.completed("r1")
+    assert NAMES[ranker.rank(hint, rows)[0]] == "r1"
+
+
+def test_where_a_request_went_counts_as_fetching_until_the_memory_ends() -> None:
+    clock = Clock()
+    ranker = AffinityRanker(queue_bound=1, memory_s=3.0, clock=clock)
+    hint = RouteHint(adapter="a")
+    first = NAMES[ranker.rank(hint, _rows(), "q1")[0]]
+    ranker.sent(first)
+    # The first choice is full now: the next request spills and is remembered on its own replica.
+    second = NAMES[ranker.rank(hint, _rows(), "q2")[0]]
+    assert second != first
+    ranker.sent(second)
+    ranker.completed(first)
+    ranker.completed(second)
+    # Both replicas now count as fetching it; a third request stays on one of them, not elsewhere.
+    assert NAMES[ranker.rank(hint, _rows(), "q3")[0]] in {first, second}
+    clock.now += 10
+    home = NAMES[home_replicas("a", NAMES, 1)[0]]
+    assert NAMES[ranker.rank(hint, _rows(), "q4")[0]] == home
+
+
+def test_popular_adapters_get_more_homes() -> None:
+    ranker = AffinityRanker(window=100)
+    rows = _rows()
+    for i in range(100):
+        ranker.rank(RouteHint(adapter="hot" if i % 2 else f"cold{i}"), rows, f"q{i}")
+    assert ranker.homes("hot", 4) == 2
+    assert ranker.homes("cold0", 4) == 1
+    # Ranking the same request again (Ray Serve retries) does not count it twice.
+    for _ in range(50):
+        ranker.rank(RouteHint(adapter="hot"), rows, "q1")
+    assert ranker.homes("hot", 4) == 2
+
+
+def test_a_request_for_one_replica_goes_there_or_nowhere() -> None:
+    ranker = AffinityRanker()
+    assert ranker.rank(RouteHint(adapter="a", replica="r2"), _rows(r0={"a": "device"})) == [2]
+    assert ranker.rank(RouteHint(replica="gone"), _rows()) == []
+
+
+def test_adding_a_replica_moves_about_one_in_n_of_the_homes() -> None:
+    ranker = AffinityRanker()
+    adapters = [f"ad{i}" for i in range(2000)]
+    before = {a: NAMES[ranker.rank(RouteHint(adapter=a), _rows())[0]] for a in adapters}
+    grown = [*_rows(), ("r4", _stats())]
+    after = {a: [n for n, _ in grown][ranker.rank(RouteHint(adapter=a), grown)[0]] for a in adapters}
+    moved = [a for a in adapters if before[a] != after[a]]
+    assert all(after[a] == "r4" for a in moved)
+    assert 0.12 < len(moved) / len(adapters) < 0.28  # about 1/5
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="queue_bound"):
+        AffinityRanker(queue_bound=0)
+
+
+def _placement(*entries: tuple[str, str, bool, int], slots: int = 4) -> Placement:
+    adapters = tuple(
+        AdapterPlacement(
+            name=n, id=n, digest="0" * 64, generation=1, tier=tier, slot=None, pinned=pinned,
+            in_flight=in_flight, unloading=False, host_bytes=1,
+        )
+        for n, tier, pinned, in_flight in entries
+    )  # fmt: skip
+    device = sum(1 for a in adapters if a.tier == "device")
+    return Placement(adapters, slots, slots - device, 0, 0, None)
+
+
+def test_routing_stats_from_a_placement_snapshot() -> None:
+    placement = _placement(
+        ("pinned", "device", True, 0),
+        ("busy", "device", False, 2),
+        ("idle", "device", False, 0),
+        ("warm", "host", False, 0),
+        ("cold", "disk", False, 0),
+        ("coming", "fetching", False, 1),
+    )
+    stats = replica_stats("r0", placement, queue=3)
+    # Free: the empty slot and the one whose adapter nobody uses (a load there evicts no one waited on).
+    assert stats == {
+        "replica": "r0",
+        "free_slots": 2,
+        "queue": 3,
+        "holding": {
+            "pinned": "device",
+            "busy": "device",
+            "idle": "device",
+            "warm": "host",
+            "coming": "fetching",
+        },
+    }
+    assert json.loads(json.dumps(stats)) == stats
+    assert replica_stats("r1", None, 0)["holding"] == {}
+
+
+def test_adapter_changes_update_the_desired_adapters() -> None:
+    desired = {"a": {"path": "/x/a", "pinned": True}}
+    loaded = apply_change(desired, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "/x/b"})
+    assert loaded["b"] == {"path": "/x/b", "pinned": False} and desired == {
+        "a": {"path": "/x/a", "pinned": True}
+    }
+    sglang = apply_change(
+        loaded, "/load_lora_adapter", {"lora_name": "c", "lora_path": "/x/c", "pinned": True}
+    )
+    assert sglang["c"]["pinned"]
+    inplace = apply_change(
+        desired, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/y/a", "load_inplace": True}
+    )
+    assert inplace["a"] == {"path": "/y/a", "pinned": True}
+    assert apply_change(loaded, "/v1/unpin_lora_adapter", {"lora_name": "a"})["a"]["pinned"] is False
+    assert "a" not in apply_change(loaded, "/unload_lora_adapter", {"lora_name": "a"})
+
+
+def test_answers_that_agree_pass_through_and_disagreements_name_the_replicas() -> None:
+    text = [("content-type", "text/plain; charset=utf-8")]
+    same = combine({"r0": (200, text, b"Success"), "r1": (200, text, b"Success")})
+    assert same.status_code == 200 and same.body == b"Success"
+    refused = combine({"r0": (400, text, b"bad"), "r1": (400, text, b"bad")})
+    assert refused.status_code == 400
+    mixed = combine({"r0": (200, text, b"Success"), "r1": (400, text, b"no room")})
+    body = json.loads(bytes(mixed.body))
+    assert mixed.status_code == 502
+    assert body["replicas"]["r1"] == {"status": 400, "body": "no room"}
+    assert "succeeded on r0" in body["error"]["message"] and "r1 (400: no room)" in body["error"]["message"]
