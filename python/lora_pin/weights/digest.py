@@ -180,13 +180,15 @@ def _hash_one(owner: TensorDigests, name: str | None, dtype: str, shape: tuple[i
 
 @dataclass(frozen=True)
 class ServedModule:
-    """One module an adapter serves: the model's target key, its rank and scaling, and its two tensors."""
+    """One module an adapter serves: the model's target key, its rank and scaling, and its two tensors
+    (three for a DoRA module: ``magnitude_name`` names its ``lora_magnitude_vector``)."""
 
     key: str
     rank: int
     scaling: float
     a_name: str
     b_name: str
+    magnitude_name: str | None = None
 
 
 def adapter_digest(tensors: Mapping[str, bytes], served: Iterable[ServedModule]) -> str:
@@ -198,10 +200,14 @@ def adapter_digest(tensors: Mapping[str, bytes], served: Iterable[ServedModule])
     """
     hasher = blake3(_ADAPTER_TAG)
     for module in sorted(served, key=lambda m: m.key):
+        # A DoRA module's record is marked in its key (a module key holds no NUL) and ends with its
+        # magnitude's digest, so a plain LoRA module's record, and so its digest, is as before.
+        dora = module.magnitude_name is not None
         hasher.update(
-            _text(module.key)
+            _text(module.key + "\0dora" if dora else module.key)
             + struct.pack("<Qd", module.rank, module.scaling)
             + tensors[module.a_name]
             + tensors[module.b_name]
+            + (tensors[module.magnitude_name] if module.magnitude_name is not None else b"")
         )
     return hasher.hexdigest()
