@@ -54,18 +54,23 @@ def plain_twin(dora_dir: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def peft_rows(
-    base: torch.nn.Module, adapters: Mapping[str, Path], names: list[str | None], run: Callable[..., Any]
-) -> dict[str, torch.Tensor]:
-    """Per adapter named in ``names``: PEFT's output of the whole batch with that adapter alone active."""
+def peft_oracles(base: torch.nn.Module, adapters: Mapping[str, Path]) -> dict[str, torch.nn.Module]:
+    """PEFT's model of ``base`` with each adapter alone (PEFT refuses ``adapter_names`` with DoRA)."""
     from peft import PeftModel
 
-    outputs = {}
-    for name in dict.fromkeys(n for n in names if n is not None):
-        oracle = PeftModel.from_pretrained(copy.deepcopy(base), str(adapters[name])).eval()
-        with torch.no_grad():
-            outputs[name] = run(oracle)
-    return outputs
+    return {
+        name: PeftModel.from_pretrained(copy.deepcopy(base), str(path)).eval()
+        for name, path in adapters.items()
+        if name != "twin"
+    }
+
+
+def peft_rows(
+    oracles: Mapping[str, torch.nn.Module], names: list[str | None], run: Callable[..., Any]
+) -> dict[str, Any]:
+    """Per adapter named in ``names``: PEFT's output of the whole batch with that adapter alone active."""
+    with torch.no_grad():
+        return {name: run(oracles[name]) for name in dict.fromkeys(n for n in names if n is not None)}
 
 
 def check_rows(
@@ -136,13 +141,14 @@ TARGETS = {
 }
 
 
+Served = dict[str, tuple[torch.nn.Module, dict[str, Path], dict[str, torch.nn.Module]]]
+
+
 @pytest.fixture(scope="module")
-def served(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, tuple[torch.nn.Module, dict[str, Path]]]:
-    """Per family: the tiny fp32 model and its adapters: ``dora`` (every target, rank pattern),
-    ``dora_rs`` (rsLoRA, alpha pattern, a few targets), ``lora`` (plain) and ``twin`` (``dora``'s A and B
-    as plain LoRA)."""
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Served:
+    """Per family: the tiny fp32 model, its adapters (``dora``: every target, rank pattern; ``dora_rs``:
+    rsLoRA, alpha pattern, a few targets; ``lora``: plain; ``twin``: ``dora``'s A and B as plain LoRA)
+    and PEFT's model with each adapter."""
     tiny_llama = request.getfixturevalue("tiny_llama")
     made = {}
     for family, (everything, few) in TARGETS.items():
@@ -173,7 +179,7 @@ def served(
             "lora": save_adapter(base, root / "lora", 3, r=4, lora_alpha=8, target_modules=everything),
         }
         adapters["twin"] = plain_twin(adapters["dora"], root / "twin")
-        made[family] = (base, adapters)
+        made[family] = (base, adapters, peft_oracles(base, adapters))
     return made
 
 
@@ -186,11 +192,11 @@ NAMES: list[str | None] = ["dora", None, "lora", "dora_rs", "dora", None]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", list(TARGETS))
-def test_mixed_batch_prefill_and_decode_equal_peft(
-    served: dict[str, tuple[torch.nn.Module, dict[str, Path]]], family: str, dtype: torch.dtype
-) -> None:
-    base, adapters = served[family]
+def test_mixed_batch_prefill_and_decode_equal_peft(served: Served, family: str, dtype: torch.dtype) -> None:
+    base, adapters, oracles = served[family]
     base = copy.deepcopy(base).to(dtype)
+    if dtype != torch.float32:
+        oracles = {name: copy.deepcopy(oracle).to(dtype) for name, oracle in oracles.items()}
     prompt, step = _ids(len(NAMES), 5), _ids(len(NAMES), 1, seed=1)
 
     def run(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,7 +205,7 @@ def test_mixed_batch_prefill_and_decode_equal_peft(
         second = model(input_ids=step, cache=first.cache, attention_mask=mask)
         return first.logits, second.logits
 
-    want = peft_rows(base, adapters, NAMES, run)
+    want = peft_rows(oracles, NAMES, run)
     with torch.no_grad():
         plain = run(base)
     model = copy.deepcopy(base)
@@ -212,12 +218,10 @@ def test_mixed_batch_prefill_and_decode_equal_peft(
 
 
 @pytest.mark.parametrize("family", ["qwen2", "phi3"])
-def test_lora_rows_unchanged_by_dora_rows(
-    served: dict[str, tuple[torch.nn.Module, dict[str, Path]]], family: str
-) -> None:
+def test_lora_rows_unchanged_by_dora_rows(served: Served, family: str) -> None:
     """The same batch with the DoRA adapter's rows served by its plain twin (same A, B and slot): every
     other row is bit for bit the same, and the DoRA rows differ from the twin's."""
-    base, adapters = served[family]
+    base, adapters, _ = served[family]
     ids = _ids(4, 5)
     outputs = []
     for first in ("dora", "twin"):
@@ -232,18 +236,16 @@ def test_lora_rows_unchanged_by_dora_rows(
     assert not torch.allclose(dora[0], twin[0], atol=1e-3)
 
 
-def test_served_again_after_slot_and_host_eviction(
-    served: dict[str, tuple[torch.nn.Module, dict[str, Path]]],
-) -> None:
+def test_served_again_after_slot_and_host_eviction(served: Served) -> None:
     """One slot and two host entries for three adapters: the DoRA adapter is evicted from its slot and
     from host memory, read again (its factors computed again) and still gives PEFT's output."""
-    base, adapters = served["qwen2"]
+    base, adapters, oracles = served["qwen2"]
     ids = _ids(2, 4)
 
     def run(model: torch.nn.Module) -> torch.Tensor:
         return model(input_ids=ids).logits
 
-    want = peft_rows(base, adapters, ["dora", "dora"], run)
+    want = peft_rows(oracles, ["dora", "dora"], run)
     with torch.no_grad():
         plain = run(base)
     model = copy.deepcopy(base)
