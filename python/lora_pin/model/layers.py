@@ -271,7 +271,9 @@ class LoRALinear(BaseLayerWrapper):
         bias = None if self._returns_bias else getattr(self.base_layer, "bias", None)
         if bias is not None:
             bias = bias.detach()
-        dora_scale_(out.view(-1, out.shape[-1]), bias, buf.factors, buf.dora, *picked)
+        # On the CPU the rows are exactly the step's DoRA rows (prepared); on a device the op filters.
+        flat = out.view(-1, out.shape[-1])
+        dora_scale_(flat, bias, buf.factors, buf.dora, *picked, prepared=x.device.type == "cpu")
 
     def _untouched(self, result: Any, seg: SegmentBatch) -> Any:
         """The output of a base layer that returns no tensor (a linear subclass computing its own forward:

@@ -10,7 +10,7 @@ CUDA graph can capture it); every other device runs gathers in torch. Both compu
 once into ``out``'s dtype.
 """
 
-# No `from __future__ import annotations` here: torch.library reads the op schema from the annotations.
+from __future__ import annotations
 
 import torch
 
@@ -73,35 +73,49 @@ def _check_contents(
         )
 
 
-@torch.library.custom_op("lora_pin::dora_scale_", mutates_args=("out",))
-def _dora_scale_op(
+# Registered at the dispatcher's level (a schema and one kernel per device) rather than through
+# torch.library.custom_op, whose Python wrapper cost three times the arithmetic of a decode step's rows:
+# this op runs once per layer with DoRA rows and step. ``prepared``: the caller made ``rows`` from the
+# step's own arrays and the pool's flags (every row's slot holds DoRA; see
+# ``StepSegments.dora_rows_for``), so the CPU kernel skips the content checks and the flag filter.
+torch.library.define(
+    "lora_pin::dora_scale_",
+    "(Tensor(a!) out, Tensor? bias, Tensor factors, Tensor dora, Tensor rows, Tensor row_slots, "
+    "bool prepared=False) -> ()",
+)
+
+
+@torch.library.impl("lora_pin::dora_scale_", "cpu")
+def _dora_scale_cpu(
     out: torch.Tensor,
     bias: torch.Tensor | None,
     factors: torch.Tensor,
     dora: torch.Tensor,
     rows: torch.Tensor,
     row_slots: torch.Tensor,
+    prepared: bool = False,
 ) -> None:
     check_dora_args(out, bias, factors, dora, rows, row_slots)
-    _check_contents(out, factors, rows, row_slots)
     slots = row_slots.long()
-    keep = slots >= 0
-    keep &= dora.index_select(0, slots.clamp_min(0)) != 0
-    if not bool(keep.all()):
-        rows, slots = rows[keep], slots[keep]
+    if not prepared:
+        _check_contents(out, factors, rows, row_slots)
+        keep = (slots >= 0) & (dora.index_select(0, slots.clamp_min(0)) != 0)
+        if not bool(keep.all()):
+            rows, slots = rows[keep], slots[keep]
     if rows.numel() == 0:
         return
+    # float32 throughout (no copies for a float32 out), rounded once into out's dtype.
     picked = out.index_select(0, rows).float()
     scale = factors.index_select(0, slots).float()
     if bias is None:
         picked.mul_(scale)
     else:
         shift = bias.float()
-        picked.sub_(shift).mul_(scale).add_(shift)
+        torch.addcmul(shift, picked.sub_(shift), scale, out=picked)
     out.index_copy_(0, rows, picked.to(out.dtype))
 
 
-@_dora_scale_op.register_kernel("cuda")
+@torch.library.impl("lora_pin::dora_scale_", "cuda")
 def _dora_scale_cuda(
     out: torch.Tensor,
     bias: torch.Tensor | None,
@@ -109,13 +123,14 @@ def _dora_scale_cuda(
     dora: torch.Tensor,
     rows: torch.Tensor,
     row_slots: torch.Tensor,
+    prepared: bool = False,
 ) -> None:
     from lora_pin.ops.triton_dora import dora_scale_triton
 
     dora_scale_triton(out, bias, factors, dora, rows, row_slots, interpret=False)
 
 
-@_dora_scale_op.register_fake
+@torch.library.register_fake("lora_pin::dora_scale_")
 def _dora_scale_fake(
     out: torch.Tensor,
     bias: torch.Tensor | None,
@@ -123,6 +138,7 @@ def _dora_scale_fake(
     dora: torch.Tensor,
     rows: torch.Tensor,
     row_slots: torch.Tensor,
+    prepared: bool = False,
 ) -> None:
     check_dora_args(out, bias, factors, dora, rows, row_slots)
 
@@ -134,6 +150,8 @@ def dora_scale_(
     dora: torch.Tensor,
     rows: torch.Tensor,
     row_slots: torch.Tensor,
+    *,
+    prepared: bool = False,
 ) -> torch.Tensor:
     """Rescale the DoRA rows of a layer output in place: ``out[r] = f[slot] * (out[r] - bias) + bias``.
 
@@ -148,6 +166,9 @@ def dora_scale_(
         dora: int32 ``[slots]``, nonzero where the slot holds a DoRA adapter in this layer group.
         rows: int64 ``[N]``, row indices into ``out`` (each at most once).
         row_slots: int32 ``[N]``, the slot of each row (-1: no adapter).
+        prepared: the rows were made from the step's arrays and every row's slot holds DoRA
+            (:meth:`lora_pin.model.layers.StepSegments.dora_rows_for` on the CPU): the content checks
+            and the flag filter are skipped (torch still bounds-checks the indices).
 
     Returns:
         ``out``.
@@ -160,7 +181,7 @@ def dora_scale_(
         raise OpArgumentError(
             "lora_pin ops have no autograd formula; run them under torch.inference_mode() or torch.no_grad()"
         )
-    torch.ops.lora_pin.dora_scale_(out, bias, factors, dora, rows, row_slots)
+    torch.ops.lora_pin.dora_scale_(out, bias, factors, dora, rows, row_slots, prepared)
     return out
 
 
