@@ -28,7 +28,7 @@ __all__ = ["BaseWeights", "dora_factor", "factor_nbytes"]
 #: device, or None when the layer keeps no such weight.
 BaseWeights = Mapping[str, Callable[[], "torch.Tensor | None"]]
 
-# Output rows of W + s * B A materialised at once: bounds the transient memory of a large layer.
+# Output rows of W converted to float32 at once: bounds the transient memory of a large layer.
 _ROWS_PER_CHUNK = 1024
 
 
@@ -63,16 +63,23 @@ def dora_factor(
         if spec is None:
             continue
         first, last, rank, scaling = spec
-        a_s = a[s * max_rank : s * max_rank + rank].to(device=device, dtype=torch.float32)
+        a_s = a[s * max_rank : s * max_rank + rank].to(device=device, dtype=torch.float32)  # [r, in]
+        gram = a_s @ a_s.T  # [r, r]
         for row in range(first, last, _ROWS_PER_CHUNK):
             end = min(row + _ROWS_PER_CHUNK, last)
+            # ||W_i + s B_i A||^2 = ||W_i||^2 + 2 s B_i (W_i Aᵀ) + s^2 B_i (A Aᵀ) B_iᵀ: two reads of W and
+            # [rows, r] temporaries, instead of materialising W + s B A ([rows, in]) and squaring it.
+            w = weight[row:end].to(torch.float32)
             b_rows = b[row:end, :rank].to(device=device, dtype=torch.float32)
-            merged = torch.addmm(weight[row:end].to(torch.float32), b_rows, a_s, alpha=scaling)
-            norm_sq[row:end] = merged.square().sum(dim=1)
+            cross = (b_rows * (w @ a_s.T)).sum(dim=1)
+            own = ((b_rows @ gram) * b_rows).sum(dim=1)
+            base = torch.linalg.vector_norm(w, dim=1).square()
+            norm_sq[row:end] = base + (2 * scaling) * cross + (scaling * scaling) * own
     if norm_sq_reduce is not None:
         norm_sq = norm_sq_reduce(norm_sq)
     factor = torch.ones(out, dtype=torch.float32)
-    norms = norm_sq.sqrt().cpu()
+    # Rounding can leave a zero norm's square a hair below zero: it is zero (and refused by the caller).
+    norms = norm_sq.clamp_min(0).sqrt().cpu()
     for spec in slices:
         if spec is not None:
             first, last = spec[0], spec[1]
