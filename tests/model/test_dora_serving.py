@@ -267,3 +267,22 @@ def test_served_again_after_slot_and_host_eviction(served: Served) -> None:
                 assert torch.equal(factors[0], first_factor)
     evictions = mgr.stats()["evictions_by_adapter"]
     assert evictions.get("dora/host", 0) >= 1 and evictions.get("dora/device", 0) >= 1, evictions
+
+
+@pytest.mark.slow
+def test_fullgraph_compile_with_dora_rows_equals_eager(served: Served) -> None:
+    """Traced, the DoRA rows are every adapter row with the op's flag filter (no host read)."""
+    base, adapters, _ = served["qwen2"]
+    model = copy.deepcopy(base)
+    mgr = LoRAManager(model, [f"{n}={adapters[n]}" for n in ("dora", "lora")], max_loras_per_batch=2)
+    names: list[str | None] = ["dora", None, "lora", "dora"]
+    ids = _ids(4, 5)
+
+    def run(forward: Any) -> list[torch.Tensor]:
+        with torch.no_grad(), mgr.batch(names):
+            return [forward(ids).logits, forward(ids[:, -1:]).logits]
+
+    want = run(model)
+    got = run(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -130,8 +130,8 @@ class StepSegments:
         are none; made once per step, group DoRA slots and input shape.
 
         On the CPU they are exactly the rows of the group's DoRA slots (read from the host arrays); on a
-        device they are every adapter row, and the op skips the others by the slots' flags (no read of
-        the device from the host).
+        device, or traced by ``torch.compile``, they are every adapter row, and the op skips the others
+        by the slots' flags (no read of the arrays from the host).
 
         Raises:
             UsageError: as :meth:`for_input`.
@@ -139,7 +139,8 @@ class StepSegments:
         dora_slots = buffers.dora_slots
         if not dora_slots:
             return None
-        on_cpu = x.device.type == "cpu"
+        # Traced by torch.compile, as on a device: no read of the arrays from the host.
+        on_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
         key = (frozenset(dora_slots) if on_cpu else None, x.shape[:-1])
         if key in self._dora_rows:
             return self._dora_rows[key]
@@ -273,7 +274,8 @@ class LoRALinear(BaseLayerWrapper):
             bias = bias.detach()
         # On the CPU the rows are exactly the step's DoRA rows (prepared); on a device the op filters.
         flat = out.view(-1, out.shape[-1])
-        dora_scale_(flat, bias, buf.factors, buf.dora, *picked, prepared=x.device.type == "cpu")
+        prepared = x.device.type == "cpu" and not torch.compiler.is_compiling()
+        dora_scale_(flat, bias, buf.factors, buf.dora, *picked, prepared=prepared)
 
     def _untouched(self, result: Any, seg: SegmentBatch) -> Any:
         """The output of a base layer that returns no tensor (a linear subclass computing its own forward:
