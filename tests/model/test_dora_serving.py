@@ -286,3 +286,45 @@ def test_fullgraph_compile_with_dora_rows_equals_eager(served: Served) -> None:
     got = run(torch.compile(model, fullgraph=True, backend="aot_eager"))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_gpt2_conv1d_fused_c_attn_with_biases_equals_peft(tmp_path: Path) -> None:
+    """GPT-2: ``Conv1D`` layers store ``[in, out]`` (PEFT's ``fan_in_fan_out``), ``c_attn`` computes q, k and
+    v in one module, and every layer has a bias."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(2)
+    base = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=96)).eval()
+    with torch.no_grad():
+        for name, param in base.named_parameters():
+            if name.endswith(("c_attn.bias", "c_proj.bias", "c_fc.bias")):
+                param.normal_(0.0, 0.5)
+    adapters = {
+        "dora": save_adapter(
+            base,
+            tmp_path / "dora",
+            4,
+            r=4,
+            lora_alpha=8,
+            target_modules=["c_attn", "c_proj", "c_fc"],
+            fan_in_fan_out=True,
+            use_dora=True,
+        ),
+        "lora": save_adapter(
+            base, tmp_path / "lora", 5, r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True
+        ),
+    }
+    names: list[str | None] = ["dora", None, "lora", "dora"]
+    ids = _ids(4, 5)
+
+    def run(model: torch.nn.Module) -> torch.Tensor:
+        return model(input_ids=ids).logits
+
+    want = peft_rows(peft_oracles(base, adapters), names, run)
+    with torch.no_grad():
+        plain = run(base)
+    model = copy.deepcopy(base)
+    mgr = LoRAManager(model, [f"{n}={p}" for n, p in adapters.items()], max_loras_per_batch=2)
+    with torch.no_grad(), mgr.batch(names):
+        got = run(model)
+    check_rows(got, want, plain, names, torch.float32)
