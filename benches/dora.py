@@ -3,8 +3,8 @@
 Three comparisons, each against its named baseline in the same process, reported as ratios:
 
 1. *op*: one layer's adapter work for a decode batch, LoRA (the prepared shrink + expand,
-   ``PreparedDelta.apply``) against DoRA (the same, then ``lora_pin::dora_scale_`` on the DoRA rows), per
-   adapter row;
+   ``PreparedDelta.apply``) against DoRA (the same, then the rescale of the DoRA rows the layers run on
+   the CPU, ``scale_rows_``), per adapter row;
 2. *step*: a whole decode forward of a small Llama under ``LoRAManager.batch`` with every row on DoRA
    adapters against the same rows on their plain twins (same A and B, no magnitudes); the adapters'
    share (step minus the base-only step) is reported too, and a LoRA-only step with DoRA adapters resident
@@ -48,7 +48,8 @@ def op_case(args: argparse.Namespace, hidden: int) -> dict[str, float]:
     import torch
 
     from lora_pin._testing import random_layer
-    from lora_pin.ops import dora_scale_, prepare_delta, segments_from_slots
+    from lora_pin.ops import prepare_delta, segments_from_slots
+    from lora_pin.ops.dora import scale_rows_
 
     gen = torch.Generator().manual_seed(0)
     layer = random_layer(args.adapters, hidden, [hidden], [args.rank], torch.float32, gen)
@@ -60,16 +61,21 @@ def op_case(args: argparse.Namespace, hidden: int) -> dict[str, float]:
     bias = torch.randn(hidden, generator=gen)
     delta = prepare_delta(meta, layer.a, layer.b, args.rows)
     factors = 1 + 0.1 * torch.randn(args.adapters, hidden, generator=gen)
-    dora = torch.ones(args.adapters, dtype=torch.int32)
     counts = (seg.seg_indptr[1:] - seg.seg_indptr[:-1]).long()
-    row_slots = torch.repeat_interleave(seg.seg_slots, counts)
+    long_slots = torch.repeat_interleave(seg.seg_slots, counts).long()
 
+    fresh = out.clone()
+
+    # Each call starts from the base output (repeated rescales would overflow it into inf, whose
+    # arithmetic is far slower); the copy is in both.
     def lora() -> None:
+        out.copy_(fresh)
         delta.apply(out, x)
 
     def with_dora() -> None:
+        out.copy_(fresh)
         delta.apply(out, x)
-        dora_scale_(out, bias, factors, dora, seg.perm, row_slots, prepared=True)
+        scale_rows_(out, bias, factors, seg.perm, long_slots)
 
     with torch.inference_mode():
         lora_us = best_us(lora, args.calls)

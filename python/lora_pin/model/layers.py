@@ -27,6 +27,7 @@ from lora_pin.ops import (
     segments_from_slots,
     shrink,
 )
+from lora_pin.ops.dora import scale_rows_
 from lora_pin.weights.pool import GroupBuffers
 
 __all__ = ["BaseLayerWrapper", "LoRAEmbedding", "LoRALinear", "StepSegments"]
@@ -126,8 +127,9 @@ class StepSegments:
         self, buffers: GroupBuffers, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rows of layer input ``x`` to rescale as DoRA rows in the group of ``buffers`` and their
-        slots (int64 ``[N]``, int32 ``[N]``, for :func:`lora_pin.ops.dora_scale_`), or None when there
-        are none; made once per step, group DoRA slots and input shape.
+        slots (int64 ``[N]`` and ``[N]``: int64 for :func:`lora_pin.ops.dora.scale_rows_` on the CPU,
+        int32 for :func:`lora_pin.ops.dora_scale_` otherwise), or None when there are none; made once
+        per step, group DoRA slots and input shape.
 
         On the CPU they are exactly the rows of the group's DoRA slots (read from the host arrays); on a
         device, or traced by ``torch.compile``, they are every adapter row, and the op skips the others
@@ -150,7 +152,8 @@ class StepSegments:
         picked: tuple[torch.Tensor, torch.Tensor] | None = (seg.perm, row_slots)
         if on_cpu:
             chosen = torch.isin(row_slots, torch.tensor(sorted(dora_slots), dtype=row_slots.dtype))
-            picked = (seg.perm[chosen], row_slots[chosen]) if bool(chosen.any()) else None
+            # int64 slots: what the prepared rescale indexes with (scale_rows_), converted once a step.
+            picked = (seg.perm[chosen], row_slots[chosen].long()) if bool(chosen.any()) else None
         self._dora_rows[key] = picked
         return picked
 
@@ -272,10 +275,15 @@ class LoRALinear(BaseLayerWrapper):
         bias = None if self._returns_bias else getattr(self.base_layer, "bias", None)
         if bias is not None:
             bias = bias.detach()
-        # On the CPU the rows are exactly the step's DoRA rows (prepared); on a device the op filters.
         flat = out.view(-1, out.shape[-1])
-        prepared = x.device.type == "cpu" and not torch.compiler.is_compiling()
-        dora_scale_(flat, bias, buf.factors, buf.dora, *picked, prepared=prepared)
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():
+            # Exactly the step's DoRA rows, from its own arrays: no checks or filter left to do.
+            if out.dtype is not buf.factors.dtype:
+                self._check_dtype("the layer output", out.dtype)
+            scale_rows_(flat, bias, buf.factors, *picked)
+        else:
+            # Every adapter row: the op keeps the DoRA slots' rows by their flags.
+            dora_scale_(flat, bias, buf.factors, buf.dora, *picked)
 
     def _untouched(self, result: Any, seg: SegmentBatch) -> Any:
         """The output of a base layer that returns no tensor (a linear subclass computing its own forward:

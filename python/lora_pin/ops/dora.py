@@ -16,7 +16,7 @@ import torch
 
 from lora_pin.errors import OpArgumentError
 
-__all__ = ["check_dora_args", "dora_scale_", "dora_scale_reference"]
+__all__ = ["check_dora_args", "dora_scale_", "dora_scale_reference", "scale_rows_"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -75,13 +75,11 @@ def _check_contents(
 
 # Registered at the dispatcher's level (a schema and one kernel per device) rather than through
 # torch.library.custom_op, whose Python wrapper cost three times the arithmetic of a decode step's rows:
-# this op runs once per layer with DoRA rows and step. ``prepared``: the caller made ``rows`` from the
-# step's own arrays and the pool's flags (every row's slot holds DoRA; see
-# ``StepSegments.dora_rows_for``), so the CPU kernel skips the content checks and the flag filter.
+# this op runs once per layer with DoRA rows and step (traced or on a device; the CPU's eager layers call
+# scale_rows_ on their prepared rows).
 torch.library.define(
     "lora_pin::dora_scale_",
-    "(Tensor(a!) out, Tensor? bias, Tensor factors, Tensor dora, Tensor rows, Tensor row_slots, "
-    "bool prepared=False) -> ()",
+    "(Tensor(a!) out, Tensor? bias, Tensor factors, Tensor dora, Tensor rows, Tensor row_slots) -> ()",
 )
 
 
@@ -93,17 +91,29 @@ def _dora_scale_cpu(
     dora: torch.Tensor,
     rows: torch.Tensor,
     row_slots: torch.Tensor,
-    prepared: bool = False,
 ) -> None:
     check_dora_args(out, bias, factors, dora, rows, row_slots)
     slots = row_slots.long()
-    if not prepared:
-        _check_contents(out, factors, rows, row_slots)
-        keep = (slots >= 0) & (dora.index_select(0, slots.clamp_min(0)) != 0)
-        if not bool(keep.all()):
-            rows, slots = rows[keep], slots[keep]
+    _check_contents(out, factors, rows, row_slots)
+    keep = (slots >= 0) & (dora.index_select(0, slots.clamp_min(0)) != 0)
+    if not bool(keep.all()):
+        rows, slots = rows[keep], slots[keep]
     if rows.numel() == 0:
         return
+    scale_rows_(out, bias, factors, rows, slots)
+
+
+def scale_rows_(
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    factors: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """The arithmetic of :func:`dora_scale_` on rows already known to be DoRA rows, with no check: what
+    the layers call in eager mode on the CPU for the step's prepared rows (int64 ``rows`` and ``slots``,
+    ``[N]``, made from the step's own arrays; torch bounds-checks the indices), skipping the dispatcher,
+    whose cost at decode sizes is that of the arithmetic itself."""
     # float32 throughout (no copies for a float32 out), rounded once into out's dtype.
     picked = out.index_select(0, rows).float()
     scale = factors.index_select(0, slots).float()
@@ -123,7 +133,6 @@ def _dora_scale_cuda(
     dora: torch.Tensor,
     rows: torch.Tensor,
     row_slots: torch.Tensor,
-    prepared: bool = False,
 ) -> None:
     from lora_pin.ops.triton_dora import dora_scale_triton
 
@@ -138,7 +147,6 @@ def _dora_scale_fake(
     dora: torch.Tensor,
     rows: torch.Tensor,
     row_slots: torch.Tensor,
-    prepared: bool = False,
 ) -> None:
     check_dora_args(out, bias, factors, dora, rows, row_slots)
 
@@ -150,8 +158,6 @@ def dora_scale_(
     dora: torch.Tensor,
     rows: torch.Tensor,
     row_slots: torch.Tensor,
-    *,
-    prepared: bool = False,
 ) -> torch.Tensor:
     """Rescale the DoRA rows of a layer output in place: ``out[r] = f[slot] * (out[r] - bias) + bias``.
 
@@ -166,9 +172,6 @@ def dora_scale_(
         dora: int32 ``[slots]``, nonzero where the slot holds a DoRA adapter in this layer group.
         rows: int64 ``[N]``, row indices into ``out`` (each at most once).
         row_slots: int32 ``[N]``, the slot of each row (-1: no adapter).
-        prepared: the rows were made from the step's arrays and every row's slot holds DoRA
-            (:meth:`lora_pin.model.layers.StepSegments.dora_rows_for` on the CPU): the content checks
-            and the flag filter are skipped (torch still bounds-checks the indices).
 
     Returns:
         ``out``.
@@ -181,7 +184,7 @@ def dora_scale_(
         raise OpArgumentError(
             "lora_pin ops have no autograd formula; run them under torch.inference_mode() or torch.no_grad()"
         )
-    torch.ops.lora_pin.dora_scale_(out, bias, factors, dora, rows, row_slots, prepared)
+    torch.ops.lora_pin.dora_scale_(out, bias, factors, dora, rows, row_slots)
     return out
 
 
