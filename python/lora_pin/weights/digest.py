@@ -6,7 +6,9 @@ what is served changes. It covers:
 * every served tensor as read (before any conversion to the serving dtype): its name, its stored dtype
   (the safetensors name: ``F32``, ``BF16`` ...), its shape and its bytes;
 * per served module (a target key of the model): its rank, its scaling (``lora_alpha / r``, rsLoRA,
-  ``alpha_pattern``) and which two tensors serve it (``target_parameters`` decides that for MoE experts).
+  ``alpha_pattern``) and which two tensors serve it (``target_parameters`` decides that for MoE experts),
+  and for a DoRA module its ``lora_magnitude_vector`` (the factor computed from it and the base weight is
+  not hashed: the base model is the cache's own key).
 
 It leaves out what cannot change an output: the file's layout and header order, ``__metadata__``, config
 fields that only describe (``base_model_name_or_path``), and PEFT's copies of base weights, which are checked
