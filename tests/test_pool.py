@@ -69,7 +69,9 @@ def test_layout_and_allocation(setup: Setup) -> None:
     a, b, _, _, offsets = pool.buffers("model.layers.1.mlp.down_proj")
     assert a.shape == (3, MAX_RANK, 128) and b.shape == (3, 64, MAX_RANK) and offsets == [0, 64]
     per_layer = (3 * 8 * 64 + 128 * 8) + (8 * 64 + 64 * 8) + (2 * 8 * 64 + 256 * 8) + (8 * 128 + 64 * 8)
-    assert pool.slot_nbytes == 2 * (per_layer * 2 + (3 + 1 + 2 + 1) * 8)
+    # Per group also a DoRA factor per output row (fp16) and its int32 flag.
+    factors = (128 + 64 + 256 + 64) * 2 + 4 * 4
+    assert pool.slot_nbytes == 2 * (per_layer * 2 + (3 + 1 + 2 + 1) * 8 + factors)
     assert pool.nbytes == 3 * pool.slot_nbytes
     with pytest.raises(PoolError, match=r"no group .model.layers.0.qkv. \(groups: model.layers.0.self_at"):
         pool.buffers("model.layers.0.qkv")

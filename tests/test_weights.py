@@ -310,7 +310,7 @@ def _rename_all(state: dict[str, torch.Tensor]) -> None:
 
 
 CONFIG_REFUSALS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
-    ("dora", lambda c: c.update(use_dora=True), r"field 'use_dora' is true; DoRA"),
+    ("dora", lambda c: c.update(use_dora="yes"), r"field 'use_dora' must be a boolean"),
     ("bias", lambda c: c.update(bias="all"), r"field 'bias' is 'all'"),
     ("save", lambda c: c.update(modules_to_save=["lm_head"]), r"field 'modules_to_save' is \['lm_head'\]"),
     ("ia3", lambda c: c.update(peft_type="IA3"), r"field 'peft_type' is 'IA3'; only LORA"),
@@ -421,15 +421,19 @@ def test_target_the_model_lacks_refused(world: World) -> None:
         load_adapter("rslora", world.adapters["rslora"], q_only, max_rank=MAX_RANK, dtype=torch.float32)
 
 
-def test_real_dora_adapter_refused(world: World, tmp_path: Path) -> None:
+def test_real_dora_adapter_read_with_its_magnitudes(world: World, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(world.base_dir)
     d = make_peft_adapter(
         base, tmp_path / "dora", r=4, lora_alpha=4, target_modules=["q_proj"], use_dora=True
     )
-    with pytest.raises(AdapterLoadError, match="use_dora"):
-        load_adapter("dora", d, world.targets, max_rank=MAX_RANK, dtype=torch.float32)
+    adapter = load_adapter("dora", d, world.targets, max_rank=MAX_RANK, dtype=torch.float32)
+    assert adapter.dora
+    module = next(iter(adapter.modules.values()))
+    # Without the model's base weights the factors are not computed (see tests/weights/test_dora_reading.py).
+    assert module.magnitude is not None and module.factor is None
+    assert module.magnitude.shape == (module.b.shape[0],) and bool(module.magnitude[:64].gt(0).all())
 
 
 def test_not_an_adapter_directory(world: World, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from lora_pin.errors import AdapterLoadError, SpecError
 if TYPE_CHECKING:
     import torch
 
-    from lora_pin.weights.reader import AdapterFile
+    from lora_pin.weights.reader import AdapterFile, LoraTensorPair
     from lora_pin.weights.targets import LoRATargets
 
 __all__ = ["add_parser", "run"]
@@ -89,6 +89,27 @@ def _check_standalone(file: AdapterFile) -> None:
                 f"{where}: module {key!r} has lora_A {list(pair.a_shape)} / lora_B {list(pair.b_shape)}, but "
                 f"field 'r'/'rank_pattern' gives rank {file.config.rank_for(key)}"
             )
+        _check_magnitude(file, key, pair)
+
+
+def _check_magnitude(file: AdapterFile, key: str, pair: LoraTensorPair) -> None:
+    """A DoRA adapter has a ``lora_magnitude_vector`` ``[out]`` beside each linear pair; a plain one none
+    (what a load checks against the model, see :mod:`lora_pin.weights.host`)."""
+    where = f"adapter {file.name!r} ({file.weights_path})"
+    if not file.config.use_dora:
+        if pair.magnitude_name is not None:
+            raise AdapterLoadError(
+                f"{where}: tensor {pair.magnitude_name!r} is a DoRA magnitude, but field 'use_dora' is "
+                "not true"
+            )
+        return
+    if pair.embedding:
+        raise AdapterLoadError(f"{where}: DoRA on embedding {key!r} cannot be served (linear layers only)")
+    if pair.magnitude_name is None or pair.magnitude_shape != (pair.b_shape[0],):
+        raise AdapterLoadError(
+            f"{where}: field 'use_dora' is true (DoRA) but module {key!r} has no tensor "
+            f"{key}.lora_magnitude_vector of shape [{pair.b_shape[0]}]"
+        )
 
 
 def _expert_pair_keys(file: AdapterFile) -> set[str]:
@@ -106,10 +127,12 @@ def _digest(file: AdapterFile) -> str:
 
     served = []
     for key, pair in file.pairs.items():
-        file.tensor(pair.a_name, record=True)
-        file.tensor(pair.b_name, record=True)
+        for name in (pair.a_name, pair.b_name, pair.magnitude_name):
+            if name is not None:
+                file.tensor(name, record=True)
         rank = pair.a_shape[0]
-        served.append(ServedModule(key, rank, file.config.scaling_for(key, rank), pair.a_name, pair.b_name))
+        scaling = file.config.scaling_for(key, rank)
+        served.append(ServedModule(key, rank, scaling, pair.a_name, pair.b_name, pair.magnitude_name))
     return adapter_digest(file.digests.result(), served)
 
 
@@ -302,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
     layers = sorted({i for k in file.pairs if (i := layer_index(k)) is not None})
     element = torch.empty((), dtype=dtype).element_size()
     params = sum(p.a_shape[0] * p.a_shape[1] + p.b_shape[0] * p.b_shape[1] for p in file.pairs.values())
+    # A DoRA module's slot also holds its factor, one per output feature.
+    factors = sum(p.b_shape[0] for p in file.pairs.values()) if config.use_dora else 0
     lines = [
         f"adapter:        {file.directory}",
         f"weights:        {file.weights_path.name} ({str(file.dtype).removeprefix('torch.')}, "
@@ -311,9 +336,15 @@ def run(args: argparse.Namespace) -> int:
         f"scaling:        {', '.join(f'{s:g}' for s in scalings)}{' (rslora)' if config.use_rslora else ''}",
         f"target modules: {', '.join(modules) or 'none'}",
         f"layers:         {len(layers)} ({', '.join(map(str, layers))})",
-        f"tensors:        {2 * len(file.pairs)}",
-        f"device bytes:   {params * element} ({str(dtype).removeprefix('torch.')})",
+        f"tensors:        {2 * len(file.pairs) + (len(file.pairs) if config.use_dora else 0)}",
+        f"device bytes:   {(params + factors) * element} ({str(dtype).removeprefix('torch.')})",
     ]
+    if config.use_dora:
+        lines.insert(
+            -2,
+            f"dora:           yes (a magnitude per output feature of {len(file.pairs)} modules; "
+            f"factors {factors * element} bytes of the device bytes)",
+        )
     if experts:
         lines.insert(-3, f"expert weights: {', '.join(config.target_parameters)}")
     if copies := _base_copies(file):

@@ -66,6 +66,15 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--step-ms", default="20", help="step time for traces with arrivals (default %(default)s)")
     p.add_argument("--adapter-mb", default="32", help="size of every adapter in MiB (default %(default)s)")
     p.add_argument(
+        "--adapter-size-from",
+        metavar="PATH",
+        default=None,
+        help=(
+            "size every adapter like the PEFT adapter at PATH instead of --adapter-mb: its A and B and, for "
+            "a DoRA adapter, its magnitudes and the factors its slot holds (one per output feature)"
+        ),
+    )
+    p.add_argument(
         "--load-ms",
         default="0",
         help=(
@@ -162,6 +171,27 @@ def _trace(args: argparse.Namespace) -> tuple[Trace, dict[str, Any]]:
     return trace, {"workload": args.workload, "requests": requests, "adapters": adapters, "seed": seed}
 
 
+def _adapter_bytes(args: argparse.Namespace) -> int:
+    """The bytes every simulated adapter moves: ``--adapter-mb``, or the adapter at
+    ``--adapter-size-from`` measured (no tensor is read).
+
+    Raises:
+        SpecError: ``--adapter-mb`` is not a number in range.
+        AdapterLoadError: the adapter at ``--adapter-size-from`` cannot be read.
+    """
+    path = getattr(args, "adapter_size_from", None)
+    if path is None:
+        return int(_number("--adapter-mb", args.adapter_mb, most=2**43) * (1 << 20))
+    import torch
+
+    from lora_pin.weights.reader import open_adapter
+
+    with open_adapter(path, path) as file:
+        element = torch.empty((), dtype=file.dtype).element_size()
+        factors = sum(p.b_shape[0] for p in file.pairs.values()) if file.config.use_dora else 0
+        return file.file_bytes + factors * element
+
+
 def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
     slots = [_int("--slots", s, least=1, most=MAX_SLOTS) for s in _list("--slots", args.slots)]
     hosts = [None if h == "none" else _int("--host", h, least=1) for h in _list("--host", args.host)]
@@ -175,7 +205,7 @@ def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
     pins = list(args.pin) or trace.most_requested(pin_top)
     batch = _int("--batch-size", args.batch_size, least=1)
     step_seconds = _number("--step-ms", args.step_ms) / 1000
-    adapter_bytes = int(_number("--adapter-mb", args.adapter_mb, most=2**43) * (1 << 20))
+    adapter_bytes = _adapter_bytes(args)
     load_ms = _number("--load-ms", args.load_ms)
     rows = []
     runs = len(slots) * len(hosts) * len(policies)
@@ -305,7 +335,7 @@ def _cluster_rows(args: argparse.Namespace, trace: Trace, about: dict[str, Any])
     pins = list(args.pin) or trace.most_requested(_int("--pin-top", args.pin_top, least=0))
     batch = _int("--batch-size", args.batch_size, least=1)
     step_seconds = _number("--step-ms", args.step_ms) / 1000
-    adapter_bytes = int(_number("--adapter-mb", args.adapter_mb, most=2**43) * (1 << 20))
+    adapter_bytes = _adapter_bytes(args)
     bound = batch if args.queue_bound is None else _int("--queue-bound", args.queue_bound, least=1)
     cv = _number("--cv", args.cv)
     if _number("--load-ms", args.load_ms) > 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from lora_pin.parallel.layers import CollectiveLog
     from lora_pin.parallel.sharding import ShardPlan
 
-__all__ = ["attach", "detach", "model_targets"]
+__all__ = ["attach", "base_weights", "detach", "model_targets"]
 
 #: Fused projections of the usual serving-framework models: module name -> (adapter module, width) ...
 FusedSpec = Mapping[str, Sequence[tuple[str, int]]]
@@ -270,8 +271,7 @@ def attach(
     experts: dict[str, dict[str, GroupBuffers]] = {}
     for group in targets.groups:
         key = module_of[group.key]
-        a, b, ranks, scalings, _ = pool.buffers(group.key)
-        buffers = GroupBuffers(group, a, b, ranks, scalings)
+        buffers = pool.group_buffers(group.key)
         if group.experts:
             experts.setdefault(key, {})[group.members[0].module] = buffers
             continue
@@ -297,6 +297,33 @@ def attach(
         _set(model, key, LoRAExperts(original, layout, by_name, active_step))
         originals[key] = original
     return originals
+
+
+def base_weights(
+    model: torch.nn.Module, targets: LoRATargets, module_of: Mapping[str, str]
+) -> dict[str, Callable[[], torch.Tensor | None]]:
+    """For each linear target group, a function returning the weight of the module that computes it as
+    ``[out_total, in]`` (a transformers ``Conv1D``'s ``[in, out]`` transposed), or None when the module
+    keeps no plain weight of that shape (a sharded or quantized layer): what a DoRA adapter's factor is
+    computed from (:mod:`lora_pin.weights.dora`). Read when called, so it is the model's weight then."""
+    found: dict[str, Callable[[], torch.Tensor | None]] = {}
+    for group in targets.groups:
+        if group.experts or group.members[0].embedding:
+            continue
+        module = model.get_submodule(module_of[group.key])
+        found[group.key] = functools.partial(_plain_weight, module, group.out_total, group.in_features)
+    return found
+
+
+def _plain_weight(module: torch.nn.Module, out_features: int, in_features: int) -> torch.Tensor | None:
+    base = getattr(module, "base_layer", None)
+    layer = base if isinstance(base, torch.nn.Module) else module
+    weight = getattr(layer, "weight", None)
+    if type(weight).__name__ == "DTensor" or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None
+    if type(layer).__name__ == "Conv1D":
+        weight = weight.t()
+    return weight if tuple(weight.shape) == (out_features, in_features) else None
 
 
 def detach(model: torch.nn.Module, originals: Mapping[str, torch.nn.Module]) -> None:

@@ -2,8 +2,9 @@
 
 A :class:`LoRALinear` keeps the base layer untouched and, while a step is active, adds
 ``scaling * B[slot] (A[slot] x)`` to each row whose request uses an adapter, through the ``lora_pin``
-shrink/expand ops over the device pool's buffers. Rows with no adapter are never touched, so they equal
-the base model's output bit for bit. With no active step the wrapper is the base layer.
+shrink/expand ops over the device pool's buffers; a row of a DoRA adapter is then rescaled by its
+factor around the bias (:mod:`lora_pin.weights.dora`). Rows with no adapter are never touched, so they
+equal the base model's output bit for bit. With no active step the wrapper is the base layer.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from lora_pin.ops import (
     OpArgumentError,
     PreparedDelta,
     SegmentBatch,
+    dora_scale_,
     expand,
     prepare_delta,
     segments_from_slots,
     shrink,
 )
+from lora_pin.ops.dora import scale_rows_
 from lora_pin.weights.pool import GroupBuffers
 
 __all__ = ["BaseLayerWrapper", "LoRAEmbedding", "LoRALinear", "StepSegments"]
@@ -62,6 +65,8 @@ class StepSegments:
     _deltas: dict[tuple[int, torch.Size], PreparedDelta] = field(default_factory=dict)
     # (input shape less features, A's shape, B's shape) -> the last group prepared in full with them.
     _shared: dict[tuple[torch.Size, ...], PreparedDelta] = field(default_factory=dict)
+    # (DoRA slots of a group, input shape less features) -> the step's rows in them and their slots.
+    _dora_rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.sequence_slots is not None and self.segments is not None:
@@ -117,6 +122,40 @@ class StepSegments:
                 self._shared[shape_key] = delta
             self._deltas[key] = delta
         return delta
+
+    def dora_rows_for(
+        self, buffers: GroupBuffers, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows of layer input ``x`` to rescale as DoRA rows in the group of ``buffers`` and their
+        slots (int64 ``[N]`` and ``[N]``: int64 for :func:`lora_pin.ops.dora.scale_rows_` on the CPU,
+        int32 for :func:`lora_pin.ops.dora_scale_` otherwise), or None when there are none; made once
+        per step, group DoRA slots and input shape.
+
+        On the CPU they are exactly the rows of the group's DoRA slots (read from the host arrays); on a
+        device, or traced by ``torch.compile``, they are every adapter row, and the op skips the others
+        by the slots' flags (no read of the arrays from the host).
+
+        Raises:
+            UsageError: as :meth:`for_input`.
+        """
+        dora_slots = buffers.dora_slots
+        if not dora_slots:
+            return None
+        # Traced by torch.compile, as on a device: no read of the arrays from the host.
+        on_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
+        key = (frozenset(dora_slots) if on_cpu else None, x.shape[:-1])
+        if key in self._dora_rows:
+            return self._dora_rows[key]
+        seg = self.for_input(x)
+        counts = (seg.seg_indptr[1:] - seg.seg_indptr[:-1]).long()
+        row_slots = torch.repeat_interleave(seg.seg_slots, counts, output_size=seg.perm.shape[0])
+        picked: tuple[torch.Tensor, torch.Tensor] | None = (seg.perm, row_slots)
+        if on_cpu:
+            chosen = torch.isin(row_slots, torch.tensor(sorted(dora_slots), dtype=row_slots.dtype))
+            # int64 slots: what the prepared rescale indexes with (scale_rows_), converted once a step.
+            picked = (seg.perm[chosen], row_slots[chosen].long()) if bool(chosen.any()) else None
+        self._dora_rows[key] = picked
+        return picked
 
     def _segments_of_length(self, length: int) -> SegmentBatch:
         """Segments for ``length`` rows per sequence: each adapter sequence's rows, cut into chunks."""
@@ -213,13 +252,38 @@ class LoRALinear(BaseLayerWrapper):
                 if x.dtype is not delta.dtype:
                     self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
                 delta.apply(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]))
+            if buf.dora_slots:
+                self._rescale_dora(step, out, x)
             return result
         seg = step.for_input(x)
         self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
         meta = self._kernel_meta(seg)
         flat_out = out.view(-1, out.shape[-1])
         expand(flat_out, shrink(x.reshape(-1, x.shape[-1]), buf.a, meta), buf.b, meta)
+        if buf.dora_slots:
+            self._rescale_dora(step, out, x)
         return result
+
+    def _rescale_dora(self, step: StepSegments, out: torch.Tensor, x: torch.Tensor) -> None:
+        """Rescale the step's DoRA rows of ``out`` (base plus LoRA delta) around the base layer's bias:
+        ``f * (out - bias) + bias``. A layer returning ``(out, bias)`` left its bias out of ``out``."""
+        buf = self._pool_buffers
+        picked = step.dora_rows_for(buf, x)
+        if picked is None:
+            return
+        assert buf.factors is not None and buf.dora is not None
+        bias = None if self._returns_bias else getattr(self.base_layer, "bias", None)
+        if bias is not None:
+            bias = bias.detach()
+        flat = out.view(-1, out.shape[-1])
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():
+            # Exactly the step's DoRA rows, from its own arrays: no checks or filter left to do.
+            if out.dtype is not buf.factors.dtype:
+                self._check_dtype("the layer output", out.dtype)
+            scale_rows_(flat, bias, buf.factors, *picked)
+        else:
+            # Every adapter row: the op keeps the DoRA slots' rows by their flags.
+            dora_scale_(flat, bias, buf.factors, buf.dora, *picked)
 
     def _untouched(self, result: Any, seg: SegmentBatch) -> Any:
         """The output of a base layer that returns no tensor (a linear subclass computing its own forward:

@@ -26,7 +26,7 @@ from lora_pin.errors import (
     UsageError,
 )
 from lora_pin.model.adapter_dir import adapter_folders, checked_adapter_dir
-from lora_pin.model.attach import FusedSpec, attach, detach, model_targets
+from lora_pin.model.attach import FusedSpec, attach, base_weights, detach, model_targets
 from lora_pin.model.layers import StepSegments
 from lora_pin.model.lifecycle import AdapterIdentity, Lifecycle, Placement
 from lora_pin.model.loader import (
@@ -195,6 +195,7 @@ class LoRAManager(StepLoading):
             max_file_bytes=max_file_bytes,
             max_tensors=max_tensors,
             shards=shards,
+            base_weights=base_weights(model, self.targets, self._module_of),
         )
         # Without max_lora_rank the pool is sized by the start-up adapters, read (and checked, tensors
         # included) first: a config's claim alone never sizes it.

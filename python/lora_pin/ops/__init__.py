@@ -6,12 +6,14 @@ Every token of a batch may use a different adapter (or none). The ops are driven
 the adapters from the device pool's stacked ``A`` / ``B`` buffers. CUDA tensors run Triton SGMV
 kernels (CUDA-graph capturable: no host-device synchronisation); CPU tensors run grouped torch GEMMs.
 LoRA on MoE experts (:mod:`lora_pin.ops.experts`) runs the same two ops over ``(adapter, expert)``
-segments. The Triton kernels also run on CPU tensors under the Triton interpreter through
+segments. A DoRA adapter's rows are the LoRA rows rescaled afterwards by ``lora_pin::dora_scale_``
+(:mod:`lora_pin.ops.dora`). The Triton kernels also run on CPU tensors under the Triton interpreter through
 :mod:`lora_pin.ops.triton_sgmv` (tests).
 """
 
 from lora_pin.ops._checks import OpArgumentError
 from lora_pin.ops.custom_ops import expand, lora_delta_, shrink
+from lora_pin.ops.dora import dora_scale_, dora_scale_reference
 from lora_pin.ops.experts import (
     ExpertMeta,
     expert_lora_delta_,
@@ -30,6 +32,8 @@ __all__ = [
     "OpArgumentError",
     "PreparedDelta",
     "SegmentBatch",
+    "dora_scale_",
+    "dora_scale_reference",
     "expand",
     "expand_reference",
     "expert_lora_delta_",

@@ -102,9 +102,10 @@ class AdapterConfig:
 
     ``target_modules`` is a tuple of names or one regex string (an empty tuple when the adapter only has
     ``target_parameters``, the names of MoE expert parameters it puts LoRA on); ``layers_to_transform``
-    None means all layers. Build it with :func:`lora_pin.weights.reader.read_adapter_config` (or
-    :meth:`from_mapping`), which refuses what lora_pin cannot serve. Its regexes are compiled when it is
-    built, once.
+    None means all layers. ``use_dora``: a DoRA adapter (each targeted linear also has a
+    ``lora_magnitude_vector``, see :mod:`lora_pin.weights.dora`). Build it with
+    :func:`lora_pin.weights.reader.read_adapter_config` (or :meth:`from_mapping`), which refuses what
+    lora_pin cannot serve. Its regexes are compiled when it is built, once.
 
     Raises:
         AdapterLoadError: (when built) a pattern is refused, see
@@ -125,6 +126,7 @@ class AdapterConfig:
     fan_in_fan_out: bool = False
     base_model_name_or_path: str | None = None
     target_parameters: tuple[str, ...] = ()
+    use_dora: bool = False
     _matchers: _Matchers = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -136,10 +138,11 @@ class AdapterConfig:
 
         Raises:
             AdapterLoadError: naming the adapter, the file and the field, for ``peft_type`` other than LORA,
-                ``use_dora``, ``bias`` other than "none", non-empty ``modules_to_save``, ``lora_bias``,
-                ``trainable_token_indices``, ``layer_replication``, ``use_qalora``,
-                ``alora_invocation_tokens``, for any field of the wrong type or value, for more than
-                :data:`~lora_pin.weights.patterns.MAX_PATTERN_ENTRIES` pattern and list entries, and for a
+                ``use_dora`` with ``target_parameters``, ``bias`` other than "none", non-empty
+                ``modules_to_save``, ``lora_bias``, ``trainable_token_indices``, ``layer_replication``,
+                ``use_qalora``, ``alora_invocation_tokens``, for any field of the wrong type or value, for
+                more than :data:`~lora_pin.weights.patterns.MAX_PATTERN_ENTRIES` pattern and list entries,
+                and for a
                 refused regex (see :func:`~lora_pin.weights.patterns.compile_patterns`).
         """
 
@@ -183,6 +186,7 @@ class AdapterConfig:
             fan_in_fan_out=_boolean(fail, data, "fan_in_fan_out"),
             base_model_name_or_path=data.get("base_model_name_or_path"),
             target_parameters=parameters,
+            use_dora=_boolean(fail, data, "use_dora"),
         )
 
     def rank_for(self, module_key: str) -> int:
@@ -339,8 +343,12 @@ def _check_servable(fail: _Fail, data: Mapping[str, Any]) -> None:
     peft_type = data.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise fail("peft_type", f"is {peft_type!r}; only LORA adapters can be served")
-    if data.get("use_dora"):
-        raise fail("use_dora", "is true; DoRA rescales the base weight per column and cannot be served")
+    if data.get("use_dora") and data.get("target_parameters"):
+        raise fail(
+            "use_dora",
+            "is true with target_parameters: DoRA on MoE expert weights cannot be served (PEFT does not "
+            "train it either)",
+        )
     bias = data.get("bias", "none")
     if bias != "none":
         raise fail("bias", f"is {bias!r}; adapters that train biases cannot be served (must be 'none')")

@@ -6,7 +6,9 @@ what is served changes. It covers:
 * every served tensor as read (before any conversion to the serving dtype): its name, its stored dtype
   (the safetensors name: ``F32``, ``BF16`` ...), its shape and its bytes;
 * per served module (a target key of the model): its rank, its scaling (``lora_alpha / r``, rsLoRA,
-  ``alpha_pattern``) and which two tensors serve it (``target_parameters`` decides that for MoE experts).
+  ``alpha_pattern``) and which two tensors serve it (``target_parameters`` decides that for MoE experts),
+  and for a DoRA module its ``lora_magnitude_vector`` (the factor computed from it and the base weight is
+  not hashed: the base model is the cache's own key).
 
 It leaves out what cannot change an output: the file's layout and header order, ``__metadata__``, config
 fields that only describe (``base_model_name_or_path``), and PEFT's copies of base weights, which are checked
@@ -180,13 +182,15 @@ def _hash_one(owner: TensorDigests, name: str | None, dtype: str, shape: tuple[i
 
 @dataclass(frozen=True)
 class ServedModule:
-    """One module an adapter serves: the model's target key, its rank and scaling, and its two tensors."""
+    """One module an adapter serves: the model's target key, its rank and scaling, and its two tensors
+    (three for a DoRA module: ``magnitude_name`` names its ``lora_magnitude_vector``)."""
 
     key: str
     rank: int
     scaling: float
     a_name: str
     b_name: str
+    magnitude_name: str | None = None
 
 
 def adapter_digest(tensors: Mapping[str, bytes], served: Iterable[ServedModule]) -> str:
@@ -198,10 +202,14 @@ def adapter_digest(tensors: Mapping[str, bytes], served: Iterable[ServedModule])
     """
     hasher = blake3(_ADAPTER_TAG)
     for module in sorted(served, key=lambda m: m.key):
+        # A DoRA module's record is marked in its key (a module key holds no NUL) and ends with its
+        # magnitude's digest, so a plain LoRA module's record, and so its digest, is as before.
+        dora = module.magnitude_name is not None
         hasher.update(
-            _text(module.key)
+            _text(module.key + "\0dora" if dora else module.key)
             + struct.pack("<Qd", module.rank, module.scaling)
             + tensors[module.a_name]
             + tensors[module.b_name]
+            + (tensors[module.magnitude_name] if module.magnitude_name is not None else b"")
         )
     return hasher.hexdigest()

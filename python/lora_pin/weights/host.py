@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,7 @@ import torch
 from lora_pin.errors import AdapterLoadError, AdapterNotFoundError, DuplicateAdapterError
 from lora_pin.weights.config import AdapterConfig
 from lora_pin.weights.digest import ServedModule, adapter_digest
+from lora_pin.weights.dora import BaseWeights, dora_factor, factor_nbytes
 from lora_pin.weights.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TENSORS
 from lora_pin.weights.reader import PEFT_PREFIX, AdapterFile, LoraTensorPair, open_adapter
 from lora_pin.weights.targets import LinearTarget, LoRATargets, TargetGroup
@@ -52,6 +53,12 @@ class HostModule:
     ``a``: ``[n_slices * rank, in]``; ``b``: ``[out_total, rank]``; ``ranks`` / ``scalings``: per slice
     (0 and 0.0 for a slice the adapter does not target), also as the int32 / float32 ``[n_slices]``
     tensors ``rank_tensor`` / ``scaling_tensor`` the pool copies.
+
+    A DoRA adapter's module also holds ``magnitude``, float32 ``[out_total]`` (its
+    ``lora_magnitude_vector`` on the rows of the slices it targets, 0 elsewhere), and, once computed
+    against the model's base weight, ``factor``, float32 ``[out_total]`` (:func:`~lora_pin.weights.dora.
+    dora_factor`: ``m / ||W + s B A||`` per output feature, 1 on the slices it does not target), which
+    the pool copies beside A and B. Both None for plain LoRA.
     """
 
     group: TargetGroup
@@ -61,11 +68,17 @@ class HostModule:
     scalings: tuple[float, ...]
     rank_tensor: torch.Tensor
     scaling_tensor: torch.Tensor
+    magnitude: torch.Tensor | None = None
+    factor: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
         """The A rows reserved per slice (the largest slice rank)."""
         return self.a.shape[0] // self.group.n_slices
+
+
+def _dora_nbytes(module: HostModule) -> int:
+    return sum(t.nbytes for t in (module.magnitude, module.factor) if t is not None)
 
 
 @dataclass(frozen=True)
@@ -101,13 +114,20 @@ class HostAdapter:
         return tuple(sorted({r for m in self.modules.values() for r in m.ranks if r}))
 
     @property
+    def dora(self) -> bool:
+        """Whether this is a DoRA adapter (its modules carry magnitudes and factors)."""
+        return self.config.use_dora
+
+    @property
     def nbytes(self) -> int:
-        """Host bytes held (A and B of every module, zero padding of fused slices included)."""
-        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
+        """Host bytes held (A and B of every module, zero padding of fused slices included, and a DoRA
+        adapter's magnitudes and factors)."""
+        return sum(m.a.nbytes + m.b.nbytes + _dora_nbytes(m) for m in self.modules.values())
 
     @property
     def device_bytes(self) -> int:
-        """Bytes of the adapter's own weights at their own ranks, in the serving dtype (no padding).
+        """Bytes of the adapter's own weights at their own ranks, in the serving dtype (no padding), and
+        of a DoRA adapter's factors (one per output feature of each group it touches).
 
         A :class:`~lora_pin.weights.pool.DevicePool` slot holds ``pool.slot_nbytes`` whatever the adapter.
         """
@@ -119,6 +139,8 @@ class HostAdapter:
             for s, rank in enumerate(module.ranks):
                 member = group.members[0 if group.experts else s]
                 total += rank * (member.in_features + widths[s]) * size
+            if module.magnitude is not None:
+                total += factor_nbytes(module.b.shape[0], self.dtype)
         return total
 
     @property
@@ -281,7 +303,52 @@ def _check_against_model(
         target = targets.linear(key)
         assert target is not None
         ranks[key] = _check_expert_pair(file, pair, target, max_rank)
+    _check_dora(file, targets, {k: pairs[k] for k in matched}, shards)
     return ranks, {k: pairs[k] for k in matched} | expert_pairs
+
+
+def _check_dora(
+    file: AdapterFile, targets: LoRATargets, pairs: dict[str, LoraTensorPair], shards: ShardPlan | None
+) -> None:
+    """A DoRA adapter (``use_dora``) has one ``lora_magnitude_vector`` ``[out]`` per targeted linear; a
+    plain one has none. DoRA on an embedding (PEFT scales its lookup differently) is refused by name.
+
+    Raises:
+        AdapterLoadError: naming the adapter, the file and the module or tensor.
+    """
+    where = f"adapter {file.name!r} ({file.weights_path})"
+    if not file.config.use_dora:
+        if magnitudes := [p.magnitude_name for p in pairs.values() if p.magnitude_name is not None]:
+            raise AdapterLoadError(
+                f"{where}: tensor(s) {_listing(magnitudes)} are DoRA magnitudes, but the config's field "
+                "'use_dora' is not true (a DoRA adapter with a wrong config, or a plain one with stray "
+                "tensors)"
+            )
+        return
+    if shards is not None:
+        raise AdapterLoadError(
+            f"{where}: field 'use_dora' is true; lora_pin does not serve DoRA adapters under tensor "
+            "parallelism yet (the norm of a row-parallel layer needs every rank's part); serve it on an "
+            "unsharded model"
+        )
+    for key, pair in pairs.items():
+        if pair.embedding:
+            raise AdapterLoadError(
+                f"{where}: DoRA on embedding {key!r} cannot be served (field 'use_dora' is true and it "
+                "targets an embedding; lora_pin serves DoRA on linear layers only)"
+            )
+        target = targets.linear(key)
+        assert target is not None
+        if pair.magnitude_name is None:
+            raise AdapterLoadError(
+                f"{where}: field 'use_dora' is true (DoRA) but module {key!r} has no tensor "
+                f"{PEFT_PREFIX}{key}.lora_magnitude_vector"
+            )
+        if pair.magnitude_shape != (target.out_features,):
+            raise AdapterLoadError(
+                f"{where}: tensor {pair.magnitude_name!r} has shape {list(pair.magnitude_shape or ())}, "
+                f"expected [{target.out_features}] (one magnitude per output feature of module {key!r})"
+            )
 
 
 def _is_base_copy(file: AdapterFile, targets: LoRATargets, tensor_name: str) -> bool:
@@ -454,7 +521,79 @@ def _build_module(
     scaling_tensor = torch.tensor(scalings, dtype=torch.float32)
     if pin:
         rank_tensor, scaling_tensor = rank_tensor.pin_memory(), scaling_tensor.pin_memory()
-    return HostModule(group, a, b, slice_ranks, scalings, rank_tensor, scaling_tensor)
+    magnitude = _read_magnitude(file, group, slice_ranks, pairs, b_out) if file.config.use_dora else None
+    return HostModule(group, a, b, slice_ranks, scalings, rank_tensor, scaling_tensor, magnitude)
+
+
+def _read_magnitude(
+    file: AdapterFile,
+    group: TargetGroup,
+    slice_ranks: tuple[int, ...],
+    pairs: dict[str, LoraTensorPair],
+    out_total: int,
+) -> torch.Tensor:
+    """A DoRA module's magnitudes, float32 ``[out_total]`` (0 on the rows of slices it does not target).
+
+    Raises:
+        AdapterLoadError: a magnitude is NaN or infinite (every output of the layer would be).
+    """
+    magnitude = torch.zeros(out_total, dtype=torch.float32)
+    offsets = group.slice_offsets
+    for s, member in enumerate(group.members):
+        if not slice_ranks[s]:
+            continue
+        name = pairs[member.key].magnitude_name
+        assert name is not None, "_check_dora let a DoRA module without magnitude through"
+        stored = file.tensor(name, record=True)
+        bad = int((~torch.isfinite(stored)).sum())
+        if bad:
+            raise AdapterLoadError(
+                f"adapter {file.name!r} ({file.weights_path}): tensor {name!r} has {bad} NaN/Inf "
+                "value(s); refused"
+            )
+        magnitude[offsets[s] : offsets[s + 1]] = stored.to(torch.float32)
+    return magnitude
+
+
+def _with_factors(
+    file: AdapterFile, modules: dict[str, HostModule], base_weights: BaseWeights
+) -> dict[str, HostModule]:
+    """The DoRA ``modules`` with their factors computed against the model's ``base_weights``.
+
+    Raises:
+        AdapterLoadError: a module's base weight cannot be read (its layer keeps no plain ``[out, in]``
+            weight) or has another shape, or a factor is not finite (a row of ``W + s B A`` of norm zero,
+            or a magnitude too large for float32).
+    """
+    where = f"adapter {file.name!r} ({file.weights_path})"
+    done = {}
+    for key, module in modules.items():
+        group = module.group
+        weight_of = base_weights.get(key)
+        weight = None if weight_of is None else weight_of()
+        if weight is None or tuple(weight.shape) != (group.out_total, group.in_features):
+            shape = "none" if weight is None else str(list(weight.shape))
+            raise AdapterLoadError(
+                f"{where}: DoRA on {key!r} cannot be served: the norm needs the layer's base weight as "
+                f"[{group.out_total}, {group.in_features}], and its layer has {shape}"
+            )
+        offsets = group.slice_offsets
+        slices = [
+            (offsets[s], offsets[s + 1], rank, module.scalings[s]) if rank else None
+            for s, rank in enumerate(module.ranks)
+        ]
+        assert module.magnitude is not None
+        with torch.no_grad():
+            factor = dora_factor(weight.detach(), module.a, module.b, slices, module.magnitude)
+        if not bool(torch.isfinite(factor).all()):
+            row = int((~torch.isfinite(factor)).nonzero()[0])
+            raise AdapterLoadError(
+                f"{where}: module {key!r}: the DoRA factor m / ||W + s B A|| of output feature {row} is "
+                f"{float(factor[row])} (the norm is zero, or the magnitude is out of float32's range); "
+                "refused"
+            )
+        done[key] = replace(module, factor=factor.pin_memory() if module.a.is_pinned() else factor)
+    return done
 
 
 def _read_experts(
@@ -539,7 +678,7 @@ def _served(modules: Iterable[HostModule], pairs: dict[str, LoraTensorPair]) -> 
         for member, rank, scaling in zip(group.members, module.ranks, module.scalings, strict=True):
             if rank:
                 pair = pairs[member.key]
-                yield ServedModule(member.key, rank, scaling, pair.a_name, pair.b_name)
+                yield ServedModule(member.key, rank, scaling, pair.a_name, pair.b_name, pair.magnitude_name)
 
 
 def load_adapter(
@@ -555,6 +694,7 @@ def load_adapter(
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     max_tensors: int = DEFAULT_MAX_TENSORS,
     shards: ShardPlan | None = None,
+    base_weights: BaseWeights | None = None,
 ) -> HostAdapter:
     """Read, validate and normalise the PEFT adapter at ``path`` into host tensors for ``targets``.
 
@@ -563,7 +703,10 @@ def load_adapter(
     Tensor shapes: per touched group A ``[n_slices * rank, in]``, B ``[out_total, rank]``
     (see :class:`HostModule`). With ``shards`` (a tensor-parallel rank's
     :class:`~lora_pin.parallel.sharding.ShardPlan`) the stored tensors are checked at their unsharded shapes
-    and only this rank's part of each is read from the file and kept.
+    and only this rank's part of each is read from the file and kept. A DoRA adapter's factors
+    (:mod:`lora_pin.weights.dora`) are computed against ``base_weights`` (group key -> the model's base
+    weight ``[out_total, in]``, on its device), once; without it they are left None (the adapter is then
+    for inspection, not for a device pool).
 
     Raises:
         PathNotAllowedError: ``path`` (or a file in it) resolves outside ``allowed_roots``, or has ``..``.
@@ -573,7 +716,9 @@ def load_adapter(
             that does not fit its module, tensors matching no module, any unused tensor, or a targeted module
             without tensors; a weight file above ``max_file_bytes`` or with more than ``max_tensors``
             tensors (checked before any tensor is read); a NaN/Inf weight in the serving dtype; a weight
-            file that changed while it was read. Messages name the adapter, the file and the field or tensor.
+            file that changed while it was read; for a DoRA adapter, a missing, misshapen or non-finite
+            magnitude, DoRA on an embedding or under tensor parallelism, a layer without a plain base
+            weight, or a non-finite factor. Messages name the adapter, the file and the field or tensor.
     """
     if not dtype.is_floating_point:
         raise AdapterLoadError(f"adapter {name!r}: serving dtype must be floating point, got {dtype}")
@@ -586,7 +731,13 @@ def load_adapter(
         max_tensors=max_tensors,
     ) as file:
         return load_opened(
-            file, targets, max_rank=max_rank, dtype=dtype, pin_memory=pin_memory, shards=shards
+            file,
+            targets,
+            max_rank=max_rank,
+            dtype=dtype,
+            pin_memory=pin_memory,
+            shards=shards,
+            base_weights=base_weights,
         )
 
 
@@ -598,6 +749,7 @@ def load_opened(
     dtype: torch.dtype,
     pin_memory: bool | None = None,
     shards: ShardPlan | None = None,
+    base_weights: BaseWeights | None = None,
 ) -> HostAdapter:
     """:func:`load_adapter` of an adapter already opened (:func:`~lora_pin.weights.reader.open_adapter`,
     or :meth:`~lora_pin.weights.reader.AdapterFile.in_memory` for tensors handed over in memory): the same
@@ -615,9 +767,13 @@ def load_opened(
     slab = _Slab(sum(_group_numel(g, ranks, shards) for g in touched), dtype, pin)
     modules = {g.key: _build_module(file, g, ranks, pairs, slab, pin, shards) for g in touched}
     _refuse_non_finite(file, pairs, slab, modules.values())
+    if file.config.use_dora and base_weights is not None:
+        modules = _with_factors(file, modules, base_weights)
     file.check_unchanged()
     digest = adapter_digest(file.digests.result(), _served(modules.values(), pairs))
     whole = sum(_whole_numel(g, ranks, shards) for g in touched) * slab.memory.element_size()
+    # A DoRA module's magnitude and factor (DoRA is served unsharded only: the same on every process).
+    whole += sum(_dora_nbytes(m) for m in modules.values())
     return HostAdapter(
         name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks), digest, whole
     )
@@ -628,7 +784,8 @@ class HostTier:
 
     Which adapters stay is decided by the Rust core; this class only holds their tensors. ``max_file_bytes``
     and ``max_tensors`` are the per-adapter limits of :func:`load_adapter`; with ``shards`` (a
-    tensor-parallel rank's plan) it reads and holds only this rank's part of each adapter.
+    tensor-parallel rank's plan) it reads and holds only this rank's part of each adapter. With
+    ``base_weights`` (the model's, see :func:`load_adapter`) the DoRA adapters it reads get their factors.
     """
 
     def __init__(
@@ -642,9 +799,11 @@ class HostTier:
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_tensors: int = DEFAULT_MAX_TENSORS,
         shards: ShardPlan | None = None,
+        base_weights: BaseWeights | None = None,
     ) -> None:
         self.targets = targets
         self.shards = shards
+        self.base_weights = base_weights
         self.max_rank = max_rank
         self.dtype = dtype
         self.allowed_roots = None if allowed_roots is None else tuple(allowed_roots)
@@ -688,6 +847,7 @@ class HostTier:
             max_file_bytes=self.max_file_bytes,
             max_tensors=self.max_tensors,
             shards=self.shards,
+            base_weights=self.base_weights,
         )
 
     def read_tensors(self, tensors: AdapterTensors) -> HostAdapter:
@@ -699,7 +859,12 @@ class HostTier:
         """
         with tensors.open() as file:
             return load_opened(
-                file, self.targets, max_rank=self.max_rank, dtype=self.dtype, shards=self.shards
+                file,
+                self.targets,
+                max_rank=self.max_rank,
+                dtype=self.dtype,
+                shards=self.shards,
+                base_weights=self.base_weights,
             )
 
     def add(self, adapter: HostAdapter) -> HostAdapter:

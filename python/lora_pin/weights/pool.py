@@ -5,7 +5,11 @@ For each target group (by its key, ``model.layers.0.self_attn.qkv_proj``), alloc
 * ``a``: ``[slots, max_rank * n_slices, in]``; slice s of slot k uses rows
   ``[s * max_rank, s * max_rank + r_s)``;
 * ``b``: ``[slots, out_total, max_rank]``; slice s uses rows ``[off_s, off_{s+1})``, columns ``[0, r_s)``;
-* ``ranks``: int32 ``[slots, n_slices]`` and ``scalings``: float32 ``[slots, n_slices]``.
+* ``ranks``: int32 ``[slots, n_slices]`` and ``scalings``: float32 ``[slots, n_slices]``;
+* ``factors``: ``[slots, out_total]`` in the pool's dtype and ``dora``: int32 ``[slots]``: a DoRA adapter's
+  factor per output feature (:mod:`lora_pin.weights.dora`) and 1 in ``dora`` where the slot's adapter has
+  DoRA in this group; 1.0 and 0 otherwise. ``dora_slots`` mirrors ``dora`` on the host (a set of slots), so
+  a step knows without reading the device whether a group has DoRA rows at all.
 
 A tensor-parallel rank's pool (``shards``) holds its shard of each group: the widths are the layer's local
 ones, and a fully sharded group's A holds ``ceil(max_rank / tp)`` rows per slice (its chunk of the rank) or
@@ -34,13 +38,17 @@ __all__ = ["DevicePool", "GroupBuffers"]
 
 @dataclass(frozen=True)
 class GroupBuffers:
-    """The pool buffers of one target group; see the module docstring for the layout."""
+    """The pool buffers of one target group; see the module docstring for the layout. ``factors``,
+    ``dora`` and ``dora_slots`` are None for buffers made outside a pool (no DoRA adapter in them)."""
 
     group: TargetGroup
     a: torch.Tensor
     b: torch.Tensor
     ranks: torch.Tensor
     scalings: torch.Tensor
+    factors: torch.Tensor | None = None
+    dora: torch.Tensor | None = None
+    dora_slots: set[int] | None = None
 
     @property
     def slice_offsets(self) -> list[int]:
@@ -86,9 +94,12 @@ class DevicePool:
             g.key: (max_rank, g.out_total, max_rank) if shards is None else shards.pool_shape(g, max_rank)
             for g in targets.groups
         }
+        # Per group: A, B, ranks and scalings, a DoRA factor per output row and its flag.
         self.slot_nbytes = sum(
             (g.n_slices * shapes[g.key][0] * g.in_features + shapes[g.key][1] * shapes[g.key][2]) * element
             + g.n_slices * 8
+            + shapes[g.key][1] * element
+            + 4
             for g in targets.groups
         )
         try:
@@ -101,6 +112,9 @@ class DevicePool:
                     torch.zeros((slots, shapes[g.key][1], shapes[g.key][2]), dtype=dtype, device=self.device),
                     torch.zeros((slots, g.n_slices), dtype=torch.int32, device=self.device),
                     torch.zeros((slots, g.n_slices), dtype=torch.float32, device=self.device),
+                    torch.ones((slots, shapes[g.key][1]), dtype=dtype, device=self.device),
+                    torch.zeros(slots, dtype=torch.int32, device=self.device),
+                    set(),
                 )
                 for g in targets.groups
             }
@@ -164,6 +178,15 @@ class DevicePool:
             raise PoolError(f"device pool: no group {key!r} (groups: {shown})") from None
         return buf.a, buf.b, buf.ranks, buf.scalings, buf.slice_offsets
 
+    def group_buffers(self, key: str) -> GroupBuffers:
+        """Every buffer of the group with key ``key`` (see the module docstring), DoRA's included.
+
+        Raises:
+            PoolError: the targets have no such group.
+        """
+        self.buffers(key)
+        return self._buffers[key]
+
     def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.slots:
             raise PoolError(f"device pool: slot {slot!r} out of range [0, {self.slots})")
@@ -177,6 +200,13 @@ class DevicePool:
             raise PoolError(f"{where}: host dtype {adapter.dtype} differs from the pool's {self.dtype}")
         if adapter.max_rank > self.max_rank:
             raise PoolError(f"{where}: rank {adapter.max_rank} exceeds the pool's max rank {self.max_rank}")
+        if unfactored := [
+            k for k, m in adapter.modules.items() if m.magnitude is not None and m.factor is None
+        ]:
+            raise PoolError(
+                f"{where}: it is a DoRA adapter read without the model's base weights, so group "
+                f"{unfactored[0]!r} has no factor (read it through a HostTier given base_weights)"
+            )
         for key, module in adapter.modules.items():
             group = module.group
             buf = self._buffers.get(key)
@@ -239,6 +269,7 @@ class DevicePool:
             buf.b[slot].zero_()
             buf.ranks[slot].zero_()
             buf.scalings[slot].zero_()
+            _set_dora(buf, slot, None, non_blocking=False)
         self._occupant[slot] = None
 
     def _write(self, slot: int, adapter: HostAdapter, *, non_blocking: bool) -> None:
@@ -251,6 +282,7 @@ class DevicePool:
                 b_slot.zero_()
                 buf.ranks[slot].zero_()
                 buf.scalings[slot].zero_()
+                _set_dora(buf, slot, None, non_blocking=non_blocking)
                 continue
             # A's and B's ranks differ on a fully sharded tensor-parallel rank; they are the same otherwise.
             n = buf.group.n_slices
@@ -268,7 +300,23 @@ class DevicePool:
                 b_slot[:, b_rank:].zero_()
             buf.ranks[slot].copy_(module.rank_tensor, non_blocking=non_blocking)
             buf.scalings[slot].copy_(module.scaling_tensor, non_blocking=non_blocking)
+            _set_dora(buf, slot, module.factor, non_blocking=non_blocking)
 
     def _reap(self) -> None:
         for slot in [s for s, (event, _) in self._in_flight.items() if event.query()]:
             del self._in_flight[slot]
+
+
+def _set_dora(buf: GroupBuffers, slot: int, factor: torch.Tensor | None, *, non_blocking: bool) -> None:
+    """Put a DoRA module's ``factor`` (float32 ``[out]``) into ``slot`` of ``buf``, or mark the slot plain
+    (factor 1, flag 0) when ``factor`` is None."""
+    assert buf.factors is not None and buf.dora is not None and buf.dora_slots is not None
+    if factor is None:
+        if slot in buf.dora_slots:
+            buf.factors[slot].fill_(1.0)
+            buf.dora[slot].zero_()
+            buf.dora_slots.discard(slot)
+        return
+    buf.factors[slot].copy_(factor, non_blocking=non_blocking)
+    buf.dora[slot].fill_(1)
+    buf.dora_slots.add(slot)

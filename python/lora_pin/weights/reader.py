@@ -57,12 +57,15 @@ PICKLE_NAME = "adapter_model.bin"
 #: The prefix of every tensor name PEFT saves (before the module key).
 PEFT_PREFIX = "base_model.model."
 # suffix -> (half, whether it is an embedding's): PEFT names an embedding's A [r, num_embeddings] and
-# B [embedding_dim, r] lora_embedding_A / lora_embedding_B, with no ``.weight``.
+# B [embedding_dim, r] lora_embedding_A / lora_embedding_B, with no ``.weight``. A DoRA module's magnitude
+# ([out], one per output feature) is lora_magnitude_vector for every kind of module, so it takes the kind
+# of the pair it sits beside ("m" matches either).
 _SUFFIXES = {
     ".lora_A.weight": ("a", False),
     ".lora_B.weight": ("b", False),
     ".lora_embedding_A": ("a", True),
     ".lora_embedding_B": ("b", True),
+    ".lora_magnitude_vector": ("m", False),
 }
 # The safetensors format's own cap on its JSON header.
 _MAX_HEADER_BYTES = 100_000_000
@@ -112,7 +115,8 @@ def adapter_dir_for_name(root: str | os.PathLike[str], name: str) -> Path | None
 class LoraTensorPair:
     """The tensor names and shapes of one module's ``lora_A`` (``[r, in]``) and ``lora_B`` (``[out, r]``);
     for an embedding (``embedding``), its ``lora_embedding_A`` (``[r, num_embeddings]``) and
-    ``lora_embedding_B`` (``[embedding_dim, r]``)."""
+    ``lora_embedding_B`` (``[embedding_dim, r]``). A DoRA module also has its ``lora_magnitude_vector``
+    (``magnitude_name``, shape ``magnitude_shape``, ``[out]`` for a linear); None for plain LoRA."""
 
     module_key: str
     a_name: str
@@ -120,6 +124,8 @@ class LoraTensorPair:
     a_shape: tuple[int, ...]
     b_shape: tuple[int, ...]
     embedding: bool = False
+    magnitude_name: str | None = None
+    magnitude_shape: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -263,9 +269,13 @@ class AdapterFile:
 
     @property
     def file_bytes(self) -> int:
-        """Bytes of the LoRA tensors in the file (A and B of every pair, at the stored dtype)."""
+        """Bytes of the LoRA tensors in the file (A and B of every pair, and a DoRA pair's magnitude, at
+        the pairs' stored dtype)."""
         size = torch.empty((), dtype=self.dtype).element_size()
-        return sum((_numel(p.a_shape) + _numel(p.b_shape)) * size for p in self.pairs.values())
+        return sum(
+            (_numel(p.a_shape) + _numel(p.b_shape) + _numel(p.magnitude_shape or (0,))) * size
+            for p in self.pairs.values()
+        )
 
     def close(self) -> None:
         """Close the weight file and the folder (idempotent); :meth:`tensor` cannot read afterwards."""
@@ -465,9 +475,10 @@ def _pair_tensors(
     for module_key, by_half in halves.items():
         # A linear's pair and an embedding's are never mixed: a lora_A.weight beside a lora_embedding_B
         # is no pair, and both halves of both kinds is one pair too many.
-        embedding = any(e for _, e in by_half)
+        kinds = {e for (h, e) in by_half if h != "m"}
+        embedding = any(kinds)
         found = {h: n for (h, e), n in by_half.items()}
-        if len({e for _, e in by_half}) != 1 or set(found) != {"a", "b"}:
+        if len(kinds) != 1 or len(found) != len(by_half) or not {"a", "b"} <= set(found):
             unused.extend(by_half.values())
             continue
         a_shape, b_shape = shapes[found["a"]], shapes[found["b"]]
@@ -477,7 +488,17 @@ def _pair_tensors(
                     f"adapter {name!r} ({where}): tensor {tensor_name!r} has shape {list(shape)}, "
                     "expected 2-D"
                 )
-        pairs[module_key] = LoraTensorPair(module_key, found["a"], found["b"], a_shape, b_shape, embedding)
+        magnitude = found.get("m")
+        pairs[module_key] = LoraTensorPair(
+            module_key,
+            found["a"],
+            found["b"],
+            a_shape,
+            b_shape,
+            embedding,
+            magnitude,
+            None if magnitude is None else shapes[magnitude],
+        )
     pair_dtypes = {dtypes[n] for p in pairs.values() for n in (p.a_name, p.b_name)}
     if len(pair_dtypes) > 1:
         raise AdapterLoadError(
@@ -486,6 +507,13 @@ def _pair_tensors(
     dtype = pair_dtypes.pop() if pair_dtypes else torch.float32
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise AdapterLoadError(f"adapter {name!r} ({where}): LoRA tensors have non-float dtype {dtype}")
+    # A magnitude may be stored in another float dtype than A and B (it is applied in float32).
+    for p in pairs.values():
+        m_dtype = None if p.magnitude_name is None else dtypes[p.magnitude_name]
+        if m_dtype is not None and not (isinstance(m_dtype, torch.dtype) and m_dtype.is_floating_point):
+            raise AdapterLoadError(
+                f"adapter {name!r} ({where}): tensor {p.magnitude_name!r} has non-float dtype {m_dtype}"
+            )
     return pairs, sorted(unused), dtype
 
 

@@ -1,0 +1,197 @@
+"""What serving a DoRA adapter costs against a plain LoRA adapter of the same rank, on the CPU.
+
+Three comparisons, each against its named baseline in the same process, reported as ratios:
+
+1. *op*: one layer's adapter work for a decode batch, LoRA (the prepared shrink + expand,
+   ``PreparedDelta.apply``) against DoRA (the same, then the rescale of the DoRA rows the layers run on
+   the CPU, ``scale_rows_``), per adapter row;
+2. *step*: a whole decode forward of a small Llama under ``LoRAManager.batch`` with every row on DoRA
+   adapters against the same rows on their plain twins (same A and B, no magnitudes); the adapters'
+   share (step minus the base-only step) is reported too, and a LoRA-only step with DoRA adapters resident
+   in other slots against one with none (what DoRA costs the steps that do not use it);
+3. *load*: ``HostTier.read`` of a DoRA adapter (which computes its factors against the base weights)
+   against its plain twin.
+
+Goal: DoRA rows at most 1.2x the LoRA cost per row.
+
+Run: ``.venv/bin/python benches/dora.py`` (``--hidden``, ``--rank``, ``--rows``, ``--adapters``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+
+def best_us(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:
+    """Best-of-``rounds`` mean microseconds per call."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def op_case(args: argparse.Namespace, hidden: int) -> dict[str, float]:
+    """One layer (``hidden`` -> ``hidden``, bias) for ``rows`` decode rows over ``adapters`` slots, every
+    slot DoRA, the rows prepared as the layers prepare them on the CPU (once per step)."""
+    import torch
+
+    from lora_pin._testing import random_layer
+    from lora_pin.ops import prepare_delta, segments_from_slots
+    from lora_pin.ops.dora import scale_rows_
+
+    gen = torch.Generator().manual_seed(0)
+    layer = random_layer(args.adapters, hidden, [hidden], [args.rank], torch.float32, gen)
+    token_slots = torch.arange(args.rows) % args.adapters
+    seg = segments_from_slots(token_slots)
+    meta = layer.meta(seg)
+    x = torch.randn(args.rows, hidden, generator=gen)
+    out = torch.randn(args.rows, hidden, generator=gen)
+    bias = torch.randn(hidden, generator=gen)
+    delta = prepare_delta(meta, layer.a, layer.b, args.rows)
+    factors = 1 + 0.1 * torch.randn(args.adapters, hidden, generator=gen)
+    counts = (seg.seg_indptr[1:] - seg.seg_indptr[:-1]).long()
+    long_slots = torch.repeat_interleave(seg.seg_slots, counts).long()
+
+    fresh = out.clone()
+
+    # Each call starts from the base output (repeated rescales would overflow it into inf, whose
+    # arithmetic is far slower); the copy is in both.
+    def lora() -> None:
+        out.copy_(fresh)
+        delta.apply(out, x)
+
+    def with_dora() -> None:
+        out.copy_(fresh)
+        delta.apply(out, x)
+        scale_rows_(out, bias, factors, seg.perm, long_slots)
+
+    with torch.inference_mode():
+        lora_us = best_us(lora, args.calls)
+        dora_us = best_us(with_dora, args.calls)
+    return {"hidden": hidden, "lora_us": lora_us, "dora_us": dora_us, "ratio": dora_us / lora_us}
+
+
+def model_cases(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """The decode step and the load, over a small Llama with DoRA adapters and their plain twins."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from lora_pin import LoRAManager
+    from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
+
+    transformers.logging.set_verbosity_error()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        base_dir = make_tiny_llama(
+            root / "base", hidden=args.hidden, intermediate=2 * args.hidden, layers=2, heads=8, kv_heads=4
+        )
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_dir).eval()
+        dora, twins = [], []
+        for i in range(args.adapters):
+            path = make_peft_adapter(
+                base,
+                root / f"d{i}",
+                r=args.rank,
+                lora_alpha=16,
+                target_modules=targets,
+                seed=i,
+                use_dora=True,
+            )
+            twin = root / f"t{i}"
+            twin.mkdir()
+            tensors = load_file(str(path / "adapter_model.safetensors"))
+            save_file(
+                {k: v for k, v in tensors.items() if "magnitude" not in k},
+                str(twin / "adapter_model.safetensors"),
+            )
+            config = json.loads((path / "adapter_config.json").read_text())
+            (twin / "adapter_config.json").write_text(json.dumps({**config, "use_dora": False}))
+            dora.append(path)
+            twins.append(twin)
+        model = copy.deepcopy(base)
+        items = [f"d{i}={p}" for i, p in enumerate(dora)] + [f"t{i}={p}" for i, p in enumerate(twins)]
+        mgr = LoRAManager(model, items, max_loras_per_batch=2 * args.adapters, max_lora_rank=args.rank)
+        ids = torch.randint(0, 128, (args.rows, 1), generator=torch.Generator().manual_seed(1))
+
+        def step(names: list[str | None]) -> Callable[[], object]:
+            def run() -> object:
+                with mgr.batch(names):
+                    return model(input_ids=ids)
+
+            return run
+
+        on_dora = [f"d{i % args.adapters}" for i in range(args.rows)]
+        on_twin = [f"t{i % args.adapters}" for i in range(args.rows)]
+        calls = max(args.calls // 50, 5)
+        with torch.inference_mode():
+            for names in (on_dora, on_twin):
+                step(names)()  # every adapter in its slot before timing
+            base_us = best_us(step([None] * args.rows), calls)
+            twin_us = best_us(step(on_twin), calls)
+            dora_us = best_us(step(on_dora), calls)
+        # A LoRA-only step beside resident DoRA adapters, against a manager that holds no DoRA adapter.
+        alone = copy.deepcopy(base)
+        plain_only = LoRAManager(
+            alone, [f"t{i}={p}" for i, p in enumerate(twins)], max_loras_per_batch=args.adapters
+        )
+
+        def plain_step() -> object:
+            with plain_only.batch(on_twin):
+                return alone(input_ids=ids)
+
+        with torch.inference_mode():
+            plain_step()
+            plain_us = best_us(plain_step, calls)
+        read_dora = best_us(lambda: mgr.host.read("x", dora[0]), max(calls // 2, 3))
+        read_twin = best_us(lambda: mgr.host.read("x", twins[0]), max(calls // 2, 3))
+    return {
+        "step": {
+            "base_us": base_us,
+            "lora_us": twin_us,
+            "dora_us": dora_us,
+            "ratio": dora_us / twin_us,
+            "adapter_share_ratio": (dora_us - base_us) / (twin_us - base_us),
+        },
+        "lora_step_beside_dora": {"without_us": plain_us, "with_us": twin_us, "ratio": twin_us / plain_us},
+        "load": {"lora_us": read_twin, "dora_us": read_dora, "ratio": read_dora / read_twin},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--wide", type=int, default=4096, help="the op case again at this width")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--adapters", type=int, default=4)
+    parser.add_argument("--calls", type=int, default=500)
+    args = parser.parse_args(argv)
+    results = {
+        "op": op_case(args, args.hidden),
+        "op_wide": op_case(args, args.wide),
+        **model_cases(args),
+    }
+    print(json.dumps({"args": vars(args), **results}, indent=2))
+    for name, r in results.items():
+        print(f"{name:>22}: ratio {r['ratio']:.3f}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
