@@ -28,6 +28,7 @@ from pathlib import Path
 import orjson
 import torch
 
+from lora_pin import _core
 from lora_pin.errors import AdapterLoadError, PathNotAllowedError, UnsafeFormatError
 from lora_pin.weights.config import AdapterConfig
 from lora_pin.weights.digest import TensorDigests, stored_dtype_name, tensor_bytes
@@ -66,6 +67,11 @@ _SUFFIXES = {
 }
 # The safetensors format's own cap on its JSON header.
 _MAX_HEADER_BYTES = 100_000_000
+#: The most threads one load reads and hashes its tensors on (the caller's included; the core keeps a
+#: small adapter on one): reading from the page cache and hashing both scale with cores.
+READ_THREADS = min(
+    4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+)
 
 
 def resolve_adapter_dir(
@@ -138,9 +144,10 @@ class AdapterFile:
 
     ``pairs`` maps module keys (relative to the base model) to tensor names; ``unused`` lists every tensor
     name that is not a complete ``lora_A``/``lora_B`` pair. Tensors are read on demand with :meth:`tensor`.
-    ``digests`` hashes (:func:`~lora_pin.weights.digest.tensor_digest`) every tensor read with
-    :meth:`read_into`, :meth:`read_slice_into` or ``tensor(..., record=True)`` from the bytes as they were
-    read, on a background thread; ``digests.result()`` waits for them. Close it (or use ``with``) when
+    ``digests`` holds the digest (:func:`~lora_pin.weights.digest.tensor_digest`) of every tensor read
+    with :meth:`read_into`, :meth:`read_many`, :meth:`read_slice_into` or ``tensor(..., record=True)``,
+    hashed from the bytes as they were read (by the core, piece by piece as they land, for a weight
+    file's tensors). Close it (or use ``with``) when
     done: it holds the folder's and the weight file's descriptors (none for tensors handed over in memory,
     :meth:`in_memory`).
     """
@@ -188,9 +195,10 @@ class AdapterFile:
             return loaded
         stored = self._stored[tensor_name]
         raw = torch.empty(stored.end - stored.begin, dtype=torch.uint8)
-        _pread_into(self, raw.numpy().data, stored.begin)
         if record:
-            self.digests.add(tensor_name, stored.dtype, stored.shape, raw.numpy().data)
+            self._read_hashed([(tensor_name, stored, raw)])
+        else:
+            _pread_into(self, raw.numpy().data, stored.begin)
         return raw.view(_SAFETENSORS_DTYPES[stored.dtype]).view(stored.shape)
 
     def _record(self, tensor_name: str, tensor: torch.Tensor) -> None:
@@ -201,25 +209,63 @@ class AdapterFile:
     def read_into(self, tensor_name: str, out: torch.Tensor) -> None:
         """Put stored tensor ``tensor_name`` into ``out`` (same shape), converting to ``out``'s dtype.
 
-        When the file holds it in ``out``'s dtype and ``out`` is contiguous, its bytes are read from the
-        file straight into ``out`` (one copy); otherwise it is read into fresh memory and copied over.
-        Its digest goes into :attr:`digests`, hashed from the bytes just read.
+        When the file holds it in ``out``'s dtype and ``out`` is a contiguous CPU tensor, its bytes are
+        read from the file straight into ``out`` (one copy); otherwise it is read into fresh memory and
+        copied over. Its digest goes into :attr:`digests`, hashed from the bytes as they were read.
 
         Raises:
             AdapterLoadError: the file ended before the tensor's last byte (truncated while it was read).
         """
-        stored = self._stored.get(tensor_name) if self._loaded is None else None
-        if (
-            stored is not None
-            and _SAFETENSORS_DTYPES[stored.dtype] == out.dtype
-            and tuple(out.shape) == stored.shape
-            and out.is_contiguous()
-        ):
-            raw = out.view(torch.uint8).reshape(-1).numpy().data
-            _pread_into(self, raw, stored.begin)
-            self.digests.add(tensor_name, stored.dtype, stored.shape, raw)
-        else:
-            out.copy_(self.tensor(tensor_name, record=True))
+        self.read_many([(tensor_name, out)])
+
+    def read_many(self, reads: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """:meth:`read_into` for each ``(tensor_name, out)`` of ``reads``, all from one call into the core.
+
+        The core reads every tensor in pieces and hashes each piece as it lands (the bytes cross memory
+        once), sharing the tensors out over :data:`READ_THREADS` threads with the GIL released. ``out``
+        tensors must not overlap. When it fails, the ``out`` tensors read so far may hold new bytes.
+
+        Raises:
+            AdapterLoadError: a tensor's bytes could not be read (naming it): the file ended before its
+                last byte (truncated while it was read), or an I/O error.
+        """
+        if self._loaded is not None:
+            for tensor_name, out in reads:
+                out.copy_(self.tensor(tensor_name, record=True))
+            return
+        jobs: list[tuple[str, _Stored, torch.Tensor]] = []
+        converted: list[tuple[torch.Tensor, torch.Tensor, _Stored]] = []
+        for tensor_name, out in reads:
+            stored = self._stored[tensor_name]
+            if (
+                _SAFETENSORS_DTYPES[stored.dtype] == out.dtype
+                and out.device.type == "cpu"
+                and out.is_contiguous()
+                and tuple(out.shape) == stored.shape
+            ):
+                jobs.append((tensor_name, stored, out))
+            else:
+                raw = torch.empty(stored.end - stored.begin, dtype=torch.uint8)
+                jobs.append((tensor_name, stored, raw))
+                converted.append((out, raw, stored))
+        self._read_hashed(jobs)
+        for out, raw, stored in converted:
+            out.copy_(raw.view(_SAFETENSORS_DTYPES[stored.dtype]).view(stored.shape))
+
+    def _read_hashed(self, jobs: list[tuple[str, _Stored, torch.Tensor]]) -> None:
+        """Read each stored tensor's bytes into its tensor (contiguous, on the CPU, exactly the stored
+        bytes long: the core writes ``out.nbytes`` bytes at ``out.data_ptr()``) and record its digest."""
+        assert self._weights is not None
+        try:
+            digests = _core._read_tensors(
+                self._weights.fd,
+                [(name, s.dtype, s.shape, s.begin, out.data_ptr(), out.nbytes) for name, s, out in jobs],
+                threads=READ_THREADS,
+            )
+        except AdapterLoadError as exc:
+            raise AdapterLoadError(f"adapter {self.name!r} ({self.weights_path}): {exc}") from None
+        for i, (name, _, _) in enumerate(jobs):
+            self.digests.put(name, digests[32 * i : 32 * i + 32])
 
     def read_slice_into(
         self, tensor_name: str, out: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]
