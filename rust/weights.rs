@@ -7,6 +7,10 @@
 //! reading from the page cache and BLAKE3 both scale with cores, and a small adapter stays on the
 //! calling thread.
 //!
+//! Float tensors (`F64`, `F32`, `F16`, `BF16`) are also searched for NaN and infinities in the same
+//! pass, piece by piece while the bytes are hot, so the host tier needs no second pass over memory to
+//! refuse them.
+//!
 //! The digest of one tensor is the layout `lora_pin/weights/digest.py` documents and
 //! `tensor_digest` there computes with the Python `blake3` package (tests compare the two): BLAKE3
 //! of [`TENSOR_TAG`], then the name and the safetensors dtype name (each as its UTF-8 length, u64
@@ -65,6 +69,38 @@ pub struct TensorRead<'a> {
     pub out: &'a mut [u8],
 }
 
+/// What reading one tensor found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorOutcome {
+    /// Its digest (see the module's layout).
+    pub digest: [u8; 32],
+    /// How many of its elements are NaN or infinite, for the dtypes searched (`F64`, `F32`, `F16`,
+    /// `BF16`); `None` for the others.
+    pub non_finite: Option<u64>,
+}
+
+/// The number of NaN or infinite elements in `data` of safetensors dtype `dtype` (little endian), for
+/// `F64`, `F32`, `F16` and `BF16`; `None` for other dtypes. An element is NaN or infinite exactly when
+/// all its exponent bits are set.
+pub fn count_non_finite(dtype: &str, data: &[u8]) -> Option<u64> {
+    fn count<const N: usize>(data: &[u8], exponent: u64) -> u64 {
+        data.chunks_exact(N)
+            .map(|c| {
+                let mut word = [0u8; 8];
+                word[..N].copy_from_slice(c);
+                u64::from(u64::from_le_bytes(word) & exponent == exponent)
+            })
+            .sum()
+    }
+    Some(match dtype {
+        "F64" => count::<8>(data, 0x7ff0_0000_0000_0000),
+        "F32" => count::<4>(data, 0x7f80_0000),
+        "F16" => count::<2>(data, 0x7c00),
+        "BF16" => count::<2>(data, 0x7f80),
+        _ => return None,
+    })
+}
+
 /// A BLAKE3 hasher that has taken a tensor's tag, name, dtype and shape: its bytes come next.
 pub fn tensor_hasher(name: &str, dtype: &str, shape: &[u64]) -> blake3::Hasher {
     let mut hasher = blake3::Hasher::new();
@@ -87,8 +123,9 @@ pub fn tensor_digest(name: &str, dtype: &str, shape: &[u64], data: &[u8]) -> [u8
     *hasher.finalize().as_bytes()
 }
 
-/// Reads every tensor of `reads` from `source` into its `out` and returns their digests, in the order
-/// of `reads`, on up to `threads` threads (the calling thread included).
+/// Reads every tensor of `reads` from `source` into its `out` and returns what each one gave (its
+/// digest, and its NaN/infinity count for the float dtypes searched), in the order of `reads`, on up
+/// to `threads` threads (the calling thread included).
 ///
 /// # Errors
 /// [`Error::WeightFile`] naming the first tensor (in the order of `reads`) whose bytes could not be
@@ -98,12 +135,12 @@ pub fn read_tensors<R: ReadAt + ?Sized>(
     source: &R,
     reads: &mut [TensorRead<'_>],
     threads: usize,
-) -> Result<Vec<[u8; 32]>> {
+) -> Result<Vec<TensorOutcome>> {
     let total: usize = reads.iter().map(|r| r.out.len()).sum();
     let threads = threads.min(total / MIN_BYTES_PER_THREAD).clamp(1, reads.len().max(1));
-    let mut digests = vec![[0u8; 32]; reads.len()];
+    let mut found = vec![TensorOutcome { digest: [0; 32], non_finite: None }; reads.len()];
     if threads == 1 {
-        return read_run(source, reads, &mut digests).map(|()| digests);
+        return read_run(source, reads, &mut found).map(|()| found);
     }
     // Contiguous runs of about total / threads bytes each, so each thread reads the file forward.
     let mut bounds = vec![0];
@@ -116,12 +153,12 @@ pub fn read_tensors<R: ReadAt + ?Sized>(
     }
     bounds.push(reads.len());
     let mut runs = Vec::with_capacity(bounds.len() - 1);
-    let (mut rest_reads, mut rest_digests) = (reads, digests.as_mut_slice());
+    let (mut rest_reads, mut rest_found) = (reads, found.as_mut_slice());
     for pair in bounds.windows(2) {
         let (run, tail) = rest_reads.split_at_mut(pair[1] - pair[0]);
-        let (out, tail_digests) = rest_digests.split_at_mut(pair[1] - pair[0]);
+        let (out, tail_found) = rest_found.split_at_mut(pair[1] - pair[0]);
         runs.push((run, out));
-        (rest_reads, rest_digests) = (tail, tail_digests);
+        (rest_reads, rest_found) = (tail, tail_found);
     }
     let first = runs.remove(0);
     let outcomes = std::thread::scope(|scope| {
@@ -133,23 +170,26 @@ pub fn read_tensors<R: ReadAt + ?Sized>(
         outcomes
     });
     // Runs are in the order of `reads`: the first failure is the earliest tensor's.
-    outcomes.into_iter().collect::<Result<Vec<()>>>().map(|_| digests)
+    outcomes.into_iter().collect::<Result<Vec<()>>>().map(|_| found)
 }
 
 fn read_run<R: ReadAt + ?Sized>(
     source: &R,
     reads: &mut [TensorRead<'_>],
-    digests: &mut [[u8; 32]],
+    outcomes: &mut [TensorOutcome],
 ) -> Result<()> {
-    for (read, digest) in reads.iter_mut().zip(digests) {
+    for (read, outcome) in reads.iter_mut().zip(outcomes) {
         let mut hasher = tensor_hasher(&read.name, &read.dtype, &read.shape);
+        let mut non_finite = count_non_finite(&read.dtype, &[]);
         for (i, piece) in read.out.chunks_mut(PIECE_BYTES).enumerate() {
             let at = read.offset + (i * PIECE_BYTES) as u64;
             fill(source, piece, at)
                 .map_err(|why| Error::WeightFile(format!("tensor {:?}: {why}", read.name)))?;
             hasher.update(piece);
+            // A piece is a multiple of every element size, so no element straddles two.
+            non_finite = non_finite.map(|n| n + count_non_finite(&read.dtype, piece).unwrap_or(0));
         }
-        *digest = *hasher.finalize().as_bytes();
+        *outcome = TensorOutcome { digest: *hasher.finalize().as_bytes(), non_finite };
     }
     Ok(())
 }
@@ -215,7 +255,8 @@ mod tests {
                 let want = &file[offset as usize..offset as usize + out.len()];
                 assert_eq!(out.as_slice(), want);
                 let i = outs.iter().position(|o| std::ptr::eq(o, out)).unwrap();
-                assert_eq!(*digest, tensor_digest(&format!("t{i}"), "U8", &[out.len() as u64], want));
+                assert_eq!(digest.digest, tensor_digest(&format!("t{i}"), "U8", &[out.len() as u64], want));
+                assert_eq!(digest.non_finite, None);
             }
             results.push(digests);
         }
@@ -263,6 +304,45 @@ mod tests {
         let mut outs = vec![vec![0; 4]];
         let err = read_tensors(&Failing, &mut reads(&mut outs, &[0]), 4).unwrap_err();
         assert_eq!(err.to_string(), "tensor \"t0\": cannot read: disk on fire");
+    }
+
+    #[test]
+    fn non_finite_values_are_counted_by_their_exponent_bits() {
+        let f32s = [0.0f32, -1.5, f32::MAX, f32::MIN_POSITIVE / 2.0, f32::NAN, f32::INFINITY, -f32::INFINITY];
+        let bytes: Vec<u8> = f32s.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert_eq!(count_non_finite("F32", &bytes), Some(3));
+        let f64s = [f64::MAX, -0.0, f64::NAN, f64::NEG_INFINITY, 1e-310];
+        let bytes: Vec<u8> = f64s.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert_eq!(count_non_finite("F64", &bytes), Some(2));
+        // f16: 65504 (max), 1.0, +inf, a NaN, -inf; bf16: max, 1.0, +inf, a NaN.
+        let f16s: [u16; 5] = [0x7bff, 0x3c00, 0x7c00, 0x7e01, 0xfc00];
+        let bytes: Vec<u8> = f16s.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert_eq!(count_non_finite("F16", &bytes), Some(3));
+        let bf16s: [u16; 4] = [0x7f7f, 0x3f80, 0x7f80, 0xffc1];
+        let bytes: Vec<u8> = bf16s.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert_eq!(count_non_finite("BF16", &bytes), Some(2));
+        assert_eq!(count_non_finite("I32", &[0xff; 8]), None);
+        assert_eq!(count_non_finite("F8_E5M2", &[0xff; 8]), None);
+    }
+
+    #[test]
+    fn a_read_counts_the_non_finite_values_of_every_piece() {
+        let mut values = vec![1.0f32; 3 * PIECE_BYTES / 4 + 5];
+        for i in [0, PIECE_BYTES / 4 - 1, PIECE_BYTES / 4, values.len() - 1] {
+            values[i] = f32::NAN;
+        }
+        let file: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let mut out = vec![0u8; file.len()];
+        let mut read = [TensorRead {
+            name: "t".into(),
+            dtype: "F32".into(),
+            shape: vec![values.len() as u64],
+            offset: 0,
+            out: &mut out,
+        }];
+        let found = read_tensors(file.as_slice(), &mut read, 1).unwrap();
+        assert_eq!(found[0].non_finite, Some(4));
+        assert_eq!(found[0].digest, tensor_digest("t", "F32", &[values.len() as u64], &file));
     }
 
     #[test]

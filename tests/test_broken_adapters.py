@@ -446,11 +446,11 @@ def test_file_changing_while_read_is_refused(
     original = AdapterFile.read_many
     rewritten: list[str] = []
 
-    def rewrite_then_read(self: AdapterFile, reads: list[tuple[str, torch.Tensor]]) -> None:
+    def rewrite_then_read(self: AdapterFile, reads: list[tuple[str, torch.Tensor]]) -> list[int | None]:
         if not rewritten:
             rewrite(self.weights_path)
             rewritten.append(reads[0][0])
-        original(self, reads)
+        return original(self, reads)
 
     monkeypatch.setattr(AdapterFile, "read_many", rewrite_then_read)
     before = snapshot(served.mgr)

@@ -40,8 +40,10 @@ impl ReadAt for Fd {
 /// and length of a contiguous CPU tensor's memory that takes its ``nbytes`` bytes. Destinations must
 /// not overlap. ``threads``: the most threads to share the reads among (the caller's included).
 ///
-/// Returns the 32-byte digests (``lora_pin.weights.digest.tensor_digest``'s) of the reads, in order,
-/// joined in one ``bytes`` of ``32 * len(reads)``.
+/// Returns ``(digests, non_finite)``: the 32-byte digests (``lora_pin.weights.digest.tensor_digest``'s)
+/// of the reads, in order, joined in one ``bytes`` of ``32 * len(reads)``; and per read the number of
+/// its elements that are NaN or infinite, for ``F64``, ``F32``, ``F16`` and ``BF16`` (None for other
+/// dtypes).
 ///
 /// Raises:
 ///     AdapterLoadError: naming the tensor whose bytes could not be read (an I/O error, or the file
@@ -54,7 +56,7 @@ pub fn read_tensors<'py>(
     fd: i32,
     reads: Vec<Job>,
     threads: usize,
-) -> PyResult<Bound<'py, PyBytes>> {
+) -> PyResult<(Bound<'py, PyBytes>, Vec<Option<u64>>)> {
     let mut spans: Vec<(usize, usize, &str)> =
         reads.iter().filter(|j| j.5 > 0).map(|j| (j.4, j.5, j.0.as_str())).collect();
     spans.sort_unstable();
@@ -69,7 +71,7 @@ pub fn read_tensors<'py>(
         };
         return Err(new_error(py, "UsageError", format!("_read_tensors: {why}")));
     }
-    let digests = detached(py, move || {
+    let found = detached(py, move || {
         let mut jobs: Vec<TensorRead<'_>> = reads
             .into_iter()
             .map(|(name, dtype, shape, offset, address, nbytes)| {
@@ -83,5 +85,6 @@ pub fn read_tensors<'py>(
             .collect();
         weights::read_tensors(&Fd(fd), &mut jobs, threads.max(1))
     })?;
-    Ok(PyBytes::new(py, digests.as_flattened()))
+    let digests: Vec<u8> = found.iter().flat_map(|f| f.digest).collect();
+    Ok((PyBytes::new(py, &digests), found.iter().map(|f| f.non_finite).collect()))
 }

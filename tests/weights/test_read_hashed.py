@@ -1,20 +1,27 @@
 """The core's read of a weight file's tensors (``_core._read_tensors``, what every host-tier load from disk
 uses): the bytes land where they should and each digest equals the Python ``blake3`` path's
 (:func:`~lora_pin.weights.digest.tensor_digest`), for every dtype, empty and odd shapes, tensors larger
-than one read piece, and any number of threads; a short file or bad destinations are refused."""
+than one read piece, and any number of threads; a short file or bad destinations are refused; the NaN/Inf
+search it makes while reading refuses a bad weight as the slab check does."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import re
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from lora_pin import _core
 from lora_pin.errors import AdapterLoadError, UsageError
+from lora_pin.weights import LoRATargets, load_adapter
 from lora_pin.weights.digest import stored_dtype_name, tensor_bytes, tensor_digest
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 DTYPES = [
     torch.float64,
@@ -75,15 +82,20 @@ def test_the_core_reads_and_hashes_as_the_python_path_does(
     ]
     fd = os.open(path, os.O_RDONLY)
     try:
-        digests = _core._read_tensors(fd, jobs, threads=threads)
+        digests, non_finite = _core._read_tensors(fd, jobs, threads=threads)
     finally:
         os.close(fd)
     assert len(digests) == 32 * len(placed)
+    searched = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
     for i, ((name, tensor, _), out) in enumerate(zip(placed, outs, strict=True)):
         want = bytes(tensor_bytes(tensor))
         assert bytes(out.numpy().data) == want, name
         python = tensor_digest(name, stored_dtype_name(tensor.dtype), tuple(tensor.shape), want)
         assert digests[32 * i : 32 * i + 32] == python, name
+        bad = int((~torch.isfinite(tensor)).sum()) if tensor.dtype in searched else None
+        assert non_finite[i] == bad, name
+    # Random bytes hold NaN/Inf in the larger float tensors: the search is tested, not vacuous.
+    assert sum(n or 0 for n in non_finite) > 100
     assert len({digests[i : i + 32] for i in range(0, len(digests), 32)}) == len(placed)
 
 
@@ -122,3 +134,31 @@ def test_overlapping_or_null_destinations_are_refused_reading_nothing(tmp_path: 
     finally:
         os.close(fd)
     assert not out.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_the_core_search_refuses_a_non_finite_weight_read_in_place(
+    tmp_path: Path,
+    make_adapters: Callable[..., dict[str, Path]],
+    tiny_llama: torch.nn.Module,
+    dtype: torch.dtype,
+    value: float,
+) -> None:
+    """Stored in the serving dtype, every tensor is read straight into the host tier and searched by the
+    core as it is read: a NaN or an infinity in any one of them is refused, naming that tensor, and the
+    same adapter without it loads."""
+    targets = LoRATargets.from_model(tiny_llama)
+    source = make_adapters(tmp_path, {"a": dict(r=4, lora_alpha=8, target_modules=ALL, seed=3)})["a"]
+    tensors = {k: v.to(dtype) for k, v in load_file(source / "adapter_model.safetensors").items()}
+    save_file(tensors, source / "adapter_model.safetensors")
+    load_adapter("a", source, targets, max_rank=8, dtype=dtype, pin_memory=False)
+    for i, name in enumerate(sorted(tensors)[:: max(1, len(tensors) // 5)]):
+        poisoned = dict(tensors)
+        poisoned[name] = tensors[name].clone()
+        poisoned[name].view(-1)[(7 * i) % poisoned[name].numel()] = value
+        folder = tmp_path / f"bad{i}"
+        shutil.copytree(source, folder)
+        save_file(poisoned, folder / "adapter_model.safetensors")
+        with pytest.raises(AdapterLoadError, match=rf"tensor '{re.escape(name)}' has 1 NaN/Inf value\(s\)"):
+            load_adapter("a", folder, targets, max_rank=8, dtype=dtype, pin_memory=False)
