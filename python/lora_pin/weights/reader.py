@@ -461,13 +461,14 @@ def _stored_entry(name: str, file: FolderFile, key: str, entry: object, data: in
     if not isinstance(entry, dict):
         raise _header_error(name, file, f"tensor {key!r}: expected an object, got {entry!r:.80}")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    size = _DTYPE_SIZES.get(dtype) if isinstance(dtype, str) else None
-    if size is None:
+    if not isinstance(dtype, str) or (size := _DTYPE_SIZES.get(dtype)) is None:
         raise _header_error(name, file, f"tensor {key!r}: unknown dtype {dtype!r:.40}")
+    dims: list[int] = []
     numel = 1
-    for dim in shape if isinstance(shape, list) else (None,):
+    for dim in shape if isinstance(shape, list) else [None]:
         if type(dim) is not int or dim < 0:
             raise _header_error(name, file, f"tensor {key!r}: shape {shape!r:.80} is not a list of sizes")
+        dims.append(dim)
         numel *= dim
     if not isinstance(offsets, list) or len(offsets) != 2:
         raise _header_error(name, file, f"tensor {key!r}: data_offsets {offsets!r:.80} are not [begin, end]")
@@ -478,7 +479,7 @@ def _stored_entry(name: str, file: FolderFile, key: str, entry: object, data: in
         raise _header_error(
             name, file, f"tensor {key!r}: {end - begin} bytes do not hold shape {shape} of {dtype}"
         )
-    return _Stored(dtype, tuple(shape), begin + data, end + data)
+    return _Stored(dtype, tuple(dims), begin + data, end + data)
 
 
 def _load_pickle(name: str, file: FolderFile, max_tensors: int) -> dict[str, torch.Tensor]:
