@@ -7,16 +7,16 @@ Baselines, in the same process, on the same files (warm in the page cache after 
 * PEFT: ``PeftModel.load_adapter`` of each adapter into one already-wrapped model.
 
 lora_pin: ``load_adapter`` (config checks, PEFT matching, shape checks, normalisation into the host tier,
-and the content digest: every served byte hashed with BLAKE3) followed by ``DevicePool.fill`` into slot i
-(zeroing what the adapter does not cover). The goal against the floor is for the host tier alone
-(``load_adapter``), which reads each byte once, as the floor does; the pool fill is a second copy the floor
-does not make. Also timed: hashing every adapter's tensors alone, one thread; and, to show what the digest
-costs, the host tier with the digest hashed inline on the reading thread and with no digest at all (both
-patched in here, by replacing ``TensorDigests.add``: the library always hashes, on its own thread).
+and the content digest: every served byte hashed with BLAKE3 by the core as it is read) followed by
+``DevicePool.fill`` into slot i (zeroing what the adapter does not cover). The goal against the floor is for
+the host tier alone (``load_adapter``), which reads each byte once, as the floor does; the pool fill is a
+second copy the floor does not make. Also timed: hashing every adapter's tensors alone (the Python
+``blake3`` package, one thread); and the host tier with its reads on one thread
+(``reader.READ_THREADS = 1``, patched in here), to show what the core's other reading threads bring.
 
-The loaders run in alternating rounds (floor, host tier, host tier + pool, PEFT, hashing; each timed as the
-median of ``--repeats`` runs); every ratio is taken within a round, and the median over ``--rounds`` is
-reported, so load from other processes on the machine shifts both sides of a ratio alike.
+The loaders run in alternating rounds (floor, host tier, one thread, host tier + pool, PEFT, hashing; each
+timed as the median of ``--repeats`` runs); every ratio is taken within a round, and the median over
+``--rounds`` is reported, so load from other processes on the machine shifts both sides of a ratio alike.
 
     .venv/bin/python benches/load_adapters.py --adapters 8 --layers 4 --hidden 1024 --rank 16
 """
@@ -29,14 +29,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
 from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
-from lora_pin.weights import DevicePool, LoRATargets, load_adapter
-from lora_pin.weights.digest import TensorDigests, tensor_digest
+from lora_pin.weights import DevicePool, LoRATargets, load_adapter, reader
+from lora_pin.weights.digest import tensor_digest
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -141,27 +140,17 @@ def main() -> None:
             fn()  # warm the page cache and allocators
         peft_reset()
         peft_load()
-        threaded = TensorDigests.add
-
-        def inline(self: TensorDigests, name: str, dtype: str, shape: tuple[int, ...], data: Any) -> None:
-            self._queued += 1
-            self._digests[name] = tensor_digest(name, dtype, shape, data)
-
-        def unhashed(self: TensorDigests, name: str, dtype: str, shape: tuple[int, ...], data: Any) -> None:
-            self._queued += 1
-            self._digests[name] = bytes(32)
-
-        keys = ("ours", "host", "inline", "unhashed", "floor", "peft", "hash")
+        threads = reader.READ_THREADS
+        keys = ("ours", "host", "one_thread", "floor", "peft", "hash")
         rounds: dict[str, list[float]] = {k: [] for k in keys}
         for _ in range(args.rounds):
             rounds["floor"].append(median_seconds(floor_load, args.repeats))
             rounds["host"].append(median_seconds(host_load, args.repeats))
-            for variant, add in (("inline", inline), ("unhashed", unhashed)):
-                TensorDigests.add = add  # type: ignore[method-assign]
-                try:
-                    rounds[variant].append(median_seconds(host_load, args.repeats))
-                finally:
-                    TensorDigests.add = threaded  # type: ignore[method-assign]
+            reader.READ_THREADS = 1
+            try:
+                rounds["one_thread"].append(median_seconds(host_load, args.repeats))
+            finally:
+                reader.READ_THREADS = threads
             rounds["ours"].append(median_seconds(lora_pin_load, args.repeats))
             rounds["peft"].append(median_seconds(peft_load, args.repeats, reset=peft_reset))
             rounds["hash"].append(median_seconds(hash_only, args.repeats))
@@ -187,12 +176,9 @@ def main() -> None:
     print(f"  PEFT load_adapter         : {peft * 1e3:8.2f} ms  ({peft / n * 1e3:.2f} ms/adapter)")
     print(f"  BLAKE3 of every tensor    : {hashed * 1e3:8.2f} ms  (one thread, alone)")
     print(
-        f"  host tier, digest inline  : {statistics.median(rounds['inline']) * 1e3:8.2f} ms; "
-        f"without a digest: {statistics.median(rounds['unhashed']) * 1e3:.2f} ms"
-    )
-    print(
-        f"  median of per-round ratios: inline / floor = {ratio('inline', 'floor'):.2f}x; "
-        f"without a digest / floor = {ratio('unhashed', 'floor'):.2f}x"
+        f"  host tier, reads on one thread : {statistics.median(rounds['one_thread']) * 1e3:8.2f} ms "
+        f"(READ_THREADS={threads} above); median of per-round ratios: one thread / floor = "
+        f"{ratio('one_thread', 'floor'):.2f}x"
     )
     print(
         f"  median of per-round ratios: host tier / floor = {ratio('host', 'floor'):.2f}x (goal <= 1.3x); "

@@ -40,6 +40,8 @@ pub enum Error {
     Usage(String),
     /// An argument of a CPU LoRA kernel (`sgmv`) has the wrong length, dtype or an index out of range.
     OpArgument(String),
+    /// An adapter's weight file could not be read (an I/O error, or it ended early); names the tensor.
+    WeightFile(String),
 }
 
 impl fmt::Display for Error {
@@ -57,9 +59,11 @@ impl fmt::Display for Error {
             Error::DuplicateAdapter { new, existing } => {
                 write!(f, "cannot register {new}: {existing} is already registered")
             }
-            Error::Capacity(msg) | Error::AdapterInUse(msg) | Error::Usage(msg) | Error::OpArgument(msg) => {
-                f.write_str(msg)
-            }
+            Error::Capacity(msg)
+            | Error::AdapterInUse(msg)
+            | Error::Usage(msg)
+            | Error::OpArgument(msg)
+            | Error::WeightFile(msg) => f.write_str(msg),
             Error::UnloadTimeout { name, in_flight, waited } => write!(
                 f,
                 "unloading adapter {name:?} timed out after {:.3} s with {in_flight} request(s) \

@@ -17,6 +17,7 @@ pub mod shared;
 pub mod sim;
 pub mod spec;
 pub mod textfile;
+pub mod weights;
 
 #[cfg(feature = "python")]
 mod py;

@@ -443,16 +443,16 @@ def test_file_changing_while_read_is_refused(
     name = f"changes_while_read{rewrite.__name__}"
     copy = served.root / name
     shutil.copytree(served.good, copy)
-    original = AdapterFile.read_into
+    original = AdapterFile.read_many
     rewritten: list[str] = []
 
-    def rewrite_then_read(self: AdapterFile, tensor_name: str, out: torch.Tensor) -> None:
+    def rewrite_then_read(self: AdapterFile, reads: list[tuple[str, torch.Tensor]]) -> list[int | None]:
         if not rewritten:
             rewrite(self.weights_path)
-            rewritten.append(tensor_name)
-        original(self, tensor_name, out)
+            rewritten.append(reads[0][0])
+        return original(self, reads)
 
-    monkeypatch.setattr(AdapterFile, "read_into", rewrite_then_read)
+    monkeypatch.setattr(AdapterFile, "read_many", rewrite_then_read)
     before = snapshot(served.mgr)
     with pytest.raises(AdapterLoadError, match=rf"'{name}'.*changed while it was read"):
         served.mgr.load(name, copy)

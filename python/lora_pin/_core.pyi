@@ -20,6 +20,7 @@ __all__ = [
     "_load_done",
     "_load_failed",
     "_plan",
+    "_read_tensors",
     "_release",
     "check_limits",
     "home_replicas",
@@ -199,6 +200,9 @@ def _release(registry: LoRARegistry, ids: Sequence[str | None]) -> None: ...
 def _end_step(registry: LoRARegistry) -> None: ...
 def _load_done(registry: LoRARegistry, name: str) -> None: ...
 def _load_failed(registry: LoRARegistry, name: str) -> None: ...
+def _read_tensors(
+    fd: int, reads: Sequence[tuple[str, str, Sequence[int], int, int, int]], *, threads: int = 1
+) -> tuple[bytes, list[int | None]]: ...
 
 @final
 class Trace:

@@ -55,6 +55,7 @@ impl From<Error> for PyErr {
             Error::UnloadTimeout { .. } => "UnloadTimeoutError",
             Error::Usage(_) => "UsageError",
             Error::OpArgument(_) => "OpArgumentError",
+            Error::WeightFile(_) => "AdapterLoadError",
         };
         Python::attach(|py| new_error(py, class, err.to_string()))
     }

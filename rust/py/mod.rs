@@ -9,6 +9,8 @@ mod sgmv;
 mod sim;
 mod spec;
 mod text;
+#[cfg(unix)]
+mod weights;
 
 use pyo3::prelude::*;
 
@@ -31,6 +33,9 @@ pub mod _core {
     use super::sim::{simulate, simulate_replicas, PyTrace};
     #[pymodule_export]
     use super::spec::{check_limits, parse_lora_paths, PyLoRARef};
+    #[cfg(unix)]
+    #[pymodule_export]
+    use super::weights::read_tensors;
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -128,15 +128,15 @@ def test_tensor_digests_cover_name_dtype_shape_and_bytes() -> None:
     assert len({base, *others}) == 6
 
 
-def test_a_forked_child_hashes_on_its_own_thread(adapter: Path, tiny_llama: torch.nn.Module) -> None:
+def test_a_forked_child_gives_the_same_digest(adapter: Path, tiny_llama: torch.nn.Module) -> None:
     import os
     import signal
 
     targets = LoRATargets.from_model(tiny_llama)
-    want = digest(adapter, targets)  # the hashing thread runs in this process now
+    want = digest(adapter, targets)  # this process has read and hashed before the fork
     pid = os.fork()
     if pid == 0:
-        signal.alarm(30)  # a child left without a hashing thread would wait forever: it dies instead
+        signal.alarm(30)  # a child waiting on a thread it does not have dies instead of hanging
         try:
             os._exit(0 if digest(adapter, targets) == want else 1)
         except BaseException:

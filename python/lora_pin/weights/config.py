@@ -285,9 +285,16 @@ class AdapterConfig:
 def _names_match(names: frozenset[str], module_key: str) -> bool:
     """Whether ``module_key`` equals a name or ends with ``"." + name`` (PEFT's list rule), by looking up
     the key and each of its suffixes after a dot."""
+    if not names:
+        return False
     if module_key in names:
         return True
-    return any(module_key[i + 1 :] in names for i, c in enumerate(module_key) if c == ".")
+    dot = module_key.find(".")
+    while dot >= 0:
+        if module_key[dot + 1 :] in names:
+            return True
+        dot = module_key.find(".", dot + 1)
+    return False
 
 
 def _compile(config: AdapterConfig) -> _Matchers:

@@ -15,18 +15,16 @@ fields that only describe (``base_model_name_or_path``), and PEFT's copies of ba
 equal to the model's. So the same weights give one digest from two folders, from ``adapter_model.bin`` or
 safetensors, from a load of tensors in memory, on every tensor-parallel rank and in every process.
 
-The hash is BLAKE3 (256-bit, keyed by nothing): each tensor is hashed right after its bytes are read into
-the host tier, while they are in cache, and the per-tensor digests are combined in name order. BLAKE3 rather
-than SHA-256 because every served byte is hashed on every load: SHA-256 ran at 1.6 GB/s against BLAKE3's
-3.0 GB/s on this project's 2-core runner, and the load path must stay near the cost of reading the file.
+The hash is BLAKE3 (256-bit, keyed by nothing): each tensor is hashed as its bytes are read into the host
+tier, piece by piece while they are in cache (by the core, ``rust/weights.rs``, in the layout of
+:func:`tensor_digest`), and the per-tensor digests are combined in name order. BLAKE3 rather than SHA-256
+because every served byte is hashed on every load: SHA-256 ran at 1.6 GB/s against BLAKE3's 3.0 GB/s on this
+project's 2-core runner, and the load path must stay near the cost of reading the file.
 """
 
 from __future__ import annotations
 
-import os
-import queue
 import struct
-import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,82 +100,26 @@ def tensor_bytes(tensor: torch.Tensor) -> Any:
 
 @dataclass
 class TensorDigests:
-    """The digests of one adapter's tensors, hashed on a background thread while the reader goes on reading
-    (the hash of one tensor overlaps the read of the next; both release the GIL).
+    """The digests of one adapter's tensors, by name, as the reader records them.
 
-    :meth:`add` queues a tensor's bytes (kept alive until hashed: the caller must not write them
-    meanwhile); :meth:`result` waits for every tensor queued and returns the digests by name.
+    A weight file's tensors are hashed by the core while it reads them (:meth:`put`); tensors handed
+    over in memory or unpickled are hashed here (:meth:`add`, with the GIL released while hashing).
     """
 
     _digests: dict[str, bytes] = field(default_factory=dict)
-    _queued: int = 0
-    _error: BaseException | None = None
 
     def add(self, name: str, dtype: str, shape: tuple[int, ...], data: Any) -> None:
-        """Queue the digest of one tensor (see :func:`tensor_digest`)."""
-        self._queued += 1
-        _hasher().put((self, name, dtype, shape, data))
+        """Hash one tensor (see :func:`tensor_digest`) and record its digest."""
+        self._digests[name] = tensor_digest(name, dtype, shape, data)
+
+    def put(self, name: str, digest: bytes) -> None:
+        """Record the 32-byte ``digest`` of tensor ``name``, hashed elsewhere in the layout of
+        :func:`tensor_digest`."""
+        self._digests[name] = digest
 
     def result(self) -> dict[str, bytes]:
-        """Every queued tensor's digest, by name, once all are hashed.
-
-        Raises:
-            RuntimeError: hashing a tensor failed (the cause is chained).
-        """
-        if len(self._digests) < self._queued and self._error is None:
-            done = threading.Event()
-            _hasher().put((self, None, "", (), done))
-            done.wait()
-        if self._error is not None:
-            raise RuntimeError("hashing an adapter's tensors failed") from self._error
+        """Every recorded tensor's digest, by name."""
         return self._digests
-
-
-_QUEUE: queue.SimpleQueue[tuple[TensorDigests, str | None, str, tuple[int, ...], Any]] | None = None
-_QUEUE_LOCK = threading.Lock()
-
-
-def _hasher() -> queue.SimpleQueue[tuple[TensorDigests, str | None, str, tuple[int, ...], Any]]:
-    """The queue of the one hashing thread (started on first use; a daemon, idle while nothing is loaded)."""
-    global _QUEUE
-    if _QUEUE is None:
-        with _QUEUE_LOCK:
-            if _QUEUE is None:
-                jobs: queue.SimpleQueue[tuple[TensorDigests, str | None, str, tuple[int, ...], Any]]
-                jobs = queue.SimpleQueue()
-                threading.Thread(
-                    target=_hash_forever, args=(jobs,), name="lora_pin-digest", daemon=True
-                ).start()
-                _QUEUE = jobs
-    return _QUEUE
-
-
-def _forget_hasher() -> None:
-    # A forked child has the queue but not the thread: it starts its own on first use.
-    global _QUEUE
-    _QUEUE = None
-
-
-os.register_at_fork(after_in_child=_forget_hasher)
-
-
-def _hash_forever(
-    jobs: queue.SimpleQueue[tuple[TensorDigests, str | None, str, tuple[int, ...], Any]],
-) -> None:
-    while True:
-        # One call per job: the tensor and its owner are freed before the next wait, not held by an
-        # idle thread (a daemon that frees them while the interpreter shuts down aborts the process).
-        _hash_one(*jobs.get())
-
-
-def _hash_one(owner: TensorDigests, name: str | None, dtype: str, shape: tuple[int, ...], data: Any) -> None:
-    if name is None:
-        data.set()  # every tensor the owner queued before this is hashed
-        return
-    try:
-        owner._digests[name] = tensor_digest(name, dtype, shape, data)
-    except BaseException as exc:  # reported to the owner's result(), never lost in this thread
-        owner._error = exc
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ using the adapter into NaN, and nothing downstream could tell a user why.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -471,15 +472,22 @@ def _whole_numel(group: TargetGroup, ranks: dict[str, int], shards: ShardPlan | 
     return rank * group.n_slices * full_in + full_out * rank
 
 
+# One group's build: the group, A, B, and per slice its rank and scaling.
+_Built = tuple[TargetGroup, torch.Tensor, torch.Tensor, tuple[int, ...], tuple[float, ...]]
+
+
 def _build_module(
     file: AdapterFile,
     group: TargetGroup,
     ranks: dict[str, int],
     pairs: dict[str, LoraTensorPair],
     slab: _Slab,
-    pin: bool,
+    reads: list[tuple[str, torch.Tensor]],
     shards: ShardPlan | None = None,
-) -> HostModule:
+) -> _Built:
+    """``group``'s A and B in views of ``slab``, their padding zeroed, and its slices' ranks and scalings;
+    the tensors read straight into those views are added to ``reads`` (the caller reads them all in one
+    call), the others are read here."""
     slice_ranks = _group_ranks(group, ranks)
     if group.experts:
         scaling = file.config.scaling_for(group.key, slice_ranks[0])
@@ -507,8 +515,8 @@ def _build_module(
         b_cols = b[offsets[s] : offsets[s + 1], : slice_ranks[s]]
         shard = None if shards is None else shards.member(member.key)
         if shard is None:
-            file.read_into(pair.a_name, a[s * a_rank : s * a_rank + slice_ranks[s]])
-            file.read_into(pair.b_name, b_cols)
+            reads.append((pair.a_name, a[s * a_rank : s * a_rank + slice_ranks[s]]))
+            reads.append((pair.b_name, b_cols))
             continue
         # This rank's part only: A's columns of its input shard (and its chunk of the rank's rows when
         # fully sharded), B's rows of its output shard.
@@ -517,12 +525,35 @@ def _build_module(
         a_part = a[s * a_rank : s * a_rank + last - first]
         file.read_slice_into(pair.a_name, a_part, (first, last), shard.a_cols)
         file.read_slice_into(pair.b_name, b_cols, shard.b_rows, (0, slice_ranks[s]))
-    rank_tensor = torch.tensor(slice_ranks, dtype=torch.int32)
-    scaling_tensor = torch.tensor(scalings, dtype=torch.float32)
+    return group, a, b, slice_ranks, scalings
+
+
+def _host_modules(
+    file: AdapterFile, pairs: dict[str, LoraTensorPair], built: list[_Built], pin: bool
+) -> dict[str, HostModule]:
+    """Each built group's :class:`HostModule`, by group key, with a DoRA adapter's magnitudes; every
+    group's ``rank_tensor`` and ``scaling_tensor`` are views of one tensor each (two allocations per
+    adapter, not two per group)."""
+    ranks = torch.tensor([r for *_, slice_ranks, _ in built for r in slice_ranks], dtype=torch.int32)
+    scalings = torch.tensor([x for *_, slice_scalings in built for x in slice_scalings], dtype=torch.float32)
     if pin:
-        rank_tensor, scaling_tensor = rank_tensor.pin_memory(), scaling_tensor.pin_memory()
-    magnitude = _read_magnitude(file, group, slice_ranks, pairs, b_out) if file.config.use_dora else None
-    return HostModule(group, a, b, slice_ranks, scalings, rank_tensor, scaling_tensor, magnitude)
+        ranks, scalings = ranks.pin_memory(), scalings.pin_memory()
+    counts = [len(slice_ranks) for *_, slice_ranks, _ in built]
+    return {
+        group.key: HostModule(
+            group,
+            a,
+            b,
+            slice_ranks,
+            slice_scalings,
+            rank_tensor,
+            scaling_tensor,
+            _read_magnitude(file, group, slice_ranks, pairs, b.shape[0]) if file.config.use_dora else None,
+        )
+        for (group, a, b, slice_ranks, slice_scalings), rank_tensor, scaling_tensor in zip(
+            built, ranks.split(counts), scalings.split(counts), strict=True
+        )
+    }
 
 
 def _read_magnitude(
@@ -644,27 +675,44 @@ def _slices(module: HostModule, pairs: dict[str, LoraTensorPair]) -> Iterator[tu
 
 
 def _refuse_non_finite(
-    file: AdapterFile, pairs: dict[str, LoraTensorPair], slab: _Slab, modules: Iterable[HostModule]
+    file: AdapterFile,
+    pairs: dict[str, LoraTensorPair],
+    slab: _Slab,
+    modules: Iterable[HostModule],
+    searched: list[tuple[tuple[str, torch.Tensor], int | None]],
+    tensors: int,
 ) -> None:
     """Refuse a NaN/Inf anywhere in the slab, naming the first tensor that holds one.
 
-    One pass over the whole slab (every element of it is a weight or zero padding) instead of one call per
-    tensor; the tensors are searched only once the slab is known to hold such a value. The pass is
-    ``aminmax``: NaN propagates to both ends and an infinity is one of them, and unlike ``isfinite`` it
-    allocates no mask (about 20x faster on a few MiB).
+    ``searched`` pairs each read of :meth:`~lora_pin.weights.reader.AdapterFile.read_many` with the
+    count of NaN/Inf the core found in it while reading (None where it did not search). When those
+    searches cover all ``tensors`` of the slab (every element of it is a weight or zero padding), they
+    are the whole check. Otherwise one pass over the whole slab instead of one call per tensor; the
+    tensors are searched only once the slab is known to hold such a value. The pass is ``aminmax``: NaN
+    propagates to both ends and an infinity is one of them, and unlike ``isfinite`` it allocates no mask
+    (about 20x faster on a few MiB).
     """
+    for (tensor_name, copied), bad in searched:
+        if bad:
+            raise _non_finite(file, tensor_name, copied, bad)
+    if len(searched) == tensors and all(bad is not None for _, bad in searched):
+        return
     low, high = torch.aminmax(slab.memory)
-    if bool(low.isfinite()) and bool(high.isfinite()):
+    if math.isfinite(low.item()) and math.isfinite(high.item()):
         return
     for module in modules:
         for tensor_name, copied in _slices(module, pairs):
             bad = int((~torch.isfinite(copied)).sum())
             if bad:
-                raise AdapterLoadError(
-                    f"adapter {file.name!r} ({file.weights_path}): tensor {tensor_name!r} has {bad} "
-                    f"NaN/Inf value(s) in the serving dtype {copied.dtype} (stored as {file.dtype}); refused"
-                )
+                raise _non_finite(file, tensor_name, copied, bad)
     raise AssertionError("a NaN/Inf in the slab outside every tensor's view")
+
+
+def _non_finite(file: AdapterFile, tensor_name: str, copied: torch.Tensor, bad: int) -> AdapterLoadError:
+    return AdapterLoadError(
+        f"adapter {file.name!r} ({file.weights_path}): tensor {tensor_name!r} has {bad} "
+        f"NaN/Inf value(s) in the serving dtype {copied.dtype} (stored as {file.dtype}); refused"
+    )
 
 
 def _served(modules: Iterable[HostModule], pairs: dict[str, LoraTensorPair]) -> Iterator[ServedModule]:
@@ -765,8 +813,11 @@ def load_opened(
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
     touched = [g for g in targets.groups if any(m.key in ranks for m in g.members)]
     slab = _Slab(sum(_group_numel(g, ranks, shards) for g in touched), dtype, pin)
-    modules = {g.key: _build_module(file, g, ranks, pairs, slab, pin, shards) for g in touched}
-    _refuse_non_finite(file, pairs, slab, modules.values())
+    reads: list[tuple[str, torch.Tensor]] = []
+    built = [_build_module(file, g, ranks, pairs, slab, reads, shards) for g in touched]
+    searched = list(zip(reads, file.read_many(reads), strict=True))
+    modules = _host_modules(file, pairs, built, pin)
+    _refuse_non_finite(file, pairs, slab, modules.values(), searched, 2 * len(ranks))
     if file.config.use_dora and base_weights is not None:
         modules = _with_factors(file, modules, base_weights)
     file.check_unchanged()

@@ -21,13 +21,15 @@ tensors were being read.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import orjson
 import torch
 
+from lora_pin import _core
 from lora_pin.errors import AdapterLoadError, PathNotAllowedError, UnsafeFormatError
 from lora_pin.weights.config import AdapterConfig
 from lora_pin.weights.digest import TensorDigests, stored_dtype_name, tensor_bytes
@@ -69,6 +71,11 @@ _SUFFIXES = {
 }
 # The safetensors format's own cap on its JSON header.
 _MAX_HEADER_BYTES = 100_000_000
+#: The most threads one load reads and hashes its tensors on (the caller's included; the core keeps a
+#: small adapter on one): reading from the page cache and hashing both scale with cores.
+READ_THREADS = min(
+    4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+)
 
 
 def resolve_adapter_dir(
@@ -128,8 +135,7 @@ class LoraTensorPair:
     magnitude_shape: tuple[int, ...] | None = None
 
 
-@dataclass(frozen=True)
-class _Stored:
+class _Stored(NamedTuple):
     """Where one tensor's bytes lie in a safetensors file (offsets from the file's start)."""
 
     dtype: str
@@ -144,9 +150,10 @@ class AdapterFile:
 
     ``pairs`` maps module keys (relative to the base model) to tensor names; ``unused`` lists every tensor
     name that is not a complete ``lora_A``/``lora_B`` pair. Tensors are read on demand with :meth:`tensor`.
-    ``digests`` hashes (:func:`~lora_pin.weights.digest.tensor_digest`) every tensor read with
-    :meth:`read_into`, :meth:`read_slice_into` or ``tensor(..., record=True)`` from the bytes as they were
-    read, on a background thread; ``digests.result()`` waits for them. Close it (or use ``with``) when
+    ``digests`` holds the digest (:func:`~lora_pin.weights.digest.tensor_digest`) of every tensor read
+    with :meth:`read_into`, :meth:`read_many`, :meth:`read_slice_into` or ``tensor(..., record=True)``,
+    hashed from the bytes as they were read (by the core, piece by piece as they land, for a weight
+    file's tensors). Close it (or use ``with``) when
     done: it holds the folder's and the weight file's descriptors (none for tensors handed over in memory,
     :meth:`in_memory`).
     """
@@ -194,9 +201,10 @@ class AdapterFile:
             return loaded
         stored = self._stored[tensor_name]
         raw = torch.empty(stored.end - stored.begin, dtype=torch.uint8)
-        _pread_into(self, raw.numpy().data, stored.begin)
         if record:
-            self.digests.add(tensor_name, stored.dtype, stored.shape, raw.numpy().data)
+            self._read_hashed([(tensor_name, stored, raw)])
+        else:
+            _pread_into(self, raw.numpy().data, stored.begin)
         return raw.view(_SAFETENSORS_DTYPES[stored.dtype]).view(stored.shape)
 
     def _record(self, tensor_name: str, tensor: torch.Tensor) -> None:
@@ -207,25 +215,71 @@ class AdapterFile:
     def read_into(self, tensor_name: str, out: torch.Tensor) -> None:
         """Put stored tensor ``tensor_name`` into ``out`` (same shape), converting to ``out``'s dtype.
 
-        When the file holds it in ``out``'s dtype and ``out`` is contiguous, its bytes are read from the
-        file straight into ``out`` (one copy); otherwise it is read into fresh memory and copied over.
-        Its digest goes into :attr:`digests`, hashed from the bytes just read.
+        When the file holds it in ``out``'s dtype and ``out`` is a contiguous CPU tensor, its bytes are
+        read from the file straight into ``out`` (one copy); otherwise it is read into fresh memory and
+        copied over. Its digest goes into :attr:`digests`, hashed from the bytes as they were read.
 
         Raises:
             AdapterLoadError: the file ended before the tensor's last byte (truncated while it was read).
         """
-        stored = self._stored.get(tensor_name) if self._loaded is None else None
-        if (
-            stored is not None
-            and _SAFETENSORS_DTYPES[stored.dtype] == out.dtype
-            and tuple(out.shape) == stored.shape
-            and out.is_contiguous()
-        ):
-            raw = out.view(torch.uint8).reshape(-1).numpy().data
-            _pread_into(self, raw, stored.begin)
-            self.digests.add(tensor_name, stored.dtype, stored.shape, raw)
-        else:
-            out.copy_(self.tensor(tensor_name, record=True))
+        self.read_many([(tensor_name, out)])
+
+    def read_many(self, reads: Sequence[tuple[str, torch.Tensor]]) -> list[int | None]:
+        """:meth:`read_into` for each ``(tensor_name, out)`` of ``reads``, all from one call into the core;
+        returns per read the number of NaN/Inf values the core found in what it put into ``out``, or
+        None where it did not search (a tensor converted to ``out``'s dtype, a dtype other than
+        float64/32/16 and bfloat16, or tensors handed over in memory).
+
+        The core reads every tensor in pieces and hashes and searches each piece as it lands (the bytes
+        cross memory once), sharing the tensors out over :data:`READ_THREADS` threads with the GIL
+        released. ``out`` tensors must not overlap. When it fails, the ``out`` tensors read so far may
+        hold new bytes.
+
+        Raises:
+            AdapterLoadError: a tensor's bytes could not be read (naming it): the file ended before its
+                last byte (truncated while it was read), or an I/O error.
+        """
+        if self._loaded is not None:
+            for tensor_name, out in reads:
+                out.copy_(self.tensor(tensor_name, record=True))
+            return [None] * len(reads)
+        jobs: list[tuple[str, _Stored, torch.Tensor]] = []
+        converted: list[tuple[int, torch.Tensor, torch.Tensor, _Stored]] = []
+        for tensor_name, out in reads:
+            stored = self._stored[tensor_name]
+            if (
+                _SAFETENSORS_DTYPES[stored.dtype] == out.dtype
+                and out.device.type == "cpu"
+                and out.is_contiguous()
+                and tuple(out.shape) == stored.shape
+            ):
+                jobs.append((tensor_name, stored, out))
+            else:
+                raw = torch.empty(stored.end - stored.begin, dtype=torch.uint8)
+                converted.append((len(jobs), out, raw, stored))
+                jobs.append((tensor_name, stored, raw))
+        non_finite = self._read_hashed(jobs)
+        for i, out, raw, stored in converted:
+            out.copy_(raw.view(_SAFETENSORS_DTYPES[stored.dtype]).view(stored.shape))
+            non_finite[i] = None
+        return non_finite
+
+    def _read_hashed(self, jobs: list[tuple[str, _Stored, torch.Tensor]]) -> list[int | None]:
+        """Read each stored tensor's bytes into its tensor (contiguous, on the CPU, exactly the stored
+        bytes long: the core writes ``out.nbytes`` bytes at ``out.data_ptr()``) and record its digest;
+        return the core's NaN/Inf count of each (see :meth:`read_many`)."""
+        assert self._weights is not None
+        try:
+            digests, non_finite = _core._read_tensors(
+                self._weights.fd,
+                [(name, s.dtype, s.shape, s.begin, out.data_ptr(), out.nbytes) for name, s, out in jobs],
+                threads=READ_THREADS,
+            )
+        except AdapterLoadError as exc:
+            raise AdapterLoadError(f"adapter {self.name!r} ({self.weights_path}): {exc}") from None
+        for i, (name, _, _) in enumerate(jobs):
+            self.digests.put(name, digests[32 * i : 32 * i + 32])
+        return non_finite
 
     def read_slice_into(
         self, tensor_name: str, out: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]
@@ -397,40 +451,45 @@ def _index_safetensors(name: str, file: FolderFile, max_tensors: int) -> dict[st
         raise _header_error(name, file, "the header is not a JSON object")
     header.pop("__metadata__", None)
     check_count(name, file.path, len(header), max_tensors)
-    stored = {key: _stored_entry(name, file, key, entry) for key, entry in header.items()}
-    position = 0
-    for key, entry in sorted(stored.items(), key=lambda item: (item[1].begin, item[1].end)):
-        if entry.begin != position:
-            raise _header_error(name, file, f"tensor {key!r} starts at {entry.begin}, expected {position}")
-        position = entry.end
-    if position != size - 8 - length:
-        raise _header_error(name, file, f"tensors cover {position} bytes of {size - 8 - length}")
     # Offsets as positions in the file, for pread.
-    return {k: _Stored(e.dtype, e.shape, e.begin + 8 + length, e.end + 8 + length) for k, e in stored.items()}
+    data = 8 + length
+    stored = {key: _stored_entry(name, file, key, entry, data) for key, entry in header.items()}
+    position = data
+    for key, entry in sorted(stored.items(), key=lambda item: item[1][2:]):
+        if entry.begin != position:
+            raise _header_error(
+                name, file, f"tensor {key!r} starts at {entry.begin - data}, expected {position - data}"
+            )
+        position = entry.end
+    if position != size:
+        raise _header_error(name, file, f"tensors cover {position - data} bytes of {size - data}")
+    return stored
 
 
-def _stored_entry(name: str, file: FolderFile, key: str, entry: object) -> _Stored:
+def _stored_entry(name: str, file: FolderFile, key: str, entry: object, data: int) -> _Stored:
+    """One header entry checked, its offsets moved by ``data`` (where the data starts in the file)."""
     if not isinstance(entry, dict):
         raise _header_error(name, file, f"tensor {key!r}: expected an object, got {entry!r:.80}")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in _DTYPE_SIZES:
+    if not isinstance(dtype, str) or (size := _DTYPE_SIZES.get(dtype)) is None:
         raise _header_error(name, file, f"tensor {key!r}: unknown dtype {dtype!r:.40}")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise _header_error(name, file, f"tensor {key!r}: shape {shape!r:.80} is not a list of sizes")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(type(o) is int for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
+    dims: list[int] = []
+    numel = 1
+    for dim in shape if isinstance(shape, list) else [None]:
+        if type(dim) is not int or dim < 0:
+            raise _header_error(name, file, f"tensor {key!r}: shape {shape!r:.80} is not a list of sizes")
+        dims.append(dim)
+        numel *= dim
+    if not isinstance(offsets, list) or len(offsets) != 2:
         raise _header_error(name, file, f"tensor {key!r}: data_offsets {offsets!r:.80} are not [begin, end]")
-    if _numel(tuple(shape)) * _DTYPE_SIZES[dtype] != offsets[1] - offsets[0]:
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+        raise _header_error(name, file, f"tensor {key!r}: data_offsets {offsets!r:.80} are not [begin, end]")
+    if numel * size != end - begin:
         raise _header_error(
-            name,
-            file,
-            f"tensor {key!r}: {offsets[1] - offsets[0]} bytes do not hold shape {shape} of {dtype}",
+            name, file, f"tensor {key!r}: {end - begin} bytes do not hold shape {shape} of {dtype}"
         )
-    return _Stored(dtype, tuple(shape), offsets[0], offsets[1])
+    return _Stored(dtype, tuple(dims), begin + data, end + data)
 
 
 def _load_pickle(name: str, file: FolderFile, max_tensors: int) -> dict[str, torch.Tensor]:
@@ -462,15 +521,16 @@ def _pair_tensors(
     halves: dict[str, dict[tuple[str, bool], str]] = {}
     unused: list[str] = []
     for key in shapes:
-        for suffix, half in _SUFFIXES.items():
-            # PEFT saves every LoRA tensor under the prefix and loads nothing without it: a tensor
-            # without it is unused (refused), never a second copy of a module's half.
-            if key.endswith(suffix) and key.startswith(PEFT_PREFIX):
-                module_key = key[len(PEFT_PREFIX) : -len(suffix)]
-                halves.setdefault(module_key, {})[half] = key
-                break
-        else:
+        # Every suffix starts with ".lora_" and holds it once: the key's tail from its last ".lora_"
+        # is its suffix, if it has one. PEFT saves every LoRA tensor under the prefix and loads
+        # nothing without it: a tensor without it is unused (refused), never a second copy of a
+        # module's half.
+        cut = key.rfind(".lora_")
+        half = _SUFFIXES.get(key[cut:]) if cut >= 0 and key.startswith(PEFT_PREFIX) else None
+        if half is None:
             unused.append(key)
+        else:
+            halves.setdefault(key[len(PEFT_PREFIX) : cut], {})[half] = key
     pairs: dict[str, LoraTensorPair] = {}
     for module_key, by_half in halves.items():
         # A linear's pair and an embedding's are never mixed: a lora_A.weight beside a lora_embedding_B
@@ -481,8 +541,9 @@ def _pair_tensors(
         if len(kinds) != 1 or len(found) != len(by_half) or not {"a", "b"} <= set(found):
             unused.extend(by_half.values())
             continue
-        a_shape, b_shape = shapes[found["a"]], shapes[found["b"]]
-        for tensor_name, shape in ((found["a"], a_shape), (found["b"], b_shape)):
+        a_name, b_name = found["a"], found["b"]
+        a_shape, b_shape = shapes[a_name], shapes[b_name]
+        for tensor_name, shape in ((a_name, a_shape), (b_name, b_shape)):
             if len(shape) != 2:
                 raise AdapterLoadError(
                     f"adapter {name!r} ({where}): tensor {tensor_name!r} has shape {list(shape)}, "
@@ -491,8 +552,8 @@ def _pair_tensors(
         magnitude = found.get("m")
         pairs[module_key] = LoraTensorPair(
             module_key,
-            found["a"],
-            found["b"],
+            a_name,
+            b_name,
             a_shape,
             b_shape,
             embedding,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -94,7 +95,10 @@ class TargetGroup:
     name: str
     members: tuple[LinearTarget, ...]
 
-    @property
+    # The derived figures below are read for every group on every load and step: each is computed once
+    # (the fields are frozen), kept in the instance's __dict__, which equality and hashing ignore.
+
+    @cached_property
     def key(self) -> str:
         """The group's own key, what the host tier and the pool store it by: the member's module key for a
         group of one, the members' parent key and the group name for a fused one
@@ -104,34 +108,34 @@ class TargetGroup:
         parent = self.members[0].key.rpartition(".")[0]
         return f"{parent}.{self.name}" if parent else self.name
 
-    @property
+    @cached_property
     def experts(self) -> int:
         """The number of experts of an experts group, 0 for any other."""
         return self.members[0].experts
 
-    @property
+    @cached_property
     def n_slices(self) -> int:
         """How many slices are stacked in this group: its modules (1, 2 or 3), or its experts."""
         return self.experts or len(self.members)
 
-    @property
+    @cached_property
     def in_features(self) -> int:
         """The shared input width of every member."""
         return self.members[0].in_features
 
-    @property
+    @cached_property
     def out_total(self) -> int:
         """The summed output width of the slices (rows of the group's B)."""
         return sum(self.slice_widths)
 
-    @property
+    @cached_property
     def slice_widths(self) -> tuple[int, ...]:
         """The output width of each slice."""
         if self.experts:
             return (self.members[0].out_features,) * self.experts
         return tuple(m.out_features for m in self.members)
 
-    @property
+    @cached_property
     def slice_offsets(self) -> tuple[int, ...]:
         """Output row offsets of the slices, ``n_slices + 1`` entries starting at 0."""
         offsets = [0]

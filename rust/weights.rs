@@ -1,0 +1,352 @@
+//! Reading an adapter's stored tensors from its weight file into host memory, hashing each one as it
+//! is read: the one copy the host tier makes and the adapter's content digest in a single pass.
+//!
+//! Each tensor is read in pieces of [`PIECE_BYTES`] and every piece is hashed right after it lands,
+//! while it is still in the core's cache, so the bytes cross memory once. A load's tensors are shared
+//! out over a few threads (about equal bytes each, never under [`MIN_BYTES_PER_THREAD`] a thread):
+//! reading from the page cache and BLAKE3 both scale with cores, and a small adapter stays on the
+//! calling thread.
+//!
+//! Float tensors (`F64`, `F32`, `F16`, `BF16`) are also searched for NaN and infinities in the same
+//! pass, piece by piece while the bytes are hot, so the host tier needs no second pass over memory to
+//! refuse them.
+//!
+//! The digest of one tensor is the layout `lora_pin/weights/digest.py` documents and
+//! `tensor_digest` there computes with the Python `blake3` package (tests compare the two): BLAKE3
+//! of [`TENSOR_TAG`], then the name and the safetensors dtype name (each as its UTF-8 length, u64
+//! little endian, then its bytes), the number of dimensions and each dimension (u64 little endian),
+//! then the tensor's bytes as stored.
+
+use std::io;
+
+use crate::error::{Error, Result};
+
+/// The tag every tensor digest starts with: a new layout of what is hashed gets a new tag.
+pub const TENSOR_TAG: &[u8] = b"lora_pin tensor v1\0";
+/// Bytes read, then hashed, at a time: small enough to be hashed from the core's L2 cache.
+pub const PIECE_BYTES: usize = 256 << 10;
+/// The least a thread of its own is worth (below it, starting a thread costs more than it saves).
+pub const MIN_BYTES_PER_THREAD: usize = 2 << 20;
+
+/// A source of bytes at offsets, such as a weight file opened by the caller.
+pub trait ReadAt: Sync {
+    /// Reads up to `buf.len()` bytes at `offset` into `buf`; returns how many (0 at the end).
+    ///
+    /// # Errors
+    /// What the operating system reports for the read.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize>;
+}
+
+#[cfg(unix)]
+impl ReadAt for std::fs::File {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        std::os::unix::fs::FileExt::read_at(self, buf, offset)
+    }
+}
+
+impl ReadAt for [u8] {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let start = usize::try_from(offset).unwrap_or(usize::MAX).min(self.len());
+        let n = buf.len().min(self.len() - start);
+        buf[..n].copy_from_slice(&self[start..start + n]);
+        Ok(n)
+    }
+}
+
+/// One stored tensor to read: what its digest covers, where its bytes lie in the file, and where they
+/// go (exactly the tensor's bytes long).
+#[derive(Debug)]
+pub struct TensorRead<'a> {
+    /// The tensor's name in the file.
+    pub name: String,
+    /// Its safetensors dtype name (`F32`, `BF16` ...).
+    pub dtype: String,
+    /// Its shape.
+    pub shape: Vec<u64>,
+    /// The file offset of its first byte.
+    pub offset: u64,
+    /// Where its bytes go.
+    pub out: &'a mut [u8],
+}
+
+/// What reading one tensor found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorOutcome {
+    /// Its digest (see the module's layout).
+    pub digest: [u8; 32],
+    /// How many of its elements are NaN or infinite, for the dtypes searched (`F64`, `F32`, `F16`,
+    /// `BF16`); `None` for the others.
+    pub non_finite: Option<u64>,
+}
+
+/// The number of NaN or infinite elements in `data` of safetensors dtype `dtype` (little endian), for
+/// `F64`, `F32`, `F16` and `BF16`; `None` for other dtypes. An element is NaN or infinite exactly when
+/// all its exponent bits are set.
+pub fn count_non_finite(dtype: &str, data: &[u8]) -> Option<u64> {
+    fn count<const N: usize>(data: &[u8], exponent: u64) -> u64 {
+        data.chunks_exact(N)
+            .map(|c| {
+                let mut word = [0u8; 8];
+                word[..N].copy_from_slice(c);
+                u64::from(u64::from_le_bytes(word) & exponent == exponent)
+            })
+            .sum()
+    }
+    Some(match dtype {
+        "F64" => count::<8>(data, 0x7ff0_0000_0000_0000),
+        "F32" => count::<4>(data, 0x7f80_0000),
+        "F16" => count::<2>(data, 0x7c00),
+        "BF16" => count::<2>(data, 0x7f80),
+        _ => return None,
+    })
+}
+
+/// A BLAKE3 hasher that has taken a tensor's tag, name, dtype and shape: its bytes come next.
+pub fn tensor_hasher(name: &str, dtype: &str, shape: &[u64]) -> blake3::Hasher {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(TENSOR_TAG);
+    for text in [name, dtype] {
+        hasher.update(&(text.len() as u64).to_le_bytes());
+        hasher.update(text.as_bytes());
+    }
+    hasher.update(&(shape.len() as u64).to_le_bytes());
+    for dim in shape {
+        hasher.update(&dim.to_le_bytes());
+    }
+    hasher
+}
+
+/// The 32-byte digest of one stored tensor whose bytes are `data` (see the module's layout).
+pub fn tensor_digest(name: &str, dtype: &str, shape: &[u64], data: &[u8]) -> [u8; 32] {
+    let mut hasher = tensor_hasher(name, dtype, shape);
+    hasher.update(data);
+    *hasher.finalize().as_bytes()
+}
+
+/// Reads every tensor of `reads` from `source` into its `out` and returns what each one gave (its
+/// digest, and its NaN/infinity count for the float dtypes searched), in the order of `reads`, on up
+/// to `threads` threads (the calling thread included).
+///
+/// # Errors
+/// [`Error::WeightFile`] naming the first tensor (in the order of `reads`) whose bytes could not be
+/// read: an I/O error, or the source ending before the tensor's last byte (a file truncated while it
+/// was read). The other tensors' `out` may then hold some of their bytes.
+pub fn read_tensors<R: ReadAt + ?Sized>(
+    source: &R,
+    reads: &mut [TensorRead<'_>],
+    threads: usize,
+) -> Result<Vec<TensorOutcome>> {
+    let total: usize = reads.iter().map(|r| r.out.len()).sum();
+    let threads = threads.min(total / MIN_BYTES_PER_THREAD).clamp(1, reads.len().max(1));
+    let mut found = vec![TensorOutcome { digest: [0; 32], non_finite: None }; reads.len()];
+    if threads == 1 {
+        return read_run(source, reads, &mut found).map(|()| found);
+    }
+    // Contiguous runs of about total / threads bytes each, so each thread reads the file forward.
+    let mut bounds = vec![0];
+    let mut filled = 0;
+    for (i, read) in reads.iter().enumerate() {
+        filled += read.out.len();
+        if filled * threads >= total * bounds.len() && bounds.len() < threads && i + 1 < reads.len() {
+            bounds.push(i + 1);
+        }
+    }
+    bounds.push(reads.len());
+    let mut runs = Vec::with_capacity(bounds.len() - 1);
+    let (mut rest_reads, mut rest_found) = (reads, found.as_mut_slice());
+    for pair in bounds.windows(2) {
+        let (run, tail) = rest_reads.split_at_mut(pair[1] - pair[0]);
+        let (out, tail_found) = rest_found.split_at_mut(pair[1] - pair[0]);
+        runs.push((run, out));
+        (rest_reads, rest_found) = (tail, tail_found);
+    }
+    let first = runs.remove(0);
+    let outcomes = std::thread::scope(|scope| {
+        let others: Vec<_> =
+            runs.into_iter().map(|(run, out)| scope.spawn(move || read_run(source, run, out))).collect();
+        let mut outcomes = vec![read_run(source, first.0, first.1)];
+        outcomes
+            .extend(others.into_iter().map(|t| t.join().unwrap_or_else(|p| std::panic::resume_unwind(p))));
+        outcomes
+    });
+    // Runs are in the order of `reads`: the first failure is the earliest tensor's.
+    outcomes.into_iter().collect::<Result<Vec<()>>>().map(|_| found)
+}
+
+fn read_run<R: ReadAt + ?Sized>(
+    source: &R,
+    reads: &mut [TensorRead<'_>],
+    outcomes: &mut [TensorOutcome],
+) -> Result<()> {
+    for (read, outcome) in reads.iter_mut().zip(outcomes) {
+        let mut hasher = tensor_hasher(&read.name, &read.dtype, &read.shape);
+        let mut non_finite = count_non_finite(&read.dtype, &[]);
+        for (i, piece) in read.out.chunks_mut(PIECE_BYTES).enumerate() {
+            let at = read.offset + (i * PIECE_BYTES) as u64;
+            fill(source, piece, at)
+                .map_err(|why| Error::WeightFile(format!("tensor {:?}: {why}", read.name)))?;
+            hasher.update(piece);
+            // A piece is a multiple of every element size, so no element straddles two.
+            non_finite = non_finite.map(|n| n + count_non_finite(&read.dtype, piece).unwrap_or(0));
+        }
+        *outcome = TensorOutcome { digest: *hasher.finalize().as_bytes(), non_finite };
+    }
+    Ok(())
+}
+
+/// Fills `buf` from `source` at `offset`, or says why it could not.
+fn fill<R: ReadAt + ?Sized>(source: &R, buf: &mut [u8], offset: u64) -> std::result::Result<(), String> {
+    let mut done = 0;
+    while done < buf.len() {
+        match source.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => {
+                return Err(format!(
+                    "the file changed while it was read (it ends at byte {}, before the tensor's bytes \
+                     {offset}..{})",
+                    offset + done as u64,
+                    offset + buf.len() as u64
+                ))
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(format!("cannot read: {e}")),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file_bytes(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i * 131 + i / 251) as u8).collect()
+    }
+
+    fn reads<'a>(outs: &'a mut [Vec<u8>], offsets: &[u64]) -> Vec<TensorRead<'a>> {
+        outs.iter_mut()
+            .zip(offsets)
+            .enumerate()
+            .map(|(i, (out, &offset))| TensorRead {
+                name: format!("t{i}"),
+                dtype: "U8".into(),
+                shape: vec![out.len() as u64],
+                offset,
+                out: out.as_mut_slice(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_thread_count_reads_and_hashes_alike() {
+        let file = file_bytes(9 << 20);
+        let sizes = [0usize, 1, 3 << 20, PIECE_BYTES + 7, 5, 2 << 20, 1 << 20];
+        let mut offsets = vec![];
+        let mut at = 11u64;
+        for size in sizes {
+            offsets.push(at);
+            at += size as u64;
+        }
+        let mut results = vec![];
+        for threads in [1, 2, 3, 8] {
+            let mut outs: Vec<Vec<u8>> = sizes.iter().map(|&s| vec![0; s]).collect();
+            let digests = read_tensors(file.as_slice(), &mut reads(&mut outs, &offsets), threads).unwrap();
+            for ((out, &offset), digest) in outs.iter().zip(&offsets).zip(&digests) {
+                let want = &file[offset as usize..offset as usize + out.len()];
+                assert_eq!(out.as_slice(), want);
+                let i = outs.iter().position(|o| std::ptr::eq(o, out)).unwrap();
+                assert_eq!(digest.digest, tensor_digest(&format!("t{i}"), "U8", &[out.len() as u64], want));
+                assert_eq!(digest.non_finite, None);
+            }
+            results.push(digests);
+        }
+        assert!(results.windows(2).all(|w| w[0] == w[1]));
+    }
+
+    #[test]
+    fn the_digest_is_the_documented_layout() {
+        // Independent of tensor_hasher: the bytes the layout names, hashed in one call.
+        let mut message = TENSOR_TAG.to_vec();
+        for text in ["lora_A", "BF16"] {
+            message.extend((text.len() as u64).to_le_bytes());
+            message.extend(text.as_bytes());
+        }
+        message.extend(2u64.to_le_bytes());
+        message.extend(3u64.to_le_bytes());
+        message.extend(1u64.to_le_bytes());
+        message.extend([1, 2, 3, 4, 5, 6]);
+        let want = *blake3::hash(&message).as_bytes();
+        assert_eq!(tensor_digest("lora_A", "BF16", &[3, 1], &[1, 2, 3, 4, 5, 6]), want);
+        assert_ne!(tensor_digest("lora_A", "BF16", &[1, 3], &[1, 2, 3, 4, 5, 6]), want);
+    }
+
+    #[test]
+    fn a_short_source_names_the_first_tensor_it_cuts() {
+        let file = file_bytes(6 << 20);
+        let mut outs = vec![vec![0; 1 << 20], vec![0; 3 << 20], vec![0; 3 << 20]];
+        let offsets = [0, 1 << 20, 4 << 20];
+        for threads in [1, 2] {
+            let err = read_tensors(file.as_slice(), &mut reads(&mut outs, &offsets), threads).unwrap_err();
+            let msg = err.to_string();
+            assert!(matches!(err, Error::WeightFile(_)), "{msg}");
+            assert!(msg.contains("\"t2\"") && msg.contains("ends at byte 6291456"), "{msg}");
+        }
+    }
+
+    #[test]
+    fn an_io_error_names_its_tensor() {
+        struct Failing;
+        impl ReadAt for Failing {
+            fn read_at(&self, _: &mut [u8], _: u64) -> io::Result<usize> {
+                Err(io::Error::other("disk on fire"))
+            }
+        }
+        let mut outs = vec![vec![0; 4]];
+        let err = read_tensors(&Failing, &mut reads(&mut outs, &[0]), 4).unwrap_err();
+        assert_eq!(err.to_string(), "tensor \"t0\": cannot read: disk on fire");
+    }
+
+    #[test]
+    fn non_finite_values_are_counted_by_their_exponent_bits() {
+        let f32s = [0.0f32, -1.5, f32::MAX, f32::MIN_POSITIVE / 2.0, f32::NAN, f32::INFINITY, -f32::INFINITY];
+        let bytes: Vec<u8> = f32s.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert_eq!(count_non_finite("F32", &bytes), Some(3));
+        let f64s = [f64::MAX, -0.0, f64::NAN, f64::NEG_INFINITY, 1e-310];
+        let bytes: Vec<u8> = f64s.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert_eq!(count_non_finite("F64", &bytes), Some(2));
+        // f16: 65504 (max), 1.0, +inf, a NaN, -inf; bf16: max, 1.0, +inf, a NaN.
+        let f16s: [u16; 5] = [0x7bff, 0x3c00, 0x7c00, 0x7e01, 0xfc00];
+        let bytes: Vec<u8> = f16s.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert_eq!(count_non_finite("F16", &bytes), Some(3));
+        let bf16s: [u16; 4] = [0x7f7f, 0x3f80, 0x7f80, 0xffc1];
+        let bytes: Vec<u8> = bf16s.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert_eq!(count_non_finite("BF16", &bytes), Some(2));
+        assert_eq!(count_non_finite("I32", &[0xff; 8]), None);
+        assert_eq!(count_non_finite("F8_E5M2", &[0xff; 8]), None);
+    }
+
+    #[test]
+    fn a_read_counts_the_non_finite_values_of_every_piece() {
+        let mut values = vec![1.0f32; 3 * PIECE_BYTES / 4 + 5];
+        for i in [0, PIECE_BYTES / 4 - 1, PIECE_BYTES / 4, values.len() - 1] {
+            values[i] = f32::NAN;
+        }
+        let file: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let mut out = vec![0u8; file.len()];
+        let mut read = [TensorRead {
+            name: "t".into(),
+            dtype: "F32".into(),
+            shape: vec![values.len() as u64],
+            offset: 0,
+            out: &mut out,
+        }];
+        let found = read_tensors(file.as_slice(), &mut read, 1).unwrap();
+        assert_eq!(found[0].non_finite, Some(4));
+        assert_eq!(found[0].digest, tensor_digest("t", "F32", &[values.len() as u64], &file));
+    }
+
+    #[test]
+    fn nothing_to_read_gives_no_digests() {
+        assert!(read_tensors([0u8; 4].as_slice(), &mut [], 4).unwrap().is_empty());
+    }
+}
