@@ -127,7 +127,7 @@ impl Registry {
             check_step_size(adapters.len(), num_tokens)?;
             let mut plan = StepPlan::default();
             let keys: Vec<AdapterKey> = adapters.iter().flatten().copied().collect();
-            let outside = keys.iter().any(|&k| self.get(k).residency.host_since.is_none());
+            let outside = keys.iter().any(|&k| self.get(k).tenancy.host_since.is_none());
             if outside {
                 let mut skipped = Vec::new();
                 self.fetch_in_order(&keys, true, &mut plan.to_fetch, &mut skipped);
@@ -283,7 +283,7 @@ impl Registry {
                 }
                 unpinned.push(*key);
             }
-            if a.residency.host_since.is_none() && !misses.contains(&a.identity.name) {
+            if a.tenancy.host_since.is_none() && !misses.contains(&a.identity.name) {
                 misses.push(Arc::clone(&a.identity.name));
             }
         }
@@ -306,10 +306,10 @@ impl Registry {
             });
         }
         let bytes = self.get(key).identity.size.host_bytes;
-        if self.get(key).residency.host_since.is_some() {
+        if self.get(key).tenancy.host_since.is_some() {
             return Ok(Vec::new());
         }
-        let fetching = self.get(key).residency.fetching;
+        let fetching = self.get(key).tenancy.fetching;
         // The caller's own read takes over the fetch's reservation (its report will be refused).
         let possible = if fetching { self.fetch_fits(key) } else { self.host.room_possible(bytes) };
         if !possible {
@@ -510,10 +510,10 @@ impl Registry {
 
     fn fail_load(&mut self, key: AdapterKey) {
         let source = self.get_mut(key).protection.loading.take();
-        if self.get(key).residency.slot.is_some() {
+        if self.get(key).tenancy.slot.is_some() {
             self.free_slot(key);
         }
-        if source == Some(super::LoadSource::Disk) && self.get(key).residency.host_since.is_some() {
+        if source == Some(super::LoadSource::Disk) && self.get(key).tenancy.host_since.is_some() {
             self.leave_host(key);
         }
         self.refresh(key);
