@@ -419,13 +419,12 @@ impl Registry {
         // step first would put them back among the candidates only to take them out again.
         let spare = std::mem::take(&mut self.spare_step);
         let mut previous = std::mem::replace(&mut self.step, spare);
-        let budget = self.config.slots - self.pinned;
+        let mut budget = self.slot_budget();
         let overdue = if self.overdue > 0 {
-            self.admit_overdue(adapters, marks, budget, waiting.as_deref_mut())
+            self.admit_overdue(adapters, marks, &mut budget, waiting.as_deref_mut())
         } else {
             0
         };
-        let mut unpinned = overdue;
         let base_mark = marks.len() - 1;
         for (i, &request) in adapters.iter().enumerate() {
             // Base-model requests read the base mark (never UNSEEN) instead of branching on None,
@@ -443,14 +442,13 @@ impl Registry {
                     continue;
                 }
             }
-            if !(a.protection.pinned || unpinned < budget) {
+            if !budget.take(a.protection.pinned) {
                 // Refused only because overdue adapters went first: it gave way.
-                *mark = if unpinned - overdue < budget { DEFER_FAIRNESS } else { DEFER_DEVICE };
+                *mark = if budget.used() - overdue < budget.limit() { DEFER_FAIRNESS } else { DEFER_DEVICE };
                 self.device.counters.refusals += 1;
                 continue;
             }
             *mark = ADMITTED;
-            unpinned += usize::from(!a.protection.pinned);
             let newly = !std::mem::replace(&mut a.protection.in_step, true);
             self.step.push(key);
             if let Some(waiting) = waiting.as_deref_mut() {
@@ -477,7 +475,7 @@ impl Registry {
         &mut self,
         adapters: &[Option<AdapterKey>],
         marks: &mut [i32],
-        budget: usize,
+        budget: &mut SlotBudget,
         mut waiting: Option<&mut Waiting>,
     ) -> usize {
         // (plans deferred, first request, key); the mark ADMITTED here only dedupes, and the distinct
@@ -501,8 +499,9 @@ impl Registry {
             marks[key.index()] = UNSEEN;
         }
         overdue.sort_unstable_by_key(|&(plans, first, _)| (std::cmp::Reverse(plans), first));
-        overdue.truncate(budget);
+        overdue.truncate(budget.limit());
         for &(_, _, key) in &overdue {
+            budget.take(false);
             marks[key.index()] = ADMITTED;
             self.step.push(key);
             if let Some(waiting) = waiting.as_deref_mut() {
@@ -513,6 +512,11 @@ impl Registry {
             }
         }
         overdue.len()
+    }
+
+    /// This step's [`SlotBudget`], nothing counted yet.
+    pub(super) fn slot_budget(&self) -> SlotBudget {
+        SlotBudget { limit: self.config.slots - self.pinned, used: 0, counted: Vec::new() }
     }
 
     /// Counts, per adapter the requests name, one more plan deferring it for room, or none since it
@@ -756,6 +760,58 @@ impl Registry {
         }
         plan.slots_used = self.step.iter().map(|&k| marks[k.index()] as u32).collect();
         plan.slots_used.sort_unstable();
+    }
+}
+
+/// The slot budget of one step: at most `slots - pinned` distinct unpinned adapters, pinned ones
+/// always fitting. The rule's one statement: admission, `split`, `overflow` and `host_misses` count
+/// with it, in batch order.
+pub(super) struct SlotBudget {
+    limit: usize,
+    used: usize,
+    /// The distinct unpinned adapters counted, for [`SlotBudget::admits`].
+    counted: Vec<AdapterKey>,
+}
+
+impl SlotBudget {
+    /// Whether a request for `key` (`pinned` or not) fits with the requests counted before it;
+    /// counts `key` when it is a new unpinned adapter that fits.
+    pub(super) fn admits(&mut self, key: AdapterKey, pinned: bool) -> bool {
+        if pinned || self.counted.contains(&key) {
+            return true;
+        }
+        let fits = self.take(false);
+        if fits {
+            self.counted.push(key);
+        }
+        fits
+    }
+
+    /// [`SlotBudget::admits`] for a caller that sees each adapter once (admission, through its marks):
+    /// whether one more adapter fits, counting it.
+    pub(super) fn take(&mut self, pinned: bool) -> bool {
+        if pinned {
+            return true;
+        }
+        let fits = self.used < self.limit;
+        self.used += usize::from(fits);
+        fits
+    }
+
+    /// Starts counting afresh (the next group of a split).
+    pub(super) fn restart(&mut self) {
+        self.used = 0;
+        self.counted.clear();
+    }
+
+    /// The distinct unpinned adapters one step may use.
+    pub(super) fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// The distinct unpinned adapters counted so far.
+    pub(super) fn used(&self) -> usize {
+        self.used
     }
 }
 
