@@ -43,9 +43,9 @@ def layer_of(module: str) -> int:
     best: tuple[int, int] | None = None
     for level, prefixes in enumerate(LAYERS):
         for prefix in prefixes:
-            if module == prefix or module.startswith(prefix + "."):
-                if best is None or len(prefix) > best[0]:
-                    best = (len(prefix), level)
+            named = module == prefix or module.startswith(prefix + ".")
+            if named and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), level)
     assert best is not None, f"{module} is in no layer: add it to LAYERS"
     return best[1]
 
