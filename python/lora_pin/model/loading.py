@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lora_pin._core import LoRARef, LoRARegistry
+from lora_pin._core import LoRARef, LoRARegistry, _checked_names
 from lora_pin.errors import (
     AdapterLoadError,
     AdapterNotFoundError,
@@ -31,7 +31,6 @@ from lora_pin.errors import (
 from lora_pin.model.adapter_dir import adapter_folders
 from lora_pin.model.loader import BackgroundLoads
 from lora_pin.model.residency import Residency
-from lora_pin.model.step import checked_names
 from lora_pin.parallel import Collective
 
 __all__ = ["BackgroundLoading", "BlockingLoading", "Discovery", "Loading"]
@@ -274,7 +273,7 @@ class BlockingLoading(Loading):
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
         """Reads the ``adapter_dir`` adapters of ``names`` first (see :meth:`Loading.split`)."""
         if self.discovery.adapter_dir is not None:
-            self.discovery.read_now(checked_names(names))
+            self.discovery.read_now(_checked_names(names))
         return self.registry.split(names)
 
     def prefetch(self, names: Iterable[str | None]) -> list[str]:
@@ -344,7 +343,7 @@ class BackgroundLoading(Loading):
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
         """Reads the ``adapter_dir`` adapters of ``names`` on the loader, waiting, and keeps the later
         groups' adapters for the next step to prefetch (see :meth:`Loading.split`)."""
-        names = checked_names(names)
+        names = _checked_names(names)
         self.discovery.read_waiting(names)
         groups = self.registry.split(names)
         with self.residency.lock:
@@ -353,7 +352,7 @@ class BackgroundLoading(Loading):
 
     def prefetch(self, names: Iterable[str | None]) -> list[str]:
         """Start the reads of ``names`` not in host memory (see :meth:`Loading.prefetch`)."""
-        names = checked_names(names)
+        names = _checked_names(names)
         distinct = [n for n in dict.fromkeys(names) if n is not None]
         new = self.discovery.folders(distinct)
         started = self._fetch([n for n in distinct if n not in new])

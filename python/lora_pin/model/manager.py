@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lora_pin._core import LoRARef, LoRARegistry, parse_lora_paths
+from lora_pin._core import LoRARef, LoRARegistry, _checked_names, parse_lora_paths
 from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, LoRAConfig, lora_config_from_args
 from lora_pin.errors import LoraPinError, SpecError, StalePlanError, UsageError
 from lora_pin.model.adapter_dir import checked_adapter_dir
@@ -32,7 +32,7 @@ from lora_pin.model.loader import (
 )
 from lora_pin.model.loading import BackgroundLoading, BlockingLoading, Discovery
 from lora_pin.model.residency import Residency
-from lora_pin.model.step import Step, checked_names, step_arrays
+from lora_pin.model.step import Step, step_arrays
 from lora_pin.ops import CUDA_CHUNK_SIZE, segments_from_slots
 from lora_pin.parallel import TensorParallel
 from lora_pin.parallel.api import manager_shard_plan
@@ -338,7 +338,7 @@ class LoRAManager:
                 resolves outside ``adapter_dir``.
             AdapterLoadError, CapacityError: as :meth:`load`.
         """
-        return self._discovery.read_now(checked_names(names))
+        return self._discovery.read_now(_checked_names(names))
 
     def pin(self, name: str) -> None:
         """Keep ``name`` resident in both tiers until :meth:`unpin`.
@@ -687,7 +687,7 @@ class LoRAManager:
             if not self._wrapped:
                 raise LoraPinError("the manager is detached")
             if not isinstance(names, (list, tuple)):
-                names = checked_names(names)  # read more than once below; a str is refused
+                names = _checked_names(names)  # read more than once below; a str is refused
             plan, loading = self._loading.begin(names, num_tokens, per_sequence)
             try:
                 slot_writes = self.residency.apply(plan)
