@@ -27,7 +27,7 @@ TARGETS = ("q_proj", "v_proj")
 
 @pytest.fixture(scope="module")
 def adapters(make_adapters: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    specs = {n: dict(r=4, lora_alpha=8, target_modules=list(TARGETS), seed=i + 1) for i, n in enumerate("abc")}
+    specs = {n: dict(r=4, lora_alpha=8, target_modules=list(TARGETS), seed=i) for i, n in enumerate("abc", 1)}
     return make_adapters(tmp_path_factory.mktemp("holders"), specs)
 
 
@@ -58,7 +58,7 @@ def test_a_planned_load_puts_the_saved_weights_in_its_slot(
     [(slot, _)] = writes
     assert residency.pool.occupant(slot) == "a"
     a_buffer = residency.pool.buffers("model.layers.0.self_attn.q_proj")[0]
-    torch.testing.assert_close(a_buffer[slot, : 4], saved_a(adapters["a"], "q_proj"))
+    torch.testing.assert_close(a_buffer[slot, :4], saved_a(adapters["a"], "q_proj"))
     assert residency.changed_slots(writes) == []
     residency.registry.finish_step(plan.ticket)
     residency.registry.audit()
