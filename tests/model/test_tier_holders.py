@@ -54,6 +54,7 @@ def test_a_planned_load_puts_the_saved_weights_in_its_slot(
     residency = holder(tiny_llama)
     residency.add(LoRARef.new("a", str(adapters["a"])))
     plan = residency.registry.begin_step(["a"], 1)
+    assert plan.ticket is not None
     writes = residency.apply(plan)
     [(slot, _)] = writes
     assert residency.pool.occupant(slot) == "a"
