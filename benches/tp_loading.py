@@ -43,7 +43,7 @@ def _serve(rank: int, size: int, root: Path, load_ms: float) -> dict[str, Any]:
     from lora_pin import LoRAManager
     from lora_pin._testing import slow_store
     from lora_pin.parallel import TensorParallel
-    from lora_pin.parallel.tiny import shard_llama
+    from lora_pin.parallel_fixtures import shard_llama
 
     tp = TensorParallel(rank, size)
     model = shard_llama(AutoModelForCausalLM.from_pretrained(root / "model").eval(), tp)
@@ -118,7 +118,7 @@ def _load_ms(rank: int, size: int, root: Path, rounds: int = 9) -> dict[str, flo
 
     from lora_pin import LoRAManager
     from lora_pin.parallel import TensorParallel
-    from lora_pin.parallel.tiny import shard_llama
+    from lora_pin.parallel_fixtures import shard_llama
     from lora_pin.weights import LoRATargets, load_adapter
 
     tp = TensorParallel(rank, size)

@@ -55,7 +55,7 @@ def _rank_main(rank: int, size: int, fully: bool, root: str, port: int, reps: in
 
     from lora_pin import LoRAManager
     from lora_pin.parallel import TensorParallel
-    from lora_pin.parallel.tiny import shard_llama
+    from lora_pin.parallel_fixtures import shard_llama
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)

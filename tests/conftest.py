@@ -48,3 +48,30 @@ def make_adapters(tiny_llama: torch.nn.Module) -> MakeAdapters:
         return {name: make_peft_adapter(tiny_llama, root / name, **kwargs) for name, kwargs in specs.items()}
 
     return make
+
+
+#: The modules of the shared adapter sets: attention's query and value, or every linear of a layer.
+QV = ["q_proj", "v_proj"]
+ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="session")
+def qv_world(
+    tiny_llama: torch.nn.Module, make_adapters: MakeAdapters, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[torch.nn.Module, dict[str, Path]]:
+    """The session's tiny Llama (never served: copy it per manager) and adapters a-e of rank 4 over
+    ``q_proj`` and ``v_proj``, seeds 1-5."""
+    specs = {n: dict(r=4, lora_alpha=8, target_modules=QV, seed=i) for i, n in enumerate("abcde", 1)}
+    return tiny_llama, make_adapters(tmp_path_factory.mktemp("qv"), specs)
+
+
+@pytest.fixture(scope="session")
+def linears_world(
+    tiny_llama: torch.nn.Module, make_adapters: MakeAdapters, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[torch.nn.Module, dict[str, Path]]:
+    """The session's tiny Llama (never served: copy it per manager) and adapters a-h of rank 4 over
+    every linear of a layer, seeds 1-8."""
+    specs = {
+        n: dict(r=4, lora_alpha=8, target_modules=ALL_LINEARS, seed=i) for i, n in enumerate("abcdefgh", 1)
+    }
+    return tiny_llama, make_adapters(tmp_path_factory.mktemp("linears"), specs)

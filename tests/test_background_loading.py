@@ -32,18 +32,8 @@ NAMES = "abcdefgh"
 IDS = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(11))
 
 
-@pytest.fixture(scope="module")
-def world(
-    tiny_llama: torch.nn.Module, make_adapters: Any, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Any, dict[str, Path]]:
-    """The session's tiny Llama (never served: copied per manager) and adapters a-h of rank 4."""
-    root = tmp_path_factory.mktemp("adapters")
-    specs = {n: dict(r=4, lora_alpha=8, target_modules=TARGETS, seed=i + 1) for i, n in enumerate(NAMES)}
-    return tiny_llama, make_adapters(root, specs)
-
-
-def manager(world: Any, **kwargs: Any) -> tuple[LoRAManager, Any]:
-    base, _ = world
+def manager(linears_world: Any, **kwargs: Any) -> tuple[LoRAManager, Any]:
+    base, _ = linears_world
     model = copy.deepcopy(base)
     kwargs.setdefault("max_lora_rank", 4)
     kwargs.setdefault("lora_target_modules", TARGETS)
@@ -51,10 +41,10 @@ def manager(world: Any, **kwargs: Any) -> tuple[LoRAManager, Any]:
 
 
 @pytest.fixture(scope="module")
-def want(world: Any) -> dict[str | None, torch.Tensor]:
+def want(linears_world: Any) -> dict[str | None, torch.Tensor]:
     """Each adapter's logits on ``IDS`` (and the base model's), from a blocking manager holding them all."""
-    _, paths = world
-    mgr, model = manager(world, lora_paths=[f"{n}={p}" for n, p in paths.items()], loading="blocking")
+    _, paths = linears_world
+    mgr, model = manager(linears_world, lora_paths=[f"{n}={p}" for n, p in paths.items()], loading="blocking")
     out: dict[str | None, torch.Tensor] = {}
     for name in [None, *NAMES]:
         with torch.no_grad(), mgr.batch([name]):
@@ -73,21 +63,21 @@ def run_one(mgr: LoRAManager, model: Any, name: str | None) -> tuple[Any, torch.
     return step, out
 
 
-def evicted_world(world: Any, **kwargs: Any) -> tuple[LoRAManager, Any]:
+def evicted_world(linears_world: Any, **kwargs: Any) -> tuple[LoRAManager, Any]:
     """A manager whose host tier holds two of a, b, c: ``a`` was evicted from it by ``c``'s load."""
-    _, paths = world
-    mgr, model = manager(world, max_loras_per_batch=2, max_loaded_loras=2, **kwargs)
+    _, paths = linears_world
+    mgr, model = manager(linears_world, max_loras_per_batch=2, max_loaded_loras=2, **kwargs)
     for name in "abc":
         mgr.load(name, paths[name])
     assert sorted(mgr.registry.stats()["host"]["resident"]) == ["b", "c"]
     return mgr, model
 
 
-def test_a_step_defers_an_evicted_adapter_and_reads_it_off_its_thread(world: Any, want: Any) -> None:
+def test_a_step_defers_an_evicted_adapter_and_reads_it_off_its_thread(linears_world: Any, want: Any) -> None:
     """The step over ``a`` (evicted from host memory) returns while ``a``'s read is held in flight:
     ``a`` is deferred, the base-model and resident requests run and compute what they should. Once the
     read ends, the next step admits ``a``, and the read ran on a loader thread."""
-    mgr, model = evicted_world(world)
+    mgr, model = evicted_world(linears_world)
     with slow_store(gated=True) as store:
         step = mgr.prepare_step(["a", None, "b"], [5, 5, 5])
         mgr.finish(step)
@@ -108,13 +98,13 @@ def test_a_step_defers_an_evicted_adapter_and_reads_it_off_its_thread(world: Any
     mgr.registry.audit()
 
 
-def test_deferred_requests_keep_their_order(world: Any) -> None:
+def test_deferred_requests_keep_their_order(linears_world: Any) -> None:
     """Requests deferred for a read come back in request order, and resubmitted first they are admitted
     in that order. ``b``'s read needs the place of ``d``, admitted for a younger request: ``d`` waits
     (the core's rule that a waiting adapter's read goes before younger requests), in host memory until
     a read has succeeded and takes its place."""
-    _, paths = world
-    mgr, _ = manager(world, max_loras_per_batch=2, max_loaded_loras=3)
+    _, paths = linears_world
+    mgr, _ = manager(linears_world, max_loras_per_batch=2, max_loaded_loras=3)
     for name in "abcde":
         mgr.load(name, paths[name])  # a and b are out of host memory
     names: list[str | None] = ["a", "c", None, "b", "a", "d"]
@@ -134,11 +124,11 @@ def test_deferred_requests_keep_their_order(world: Any) -> None:
     mgr.registry.audit()
 
 
-def test_step_loading_names_the_requests_waiting_for_host_memory(world: Any) -> None:
+def test_step_loading_names_the_requests_waiting_for_host_memory(linears_world: Any) -> None:
     """Of the deferred requests, ``loading`` lists those whose adapter is not in host memory (``a``, read
     now), not those waiting for a slot (``f``, resident)."""
-    _, paths = world
-    mgr, _ = manager(world, max_loras_per_batch=2, max_loaded_loras=5)
+    _, paths = linears_world
+    mgr, _ = manager(linears_world, max_loras_per_batch=2, max_loaded_loras=5)
     for name in "abcdef":
         mgr.load(name, paths[name])  # a is out of host memory
     step = mgr.prepare_step(["b", "c", "f", "a"], 1)
@@ -146,14 +136,14 @@ def test_step_loading_names_the_requests_waiting_for_host_memory(world: Any) -> 
     assert step.admitted == (0, 1) and step.deferred == (2, 3) and step.loading == (3,)
 
 
-def test_no_request_waits_forever(world: Any) -> None:
+def test_no_request_waits_forever(linears_world: Any) -> None:
     """A scheduler that resubmits deferred requests first and prefetches its whole waiting queue before
     every step, over eight adapters with a host tier of two and two slots, with more arrivals than it can
     serve for a while: every prefetch would evict the adapters that finished reads brought in, were they
     entered into the host tier before the step that admits their requests, and their requests would
     never run. Every request is served, and none is overtaken by more than a step's worth of later ones."""
-    _, paths = world
-    mgr, _ = manager(world, max_loras_per_batch=2, max_loaded_loras=2)
+    _, paths = linears_world
+    mgr, _ = manager(linears_world, max_loras_per_batch=2, max_loaded_loras=2)
     for name in NAMES:
         mgr.load(name, paths[name])
     arrivals = deque((i, NAMES[(i * 3) % len(NAMES)]) for i in range(40))
@@ -180,13 +170,13 @@ def test_no_request_waits_forever(world: Any) -> None:
     mgr.registry.audit()
 
 
-def test_a_cold_request_behind_steady_hot_traffic_is_served(world: Any) -> None:
+def test_a_cold_request_behind_steady_hot_traffic_is_served(linears_world: Any) -> None:
     """Two slots, a host tier of two, both held by hot adapters that new requests ask for at every step;
     a request for a cold adapter waits at the front of the queue. Were the hot adapters' admissions to
     keep the whole host tier, the cold adapter's read would never find room and its request would wait
     forever; the waiting read goes first, and the request runs within a few steps."""
-    _, paths = world
-    mgr, _ = manager(world, max_loras_per_batch=2, max_loaded_loras=2)
+    _, paths = linears_world
+    mgr, _ = manager(linears_world, max_loras_per_batch=2, max_loaded_loras=2)
     for name in "cab":
         mgr.load(name, paths[name])  # c is out of host memory
     waiting: list[str | None] = ["c"]
@@ -203,13 +193,13 @@ def test_a_cold_request_behind_steady_hot_traffic_is_served(world: Any) -> None:
     mgr.registry.audit()
 
 
-def test_a_failed_background_read_reaches_only_its_requests(world: Any, tmp_path: Path) -> None:
+def test_a_failed_background_read_reaches_only_its_requests(linears_world: Any, tmp_path: Path) -> None:
     """``a``'s files broke after it was evicted from host memory: its read fails in the background, the
     next step lists ``a``'s requests in ``failed`` (neither admitted nor deferred), the other requests
     run, no other adapter moves (none ever left for ``a``'s read), and nothing is counted for ``a``. A
     later request retries the read."""
-    _, paths = world
-    mgr, _ = manager(world, max_loras_per_batch=2, max_loaded_loras=3)
+    _, paths = linears_world
+    mgr, _ = manager(linears_world, max_loras_per_batch=2, max_loaded_loras=3)
     folder = tmp_path / "a"
     shutil.copytree(paths["a"], folder)
     mgr.load("a", folder)
@@ -245,10 +235,10 @@ def test_a_failed_background_read_reaches_only_its_requests(world: Any, tmp_path
     mgr.registry.audit()
 
 
-def test_unloading_an_adapter_being_read_cancels_its_read(world: Any) -> None:
+def test_unloading_an_adapter_being_read_cancels_its_read(linears_world: Any) -> None:
     """``a`` is unloaded while its read is held in flight: the unload returns at once, nothing stays
     counted or held for it, and the read's result is dropped when it ends."""
-    mgr, _ = evicted_world(world)
+    mgr, _ = evicted_world(linears_world)
     with slow_store(gated=True) as store:
         step = mgr.prepare_step(["a"], 1)
         mgr.finish(step)
@@ -270,11 +260,11 @@ def test_unloading_an_adapter_being_read_cancels_its_read(world: Any) -> None:
     mgr.registry.audit()
 
 
-def test_prefetch_reads_a_waiting_queue_ahead_of_its_steps(world: Any, want: Any) -> None:
+def test_prefetch_reads_a_waiting_queue_ahead_of_its_steps(linears_world: Any, want: Any) -> None:
     """``prefetch`` takes a scheduler's queue (None and repeats included) and starts reading the adapters
     not in host memory (making room by evicting ``b``, which the queue does not name); the step that then
     needs ``a`` admits it at once."""
-    mgr, model = evicted_world(world)
+    mgr, model = evicted_world(linears_world)
     with slow_store() as store:
         assert mgr.prefetch(["a", None, "c", "a"]) == ["a"]
         assert mgr.wait_loads(timeout=30)
@@ -284,8 +274,8 @@ def test_prefetch_reads_a_waiting_queue_ahead_of_its_steps(world: Any, want: Any
     assert [n for n, _ in store.reads] == ["a"]
 
 
-def test_prefetch_refuses_bad_names_and_starts_nothing(world: Any) -> None:
-    mgr, _ = evicted_world(world)
+def test_prefetch_refuses_bad_names_and_starts_nothing(linears_world: Any) -> None:
+    mgr, _ = evicted_world(linears_world)
     with slow_store() as store:
         with pytest.raises(AdapterNotFoundError, match="nope"):
             mgr.prefetch(["a", "nope"])
@@ -300,12 +290,12 @@ def test_prefetch_refuses_bad_names_and_starts_nothing(world: Any) -> None:
         mgr.prefetch(["a"])
 
 
-def test_discovery_reads_through_the_loader(world: Any, want: Any, tmp_path: Path) -> None:
+def test_discovery_reads_through_the_loader(linears_world: Any, want: Any, tmp_path: Path) -> None:
     """A step naming an ``adapter_dir`` adapter not registered yet defers it while the loader reads it;
     the next step admits it. A name with no folder fails the whole step, which plans nothing."""
-    _, paths = world
+    _, paths = linears_world
     shutil.copytree(paths["d"], tmp_path / "org" / "d")
-    mgr, model = manager(world, max_loras_per_batch=2, adapter_dir=tmp_path)
+    mgr, model = manager(linears_world, max_loras_per_batch=2, adapter_dir=tmp_path)
     with slow_store(gated=True) as store:
         step, _ = run_one(mgr, model, "org/d")
         assert step.deferred == (0,)
@@ -323,21 +313,21 @@ def test_discovery_reads_through_the_loader(world: Any, want: Any, tmp_path: Pat
     mgr.registry.audit()
 
 
-def test_batch_waits_for_its_reads_on_the_loader(world: Any, want: Any) -> None:
+def test_batch_waits_for_its_reads_on_the_loader(linears_world: Any, want: Any) -> None:
     """``batch()`` must run whole: it waits for ``a``'s read, which runs on a loader thread."""
-    mgr, model = evicted_world(world)
+    mgr, model = evicted_world(linears_world)
     with slow_store(delay_ms=20) as store, torch.no_grad(), mgr.batch(["a"]):
         got = model(IDS).logits
     torch.testing.assert_close(got, want["a"], rtol=1e-5, atol=1e-6)
     assert store.readers("a")[0].startswith("lora_pin-load")
 
 
-def test_batch_waits_for_room_held_by_prefetched_reads(world: Any, want: Any) -> None:
+def test_batch_waits_for_room_held_by_prefetched_reads(linears_world: Any, want: Any) -> None:
     """Every place in the host tier is set aside for a prefetched read when ``batch(["d"])`` begins (``d``
     is out of host memory): it waits for those reads to end, then has ``d`` read, still on a loader
     thread."""
-    _, paths = world
-    mgr, model = manager(world, max_loras_per_batch=2, max_loaded_loras=3)
+    _, paths = linears_world
+    mgr, model = manager(linears_world, max_loras_per_batch=2, max_loaded_loras=3)
     for name in "abcdefg":
         mgr.load(name, paths[name])  # e, f, g resident
     with slow_store(delay_ms=200) as store:
@@ -351,11 +341,11 @@ def test_batch_waits_for_room_held_by_prefetched_reads(world: Any, want: Any) ->
     mgr.registry.audit()
 
 
-def test_split_reads_the_later_groups_while_the_first_runs(world: Any) -> None:
+def test_split_reads_the_later_groups_while_the_first_runs(linears_world: Any) -> None:
     """``split`` prefetches the groups after the first once the first group's step has begun: read
     before, they would evict the first group's adapters from a small host tier."""
-    _, paths = world
-    mgr, model = manager(world, max_loras_per_batch=2, max_loaded_loras=3)
+    _, paths = linears_world
+    mgr, model = manager(linears_world, max_loras_per_batch=2, max_loaded_loras=3)
     for name in "abcde":
         mgr.load(name, paths[name])  # a and b are out of host memory
     names: list[str | None] = ["c", "d", "a", "b"]
@@ -374,9 +364,9 @@ def test_split_reads_the_later_groups_while_the_first_runs(world: Any) -> None:
     mgr.registry.audit()
 
 
-def test_blocking_loading_reads_in_the_step(world: Any, want: Any) -> None:
+def test_blocking_loading_reads_in_the_step(linears_world: Any, want: Any) -> None:
     """``loading="blocking"`` keeps the old behaviour: the step reads ``a`` itself and admits it."""
-    mgr, model = evicted_world(world, loading="blocking")
+    mgr, model = evicted_world(linears_world, loading="blocking")
     with slow_store() as store:
         step, got = run_one(mgr, model, "a")
     assert step.admitted == (0,)
@@ -392,18 +382,18 @@ def test_blocking_loading_reads_in_the_step(world: Any, want: Any) -> None:
         (dict(load_workers=True), "load_workers must be an int of at least 1"),
     ],
 )
-def test_bad_loading_options_are_refused(world: Any, kwargs: dict[str, Any], match: str) -> None:
+def test_bad_loading_options_are_refused(linears_world: Any, kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(SpecError, match=match):
-        manager(world, **kwargs)
+        manager(linears_world, **kwargs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_steps_over_background_loads_compute_what_they_should(world: Any, want: Any) -> None:
+def test_cuda_steps_over_background_loads_compute_what_they_should(linears_world: Any, want: Any) -> None:
     """On CUDA the slot copies run on a side stream that waits only for the slot's earlier readers:
     steps alternating over more adapters than slots (each a fresh copy into a slot the last step read)
     still compute each adapter's output."""
-    _, paths = world
-    base, _ = world
+    _, paths = linears_world
+    base, _ = linears_world
     model = copy.deepcopy(base).cuda()
     mgr = LoRAManager(
         model,

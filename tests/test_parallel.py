@@ -151,7 +151,7 @@ def _check_transformers_tp(root: Path) -> None:
 
 
 def _checks(rank: int, size: int, group: Any, root: Path) -> None:
-    from lora_pin.parallel.tiny import shard_llama
+    from lora_pin.parallel_fixtures import shard_llama
 
     ids = _inputs()
     lora_paths = [f"{n}={root / n}" for n in ADAPTERS]
@@ -205,7 +205,7 @@ def _check_host_shards(mgr: LoRAManager, root: Path, tp: TensorParallel) -> None
 def _fused_model(root: Path, tp: TensorParallel) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The tiny Llama's linears as a framework cuts them: fused qkv (q by rank, the one kv head replicated),
     fused gate_up, row-parallel o and down; returns it and the unsharded weights."""
-    from lora_pin.parallel.tiny import ColumnParallelLinear, RowParallelLinear
+    from lora_pin.parallel_fixtures import ColumnParallelLinear, RowParallelLinear
 
     weights = load_file(root / "model" / "model.safetensors")
     model = torch.nn.Module()
@@ -459,7 +459,7 @@ def test_a_rank_8_adapter_is_cut_over_16_ranks_with_zero_padding(tmp_path: Path,
     rank (ranks 8 to 15: none, zero padding); put back together they are the adapter."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lora_pin.parallel.tiny import shard_llama
+    from lora_pin.parallel_fixtures import shard_llama
 
     config = LlamaConfig(
         hidden_size=64,
@@ -566,7 +566,7 @@ class _RowWithoutHalves(torch.nn.Module):
 
 def test_bad_registrations_and_tp_settings_are_refused_before_any_collective(tp_root: Path) -> None:
     from lora_pin.parallel import register_parallel_linear
-    from lora_pin.parallel.tiny import shard_llama
+    from lora_pin.parallel_fixtures import shard_llama
 
     with pytest.raises(SpecError, match=r"not a torch\.nn\.Module subclass"):
         register_parallel_linear(int, layout=lambda m: m.layout)  # type: ignore[arg-type]

@@ -275,7 +275,7 @@ def _worker(rank: int, world: int, root_text: str, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
     try:
-        from lora_pin.parallel.tiny import shard_llama
+        from lora_pin.parallel_fixtures import shard_llama
 
         root = Path(root_text)
         tp = TensorParallel(rank, world)

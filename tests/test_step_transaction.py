@@ -24,18 +24,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 IDS = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.fixture(scope="module")
-def world(
-    tiny_llama: torch.nn.Module, make_adapters: Any, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Any, dict[str, Path]]:
-    """A model to copy for each manager (the session's tiny Llama, unserved) and adapters a-d."""
-    root = tmp_path_factory.mktemp("adapters")
-    specs = {n: dict(r=4, lora_alpha=8, target_modules=TARGETS, seed=i + 1) for i, n in enumerate("abcd")}
-    return tiny_llama, make_adapters(root, specs)
-
-
-def manager(world: tuple[Any, dict[str, Path]], names: str, **kwargs: Any) -> tuple[LoRAManager, Any]:
-    base, paths = world
+def manager(linears_world: tuple[Any, dict[str, Path]], names: str, **kwargs: Any) -> tuple[LoRAManager, Any]:
+    base, paths = linears_world
     model = copy.deepcopy(base)
     mgr = LoRAManager(
         model,
@@ -102,13 +92,13 @@ def on_another_thread(fn: Any) -> Any:
     return outcome[0]
 
 
-def test_a_reload_between_plan_and_acquire_never_serves_other_weights_nor_sticks(world: Any) -> None:
+def test_a_reload_between_plan_and_acquire_never_serves_other_weights_nor_sticks(linears_world: Any) -> None:
     """Another thread unloads ``a`` and loads ``b``'s weights as ``a`` while a step over ``a`` is being
     set up. The step must compute with the registration it was planned for (the old ``a``), the
     other thread's unload must wait for the step rather than slip in, and ``in_flight`` must return
     to zero so that the unload and the reload can complete afterwards."""
-    _, paths = world
-    mgr, model = manager(world, "ab", max_loras_per_batch=2)
+    _, paths = linears_world
+    mgr, model = manager(linears_world, "ab", max_loras_per_batch=2)
     want_a = logits(mgr, model, ["a"])
     want_b = logits(mgr, model, ["b"])
     mgr.unload("a")
@@ -132,10 +122,10 @@ def test_a_reload_between_plan_and_acquire_never_serves_other_weights_nor_sticks
     mgr.registry.audit()
 
 
-def test_a_step_whose_adapter_is_unloaded_meanwhile_keeps_its_weights(world: Any) -> None:
+def test_a_step_whose_adapter_is_unloaded_meanwhile_keeps_its_weights(linears_world: Any) -> None:
     """The same interleaving on a prepared (packed) step, for a resident adapter: the step holds its
     adapter, so an unload waits until ``finish``."""
-    mgr, model = manager(world, "ab", max_loras_per_batch=2)
+    mgr, model = manager(linears_world, "ab", max_loras_per_batch=2)
     want_b = logits(mgr, model, ["b"])
     seen: list[Any] = []
     install(mgr, lambda: seen.append(on_another_thread(lambda: mgr.unload("b", timeout=0.2))))
@@ -150,12 +140,12 @@ def test_a_step_whose_adapter_is_unloaded_meanwhile_keeps_its_weights(world: Any
     assert "b" not in mgr.registry
 
 
-def test_split_and_batch_budget_count_pins_evicted_from_host_memory(world: Any) -> None:
+def test_split_and_batch_budget_count_pins_evicted_from_host_memory(linears_world: Any) -> None:
     """``a`` was evicted from the host tier (four adapters, room for three) and then pinned: the budget
     for unpinned adapters is one slot less. A copy of the rule in Python read the host tier's pinned
     list, missed ``a``, and split ``b, c, d`` into one batch that ``batch()`` then refused."""
-    _, paths = world
-    mgr, model = manager(world, "abc", max_loras_per_batch=3, max_loaded_loras=3)
+    _, paths = linears_world
+    mgr, model = manager(linears_world, "abc", max_loras_per_batch=3, max_loaded_loras=3)
     mgr.load("d", paths["d"])
     assert "a" not in mgr.registry.stats()["host"]["resident"]
     mgr.pin("a")
@@ -181,12 +171,12 @@ def residency(mgr: LoRAManager) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.parametrize("loading", ["blocking", "background"])
-def test_a_failed_re_read_changes_no_other_adapter(world: Any, tmp_path: Path, loading: str) -> None:
+def test_a_failed_re_read_changes_no_other_adapter(linears_world: Any, tmp_path: Path, loading: str) -> None:
     """``a`` was evicted from host memory and its files broke since: a step over it fails, and the
     adapters the host tier would have evicted to make room for it stay in both tiers, in either loading
     mode (a background read sets its host memory aside without evicting anyone)."""
-    _, paths = world
-    mgr, model = manager(world, "", max_loras_per_batch=2, max_loaded_loras=2, loading=loading)
+    _, paths = linears_world
+    mgr, model = manager(linears_world, "", max_loras_per_batch=2, max_loaded_loras=2, loading=loading)
     mgr.load("a", copy_adapter(paths["a"], tmp_path / "a"))
     mgr.load("b", paths["b"])
     mgr.load("c", paths["c"])  # evicts a from the host tier
@@ -203,15 +193,15 @@ def test_a_failed_re_read_changes_no_other_adapter(world: Any, tmp_path: Path, l
 
 @pytest.mark.parametrize("loading", ["blocking", "background"])
 def test_a_re_read_of_changed_files_is_refused_and_counts_stay_true(
-    world: Any, tmp_path: Path, loading: str
+    linears_world: Any, tmp_path: Path, loading: str
 ) -> None:
     """``a``'s files were replaced by a larger adapter after it was evicted from host memory: reading
     it back is refused as a changed adapter, so the host tier never holds more bytes than it counts
     (nor than ``max_host_bytes``). Neither a blocking nor a background read changes another adapter: a
     background read sets its host memory aside without evicting anyone, and releases it when it fails."""
-    base, paths = world
+    base, paths = linears_world
     small = make_peft_adapter(base, tmp_path / "a", r=2, lora_alpha=8, target_modules=["q_proj"], seed=5)
-    mgr, model = manager(world, "", max_loras_per_batch=2, max_loaded_loras=2, loading=loading)
+    mgr, model = manager(linears_world, "", max_loras_per_batch=2, max_loaded_loras=2, loading=loading)
     mgr.load("a", small)
     mgr.load("b", paths["b"])
     mgr.load("c", paths["c"])  # evicts a from the host tier
@@ -228,11 +218,11 @@ def test_a_re_read_of_changed_files_is_refused_and_counts_stay_true(
 
 
 def test_ctrl_c_during_a_slot_fill_propagates_and_keeps_state(
-    world: Any, monkeypatch: pytest.MonkeyPatch
+    linears_world: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A KeyboardInterrupt (or SystemExit) while a slot is filled is raised as itself, not wrapped
     as an AdapterLoadError, and the step is released as for any failed load."""
-    mgr, model = manager(world, "abc", max_loras_per_batch=2)
+    mgr, model = manager(linears_world, "abc", max_loras_per_batch=2)
     logits(mgr, model, ["a", "b"])
     original = mgr.pool.fill
 
@@ -277,7 +267,7 @@ print(json.dumps({"outcome": outcome, "grew_kib": grew}))
 """
 
 
-def test_a_config_claiming_a_huge_rank_never_sizes_the_pool(world: Any, tmp_path: Path) -> None:
+def test_a_config_claiming_a_huge_rank_never_sizes_the_pool(linears_world: Any, tmp_path: Path) -> None:
     """Without ``max_lora_rank`` the pool was sized from a start-up adapter's config before its tensors
     were checked: a config claiming rank 16,384 over rank-4 tensors cost +1.26 GiB of memory on a tiny
     model, and only then was refused. Now the adapter is read and checked first."""
@@ -285,7 +275,7 @@ def test_a_config_claiming_a_huge_rank_never_sizes_the_pool(world: Any, tmp_path
     import subprocess
     import sys
 
-    base, _ = world
+    base, _ = linears_world
     model_dir = tmp_path / "model"
     base.save_pretrained(model_dir)
     adapter = make_peft_adapter(base, tmp_path / "liar", r=4, lora_alpha=8, target_modules=TARGETS, seed=3)
@@ -304,11 +294,11 @@ def test_a_config_claiming_a_huge_rank_never_sizes_the_pool(world: Any, tmp_path
     assert report["grew_kib"] < 100 * 1024, report  # the pool alone would take over 1 GiB
 
 
-def test_a_batch_refused_whole_reads_nothing_and_changes_no_tier(world: Any) -> None:
+def test_a_batch_refused_whole_reads_nothing_and_changes_no_tier(linears_world: Any) -> None:
     """``batch()`` over more adapters than the slots is refused before any evicted adapter is read back
     (which would have made room in the host tier for a batch that never runs)."""
-    _, paths = world
-    mgr, model = manager(world, "", max_loras_per_batch=2, max_loaded_loras=2)
+    _, paths = linears_world
+    mgr, model = manager(linears_world, "", max_loras_per_batch=2, max_loaded_loras=2)
     for name in "abc":
         mgr.load(name, paths[name])  # c's registration evicts a from the host tier
     before = residency(mgr), mgr.registry.stats()["host"]

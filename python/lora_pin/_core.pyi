@@ -16,12 +16,14 @@ __all__ = [
     "Trace",
     "__version__",
     "_acquire",
+    "_checked_names",
     "_end_step",
     "_load_done",
     "_load_failed",
     "_plan",
     "_read_tensors",
     "_release",
+    "_unload_timeout_error",
     "check_limits",
     "home_replicas",
     "parse_lora_paths",
@@ -203,6 +205,8 @@ def _load_failed(registry: LoRARegistry, name: str) -> None: ...
 def _read_tensors(
     fd: int, reads: Sequence[tuple[str, str, Sequence[int], int, int, int]], *, threads: int = 1
 ) -> tuple[bytes, list[int | None]]: ...
+def _checked_names(names: Iterable[str | None]) -> list[str | None]: ...
+def _unload_timeout_error(name: str, in_flight: int, waited: float) -> BaseException: ...
 
 @final
 class Trace:

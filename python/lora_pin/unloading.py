@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from lora_pin._core import LoRARegistry
-from lora_pin.errors import UnloadTimeoutError
+from lora_pin._core import LoRARegistry, _unload_timeout_error
 
 __all__ = ["unload_async"]
 
@@ -35,10 +34,7 @@ async def unload_async(registry: LoRARegistry, name: str, timeout: float | None 
     while handle is not None and (in_flight := registry.finish_unload(handle)) > 0:
         waited = time.monotonic() - started
         if timeout is not None and waited >= timeout:
-            raise UnloadTimeoutError(
-                f"unloading adapter {name!r} timed out after {waited:.3f} s with {in_flight} request(s) "
-                "still in flight; it stays unregistered (no new requests) and a later unload finishes it"
-            )
+            raise _unload_timeout_error(name, in_flight, waited)
         sleep = delay if timeout is None else min(delay, max(timeout - waited, 0.0))
         await asyncio.sleep(sleep)
         delay = min(delay * 2, _LONGEST_POLL_S)

@@ -61,6 +61,31 @@ impl From<Error> for PyErr {
     }
 }
 
+/// The `UnloadTimeoutError` an unload of `name` raises after waiting `waited` seconds with `in_flight`
+/// requests still using it, for the Python unloads that wait themselves (`unload_async`): the message
+/// is the core's, as from `LoRARegistry.unload`.
+///
+/// Raises:
+///     UsageError: `waited` is negative or not finite.
+#[pyfunction]
+#[pyo3(name = "_unload_timeout_error")]
+pub fn unload_timeout_error(
+    py: Python<'_>,
+    name: String,
+    in_flight: u64,
+    waited: f64,
+) -> PyResult<Py<PyAny>> {
+    let Ok(waited) = std::time::Duration::try_from_secs_f64(waited) else {
+        return Err(new_error(
+            py,
+            "UsageError",
+            format!("waited must be finite seconds >= 0 (got {waited})"),
+        ));
+    };
+    let err: PyErr = Error::UnloadTimeout { name, in_flight, waited }.into();
+    Ok(err.into_value(py).into_any())
+}
+
 /// A `LoraPinError` for a panic caught at the boundary: a bug in lora_pin, never a `PanicException`.
 pub(crate) fn internal_error(py: Python<'_>, panic: &Box<dyn Any + Send>) -> PyErr {
     let what = panic

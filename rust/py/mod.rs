@@ -20,9 +20,11 @@ pub mod _core {
     use pyo3::prelude::*;
 
     #[pymodule_export]
+    use super::errors::unload_timeout_error;
+    #[pymodule_export]
     use super::patterns::PyPatternSet;
     #[pymodule_export]
-    use super::registry::{acquire, end_step, load_done, load_failed, plan, release};
+    use super::registry::{acquire, checked_names, end_step, load_done, load_failed, plan, release};
     #[pymodule_export]
     use super::registry::{PyFetchPlan, PyLoRARegistry, PyStepPlan};
     #[pymodule_export]

@@ -63,7 +63,7 @@ impl Protection {
 
 /// Where an adapter is, and the history the eviction policies read.
 #[derive(Debug, Clone)]
-pub(crate) struct Residency {
+pub(crate) struct Tenancy {
     /// Logical time it entered the host tier, when resident there.
     pub(crate) host_since: Option<u64>,
     /// A background read is in flight (see `fetch`): not in the host tier yet, but its host bytes
@@ -85,7 +85,7 @@ pub(crate) struct Residency {
 pub(crate) struct Adapter {
     pub(crate) identity: Identity,
     pub(crate) protection: Protection,
-    pub(crate) residency: Residency,
+    pub(crate) tenancy: Tenancy,
 }
 
 impl Adapter {

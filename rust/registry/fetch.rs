@@ -47,13 +47,13 @@ impl Registry {
     /// nobody. Returns whether it started.
     pub(crate) fn start_fetch(&mut self, key: AdapterKey) -> bool {
         let a = self.get(key);
-        debug_assert!(a.residency.host_since.is_none() && !a.residency.fetching);
+        debug_assert!(a.tenancy.host_since.is_none() && !a.tenancy.fetching);
         let bytes = a.identity.size.host_bytes;
         if !self.host.room_possible(bytes) {
             self.host.counters.refusals += 1;
             return false;
         }
-        self.get_mut(key).residency.fetching = true;
+        self.get_mut(key).tenancy.fetching = true;
         self.host.count += 1;
         self.host.bytes += bytes;
         self.host.reserved_count += 1;
@@ -73,8 +73,8 @@ impl Registry {
     /// adapters leaving first to make the room, into `evicted`.
     pub(crate) fn end_fetch(&mut self, key: AdapterKey, into_host: bool, evicted: &mut Vec<Eviction>) {
         let a = self.get_mut(key);
-        debug_assert!(a.residency.fetching);
-        a.residency.fetching = false;
+        debug_assert!(a.tenancy.fetching);
+        a.tenancy.fetching = false;
         let bytes = a.identity.size.host_bytes;
         self.host.reserved_count -= 1;
         self.host.reserved_bytes -= bytes;
@@ -85,7 +85,7 @@ impl Registry {
             self.host.count += 1;
             self.host.bytes += bytes;
             let now = self.tick();
-            self.get_mut(key).residency.host_since = Some(now);
+            self.get_mut(key).tenancy.host_since = Some(now);
             self.host.counters.loads += 1;
         }
         self.refresh(key);
@@ -125,7 +125,7 @@ impl Registry {
         let mut shielded: Vec<AdapterKey> = Vec::new();
         let mut shield = |reg: &mut Self, key: AdapterKey| {
             let a = reg.get_mut(key);
-            if a.residency.host_since.is_some() && !a.protection.in_step {
+            if a.tenancy.host_since.is_some() && !a.protection.in_step {
                 a.protection.in_step = true;
                 reg.refresh(key);
                 shielded.push(key);
@@ -134,7 +134,7 @@ impl Registry {
         if shield_all {
             for &key in keys {
                 let a = self.get_mut(key);
-                if a.residency.host_since.is_some() && !a.protection.fresh {
+                if a.tenancy.host_since.is_some() && !a.protection.fresh {
                     a.protection.fresh = true;
                     self.fresh.push(key);
                     self.refresh(key);
@@ -147,10 +147,10 @@ impl Registry {
                 continue;
             }
             let a = self.get(key);
-            if a.residency.fetching {
+            if a.tenancy.fetching {
                 continue;
             }
-            if a.residency.host_since.is_some() {
+            if a.tenancy.host_since.is_some() {
                 shield(self, key);
                 continue;
             }
@@ -214,7 +214,7 @@ impl Registry {
                 registered: self.not_found_list(),
             });
         };
-        if !self.get(key).residency.fetching {
+        if !self.get(key).tenancy.fetching {
             return Err(Error::Usage(format!(
                 "adapter {name:?} (registration {serial}) is not being fetched: its fetch was cancelled, \
                  taken over by a blocking read, or reported already"

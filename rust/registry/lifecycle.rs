@@ -105,7 +105,7 @@ impl Registry {
                 )));
             }
         }
-        let (was_host, was_fetching) = (a.residency.host_since.is_some(), a.residency.fetching);
+        let (was_host, was_fetching) = (a.tenancy.host_since.is_some(), a.tenancy.fetching);
         // Out of the candidate sets while the room is made (it must not evict itself), and its old
         // bytes out of the ledger, as if it had left.
         let borrowed = !a.protection.in_step;
@@ -133,9 +133,9 @@ impl Registry {
         let now = self.tick();
         let a = self.get_mut(key);
         a.identity.size = size;
-        a.residency.fetching = false;
+        a.tenancy.fetching = false;
         if !was_host {
-            a.residency.host_since = Some(now);
+            a.tenancy.host_since = Some(now);
         }
         if was_fetching {
             a.protection.fresh = true;
@@ -185,9 +185,9 @@ impl Registry {
                 name: Arc::clone(&a.identity.name),
                 id: Arc::clone(&a.identity.id),
                 serial: a.identity.serial,
-                slot: a.residency.slot,
-                host: a.residency.host_since.is_some(),
-                fetching: a.residency.fetching,
+                slot: a.tenancy.slot,
+                host: a.tenancy.host_since.is_some(),
+                fetching: a.tenancy.fetching,
                 pinned: a.protection.pinned,
                 in_flight: a.protection.in_flight,
                 draining: a.protection.draining,

@@ -1,9 +1,9 @@
 //! The registry: adapters by name and id, their in-flight counts, pins, the two tiers and the
 //! per-step planner, as one module tree:
 //!
-//! - `adapter`: one adapter's identity, protections and residency;
+//! - `adapter`: one adapter's identity, protections and tenancy (where it is, its use history);
 //! - `tiers`: the host ledger and the device slot table (counts, bytes, candidate sets);
-//! - `residency`: moving adapters between tiers, keeping each tier's eviction candidates exact;
+//! - `moves`: moving adapters between tiers, keeping each tier's eviction candidates exact;
 //! - `fetch`: background reads (the fetching state: host bytes reserved, read in flight);
 //! - `lifecycle`: weights replaced in place under a name, and where every adapter is;
 //! - `plan`: one scheduler step's admission, slots, loads and segment arrays;
@@ -29,8 +29,8 @@ mod adapter;
 mod audit;
 mod fetch;
 mod lifecycle;
+mod moves;
 mod plan;
-mod residency;
 mod step;
 #[cfg(test)]
 mod testkit;
@@ -40,7 +40,7 @@ mod unload;
 use std::sync::Arc;
 
 pub use self::adapter::AdapterSize;
-use self::adapter::{Adapter, Identity, Protection, Residency};
+use self::adapter::{Adapter, Identity, Protection, Tenancy};
 pub use self::fetch::{Fetch, FetchPlan};
 pub use self::lifecycle::{Place, Placement};
 pub use self::plan::{Deferral, Hold, Load, StepPlan, StepRequests};
@@ -381,7 +381,7 @@ impl Registry {
         self.adapters[key.index()] = Some(Adapter {
             identity: Identity { spec: r, name, id, serial: self.registrations, size },
             protection: Protection { pinned, ..Protection::default() },
-            residency: Residency {
+            tenancy: Tenancy {
                 host_since: Some(now),
                 fetching: false,
                 slot: None,
@@ -611,16 +611,16 @@ impl Registry {
             if a.protection.pinned {
                 pinned.push(name.clone());
             }
-            if a.residency.fetching {
+            if a.tenancy.fetching {
                 host.fetching.push(name.clone());
             }
-            if a.residency.host_since.is_some() {
+            if a.tenancy.host_since.is_some() {
                 host.resident.push(name.clone());
                 if a.protection.pinned {
                     host.pinned.push(name.clone());
                 }
             }
-            if a.residency.slot.is_some() {
+            if a.tenancy.slot.is_some() {
                 device.resident.push(name.clone());
                 if a.protection.pinned {
                     device.pinned.push(name);
@@ -649,7 +649,7 @@ impl Registry {
             .adapters
             .iter()
             .flatten()
-            .filter(|a| a.residency.slot.is_some())
+            .filter(|a| a.tenancy.slot.is_some())
             .map(|a| a.identity.size.device_bytes)
             .sum();
         Stats { registered, pinned: self.pinned, pinned_names: pinned, unloading, host, device }

@@ -320,7 +320,7 @@ impl Registry {
     fn start_waiting_fetches(&mut self, waiting: &mut Waiting, marks: &mut [i32], plan: &mut StepPlan) {
         for &(key, first) in &waiting.keys {
             let a = self.get(key);
-            if a.residency.fetching {
+            if a.tenancy.fetching {
                 marks[key.index()] = DEFER_LOADING;
                 continue;
             }
@@ -419,13 +419,12 @@ impl Registry {
         // step first would put them back among the candidates only to take them out again.
         let spare = std::mem::take(&mut self.spare_step);
         let mut previous = std::mem::replace(&mut self.step, spare);
-        let budget = self.config.slots - self.pinned;
+        let mut budget = self.slot_budget();
         let overdue = if self.overdue > 0 {
-            self.admit_overdue(adapters, marks, budget, waiting.as_deref_mut())
+            self.admit_overdue(adapters, marks, &mut budget, waiting.as_deref_mut())
         } else {
             0
         };
-        let mut unpinned = overdue;
         let base_mark = marks.len() - 1;
         for (i, &request) in adapters.iter().enumerate() {
             // Base-model requests read the base mark (never UNSEEN) instead of branching on None,
@@ -437,20 +436,19 @@ impl Registry {
             let mark = &mut marks[index];
             let a = self.get_mut(key);
             if let Some(waiting) = waiting.as_deref_mut() {
-                if a.residency.host_since.is_none() {
+                if a.tenancy.host_since.is_none() {
                     *mark = DEFER_HOST;
                     waiting.keys.push((key, i as u32));
                     continue;
                 }
             }
-            if !(a.protection.pinned || unpinned < budget) {
+            if !budget.take(a.protection.pinned) {
                 // Refused only because overdue adapters went first: it gave way.
-                *mark = if unpinned - overdue < budget { DEFER_FAIRNESS } else { DEFER_DEVICE };
+                *mark = if budget.used() - overdue < budget.limit() { DEFER_FAIRNESS } else { DEFER_DEVICE };
                 self.device.counters.refusals += 1;
                 continue;
             }
             *mark = ADMITTED;
-            unpinned += usize::from(!a.protection.pinned);
             let newly = !std::mem::replace(&mut a.protection.in_step, true);
             self.step.push(key);
             if let Some(waiting) = waiting.as_deref_mut() {
@@ -477,7 +475,7 @@ impl Registry {
         &mut self,
         adapters: &[Option<AdapterKey>],
         marks: &mut [i32],
-        budget: usize,
+        budget: &mut SlotBudget,
         mut waiting: Option<&mut Waiting>,
     ) -> usize {
         // (plans deferred, first request, key); the mark ADMITTED here only dedupes, and the distinct
@@ -492,17 +490,18 @@ impl Registry {
             marks[key.index()] = ADMITTED;
             seen.push(key);
             let a = self.get(key);
-            let outside = waiting.is_some() && a.residency.host_since.is_none();
-            if a.residency.deferred_plans >= OVERDUE_AFTER && !a.protection.pinned && !outside {
-                overdue.push((a.residency.deferred_plans, i as u32, key));
+            let outside = waiting.is_some() && a.tenancy.host_since.is_none();
+            if a.tenancy.deferred_plans >= OVERDUE_AFTER && !a.protection.pinned && !outside {
+                overdue.push((a.tenancy.deferred_plans, i as u32, key));
             }
         }
         for key in seen {
             marks[key.index()] = UNSEEN;
         }
         overdue.sort_unstable_by_key(|&(plans, first, _)| (std::cmp::Reverse(plans), first));
-        overdue.truncate(budget);
+        overdue.truncate(budget.limit());
         for &(_, _, key) in &overdue {
+            budget.take(false);
             marks[key.index()] = ADMITTED;
             self.step.push(key);
             if let Some(waiting) = waiting.as_deref_mut() {
@@ -515,6 +514,11 @@ impl Registry {
         overdue.len()
     }
 
+    /// This step's [`SlotBudget`], nothing counted yet.
+    pub(super) fn slot_budget(&self) -> SlotBudget {
+        SlotBudget { limit: self.config.slots - self.pinned, used: 0, counted: Vec::new() }
+    }
+
     /// Counts, per adapter the requests name, one more plan deferring it for room, or none since it
     /// was admitted (a read it waits for counts neither way); keeps `overdue` exact. Leaves the
     /// requests' marks [`UNSEEN`].
@@ -524,7 +528,7 @@ impl Registry {
             if mark == UNSEEN || mark == DEFER_LOADING {
                 continue;
             }
-            let plans = &mut self.get_mut(key).residency.deferred_plans;
+            let plans = &mut self.get_mut(key).tenancy.deferred_plans;
             let was = *plans >= OVERDUE_AFTER;
             *plans = if is_deferred(mark) { plans.saturating_add(1) } else { 0 };
             let now = *plans >= OVERDUE_AFTER;
@@ -539,7 +543,7 @@ impl Registry {
         let mut at = 0;
         while let Some(&key) = self.step.get(at) {
             at += 1;
-            if self.get(key).residency.slot.is_some() {
+            if self.get(key).tenancy.slot.is_some() {
                 self.device.counters.hits += 1;
             } else if let Err(refusal) = self.bring_in(key, plan) {
                 marks[key.index()] = match refusal {
@@ -560,12 +564,12 @@ impl Registry {
             }
             let now = self.tick();
             let a = self.get_mut(key);
-            a.residency.last_used = now;
-            a.residency.uses += 1;
+            a.tenancy.last_used = now;
+            a.tenancy.uses += 1;
         }
         // Admitted adapters are protected, so no later load took their slots.
         for &key in &self.step {
-            marks[key.index()] = self.get(key).residency.slot.expect("an admitted adapter has a slot") as i32;
+            marks[key.index()] = self.get(key).tenancy.slot.expect("an admitted adapter has a slot") as i32;
         }
     }
 
@@ -573,10 +577,10 @@ impl Registry {
     /// the host tier; or says which tier refused.
     fn bring_in(&mut self, key: AdapterKey, plan: &mut StepPlan) -> std::result::Result<(), Refusal> {
         let a = self.get(key);
-        let source = if a.residency.host_since.is_some() { LoadSource::Host } else { LoadSource::Disk };
+        let source = if a.tenancy.host_since.is_some() { LoadSource::Host } else { LoadSource::Disk };
         let bytes = a.identity.size.host_bytes;
         // A blocking read of an adapter being fetched takes over the fetch's reservation.
-        let fetching = a.residency.fetching;
+        let fetching = a.tenancy.fetching;
         let host_room = if fetching { self.fetch_fits(key) } else { self.host.room_possible(bytes) };
         if source == LoadSource::Disk && !host_room {
             return Err(Refusal::Host);
@@ -614,16 +618,16 @@ impl Registry {
     /// The plan's arrays, from each adapter key's mark (its slot, or why it waits) and each held
     /// request's hold.
     fn fill_outputs(&self, marks: &[i32], requests: StepRequests<'_>, total: usize, plan: &mut StepPlan) {
-        let StepRequests { adapters, num_tokens, holds } = requests;
-        let slots = self.config.slots;
-        // Buckets: one per slot, then one for base-model tokens, so the per-request and per-token
-        // loops index instead of branching on -1 (base rows are mixed in unpredictably).
-        let bucket = |slot: i32| (slot as u32 as usize).min(slots);
-        // Per bucket: its tokens, then where its run starts in `token_perm`, then the next free
-        // place in that run (one allocation for the three).
-        let mut counts = vec![0i32; 3 * (slots + 1)];
-        let (per_bucket, rest) = counts.split_at_mut(slots + 1);
-        let (start, fill) = rest.split_at_mut(slots + 1);
+        let request_slots = self.sort_requests(marks, requests, plan);
+        let counts = self.sort_tokens(request_slots, requests.num_tokens, total, plan);
+        self.fill_segments(&counts, plan);
+        self.fill_slot_tables(marks, plan);
+    }
+
+    /// The admitted, deferred (with reasons) and failed requests, in batch order, and the admitted
+    /// requests' slots (-1 for base), which it returns.
+    fn sort_requests(&self, marks: &[i32], requests: StepRequests<'_>, plan: &mut StepPlan) -> Vec<i32> {
+        let StepRequests { adapters, holds, .. } = requests;
         // Simple passes, each with few live values (pushing to several vectors in one loop spills
         // their lengths to memory and chains every request through it).
         let base_mark = marks.len() - 1;
@@ -633,17 +637,14 @@ impl Registry {
             request_slots[i as usize] = hold.mark();
         }
         let mut admitted: Vec<u32> = (0..adapters.len() as u32).collect();
-        let mut deferred = Vec::new();
-        let all_admitted = !request_slots.iter().any(|&slot| slot < -1);
-        if !all_admitted {
+        if request_slots.iter().any(|&slot| slot < -1) {
             for &i in &admitted {
                 let mark = request_slots[i as usize];
                 if is_deferred(mark) {
-                    deferred.push(i);
+                    plan.deferred.push(i);
                     // One that gave way and left the host tier too (its room went to an older
                     // request's fetch) now waits for the host tier.
-                    let left =
-                        adapters[i as usize].is_some_and(|k| self.get(k).residency.host_since.is_none());
+                    let left = adapters[i as usize].is_some_and(|k| self.get(k).tenancy.host_since.is_none());
                     let why =
                         if mark == DEFER_FAIRNESS && left { Deferral::HostRoom } else { deferral(mark) };
                     plan.reasons.push(why);
@@ -653,6 +654,25 @@ impl Registry {
             }
             admitted.retain(|&i| request_slots[i as usize] >= -1);
         }
+        plan.admitted = admitted;
+        request_slots
+    }
+
+    /// The admitted requests' slots and tokens' slots (`request_slots`, with the marks of the others
+    /// still in), and the token permutation sorted by slot; returns per bucket (each slot, then base)
+    /// its tokens, then where its run starts in the permutation, then where it ends.
+    fn sort_tokens(
+        &self,
+        mut request_slots: Vec<i32>,
+        num_tokens: &[u32],
+        total: usize,
+        plan: &mut StepPlan,
+    ) -> Vec<i32> {
+        let slots = self.config.slots;
+        // Buckets: one per slot, then one for base-model tokens, so the per-request and per-token
+        // loops index instead of branching on -1 (base rows are mixed in unpredictably).
+        let bucket = |slot: i32| (slot as u32 as usize).min(slots);
+        let all_admitted = plan.admitted.len() == request_slots.len();
         let mut token_slots = Vec::with_capacity(total);
         // One token per request (a decode step): the token slots are the admitted requests' slots.
         let single = num_tokens.iter().all(|&n| n == 1);
@@ -669,6 +689,11 @@ impl Registry {
         if single {
             token_slots.extend_from_slice(&request_slots);
         }
+        // Per bucket: its tokens, then where its run starts in `token_perm`, then the next free
+        // place in that run (one allocation for the three).
+        let mut counts = vec![0i32; 3 * (slots + 1)];
+        let (per_bucket, rest) = counts.split_at_mut(slots + 1);
+        let (start, fill) = rest.split_at_mut(slots + 1);
         // Four interleaved counters per bucket, so runs of one slot do not chain every increment
         // through one memory cell.
         let mut lanes = vec![[0i32; 4]; slots + 1];
@@ -692,12 +717,17 @@ impl Registry {
             fill[b] += 1;
         }
         token_perm.truncate(start[slots] as usize);
-        plan.admitted = admitted;
-        plan.deferred = deferred;
         plan.request_slots = request_slots;
         plan.token_slots = token_slots;
         plan.token_perm = token_perm;
-        let (per_slot, start) = (&per_bucket[..slots], &start[..slots]);
+        counts
+    }
+
+    /// The kernels' segments: each slot's run of the permutation (`counts` from [`Self::sort_tokens`]),
+    /// cut into chunks of at most `chunk_size` tokens.
+    fn fill_segments(&self, counts: &[i32], plan: &mut StepPlan) {
+        let slots = self.config.slots;
+        let (per_slot, start) = (&counts[..slots], &counts[slots + 1..2 * slots + 1]);
         let chunk = self.config.chunk_size.map_or(i32::MAX, |c| c.min(i32::MAX as usize) as i32);
         let segments = per_slot.iter().filter(|&&c| c > 0).count();
         plan.seg_indptr.reserve_exact(segments + 1);
@@ -711,6 +741,11 @@ impl Registry {
                 plan.seg_slots.push(s as i32);
             }
         }
+    }
+
+    /// Per slot its adapter's rank and scaling and its generation, and the slots the step uses.
+    fn fill_slot_tables(&self, marks: &[i32], plan: &mut StepPlan) {
+        let slots = self.config.slots;
         plan.slot_ranks.reserve_exact(slots);
         plan.slot_scalings.reserve_exact(slots);
         plan.slot_generations.reserve_exact(slots);
@@ -725,6 +760,58 @@ impl Registry {
         }
         plan.slots_used = self.step.iter().map(|&k| marks[k.index()] as u32).collect();
         plan.slots_used.sort_unstable();
+    }
+}
+
+/// The slot budget of one step: at most `slots - pinned` distinct unpinned adapters, pinned ones
+/// always fitting. The rule's one statement: admission, `split`, `overflow` and `host_misses` count
+/// with it, in batch order.
+pub(super) struct SlotBudget {
+    limit: usize,
+    used: usize,
+    /// The distinct unpinned adapters counted, for [`SlotBudget::admits`].
+    counted: Vec<AdapterKey>,
+}
+
+impl SlotBudget {
+    /// Whether a request for `key` (`pinned` or not) fits with the requests counted before it;
+    /// counts `key` when it is a new unpinned adapter that fits.
+    pub(super) fn admits(&mut self, key: AdapterKey, pinned: bool) -> bool {
+        if pinned || self.counted.contains(&key) {
+            return true;
+        }
+        let fits = self.take(false);
+        if fits {
+            self.counted.push(key);
+        }
+        fits
+    }
+
+    /// [`SlotBudget::admits`] for a caller that sees each adapter once (admission, through its marks):
+    /// whether one more adapter fits, counting it.
+    pub(super) fn take(&mut self, pinned: bool) -> bool {
+        if pinned {
+            return true;
+        }
+        let fits = self.used < self.limit;
+        self.used += usize::from(fits);
+        fits
+    }
+
+    /// Starts counting afresh (the next group of a split).
+    pub(super) fn restart(&mut self) {
+        self.used = 0;
+        self.counted.clear();
+    }
+
+    /// The distinct unpinned adapters one step may use.
+    pub(super) fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// The distinct unpinned adapters counted so far.
+    pub(super) fn used(&self) -> usize {
+        self.used
     }
 }
 

@@ -224,7 +224,7 @@ fn check_plan(
             Some(n) => {
                 let a = reg.get(reg.lookup(&format!("n{n}"), true).unwrap());
                 assert_eq!(
-                    a.residency.slot.map(|s| s as i32),
+                    a.tenancy.slot.map(|s| s as i32),
                     Some(slot),
                     "admitted request {i} has its adapter's slot"
                 );
@@ -255,7 +255,7 @@ fn residency(reg: &Registry) -> HashMap<String, (bool, Option<u32>)> {
     reg.adapters
         .iter()
         .flatten()
-        .map(|a| (a.identity.spec.lora_name.clone(), (a.residency.host_since.is_some(), a.residency.slot)))
+        .map(|a| (a.identity.spec.lora_name.clone(), (a.tenancy.host_since.is_some(), a.tenancy.slot)))
         .collect()
 }
 
@@ -269,7 +269,7 @@ fn check_fetches(
 ) -> Result<(), TestCaseError> {
     for f in &p.to_fetch {
         let a = reg.get(reg.lookup(&f.name, false).unwrap());
-        prop_assert!(a.residency.fetching && a.identity.serial == f.serial);
+        prop_assert!(a.tenancy.fetching && a.identity.serial == f.serial);
         prop_assert!(p.to_fetch.iter().filter(|g| g.name == f.name).count() == 1, "fetched twice");
         // An earlier fetch of it, if still recorded, was cancelled or taken over since (starting a
         // fetch of an adapter being fetched is a debug assertion in `start_fetch`).
@@ -445,7 +445,7 @@ proptest! {
                 Op::FetchReport(n, ok) => {
                     let Some(serial) = fetches.remove(&name(*n)) else { continue };
                     let live = reg.lookup(&name(*n), true).ok().map(|k| reg.get(k)).filter(|a| a.identity.serial == serial);
-                    let fetching = live.is_some_and(|a| a.residency.fetching);
+                    let fetching = live.is_some_and(|a| a.tenancy.fetching);
                     let live = live.is_some();
                     let places = residency(&reg);
                     let got = if *ok { reg.fetch_done(&name(*n), serial) } else { reg.fetch_failed(&name(*n), serial).map(|()| Vec::new()) };
@@ -480,7 +480,7 @@ proptest! {
             if reg.host.counters.evictions + reg.device.counters.evictions > evictions_before {
                 for n in &fresh {
                     if let Ok(k) = reg.lookup(n, true) {
-                        prop_assert!(reg.get(k).residency.host_since.is_some(), "fresh {n} was evicted by {op:?}");
+                        prop_assert!(reg.get(k).tenancy.host_since.is_some(), "fresh {n} was evicted by {op:?}");
                     }
                 }
             }
@@ -499,10 +499,10 @@ proptest! {
             resident_pinned.retain(|n| reg.lookup(n, false).is_ok_and(|k| reg.get(k).protection.pinned));
             for n in &resident_pinned {
                 let a = reg.get(reg.lookup(n, false).unwrap());
-                prop_assert!(a.residency.slot.is_some() && a.residency.host_since.is_some(), "pinned {n} was evicted by {op:?}");
+                prop_assert!(a.tenancy.slot.is_some() && a.tenancy.host_since.is_some(), "pinned {n} was evicted by {op:?}");
             }
             for a in reg.adapters.iter().flatten() {
-                if a.protection.pinned && a.residency.slot.is_some() && a.protection.loading.is_none() {
+                if a.protection.pinned && a.tenancy.slot.is_some() && a.protection.loading.is_none() {
                     resident_pinned.insert(a.identity.spec.lora_name.clone());
                 }
             }

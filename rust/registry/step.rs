@@ -127,7 +127,7 @@ impl Registry {
             check_step_size(adapters.len(), num_tokens)?;
             let mut plan = StepPlan::default();
             let keys: Vec<AdapterKey> = adapters.iter().flatten().copied().collect();
-            let outside = keys.iter().any(|&k| self.get(k).residency.host_since.is_none());
+            let outside = keys.iter().any(|&k| self.get(k).tenancy.host_since.is_none());
             if outside {
                 let mut skipped = Vec::new();
                 self.fetch_in_order(&keys, true, &mut plan.to_fetch, &mut skipped);
@@ -272,18 +272,14 @@ impl Registry {
     /// nothing. A caller that reads them first ([`Registry::enter_host_tier`]) keeps disk reads, and
     /// the evictions that make room for them, out of the step: a read that fails then changes nothing.
     pub fn host_misses(&self, adapters: &[Option<AdapterKey>]) -> Vec<Arc<str>> {
-        let budget = self.config.slots - self.pinned;
-        let mut unpinned: Vec<AdapterKey> = Vec::new();
+        let mut budget = self.slot_budget();
         let mut misses: Vec<Arc<str>> = Vec::new();
-        for key in adapters.iter().flatten() {
-            let a = self.get(*key);
-            if !a.protection.pinned && !unpinned.contains(key) {
-                if unpinned.len() == budget {
-                    continue;
-                }
-                unpinned.push(*key);
+        for &key in adapters.iter().flatten() {
+            let a = self.get(key);
+            if !budget.admits(key, a.protection.pinned) {
+                continue;
             }
-            if a.residency.host_since.is_none() && !misses.contains(&a.identity.name) {
+            if a.tenancy.host_since.is_none() && !misses.contains(&a.identity.name) {
                 misses.push(Arc::clone(&a.identity.name));
             }
         }
@@ -306,10 +302,10 @@ impl Registry {
             });
         }
         let bytes = self.get(key).identity.size.host_bytes;
-        if self.get(key).residency.host_since.is_some() {
+        if self.get(key).tenancy.host_since.is_some() {
             return Ok(Vec::new());
         }
-        let fetching = self.get(key).residency.fetching;
+        let fetching = self.get(key).tenancy.fetching;
         // The caller's own read takes over the fetch's reservation (its report will be refused).
         let possible = if fetching { self.fetch_fits(key) } else { self.host.room_possible(bytes) };
         if !possible {
@@ -397,18 +393,16 @@ impl Registry {
     /// Cuts a batch into groups of request indices, in order, each of which fits the device slots
     /// at once: at most `slots - pinned` distinct unpinned adapters a group (pinned ones always fit).
     pub fn split(&self, adapters: &[Option<AdapterKey>]) -> Vec<Vec<u32>> {
-        let budget = self.config.slots - self.pinned;
+        let mut budget = self.slot_budget();
         let mut groups = Vec::new();
         let mut current = Vec::new();
-        let mut distinct: Vec<AdapterKey> = Vec::new();
         for (i, request) in adapters.iter().enumerate() {
             if let Some(key) = *request {
-                if !self.get(key).protection.pinned && !distinct.contains(&key) {
-                    if distinct.len() == budget {
-                        groups.push(std::mem::take(&mut current));
-                        distinct.clear();
-                    }
-                    distinct.push(key);
+                let pinned = self.get(key).protection.pinned;
+                if !budget.admits(key, pinned) {
+                    groups.push(std::mem::take(&mut current));
+                    budget.restart();
+                    budget.admits(key, pinned);
                 }
             }
             current.push(i as u32);
@@ -422,19 +416,22 @@ impl Registry {
     /// Why a batch cannot run in one step (more distinct unpinned adapters than the slots left
     /// by the pinned ones), with the numbers; `None` when it fits.
     pub fn overflow(&self, adapters: &[Option<AdapterKey>]) -> Option<String> {
-        let mut distinct: Vec<AdapterKey> =
-            adapters.iter().flatten().copied().filter(|&k| !self.get(k).protection.pinned).collect();
-        distinct.sort_unstable();
-        distinct.dedup();
-        let budget = self.config.slots - self.pinned;
-        (distinct.len() > budget).then(|| {
+        let mut budget = self.slot_budget();
+        let mut over: Vec<AdapterKey> = Vec::new();
+        for &key in adapters.iter().flatten() {
+            if !budget.admits(key, self.get(key).protection.pinned) && !over.contains(&key) {
+                over.push(key);
+            }
+        }
+        (!over.is_empty()).then(|| {
             format!(
                 "a batch of {} sequences uses {} distinct unpinned adapters but {} slots minus {} pinned \
-                 leave room for {budget}; use LoRAManager.split(names) to cut it into batches that fit",
+                 leave room for {}; use LoRAManager.split(names) to cut it into batches that fit",
                 adapters.len(),
-                distinct.len(),
+                budget.used() + over.len(),
                 self.config.slots,
-                self.pinned
+                self.pinned,
+                budget.limit()
             )
         })
     }
@@ -510,10 +507,10 @@ impl Registry {
 
     fn fail_load(&mut self, key: AdapterKey) {
         let source = self.get_mut(key).protection.loading.take();
-        if self.get(key).residency.slot.is_some() {
+        if self.get(key).tenancy.slot.is_some() {
             self.free_slot(key);
         }
-        if source == Some(super::LoadSource::Disk) && self.get(key).residency.host_since.is_some() {
+        if source == Some(super::LoadSource::Disk) && self.get(key).tenancy.host_since.is_some() {
             self.leave_host(key);
         }
         self.refresh(key);

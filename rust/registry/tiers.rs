@@ -1,6 +1,6 @@
 //! The two tiers' own bookkeeping: the host ledger (counts and bytes of host memory, bounded by
 //! count and bytes) and the device slot table, each with its eviction candidates. They know keys,
-//! not adapters: moving adapters between them is `residency`'s job.
+//! not adapters: moving adapters between them is `moves`'s job.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;

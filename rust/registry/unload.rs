@@ -78,7 +78,7 @@ impl Registry {
         self.drop_pin(key);
         // A read in flight is cancelled at once, whatever the requests still in flight: the
         // reservation is released now, and the reader's report is refused (it drops the bytes).
-        if self.get(key).residency.fetching {
+        if self.get(key).tenancy.fetching {
             self.end_fetch(key, false, &mut Vec::new());
         }
         Ok(self.finish_unload(key))
@@ -108,10 +108,10 @@ impl Registry {
     }
 
     fn forget(&mut self, key: AdapterKey) {
-        if self.get(key).residency.slot.is_some() {
+        if self.get(key).tenancy.slot.is_some() {
             self.free_slot(key);
         }
-        if self.get(key).residency.host_since.is_some() {
+        if self.get(key).tenancy.host_since.is_some() {
             self.leave_host(key);
         }
         let a = self.get_mut(key);
@@ -122,7 +122,7 @@ impl Registry {
         self.step.retain(|&k| k != key);
         self.fresh.retain(|&k| k != key);
         let a = self.adapters[key.index()].take().expect("a live adapter key");
-        self.overdue -= usize::from(a.residency.deferred_plans >= OVERDUE_AFTER);
+        self.overdue -= usize::from(a.tenancy.deferred_plans >= OVERDUE_AFTER);
         self.bytes_registered.0 -= a.identity.size.host_bytes;
         self.bytes_registered.1 -= a.identity.size.device_bytes;
         self.names_epoch += 1;

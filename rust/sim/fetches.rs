@@ -95,7 +95,7 @@ impl Fetches {
         for &d in &plan.deferred {
             let i = batch[d as usize] as usize;
             let Some(a) = requests[i].adapter else { continue };
-            if self.since[i].is_none() && reg.get(keys[a as usize]).residency.host_since.is_none() {
+            if self.since[i].is_none() && reg.get(keys[a as usize]).tenancy.host_since.is_none() {
                 self.since[i] = Some((clock, steps));
             }
         }

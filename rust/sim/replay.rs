@@ -173,7 +173,7 @@ pub fn simulate_until<B>(
     let (mut reg, keys) = setup(trace, config)?;
     let pinned: Vec<bool> = keys.iter().map(|&k| reg.get(k).protection.pinned).collect();
     let host_initial: Vec<u32> = (0..keys.len())
-        .filter(|&i| reg.get(keys[i]).residency.host_since.is_some())
+        .filter(|&i| reg.get(keys[i]).tenancy.host_since.is_some())
         .map(|i| i as u32)
         .collect();
     let start = reg.stats();

@@ -154,7 +154,7 @@ pub fn simulate_replicas(
                     for (i, s) in stats.iter_mut().enumerate() {
                         s.queue = queues[i].len();
                         s.holding = adapter.map_or(Holding::Absent, |a| {
-                            let res = &regs[i].get(keys[a]).residency;
+                            let res = &regs[i].get(keys[a]).tenancy;
                             if res.slot.is_some() {
                                 Holding::Device
                             } else if res.fetching {

@@ -32,28 +32,18 @@ TARGETS = ["q_proj", "v_proj"]
 IDS = torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(5))
 
 
-@pytest.fixture(scope="module")
-def world(
-    tiny_llama: torch.nn.Module, make_adapters: Any, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Any, dict[str, Path]]:
-    """The session's tiny Llama (copied per manager) and adapters a-d of rank 4."""
-    root = tmp_path_factory.mktemp("adapters")
-    specs = {n: dict(r=4, lora_alpha=8, target_modules=TARGETS, seed=i + 1) for i, n in enumerate("abcd")}
-    return tiny_llama, make_adapters(root, specs)
-
-
-def manager(world: Any, **kwargs: Any) -> tuple[LoRAManager, Any]:
-    base, _ = world
+def manager(qv_world: Any, **kwargs: Any) -> tuple[LoRAManager, Any]:
+    base, _ = qv_world
     model = copy.deepcopy(base)
     kwargs.setdefault("max_lora_rank", 4)
     kwargs.setdefault("lora_target_modules", TARGETS)
     return LoRAManager(model, **kwargs), model
 
 
-def evicted_world(world: Any, **kwargs: Any) -> LoRAManager:
+def evicted_world(qv_world: Any, **kwargs: Any) -> LoRAManager:
     """A manager whose host tier (two places) holds b and c, both in device slots: a was evicted."""
-    _, paths = world
-    mgr, _ = manager(world, max_loras_per_batch=2, max_loaded_loras=2, **kwargs)
+    _, paths = qv_world
+    mgr, _ = manager(qv_world, max_loras_per_batch=2, max_loaded_loras=2, **kwargs)
     for name in "abc":
         mgr.load(name, paths[name])
     mgr.finish(mgr.prepare_step(["b", "c"], 1))
@@ -104,12 +94,12 @@ def wait_until(condition: Any, timeout: float = 20.0) -> None:
 # ---- item 3: a failed read evicts no one ------------------------------------------------------------
 
 
-def test_a_failed_background_read_evicts_no_other_adapter(world: Any, tmp_path: Path) -> None:
+def test_a_failed_background_read_evicts_no_other_adapter(qv_world: Any, tmp_path: Path) -> None:
     """a's files broke after it left host memory; its background read fails. b and c, which the host
     tier would have evicted to make room for it, stay in both tiers: room is made only once a read has
     succeeded."""
-    _, paths = world
-    mgr, _ = manager(world, max_loras_per_batch=2, max_loaded_loras=2)
+    _, paths = qv_world
+    mgr, _ = manager(qv_world, max_loras_per_batch=2, max_loaded_loras=2)
     shutil.copytree(paths["a"], tmp_path / "a")
     mgr.load("a", tmp_path / "a")
     for name in "bc":
@@ -129,9 +119,9 @@ def test_a_failed_background_read_evicts_no_other_adapter(world: Any, tmp_path: 
     mgr.registry.audit()
 
 
-def test_a_read_that_succeeds_makes_its_room_when_it_is_installed(world: Any) -> None:
+def test_a_read_that_succeeds_makes_its_room_when_it_is_installed(qv_world: Any) -> None:
     """The counterpart: a's read succeeds, and the least recently used adapter leaves for it then."""
-    mgr = evicted_world(world)
+    mgr = evicted_world(qv_world)
     step(mgr, ["c"])
     assert step(mgr, ["a"]).loading == (0,)
     assert places(mgr) == (["b", "c"], ["b", "c"])
@@ -145,12 +135,12 @@ def test_a_read_that_succeeds_makes_its_room_when_it_is_installed(world: Any) ->
 # ---- item 5: every registered adapter fits beside the pinned ones -------------------------------------
 
 
-def test_a_pin_that_would_leave_an_adapter_no_host_room_is_refused(world: Any) -> None:
+def test_a_pin_that_would_leave_an_adapter_no_host_room_is_refused(qv_world: Any) -> None:
     """Host memory for two and a half adapters: with b and c pinned, a could never enter it again and
     its requests would wait for ever, so pinning c is refused with the numbers, and a is served."""
-    _, paths = world
-    nbytes = manager(world, lora_paths=[f"a={paths['a']}"])[0].host["a"].nbytes
-    mgr, _ = manager(world, max_loras_per_batch=3, max_host_bytes=nbytes * 5 // 2)
+    _, paths = qv_world
+    nbytes = manager(qv_world, lora_paths=[f"a={paths['a']}"])[0].host["a"].nbytes
+    mgr, _ = manager(qv_world, max_loras_per_batch=3, max_host_bytes=nbytes * 5 // 2)
     for name in "abc":
         mgr.load(name, paths[name])  # c evicts a
     mgr.pin("b")
@@ -171,12 +161,12 @@ def test_a_pin_that_would_leave_an_adapter_no_host_room_is_refused(world: Any) -
 # ---- item 2: deadlines ------------------------------------------------------------------------------
 
 
-def test_a_hung_read_fails_its_requests_at_the_deadline_and_gives_its_place_back(world: Any) -> None:
+def test_a_hung_read_fails_its_requests_at_the_deadline_and_gives_its_place_back(qv_world: Any) -> None:
     """One loader thread, a's read hangs: past ``load_timeout`` a's requests fail naming the adapter,
     its path and the deadline; its host reservation is released; a replacement thread reads d; a later
     request for a reads it again; the hung read's late result is discarded, never installed."""
-    _, paths = world
-    mgr = evicted_world(world, load_workers=1, load_timeout=0.5)
+    _, paths = qv_world
+    mgr = evicted_world(qv_world, load_workers=1, load_timeout=0.5)
     mgr.load("d", paths["d"])  # evicts b
     with hung_reads("a") as release:
         assert step(mgr, ["a"]).loading == (0,)
@@ -205,24 +195,24 @@ def test_a_hung_read_fails_its_requests_at_the_deadline_and_gives_its_place_back
     mgr.registry.audit()
 
 
-def test_unloading_an_adapter_whose_read_hangs_frees_its_worker(world: Any) -> None:
+def test_unloading_an_adapter_whose_read_hangs_frees_its_worker(qv_world: Any) -> None:
     """With one loader thread stuck in a's read, unloading a returns at once and later reads run."""
-    mgr = evicted_world(world, load_workers=1)
+    mgr = evicted_world(qv_world, load_workers=1)
     with hung_reads("a"):
         assert step(mgr, ["a"]).loading == (0,)
         wait_until(lambda: mgr.stats()["loads_in_flight"] == 1)
         mgr.unload("a", timeout=5)
-        mgr.load("d", world[1]["d"])  # evicts b
+        mgr.load("d", qv_world[1]["d"])  # evicts b
         assert step(mgr, ["b"]).loading == (0,)
         assert mgr.wait_loads(timeout=20), "no thread left to read b"
         assert step(mgr, ["b"]).admitted == (0,)
     mgr.registry.audit()
 
 
-def test_batch_returns_at_the_deadline_and_detach_works(world: Any) -> None:
+def test_batch_returns_at_the_deadline_and_detach_works(qv_world: Any) -> None:
     """``batch()`` over an adapter whose read hangs raises at the deadline instead of blocking for
     ever, and the manager can then be detached."""
-    mgr = evicted_world(world, load_timeout=0.5)
+    mgr = evicted_world(qv_world, load_timeout=0.5)
     with hung_reads("a"):
         started = time.monotonic()
         with pytest.raises(AdapterLoadError, match=r"load_timeout=0\.5"), mgr.batch(["a"]):
@@ -232,15 +222,15 @@ def test_batch_returns_at_the_deadline_and_detach_works(world: Any) -> None:
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan"), True, "5"])
-def test_bad_load_timeouts_are_refused(world: Any, timeout: Any) -> None:
+def test_bad_load_timeouts_are_refused(qv_world: Any, timeout: Any) -> None:
     with pytest.raises(SpecError, match="load_timeout must be a finite number of seconds above 0"):
-        manager(world, load_timeout=timeout)
+        manager(qv_world, load_timeout=timeout)
 
 
-def test_the_interpreter_exits_while_a_read_hangs(world: Any, tmp_path: Path) -> None:
+def test_the_interpreter_exits_while_a_read_hangs(qv_world: Any, tmp_path: Path) -> None:
     """A read blocked in the kernel (opening a FIFO no one writes to) fails at the deadline, and the
     process still exits: no loader thread is one the interpreter joins at exit."""
-    _, paths = world
+    _, paths = qv_world
     fifo = tmp_path / "hang"
     os.mkfifo(fifo)
     script = textwrap.dedent(
@@ -284,10 +274,10 @@ def test_the_interpreter_exits_while_a_read_hangs(world: Any, tmp_path: Path) ->
 # ---- item 13: waiting for the next read ---------------------------------------------------------------
 
 
-def test_wait_for_read_returns_when_a_read_ends(world: Any) -> None:
+def test_wait_for_read_returns_when_a_read_ends(qv_world: Any) -> None:
     """A loop whose requests all wait for a read waits for it instead of spinning: ``wait_for_read``
     blocks while the read runs, returns once it ends, and at once when no read is in flight."""
-    mgr = evicted_world(world)
+    mgr = evicted_world(qv_world)
     assert mgr.wait_for_read(timeout=0)
     with hung_reads("a") as release:
         got = step(mgr, ["a"])

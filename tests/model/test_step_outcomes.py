@@ -5,7 +5,6 @@ adapters wait for host room instead of failing."""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,36 +16,26 @@ TARGETS = ["q_proj", "v_proj"]
 IDS = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(5))
 
 
-@pytest.fixture(scope="module")
-def world(
-    tiny_llama: torch.nn.Module, make_adapters: Any, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[torch.nn.Module, dict[str, Path]]:
-    """The session's tiny Llama (copied per manager) and adapters a-e of rank 4, in one folder."""
-    root = tmp_path_factory.mktemp("outcomes")
-    specs = {n: dict(r=4, lora_alpha=8, target_modules=TARGETS, seed=i + 1) for i, n in enumerate("abcde")}
-    return tiny_llama, make_adapters(root, specs)
-
-
-def manager(world: Any, **kwargs: Any) -> tuple[LoRAManager, torch.nn.Module]:
-    base, _ = world
+def manager(qv_world: Any, **kwargs: Any) -> tuple[LoRAManager, torch.nn.Module]:
+    base, _ = qv_world
     model = copy.deepcopy(base)
     kwargs.setdefault("max_lora_rank", 4)
     kwargs.setdefault("lora_target_modules", TARGETS)
     return LoRAManager(model, **kwargs), model
 
 
-def logits_of(world: Any, name: str) -> torch.Tensor:
+def logits_of(qv_world: Any, name: str) -> torch.Tensor:
     """``name``'s logits on ``IDS`` from a manager of its own (the per-sequence path)."""
-    _, paths = world
-    mgr, model = manager(world, lora_paths=[f"{name}={paths[name]}"], loading="blocking")
+    _, paths = qv_world
+    mgr, model = manager(qv_world, lora_paths=[f"{name}={paths[name]}"], loading="blocking")
     with torch.no_grad(), mgr.batch([name]):
         return model(IDS).logits
 
 
 @pytest.mark.parametrize("loading", ["background", "blocking"])
-def test_requests_of_an_unloaded_adapter_fail_and_the_rest_run(world: Any, loading: str) -> None:
-    _, paths = world
-    mgr, model = manager(world, lora_paths=[f"a={paths['a']}", f"b={paths['b']}"], loading=loading)
+def test_requests_of_an_unloaded_adapter_fail_and_the_rest_run(qv_world: Any, loading: str) -> None:
+    _, paths = qv_world
+    mgr, model = manager(qv_world, lora_paths=[f"a={paths['a']}", f"b={paths['b']}"], loading=loading)
     mgr.unload("b")  # its requests are still in the scheduler's queue
     step = mgr.prepare_step(["b", "a", "b"], [5, 5, 5])
     try:
@@ -58,14 +47,14 @@ def test_requests_of_an_unloaded_adapter_fail_and_the_rest_run(world: Any, loadi
     assert sorted(step.failed) == [0, 2]
     for error in step.failed.values():
         assert isinstance(error, AdapterNotFoundError) and "unloaded" in str(error)
-    torch.testing.assert_close(out, logits_of(world, "a"))
+    torch.testing.assert_close(out, logits_of(qv_world, "a"))
     with pytest.raises(AdapterNotFoundError), mgr.batch(["a", "b"]):
         pass  # a batch runs whole
 
 
-def test_each_deferred_request_says_why(world: Any) -> None:
-    _, paths = world
-    mgr, _ = manager(world, lora_paths=[f"{n}={paths[n]}" for n in "abc"], max_loras_per_batch=2)
+def test_each_deferred_request_says_why(qv_world: Any) -> None:
+    _, paths = qv_world
+    mgr, _ = manager(qv_world, lora_paths=[f"{n}={paths[n]}" for n in "abc"], max_loras_per_batch=2)
     mgr.load("d", paths["d"])
     mgr.registry.unload("d")  # the manager's tensors stay; only the core forgets it
     step = mgr.prepare_step(["a", "b", "c", None], 1)
@@ -74,16 +63,16 @@ def test_each_deferred_request_says_why(world: Any) -> None:
     assert step.reasons == ("device_room",) and step.loading == ()
 
 
-def test_an_adapter_dir_adapter_waits_for_host_room(world: Any) -> None:
+def test_an_adapter_dir_adapter_waits_for_host_room(qv_world: Any) -> None:
     """A discovery read while the host tier is full of pinned adapters waits for room (its requests are
     deferred as loading) and is served once a pin goes, instead of failing its requests."""
-    _, paths = world
+    _, paths = qv_world
     root = paths["a"].parent
     items = [f"{n}={paths[n]}" for n in "abc"]
-    probe, _ = manager(world, lora_paths=items)
+    probe, _ = manager(qv_world, lora_paths=items)
     full = probe.stats()["host_bytes"]  # a, b and c fill the host tier; e is as large as each
     mgr, model = manager(
-        world, lora_paths=items, max_loras_per_batch=4, max_host_bytes=full, adapter_dir=root
+        qv_world, lora_paths=items, max_loras_per_batch=4, max_host_bytes=full, adapter_dir=root
     )
     for name in "abc":
         mgr.pin(name)
@@ -105,4 +94,4 @@ def test_an_adapter_dir_adapter_waits_for_host_room(world: Any) -> None:
     finally:
         mgr.finish(step)
     assert step.admitted == (0,)
-    torch.testing.assert_close(out, logits_of(world, "e"))
+    torch.testing.assert_close(out, logits_of(qv_world, "e"))

@@ -92,7 +92,7 @@ def _refused(mgr: LoRAManager, tp: TensorParallel, paths: dict[int, Path], repla
 
 
 def _check(root: Path, tp: TensorParallel) -> None:
-    from lora_pin.parallel.tiny import shard_llama
+    from lora_pin.parallel_fixtures import shard_llama
 
     want = torch.load(root / "want.pt")
     model = shard_llama(_load(root), tp)

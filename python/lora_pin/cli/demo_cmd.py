@@ -196,7 +196,7 @@ def _serve(args: argparse.Namespace, model_dir: Path, items: list[str], tp: Any)
     except (OSError, ValueError) as e:
         raise SpecError(f"--model: cannot load a causal LM from {str(model_dir)!r}: {e}") from e
     if tp is not None:
-        from lora_pin.parallel.tiny import shard_llama
+        from lora_pin.parallel_fixtures import shard_llama
 
         model = shard_llama(model, tp)
     manager = LoRAManager(

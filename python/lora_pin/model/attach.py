@@ -11,6 +11,7 @@ import torch
 from lora_pin.errors import SpecError
 from lora_pin.model.experts import ExpertLayout, LoRAExperts, expert_layout
 from lora_pin.model.layers import LoRAEmbedding, LoRALinear, StepSegments
+from lora_pin.model.parallel_layers import wrap_parallel
 from lora_pin.weights import FUSED_GROUPS, DevicePool, GroupBuffers, LinearTarget, LoRATargets
 from lora_pin.weights.config import layer_index
 from lora_pin.weights.targets import (
@@ -22,8 +23,7 @@ from lora_pin.weights.targets import (
 )
 
 if TYPE_CHECKING:
-    from lora_pin.parallel.layers import CollectiveLog
-    from lora_pin.parallel.sharding import ShardPlan
+    from lora_pin.parallel import CollectiveLog, ShardPlan
 
 __all__ = ["attach", "base_weights", "detach", "model_targets"]
 
@@ -265,7 +265,7 @@ def attach(
     """Wrap the module of every target group (``module_of``: group key -> module key, from
     :func:`model_targets`) with a :class:`LoRALinear` (a :class:`LoRAEmbedding` for an embedding, one
     :class:`~lora_pin.model.experts.LoRAExperts` for all the served weights of an experts module, a
-    :class:`~lora_pin.parallel.layers.ParallelLoRALinear` for a layer ``shards`` cuts); returns the
+    :class:`~lora_pin.model.parallel_layers.ParallelLoRALinear` for a layer ``shards`` cuts); returns the
     originals by module key."""
     originals: dict[str, torch.nn.Module] = {}
     experts: dict[str, dict[str, GroupBuffers]] = {}
@@ -278,11 +278,7 @@ def attach(
         original = model.get_submodule(key)
         kind = linear_kind(original)
         returns_bias = kind is not None and kind.returns_bias
-        parallel = None
-        if shards is not None:
-            from lora_pin.parallel.api import wrap_parallel
-
-            parallel = wrap_parallel(original, buffers, active_step, shards, log)
+        parallel = None if shards is None else wrap_parallel(original, buffers, active_step, shards, log)
         if parallel is not None:
             _set(model, key, parallel)
         elif group.members[0].embedding:

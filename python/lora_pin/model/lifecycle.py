@@ -24,21 +24,18 @@ refuse the load, naming the ranks (:func:`lora_pin.parallel.identity.agree_ident
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from lora_pin._core import LoRARef, LoRARegistry
 from lora_pin.errors import DuplicateAdapterError
 from lora_pin.model.residency import Residency
+from lora_pin.parallel import Collective, SingleProcess
 from lora_pin.weights.host import HostAdapter
 from lora_pin.weights.tensors import WHERE, AdapterTensors, adapter_tensors
-
-if TYPE_CHECKING:
-    from lora_pin.parallel import TensorParallel
-    from lora_pin.parallel.layers import CollectiveLog
 
 __all__ = ["TIERS", "AdapterIdentity", "AdapterPlacement", "Lifecycle", "Placement"]
 
@@ -128,17 +125,14 @@ class Lifecycle:
 
     Args:
         residency: the manager's tensors and the registry they follow.
-        tp: this rank's place in a tensor-parallel group; loads are then collective.
-        log: where the agreements are counted.
+        collective: how loads agree over the processes serving the model (collective over
+            tensor-parallel ranks).
     """
 
-    def __init__(
-        self, residency: Residency, tp: TensorParallel | None = None, log: CollectiveLog | None = None
-    ) -> None:
+    def __init__(self, residency: Residency, collective: Collective | None = None) -> None:
         self.residency = residency
         self.registry: LoRARegistry = residency.registry
-        self.tp = tp
-        self._log = log
+        self.collective = SingleProcess() if collective is None else collective
 
     def load(
         self,
@@ -175,10 +169,9 @@ class Lifecycle:
                 )
             return self.residency.read_new(name, where, None, held), held
 
-        if self.tp is None:
-            (adapter, held), token = read(), None
-        else:
-            (adapter, held), token = self._read_agreed(name, read)
+        what = f"load of adapter {name!r}"
+        (adapter, held), token = self.collective.agreed(what, read)
+        self.collective.agree_identity(what, adapter.digest, adapter.whole_nbytes)
         if replace and name in self.registry:
             self.residency.replace(name, adapter, where, None, held)
             return self.registry.lora_ref(name)
@@ -189,21 +182,6 @@ class Lifecycle:
         )
         self.residency.add(ref, adapter=adapter, tensors=held)
         return ref
-
-    def _read_agreed(
-        self, name: str, read: Callable[[], tuple[HostAdapter, AdapterTensors | None]]
-    ) -> tuple[tuple[HostAdapter, AdapterTensors | None], str]:
-        """``read()`` on this rank, agreed with every rank on its outcome and then on the whole adapter's
-        identity; returns what was read and the id rank 0 drew."""
-        from lora_pin.parallel.collective import agreed
-        from lora_pin.parallel.identity import agree_identity
-
-        assert self.tp is not None
-        what = f"load of adapter {name!r}"
-        value, agreement = agreed(self.tp, what, read, self._log)
-        adapter = value[0]
-        agree_identity(self.tp, what, adapter.digest, adapter.whole_nbytes, self._log)
-        return value, agreement.token
 
     def identity(self, name: str) -> AdapterIdentity:
         """The identity of ``name`` (registered, or being unloaded).

@@ -13,8 +13,8 @@ With tensor parallelism every rank reads its own shards, and its reads end at ti
 every rank must install a read at the same step, or their registries (and so their plans) would part.
 The fetches begun are the same on every rank, in the same order (the registry's plans and prefetches are
 deterministic), so each install first agrees over the ranks on every fetch still open
-(:func:`~lora_pin.parallel.collective.agree_fetches`): one read on every rank is installed; one that
-failed on any rank fails on all (a rank whose own read succeeded drops its bytes); any other stays
+(:meth:`~lora_pin.parallel.TensorParallelGroup.agree_fetches`): one read on every rank is installed; one
+that failed on any rank fails on all (a rank whose own read succeeded drops its bytes); any other stays
 open. A rank's finished reads wait for that agreement.
 """
 
@@ -28,16 +28,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from lora_pin._core import LoRARef
 from lora_pin.errors import AdapterLoadError, CapacityError, DuplicateAdapterError, LoraPinError, SpecError
 from lora_pin.model.residency import Residency
+from lora_pin.parallel import Collective, TensorParallelGroup
+from lora_pin.parallel.collective import READ, RUNNING
 from lora_pin.weights.host import HostAdapter
-
-if TYPE_CHECKING:
-    from lora_pin.parallel import TensorParallel
-    from lora_pin.parallel.layers import CollectiveLog
 
 __all__ = [
     "DEFAULT_LOAD_TIMEOUT",
@@ -306,10 +303,10 @@ class BackgroundLoads:
         residency: the manager's tensors and the registry they follow.
         workers: loader threads.
         timeout: seconds a read may run before it is abandoned (its requests fail).
-        tp: this rank's place in a tensor-parallel group: installs agree over its ranks first (see the
-            module's doc); fetches then begin, and installs and unloads run, in the same order on every
-            rank, as every collective does. Discoveries are not available then.
-        log: where the agreements are counted.
+        collective: the manager's :class:`~lora_pin.parallel.Collective`. Over tensor-parallel ranks
+            installs agree over the ranks first (see the module's doc): fetches then begin, and installs
+            and unloads run, in the same order on every rank, as every collective does, and discoveries
+            are not available. On one process each read is installed as it ends.
 
     Thread safety: every method may be called from any thread; installs and error records change under
     ``residency.lock``.
@@ -320,13 +317,12 @@ class BackgroundLoads:
         residency: Residency,
         workers: int,
         timeout: float = DEFAULT_LOAD_TIMEOUT,
-        tp: TensorParallel | None = None,
-        log: CollectiveLog | None = None,
+        collective: Collective | None = None,
     ) -> None:
         self.residency = residency
         self.loader = BackgroundLoader(workers, timeout)
-        self.tp = tp
-        self._log = log
+        # Ranks' reads end apart, so their installs wait for an agreement that one process needs not.
+        self._group = collective if isinstance(collective, TensorParallelGroup) else None
         # With tp: the fetches begun and not agreed over yet, in the order they began (alike on every
         # rank), and this rank's finished reads of them, waiting for that agreement.
         self._open: dict[LoadJob, None] = {}
@@ -348,7 +344,7 @@ class BackgroundLoads:
         """Read each ``(name, serial)`` the core has begun fetching; returns the names whose reads began
         (with ``tp``: every name, alike on every rank, whose read began here or was under way already)."""
         read, path = self.residency.read_fetch, self.residency.source_path
-        if self.tp is not None:
+        if self._group is not None:
             names = []
             for name, serial in to_fetch:
                 job = LoadJob(name, serial)
@@ -381,8 +377,8 @@ class BackgroundLoads:
         With ``tp``: only the fetches finished on every rank, agreed in one collective (none when no fetch
         is open); must then be called by every rank at the same point.
         """
-        if self.tp is not None:
-            self._install_agreed()
+        if self._group is not None:
+            self._install_agreed(self._group)
             return
         with self.residency.lock:
             for done, _, _ in list(self._room_waits.values()):
@@ -463,21 +459,20 @@ class BackgroundLoads:
         return taken
 
     def forget(self, name: str) -> None:
-        """Drop what is pending for ``name`` (unloaded): its reads (one running is abandoned, its worker
-        replaced), what they read, its recorded failure."""
+        """Drop everything pending or held for ``name`` once the registry has forgotten it (an unload
+        finished): its reads (one running is abandoned, its worker replaced), what they read, its recorded
+        failure, and its tensors (:meth:`~lora_pin.model.residency.Residency.forget`)."""
         self.loader.cancel(name)
         with self.residency.lock:
             self._errors.pop(name, None)
             self._no_room = [done for done in self._no_room if done.job.name != name]
+        self.residency.forget(name)
 
     def close(self) -> None:
         """Stop the loader's threads once their running reads end; reads not started are dropped."""
         self.loader.close()
 
-    def _install_agreed(self) -> None:
-        from lora_pin.parallel.collective import READ, RUNNING, agree_fetches
-
-        assert self.tp is not None
+    def _install_agreed(self, group: TensorParallelGroup) -> None:
         registry = self.residency.registry
         with self.residency.lock:
             for done in self.loader.take():
@@ -506,7 +501,7 @@ class BackgroundLoads:
         if not jobs:
             return
         # Outside the lock: the loader's threads take it too, and other ranks may still be reading.
-        agreements = agree_fetches(self.tp, outcomes, self._log)
+        agreements = group.agree_fetches(outcomes)
         with self.residency.lock:
             for job, agreement in zip(jobs, agreements, strict=True):
                 if agreement is None:

@@ -12,20 +12,14 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from lora_pin._core import LoRARef, LoRARegistry, parse_lora_paths
+from lora_pin._core import LoRARef, LoRARegistry, _checked_names, parse_lora_paths
 from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, LoRAConfig, lora_config_from_args
-from lora_pin.errors import (
-    DuplicateAdapterError,
-    LoraPinError,
-    SpecError,
-    StalePlanError,
-    UsageError,
-)
-from lora_pin.model.adapter_dir import adapter_folders, checked_adapter_dir
+from lora_pin.errors import LoraPinError, SpecError, StalePlanError, UsageError
+from lora_pin.model.adapter_dir import checked_adapter_dir
 from lora_pin.model.attach import FusedSpec, attach, base_weights, detach, model_targets
 from lora_pin.model.layers import StepSegments
 from lora_pin.model.lifecycle import AdapterIdentity, Lifecycle, Placement
@@ -36,10 +30,12 @@ from lora_pin.model.loader import (
     checked_load_timeout,
     loading_mode,
 )
+from lora_pin.model.loading import BackgroundLoading, BlockingLoading, Discovery
 from lora_pin.model.residency import Residency
-from lora_pin.model.step import Step, checked_names, step_arrays
-from lora_pin.model.step_loading import StepLoading
+from lora_pin.model.step import Step, step_arrays
 from lora_pin.ops import CUDA_CHUNK_SIZE, segments_from_slots
+from lora_pin.parallel import TensorParallel
+from lora_pin.parallel.api import manager_shard_plan
 from lora_pin.unloading import unload_async
 from lora_pin.weights import (
     DEFAULT_MAX_FILE_BYTES,
@@ -48,19 +44,14 @@ from lora_pin.weights import (
     DevicePool,
     HostTier,
 )
+from lora_pin.weights.host import HostAdapter
 from lora_pin.weights.reader import read_contained_config
 from lora_pin.weights.targets import ModuleSelection
 
-if TYPE_CHECKING:
-    from lora_pin.parallel import TensorParallel
-
 __all__ = ["LOADING_MODES", "LoRAManager", "Step"]
 
-# The core's reasons for a deferred request whose adapter is not in host memory (Step.loading).
-_NOT_IN_HOST = frozenset({"loading", "host_room"})
 
-
-class LoRAManager(StepLoading):
+class LoRAManager:
     """Serves the adapters named by ``lora_paths`` over ``model``, ``max_loras_per_batch`` at a time.
 
     Args:
@@ -167,25 +158,10 @@ class LoRAManager(StepLoading):
             None if adapter_dir is None else checked_adapter_dir(adapter_dir, self._allowed_roots)
         )
         rank, modules = self._infer_shape(refs, max_lora_rank, lora_target_modules)
-        param = next(model.parameters())
-        self.model = model
-        self.dtype, self.device = param.dtype, param.device
-        if chunk_size is None and self.device.type == "cuda":
-            chunk_size = CUDA_CHUNK_SIZE
-        self.targets, self._module_of = model_targets(model, modules, fused_modules)
-        if modules is not None and lora_target_modules is not None:
-            missing = modules.unmatched(t.key for t in self.targets.linears)
-            if missing:
-                raise SpecError(
-                    f"lora_target_modules names {missing}, which select none of the model's linear layers "
-                    f"(it has {list(self.targets.module_names)})"
-                )
-        self.chunk_size = chunk_size
-        from lora_pin.parallel.api import manager_shard_plan
-
-        shards, self._collectives = manager_shard_plan(model, self.targets, self._module_of, tp, rank)
-        self.tp = None if shards is None else shards.tp
-        loading = loading_mode(loading, self.tp is not None, adapter_dir is not None)
+        self._find_targets(model, modules, lora_target_modules, fused_modules, chunk_size)
+        shards, self._collective = manager_shard_plan(model, self.targets, self._module_of, tp, rank)
+        self.tp = self._collective.tp
+        self.loading = loading_mode(loading, self.tp is not None, adapter_dir is not None)
         host = HostTier(
             self.targets,
             max_rank=MAX_ADAPTER_RANK if rank is None else rank,
@@ -197,56 +173,45 @@ class LoRAManager(StepLoading):
             shards=shards,
             base_weights=base_weights(model, self.targets, self._module_of),
         )
-        # Without max_lora_rank the pool is sized by the start-up adapters, read (and checked, tensors
-        # included) first: a config's claim alone never sizes it.
-        if self.tp is not None:
-            from lora_pin.parallel.collective import agreed
-
-            # Each rank reads its own shards: all of them start, or none.
-            startup: list[Any]
-            startup, _ = agreed(
-                self.tp,
-                "start-up adapters",
-                lambda: [host.read(r.lora_name, r.lora_path) for r in refs],
-                self._collectives,
-            )
-            from lora_pin.parallel.identity import agree_identity
-
-            for r, adapter in zip(refs, startup, strict=True):
-                what = f"start-up adapter {r.lora_name!r}"
-                agree_identity(self.tp, what, adapter.digest, adapter.whole_nbytes, self._collectives)
-        else:
-            startup = [host.read(r.lora_name, r.lora_path) if rank is None else None for r in refs]
+        startup = self._read_startup(host, refs)
         if rank is None:
-            rank = max(a.max_rank for a in startup if a is not None)
+            rank = max(a.max_rank for a in startup)
             host.max_rank = rank
         self.max_rank = rank
         if shards is not None:
             shards.bind(rank)
-        pool = DevicePool(self.targets, max_loras_per_batch, rank, self.dtype, self.device, shards=shards)
+        self.pool = DevicePool(
+            self.targets, max_loras_per_batch, rank, self.dtype, self.device, shards=shards
+        )
+        self.host = host
         self.registry = LoRARegistry(
             max_loras_per_batch,
             max_loaded_loras,
             max_host_bytes=max_host_bytes,
             eviction_policy=eviction_policy,
-            chunk_size=chunk_size,
+            chunk_size=self.chunk_size,
         )
-        self.residency = Residency(self.registry, host, pool)
-        self._lifecycle = Lifecycle(self.residency, self.tp, self._collectives)
-        self.pool, self.host = pool, host
+        self.residency = Residency(self.registry, host, self.pool)
+        self._lifecycle = Lifecycle(self.residency, self._collective)
+        self._loads = BackgroundLoads(self.residency, load_workers, load_timeout, self._collective)
+        self._discovery = Discovery(self.residency, self._loads, self.adapter_dir)
+        strategy = BackgroundLoading if self.loading == "background" else BlockingLoading
+        self._loading = strategy(self.residency, self._loads, self._discovery, self._collective)
         self._step_lock = threading.Lock()
         self._active: StepSegments | None = None
         self._active_step: Step | None = None
         self._deferred_requests = 0
-        self.loading = loading
-        self._loads = BackgroundLoads(self.residency, load_workers, load_timeout, self.tp, self._collectives)
-        # Adapters of the groups after the first of the last split, prefetched by the next step.
-        self._prefetch_next: list[str] = []
         self._wrapped: dict[str, torch.nn.Module] = {}
         for r, adapter in zip(refs, startup, strict=True):
             self.residency.add(r, adapter=adapter)
         self._wrapped = attach(
-            model, self.targets, self._module_of, self.pool, self._active_segments, shards, self._collectives
+            model,
+            self.targets,
+            self._module_of,
+            self.pool,
+            self._active_segments,
+            shards,
+            self._collective.log,
         )
 
     @classmethod
@@ -374,30 +339,7 @@ class LoRAManager(StepLoading):
                 resolves outside ``adapter_dir``.
             AdapterLoadError, CapacityError: as :meth:`load`.
         """
-        names = checked_names(names)
-        # Each distinct name once: a step repeats a few names many times.
-        found = adapter_folders(
-            self.registry,
-            self.adapter_dir,
-            [n for n in dict.fromkeys(names) if n is not None and n not in self.registry],
-        )
-        root = self.adapter_dir
-        loaded: list[str] = []
-        try:
-            for name, directory in found.items():
-                try:
-                    self.residency.add(LoRARef.new(name, str(directory), False), root=root)
-                except DuplicateAdapterError:
-                    continue  # registered meanwhile by another thread: theirs stands
-                loaded.append(name)
-        except BaseException:
-            for name in loaded:
-                # A step on another thread may have taken it up meanwhile: then it stays (it loaded
-                # fine), rather than be torn down under that step.
-                if self.registry.in_flight(name) == 0 and self.registry.try_unload(name):
-                    self.residency.forget(name)
-            raise
-        return loaded
+        return self._discovery.read_now(_checked_names(names))
 
     def pin(self, name: str) -> None:
         """Keep ``name`` resident in both tiers until :meth:`unpin`.
@@ -409,7 +351,7 @@ class LoRAManager(StepLoading):
         With ``tp``, every rank calls it; if it fails on any rank it is undone where it succeeded and every
         rank raises.
         """
-        self._collectively(
+        self._collective.agreed(
             f"pin of {name!r}", lambda: self.registry.pin(name), lambda: self.registry.unpin(name)
         )
 
@@ -421,7 +363,7 @@ class LoRAManager(StepLoading):
 
         With ``tp``, collective as :meth:`pin`.
         """
-        self._collectively(
+        self._collective.agreed(
             f"unpin of {name!r}", lambda: self.registry.unpin(name), lambda: self.registry.pin(name)
         )
 
@@ -440,9 +382,9 @@ class LoRAManager(StepLoading):
 
         def unload() -> None:
             self.registry.unload(name, timeout)
-            self._forget(name)
+            self._loads.forget(name)
 
-        self._collectively(f"unload of {name!r}", unload)
+        self._collective.agreed(f"unload of {name!r}", unload)
 
     async def unload_async(self, name: str, timeout: float | None = None) -> None:
         """:meth:`unload` for asyncio code: polls without blocking the event loop or tying up a thread.
@@ -456,7 +398,7 @@ class LoRAManager(StepLoading):
                 "unload_async is not collective: with tensor parallelism, call unload on each rank"
             )
         await unload_async(self.registry, name, timeout)
-        self._forget(name)
+        self._loads.forget(name)
 
     def prefetch(self, names: Iterable[str | None]) -> list[str]:
         """Start reading in the background every adapter of ``names`` that is not in host memory, so that
@@ -483,19 +425,7 @@ class LoRAManager(StepLoading):
         """
         if not self._wrapped:
             raise LoraPinError("the manager is detached")
-        if self.loading != "background":
-            raise UsageError("prefetch needs loading='background' (this manager loads blocking)")
-        names = checked_names(names)
-        distinct = [n for n in dict.fromkeys(names) if n is not None]
-        new = adapter_folders(
-            self.registry, self.adapter_dir, [n for n in distinct if n not in self.registry]
-        )
-        started = self._fetch([n for n in distinct if n not in new])
-        started += [
-            n for n, folder in new.items() if self._loads.start_discovery(n, folder, self.adapter_dir)
-        ]
-        order = {n: i for i, n in enumerate(distinct)}
-        return sorted(set(started), key=order.__getitem__)
+        return self._loading.prefetch(names)
 
     def wait_loads(self, timeout: float | None = None) -> bool:
         """Block until every background read begun so far has finished (what they read enters the host
@@ -543,9 +473,7 @@ class LoRAManager(StepLoading):
             for name, i in sorted(self._lifecycle.identities().items())
         }
         stats["slot_refreshes"] = self.residency.refreshes
-        if self._collectives is not None:
-            stats["tp_collective_calls"] = dict(self._collectives.calls)
-            stats["tp_collective_bytes"] = dict(self._collectives.nbytes)
+        stats.update(self._collective.stats())
         return stats
 
     # ---- steps ----------------------------------------------------------------------------------
@@ -643,16 +571,7 @@ class LoRAManager(StepLoading):
             AdapterNotFoundError, PathNotAllowedError, AdapterLoadError: as :meth:`discover`, for names
                 not registered yet.
         """
-        if self.loading == "blocking":
-            if self.adapter_dir is not None:
-                self.discover(names)
-            return self.registry.split(names)
-        names = checked_names(names)
-        self._discover_waiting(names)
-        groups = self.registry.split(names)
-        with self.residency.lock:
-            self._prefetch_next = [n for group in groups[1:] for i in group if (n := names[i]) is not None]
-        return groups
+        return self._loading.split(names)
 
     def detach(self) -> None:
         """Restore the model exactly: every wrapped linear goes back in place. The manager is unusable after.
@@ -714,21 +633,51 @@ class LoRAManager(StepLoading):
             selection = ModuleSelection.of(modules, () if isinstance(modules, str) else modules)
         return max_rank, selection
 
+    def _find_targets(
+        self,
+        model: torch.nn.Module,
+        modules: ModuleSelection | None,
+        asked: Sequence[str] | str | None,
+        fused_modules: FusedSpec | None,
+        chunk_size: int | None,
+    ) -> None:
+        """Take ``model``'s dtype and device, its LoRA targets for ``modules`` and the chunk size.
+
+        Raises:
+            SpecError: ``lora_target_modules`` (``asked``) names modules that select none of its linears.
+        """
+        param = next(model.parameters())
+        self.model = model
+        self.dtype, self.device = param.dtype, param.device
+        self.chunk_size = CUDA_CHUNK_SIZE if chunk_size is None and self.device.type == "cuda" else chunk_size
+        self.targets, self._module_of = model_targets(model, modules, fused_modules)
+        if modules is not None and asked is not None:
+            missing = modules.unmatched(t.key for t in self.targets.linears)
+            if missing:
+                raise SpecError(
+                    f"lora_target_modules names {missing}, which select none of the model's linear layers "
+                    f"(it has {list(self.targets.module_names)})"
+                )
+
+    def _read_startup(self, host: HostTier, refs: Sequence[LoRARef]) -> list[HostAdapter]:
+        """Read (and check, tensors included) every start-up adapter, before the pool is sized: a config's
+        claimed rank alone never sizes it. Over tensor-parallel ranks each rank reads its own shards, and
+        all of them start, or none: the ranks agree on every read and on what each read.
+
+        Raises:
+            AdapterLoadError (and subclasses): a start-up adapter cannot be served (on any rank).
+        """
+        startup, _ = self._collective.agreed(
+            "start-up adapters", lambda: [host.read(r.lora_name, r.lora_path) for r in refs]
+        )
+        for r, adapter in zip(refs, startup, strict=True):
+            self._collective.agree_identity(
+                f"start-up adapter {r.lora_name!r}", adapter.digest, adapter.whole_nbytes
+            )
+        return startup
+
     def _active_segments(self) -> StepSegments | None:
         return self._active
-
-    def _forget(self, name: str) -> None:
-        self._loads.forget(name)
-        self.residency.forget(name)
-
-    def _collectively(self, what: str, do: Any, undo: Any = None) -> None:
-        """``do()``; with ``tp``, agreed with every rank (:func:`lora_pin.parallel.collective.agreed`)."""
-        if self.tp is None:
-            do()
-            return
-        from lora_pin.parallel.collective import agreed
-
-        agreed(self.tp, what, do, self._collectives, undo)
 
     def _start(
         self, names: Sequence[str | None], num_tokens: Sequence[int] | int, *, per_sequence: bool
@@ -739,14 +688,11 @@ class LoRAManager(StepLoading):
             if not self._wrapped:
                 raise LoraPinError("the manager is detached")
             if not isinstance(names, (list, tuple)):
-                names = checked_names(names)  # read more than once below; a str is refused
-            if self.loading == "background" and not per_sequence:
-                plan = self._begin_deferring(names, num_tokens)
-            else:
-                plan = self._begin(names, num_tokens, per_sequence)
+                names = _checked_names(names)  # read more than once below; a str is refused
+            plan, loading = self._loading.begin(names, num_tokens, per_sequence)
             try:
                 slot_writes = self.residency.apply(plan)
-                step = self._activate(names, plan, slot_writes, per_sequence)
+                step = self._activate(names, plan, loading, slot_writes, per_sequence)
             except BaseException as exc:
                 self.registry.finish_step(plan.ticket)
                 if isinstance(exc, StalePlanError):
@@ -756,24 +702,18 @@ class LoRAManager(StepLoading):
         except BaseException:
             self._step_lock.release()
             raise
-        self._prefetch_split()
         return step
 
     def _activate(
         self,
         names: Sequence[str | None],
         plan: Any,
+        loading: tuple[int, ...],
         slot_writes: tuple[tuple[int, int], ...],
         per_sequence: bool,
     ) -> Step:
         request_slots, segments, active = step_arrays(plan, self.device, per_sequence, self.chunk_size)
         deferred = tuple(plan.deferred)
-        reasons: tuple[str, ...] = ()
-        loading: tuple[int, ...] = ()
-        if deferred:
-            reasons = tuple(plan.reasons)
-            if self.loading == "background" and not per_sequence:
-                loading = tuple(i for i, why in zip(deferred, reasons, strict=True) if why in _NOT_IN_HOST)
         step = Step(
             admitted=tuple(plan.admitted),
             deferred=deferred,
@@ -782,9 +722,9 @@ class LoRAManager(StepLoading):
             num_tokens=plan.num_tokens,
             _ticket=plan.ticket,
             _slot_writes=slot_writes,
-            failed=self._failures(names, plan.failed),
+            failed=self._loading.failures(names, plan.failed),
             loading=loading,
-            reasons=reasons,
+            reasons=tuple(plan.reasons) if deferred else (),
         )
         with self.residency.lock:
             self._active, self._active_step = active, step

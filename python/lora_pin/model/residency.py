@@ -138,7 +138,7 @@ class Residency:
             # (its forget has not run yet): stale, replaced.
             self._drop_host(ref.lora_name)
             self.host.add(adapter)
-            self._drop_evicted(evicted)
+            self.drop_evicted(evicted)
             serial = self.registry.serial(ref.lora_name)
             self._sources[ref.lora_name] = _Source(
                 ref.lora_path,
@@ -178,7 +178,7 @@ class Residency:
             )
             self._drop_host(name)
             self.host.add(adapter)
-            self._drop_evicted(evicted)
+            self.drop_evicted(evicted)
             self._sources[name] = _Source(
                 path,
                 root,
@@ -213,39 +213,24 @@ class Residency:
         self._generations[name] = generation
         return generation
 
-    def _drop_evicted(self, names: Iterable[str]) -> None:
-        for name in names:
-            self.evictions[(name, "host")] += 1
-            self._drop_host(name)
-
-    def read_into_host(self, name: str) -> None:
-        """Read ``name`` (registered, evicted from host memory) again and enter it into the host tier.
-
-        The read runs outside the lock and changes nothing; only once it succeeded does the host tier
-        make room, so a read that fails leaves every other adapter where it was. An adapter the host
-        tier cannot take now (its adapters are all protected), or that was unloaded or registered
-        again meanwhile, is skipped: the step defers it, or reads it itself.
+    def read_for_host(self, name: str) -> tuple[HostAdapter, int] | None:
+        """Read ``name`` (registered, evicted from host memory) again and check it, changing nothing;
+        returns it with the registration serial it was read for (None when it was forgotten meanwhile),
+        for :meth:`enter_host`. Tensor-parallel ranks agree on every rank's read before any of them
+        enters it.
 
         Raises:
             AdapterLoadError (and subclasses): the adapter cannot be read, or its files changed since it
                 was registered.
         """
-        self.enter_host(name, self.read_for_host(name))
-
-    def read_for_host(self, name: str) -> tuple[HostAdapter, int] | None:
-        """The first half of :meth:`read_into_host`: read ``name`` again and check it, changing nothing;
-        returns it with the registration serial it was read for (None when it was forgotten meanwhile).
-        Tensor-parallel ranks agree on every rank's read before any of them enters it.
-
-        Raises:
-            AdapterLoadError (and subclasses): as :meth:`read_into_host`.
-        """
         source = self._sources.get(name)
         return None if source is None else (self._read_checked(name, source), source.serial)
 
     def enter_host(self, name: str, read: tuple[HostAdapter, int] | None) -> None:
-        """The second half of :meth:`read_into_host`: enter what :meth:`read_for_host` read into the host
-        tier, or skip it as :meth:`read_into_host` says."""
+        """Enter what :meth:`read_for_host` read into the host tier: only now does the tier make room, so
+        a read that failed left every other adapter where it was. An adapter the host tier cannot take
+        now (its adapters are all protected), or that was unloaded or registered again meanwhile, is
+        skipped: the step defers it, or reads it itself."""
         if read is None:
             return
         adapter, serial = read
@@ -256,9 +241,7 @@ class Residency:
                 return
             self._drop_host(name)
             self.host.add(adapter)
-            for victim in evicted:
-                self.evictions[(victim, "host")] += 1
-                self._drop_host(victim)
+            self.drop_evicted(evicted)
 
     def read_fetch(self, name: str, serial: int) -> HostAdapter:
         """Read ``name`` for its fetch under registration ``serial`` (on a loader thread): the same checked
@@ -316,9 +299,7 @@ class Residency:
                 evicted = self.registry.fetch_done(name, serial)
             except (AdapterNotFoundError, UsageError):
                 return False
-            for victim in evicted:
-                self.evictions[(victim, "host")] += 1
-                self._drop_host(victim)
+            self.drop_evicted(evicted)
             self._drop_host(name)
             self.host.add(adapter)
             self.background_loads += 1

@@ -3,17 +3,17 @@ indices are built from the core's plan."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from lora_pin.errors import LoraPinError, SpecError, UsageError
+from lora_pin.errors import LoraPinError
 from lora_pin.model.layers import StepSegments
 from lora_pin.ops import SegmentBatch
 
-__all__ = ["Step", "checked_names", "step_arrays"]
+__all__ = ["Step", "step_arrays"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,30 +100,3 @@ def _part(data: bytearray, dtype: torch.dtype, count: int, offset: int) -> torch
     if count == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(data, dtype=dtype, count=count, offset=offset)
-
-
-def checked_names(names: Iterable[str | None]) -> list[str | None]:
-    """``names`` as a list, each a str or None.
-
-    Raises:
-        UsageError: ``names`` is a str, or an entry is neither (named by its position).
-        SpecError: an entry holds a lone surrogate (``json.loads`` gives one for ``"\\ud800"``): it has no
-            UTF-8 encoding, so it can name no adapter or folder.
-    """
-    if isinstance(names, str):
-        raise UsageError(f"names must be a sequence of adapter names, got the str {names!r}")
-    names = list(names)
-    for i, n in enumerate(names):
-        if n is not None and not isinstance(n, str):
-            raise UsageError(f"names[{i}] must be an adapter name (str) or None, got {type(n).__name__}")
-        if n is not None and not n.isascii() and not _is_utf8(n):
-            raise SpecError(f"names[{i}] {n!r} is not valid text: it holds a lone surrogate")
-    return names
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

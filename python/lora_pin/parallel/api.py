@@ -3,10 +3,10 @@
 A framework registers each of its parallel linear classes once (:func:`register_parallel_linear`), saying
 for a layer how it is cut (:class:`~lora_pin.parallel.sharding.ParallelLayout`: column or row, the
 unsharded widths, the tensor-parallel rank and group) and, for a row-parallel class, how to run it in two
-halves (:class:`~lora_pin.parallel.layers.RowCall`). A :class:`~lora_pin.LoRAManager` built with
-``tp=TensorParallel(...)`` then wraps those layers with
-:class:`~lora_pin.parallel.layers.ParallelLoRALinear`, reads and keeps only this rank's part of each adapter,
-and makes every load, unload, pin and unpin collective.
+halves (:class:`RowCall`). A :class:`~lora_pin.LoRAManager` built with ``tp=TensorParallel(...)`` then
+wraps those layers with :class:`~lora_pin.model.parallel_layers.ParallelLoRALinear`, reads and keeps only
+this rank's part of each adapter, and makes every load, unload, pin and unpin collective
+(:class:`~lora_pin.parallel.group.TensorParallelGroup`).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from lora_pin.errors import SpecError
-from lora_pin.parallel.layers import CollectiveLog, ParallelLoRALinear, RowCall
+from lora_pin.parallel.group import Collective, SingleProcess, TensorParallelGroup
 from lora_pin.parallel.sharding import ParallelLayout, ShardPlan, TensorParallel, group_shard
-from lora_pin.weights.pool import GroupBuffers
-from lora_pin.weights.targets import LoRATargets, TargetGroup, register_linear
+from lora_pin.weights.targets import LoRATargets, TargetGroup, output_layer_keys, register_linear
 
 __all__ = [
     "ParallelKind",
+    "RowCall",
     "detect_tp",
     "dtensor_cut",
     "dtensor_tp",
@@ -32,8 +32,23 @@ __all__ = [
     "parallel_kind",
     "register_parallel_linear",
     "shard_plan",
-    "wrap_parallel",
 ]
+
+
+@dataclass(frozen=True)
+class RowCall:
+    """How to run a row-parallel layer in two halves, so the delta joins the partial sum before the reduce.
+
+    Attributes:
+        partial: ``(layer, x [..., in/tp]) -> [..., out]``, this rank's partial product: no all-reduce,
+            no bias.
+        reduce: ``(layer, partial [..., out]) -> result``, what the layer's forward does after its product
+            (all-reduce over the group, the bias), returning what its forward returns (a tensor or
+            ``(out, bias)``).
+    """
+
+    partial: Callable[[Any, torch.Tensor], torch.Tensor]
+    reduce: Callable[[Any, torch.Tensor], Any]
 
 
 @dataclass(frozen=True)
@@ -178,8 +193,6 @@ def shard_plan(
         SpecError: a layer's layout is cut over another rank or size than ``tp``, a row-parallel class was
             registered without ``partial``/``reduce``, or a layout does not match the layer's targets.
     """
-    from lora_pin.weights.targets import output_layer_keys
-
     groups: dict[str, tuple[TargetGroup, Any]] = {}
     output = output_layer_keys(model)
     for group in targets.groups:
@@ -218,10 +231,10 @@ def manager_shard_plan(
     module_of: Mapping[str, str],
     tp: TensorParallel | None,
     max_rank: int | None,
-) -> tuple[ShardPlan | None, CollectiveLog | None]:
-    """A manager's shard plan and collectives log: for ``tp``, or for the tensor parallelism of a model
-    cut by transformers' ``tp_plan`` (``DTensor`` weights) when ``tp`` is None; ``(None, None)`` for a
-    model on one process.
+) -> tuple[ShardPlan | None, Collective]:
+    """A manager's shard plan and :class:`~lora_pin.parallel.group.Collective`: for ``tp``, or for the
+    tensor parallelism of a model cut by transformers' ``tp_plan`` (``DTensor`` weights) when ``tp`` is
+    None; ``(None, SingleProcess())`` for a model on one process.
 
     Raises:
         SpecError: as :func:`shard_plan`; or ``fully_sharded`` without ``max_rank`` (each rank's chunk of the
@@ -231,7 +244,7 @@ def manager_shard_plan(
         # A model cut by transformers' tp_plan: its linears' device mesh says where this process stands.
         tp = detect_tp(model, module_of.values())
     if tp is None:
-        return None, None
+        return None, SingleProcess()
     if tp.fully_sharded and max_rank is None:
         raise SpecError(
             "tp=TensorParallel(fully_sharded=True) needs max_lora_rank: each rank holds a chunk of the "
@@ -240,27 +253,4 @@ def manager_shard_plan(
     plan = shard_plan(model, targets, module_of, tp)
     if max_rank is not None:
         plan.bind(max_rank)
-    return plan, CollectiveLog()
-
-
-def wrap_parallel(
-    original: torch.nn.Module,
-    buffers: GroupBuffers,
-    active_step: Callable[[], Any],
-    plan: ShardPlan,
-    log: CollectiveLog | None = None,
-) -> ParallelLoRALinear | None:
-    """The wrapper of a cut layer (None when ``buffers``' group is not cut on ``plan``)."""
-    shard = plan.group(buffers.group.key)
-    kind = parallel_kind(original)
-    if shard is None or kind is None:
-        return None
-    return ParallelLoRALinear(
-        original,
-        buffers,
-        active_step,
-        shard=shard,
-        row_call=kind.row_call,
-        returns_bias=kind.returns_bias,
-        log=log,
-    )
+    return plan, TensorParallelGroup(tp)

@@ -12,12 +12,15 @@ installs finished reads, which fetches are over on every rank: one all-reduce of
 
 What comes after the agreement (the registry's plan, admission, slots, evictions) is a pure function of the
 registered adapters and the step's inputs, so the ranks stay in step without any further collective.
+
+:class:`CollectiveLog` counts the collectives lora_pin runs (not the base layers'), for ``stats()``.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -34,10 +37,9 @@ from lora_pin.errors import (
     SpecError,
     UnsafeFormatError,
 )
-from lora_pin.parallel.layers import CollectiveLog
 from lora_pin.parallel.sharding import TensorParallel
 
-__all__ = ["Agreement", "agree", "agree_fetches", "agreed"]
+__all__ = ["READ", "RUNNING", "Agreement", "CollectiveLog", "agree", "agree_fetches", "agreed"]
 
 T = TypeVar("T")
 
@@ -53,6 +55,24 @@ _ERRORS: tuple[type[LoraPinError], ...] = (
     SpecError,
     LoraPinError,
 )
+
+
+@dataclass
+class CollectiveLog:
+    """Collectives lora_pin ran (not the base layers'): calls and bytes sent per kind, this rank."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        """Count one ``kind`` collective sending ``tensor`` (its bytes)."""
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.nbytes[kind] = self.nbytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        """Zero every count."""
+        self.calls.clear()
+        self.nbytes.clear()
 
 
 class Agreement:

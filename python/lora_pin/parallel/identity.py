@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lora_pin.errors import AdapterLoadError
-from lora_pin.parallel.layers import CollectiveLog
+from lora_pin.parallel.collective import CollectiveLog
 from lora_pin.parallel.sharding import TensorParallel
 
 __all__ = ["agree_identity"]

@@ -15,8 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lora_pin.parallel.api import register_parallel_linear
-from lora_pin.parallel.sharding import ColumnSlice, ParallelLayout, TensorParallel, qkv_slices
+from lora_pin.parallel import (
+    ColumnSlice,
+    ParallelLayout,
+    TensorParallel,
+    qkv_slices,
+    register_parallel_linear,
+)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_llama"]
 

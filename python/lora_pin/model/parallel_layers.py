@@ -1,4 +1,5 @@
-"""The sharded LoRA forward: a wrapper around a framework's parallel linear that adds this rank's delta.
+"""The sharded LoRA forward: a wrapper around a framework's tensor-parallel linear that adds this
+rank's delta.
 
 Per layer kind (the rules are in :mod:`lora_pin.parallel.sharding`), with ``T`` the step's tokens, ``R`` the
 pool's rank and ``tp`` the group's size:
@@ -18,7 +19,6 @@ model's output bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,44 +26,10 @@ import torch.distributed as dist
 
 from lora_pin.model.layers import LoRALinear, StepSegments
 from lora_pin.ops import KernelMeta, SegmentBatch, expand, shrink
-from lora_pin.parallel.sharding import GroupShard
+from lora_pin.parallel import CollectiveLog, GroupShard, RowCall, ShardPlan, parallel_kind
 from lora_pin.weights.pool import GroupBuffers
 
-__all__ = ["CollectiveLog", "ParallelLoRALinear", "RowCall"]
-
-
-@dataclass
-class CollectiveLog:
-    """Collectives the LoRA layers ran (not the base layers'): calls and bytes sent per kind, this rank."""
-
-    calls: dict[str, int] = field(default_factory=dict)
-    nbytes: dict[str, int] = field(default_factory=dict)
-
-    def add(self, kind: str, tensor: torch.Tensor) -> None:
-        """Count one ``kind`` collective sending ``tensor`` (its bytes)."""
-        self.calls[kind] = self.calls.get(kind, 0) + 1
-        self.nbytes[kind] = self.nbytes.get(kind, 0) + tensor.numel() * tensor.element_size()
-
-    def reset(self) -> None:
-        """Zero every count."""
-        self.calls.clear()
-        self.nbytes.clear()
-
-
-@dataclass(frozen=True)
-class RowCall:
-    """How to run a row-parallel layer in two halves, so the delta joins the partial sum before the reduce.
-
-    Attributes:
-        partial: ``(layer, x [..., in/tp]) -> [..., out]``, this rank's partial product: no all-reduce,
-            no bias.
-        reduce: ``(layer, partial [..., out]) -> result``, what the layer's forward does after its product
-            (all-reduce over the group, the bias), returning what its forward returns (a tensor or
-            ``(out, bias)``).
-    """
-
-    partial: Callable[[Any, torch.Tensor], torch.Tensor]
-    reduce: Callable[[Any, torch.Tensor], Any]
+__all__ = ["ParallelLoRALinear", "wrap_parallel"]
 
 
 class ParallelLoRALinear(LoRALinear):
@@ -166,3 +132,26 @@ class ParallelLoRALinear(LoRALinear):
         tp = self._shard.tp
         mode = ", fully_sharded" if self._shard.fully_sharded else ""
         return f"{super().extra_repr()}, {self._shard.layout.kind}, tp={tp.rank}/{tp.size}{mode}"
+
+
+def wrap_parallel(
+    original: torch.nn.Module,
+    buffers: GroupBuffers,
+    active_step: Callable[[], StepSegments | None],
+    plan: ShardPlan,
+    log: CollectiveLog | None = None,
+) -> ParallelLoRALinear | None:
+    """The wrapper of a cut layer (None when ``buffers``' group is not cut on ``plan``)."""
+    shard = plan.group(buffers.group.key)
+    kind = parallel_kind(original)
+    if shard is None or kind is None:
+        return None
+    return ParallelLoRALinear(
+        original,
+        buffers,
+        active_step,
+        shard=shard,
+        row_call=kind.row_call,
+        returns_bias=kind.returns_bias,
+        log=log,
+    )

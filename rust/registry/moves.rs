@@ -10,47 +10,47 @@ use super::Registry;
 use crate::policy::{AdapterKey, Usage};
 
 impl Registry {
-    /// Puts `key` into exactly the candidate sets its residency and protections call for.
+    /// Puts `key` into exactly the candidate sets its tenancy and protections call for.
     pub(crate) fn refresh(&mut self, key: AdapterKey) {
         let a = self.adapters[key.index()].as_mut().expect("a live adapter key");
         let protected = a.protection.shields();
-        let host_wanted = a.residency.host_since.is_some() && !protected && a.protection.in_flight == 0;
-        let device_wanted = match (a.residency.slot, protected, a.protection.in_flight) {
+        let host_wanted = a.tenancy.host_since.is_some() && !protected && a.protection.in_flight == 0;
+        let device_wanted = match (a.tenancy.slot, protected, a.protection.in_flight) {
             (Some(_), false, 0) => DeviceCandidate::Idle,
             (Some(_), false, _) => DeviceCandidate::Queued,
             _ => DeviceCandidate::No,
         };
         let usage = |inserted_at: u64, bytes: u64| Usage {
             inserted_at,
-            last_used: a.residency.last_used,
-            uses: a.residency.uses,
+            last_used: a.tenancy.last_used,
+            uses: a.tenancy.uses,
             bytes,
             rank: a.identity.size.rank,
         };
-        if a.residency.host_candidate != host_wanted {
+        if a.tenancy.host_candidate != host_wanted {
             if host_wanted {
-                let u = usage(a.residency.host_since.unwrap_or_default(), a.identity.size.host_bytes);
+                let u = usage(a.tenancy.host_since.unwrap_or_default(), a.identity.size.host_bytes);
                 self.host.candidates.insert(key, &u);
                 self.host.candidate_bytes += a.identity.size.host_bytes;
             } else {
                 self.host.candidates.remove(key);
                 self.host.candidate_bytes -= a.identity.size.host_bytes;
             }
-            a.residency.host_candidate = host_wanted;
+            a.tenancy.host_candidate = host_wanted;
         }
-        if a.residency.device_candidate != device_wanted {
-            match a.residency.device_candidate {
+        if a.tenancy.device_candidate != device_wanted {
+            match a.tenancy.device_candidate {
                 DeviceCandidate::Idle => self.device.idle.remove(key),
                 DeviceCandidate::Queued => self.device.queued.remove(key),
                 DeviceCandidate::No => {}
             }
-            let u = usage(a.residency.device_since, a.identity.size.device_bytes);
+            let u = usage(a.tenancy.device_since, a.identity.size.device_bytes);
             match device_wanted {
                 DeviceCandidate::Idle => self.device.idle.insert(key, &u),
                 DeviceCandidate::Queued => self.device.queued.insert(key, &u),
                 DeviceCandidate::No => {}
             }
-            a.residency.device_candidate = device_wanted;
+            a.tenancy.device_candidate = device_wanted;
         }
     }
 
@@ -59,7 +59,7 @@ impl Registry {
     pub(crate) fn make_host_room(&mut self, bytes: u64, evicted: &mut Vec<Eviction>) {
         while !self.host.has_room(bytes) {
             let victim = self.host.candidates.victim().expect("room_possible promised a host victim");
-            if self.get(victim).residency.slot.is_some() {
+            if self.get(victim).tenancy.slot.is_some() {
                 self.evict_device(victim, evicted);
             }
             let name = Arc::clone(&self.get(victim).identity.name);
@@ -89,8 +89,8 @@ impl Registry {
         self.device.slots[slot as usize] = Some(key);
         self.device.generations[slot as usize] += 1;
         let a = self.get_mut(key);
-        a.residency.slot = Some(slot);
-        a.residency.device_since = now;
+        a.tenancy.slot = Some(slot);
+        a.tenancy.device_since = now;
         self.refresh(key);
     }
 
@@ -98,7 +98,7 @@ impl Registry {
     pub(crate) fn enter_host(&mut self, key: AdapterKey) {
         let now = self.tick();
         let a = self.get_mut(key);
-        a.residency.host_since = Some(now);
+        a.tenancy.host_since = Some(now);
         let bytes = a.identity.size.host_bytes;
         self.host.count += 1;
         self.host.bytes += bytes;
@@ -118,7 +118,7 @@ impl Registry {
 
     /// Takes `key` out of its slot (which becomes free) and returns the slot.
     pub(crate) fn free_slot(&mut self, key: AdapterKey) -> u32 {
-        let slot = self.get_mut(key).residency.slot.take().expect("the adapter has a slot");
+        let slot = self.get_mut(key).tenancy.slot.take().expect("the adapter has a slot");
         self.device.slots[slot as usize] = None;
         self.device.generations[slot as usize] += 1;
         self.device.free.insert(slot);
@@ -129,8 +129,8 @@ impl Registry {
     /// Takes `key` out of the host tier (it must have left the device tier already).
     pub(crate) fn leave_host(&mut self, key: AdapterKey) {
         let a = self.get_mut(key);
-        debug_assert!(a.residency.slot.is_none(), "an adapter leaves the device tier before the host tier");
-        a.residency.host_since = None;
+        debug_assert!(a.tenancy.slot.is_none(), "an adapter leaves the device tier before the host tier");
+        a.tenancy.host_since = None;
         let bytes = a.identity.size.host_bytes;
         self.host.count -= 1;
         self.host.bytes -= bytes;
