@@ -103,10 +103,14 @@ def test_a_pinned_adapters_request_goes_before_older_ones_that_wait_for_a_slot(
     """Two requests a step, one free slot, b and c requests queued (each waits for the slot, or for the
     step's room): a request for the pinned adapter a, submitted last, needs no slot and costs no load, so
     it starts in the next round and finishes before most of them (in arrival order it would be last)."""
+    # a pinned adapter keeps the slot its first request brings it into: after a0 it needs no slot.
+    narrow_engine.submit("a0", [8, 40, 60, 70, 9], "a", max_new_tokens=2, streaming=False)
+    assert _results(narrow_engine, ["a0"])["a0"].error is None
     queued = [f"{n}{i}" for i in range(1, 5) for n in "bc"]
+    # Submitted at once, a1 right after them: on a quiet machine the whole queue can finish in a few
+    # milliseconds, so a pause before a1 would find nothing left to overtake.
     for i, rid in enumerate(queued):
-        narrow_engine.submit(rid, [5 + i, 40, 60, 70, 9], rid[0], max_new_tokens=6, streaming=False)
-    time.sleep(0.05)
+        narrow_engine.submit(rid, [5 + i, 40, 60, 70, 9], rid[0], max_new_tokens=12, streaming=False)
     narrow_engine.submit("a1", [9, 40, 60, 70, 9], "a", max_new_tokens=6, streaming=False)
     done = _results(narrow_engine, [*queued, "a1"])
     finished = done["order"]
