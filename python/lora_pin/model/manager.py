@@ -37,7 +37,7 @@ from lora_pin.model.loader import (
     loading_mode,
 )
 from lora_pin.model.residency import Residency
-from lora_pin.model.step import Step, checked_names, step_arrays
+from lora_pin.model.step import Step, StepArrays, checked_names, step_segments
 from lora_pin.model.step_loading import StepLoading
 from lora_pin.ops import CUDA_CHUNK_SIZE, segments_from_slots
 from lora_pin.unloading import unload_async
@@ -236,6 +236,7 @@ class LoRAManager(StepLoading):
         self._step_lock = threading.Lock()
         self._active: StepSegments | None = None
         self._active_step: Step | None = None
+        self._arrays = StepArrays(self.device)
         self._deferred_requests = 0
         self.loading = loading
         self._loads = BackgroundLoads(self.residency, load_workers, load_timeout, self.tp, self._collectives)
@@ -765,7 +766,8 @@ class LoRAManager(StepLoading):
         slot_writes: tuple[tuple[int, int], ...],
         per_sequence: bool,
     ) -> Step:
-        request_slots, segments, active = step_arrays(plan, self.device, per_sequence, self.chunk_size)
+        request_slots, segments, any_adapter = self._arrays.of(plan)
+        active = step_segments(request_slots, segments, any_adapter, per_sequence, self.chunk_size)
         deferred = tuple(plan.deferred)
         reasons: tuple[str, ...] = ()
         loading: tuple[int, ...] = ()
@@ -773,6 +775,7 @@ class LoRAManager(StepLoading):
             reasons = tuple(plan.reasons)
             if self.loading == "background" and not per_sequence:
                 loading = tuple(i for i, why in zip(deferred, reasons, strict=True) if why in _NOT_IN_HOST)
+        failed = plan.failed
         step = Step(
             admitted=tuple(plan.admitted),
             deferred=deferred,
@@ -781,7 +784,7 @@ class LoRAManager(StepLoading):
             num_tokens=plan.num_tokens,
             _ticket=plan.ticket,
             _slot_writes=slot_writes,
-            failed=self._failures(names, plan.failed),
+            failed=self._failures(names, failed) if failed else None,
             loading=loading,
             reasons=reasons,
         )
