@@ -14,7 +14,7 @@ import itertools
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
@@ -32,7 +32,7 @@ def best_us(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:
 
 
 def interleaved_us(
-    fns: dict[str, Callable[[], object]], calls: int, rounds: int
+    fns: Mapping[str, Callable[[], object]], calls: int, rounds: int
 ) -> dict[str, tuple[float, float]]:
     """``(wall, cpu)``: best-of-``rounds`` mean microseconds per call of each of ``fns``, by the wall clock
     and by this thread's CPU time, the functions taking turns within each round."""
