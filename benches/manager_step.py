@@ -10,10 +10,11 @@ Run: ``.venv/bin/python benches/manager_step.py`` (``--requests``, ``--adapters`
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
@@ -30,12 +31,29 @@ def best_us(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:
     return best * 1e6
 
 
+def interleaved_us(
+    fns: Mapping[str, Callable[[], object]], calls: int, rounds: int
+) -> dict[str, tuple[float, float]]:
+    """``(wall, cpu)``: best-of-``rounds`` mean microseconds per call of each of ``fns``, by the wall clock
+    and by this thread's CPU time, the functions taking turns within each round."""
+    best = {name: [float("inf"), float("inf")] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            wall, cpu = time.perf_counter(), time.thread_time()
+            for _ in range(calls):
+                fn()
+            cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+            best[name] = [min(best[name][0], wall / calls), min(best[name][1], cpu / calls)]
+    return {name: (wall * 1e6, cpu * 1e6) for name, (wall, cpu) in best.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args(argv)
     if args.slots < args.adapters:
         parser.error("--slots must be at least --adapters: the step keeps every adapter resident")
@@ -60,13 +78,29 @@ def main(argv: list[str] | None = None) -> int:
         mgr = LoRAManager(model, items, max_loras_per_batch=args.slots)
         # Every fifth request on the base model; the adapters in turn.
         names = [f"a{i % args.adapters}" if i % 5 else None for i in range(args.requests)]
+        # The same shifted by 0..4 requests: each batch's arrays differ from the one before.
+        batches = [names[k:] + names[:k] for k in range(5)]
+        turn = itertools.cycle(batches)
+        # Equal names in new str objects, more of them than the binding's name cache holds (1024): what
+        # the core costs a loop that makes its name objects anew every step.
+        copies = [[None if n is None else "".join(list(n)) for n in names] for _ in range(40)]
+        fresh = itertools.cycle(copies)
         reg = mgr.registry
 
         def manager_step() -> None:
             mgr.finish(mgr.prepare_step(names, 1))
 
+        def manager_changing() -> None:
+            mgr.finish(mgr.prepare_step(next(turn), 1))
+
         def transaction() -> None:
             reg.finish_step(reg.begin_step(names, 1).ticket)
+
+        def transaction_changing() -> None:
+            reg.finish_step(reg.begin_step(next(turn), 1).ticket)
+
+        def transaction_new_names() -> None:
+            reg.finish_step(reg.begin_step(next(fresh), 1).ticket)
 
         def separate_calls() -> None:
             plan = protocol.plan(reg, names, 1)
@@ -74,18 +108,38 @@ def main(argv: list[str] | None = None) -> int:
             protocol.release(reg, ids)
             protocol.end_step(reg)
 
-        manager_step()  # the first step loads every adapter into a slot
-        transaction()
-        separate_calls()
-        ours = best_us(manager_step, args.calls)
-        core = best_us(transaction, args.calls)
-        separate = best_us(separate_calls, args.calls)
+        timed = {
+            "manager": manager_step,
+            "core": transaction,
+            "manager, changing": manager_changing,
+            "core, changing": transaction_changing,
+            "core, new name objects": transaction_new_names,
+            "separate": separate_calls,
+        }
+        for fn in timed.values():
+            fn()  # the first step loads every adapter into a slot
+        us = interleaved_us(timed, args.calls, args.rounds)
     print(
-        f"{args.requests} requests, {args.adapters} adapters, {args.slots} slots, all resident: "
-        f"LoRAManager.prepare_step + finish {ours:.1f} us; registry begin_step + finish_step {core:.1f} us "
-        f"({ours / core:.2f}x; the core's share {100 * core / ours:.0f}%); "
-        f"plan + acquire + release + end_step {separate:.1f} us"
+        f"{args.requests} requests, {args.adapters} adapters, {args.slots} slots, all resident "
+        "(us per step, wall / CPU):"
     )
+    for what, ours, core in [
+        ("steady batch", "manager", "core"),
+        ("changing batch", "manager, changing", "core, changing"),
+    ]:
+        (wall, cpu), (core_wall, core_cpu) = us[ours], us[core]
+        print(
+            f"  {what}: LoRAManager.prepare_step + finish {wall:.1f} / {cpu:.1f}; registry begin_step + "
+            f"finish_step {core_wall:.1f} / {core_cpu:.1f} ({cpu / core_cpu:.2f}x by CPU time; the core's "
+            f"share {100 * core_cpu / cpu:.0f}%)"
+        )
+    (wall, cpu), (core_wall, core_cpu) = us["core, new name objects"], us["core"]
+    print(
+        f"  registry begin_step + finish_step, steady batch in new name objects each step {wall:.1f} / "
+        f"{cpu:.1f} ({cpu / core_cpu:.2f}x the same objects' CPU time: what the binding's name cache saves)"
+    )
+    wall, cpu = us["separate"]
+    print(f"  plan + acquire + release + end_step (steady batch) {wall:.1f} / {cpu:.1f}")
     return 0
 
 

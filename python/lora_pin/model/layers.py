@@ -10,7 +10,6 @@ equal the base model's output bit for bit. With no active step the wrapper is th
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +32,6 @@ from lora_pin.weights.pool import GroupBuffers
 __all__ = ["BaseLayerWrapper", "LoRAEmbedding", "LoRALinear", "StepSegments"]
 
 
-@dataclass
 class StepSegments:
     """The token grouping of the active step, as the LoRA layers need it.
 
@@ -51,29 +49,56 @@ class StepSegments:
     ``any_adapter`` is False when every row is base-model only: the layers then skip the ops entirely.
     On CPU each layer group's delta is checked and planned once per step and input shape
     (:meth:`delta_for`), and a group that no row of the step uses is skipped without an op call.
+
+    A plain class with ``__slots__``: every step builds one.
     """
 
-    segments: SegmentBatch | None = None
-    sequence_slots: torch.Tensor | None = None
-    chunk_size: int | None = None
-    any_adapter: bool = True
-    _by_length: dict[int, SegmentBatch] = field(default_factory=dict)
-    # Per sequence: the adapter sequences (int64 [N1], grouped by slot) and their slots (int32 [N1]).
-    _adapter_sequences: torch.Tensor | None = None
-    _adapter_slots: torch.Tensor | None = None
-    # (group's A buffer, input shape less features) -> the group's prepared delta in this step (CPU).
-    _deltas: dict[tuple[int, torch.Size], PreparedDelta] = field(default_factory=dict)
-    # (input shape less features, A's shape, B's shape) -> the last group prepared in full with them.
-    _shared: dict[tuple[torch.Size, ...], PreparedDelta] = field(default_factory=dict)
-    # (DoRA slots of a group, input shape less features) -> the step's rows in them and their slots.
-    _dora_rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=dict)
+    __slots__ = (
+        "_adapter_sequences",
+        "_adapter_slots",
+        "_by_length",
+        "_deltas",
+        "_dora_rows",
+        "_shared",
+        "any_adapter",
+        "chunk_size",
+        "segments",
+        "sequence_slots",
+    )
 
-    def __post_init__(self) -> None:
-        if self.sequence_slots is not None and self.segments is not None:
+    def __init__(
+        self,
+        segments: SegmentBatch | None = None,
+        sequence_slots: torch.Tensor | None = None,
+        chunk_size: int | None = None,
+        any_adapter: bool = True,
+    ) -> None:
+        self.segments = segments
+        self.sequence_slots = sequence_slots
+        self.chunk_size = chunk_size
+        self.any_adapter = any_adapter
+        # Per sequence: segments by rows per sequence, the adapter sequences (int64 [N1], grouped by
+        # slot) and their slots (int32 [N1]).
+        self._by_length: dict[int, SegmentBatch] = {}
+        self._adapter_sequences: torch.Tensor | None = None
+        self._adapter_slots: torch.Tensor | None = None
+        # (group's A buffer, input shape less features) -> the group's prepared delta in this step (CPU).
+        self._deltas: dict[tuple[int, torch.Size], PreparedDelta] = {}
+        # (input shape less features, A's shape, B's shape) -> the last group prepared in full with them.
+        self._shared: dict[tuple[torch.Size, ...], PreparedDelta] = {}
+        # (DoRA slots of a group, input shape less features) -> the step's rows in them and their slots.
+        self._dora_rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
+        if sequence_slots is not None and segments is not None:
             # The planner's one-token segments list the adapter sequences grouped by slot.
-            self._adapter_sequences = self.segments.perm
-            self._adapter_slots = self.sequence_slots.index_select(0, self.segments.perm).to(torch.int32)
-            self._by_length[1] = self.segments
+            self._adapter_sequences = segments.perm
+            self._adapter_slots = sequence_slots.index_select(0, segments.perm).to(torch.int32)
+            self._by_length[1] = segments
+
+    def __repr__(self) -> str:
+        return (
+            f"StepSegments(segments={self.segments}, sequence_slots={self.sequence_slots}, "
+            f"chunk_size={self.chunk_size}, any_adapter={self.any_adapter})"
+        )
 
     def for_input(self, x: torch.Tensor) -> SegmentBatch:
         """The segments for layer input ``x`` (``[T, in]`` packed, ``[B, L, in]`` per sequence).

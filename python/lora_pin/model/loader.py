@@ -173,6 +173,12 @@ class BackgroundLoader:
             done, self._done = self._done, []
         return done
 
+    def idle(self) -> bool:
+        """Whether no read is in flight and no completion waits to be taken, so :meth:`take` would
+        return nothing. Read without the lock (each step asks): a read completing meanwhile is as one
+        that ended just after, and a completion is queued in the same locked section that ends its run."""
+        return not self._runs and not self._done
+
     def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
         """Block until no read of any of ``names`` (None: of any adapter) is running or queued; returns
         False on timeout. Completions stay queued for :meth:`take`. Returns by the reads' deadlines at
@@ -343,6 +349,8 @@ class BackgroundLoads:
     def start_fetches(self, to_fetch: Iterable[tuple[str, int]]) -> list[str]:
         """Read each ``(name, serial)`` the core has begun fetching; returns the names whose reads began
         (with ``tp``: every name, alike on every rank, whose read began here or was under way already)."""
+        if not to_fetch:
+            return []  # most steps fetch nothing
         read, path = self.residency.read_fetch, self.residency.source_path
         if self._group is not None:
             names = []
@@ -380,6 +388,8 @@ class BackgroundLoads:
         if self._group is not None:
             self._install_agreed(self._group)
             return
+        if not self._no_room and not self._room_waits and self.loader.idle():
+            return  # most steps find nothing to install
         with self.residency.lock:
             for done, _, _ in list(self._room_waits.values()):
                 self._install_discovery(done)

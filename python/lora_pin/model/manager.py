@@ -32,7 +32,7 @@ from lora_pin.model.loader import (
 )
 from lora_pin.model.loading import BackgroundLoading, BlockingLoading, Discovery
 from lora_pin.model.residency import Residency
-from lora_pin.model.step import Step, step_arrays
+from lora_pin.model.step import Step, StepArrays, step_segments
 from lora_pin.ops import CUDA_CHUNK_SIZE, segments_from_slots
 from lora_pin.parallel import TensorParallel
 from lora_pin.parallel.api import manager_shard_plan
@@ -200,6 +200,7 @@ class LoRAManager:
         self._step_lock = threading.Lock()
         self._active: StepSegments | None = None
         self._active_step: Step | None = None
+        self._arrays = StepArrays(self.device)
         self._deferred_requests = 0
         self._wrapped: dict[str, torch.nn.Module] = {}
         for r, adapter in zip(refs, startup, strict=True):
@@ -712,8 +713,10 @@ class LoRAManager:
         slot_writes: tuple[tuple[int, int], ...],
         per_sequence: bool,
     ) -> Step:
-        request_slots, segments, active = step_arrays(plan, self.device, per_sequence, self.chunk_size)
+        request_slots, segments, any_adapter = self._arrays.of(plan)
+        active = step_segments(request_slots, segments, any_adapter, per_sequence, self.chunk_size)
         deferred = tuple(plan.deferred)
+        failed = plan.failed
         step = Step(
             admitted=tuple(plan.admitted),
             deferred=deferred,
@@ -722,7 +725,7 @@ class LoRAManager:
             num_tokens=plan.num_tokens,
             _ticket=plan.ticket,
             _slot_writes=slot_writes,
-            failed=self._loading.failures(names, plan.failed),
+            failed=self._loading.failures(names, failed) if failed else None,
             loading=loading,
             reasons=tuple(plan.reasons) if deferred else (),
         )

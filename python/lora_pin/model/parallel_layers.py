@@ -85,14 +85,24 @@ class ParallelLoRALinear(LoRALinear):
         step = self._active_step()
         if step is None or not step.any_adapter:
             return
-        seg = step.for_input(x)
         buf = self._pool_buffers
-        self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
-        meta = self._kernel_meta(seg)
         flat_x = x.reshape(-1, x.shape[-1])
         flat_out = out.view(-1, out.shape[-1])
+        plain = not self._shard.fully_sharded
+        if plain and x.device.type == "cpu" and not torch.compiler.is_compiling():
+            # As LoRALinear on CPU: the group's delta checked and planned once per step (a plain shard's
+            # slice offsets are its group's), then one op call, or none for a group no row uses.
+            delta = step.delta_for(buf, x)
+            if not delta.empty:
+                if x.dtype is not delta.dtype:
+                    self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
+                delta.apply(flat_out, flat_x)
+            return
+        seg = step.for_input(x)
+        self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
+        meta = self._kernel_meta(seg)
         tp = self._shard.tp
-        if not self._shard.fully_sharded:
+        if plain:
             expand(flat_out, shrink(flat_x, buf.a, meta), buf.b, meta)
         elif self._shard.layout.kind == "column":
             v_local = shrink(flat_x, buf.a, self._local_meta(seg, meta))  # [T, n * chunk]

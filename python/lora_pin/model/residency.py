@@ -441,6 +441,9 @@ class Residency:
                 released.record(torch.cuda.current_stream(self.pool.device))
                 for slot, _ in slot_writes:
                     self._released[slot] = released
+            passed = self._passed
+        if passed is not None and passed[1] == counts:
+            return []  # no slot written since the last step's check passed (counts only grow)
         return [slot for slot, writes in slot_writes if counts[slot] != writes]
 
     @property

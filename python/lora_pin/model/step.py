@@ -1,10 +1,9 @@
-"""One scheduler step as the manager hands it out: :class:`Step`, and how its arrays and request
-indices are built from the core's plan."""
+"""One scheduler step as the manager hands it out: :class:`Step`, and how its arrays are built from the
+core's plan (:class:`StepArrays`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,12 +12,13 @@ from lora_pin.errors import LoraPinError
 from lora_pin.model.layers import StepSegments
 from lora_pin.ops import SegmentBatch
 
-__all__ = ["Step", "step_arrays"]
+__all__ = ["Step", "StepArrays", "step_segments"]
 
 
-@dataclass(frozen=True, kw_only=True)
 class Step:
-    """One planned scheduler step (from :meth:`LoRAManager.prepare_step` or :meth:`LoRAManager.batch`).
+    """One planned scheduler step (from :meth:`LoRAManager.prepare_step` or :meth:`LoRAManager.batch`),
+    built by keyword; its attributes are read-only (a plain class with ``__slots__``: building one is
+    part of every step's cost).
 
     Attributes:
         admitted: indices (into the step's requests) of the requests that run this step, in batch order.
@@ -39,33 +39,106 @@ class Step:
         reasons: why each deferred request waits, parallel to ``deferred``, as the core decided it:
             ``"device_room"``, ``"host_room"``, ``"loading"`` or ``"fairness"`` (see
             ``LoRARegistry.begin_step``).
+
+    ``request_slots`` and ``segments`` may be the very tensors of an earlier step whose arrays were the
+    same (:class:`StepArrays`): never write into them.
     """
 
-    admitted: tuple[int, ...]
-    deferred: tuple[int, ...]
-    request_slots: torch.Tensor
-    segments: SegmentBatch
-    num_tokens: int
-    _ticket: int
-    _slot_writes: tuple[tuple[int, int], ...] = ()
-    failed: Mapping[int, LoraPinError] = field(default_factory=dict)
-    loading: tuple[int, ...] = ()
-    reasons: tuple[str, ...] = ()
+    __slots__ = (
+        "_slot_writes",
+        "_ticket",
+        "admitted",
+        "deferred",
+        "failed",
+        "loading",
+        "num_tokens",
+        "reasons",
+        "request_slots",
+        "segments",
+    )
+
+    def __init__(
+        self,
+        *,
+        admitted: tuple[int, ...],
+        deferred: tuple[int, ...],
+        request_slots: torch.Tensor,
+        segments: SegmentBatch,
+        num_tokens: int,
+        _ticket: int,
+        _slot_writes: tuple[tuple[int, int], ...] = (),
+        failed: Mapping[int, LoraPinError] | None = None,
+        loading: tuple[int, ...] = (),
+        reasons: tuple[str, ...] = (),
+    ) -> None:
+        self.admitted = admitted
+        self.deferred = deferred
+        self.request_slots = request_slots
+        self.segments = segments
+        self.num_tokens = num_tokens
+        self._ticket = _ticket
+        self._slot_writes = _slot_writes
+        self.failed: Mapping[int, LoraPinError] = {} if failed is None else failed
+        self.loading = loading
+        self.reasons = reasons
+
+    def __repr__(self) -> str:
+        return (
+            f"Step(admitted={self.admitted}, deferred={self.deferred}, num_tokens={self.num_tokens}, "
+            f"failed={dict(self.failed)}, loading={self.loading}, reasons={self.reasons})"
+        )
 
 
-def step_arrays(
-    plan: Any, device: torch.device, per_sequence: bool, chunk_size: int | None
-) -> tuple[torch.Tensor, SegmentBatch, StepSegments]:
-    """The core plan's arrays on ``device``: each admitted request's slot (int32 ``[len(admitted)]``, -1
-    for base), the token segments, and the :class:`StepSegments` the LoRA layers read while it runs.
+class StepArrays:
+    """The tensors of a step's arrays on ``device`` (from the core's ``StepPlan.step_arrays``), kept for
+    the next step: a step whose arrays are byte for byte the last one's (a steady decode batch: the same
+    requests in the same slots) gets the same tensors, built by no torch call at all.
 
-    The core hands every array in one buffer (``StepPlan.step_arrays``): one tensor, one copy to the
-    device, and views of it.
-
-    A per-sequence plan (:meth:`~lora_pin.model.LoRAManager.batch`) was made with one token per sequence:
-    its segments serve decode inputs, and those of longer inputs are derived from them in the layers.
+    On CPU the tensors are views of the core's buffer, kept with them, so an in-place write into one
+    would show in the comparison and end the reuse; on other devices each new buffer is one copy.
+    Not thread-safe: one manager's steps run one at a time (its step lock).
     """
-    data, words = plan.step_arrays()
+
+    __slots__ = ("_data", "_tensors", "_words", "device")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._data: bytearray | None = None
+        self._words: tuple[int, int, int, int] | None = None
+        self._tensors: tuple[torch.Tensor, SegmentBatch] | None = None
+
+    def of(self, plan: Any) -> tuple[torch.Tensor, SegmentBatch, bool]:
+        """The arrays of ``plan`` (a ``StepPlan``) on the device: each admitted request's slot (int32
+        ``[len(admitted)]``, -1 for base), the token segments, and whether any token uses an adapter."""
+        data, words = plan.step_arrays()
+        tensors = self._tensors
+        # Only on CPU: a device copy made on one stream is not ordered before another stream's reads.
+        if tensors is None or words != self._words or data != self._data or self.device.type != "cpu":
+            tensors = _tensors(data, words, self.device)
+            self._data, self._words, self._tensors = data, words, tensors
+        return tensors[0], tensors[1], words[0] > 0
+
+
+def step_segments(
+    request_slots: torch.Tensor,
+    segments: SegmentBatch,
+    any_adapter: bool,
+    per_sequence: bool,
+    chunk_size: int | None,
+) -> StepSegments:
+    """The :class:`StepSegments` of a step's arrays (:meth:`StepArrays.of`)."""
+    if per_sequence:
+        return StepSegments(
+            segments, sequence_slots=request_slots.long(), chunk_size=chunk_size, any_adapter=any_adapter
+        )
+    return StepSegments(segments=segments, any_adapter=any_adapter)
+
+
+def _tensors(
+    data: bytearray, words: tuple[int, int, int, int], device: torch.device
+) -> tuple[torch.Tensor, SegmentBatch]:
+    """``(request_slots, segments)`` from the core's one buffer (``StepPlan.step_arrays``): one tensor,
+    one copy to the device, and views of it."""
     if device.type == "cpu":
         # Views of the buffer, each by its own dtype: no copy (the tensors share the fresh bytearray).
         n_perm, n_requests, n_indptr, n_segments = words
@@ -84,15 +157,7 @@ def step_arrays(
         flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
         perm32, request_slots, seg_indptr, seg_slots = flat.split_with_sizes(words)
         perm = perm32.view(torch.int64)
-    segments = SegmentBatch(perm, seg_indptr, seg_slots)
-    any_adapter = words[0] > 0
-    if per_sequence:
-        active = StepSegments(
-            segments, sequence_slots=request_slots.long(), chunk_size=chunk_size, any_adapter=any_adapter
-        )
-    else:
-        active = StepSegments(segments=segments, any_adapter=any_adapter)
-    return request_slots, segments, active
+    return request_slots, SegmentBatch(perm, seg_indptr, seg_slots)
 
 
 def _part(data: bytearray, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
