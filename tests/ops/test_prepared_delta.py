@@ -156,6 +156,7 @@ def _layer(layer, ranks, token_slots, out):
         ranks=ranks,
         scalings=layer.slot_scalings,
         slice_offsets=layer.slice_offsets,
+        dora_slots=None,
     )
     step = StepSegments(segments=segments_from_slots(token_slots), any_adapter=True)
     return LoRALinear(_Output(out), buffers, lambda: step)
