@@ -308,6 +308,7 @@ def fixed_costs(calls: int) -> dict[str, float]:
         ranks=layer.slot_ranks,
         scalings=layer.slot_scalings,
         slice_offsets=layer.slice_offsets,
+        dora_slots=None,  # no DoRA adapter in these slots
     )
     used = segments_from_slots(torch.tensor([0, -1, 1, 0]))
     # Slot 2 has no rank in this group (an adapter that targets other modules only).
