@@ -3,7 +3,7 @@ anything leaks per load (issue 14, item 10: safetensors 0.8's ``get_tensor(frame
 per tensor read, +3.5 MiB per 2,000 cycles).
 
 Prints RSS every ``--every`` cycles, the growth after the warm-up and the least-squares slope in bytes per
-cycle. Same workload as ``tests/test_reliability.py``'s cycle test: a 2-layer tiny Llama, two resident
+cycle. Same workload as ``tests/model/test_reliability.py``'s cycle test: a 2-layer tiny Llama, two resident
 adapters, and an r=2 adapter on the 3 MLP linears loaded and unloaded again and again.
 
     .venv/bin/python benches/load_cycles.py --cycles 10000

@@ -2,7 +2,7 @@
 same rules in plain Python (dicts + OrderedDict, as SGLang and vLLM keep their LoRA caches).
 
 ``PythonPlanner`` (``tests/core/planner_model.py``) is also the model the hypothesis stateful test
-(tests/test_core_stateful.py) checks the Rust registry against, so both sides provably do the same work.
+(tests/core/test_core_stateful.py) checks the Rust registry against, so both sides provably do the same work.
 
 Run: ``.venv/bin/python benches/plan_step.py``
 """

@@ -1,7 +1,7 @@
 """A plain-Python model of the Rust registry's rules (``PythonPlanner``): dicts and OrderedDicts scanned in
 policy order, as SGLang and vLLM keep their LoRA caches. The hypothesis stateful test
-(``tests/test_core_stateful.py``) checks the Rust registry against it, and ``benches/plan_step.py`` times the
-Rust planner against it, so both sides provably do the same work."""
+(``tests/core/test_core_stateful.py``) checks the Rust registry against it, and ``benches/plan_step.py``
+times the Rust planner against it, so both sides provably do the same work."""
 
 from __future__ import annotations
 

@@ -307,7 +307,7 @@ def _shrink_block_k(dtype: torch.dtype, block_r: int, interpret: bool) -> int:
 
 
 def _expand_block_n(dtype: torch.dtype, max_rank: int, block_m: int) -> int:
-    # Register use decides it (tests/test_triton_aot.py builds every choice made here for sm_90):
+    # Register use decides it (tests/ops/test_triton_aot.py builds every choice made here for sm_90):
     # fp32 multiplies on the FMA units with its tiles in registers, and wider tiles spill (16 x 64
     # spilled 8 B under Triton 3.6, 16 x 128 24 B under 3.9); in fp16/bf16 a 64 x 128 tile takes 228
     # registers a thread, two blocks a multiprocessor, too few loads in flight for a kernel that

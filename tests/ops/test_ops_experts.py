@@ -145,7 +145,7 @@ def test_the_benchmark_agrees_with_its_loop_baseline(capsys, monkeypatch) -> Non
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benches" / "moe_experts.py"
+    path = Path(__file__).resolve().parents[2] / "benches" / "moe_experts.py"
     spec = importlib.util.spec_from_file_location("bench_moe_experts", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -23,7 +23,7 @@ from lora_pin._core import LoRARef, LoRARegistry
 from lora_pin.errors import LoraPinError
 
 _spec = importlib.util.spec_from_file_location(
-    "planner_model", Path(__file__).resolve().parent / "core" / "planner_model.py"
+    "planner_model", Path(__file__).resolve().parent / "planner_model.py"
 )
 assert _spec is not None and _spec.loader is not None
 planner_model = importlib.util.module_from_spec(_spec)

@@ -545,7 +545,7 @@ def _load_bench(name, monkeypatch):
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benches" / f"{name}.py"
+    path = Path(__file__).resolve().parents[2] / "benches" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -416,7 +416,7 @@ def test_the_async_loading_benchmark_runs(capsys: pytest.CaptureFixture[str], mo
     import importlib.util
     import sys
 
-    path = Path(__file__).resolve().parents[1] / "benches" / "async_loading.py"
+    path = Path(__file__).resolve().parents[2] / "benches" / "async_loading.py"
     spec = importlib.util.spec_from_file_location("bench_async_loading", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

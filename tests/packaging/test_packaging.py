@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The newest glibc a wheel may need: torch's own Linux wheels are manylinux_2_28.
 MAX_GLIBC = (2, 28)
 OTHER_MINORS = ("3.13", "3.12", "3.10")
