@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -809,8 +810,15 @@ def load_opened(
     name = file.name
     if not dtype.is_floating_point:
         raise AdapterLoadError(f"adapter {name!r}: serving dtype must be floating point, got {dtype}")
-    ranks, pairs = _check_against_model(file, targets, max_rank, shards)
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+    plans = _plans(targets)
+    plan_key = (
+        None if file.layout_key is None or shards is not None else (*file.layout_key, max_rank, dtype, pin)
+    )
+    plan = None if plan_key is None else plans.get(plan_key)
+    if plan is not None:
+        return plan.load(file, targets, dtype)
+    ranks, pairs = _check_against_model(file, targets, max_rank, shards)
     touched = [g for g in targets.groups if any(m.key in ranks for m in g.members)]
     slab = _Slab(sum(_group_numel(g, ranks, shards) for g in touched), dtype, pin)
     reads: list[tuple[str, torch.Tensor]] = []
@@ -825,9 +833,180 @@ def load_opened(
     whole = sum(_whole_numel(g, ranks, shards) for g in touched) * slab.memory.element_size()
     # A DoRA module's magnitude and factor (DoRA is served unsharded only: the same on every process).
     whole += sum(_dora_nbytes(m) for m in modules.values())
+    if plan_key is not None and not file.unused and not file.config.use_dora:
+        plans.put(plan_key, _LoadPlan.of(file, pairs, slab, modules, reads, searched, whole))
     return HostAdapter(
         name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks), digest, whole
     )
+
+
+# One read of a plan: tensor name, stored dtype, shape, file offset, byte offset in the slab, bytes.
+_PlannedRead = tuple[str, str, tuple[int, ...], int, int, int]
+# One group of a plan: the group, A's and B's element offset in the slab and shape, per slice rank and
+# scaling.
+_PlannedModule = tuple[
+    TargetGroup, int, tuple[int, int], int, tuple[int, int], tuple[int, ...], tuple[float, ...]
+]
+
+
+@dataclass(frozen=True)
+class _LoadPlan:
+    """What a load of one adapter decided from its config, its weight file's header and the model
+    (every check passed, the slab's layout, what each tensor's bytes go where, the ranks and scalings,
+    the modules its digest covers), kept so that a later load with the same config and header bytes
+    (:attr:`~lora_pin.weights.reader.AdapterFile.layout_key`), for the same model, max rank, dtype and
+    memory pinning, only reads and hashes the tensors: adapters trained alike share all of it, and
+    deciding it again costs more than reading them.
+
+    Only plain loads are kept: a safetensors file with no unused tensor (PEFT's copies of base weights
+    are compared by value on every load), no DoRA magnitudes, no expert weights, unsharded, every tensor
+    read straight into its place in the serving dtype and those places covering the whole slab (no
+    padding to zero, and the core's NaN/Inf search covers every element).
+    """
+
+    numel: int
+    pin: bool
+    reads: tuple[_PlannedRead, ...]
+    modules: tuple[_PlannedModule, ...]
+    rank_tensor: torch.Tensor
+    scaling_tensor: torch.Tensor
+    served: tuple[ServedModule, ...]
+    tensors: int
+    whole_nbytes: int
+
+    @classmethod
+    def of(
+        cls,
+        file: AdapterFile,
+        pairs: dict[str, LoraTensorPair],
+        slab: _Slab,
+        modules: dict[str, HostModule],
+        reads: list[tuple[str, torch.Tensor]],
+        searched: list[tuple[tuple[str, torch.Tensor], int | None]],
+        whole_nbytes: int,
+    ) -> _LoadPlan | None:
+        """The plan of a load that just succeeded (its slab, modules, reads and the core's NaN/Inf
+        counts), or None when it is not a plain load (see the class)."""
+        memory = slab.memory
+        size, base = memory.element_size(), memory.data_ptr()
+        if any(bad is None for _, bad in searched) or any(g.group.experts for g in modules.values()):
+            return None
+        planned = []
+        for tensor_name, out in reads:
+            dtype, shape, begin, end = file.stored(tensor_name)
+            planned.append((tensor_name, dtype, shape, begin, out.data_ptr() - base, end - begin))
+        if sum(r[5] for r in planned) != memory.nbytes:
+            return None
+        built = tuple(
+            (
+                m.group,
+                (m.a.data_ptr() - base) // size,
+                (m.a.shape[0], m.a.shape[1]),
+                (m.b.data_ptr() - base) // size,
+                (m.b.shape[0], m.b.shape[1]),
+                m.ranks,
+                m.scalings,
+            )
+            for m in modules.values()
+        )
+        ranks = torch.cat([m.rank_tensor for m in modules.values()])
+        scalings = torch.cat([m.scaling_tensor for m in modules.values()])
+        if memory.is_pinned():
+            ranks, scalings = ranks.pin_memory(), scalings.pin_memory()
+        # Shared by every adapter loaded by this plan: nothing writes a host module's ranks or
+        # scalings (the pool copies them).
+        return cls(
+            memory.numel(),
+            memory.is_pinned(),
+            tuple(planned),
+            built,
+            ranks,
+            scalings,
+            tuple(_served(modules.values(), pairs)),
+            len(reads),
+            whole_nbytes,
+        )
+
+    def load(self, file: AdapterFile, targets: LoRATargets, dtype: torch.dtype) -> HostAdapter:
+        """:func:`load_opened` of ``file`` by this plan: one read of every tensor, then the views.
+
+        Raises:
+            AdapterLoadError: a tensor could not be read, holds a NaN/Inf, or the file changed.
+        """
+        memory = torch.empty(self.numel, dtype=dtype, pin_memory=self.pin)
+        non_finite = file.read_at(self.reads, memory.data_ptr())
+        size = memory.element_size()
+        for (tensor_name, _, shape, _, at, nbytes), bad in zip(self.reads, non_finite, strict=True):
+            if bad:
+                copied = memory[at // size : (at + nbytes) // size].view(shape)
+                raise _non_finite(file, tensor_name, copied, bad)
+        file.check_unchanged()
+        modules = {}
+        first = 0
+        for group, a_at, a_shape, b_at, b_shape, ranks, scalings in self.modules:
+            count = len(ranks)
+            modules[group.key] = HostModule(
+                group,
+                memory.as_strided(a_shape, (a_shape[1], 1), a_at),
+                memory.as_strided(b_shape, (b_shape[1], 1), b_at),
+                ranks,
+                scalings,
+                self.rank_tensor[first : first + count],
+                self.scaling_tensor[first : first + count],
+            )
+            first += count
+        digest = adapter_digest(file.digests.result(), self.served)
+        return HostAdapter(
+            file.name,
+            file.directory,
+            file.config,
+            targets,
+            dtype,
+            modules,
+            self.tensors,
+            digest,
+            self.whole_nbytes,
+        )
+
+
+class _PlanCache:
+    """The last few :class:`_LoadPlan` of one model's targets, by layout key and load settings."""
+
+    def __init__(self, entries: int) -> None:
+        self._entries = entries
+        self._held: dict[tuple[object, ...], _LoadPlan] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[object, ...]) -> _LoadPlan | None:
+        with self._lock:
+            found = self._held.pop(key, None)
+            if found is not None:
+                self._held[key] = found
+            return found
+
+    def put(self, key: tuple[object, ...], plan: _LoadPlan | None) -> None:
+        if plan is None:
+            return
+        with self._lock:
+            self._held[key] = plan
+            while len(self._held) > self._entries:
+                del self._held[next(iter(self._held))]
+
+
+def _plans(targets: LoRATargets) -> _PlanCache:
+    """``targets``' plan cache (held by the targets, so a plan never outlives the model it checked)."""
+    cache = targets.__dict__.get("_load_plans")
+    if cache is None:
+        with _PLANS_LOCK:
+            cache = targets.__dict__.get("_load_plans")
+            if cache is None:
+                cache = _PlanCache(_PLANS_PER_MODEL)
+                object.__setattr__(targets, "_load_plans", cache)
+    return cache
+
+
+_PLANS_PER_MODEL = 32
+_PLANS_LOCK = threading.Lock()
 
 
 class HostTier:

@@ -21,6 +21,7 @@ tensors were being read.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,6 +171,10 @@ class AdapterFile:
     _stored: dict[str, _Stored] = field(default_factory=dict, repr=False)
     _loaded: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     digests: TensorDigests = field(default_factory=TensorDigests, repr=False)
+    #: The config file's and the weight file's header bytes, exactly as read (a safetensors file only):
+    #: everything but the tensors' bytes that a load's checks and layout depend on, so a loader may
+    #: reuse the work of an earlier load with the same key.
+    layout_key: tuple[bytes, bytes] | None = field(default=None, repr=False)
 
     @classmethod
     def in_memory(
@@ -263,6 +268,40 @@ class AdapterFile:
             out.copy_(raw.view(_SAFETENSORS_DTYPES[stored.dtype]).view(stored.shape))
             non_finite[i] = None
         return non_finite
+
+    def read_at(
+        self, reads: Sequence[tuple[str, str, tuple[int, ...], int, int, int]], base: int
+    ) -> list[int | None]:
+        """Read tensors as :meth:`read_many` does, into memory given by address: each read is
+        ``(tensor_name, stored_dtype, shape, file_offset, byte_offset, nbytes)`` as this file's header
+        gives them, and its bytes go to ``base + byte_offset`` (``base``: the address of a live contiguous
+        CPU tensor that holds every destination; destinations must not overlap). Returns the core's
+        NaN/Inf count of each read (None for dtypes it does not search).
+
+        Raises:
+            AdapterLoadError: as :meth:`read_many`.
+        """
+        assert self._weights is not None
+        try:
+            digests, non_finite = _core._read_tensors(
+                self._weights.fd,
+                [(n, d, shape, at, base + to, size) for n, d, shape, at, to, size in reads],
+                threads=READ_THREADS,
+            )
+        except AdapterLoadError as exc:
+            raise AdapterLoadError(f"adapter {self.name!r} ({self.weights_path}): {exc}") from None
+        for i, read in enumerate(reads):
+            self.digests.put(read[0], digests[32 * i : 32 * i + 32])
+        return non_finite
+
+    def stored(self, tensor_name: str) -> tuple[str, tuple[int, ...], int, int]:
+        """Where stored tensor ``tensor_name`` lies in the weight file: ``(dtype, shape, begin, end)``,
+        its safetensors dtype name, shape, and byte range from the file's start.
+
+        Raises:
+            KeyError: the file has no such tensor, or the adapter was not read from a safetensors file.
+        """
+        return self._stored[tensor_name]
 
     def _read_hashed(self, jobs: list[tuple[str, _Stored, torch.Tensor]]) -> list[int | None]:
         """Read each stored tensor's bytes into its tensor (contiguous, on the CPU, exactly the stored
@@ -381,6 +420,11 @@ def _read_upto(fd: int, count: int) -> bytes:
 
 def _read_config(folder: AdapterFolder) -> AdapterConfig:
     """The folder's ``adapter_config.json``, read from its descriptor and validated."""
+    return _read_config_and_bytes(folder)[0]
+
+
+def _read_config_and_bytes(folder: AdapterFolder) -> tuple[AdapterConfig, bytes]:
+    """:func:`_read_config`, and the file's bytes as read."""
     name = folder.name
     file = folder.open_file(CONFIG_NAME, limit=MAX_CONFIG_BYTES, what="MAX_CONFIG_BYTES")
     if file is None:
@@ -400,7 +444,7 @@ def _read_config(folder: AdapterFolder) -> AdapterConfig:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise AdapterLoadError(f"adapter {name!r} ({file.path}): not valid JSON: {exc}") from None
-    return AdapterConfig.from_mapping(name, str(file.path), data)
+    return AdapterConfig.from_mapping(name, str(file.path), data), raw
 
 
 def read_contained_config(
@@ -433,20 +477,29 @@ def _header_error(name: str, file: FolderFile, why: str) -> AdapterLoadError:
     return AdapterLoadError(f"adapter {name!r} ({file.path}): cannot read safetensors: {why}")
 
 
-def _index_safetensors(name: str, file: FolderFile, max_tensors: int) -> dict[str, _Stored]:
-    """Every tensor's dtype, shape and byte range from the header, checked as the safetensors format
-    requires (known dtype, byte length = elements x element size, ranges back to back covering the data)."""
+def _read_header(name: str, file: FolderFile) -> bytes:
+    """The weight file's first ``8 + length`` bytes: the header's length and its JSON."""
     size = file.stamp[1]
     try:
         prefix = os.pread(file.fd, 8, 0)
         length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
         if length < 0 or length > _MAX_HEADER_BYTES or 8 + length > size:
             raise _header_error(name, file, f"header length {length} does not fit the file's {size} bytes")
-        header = orjson.loads(_read_upto(file.fd, 8 + length)[8:])
-    except orjson.JSONDecodeError as exc:
-        raise _header_error(name, file, f"the header is not JSON: {exc}") from None
+        return _read_upto(file.fd, 8 + length)
     except OSError as exc:
         raise _header_error(name, file, str(exc)) from None
+
+
+def _index_safetensors(name: str, file: FolderFile, raw: bytes, max_tensors: int) -> dict[str, _Stored]:
+    """Every tensor's dtype, shape and byte range from the header ``raw`` (:func:`_read_header`),
+    checked as the safetensors format requires (known dtype, byte length = elements x element size,
+    ranges back to back covering the data)."""
+    size = file.stamp[1]
+    length = len(raw) - 8
+    try:
+        header = orjson.loads(raw[8:])
+    except orjson.JSONDecodeError as exc:
+        raise _header_error(name, file, f"the header is not JSON: {exc}") from None
     if not isinstance(header, dict):
         raise _header_error(name, file, "the header is not a JSON object")
     header.pop("__metadata__", None)
@@ -600,26 +653,54 @@ def open_adapter(
     """
     folder = AdapterFolder.open(name, path, real_roots(allowed_roots))
     try:
-        config = _read_config(folder)
-        return _open_weights(folder, config, allow_pickle, max_file_bytes, max_tensors)
+        config, raw_config = _read_config_and_bytes(folder)
+        return _open_weights(folder, config, raw_config, allow_pickle, max_file_bytes, max_tensors)
     except BaseException:
         folder.close()
         raise
 
 
 def _open_weights(
-    folder: AdapterFolder, config: AdapterConfig, allow_pickle: bool, max_file_bytes: int, max_tensors: int
+    folder: AdapterFolder,
+    config: AdapterConfig,
+    raw_config: bytes,
+    allow_pickle: bool,
+    max_file_bytes: int,
+    max_tensors: int,
 ) -> AdapterFile:
     name = folder.name
     stored: dict[str, _Stored] = {}
     loaded: dict[str, torch.Tensor] | None = None
     file = folder.open_file(SAFETENSORS_NAME, limit=max_file_bytes, what="max_file_bytes")
     if file is not None:
-        stored = _index_safetensors(name, file, max_tensors)
-        shapes = {k: s.shape for k, s in stored.items()}
-        dtypes: dict[str, torch.dtype | str] = {
-            k: _SAFETENSORS_DTYPES.get(s.dtype, s.dtype) for k, s in stored.items()
-        }
+        header = _read_header(name, file)
+        indexed = _INDEXED.get((header, file.stamp[1]))
+        if indexed is None:
+            stored = _index_safetensors(name, file, header, max_tensors)
+            shapes = {k: s.shape for k, s in stored.items()}
+            dtypes: dict[str, torch.dtype | str] = {
+                k: _SAFETENSORS_DTYPES.get(s.dtype, s.dtype) for k, s in stored.items()
+            }
+            pairs, unused, dtype = _pair_tensors(name, file.path, shapes, dtypes)
+            _INDEXED.put((header, file.stamp[1]), (stored, pairs, unused, dtype))
+        else:
+            stored, pairs, unused, dtype = indexed
+            check_count(name, file.path, len(stored), max_tensors)
+        # Copies: the cached index is shared, an AdapterFile's own.
+        return AdapterFile(
+            name,
+            folder.path,
+            config,
+            file.path,
+            dtype,
+            dict(pairs),
+            list(unused),
+            folder,
+            file,
+            dict(stored),
+            None,
+            layout_key=(raw_config, header),
+        )
     elif allow_pickle:
         file = folder.open_file(PICKLE_NAME, limit=max_file_bytes, what="max_file_bytes")
         if file is None:
@@ -644,6 +725,47 @@ def _open_weights(
     return AdapterFile(
         name, folder.path, config, file.path, dtype, pairs, unused, folder, file, stored, loaded
     )
+
+
+class _IndexCache:
+    """The last few weight files' indexes and tensor pairs (:func:`_index_safetensors`,
+    :func:`_pair_tensors`), by the header's bytes and the file's size, which decide them: adapters
+    trained alike share one header, and indexing and pairing it is most of what opening one costs.
+    Only what passed every check is kept (an error names its own adapter and file); headers above
+    :data:`_CACHED_HEADER_BYTES` are not kept."""
+
+    def __init__(self, entries: int) -> None:
+        self._entries = entries
+        self._held: dict[
+            tuple[bytes, int], tuple[dict[str, _Stored], dict[str, LoraTensorPair], list[str], torch.dtype]
+        ] = {}
+        self._lock = threading.Lock()
+
+    def get(
+        self, key: tuple[bytes, int]
+    ) -> tuple[dict[str, _Stored], dict[str, LoraTensorPair], list[str], torch.dtype] | None:
+        with self._lock:
+            found = self._held.pop(key, None)
+            if found is not None:
+                self._held[key] = found
+            return found
+
+    def put(
+        self,
+        key: tuple[bytes, int],
+        value: tuple[dict[str, _Stored], dict[str, LoraTensorPair], list[str], torch.dtype],
+    ) -> None:
+        if len(key[0]) > _CACHED_HEADER_BYTES:
+            return
+        with self._lock:
+            self._held[key] = value
+            while len(self._held) > self._entries:
+                del self._held[next(iter(self._held))]
+
+
+#: The largest safetensors header :class:`_IndexCache` keeps (an adapter of a few thousand tensors).
+_CACHED_HEADER_BYTES = 1 << 20
+_INDEXED = _IndexCache(32)
 
 
 # Element sizes of every dtype the safetensors format names; the float ones map to torch below.
