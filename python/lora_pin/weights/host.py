@@ -843,9 +843,18 @@ def load_opened(
 # One read of a plan: tensor name, stored dtype, shape, file offset, byte offset in the slab, bytes.
 _PlannedRead = tuple[str, str, tuple[int, ...], int, int, int]
 # One group of a plan: the group, A's and B's element offset in the slab and shape, per slice rank and
-# scaling.
+# scaling, and the rank and scaling tensors (the first load's: nothing writes them, the pool copies
+# them, so every load by the plan shares them).
 _PlannedModule = tuple[
-    TargetGroup, int, tuple[int, int], int, tuple[int, int], tuple[int, ...], tuple[float, ...]
+    TargetGroup,
+    int,
+    tuple[int, int],
+    int,
+    tuple[int, int],
+    tuple[int, ...],
+    tuple[float, ...],
+    torch.Tensor,
+    torch.Tensor,
 ]
 
 
@@ -868,8 +877,6 @@ class _LoadPlan:
     pin: bool
     reads: tuple[_PlannedRead, ...]
     modules: tuple[_PlannedModule, ...]
-    rank_tensor: torch.Tensor
-    scaling_tensor: torch.Tensor
     served: tuple[ServedModule, ...]
     tensors: int
     whole_nbytes: int
@@ -906,22 +913,16 @@ class _LoadPlan:
                 (m.b.shape[0], m.b.shape[1]),
                 m.ranks,
                 m.scalings,
+                m.rank_tensor,
+                m.scaling_tensor,
             )
             for m in modules.values()
         )
-        ranks = torch.cat([m.rank_tensor for m in modules.values()])
-        scalings = torch.cat([m.scaling_tensor for m in modules.values()])
-        if memory.is_pinned():
-            ranks, scalings = ranks.pin_memory(), scalings.pin_memory()
-        # Shared by every adapter loaded by this plan: nothing writes a host module's ranks or
-        # scalings (the pool copies them).
         return cls(
             memory.numel(),
             memory.is_pinned(),
             tuple(planned),
             built,
-            ranks,
-            scalings,
             tuple(_served(modules.values(), pairs)),
             len(reads),
             whole_nbytes,
@@ -942,19 +943,10 @@ class _LoadPlan:
                 raise _non_finite(file, tensor_name, copied, bad)
         file.check_unchanged()
         modules = {}
-        first = 0
-        for group, a_at, a_shape, b_at, b_shape, ranks, scalings in self.modules:
-            count = len(ranks)
-            modules[group.key] = HostModule(
-                group,
-                memory.as_strided(a_shape, (a_shape[1], 1), a_at),
-                memory.as_strided(b_shape, (b_shape[1], 1), b_at),
-                ranks,
-                scalings,
-                self.rank_tensor[first : first + count],
-                self.scaling_tensor[first : first + count],
-            )
-            first += count
+        for group, a_at, a_shape, b_at, b_shape, ranks, scalings, rank_tensor, scaling_tensor in self.modules:
+            a = memory.as_strided(a_shape, (a_shape[1], 1), a_at)
+            b = memory.as_strided(b_shape, (b_shape[1], 1), b_at)
+            modules[group.key] = HostModule(group, a, b, ranks, scalings, rank_tensor, scaling_tensor)
         digest = adapter_digest(file.digests.result(), self.served)
         return HostAdapter(
             file.name,
