@@ -12,7 +12,11 @@ and the content digest: every served byte hashed with BLAKE3 by the core as it i
 the host tier alone (``load_adapter``), which reads each byte once, as the floor does; the pool fill is a
 second copy the floor does not make. Also timed: hashing every adapter's tensors alone (the Python
 ``blake3`` package, one thread); and the host tier with its reads on one thread
-(``reader.READ_THREADS = 1``, patched in here), to show what the core's other reading threads bring.
+(``reader.READ_THREADS = 1``, patched in here), to show what the core's other reading threads bring;
+and the host tier with nothing decided before (``cold``): the adapters here are alike (one config, one
+header), so after the first every load reuses the first one's checks and layout (the reader's header
+index and the load plan of ``weights/host.py``); ``cold`` drops both before each adapter, as a load
+of adapters of eight different recipes would find them.
 
 The loaders run in alternating rounds (floor, host tier, one thread, host tier + pool, PEFT, hashing; each
 timed as the median of ``--repeats`` runs); every ratio is taken within a round, and the median over
@@ -106,6 +110,16 @@ def main() -> None:
             for i, path in enumerate(paths):
                 load_adapter(f"a{i}", path, targets, max_rank=args.rank, dtype=dtype)
 
+        def forget_decisions() -> None:
+            # Private on purpose: the caches have no public switch, a benchmark of their absence needs one.
+            targets.__dict__.pop("_load_plans", None)
+            reader._INDEXED = reader._IndexCache(32)
+
+        def cold_load() -> None:
+            for i, path in enumerate(paths):
+                forget_decisions()
+                load_adapter(f"a{i}", path, targets, max_rank=args.rank, dtype=dtype)
+
         def floor_load() -> None:
             for i, path in enumerate(paths):
                 state = load_file(path / "adapter_model.safetensors")
@@ -141,7 +155,7 @@ def main() -> None:
         peft_reset()
         peft_load()
         threads = reader.READ_THREADS
-        keys = ("ours", "host", "one_thread", "floor", "peft", "hash")
+        keys = ("ours", "host", "one_thread", "cold", "floor", "peft", "hash")
         rounds: dict[str, list[float]] = {k: [] for k in keys}
         for _ in range(args.rounds):
             rounds["floor"].append(median_seconds(floor_load, args.repeats))
@@ -151,6 +165,7 @@ def main() -> None:
                 rounds["one_thread"].append(median_seconds(host_load, args.repeats))
             finally:
                 reader.READ_THREADS = threads
+            rounds["cold"].append(median_seconds(cold_load, args.repeats))
             rounds["ours"].append(median_seconds(lora_pin_load, args.repeats))
             rounds["peft"].append(median_seconds(peft_load, args.repeats, reset=peft_reset))
             rounds["hash"].append(median_seconds(hash_only, args.repeats))
@@ -179,6 +194,10 @@ def main() -> None:
         f"  host tier, reads on one thread : {statistics.median(rounds['one_thread']) * 1e3:8.2f} ms "
         f"(READ_THREADS={threads} above); median of per-round ratios: one thread / floor = "
         f"{ratio('one_thread', 'floor'):.2f}x"
+    )
+    print(
+        f"  host tier, nothing decided before : {statistics.median(rounds['cold']) * 1e3:8.2f} ms; "
+        f"median of per-round ratios: cold / floor = {ratio('cold', 'floor'):.2f}x"
     )
     print(
         f"  median of per-round ratios: host tier / floor = {ratio('host', 'floor'):.2f}x (goal <= 1.3x); "
