@@ -83,22 +83,49 @@ pub struct TensorOutcome {
 /// `F64`, `F32`, `F16` and `BF16`; `None` for other dtypes. An element is NaN or infinite exactly when
 /// all its exponent bits are set.
 pub fn count_non_finite(dtype: &str, data: &[u8]) -> Option<u64> {
-    fn count<const N: usize>(data: &[u8], exponent: u64) -> u64 {
-        data.chunks_exact(N)
-            .map(|c| {
-                let mut word = [0u8; 8];
-                word[..N].copy_from_slice(c);
-                u64::from(u64::from_le_bytes(word) & exponent == exponent)
-            })
-            .sum()
-    }
     Some(match dtype {
-        "F64" => count::<8>(data, 0x7ff0_0000_0000_0000),
-        "F32" => count::<4>(data, 0x7f80_0000),
-        "F16" => count::<2>(data, 0x7c00),
-        "BF16" => count::<2>(data, 0x7f80),
+        "F64" => count_exponent_all_ones::<8>(data, 0x7ff0_0000_0000_0000),
+        "F32" => count_exponent_all_ones::<4>(data, 0x7f80_0000),
+        "F16" => count_exponent_all_ones::<2>(data, 0x7c00),
+        "BF16" => count_exponent_all_ones::<2>(data, 0x7f80),
         _ => return None,
     })
+}
+
+/// How many little-endian `N`-byte words (`N` = 2, 4 or 8) of `data` have every bit of `mask` set.
+/// Counted in `u32` per block of words, each word compared at its own width, so that the compiler
+/// turns the inner loop into vector compares: widened to a `u64` count per word, the search took
+/// about 0.3x the time BLAKE3 took over the same bytes (`perf`, one reading thread), now under 0.1x.
+fn count_exponent_all_ones<const N: usize>(data: &[u8], mask: u64) -> u64 {
+    const BLOCK: usize = 1 << 14;
+    let mut total = 0u64;
+    for block in data.chunks(BLOCK * N) {
+        let found: u32 = match N {
+            2 => {
+                let mask = mask as u16;
+                block
+                    .chunks_exact(2)
+                    .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]]) & mask == mask))
+                    .sum()
+            }
+            4 => {
+                let mask = mask as u32;
+                block
+                    .chunks_exact(4)
+                    .map(|c| u32::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & mask == mask))
+                    .sum()
+            }
+            _ => block
+                .chunks_exact(8)
+                .map(|c| {
+                    let word = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+                    u32::from(word & mask == mask)
+                })
+                .sum(),
+        };
+        total += u64::from(found);
+    }
+    total
 }
 
 /// A BLAKE3 hasher that has taken a tensor's tag, name, dtype and shape: its bytes come next.
@@ -323,6 +350,34 @@ mod tests {
         assert_eq!(count_non_finite("BF16", &bytes), Some(2));
         assert_eq!(count_non_finite("I32", &[0xff; 8]), None);
         assert_eq!(count_non_finite("F8_E5M2", &[0xff; 8]), None);
+    }
+
+    #[test]
+    fn counts_agree_with_is_finite_across_blocks() {
+        // Words on both sides of the counter's block boundaries (every 16,384 words), in every width.
+        let at = [0usize, 16_383, 16_384, 16_385, 32_767, 40_000, 49_156];
+        let words = 49_157;
+        let f64s: Vec<f64> = (0..words)
+            .map(|i| if at.contains(&i) { [f64::NAN, f64::INFINITY][i % 2] } else { i as f64 })
+            .collect();
+        let bytes: Vec<u8> = f64s.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let want = f64s.iter().filter(|x| !x.is_finite()).count() as u64;
+        assert_eq!((want, count_non_finite("F64", &bytes)), (7, Some(7)));
+        let f32s: Vec<f32> = f64s.iter().map(|&x| x as f32).collect();
+        let bytes: Vec<u8> = f32s.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert_eq!(
+            count_non_finite("F32", &bytes),
+            Some(f32s.iter().filter(|x| !x.is_finite()).count() as u64)
+        );
+        // f16 and bf16 by their bits: exponent all ones exactly at the marked words.
+        for (dtype, inf) in [("F16", 0x7c00u16), ("BF16", 0x7f80u16)] {
+            let bytes: Vec<u8> = (0..words)
+                .flat_map(|i| {
+                    (if at.contains(&i) { inf | (i as u16 & 1) } else { (i % 1000) as u16 }).to_le_bytes()
+                })
+                .collect();
+            assert_eq!(count_non_finite(dtype, &bytes), Some(7), "{dtype}");
+        }
     }
 
     #[test]
