@@ -297,9 +297,7 @@ class LoRALinear(BaseLayerWrapper):
         if picked is None:
             return
         assert buf.factors is not None and buf.dora is not None
-        bias = None if self._returns_bias else getattr(self.base_layer, "bias", None)
-        if bias is not None:
-            bias = bias.detach()
+        bias = self._dora_bias()
         flat = out.view(-1, out.shape[-1])
         if x.device.type == "cpu" and not torch.compiler.is_compiling():
             # Exactly the step's DoRA rows, from its own arrays: no checks or filter left to do.
@@ -309,6 +307,11 @@ class LoRALinear(BaseLayerWrapper):
         else:
             # Every adapter row: the op keeps the DoRA slots' rows by their flags.
             dora_scale_(flat, bias, buf.factors, buf.dora, *picked)
+
+    def _dora_bias(self) -> torch.Tensor | None:
+        """The bias in ``out`` that a DoRA row is rescaled around (``[out]``), or None."""
+        bias = None if self._returns_bias else getattr(self.base_layer, "bias", None)
+        return None if bias is None else bias.detach()
 
     def _untouched(self, result: Any, seg: SegmentBatch) -> Any:
         """The output of a base layer that returns no tensor (a linear subclass computing its own forward:
