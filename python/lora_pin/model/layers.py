@@ -158,16 +158,18 @@ class StepSegments:
 
         On the CPU they are exactly the rows of the group's DoRA slots (read from the host arrays); on a
         device, or traced by ``torch.compile``, they are every adapter row, and the op skips the others
-        by the slots' flags (no read of the arrays from the host).
+        by the slots' flags (no read of the arrays from the host), whether or not a DoRA adapter is in
+        the pool now: a captured graph or a compiled step must not depend on ``dora_slots``, which a
+        later load changes while the flags change in place. None for buffers with no DoRA factors.
 
         Raises:
             UsageError: as :meth:`for_input`.
         """
         dora_slots = buffers.dora_slots
-        if not dora_slots:
-            return None
         # Traced by torch.compile, as on a device: no read of the arrays from the host.
         on_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
+        if dora_slots is None or (on_cpu and not dora_slots):
+            return None
         key = (frozenset(dora_slots) if on_cpu else None, x.shape[:-1])
         if key in self._dora_rows:
             return self._dora_rows[key]
@@ -285,7 +287,8 @@ class LoRALinear(BaseLayerWrapper):
         meta = self._kernel_meta(seg)
         flat_out = out.view(-1, out.shape[-1])
         expand(flat_out, shrink(x.reshape(-1, x.shape[-1]), buf.a, meta), buf.b, meta)
-        if buf.dora_slots:
+        if buf.dora_slots is not None:
+            # Whenever the pool can hold DoRA, not only while it does: see StepSegments.dora_rows_for.
             self._rescale_dora(step, out, x)
         return result
 

@@ -110,7 +110,7 @@ class ParallelLoRALinear(LoRALinear):
         tp = self._shard.tp
         if plain:
             expand(flat_out, shrink(flat_x, buf.a, meta), buf.b, meta)
-            if buf.dora_slots:
+            if buf.dora_slots is not None:
                 self._rescale_dora(step, out, x)
         elif self._shard.layout.kind == "column":
             v_local = shrink(flat_x, buf.a, self._local_meta(seg, meta))  # [T, n * chunk]
