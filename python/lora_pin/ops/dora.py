@@ -19,7 +19,7 @@ import torch
 from lora_pin._core import dora_scale_rows
 from lora_pin.errors import OpArgumentError
 
-__all__ = ["check_dora_args", "dora_scale_", "dora_scale_reference", "scale_rows_"]
+__all__ = ["check_dora_args", "dora_scale_", "dora_scale_reference", "scale_rows_", "scale_rows_torch_"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -127,6 +127,17 @@ def scale_rows_(
             (slots.data_ptr(), slots.numel()),
         )
         return
+    scale_rows_torch_(out, bias, factors, rows, slots)
+
+
+def scale_rows_torch_(
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    factors: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """:func:`scale_rows_` in torch (gather, rescale, scatter): any dtype, layout and device."""
     # float32 throughout (no copies for a float32 out), rounded once into out's dtype.
     picked = out.index_select(0, rows).float()
     scale = factors.index_select(0, slots).float()
@@ -149,21 +160,22 @@ def _native(
 ) -> bool:
     """Whether :func:`scale_rows_` can hand its tensors to the native rescale: contiguous float32 on the
     CPU, int64 indices (what it borrows by address)."""
+    # A layer calls this for every step's DoRA rows: the cheapest tests (is_cpu, not device.type) first.
     f32, i64 = torch.float32, torch.int64
     return (
         out.dtype is f32
         and factors.dtype is f32
         and rows.dtype is i64
         and slots.dtype is i64
-        and out.device.type == "cpu"
-        and factors.device.type == "cpu"
-        and rows.device.type == "cpu"
-        and slots.device.type == "cpu"
+        and out.is_cpu
+        and factors.is_cpu
+        and rows.is_cpu
+        and slots.is_cpu
         and out.is_contiguous()
         and factors.is_contiguous()
         and rows.is_contiguous()
         and slots.is_contiguous()
-        and (bias is None or (bias.dtype is f32 and bias.device.type == "cpu" and bias.is_contiguous()))
+        and (bias is None or (bias.dtype is f32 and bias.is_cpu and bias.is_contiguous()))
     )
 
 
