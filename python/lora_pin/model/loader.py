@@ -518,13 +518,16 @@ class BackgroundLoads:
                 if agreement is None:
                     continue
                 self._open.pop(job, None)
-                ready = finished.get(job, self._ready.get(job))
-                self._ready.pop(job, None)
+                ready = self._ready.pop(job, None)
                 assert job.serial is not None
-                if isinstance(ready, BaseException):
+                completed = finished.get(job)
+                if isinstance(completed, BaseException):
+                    # Its DoRA factors are not finite: alike on every rank (their norms are).
                     if self.residency.abandon_fetch(job.name, job.serial):
-                        self._fail(job.name, job.serial, ready)
+                        self._fail(job.name, job.serial, completed)
                     continue
+                if completed is not None:
+                    ready = completed
                 if ready is not None and not agreement.failed:
                     if not self._install_fetch(ready, job.serial):
                         # No room on any rank (their registries agree): open again, still read here.
