@@ -32,6 +32,8 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 NAMES: list[str | None] = ["dora", None, "lora", "dora_rs", "dora", None]
 # Rows compared with PEFT, by dtype: over sums of 64 to 128 products and an all-reduce.
 TOLERANCE = {torch.float32: (2e-4, 2e-5), torch.bfloat16: (6e-2, 6e-2)}
+# One layer's fp32 output against PEFT's module.
+RTOL_LAYER = 1e-5
 
 
 def _free_port() -> int:
@@ -80,6 +82,17 @@ def _run(model: torch.nn.Module, rows: list[int] | None = None) -> tuple[torch.T
     return first.logits, second.logits
 
 
+# Tokens per request of NAMES in the fused layers' packed step.
+COUNTS = [2, 1, 3, 1, 2, 1]
+
+
+def _layer_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's inputs for the packed step: ``[T, 64]`` (q/k/v, gate/up) and ``[T, 128]`` (down)."""
+    generator = torch.Generator().manual_seed(9)
+    tokens = sum(COUNTS)
+    return torch.randn(tokens, 64, generator=generator), torch.randn(tokens, 128, generator=generator)
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama (4 heads, 1 kv head, replicated over the ranks), the adapters (``dora``: every
@@ -103,11 +116,19 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         alpha_pattern={"o_proj": 12},
     )
     make_peft_adapter(root / "model", root / "lora", r=4, lora_alpha=8, target_modules=ALL, seed=3)
-    want: dict[str, dict[str, Any]] = {"float32": {}, "bfloat16": {}}
+    want: dict[str, dict[str, Any]] = {"float32": {}, "bfloat16": {}, "layer0": {}}
     with torch.inference_mode():
         for name in ("dora", "dora_rs", "lora"):
             peft = PeftModel.from_pretrained(copy.deepcopy(base), root / name).eval()
             want["float32"][name] = _run(peft)
+            layer = peft.base_model.model.model.layers[0]
+            x, x_down = _layer_inputs()
+            want["layer0"][name] = {
+                m: getattr(layer.self_attn if m.endswith(("q", "k", "v")) else layer.mlp, f"{m}_proj")(
+                    x_down if m == "down" else x
+                )
+                for m in ("q", "k", "v", "gate", "up", "down")
+            }
             want["bfloat16"][name] = _run(peft.to(torch.bfloat16))
     torch.save(want, root / "peft.pt")
     return root
@@ -153,6 +174,7 @@ def _worker(rank: int, world: int, root_text: str, port: int) -> None:
         want = torch.load(root / "peft.pt")
         for dtype in (torch.float32, torch.bfloat16):
             _check_mixed_batch(root, tp, want[str(dtype).removeprefix("torch.")], dtype)
+        _check_fused_layers(root, tp, want["layer0"])
         for loading in ("blocking", "background"):
             _check_eviction_and_reload(root, tp, want["float32"], loading)
         _check_fully_sharded_refused(root, rank, world)
@@ -183,6 +205,70 @@ def _check_mixed_batch(root: Path, tp: TensorParallel, want: dict[str, Any], dty
     assert not torch.equal(qs[0], qs[1])
     identities = _gathered(mgr.identity("dora").digest, tp)
     assert len(set(identities)) == 1
+    mgr.detach()
+
+
+def _check_fused_layers(root: Path, tp: TensorParallel, want: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Layer 0 as a framework cuts it, fused: qkv (q by rank, the one kv head replicated on both ranks),
+    gate_up, and row-parallel down, on a packed step of DoRA, LoRA and base tokens. Each rank's output is
+    its columns of PEFT's module outputs (each DoRA slice's factors are its own rows' of that slice), base
+    tokens the layer's own output bit for bit."""
+    from safetensors.torch import load_file
+
+    from lora_pin.parallel import ParallelLayout, qkv_slices
+    from lora_pin.parallel_fixtures import ColumnParallelLinear, RowParallelLinear
+
+    weights = load_file(root / "model" / "model.safetensors")
+    q, kv, _ = qkv_slices(tp, q_out=64, kv_out=16, num_kv_heads=1)
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList()
+    for i in range(2):  # both layers: the adapters' tensors of layer 1 must find their modules
+        w = {k.rsplit(".", 2)[-2]: v for k, v in weights.items() if k.startswith(f"model.layers.{i}.")}
+        layer, attn, mlp = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+        fused = torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]])
+        attn.qkv_proj = ColumnParallelLinear(fused, ParallelLayout("column", tp, 64, (q, kv, kv)))
+        mlp.gate_up_proj = ColumnParallelLinear(
+            torch.cat([w["gate_proj"], w["up_proj"]]), ParallelLayout.column(tp, 64, 128, 128)
+        )
+        attn.o_proj = RowParallelLinear(w["o_proj"], tp)  # targeted by the adapters, not called here
+        mlp.down_proj = RowParallelLinear(w["down_proj"], tp)
+        layer.self_attn, layer.mlp = attn, mlp
+        model.model.layers.append(layer)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    width = 128 // tp.size
+    mgr = LoRAManager(
+        model,
+        [f"{n}={root / n}" for n in ("dora", "dora_rs", "lora")],
+        max_loras_per_batch=3,
+        max_lora_rank=8,
+        fused_modules={
+            "qkv_proj": [("q_proj", 64 // tp.size), ("k_proj", 16), ("v_proj", 16)],
+            "gate_up_proj": [("gate_proj", width), ("up_proj", width)],
+        },
+        tp=tp,
+    )
+    x, x_down = _layer_inputs()
+    x_local = x_down[:, tp.rank * width : (tp.rank + 1) * width].contiguous()
+    with torch.inference_mode():
+        base = [attn.qkv_proj(x), mlp.gate_up_proj(x), mlp.down_proj(x_local.clone())]
+        step = mgr.prepare_step(NAMES, COUNTS)
+        try:
+            assert step.admitted == tuple(range(len(NAMES)))
+            got = [attn.qkv_proj(x), mlp.gate_up_proj(x), mlp.down_proj(x_local.clone())]
+        finally:
+            mgr.finish(step)
+    rows = slice(tp.rank * width, (tp.rank + 1) * width)
+    token_names = [n for n, c in zip(NAMES, COUNTS, strict=True) for _ in range(c)]
+    for t, name in enumerate(token_names):
+        if name is None:
+            assert all(torch.equal(g[t], b[t]) for g, b in zip(got, base, strict=True)), t
+            continue
+        out = want[name]
+        qkv = [out["q"][t, slice(*q.rows)], out["k"][t, slice(*kv.rows)], out["v"][t, slice(*kv.rows)]]
+        expected = [torch.cat(qkv), torch.cat([out["gate"][t, rows], out["up"][t, rows]]), out["down"][t]]
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g[t], e, rtol=RTOL_LAYER, atol=RTOL_LAYER, msg=f"token {t} ({name})")
     mgr.detach()
 
 
