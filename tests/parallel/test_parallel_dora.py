@@ -93,6 +93,34 @@ def _layer_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(tokens, 64, generator=generator), torch.randn(tokens, 128, generator=generator)
 
 
+def _save_qwen2(root: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A tiny Qwen2 (q/k/v biases, made nonzero) saved for transformers' own ``tp_plan``, a DoRA adapter
+    on it, and PEFT's logits of the batch with it alone and of the plain model."""
+    from peft import PeftModel
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(4)
+    config = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(root / "qwen2")
+    _save_dora(model, root / "qwen2_dora", 5, r=4, lora_alpha=8, target_modules=ALL)
+    with torch.inference_mode():
+        peft = PeftModel.from_pretrained(copy.deepcopy(model), root / "qwen2_dora").eval()
+        return {"qwen2_dora": _run(peft)}
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama (4 heads, 1 kv head, replicated over the ranks), the adapters (``dora``: every
@@ -130,6 +158,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 for m in ("q", "k", "v", "gate", "up", "down")
             }
             want["bfloat16"][name] = _run(peft.to(torch.bfloat16))
+    want["qwen2"] = _save_qwen2(root)
     torch.save(want, root / "peft.pt")
     return root
 
@@ -175,6 +204,7 @@ def _worker(rank: int, world: int, root_text: str, port: int) -> None:
         for dtype in (torch.float32, torch.bfloat16):
             _check_mixed_batch(root, tp, want[str(dtype).removeprefix("torch.")], dtype)
         _check_fused_layers(root, tp, want["layer0"])
+        _check_transformers_tp(root, want["qwen2"])
         for loading in ("blocking", "background"):
             _check_eviction_and_reload(root, tp, want["float32"], loading)
         _check_fully_sharded_refused(root, rank, world)
@@ -205,6 +235,26 @@ def _check_mixed_batch(root: Path, tp: TensorParallel, want: dict[str, Any], dty
     assert not torch.equal(qs[0], qs[1])
     identities = _gathered(mgr.identity("dora").digest, tp)
     assert len(set(identities)) == 1
+    mgr.detach()
+
+
+def _check_transformers_tp(root: Path, want: dict[str, Any]) -> None:
+    """A Qwen2 cut by transformers' own ``tp_plan="auto"`` (``DTensor`` weights and q/k/v biases): the
+    norms come from each rank's local weight, DoRA rows are rescaled around the local bias shard; rows
+    equal PEFT's, base rows the cut base model's bit for bit."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        root / "qwen2", distributed_config=DistributedConfig(tp_plan="auto")
+    ).eval()
+    with torch.inference_mode():
+        base = _run(model, [0, 1])
+    mgr = LoRAManager(model, [f"qwen2_dora={root / 'qwen2_dora'}"], max_loras_per_batch=1)
+    assert mgr.tp is not None and mgr.tp.size == 2
+    with torch.inference_mode(), mgr.batch(["qwen2_dora", None]):
+        got = _run(model, [0, 1])
+    _check_rows(got, want, base, ["qwen2_dora", None], [0, 1])
     mgr.detach()
 
 

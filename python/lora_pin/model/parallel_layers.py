@@ -136,11 +136,14 @@ class ParallelLoRALinear(LoRALinear):
     def _dora_bias(self) -> torch.Tensor | None:
         """A row layer's partial product holds no bias (its reduce adds it); a column layer's output
         holds its local bias (a ``DTensor`` bias: its local shard), unless the layer returns it apart."""
-        if self._shard.layout.kind == "row":
+        if self._shard.layout.kind == "row" or self._returns_bias:
             return None
-        bias = super()._dora_bias()
+        bias = getattr(self.base_layer, "bias", None)
+        # A DTensor's local shard first: detaching the DTensor itself fails under inference mode.
         to_local = getattr(bias, "to_local", None)
-        return bias if to_local is None else to_local()
+        if to_local is not None:
+            bias = to_local()
+        return None if bias is None else bias.detach()
 
     def _local_meta(self, seg: SegmentBatch, meta: KernelMeta) -> KernelMeta:
         """The shrink meta of a fully sharded column layer: each slot's rows of this rank's chunk."""
