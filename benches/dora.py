@@ -4,7 +4,8 @@ Three comparisons, each against its named baseline in the same process, reported
 
 1. *op*: one layer's adapter work for a decode batch, LoRA (the prepared shrink + expand,
    ``PreparedDelta.apply``) against DoRA (the same, then the rescale of the DoRA rows the layers run on
-   the CPU, ``scale_rows_``), per adapter row;
+   the CPU, ``scale_rows_``: one native call for float32), per adapter row; the same with the rescale in
+   torch (``scale_rows_torch_``: gathers, arithmetic, scatter) as a second row;
 2. *step*: a whole decode forward of a small Llama under ``LoRAManager.batch`` with every row on DoRA
    adapters against the same rows on their plain twins (same A and B, no magnitudes); the adapters'
    share (step minus the base-only step) is reported too, and a LoRA-only step with DoRA adapters resident
@@ -12,7 +13,8 @@ Three comparisons, each against its named baseline in the same process, reported
 3. *load*: ``HostTier.read`` of a DoRA adapter (which computes its factors against the base weights)
    against its plain twin.
 
-Goal: DoRA rows at most 1.2x the LoRA cost per row.
+Goal: DoRA rows at most 1.2x the LoRA cost per row. The op and step figures are medians of rounds that
+alternate between the cases compared (a busy neighbour then slows each alike).
 
 Run: ``.venv/bin/python benches/dora.py`` (``--hidden``, ``--rank``, ``--rows``, ``--adapters``).
 """
@@ -31,15 +33,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 
-def best_us(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:
-    """Best-of-``rounds`` mean microseconds per call."""
-    best = float("inf")
+def alternating_us(fns: dict[str, Callable[[], object]], calls: int, rounds: int = 9) -> dict[str, float]:
+    """Median over ``rounds`` of each function's mean microseconds per call, the functions taking turns
+    round by round (a noisy neighbour then slows all of them alike)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def op_case(args: argparse.Namespace, hidden: int) -> dict[str, float]:
@@ -49,7 +53,7 @@ def op_case(args: argparse.Namespace, hidden: int) -> dict[str, float]:
 
     from lora_pin._testing import random_layer
     from lora_pin.ops import prepare_delta, segments_from_slots
-    from lora_pin.ops.dora import scale_rows_
+    from lora_pin.ops.dora import scale_rows_, scale_rows_torch_
 
     gen = torch.Generator().manual_seed(0)
     layer = random_layer(args.adapters, hidden, [hidden], [args.rank], torch.float32, gen)
@@ -77,10 +81,21 @@ def op_case(args: argparse.Namespace, hidden: int) -> dict[str, float]:
         delta.apply(out, x)
         scale_rows_(out, bias, factors, seg.perm, long_slots)
 
+    def with_dora_torch() -> None:
+        out.copy_(fresh)
+        delta.apply(out, x)
+        scale_rows_torch_(out, bias, factors, seg.perm, long_slots)
+
     with torch.inference_mode():
-        lora_us = best_us(lora, args.calls)
-        dora_us = best_us(with_dora, args.calls)
-    return {"hidden": hidden, "lora_us": lora_us, "dora_us": dora_us, "ratio": dora_us / lora_us}
+        us = alternating_us({"lora": lora, "dora": with_dora, "dora_torch": with_dora_torch}, args.calls)
+    return {
+        "hidden": hidden,
+        "lora_us": us["lora"],
+        "dora_us": us["dora"],
+        "ratio": us["dora"] / us["lora"],
+        "dora_torch_rescale_us": us["dora_torch"],
+        "torch_rescale_ratio": us["dora_torch"] / us["lora"],
+    }
 
 
 def model_cases(args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -137,12 +152,6 @@ def model_cases(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         on_dora = [f"d{i % args.adapters}" for i in range(args.rows)]
         on_twin = [f"t{i % args.adapters}" for i in range(args.rows)]
         calls = max(args.calls // 50, 5)
-        with torch.inference_mode():
-            for names in (on_dora, on_twin):
-                step(names)()  # every adapter in its slot before timing
-            base_us = best_us(step([None] * args.rows), calls)
-            twin_us = best_us(step(on_twin), calls)
-            dora_us = best_us(step(on_dora), calls)
         # A LoRA-only step beside resident DoRA adapters, against a manager that holds no DoRA adapter.
         alone = copy.deepcopy(base)
         plain_only = LoRAManager(
@@ -154,10 +163,24 @@ def model_cases(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 return alone(input_ids=ids)
 
         with torch.inference_mode():
+            for names in (on_dora, on_twin):
+                step(names)()  # every adapter in its slot before timing
             plain_step()
-            plain_us = best_us(plain_step, calls)
-        read_dora = best_us(lambda: mgr.host.read("x", dora[0]), max(calls // 2, 3))
-        read_twin = best_us(lambda: mgr.host.read("x", twins[0]), max(calls // 2, 3))
+            steps = alternating_us(
+                {
+                    "base": step([None] * args.rows),
+                    "twin": step(on_twin),
+                    "dora": step(on_dora),
+                    "plain": plain_step,
+                },
+                calls,
+            )
+            base_us, twin_us, dora_us, plain_us = (steps[k] for k in ("base", "twin", "dora", "plain"))
+        reads = alternating_us(
+            {"dora": lambda: mgr.host.read("x", dora[0]), "twin": lambda: mgr.host.read("x", twins[0])},
+            max(calls // 2, 3),
+        )
+        read_dora, read_twin = reads["dora"], reads["twin"]
     return {
         "step": {
             "base_us": base_us,

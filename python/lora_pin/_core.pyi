@@ -25,6 +25,7 @@ __all__ = [
     "_release",
     "_unload_timeout_error",
     "check_limits",
+    "dora_scale_rows",
     "home_replicas",
     "parse_lora_paths",
     "rank_replicas",
@@ -262,6 +263,14 @@ def simulate_replicas(
     seed: int = 0,
 ) -> dict[str, Any]: ...
 def sgmv_cpu_available() -> bool: ...
+def dora_scale_rows(
+    out: tuple[int, int],
+    width: int,
+    bias: tuple[int, int] | None,
+    factors: tuple[int, int],
+    rows: tuple[int, int],
+    slots: tuple[int, int],
+) -> None: ...
 
 @final
 class CpuSgmvPlan:

@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 
 use super::errors::new_error;
 use super::{detached, shielded};
-use crate::sgmv::{available, CpuPlan, Data, DataMut};
+use crate::sgmv::{available, dora_scale_rows as scale_rows, CpuPlan, Data, DataMut};
 
 /// One tensor's memory as Python hands it over: address and element count.
 type Raw = (usize, usize);
@@ -19,6 +19,49 @@ type Raw = (usize, usize);
 #[pyfunction]
 pub fn sgmv_cpu_available() -> bool {
     available()
+}
+
+/// DoRA rows' rescale in place: ``out[rows[i]] = factors[slots[i]] * (out[rows[i]] - bias) + bias``.
+///
+/// Each buffer is ``(address, numel)`` of a contiguous CPU tensor: ``out`` float32 ``[n_rows, width]``,
+/// ``bias`` float32 ``[width]`` or None, ``factors`` float32 ``[slots, width]``, ``rows`` and ``slots``
+/// int64 ``[N]``. Every index is checked before anything is written.
+///
+/// Raises:
+///     OpArgumentError: a length, alignment or overlap mismatch, or a row or slot out of range (nothing
+///         written).
+#[pyfunction]
+#[pyo3(signature = (out, width, bias, factors, rows, slots))]
+pub fn dora_scale_rows(
+    py: Python<'_>,
+    out: Raw,
+    width: usize,
+    bias: Option<Raw>,
+    factors: Raw,
+    rows: Raw,
+    slots: Raw,
+) -> PyResult<()> {
+    check(py, "out", out, 4, None)?;
+    if let Some(bias) = bias {
+        check(py, "bias", bias, 4, Some((out, 4)))?;
+    }
+    check(py, "factors", factors, 4, Some((out, 4)))?;
+    check(py, "rows", rows, 8, Some((out, 4)))?;
+    check(py, "slots", slots, 8, Some((out, 4)))?;
+    detached(py, move || {
+        // SAFETY: the caller's contract (live contiguous tensors of these dtypes); `check` ruled out
+        // misalignment and overlap with the written buffer.
+        let (out, bias, factors, rows, slots) = unsafe {
+            (
+                view_mut::<f32>(out),
+                bias.map(|b| view::<f32>(b)),
+                view::<f32>(factors),
+                view(rows),
+                view(slots),
+            )
+        };
+        scale_rows(out, width, bias, factors, rows, slots)
+    })
 }
 
 /// One step's layout for the CPU kernels: groups of tokens by slot, each slot's ranks.

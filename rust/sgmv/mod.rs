@@ -15,7 +15,10 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod dora;
 mod pool;
+
+pub use dora::dora_scale_rows;
 
 use crate::error::{Error, Result};
 

@@ -1,6 +1,7 @@
 """``lora_pin::dora_scale_`` against its float64 reference: the torch (CPU) path and the Triton kernel under
 the interpreter (fp32/fp16, tiny grids), over adapter popularity patterns; rows of base and plain-LoRA slots
-untouched bit for bit; ``opcheck``; bad arguments refused by name. The CUDA test runs where a GPU is."""
+untouched bit for bit; ``opcheck``; bad arguments refused by name; the CPU layers' row rescale, native
+for float32 and in torch otherwise. The CUDA test runs where a GPU is."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from lora_pin._testing import PATTERNS, request_slots
 from lora_pin.ops import OpArgumentError, dora_scale_, dora_scale_reference
+from lora_pin.ops.dora import _native, scale_rows_
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 SLOTS = 6
@@ -62,6 +64,46 @@ def test_triton_kernel_matches_reference_interpreted(pattern: str, dtype: torch.
     before = case[0].clone()
     triton_dora.dora_scale_triton(*case, interpret=True)
     _check(case[0], before, case)
+
+
+def _dora_rows(case: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The case's DoRA rows and their slots, int64, as the CPU layers pick them for ``scale_rows_``."""
+    _, _, _, dora, rows, row_slots = case
+    keep = (row_slots >= 0) & (dora[row_slots.clamp_min(0).long()] != 0)
+    return rows[keep], row_slots[keep].long()
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_native_and_torch_row_rescale_match_reference(pattern: str, bias: bool) -> None:
+    """``scale_rows_`` on contiguous float32 (the native call) and on a strided ``out`` (torch's gathers)
+    both give the reference, and leave every other row bit for bit."""
+    case = _case(pattern, torch.float32, 8, bias=bias, width=72)
+    out, shift, factors = case[0], case[1], case[2]
+    rows, slots = _dora_rows(case)
+    assert _native(out, shift, factors, rows, slots)
+    before = out.clone()
+    scale_rows_(out, shift, factors, rows, slots)
+    _check(out, before, case)
+    strided = before.t().contiguous().t()
+    assert not _native(strided, shift, factors, rows, slots)
+    scale_rows_(strided, shift, factors, rows, slots)
+    _check(strided, before, case)
+
+
+def test_native_row_rescale_refuses_bad_indices_writing_nothing() -> None:
+    case = _case("uniform", torch.float32, 9, bias=True)
+    out, shift, factors = case[0], case[1], case[2]
+    rows, slots = _dora_rows(case)
+    before = out.clone()
+    for bad_rows, bad_slots, message in (
+        (rows.clone().fill_(12), slots, "row 12 outside"),
+        (rows, slots + SLOTS, r"slot \d+ outside \[0, 6\)"),
+        (rows, slots[:-1], "rows but"),
+    ):
+        with pytest.raises(OpArgumentError, match=message):
+            scale_rows_(out, shift, factors, bad_rows, bad_slots)
+        assert torch.equal(out, before)
 
 
 def test_opcheck() -> None:

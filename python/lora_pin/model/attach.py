@@ -300,8 +300,9 @@ def base_weights(
 ) -> dict[str, Callable[[], torch.Tensor | None]]:
     """For each linear target group, a function returning the weight of the module that computes it as
     ``[out_total, in]`` (a transformers ``Conv1D``'s ``[in, out]`` transposed), or None when the module
-    keeps no plain weight of that shape (a sharded or quantized layer): what a DoRA adapter's factor is
-    computed from (:mod:`lora_pin.weights.dora`). Read when called, so it is the model's weight then."""
+    keeps no plain weight of that shape (a quantized layer): what a DoRA adapter's factor is computed
+    from (:mod:`lora_pin.weights.dora`). A tensor-parallel layer's is this rank's shard (a ``DTensor``'s
+    local part), with the layer's local widths. Read when called, so it is the model's weight then."""
     found: dict[str, Callable[[], torch.Tensor | None]] = {}
     for group in targets.groups:
         if group.experts or group.members[0].embedding:
@@ -315,7 +316,9 @@ def _plain_weight(module: torch.nn.Module, out_features: int, in_features: int) 
     base = getattr(module, "base_layer", None)
     layer = base if isinstance(base, torch.nn.Module) else module
     weight = getattr(layer, "weight", None)
-    if type(weight).__name__ == "DTensor" or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    if type(weight).__name__ == "DTensor":
+        weight = weight.to_local()  # type: ignore[union-attr]
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         return None
     if type(layer).__name__ == "Conv1D":
         weight = weight.t()

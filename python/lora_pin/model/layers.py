@@ -158,16 +158,18 @@ class StepSegments:
 
         On the CPU they are exactly the rows of the group's DoRA slots (read from the host arrays); on a
         device, or traced by ``torch.compile``, they are every adapter row, and the op skips the others
-        by the slots' flags (no read of the arrays from the host).
+        by the slots' flags (no read of the arrays from the host), whether or not a DoRA adapter is in
+        the pool now: a captured graph or a compiled step must not depend on ``dora_slots``, which a
+        later load changes while the flags change in place. None for buffers with no DoRA factors.
 
         Raises:
             UsageError: as :meth:`for_input`.
         """
         dora_slots = buffers.dora_slots
-        if not dora_slots:
-            return None
         # Traced by torch.compile, as on a device: no read of the arrays from the host.
         on_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
+        if dora_slots is None or (on_cpu and not dora_slots):
+            return None
         key = (frozenset(dora_slots) if on_cpu else None, x.shape[:-1])
         if key in self._dora_rows:
             return self._dora_rows[key]
@@ -285,7 +287,8 @@ class LoRALinear(BaseLayerWrapper):
         meta = self._kernel_meta(seg)
         flat_out = out.view(-1, out.shape[-1])
         expand(flat_out, shrink(x.reshape(-1, x.shape[-1]), buf.a, meta), buf.b, meta)
-        if buf.dora_slots:
+        if buf.dora_slots is not None:
+            # Whenever the pool can hold DoRA, not only while it does: see StepSegments.dora_rows_for.
             self._rescale_dora(step, out, x)
         return result
 
@@ -297,9 +300,7 @@ class LoRALinear(BaseLayerWrapper):
         if picked is None:
             return
         assert buf.factors is not None and buf.dora is not None
-        bias = None if self._returns_bias else getattr(self.base_layer, "bias", None)
-        if bias is not None:
-            bias = bias.detach()
+        bias = self._dora_bias()
         flat = out.view(-1, out.shape[-1])
         if x.device.type == "cpu" and not torch.compiler.is_compiling():
             # Exactly the step's DoRA rows, from its own arrays: no checks or filter left to do.
@@ -309,6 +310,11 @@ class LoRALinear(BaseLayerWrapper):
         else:
             # Every adapter row: the op keeps the DoRA slots' rows by their flags.
             dora_scale_(flat, bias, buf.factors, buf.dora, *picked)
+
+    def _dora_bias(self) -> torch.Tensor | None:
+        """The bias in ``out`` that a DoRA row is rescaled around (``[out]``), or None."""
+        bias = None if self._returns_bias else getattr(self.base_layer, "bias", None)
+        return None if bias is None else bias.detach()
 
     def _untouched(self, result: Any, seg: SegmentBatch) -> Any:
         """The output of a base layer that returns no tensor (a linear subclass computing its own forward:

@@ -172,6 +172,7 @@ class Lifecycle:
         what = f"load of adapter {name!r}"
         (adapter, held), token = self.collective.agreed(what, read)
         self.collective.agree_identity(what, adapter.digest, adapter.whole_nbytes)
+        adapter = self.collective.finish_read(adapter)
         if replace and name in self.registry:
             self.residency.replace(name, adapter, where, None, held)
             return self.registry.lora_ref(name)

@@ -33,7 +33,7 @@ from lora_pin._core import LoRARef
 from lora_pin.errors import AdapterLoadError, CapacityError, DuplicateAdapterError, LoraPinError, SpecError
 from lora_pin.model.residency import Residency
 from lora_pin.parallel import Collective, TensorParallelGroup
-from lora_pin.parallel.collective import READ, RUNNING
+from lora_pin.parallel.collective import READ, RUNNING, Agreement
 from lora_pin.weights.host import HostAdapter
 
 __all__ = [
@@ -512,6 +512,7 @@ class BackgroundLoads:
             return
         # Outside the lock: the loader's threads take it too, and other ranks may still be reading.
         agreements = group.agree_fetches(outcomes)
+        finished = self._finish_agreed(group, jobs, agreements)
         with self.residency.lock:
             for job, agreement in zip(jobs, agreements, strict=True):
                 if agreement is None:
@@ -519,6 +520,14 @@ class BackgroundLoads:
                 self._open.pop(job, None)
                 ready = self._ready.pop(job, None)
                 assert job.serial is not None
+                completed = finished.get(job)
+                if isinstance(completed, BaseException):
+                    # Its DoRA factors are not finite: alike on every rank (their norms are).
+                    if self.residency.abandon_fetch(job.name, job.serial):
+                        self._fail(job.name, job.serial, completed)
+                    continue
+                if completed is not None:
+                    ready = completed
                 if ready is not None and not agreement.failed:
                     if not self._install_fetch(ready, job.serial):
                         # No room on any rank (their registries agree): open again, still read here.
@@ -531,6 +540,26 @@ class BackgroundLoads:
                 error = agreement.error(f"background read of adapter {job.name!r}", mine)
                 if self.residency.abandon_fetch(job.name, job.serial):
                     self._fail(job.name, job.serial, error)
+
+    def _finish_agreed(
+        self, group: TensorParallelGroup, jobs: list[LoadJob], agreements: list[Agreement | None]
+    ) -> dict[LoadJob, Completion | BaseException]:
+        """Every fetch read on every rank, finished over the ranks
+        (:meth:`~lora_pin.parallel.Collective.finish_read`, alike on every rank: the jobs and agreements
+        are), or why it cannot be served; outside the lock, as any collective."""
+        finished: dict[LoadJob, Completion | BaseException] = {}
+        for job, agreement in zip(jobs, agreements, strict=True):
+            if agreement is None or agreement.failed:
+                continue
+            with self.residency.lock:
+                ready = self._ready.get(job)
+            if ready is None or ready.adapter is None:
+                continue
+            try:
+                finished[job] = Completion(ready.job, group.finish_read(ready.adapter), None)
+            except LoraPinError as exc:
+                finished[job] = exc
+        return finished
 
     def _install_fetch(self, done: Completion, serial: int) -> bool:
         """Install or fail one finished fetch; False when what it read must wait for host room."""

@@ -304,7 +304,11 @@ class BlockingLoading(Loading):
         reads, _ = self.collective.agreed(
             f"reading {names}", lambda: [(n, residency.read_for_host(n)) for n in names if n not in busy]
         )
-        for name, read in reads:
+        finished = [
+            (name, None if read is None else (self.collective.finish_read(read[0]), read[1]))
+            for name, read in reads
+        ]
+        for name, read in finished:
             residency.enter_host(name, read)
 
 

@@ -675,7 +675,7 @@ class LoRAManager:
             self._collective.agree_identity(
                 f"start-up adapter {r.lora_name!r}", adapter.digest, adapter.whole_nbytes
             )
-        return startup
+        return [self._collective.finish_read(adapter) for adapter in startup]
 
     def _active_segments(self) -> StepSegments | None:
         return self._active

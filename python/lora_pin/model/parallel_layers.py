@@ -12,6 +12,10 @@ pool's rank and ``tp`` the group's size:
   sums the deltas with the products. Fully sharded: the ``[T, R]`` is all-reduced first, and each rank expands
   its own output columns into the partial product (the base all-reduce assembles them).
 
+A DoRA row is then rescaled by its factor (this rank's output features' factors): a column layer's
+output around its local bias, as on one process; a row layer's partial product as it is, before the
+all-reduce, which sums ``f * partial`` over the ranks into ``f * (W x + s B A x)`` and adds the bias after.
+
 Rows with no adapter are never touched, so after the base layer's all-reduce they equal the sharded base
 model's output bit for bit.
 """
@@ -97,6 +101,8 @@ class ParallelLoRALinear(LoRALinear):
                 if x.dtype is not delta.dtype:
                     self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
                 delta.apply(flat_out, flat_x)
+            if buf.dora_slots:
+                self._rescale_dora(step, out, x)
             return
         seg = step.for_input(x)
         self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
@@ -104,6 +110,8 @@ class ParallelLoRALinear(LoRALinear):
         tp = self._shard.tp
         if plain:
             expand(flat_out, shrink(flat_x, buf.a, meta), buf.b, meta)
+            if buf.dora_slots is not None:
+                self._rescale_dora(step, out, x)
         elif self._shard.layout.kind == "column":
             v_local = shrink(flat_x, buf.a, self._local_meta(seg, meta))  # [T, n * chunk]
             parts = [torch.empty_like(v_local) for _ in range(tp.size)]
@@ -124,6 +132,18 @@ class ParallelLoRALinear(LoRALinear):
             dist.all_reduce(v, group=tp.group)
             lo, hi = self._columns
             expand(flat_out[:, lo:hi], v, buf.b, meta)
+
+    def _dora_bias(self) -> torch.Tensor | None:
+        """A row layer's partial product holds no bias (its reduce adds it); a column layer's output
+        holds its local bias (a ``DTensor`` bias: its local shard), unless the layer returns it apart."""
+        if self._shard.layout.kind == "row" or self._returns_bias:
+            return None
+        bias = getattr(self.base_layer, "bias", None)
+        # A DTensor's local shard first: detaching the DTensor itself fails under inference mode.
+        to_local = getattr(bias, "to_local", None)
+        if to_local is not None:
+            bias = to_local()
+        return None if bias is None else bias.detach()
 
     def _local_meta(self, seg: SegmentBatch, meta: KernelMeta) -> KernelMeta:
         """The shrink meta of a fully sharded column layer: each slot's rows of this rank's chunk."""

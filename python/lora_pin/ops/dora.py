@@ -6,17 +6,20 @@ shrink and expand as a LoRA row, then this op, on the rows whose slot holds a Do
 group; every other row (base, plain LoRA) is left bit for bit as it was.
 
 CUDA tensors run a Triton kernel (:mod:`lora_pin.ops.triton_dora`; it reads shapes only on the host, so a
-CUDA graph can capture it); every other device runs gathers in torch. Both compute in float32 and round
-once into ``out``'s dtype.
+CUDA graph can capture it); float32 CPU tensors one native call (``lora_pin._core.dora_scale_rows``, each row
+read and written once in place: torch's gather, arithmetic and scatter cost five dispatches, most of a
+decode step's DoRA work); every other case gathers in torch. All compute in float32 and round once into
+``out``'s dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
+from lora_pin._core import dora_scale_rows
 from lora_pin.errors import OpArgumentError
 
-__all__ = ["check_dora_args", "dora_scale_", "dora_scale_reference", "scale_rows_"]
+__all__ = ["check_dora_args", "dora_scale_", "dora_scale_reference", "scale_rows_", "scale_rows_torch_"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -114,6 +117,27 @@ def scale_rows_(
     the layers call in eager mode on the CPU for the step's prepared rows (int64 ``rows`` and ``slots``,
     ``[N]``, made from the step's own arrays; torch bounds-checks the indices), skipping the dispatcher,
     whose cost at decode sizes is that of the arithmetic itself."""
+    if _native(out, bias, factors, rows, slots):
+        dora_scale_rows(
+            (out.data_ptr(), out.numel()),
+            out.shape[1],
+            None if bias is None else (bias.data_ptr(), bias.numel()),
+            (factors.data_ptr(), factors.numel()),
+            (rows.data_ptr(), rows.numel()),
+            (slots.data_ptr(), slots.numel()),
+        )
+        return
+    scale_rows_torch_(out, bias, factors, rows, slots)
+
+
+def scale_rows_torch_(
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    factors: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """:func:`scale_rows_` in torch (gather, rescale, scatter): any dtype, layout and device."""
     # float32 throughout (no copies for a float32 out), rounded once into out's dtype.
     picked = out.index_select(0, rows).float()
     scale = factors.index_select(0, slots).float()
@@ -125,6 +149,34 @@ def scale_rows_(
     # index_put_ rather than index_copy_: the same for distinct rows, and about 1.6x faster for [32, 4096]
     # fp32 on the CPU (87 against 137 µs).
     out.index_put_((rows,), picked.to(out.dtype))
+
+
+def _native(
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    factors: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+) -> bool:
+    """Whether :func:`scale_rows_` can hand its tensors to the native rescale: contiguous float32 on the
+    CPU, int64 indices (what it borrows by address)."""
+    # A layer calls this for every step's DoRA rows: the cheapest tests (is_cpu, not device.type) first.
+    f32, i64 = torch.float32, torch.int64
+    return (
+        out.dtype is f32
+        and factors.dtype is f32
+        and rows.dtype is i64
+        and slots.dtype is i64
+        and out.is_cpu
+        and factors.is_cpu
+        and rows.is_cpu
+        and slots.is_cpu
+        and out.is_contiguous()
+        and factors.is_contiguous()
+        and rows.is_contiguous()
+        and slots.is_contiguous()
+        and (bias is None or (bias.dtype is f32 and bias.is_cpu and bias.is_contiguous()))
+    )
 
 
 @torch.library.impl("lora_pin::dora_scale_", "cuda")

@@ -13,9 +13,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
+import torch.distributed as dist
+
 from lora_pin.parallel.collective import Agreement, CollectiveLog, agree_fetches, agreed
 from lora_pin.parallel.identity import agree_identity
 from lora_pin.parallel.sharding import TensorParallel
+from lora_pin.weights.dora import finish_factors
+from lora_pin.weights.host import HostAdapter
 
 __all__ = ["Collective", "SingleProcess", "TensorParallelGroup"]
 
@@ -59,6 +64,21 @@ class Collective(ABC):
             AdapterLoadError: over ranks, when two ranks read different adapters.
         """
 
+    def finish_read(self, adapter: HostAdapter) -> HostAdapter:
+        """What a read leaves to the ranks together, done once every rank's read of ``adapter`` is agreed:
+        a DoRA adapter's row-parallel factors, from every rank's part of their squared norms
+        (:func:`~lora_pin.weights.dora.finish_factors`; on one process nothing is left). Over ranks, every
+        rank calls it for the same adapters in the same order, as every agreement.
+
+        Raises:
+            AdapterLoadError: a factor is not finite (alike on every rank).
+        """
+        return finish_factors(adapter, self._sum)
+
+    @abstractmethod
+    def _sum(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the processes serving the model, in place."""
+
     def stats(self) -> dict[str, Any]:
         """The collectives run so far, for ``LoRAManager.stats()`` (empty on one process)."""
         return {}
@@ -75,6 +95,9 @@ class SingleProcess(Collective):
 
     def agree_identity(self, what: str, digest: str, whole_bytes: int) -> None:
         """Nothing to compare with (see :meth:`Collective.agree_identity`)."""
+
+    def _sum(self, tensor: torch.Tensor) -> None:
+        """One process's sum is its own tensor."""
 
     def __repr__(self) -> str:
         return "SingleProcess()"
@@ -109,6 +132,10 @@ class TensorParallelGroup(Collective):
         """:func:`~lora_pin.parallel.collective.agree_fetches` over the group: which background reads
         are over on every rank."""
         return agree_fetches(self.tp, outcomes, self.log)
+
+    def _sum(self, tensor: torch.Tensor) -> None:
+        self.log.add("dora_norms", tensor)
+        dist.all_reduce(tensor, group=self.tp.group)
 
     def stats(self) -> dict[str, Any]:
         """Calls and bytes of the collectives lora_pin ran, per kind, this rank."""

@@ -28,7 +28,14 @@ import torch
 from lora_pin.errors import AdapterLoadError, AdapterNotFoundError, DuplicateAdapterError
 from lora_pin.weights.config import AdapterConfig
 from lora_pin.weights.digest import ServedModule, adapter_digest
-from lora_pin.weights.dora import BaseWeights, dora_factor, factor_nbytes
+from lora_pin.weights.dora import (
+    BaseWeights,
+    checked_factor,
+    dora_factor,
+    dora_norm_sq,
+    factor_nbytes,
+    module_slices,
+)
 from lora_pin.weights.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TENSORS
 from lora_pin.weights.reader import PEFT_PREFIX, AdapterFile, LoraTensorPair, open_adapter
 from lora_pin.weights.targets import LinearTarget, LoRATargets, TargetGroup
@@ -60,7 +67,10 @@ class HostModule:
     ``lora_magnitude_vector`` on the rows of the slices it targets, 0 elsewhere), and, once computed
     against the model's base weight, ``factor``, float32 ``[out_total]`` (:func:`~lora_pin.weights.dora.
     dora_factor`: ``m / ||W + s B A||`` per output feature, 1 on the slices it does not target), which
-    the pool copies beside A and B. Both None for plain LoRA.
+    the pool copies beside A and B. Both None for plain LoRA. On a tensor-parallel rank a column
+    layer's magnitudes and factors are its output rows'; a row-parallel layer's factor waits, None, for
+    the other ranks' parts of its squared norms, this rank's part held in ``norm_sq`` (float32
+    ``[out_total]``) until :func:`~lora_pin.weights.dora.finish_factors` completes them.
     """
 
     group: TargetGroup
@@ -72,6 +82,7 @@ class HostModule:
     scaling_tensor: torch.Tensor
     magnitude: torch.Tensor | None = None
     factor: torch.Tensor | None = None
+    norm_sq: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -81,6 +92,19 @@ class HostModule:
 
 def _dora_nbytes(module: HostModule) -> int:
     return sum(t.nbytes for t in (module.magnitude, module.factor) if t is not None)
+
+
+def _whole_dora_nbytes(module: HostModule, shards: ShardPlan | None) -> int:
+    """:func:`_dora_nbytes` of ``module`` on an unsharded model: the same on every tensor-parallel rank
+    (a row-parallel factor still pending counts as the factor it becomes)."""
+    if module.magnitude is None:
+        return 0
+    full_out = 0
+    for member in module.group.members:
+        shard = None if shards is None else shards.member(member.key)
+        full_out += member.out_features if shard is None else shard.full_out
+    held = 1 + (module.factor is not None or module.norm_sq is not None)
+    return held * full_out * module.magnitude.element_size()
 
 
 @dataclass(frozen=True)
@@ -327,11 +351,11 @@ def _check_dora(
                 "tensors)"
             )
         return
-    if shards is not None:
+    if shards is not None and shards.tp.fully_sharded:
         raise AdapterLoadError(
-            f"{where}: field 'use_dora' is true; lora_pin does not serve DoRA adapters under tensor "
-            "parallelism yet (the norm of a row-parallel layer needs every rank's part); serve it on an "
-            "unsharded model"
+            f"{where}: field 'use_dora' is true; lora_pin does not serve DoRA adapters with fully sharded "
+            "tensor parallelism (a rank holds only a chunk of A's or B's rank, and a DoRA norm needs the "
+            "whole product B A of its rows); serve it with TensorParallel(fully_sharded=False)"
         )
     for key, pair in pairs.items():
         if pair.embedding:
@@ -346,10 +370,12 @@ def _check_dora(
                 f"{where}: field 'use_dora' is true (DoRA) but module {key!r} has no tensor "
                 f"{PEFT_PREFIX}{key}.lora_magnitude_vector"
             )
-        if pair.magnitude_shape != (target.out_features,):
+        shard = None if shards is None else shards.member(key)
+        out_features = target.out_features if shard is None else shard.full_out
+        if pair.magnitude_shape != (out_features,):
             raise AdapterLoadError(
                 f"{where}: tensor {pair.magnitude_name!r} has shape {list(pair.magnitude_shape or ())}, "
-                f"expected [{target.out_features}] (one magnitude per output feature of module {key!r})"
+                f"expected [{out_features}] (one magnitude per output feature of module {key!r})"
             )
 
 
@@ -530,7 +556,11 @@ def _build_module(
 
 
 def _host_modules(
-    file: AdapterFile, pairs: dict[str, LoraTensorPair], built: list[_Built], pin: bool
+    file: AdapterFile,
+    pairs: dict[str, LoraTensorPair],
+    built: list[_Built],
+    pin: bool,
+    shards: ShardPlan | None = None,
 ) -> dict[str, HostModule]:
     """Each built group's :class:`HostModule`, by group key, with a DoRA adapter's magnitudes; every
     group's ``rank_tensor`` and ``scaling_tensor`` are views of one tensor each (two allocations per
@@ -549,7 +579,9 @@ def _host_modules(
             slice_scalings,
             rank_tensor,
             scaling_tensor,
-            _read_magnitude(file, group, slice_ranks, pairs, b.shape[0]) if file.config.use_dora else None,
+            _read_magnitude(file, group, slice_ranks, pairs, b.shape[0], shards)
+            if file.config.use_dora
+            else None,
         )
         for (group, a, b, slice_ranks, slice_scalings), rank_tensor, scaling_tensor in zip(
             built, ranks.split(counts), scalings.split(counts), strict=True
@@ -563,8 +595,10 @@ def _read_magnitude(
     slice_ranks: tuple[int, ...],
     pairs: dict[str, LoraTensorPair],
     out_total: int,
+    shards: ShardPlan | None = None,
 ) -> torch.Tensor:
-    """A DoRA module's magnitudes, float32 ``[out_total]`` (0 on the rows of slices it does not target).
+    """A DoRA module's magnitudes, float32 ``[out_total]`` (0 on the rows of slices it does not target;
+    with ``shards``, this rank's output rows of each slice).
 
     Raises:
         AdapterLoadError: a magnitude is NaN or infinite (every output of the layer would be).
@@ -583,14 +617,18 @@ def _read_magnitude(
                 f"adapter {file.name!r} ({file.weights_path}): tensor {name!r} has {bad} NaN/Inf "
                 "value(s); refused"
             )
-        magnitude[offsets[s] : offsets[s + 1]] = stored.to(torch.float32)
+        shard = None if shards is None else shards.member(member.key)
+        rows = stored if shard is None else stored[shard.b_rows[0] : shard.b_rows[1]]
+        magnitude[offsets[s] : offsets[s + 1]] = rows.to(torch.float32)
     return magnitude
 
 
 def _with_factors(
-    file: AdapterFile, modules: dict[str, HostModule], base_weights: BaseWeights
+    file: AdapterFile, modules: dict[str, HostModule], base_weights: BaseWeights, shards: ShardPlan | None
 ) -> dict[str, HostModule]:
-    """The DoRA ``modules`` with their factors computed against the model's ``base_weights``.
+    """The DoRA ``modules`` with their factors computed against the model's ``base_weights``; with
+    ``shards``, a row-parallel group's with this rank's part of its squared norms instead (see
+    :class:`HostModule`).
 
     Raises:
         AdapterLoadError: a module's base weight cannot be read (its layer keeps no plain ``[out, in]``
@@ -609,21 +647,15 @@ def _with_factors(
                 f"{where}: DoRA on {key!r} cannot be served: the norm needs the layer's base weight as "
                 f"[{group.out_total}, {group.in_features}], and its layer has {shape}"
             )
-        offsets = group.slice_offsets
-        slices = [
-            (offsets[s], offsets[s + 1], rank, module.scalings[s]) if rank else None
-            for s, rank in enumerate(module.ranks)
-        ]
+        slices = module_slices(module)
         assert module.magnitude is not None
+        shard = None if shards is None else shards.group(key)
         with torch.no_grad():
+            if shard is not None and shard.layout.kind == "row":
+                done[key] = replace(module, norm_sq=dora_norm_sq(weight.detach(), module.a, module.b, slices))
+                continue
             factor = dora_factor(weight.detach(), module.a, module.b, slices, module.magnitude)
-        if not bool(torch.isfinite(factor).all()):
-            row = int((~torch.isfinite(factor)).nonzero()[0])
-            raise AdapterLoadError(
-                f"{where}: module {key!r}: the DoRA factor m / ||W + s B A|| of output feature {row} is "
-                f"{float(factor[row])} (the norm is zero, or the magnitude is out of float32's range); "
-                "refused"
-            )
+        checked_factor(where, key, factor)
         done[key] = replace(module, factor=factor.pin_memory() if module.a.is_pinned() else factor)
     return done
 
@@ -824,15 +856,14 @@ def load_opened(
     reads: list[tuple[str, torch.Tensor]] = []
     built = [_build_module(file, g, ranks, pairs, slab, reads, shards) for g in touched]
     searched = list(zip(reads, file.read_many(reads), strict=True))
-    modules = _host_modules(file, pairs, built, pin)
+    modules = _host_modules(file, pairs, built, pin, shards)
     _refuse_non_finite(file, pairs, slab, modules.values(), searched, 2 * len(ranks))
     if file.config.use_dora and base_weights is not None:
-        modules = _with_factors(file, modules, base_weights)
+        modules = _with_factors(file, modules, base_weights, shards)
     file.check_unchanged()
     digest = adapter_digest(file.digests.result(), _served(modules.values(), pairs))
     whole = sum(_whole_numel(g, ranks, shards) for g in touched) * slab.memory.element_size()
-    # A DoRA module's magnitude and factor (DoRA is served unsharded only: the same on every process).
-    whole += sum(_dora_nbytes(m) for m in modules.values())
+    whole += sum(_whole_dora_nbytes(m, shards) for m in modules.values())
     if plan_key is not None and not file.unused and not file.config.use_dora:
         plans.put(plan_key, _LoadPlan.of(file, pairs, slab, modules, reads, searched, whole))
     return HostAdapter(

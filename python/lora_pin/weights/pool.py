@@ -203,10 +203,15 @@ class DevicePool:
         if unfactored := [
             k for k, m in adapter.modules.items() if m.magnitude is not None and m.factor is None
         ]:
-            raise PoolError(
-                f"{where}: it is a DoRA adapter read without the model's base weights, so group "
-                f"{unfactored[0]!r} has no factor (read it through a HostTier given base_weights)"
+            module = adapter.modules[unfactored[0]]
+            why = (
+                "its row-parallel factors were not completed over the tensor-parallel ranks "
+                "(Collective.finish_read)"
+                if module.norm_sq is not None
+                else "it is a DoRA adapter read without the model's base weights (read it through a "
+                "HostTier given base_weights)"
             )
+            raise PoolError(f"{where}: group {unfactored[0]!r} has no DoRA factor: {why}")
         for key, module in adapter.modules.items():
             group = module.group
             buf = self._buffers.get(key)
