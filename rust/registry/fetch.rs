@@ -308,3 +308,7 @@ impl Registry {
 #[cfg(test)]
 #[path = "fetch_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "fetch_policy_tests.rs"]
+mod policy_tests;
