@@ -13,6 +13,17 @@
 //! them in request order, which is the order of the caller's queue; nothing here reads a clock.
 //! A finished fetch leaves the adapter *fresh*, protected until a plan admits it or leaves it
 //! out, so that no fetch is undone before the requests that waited for it run.
+//!
+//! The fetch policy. A fetch-mode plan *names* the adapters its requests use, each at its first
+//! request: those of waiting requests, and those of running ones, which an engine offers again
+//! every step but which no step protects between its steps. A fetch, its reservation as its room
+//! when done, takes only host places no request names: a read never evicts an adapter a request
+//! is about to need, which would be read again. The one exception keeps the queue fair: a fetch
+//! for an overdue adapter (deferred [`OVERDUE_AFTER`] plans) may also take the places of adapters
+//! named only by younger requests, youngest first. And a plan starts fetches in queue order only
+//! while fewer unpinned adapters than one step may admit are *ready* (deferred in the host tier,
+//! or being fetched): reading further ahead only holds host room the next steps cannot use.
+//! Pinned adapters (they take no slot budget) and overdue ones fetch whatever the budget.
 
 use std::sync::Arc;
 

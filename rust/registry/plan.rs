@@ -93,8 +93,9 @@ pub enum Deferral {
     /// Its adapter needs a device slot and none can be had now: more distinct unpinned adapters
     /// than the slots left by the pinned ones, or every slot holds a protected adapter.
     DeviceRoom,
-    /// Its adapter is outside the host tier, and the tier cannot make room for it now (full of
-    /// pinned, in-flight or fetching adapters).
+    /// Its adapter is outside the host tier and its read does not start now: the tier cannot make
+    /// room for it (full of pinned, in-flight or fetching adapters, or of those other requests
+    /// need), or as many adapters as one step can admit are ready already (the fetch budget).
     HostRoom,
     /// Its adapter is being read (fetched, or discovered in `adapter_dir`).
     Loading,
