@@ -79,17 +79,14 @@ impl Registry {
         let host_candidate = match t.named_at {
             _ if t.host_since.is_none() || protected || p.in_flight > 0 => HostCandidate::No,
             NOT_NAMED => HostCandidate::Idle,
-            at => HostCandidate::Named(at),
+            _ => HostCandidate::Named,
         };
         if t.host_candidate != host_candidate {
             return Err(format!("{name:?} has the wrong host candidacy"));
         }
         match host_candidate {
             HostCandidate::Idle => tally.candidates.0 += 1,
-            HostCandidate::Named(at) => {
-                if !self.host.named_by_request.contains(&(at, key)) {
-                    return Err(format!("{name:?} is a named candidate missing from the named set"));
-                }
+            HostCandidate::Named => {
                 tally.named = (tally.named.0 + 1, tally.named.1 + size.host_bytes);
             }
             HostCandidate::No => {}
@@ -190,7 +187,6 @@ impl Registry {
         }
         if tally.candidates != (self.host.candidates.len(), self.device.idle.len(), self.device.queued.len())
             || tally.named != (self.host.named.len(), self.host.named_bytes)
-            || self.host.named_by_request.len() != self.host.named.len()
         {
             return Err("candidate sets and adapters disagree".into());
         }

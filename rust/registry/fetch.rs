@@ -28,7 +28,7 @@
 use std::sync::Arc;
 
 use super::adapter::NOT_NAMED;
-use super::tiers::{Evictable, Eviction, Tier};
+use super::tiers::{Evictable, Eviction, HostCandidate, Tier};
 use super::Registry;
 use crate::error::{Error, Result};
 use crate::limits::OVERDUE_AFTER;
@@ -97,9 +97,12 @@ impl Registry {
             return (evictable, NOT_NAMED);
         }
         let first = t.named_at + 1;
-        for &(_, k) in self.host.named_by_request.range((first, AdapterKey(0))..) {
-            evictable.count += 1;
-            evictable.bytes += self.get(k).identity.size.host_bytes;
+        for &k in &self.named {
+            let other = self.get(k);
+            if other.tenancy.host_candidate == HostCandidate::Named && other.tenancy.named_at >= first {
+                evictable.count += 1;
+                evictable.bytes += other.identity.size.host_bytes;
+            }
         }
         (evictable, first)
     }
@@ -166,10 +169,12 @@ impl Registry {
                     continue;
                 }
                 t.named_in = naming;
-                let changed = t.named_at != i as u32;
+                // The index only orders an overdue fetch's victims (found by a scan): only a change
+                // of candidate set needs a refresh.
+                let newly = t.named_at == NOT_NAMED;
                 t.named_at = i as u32;
                 self.named.push(key);
-                if changed {
+                if newly {
                     self.refresh(key);
                 }
             }

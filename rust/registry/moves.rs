@@ -20,7 +20,7 @@ impl Registry {
                 HostCandidate::No
             }
             NOT_NAMED => HostCandidate::Idle,
-            at => HostCandidate::Named(at),
+            _ => HostCandidate::Named,
         };
         let device_wanted = match (a.tenancy.slot, protected, a.protection.in_flight) {
             (Some(_), false, 0) => DeviceCandidate::Idle,
@@ -41,9 +41,8 @@ impl Registry {
                     self.host.candidates.remove(key);
                     self.host.candidate_bytes -= bytes;
                 }
-                HostCandidate::Named(at) => {
+                HostCandidate::Named => {
                     self.host.named.remove(key);
-                    self.host.named_by_request.remove(&(at, key));
                     self.host.named_bytes -= bytes;
                 }
                 HostCandidate::No => {}
@@ -54,9 +53,8 @@ impl Registry {
                     self.host.candidates.insert(key, &u);
                     self.host.candidate_bytes += bytes;
                 }
-                HostCandidate::Named(at) => {
+                HostCandidate::Named => {
                     self.host.named.insert(key, &u);
-                    self.host.named_by_request.insert((at, key));
                     self.host.named_bytes += bytes;
                 }
                 HostCandidate::No => {}
@@ -94,10 +92,20 @@ impl Registry {
     /// youngest first. The caller has checked that they leave the room.
     pub(crate) fn make_fetch_room(&mut self, bytes: u64, first_evictable: u32, evicted: &mut Vec<Eviction>) {
         while !self.host.has_room(bytes) {
-            let named = self.host.named_by_request.last().filter(|&&(at, _)| at >= first_evictable);
-            let victim = self.host.candidates.victim().or(named.map(|&(_, key)| key));
+            let victim = self.host.candidates.victim().or_else(|| self.youngest_named(first_evictable));
             self.evict_host(victim.expect("the fetch's room check promised a host victim"), evicted);
         }
+    }
+
+    /// The named host candidate whose first request is the latest, if at `first_evictable` or later
+    /// (a scan of the named adapters: only an overdue adapter's fetch asks).
+    fn youngest_named(&self, first_evictable: u32) -> Option<AdapterKey> {
+        self.named
+            .iter()
+            .copied()
+            .filter(|&k| self.get(k).tenancy.host_candidate == HostCandidate::Named)
+            .filter(|&k| self.get(k).tenancy.named_at >= first_evictable)
+            .max_by_key(|&k| self.get(k).tenancy.named_at)
     }
 
     /// Evicts `victim`, a host candidate, from both tiers.

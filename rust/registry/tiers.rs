@@ -70,10 +70,10 @@ pub(crate) enum HostCandidate {
     No,
     /// No request of the latest plan named it: any claim evicts it first.
     Idle,
-    /// A request of the latest fetch-mode plan named it, the first at this index: its requests
-    /// wait or run, so a fetch never evicts it (but one for an overdue adapter named before it,
-    /// youngest first), and other claims only once no idle candidate is left, in policy order.
-    Named(u32),
+    /// A request of the latest fetch-mode plan named it: its requests wait or run, so a fetch
+    /// never evicts it (but one for an overdue adapter named before it, youngest first), and other
+    /// claims only once no idle candidate is left, in policy order.
+    Named,
 }
 
 /// Host candidates a claim may evict, counted and in bytes.
@@ -102,10 +102,8 @@ pub(crate) struct HostLedger {
     /// Unprotected adapters no request of the latest plan named, in policy order.
     pub(super) candidates: Box<dyn EvictionPolicy>,
     pub(super) candidate_bytes: u64,
-    /// Unprotected adapters the latest fetch-mode plan's requests named, in policy order ...
+    /// Unprotected adapters the latest fetch-mode plan's requests named, in policy order.
     pub(super) named: Box<dyn EvictionPolicy>,
-    /// ... and by their first request.
-    pub(super) named_by_request: BTreeSet<(u32, AdapterKey)>,
     pub(super) named_bytes: u64,
     pub(crate) counters: TierCounters,
 }
@@ -127,7 +125,6 @@ impl HostLedger {
             candidates: policy,
             candidate_bytes: 0,
             named: named_policy,
-            named_by_request: BTreeSet::new(),
             named_bytes: 0,
             counters: TierCounters::default(),
         }
