@@ -13,8 +13,12 @@ over the first 1, 8, 64 and 512 adapters (``--adapter-counts``):
   and ``--output`` ranges (greedy decoding, ``ignore_eos`` as the peers' benchmarks do: a fixed length).
 
 Printed per configuration: requests/s, output tokens/s, TTFT and TPOT p50/p99, the pinned adapters' TTFT
-p99, the requests deferred and the adapter loads per tier during the run (from ``/metrics``), and the
-throughput ratio against LoRA off.
+p99, the requests deferred and the adapter loads per tier during the run (from ``/metrics``), the host
+reads per distinct unpinned adapter the run names (1.0: each read once; more is host-tier thrash), and
+the throughput ratio against LoRA off. A count given more than once in ``--adapter-counts`` (say
+``8,512,8,512``: alternate them, so the shared machine's drift falls on both) is run again; then each
+count's throughput against the first count's is also printed as the median over the runs paired in
+order.
 
 Run: ``.venv/bin/python benches/serve_load.py`` (defaults sized for a 2-core CPU in a few minutes: hidden
 512, 4 layers; ``--hidden 1024 --layers 8`` is the issue's size, for a machine with room).
@@ -47,7 +51,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--host", type=int, default=32, help="host-tier capacity in adapters")
-    p.add_argument("--adapter-counts", default="1,8,64,512")
+    p.add_argument("--adapter-counts", default="1,8,64,512", help="repeat counts to pair runs: 8,512,8,512")
     p.add_argument("--requests", type=int, default=64, help="requests per configuration")
     p.add_argument("--rate", type=float, default=16.0, help="arrivals a second")
     p.add_argument("--cv", type=float, default=1.0, help="Gamma arrivals' coefficient of variation")
@@ -221,6 +225,7 @@ async def _drive(server: _Server, workload: list[Any], pinned: set[str]) -> dict
         if len(stamps) > 1:
             tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
 
+    named = {name for _, name, _, _ in workload if name is not None and name not in pinned}
     before = server.counters()
     start = time.perf_counter()
     await asyncio.gather(*(one(*job, start) for job in workload))
@@ -240,6 +245,7 @@ async def _drive(server: _Server, workload: list[Any], pinned: set[str]) -> dict
         "tpot p99": pct(tpot, 99),
         "pinned ttft p99": pct(pinned_ttft, 99),
         **{k: after[k] - before[k] for k in after},
+        "host reads / adapter": (after["host loads"] - before["host loads"]) / max(1, len(named)),
     }
 
 
@@ -293,6 +299,8 @@ def main() -> int:
         str(root / "adapters"),
     ]
     results: dict[str, dict[str, Any]] = {}
+    # tok/s of each adapter count's runs, in order.
+    runs: dict[int, list[float]] = {}
     plain = _Server(engine, args.threads, root / "plain.log")
     try:
         warm = _workload(args, 0, names)[:8]
@@ -305,10 +313,10 @@ def main() -> int:
         for n, d in list(zip(names, dirs, strict=True))[args.host // 2 :]:
             lora.post("/load_lora_adapter", {"lora_name": n, "lora_path": str(d)})
         asyncio.run(_drive(lora, _workload(args, 1, names)[:8], set(pinned)))
-        for count in counts:
-            results[f"{count} adapters"] = asyncio.run(
-                _drive(lora, _workload(args, count, names), set(pinned))
-            )
+        for run, count in enumerate(counts):
+            label = f"{count} adapters" if counts.count(count) == 1 else f"{count} adapters (run {run + 1})"
+            results[label] = asyncio.run(_drive(lora, _workload(args, count, names), set(pinned)))
+            runs.setdefault(count, []).append(results[label]["tok/s"])
     finally:
         lora.stop()
     off = results["LoRA off"]["tok/s"]
@@ -323,12 +331,23 @@ def main() -> int:
         "deferred",
         "device loads",
         "host loads",
+        "host reads / adapter",
     ]
     print("| configuration | " + " | ".join(cols) + " | tok/s vs LoRA off |")
     print("| --- " * (len(cols) + 2) + "|")
     for name, r in results.items():
-        cells = [f"{r[c]:.3f}" if "ttft" in c or "tpot" in c else f"{r[c]:.1f}" for c in cols]
+        precise = ("ttft", "tpot", "/ adapter")
+        cells = [f"{r[c]:.3f}" if any(p in c for p in precise) else f"{r[c]:.1f}" for c in cols]
         print(f"| {name} | " + " | ".join(cells) + f" | {r['tok/s'] / off:.2f}x |")
+    first = counts[0]
+    for count, toks in runs.items():
+        if count == first:
+            continue
+        pairs = [t / f for t, f in zip(toks, runs[first], strict=False)]
+        print(
+            f"# {count} vs {first} adapters: tok/s ratio median {statistics.median(pairs):.2f}x over "
+            f"{len(pairs)} pair(s) ({', '.join(f'{p:.2f}' for p in pairs)})"
+        )
     print(
         f"# {args.requests} requests each, {args.rate}/s Gamma(cv={args.cv}) arrivals, {args.popularity}, "
         f"base share {args.base_share}, prompt {args.prompt}, output {args.output}; {args.slots} slots, "

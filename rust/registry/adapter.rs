@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::tiers::DeviceCandidate;
+use super::tiers::{DeviceCandidate, HostCandidate};
 use super::LoadSource;
 use crate::spec::LoRARef;
 
@@ -61,6 +61,9 @@ impl Protection {
     }
 }
 
+/// [`Tenancy::named_at`] of an adapter no request of the latest plan named.
+pub(crate) const NOT_NAMED: u32 = u32::MAX;
+
 /// Where an adapter is, and the history the eviction policies read.
 #[derive(Debug, Clone)]
 pub(crate) struct Tenancy {
@@ -73,8 +76,12 @@ pub(crate) struct Tenancy {
     pub(crate) device_since: u64,
     pub(crate) last_used: u64,
     pub(crate) uses: u64,
-    pub(crate) host_candidate: bool,
+    pub(crate) host_candidate: HostCandidate,
     pub(crate) device_candidate: DeviceCandidate,
+    /// The index of the first request naming it in the latest fetch-mode plan ([`NOT_NAMED`]: none).
+    pub(crate) named_at: u32,
+    /// The naming (see `Registry::name_requests`) that last set `named_at`.
+    pub(crate) named_in: u64,
     /// Consecutive plans that named it and deferred it for room (device or host, or fairness);
     /// from [`crate::limits::OVERDUE_AFTER`] on it is admitted before younger requests.
     pub(crate) deferred_plans: u32,

@@ -1,7 +1,7 @@
 //! The registry's invariants, checked from scratch: for tests and fuzzing.
 
-use super::adapter::Adapter;
-use super::tiers::DeviceCandidate;
+use super::adapter::{Adapter, NOT_NAMED};
+use super::tiers::{DeviceCandidate, HostCandidate};
 use super::Registry;
 use crate::policy::AdapterKey;
 
@@ -15,8 +15,10 @@ struct Tally {
     /// Being fetched: adapters, bytes reserved.
     fetching: (usize, u64),
     pinned: usize,
-    /// Host candidates, idle device candidates, queued device candidates.
+    /// Host candidates (no request named them), idle device candidates, queued device candidates.
     candidates: (usize, usize, usize),
+    /// Named host candidates: adapters, bytes.
+    named: (usize, u64),
     /// Every registered adapter's (host, device) bytes.
     registered: (u64, u64),
 }
@@ -74,10 +76,24 @@ impl Registry {
             }
         }
         let protected = p.shields();
-        if t.host_candidate != (t.host_since.is_some() && !protected && p.in_flight == 0) {
+        let host_candidate = match t.named_at {
+            _ if t.host_since.is_none() || protected || p.in_flight > 0 => HostCandidate::No,
+            NOT_NAMED => HostCandidate::Idle,
+            _ => HostCandidate::Named,
+        };
+        if t.host_candidate != host_candidate {
             return Err(format!("{name:?} has the wrong host candidacy"));
         }
-        tally.candidates.0 += usize::from(t.host_candidate);
+        match host_candidate {
+            HostCandidate::Idle => tally.candidates.0 += 1,
+            HostCandidate::Named => {
+                tally.named = (tally.named.0 + 1, tally.named.1 + size.host_bytes);
+            }
+            HostCandidate::No => {}
+        }
+        if (t.named_at != NOT_NAMED) != self.named.contains(&key) {
+            return Err(format!("{name:?} disagrees with the named list"));
+        }
         match t.device_candidate {
             DeviceCandidate::Idle => tally.candidates.1 += 1,
             DeviceCandidate::Queued => tally.candidates.2 += 1,
@@ -170,6 +186,7 @@ impl Registry {
             }
         }
         if tally.candidates != (self.host.candidates.len(), self.device.idle.len(), self.device.queued.len())
+            || tally.named != (self.host.named.len(), self.host.named_bytes)
         {
             return Err("candidate sets and adapters disagree".into());
         }

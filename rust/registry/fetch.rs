@@ -13,13 +13,36 @@
 //! them in request order, which is the order of the caller's queue; nothing here reads a clock.
 //! A finished fetch leaves the adapter *fresh*, protected until a plan admits it or leaves it
 //! out, so that no fetch is undone before the requests that waited for it run.
+//!
+//! The fetch policy. A fetch-mode plan *names* the adapters its requests use, each at its first
+//! request: those of waiting requests, and those of running ones, which an engine offers again
+//! every step but which no step protects between its steps. A fetch, its reservation as its room
+//! when done, takes only host places no request names: a read never evicts an adapter a request
+//! is about to need, which would be read again. The one exception keeps the queue fair: a fetch
+//! for an overdue adapter (deferred [`OVERDUE_AFTER`] plans) may also take the places of adapters
+//! named only by younger requests, youngest first. And a plan starts fetches in queue order only
+//! while fewer unpinned adapters than one step may admit are *ready* (deferred in the host tier,
+//! or being fetched): reading further ahead only holds host room the next steps cannot use.
+//! Pinned adapters (they take no slot budget) and overdue ones fetch whatever the budget.
 
 use std::sync::Arc;
 
-use super::tiers::{Eviction, Tier};
+use super::adapter::NOT_NAMED;
+use super::tiers::{Evictable, Eviction, HostCandidate, Tier};
 use super::Registry;
 use crate::error::{Error, Result};
+use crate::limits::OVERDUE_AFTER;
 use crate::policy::AdapterKey;
+
+/// How an adapter entering the host tier may make its room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Claim {
+    /// A background read: only from adapters no waiting request needs (see
+    /// [`Registry::fetch_evictable`]).
+    Fetch,
+    /// A read a step or caller waits for: from any candidate.
+    Read,
+}
 
 /// A fetch the caller must run: read the adapter's weights, then report
 /// [`Registry::fetch_done`] or [`Registry::fetch_failed`] with this name and serial.
@@ -43,13 +66,14 @@ pub struct FetchPlan {
 
 impl Registry {
     /// Starts fetching `key` (outside the host tier, not fetching) if the host tier could make room
-    /// for it beside the protected adapters and the other reservations: reserves its bytes, evicting
-    /// nobody. Returns whether it started.
+    /// for it beside the protected adapters, the other reservations and the adapters waiting requests
+    /// need ([`Registry::fetch_evictable`]): reserves its bytes, evicting nobody. Returns whether it
+    /// started.
     pub(crate) fn start_fetch(&mut self, key: AdapterKey) -> bool {
         let a = self.get(key);
         debug_assert!(a.tenancy.host_since.is_none() && !a.tenancy.fetching);
         let bytes = a.identity.size.host_bytes;
-        if !self.host.room_possible(bytes) {
+        if !self.host.fits(bytes, self.fetch_evictable(key).0, true) {
             self.host.counters.refusals += 1;
             return false;
         }
@@ -62,16 +86,48 @@ impl Registry {
         true
     }
 
-    /// Whether `key`, being fetched, could enter the host tier now (after evicting every unprotected
-    /// adapter): [`Registry::end_fetch`] into the host tier may be called.
-    pub(crate) fn fetch_fits(&self, key: AdapterKey) -> bool {
-        self.host.resident_room_possible(self.get(key).identity.size.host_bytes)
+    /// What a fetch of `key` may evict, and the first request index from which named adapters are
+    /// among it: the candidates no request of the latest plan named; and when `key` is overdue, also
+    /// those whose requests all come after its first (the oldest waiting request is not held back
+    /// by younger ones), never those of its elders or of running requests (offered first).
+    pub(crate) fn fetch_evictable(&self, key: AdapterKey) -> (Evictable, u32) {
+        let t = &self.get(key).tenancy;
+        let mut evictable = self.host.idle_candidates();
+        if t.deferred_plans < OVERDUE_AFTER || t.named_at == NOT_NAMED {
+            return (evictable, NOT_NAMED);
+        }
+        let first = t.named_at + 1;
+        for &k in &self.named {
+            let other = self.get(k);
+            if other.tenancy.host_candidate == HostCandidate::Named && other.tenancy.named_at >= first {
+                evictable.count += 1;
+                evictable.bytes += other.identity.size.host_bytes;
+            }
+        }
+        (evictable, first)
     }
 
-    /// Ends the fetch of `key`: its reservation is released (`into_host`: false) or becomes its
-    /// place in the host tier (`into_host`: true, after [`Registry::fetch_fits`]), unprotected
-    /// adapters leaving first to make the room, into `evicted`.
-    pub(crate) fn end_fetch(&mut self, key: AdapterKey, into_host: bool, evicted: &mut Vec<Eviction>) {
+    /// Whether `key`, being fetched, could enter the host tier now, making room as `claim` may:
+    /// [`Registry::end_fetch`] into the host tier may be called.
+    pub(crate) fn fetch_fits(&self, key: AdapterKey, claim: Claim) -> bool {
+        let evictable = match claim {
+            Claim::Fetch => self.fetch_evictable(key).0,
+            Claim::Read => self.host.every_candidate(),
+        };
+        self.host.fits(self.get(key).identity.size.host_bytes, evictable, false)
+    }
+
+    /// Ends the fetch of `key`: its reservation is released (`into_host`: None) or becomes its
+    /// place in the host tier (after [`Registry::fetch_fits`] with that claim), candidates leaving
+    /// first to make the room as the claim may, into `evicted`.
+    pub(crate) fn end_fetch(
+        &mut self,
+        key: AdapterKey,
+        into_host: Option<Claim>,
+        evicted: &mut Vec<Eviction>,
+    ) {
+        // Computed before the reservation ends: the bound depends on the adapter alone.
+        let first_evictable = self.fetch_evictable(key).1;
         let a = self.get_mut(key);
         debug_assert!(a.tenancy.fetching);
         a.tenancy.fetching = false;
@@ -80,8 +136,11 @@ impl Registry {
         self.host.reserved_bytes -= bytes;
         self.host.count -= 1;
         self.host.bytes -= bytes;
-        if into_host {
-            self.make_host_room(bytes, evicted);
+        if let Some(claim) = into_host {
+            match claim {
+                Claim::Fetch => self.make_fetch_room(bytes, first_evictable, evicted),
+                Claim::Read => self.make_host_room(bytes, evicted),
+            }
             self.host.count += 1;
             self.host.bytes += bytes;
             let now = self.tick();
@@ -89,6 +148,44 @@ impl Registry {
             self.host.counters.loads += 1;
         }
         self.refresh(key);
+    }
+
+    /// Records which adapters this plan's requests name (`adapters`, in the caller's queue order),
+    /// each at its first request: the *named* adapters, whose host places no fetch takes (see
+    /// [`Registry::fetch_evictable`]) until a later plan names them no more. A plan outside fetch
+    /// mode (`fetch` false) names none: its caller keeps no queue across steps.
+    pub(crate) fn name_requests(&mut self, adapters: &[Option<AdapterKey>], fetch: bool) {
+        if !fetch && self.named.is_empty() {
+            return;
+        }
+        self.namings += 1;
+        let naming = self.namings;
+        let previous = std::mem::take(&mut self.named);
+        if fetch {
+            for (i, &request) in adapters.iter().enumerate() {
+                let Some(key) = request else { continue };
+                let t = &mut self.get_mut(key).tenancy;
+                if t.named_in == naming {
+                    continue;
+                }
+                t.named_in = naming;
+                // The index only orders an overdue fetch's victims (found by a scan): only a change
+                // of candidate set needs a refresh.
+                let newly = t.named_at == NOT_NAMED;
+                t.named_at = i as u32;
+                self.named.push(key);
+                if newly {
+                    self.refresh(key);
+                }
+            }
+        }
+        for key in previous {
+            let t = &mut self.get_mut(key).tenancy;
+            if t.named_in != naming {
+                t.named_at = NOT_NAMED;
+                self.refresh(key);
+            }
+        }
     }
 
     /// Starts fetching the adapters named in `names` that are neither in the host tier nor being
@@ -180,7 +277,7 @@ impl Registry {
     /// reports it again later (once a step has ended). Nothing changes on an error.
     pub fn fetch_done(&mut self, name: &str, serial: u64) -> Result<Vec<Arc<str>>> {
         let key = self.fetching(name, serial)?;
-        if !self.fetch_fits(key) {
+        if !self.fetch_fits(key, Claim::Fetch) {
             let bytes = self.get(key).identity.size.host_bytes;
             return Err(Error::Capacity(format!(
                 "adapter {name:?} was read but cannot enter the host tier yet: {}",
@@ -188,7 +285,7 @@ impl Registry {
             )));
         }
         let mut evicted = Vec::new();
-        self.end_fetch(key, true, &mut evicted);
+        self.end_fetch(key, Some(Claim::Fetch), &mut evicted);
         self.get_mut(key).protection.fresh = true;
         self.fresh.push(key);
         self.refresh(key);
@@ -201,7 +298,7 @@ impl Registry {
     /// Errors: as [`Registry::fetch_done`].
     pub fn fetch_failed(&mut self, name: &str, serial: u64) -> Result<()> {
         let key = self.fetching(name, serial)?;
-        self.end_fetch(key, false, &mut Vec::new());
+        self.end_fetch(key, None, &mut Vec::new());
         Ok(())
     }
 
@@ -227,3 +324,7 @@ impl Registry {
 #[cfg(test)]
 #[path = "fetch_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "fetch_policy_tests.rs"]
+mod policy_tests;

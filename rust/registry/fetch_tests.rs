@@ -1,6 +1,7 @@
 use std::sync::Arc;
 
 use crate::error::Error;
+use crate::limits::OVERDUE_AFTER;
 use crate::policy::AdapterKey;
 use crate::registry::testkit::*;
 use crate::registry::tiers::Tier;
@@ -192,6 +193,11 @@ fn prefetch_while_a_step_is_open_leaves_the_step_alone() {
     assert!(p.to_fetch.is_empty());
     assert_eq!(p.skipped.len(), 1);
     reg.finish_step(ticket.unwrap()).unwrap();
+    // b's and c's requests run on between steps: their places are still not a fetch's to take.
+    assert!(reg.prefetch(&[Some("a")]).unwrap().to_fetch.is_empty());
+    // Once a plan names them no more, they are.
+    let (_, ticket) = begin(&mut reg, &[None], FETCH);
+    reg.finish_step(ticket.unwrap()).unwrap();
     assert_eq!(reg.prefetch(&[Some("a")]).unwrap().to_fetch.len(), 1);
 }
 
@@ -271,12 +277,12 @@ fn a_fetched_adapter_stays_fresh_until_a_plan_admits_it_or_leaves_it_out() {
     assert!(p.to_fetch.is_empty() && p.evictions.is_empty());
     assert!(reg.get(reg.lookup("a", false).unwrap()).protection.fresh);
     reg.finish_step(t.unwrap()).unwrap();
-    // Nor may a prefetch: x's place goes instead.
-    let p = reg.prefetch(&[Some("b")]).unwrap();
-    assert_eq!(p.to_fetch.len(), 1);
-    // a's turn: admitted, and fresh no more.
+    // Nor may a prefetch, nor take x's place: x's request runs on between steps.
+    assert!(reg.prefetch(&[Some("b")]).unwrap().to_fetch.is_empty());
+    // a's turn: admitted, and fresh no more; x is named no more, so b's fetch may take its place.
     let (p, t) = begin(&mut reg, &[Some("a"), Some("b")], FETCH);
     assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([0].as_slice(), [1].as_slice()));
+    assert_eq!(p.to_fetch.len(), 1);
     assert!(!reg.get(reg.lookup("a", false).unwrap()).protection.fresh);
     reg.finish_step(t.unwrap()).unwrap();
     // A fetched adapter whose requests are gone is fresh only until the next plan.
@@ -308,21 +314,30 @@ fn a_whole_batch_that_cannot_begin_ends_the_freshness_of_adapters_it_leaves_out(
 }
 
 #[test]
-fn a_waiting_request_takes_host_room_from_younger_requests_never_older_ones() {
+fn an_overdue_request_takes_host_room_from_younger_requests_never_older_ones() {
     // Two slots and two host places: the step's adapters can hold the whole host tier.
     let mut reg = registry(2, Some(2), "lru", &["a", "b", "x"]);
     let a_serial = reg.serial("a").unwrap();
-    // a's request is older than b's and x's: x (the youngest) yields its place.
+    // a's request is older than b's and x's, but b and x hold the tier for requests of their own:
+    // a waits until it is overdue, then x (the youngest) yields its place.
+    for _ in 0..OVERDUE_AFTER {
+        let (p, t) = begin(&mut reg, &[Some("a"), Some("b"), Some("x")], FETCH);
+        assert_eq!((p.admitted.as_slice(), p.to_fetch.len()), ([1, 2].as_slice(), 0));
+        reg.finish_step(t.unwrap()).unwrap();
+    }
     let (p, t) = begin(&mut reg, &[Some("a"), Some("b"), Some("x")], FETCH);
     assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([1].as_slice(), [0, 2].as_slice()));
     assert_eq!(fetches(&p), [("a", a_serial)]);
     assert!(p.evictions.is_empty());
     reg.finish_step(t.unwrap()).unwrap();
     assert_eq!(reg.fetch_done("a", a_serial).unwrap(), [Arc::from("x")]);
-    // With a's request the youngest, the older ones keep their places and a waits.
+    // With a's request the youngest, the older ones keep their places however long a waits.
     let mut reg = registry(2, Some(2), "lru", &["a", "b", "x"]);
-    let (p, _) = begin(&mut reg, &[Some("b"), Some("x"), Some("a")], FETCH);
-    assert_eq!((p.admitted.as_slice(), p.to_fetch.len()), ([0, 1].as_slice(), 0));
+    for _ in 0..3 * OVERDUE_AFTER {
+        let (p, t) = begin(&mut reg, &[Some("b"), Some("x"), Some("a")], FETCH);
+        assert_eq!((p.admitted.as_slice(), p.to_fetch.len()), ([0, 1].as_slice(), 0));
+        reg.finish_step(t.unwrap()).unwrap();
+    }
 }
 
 #[test]

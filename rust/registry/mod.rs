@@ -20,6 +20,9 @@
 //!   host bytes are reserved;
 //! - **fresh**: fetched, until a plan admits it or leaves it out (its waiting requests are gone);
 //!   never evicted, so a fetch is not undone before the requests that waited for it run;
+//! - **named**: wanted by a request of the latest fetch-mode plan (waiting, or running in the
+//!   engine between its steps); no fetch evicts it (but one for an overdue adapter named earlier),
+//!   and other claims only once no adapter outside this and the classes above is left;
 //! - **in flight**: acquired and not yet released. Never evicted from the host tier. In the device
 //!   tier such an adapter is evicted only when no idle one is left: requests that are queued, not
 //!   running, must not hold slots forever, or with more busy adapters than slots every other
@@ -40,12 +43,12 @@ mod unload;
 use std::sync::Arc;
 
 pub use self::adapter::AdapterSize;
-use self::adapter::{Adapter, Identity, Protection, Tenancy};
+use self::adapter::{Adapter, Identity, Protection, Tenancy, NOT_NAMED};
 pub use self::fetch::{Fetch, FetchPlan};
 pub use self::lifecycle::{Place, Placement};
 pub use self::plan::{Deferral, Hold, Load, StepPlan, StepRequests};
 pub use self::step::{StepOptions, StepTicket};
-use self::tiers::{DeviceCandidate, DeviceTier, HostLedger, Tier, TierCounters};
+use self::tiers::{DeviceCandidate, DeviceTier, HostCandidate, HostLedger, Tier, TierCounters};
 pub use self::unload::Unload;
 use crate::error::{Error, Result};
 use crate::hash::FxHashMap;
@@ -121,6 +124,10 @@ pub struct Registry {
     pub(crate) step: Vec<AdapterKey>,
     /// The fresh adapters (see `fetch`).
     pub(crate) fresh: Vec<AdapterKey>,
+    /// The adapters the latest fetch-mode plan's requests named (see `fetch`).
+    pub(crate) named: Vec<AdapterKey>,
+    /// Fetch-mode plans that named their requests' adapters so far.
+    namings: u64,
     /// Per adapter key, the latest plan's decision (planning scratch, kept to reuse its memory).
     pub(crate) plan_marks: Vec<i32>,
     /// An empty buffer for the next plan's `step` (the previous step's, kept to reuse its memory).
@@ -155,7 +162,12 @@ impl Registry {
             return Err(Error::Spec("chunk_size must be at least 1 (got 0)".into()));
         }
         let slots = config.slots as u32;
-        let host = HostLedger::new(config.max_loaded, config.max_host_bytes, config.host_policy.build());
+        let host = HostLedger::new(
+            config.max_loaded,
+            config.max_host_bytes,
+            config.host_policy.build(),
+            config.host_policy.build(),
+        );
         let device = DeviceTier::new(slots, config.device_policy.build(), config.device_policy.build());
         Ok(Self {
             config,
@@ -171,6 +183,8 @@ impl Registry {
             pinned_host_bytes: 0,
             step: Vec::new(),
             fresh: Vec::new(),
+            named: Vec::new(),
+            namings: 0,
             plan_marks: Vec::new(),
             spare_step: Vec::new(),
             overdue: 0,
@@ -388,8 +402,10 @@ impl Registry {
                 device_since: 0,
                 last_used: now,
                 uses: 0,
-                host_candidate: false,
+                host_candidate: HostCandidate::No,
                 device_candidate: DeviceCandidate::No,
+                named_at: NOT_NAMED,
+                named_in: 0,
                 deferred_plans: 0,
             },
         });

@@ -5,7 +5,8 @@
 
 use std::sync::Arc;
 
-use super::tiers::{DeviceCandidate, Eviction, Tier};
+use super::adapter::NOT_NAMED;
+use super::tiers::{DeviceCandidate, Eviction, HostCandidate, Tier};
 use super::Registry;
 use crate::policy::{AdapterKey, Usage};
 
@@ -14,7 +15,13 @@ impl Registry {
     pub(crate) fn refresh(&mut self, key: AdapterKey) {
         let a = self.adapters[key.index()].as_mut().expect("a live adapter key");
         let protected = a.protection.shields();
-        let host_wanted = a.tenancy.host_since.is_some() && !protected && a.protection.in_flight == 0;
+        let host_wanted = match a.tenancy.named_at {
+            _ if a.tenancy.host_since.is_none() || protected || a.protection.in_flight > 0 => {
+                HostCandidate::No
+            }
+            NOT_NAMED => HostCandidate::Idle,
+            _ => HostCandidate::Named,
+        };
         let device_wanted = match (a.tenancy.slot, protected, a.protection.in_flight) {
             (Some(_), false, 0) => DeviceCandidate::Idle,
             (Some(_), false, _) => DeviceCandidate::Queued,
@@ -28,13 +35,29 @@ impl Registry {
             rank: a.identity.size.rank,
         };
         if a.tenancy.host_candidate != host_wanted {
-            if host_wanted {
-                let u = usage(a.tenancy.host_since.unwrap_or_default(), a.identity.size.host_bytes);
-                self.host.candidates.insert(key, &u);
-                self.host.candidate_bytes += a.identity.size.host_bytes;
-            } else {
-                self.host.candidates.remove(key);
-                self.host.candidate_bytes -= a.identity.size.host_bytes;
+            let bytes = a.identity.size.host_bytes;
+            match a.tenancy.host_candidate {
+                HostCandidate::Idle => {
+                    self.host.candidates.remove(key);
+                    self.host.candidate_bytes -= bytes;
+                }
+                HostCandidate::Named => {
+                    self.host.named.remove(key);
+                    self.host.named_bytes -= bytes;
+                }
+                HostCandidate::No => {}
+            }
+            let u = usage(a.tenancy.host_since.unwrap_or_default(), bytes);
+            match host_wanted {
+                HostCandidate::Idle => {
+                    self.host.candidates.insert(key, &u);
+                    self.host.candidate_bytes += bytes;
+                }
+                HostCandidate::Named => {
+                    self.host.named.insert(key, &u);
+                    self.host.named_bytes += bytes;
+                }
+                HostCandidate::No => {}
             }
             a.tenancy.host_candidate = host_wanted;
         }
@@ -54,20 +77,47 @@ impl Registry {
         }
     }
 
-    /// Evicts host candidates, in policy order, until an adapter of `bytes` fits. The caller has
-    /// checked [`super::tiers::HostLedger::room_possible`].
+    /// Evicts host candidates until an adapter of `bytes` fits: those no waiting request names,
+    /// then named ones, each in policy order. The caller has checked
+    /// [`super::tiers::HostLedger::room_possible`].
     pub(crate) fn make_host_room(&mut self, bytes: u64, evicted: &mut Vec<Eviction>) {
         while !self.host.has_room(bytes) {
-            let victim = self.host.candidates.victim().expect("room_possible promised a host victim");
-            if self.get(victim).tenancy.slot.is_some() {
-                self.evict_device(victim, evicted);
-            }
-            let name = Arc::clone(&self.get(victim).identity.name);
-            self.leave_host(victim);
-            self.refresh(victim);
-            self.host.counters.evictions += 1;
-            evicted.push(Eviction { name, tier: Tier::Host, slot: None });
+            let victim = self.host.candidates.victim().or_else(|| self.host.named.victim());
+            self.evict_host(victim.expect("room_possible promised a host victim"), evicted);
         }
+    }
+
+    /// Evicts host candidates until an adapter of `bytes` fits: those no waiting request names in
+    /// policy order, then the named ones whose first request is at `first_evictable` or later,
+    /// youngest first. The caller has checked that they leave the room.
+    pub(crate) fn make_fetch_room(&mut self, bytes: u64, first_evictable: u32, evicted: &mut Vec<Eviction>) {
+        while !self.host.has_room(bytes) {
+            let victim = self.host.candidates.victim().or_else(|| self.youngest_named(first_evictable));
+            self.evict_host(victim.expect("the fetch's room check promised a host victim"), evicted);
+        }
+    }
+
+    /// The named host candidate whose first request is the latest, if at `first_evictable` or later
+    /// (a scan of the named adapters: only an overdue adapter's fetch asks).
+    fn youngest_named(&self, first_evictable: u32) -> Option<AdapterKey> {
+        self.named
+            .iter()
+            .copied()
+            .filter(|&k| self.get(k).tenancy.host_candidate == HostCandidate::Named)
+            .filter(|&k| self.get(k).tenancy.named_at >= first_evictable)
+            .max_by_key(|&k| self.get(k).tenancy.named_at)
+    }
+
+    /// Evicts `victim`, a host candidate, from both tiers.
+    fn evict_host(&mut self, victim: AdapterKey, evicted: &mut Vec<Eviction>) {
+        if self.get(victim).tenancy.slot.is_some() {
+            self.evict_device(victim, evicted);
+        }
+        let name = Arc::clone(&self.get(victim).identity.name);
+        self.leave_host(victim);
+        self.refresh(victim);
+        self.host.counters.evictions += 1;
+        evicted.push(Eviction { name, tier: Tier::Host, slot: None });
     }
 
     /// A free slot, evicting a device candidate (idle ones first) when none is free. The caller has

@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use super::fetch::Fetch;
+use super::fetch::{Claim, Fetch};
 use super::tiers::Eviction;
 use super::{LoadSource, Registry};
 use crate::error::{Error, Result};
@@ -93,8 +93,9 @@ pub enum Deferral {
     /// Its adapter needs a device slot and none can be had now: more distinct unpinned adapters
     /// than the slots left by the pinned ones, or every slot holds a protected adapter.
     DeviceRoom,
-    /// Its adapter is outside the host tier, and the tier cannot make room for it now (full of
-    /// pinned, in-flight or fetching adapters).
+    /// Its adapter is outside the host tier and its read does not start now: the tier cannot make
+    /// room for it (full of pinned, in-flight or fetching adapters, or of those other requests
+    /// need), or as many adapters as one step can admit are ready already (the fetch budget).
     HostRoom,
     /// Its adapter is being read (fetched, or discovered in `adapter_dir`).
     Loading,
@@ -214,6 +215,9 @@ fn failure(mark: i32) -> Hold {
 struct Waiting {
     keys: Vec<(AdapterKey, u32)>,
     firsts: Vec<u32>,
+    /// The adapters admission deferred although they are in the host tier (all unpinned): the
+    /// next steps can take them without a read.
+    ready: usize,
 }
 
 /// One step's requests: request `i` uses `adapters[i]` (None: the base model, or a held request)
@@ -301,6 +305,7 @@ impl Registry {
         marks.push(-1);
         let mut plan = StepPlan::default();
         let mut waiting = Waiting::default();
+        self.name_requests(adapters, fetch);
         self.admit(adapters, &mut marks, fetch.then_some(&mut waiting));
         if fetch {
             self.start_waiting_fetches(&mut waiting, &mut marks, &mut plan);
@@ -313,22 +318,40 @@ impl Registry {
         Ok(plan)
     }
 
-    /// Starts the fetches of the adapters waiting for the host tier, in first-request order. When
-    /// the tier cannot make room for one, adapters admitted for later requests yield theirs if
-    /// that is enough ([`Registry::yield_room`]): a waiting request goes before younger ones, so
-    /// no request waits forever behind adapters that later requests keep in the step.
+    /// Starts the fetches of the adapters waiting for the host tier, in first-request order, within
+    /// the fetch budget: while fewer unpinned adapters than one step may admit are ready for the
+    /// next steps (deferred in the host tier, or being fetched), since a read beyond that only
+    /// holds host room the next steps cannot use. Pinned adapters (they take no budget) and overdue
+    /// ones (the oldest requests) fetch whatever the budget. A fetch takes no host place a waiting
+    /// or running request needs ([`Registry::fetch_evictable`]), but for an overdue adapter, which
+    /// may take those of younger requests; adapters admitted for younger requests then yield
+    /// theirs if that is enough ([`Registry::yield_room`]), so no request waits forever behind
+    /// adapters that later requests keep in the host tier.
     fn start_waiting_fetches(&mut self, waiting: &mut Waiting, marks: &mut [i32], plan: &mut StepPlan) {
+        let limit = self.slot_budget().limit();
+        let fetching_unpinned = |reg: &Self, key: AdapterKey| {
+            let a = reg.get(key);
+            a.tenancy.fetching && !a.protection.pinned
+        };
+        let mut ready =
+            waiting.ready + waiting.keys.iter().filter(|&&(key, _)| fetching_unpinned(self, key)).count();
         for &(key, first) in &waiting.keys {
             let a = self.get(key);
             if a.tenancy.fetching {
                 marks[key.index()] = DEFER_LOADING;
                 continue;
             }
+            let overdue = a.tenancy.deferred_plans >= OVERDUE_AFTER;
+            let pinned = a.protection.pinned;
+            if !overdue && !pinned && ready >= limit {
+                continue;
+            }
             let bytes = a.identity.size.host_bytes;
-            if !self.host.room_possible(bytes) {
-                self.yield_room(first, bytes, &mut waiting.firsts, marks);
+            if overdue && !self.host.fits(bytes, self.fetch_evictable(key).0, true) {
+                ready += self.yield_room(first, key, &mut waiting.firsts, marks);
             }
             if self.start_fetch(key) {
+                ready += usize::from(!pinned);
                 marks[key.index()] = DEFER_LOADING;
                 let a = self.get(key);
                 plan.to_fetch.push(Fetch { name: Arc::clone(&a.identity.name), serial: a.identity.serial });
@@ -337,11 +360,14 @@ impl Registry {
     }
 
     /// Defers, youngest first, admitted adapters whose first request comes after request `first`
-    /// and that only the step protects, until the host tier could make room for `bytes`; defers
-    /// none when all of them would not be enough. `firsts` is parallel to `self.step`.
-    fn yield_room(&mut self, first: u32, bytes: u64, firsts: &mut Vec<u32>, marks: &mut [i32]) {
-        let protected_count = self.host.count - self.host.candidates.len();
-        let protected_bytes = self.host.bytes - self.host.candidate_bytes;
+    /// (`key`'s, overdue) and that only the step protects, until a fetch of `key` could make its
+    /// room; defers none when all of them would not be enough. Returns how many it deferred.
+    /// `firsts` is parallel to `self.step`.
+    fn yield_room(&mut self, first: u32, key: AdapterKey, firsts: &mut Vec<u32>, marks: &mut [i32]) -> usize {
+        let bytes = self.get(key).identity.size.host_bytes;
+        let evictable = self.fetch_evictable(key).0;
+        let protected_count = self.host.count - evictable.count;
+        let protected_bytes = self.host.bytes - evictable.bytes;
         let mut need_count = self.host.max_count.map_or(0, |m| (protected_count + 1).saturating_sub(m));
         let mut need_bytes = self.host.max_bytes.map_or(0, |m| (protected_bytes + bytes).saturating_sub(m));
         let mut picks = Vec::new();
@@ -360,16 +386,18 @@ impl Registry {
             need_bytes = need_bytes.saturating_sub(a.identity.size.host_bytes);
         }
         if need_count > 0 || need_bytes > 0 {
-            return;
+            return 0;
         }
+        let yielded = picks.len();
         // Descending positions: each removal leaves the earlier ones in place.
         for at in picks {
-            let key = self.step.remove(at);
+            let gave_way = self.step.remove(at);
             firsts.remove(at);
-            marks[key.index()] = DEFER_FAIRNESS;
-            self.get_mut(key).protection.in_step = false;
-            self.refresh(key);
+            marks[gave_way.index()] = DEFER_FAIRNESS;
+            self.get_mut(gave_way).protection.in_step = false;
+            self.refresh(gave_way);
         }
+        yielded
     }
 
     /// Fresh adapters (fetched, waiting for a step to admit their requests) stay protected while
@@ -446,6 +474,9 @@ impl Registry {
                 // Refused only because overdue adapters went first: it gave way.
                 *mark = if budget.used() - overdue < budget.limit() { DEFER_FAIRNESS } else { DEFER_DEVICE };
                 self.device.counters.refusals += 1;
+                if let Some(waiting) = waiting.as_deref_mut() {
+                    waiting.ready += 1;
+                }
                 continue;
             }
             *mark = ADMITTED;
@@ -581,7 +612,8 @@ impl Registry {
         let bytes = a.identity.size.host_bytes;
         // A blocking read of an adapter being fetched takes over the fetch's reservation.
         let fetching = a.tenancy.fetching;
-        let host_room = if fetching { self.fetch_fits(key) } else { self.host.room_possible(bytes) };
+        let host_room =
+            if fetching { self.fetch_fits(key, Claim::Read) } else { self.host.room_possible(bytes) };
         if source == LoadSource::Disk && !host_room {
             return Err(Refusal::Host);
         }
@@ -589,7 +621,7 @@ impl Registry {
             return Err(Refusal::Device);
         }
         match source {
-            LoadSource::Disk if fetching => self.end_fetch(key, true, &mut plan.evictions),
+            LoadSource::Disk if fetching => self.end_fetch(key, Some(Claim::Read), &mut plan.evictions),
             LoadSource::Disk => {
                 self.make_host_room(bytes, &mut plan.evictions);
                 self.enter_host(key);

@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use super::fetch::Claim;
 use super::plan::{check_step_size, Hold, StepPlan, StepRequests};
 use super::tiers::Tier;
 use super::Registry;
@@ -129,6 +130,8 @@ impl Registry {
             let keys: Vec<AdapterKey> = adapters.iter().flatten().copied().collect();
             let outside = keys.iter().any(|&k| self.get(k).tenancy.host_since.is_none());
             if outside {
+                // A batch keeps no queue across steps: the latest plan's requests are not waiting.
+                self.name_requests(&[], false);
                 let mut skipped = Vec::new();
                 self.fetch_in_order(&keys, true, &mut plan.to_fetch, &mut skipped);
                 // This plan defers the whole batch: fresh adapters it does not ask for lose their
@@ -307,7 +310,8 @@ impl Registry {
         }
         let fetching = self.get(key).tenancy.fetching;
         // The caller's own read takes over the fetch's reservation (its report will be refused).
-        let possible = if fetching { self.fetch_fits(key) } else { self.host.room_possible(bytes) };
+        let possible =
+            if fetching { self.fetch_fits(key, Claim::Read) } else { self.host.room_possible(bytes) };
         if !possible {
             self.host.counters.refusals += 1;
             return Err(Error::Capacity(format!(
@@ -317,7 +321,7 @@ impl Registry {
         }
         let mut evicted = Vec::new();
         if fetching {
-            self.end_fetch(key, true, &mut evicted);
+            self.end_fetch(key, Some(Claim::Read), &mut evicted);
         } else {
             self.make_host_room(bytes, &mut evicted);
             self.enter_host(key);

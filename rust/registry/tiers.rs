@@ -63,6 +63,26 @@ pub(crate) enum DeviceCandidate {
     Queued,
 }
 
+/// Which host candidate set an adapter is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HostCandidate {
+    /// Not a candidate.
+    No,
+    /// No request of the latest plan named it: any claim evicts it first.
+    Idle,
+    /// A request of the latest fetch-mode plan named it: its requests wait or run, so a fetch
+    /// never evicts it (but one for an overdue adapter named before it, youngest first), and other
+    /// claims only once no idle candidate is left, in policy order.
+    Named,
+}
+
+/// Host candidates a claim may evict, counted and in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Evictable {
+    pub(crate) count: usize,
+    pub(crate) bytes: u64,
+}
+
 /// Host memory: what it holds, counted (the tensors themselves live in Python). `count` and
 /// `bytes` are the claimed room: resident adapters plus the reservations of those being fetched.
 /// The resident adapters alone never exceed the capacity. A reservation evicts nobody: a fetch
@@ -79,8 +99,12 @@ pub(crate) struct HostLedger {
     pub(crate) reserved_count: usize,
     /// Of `bytes`, the bytes reserved for adapters being fetched.
     pub(crate) reserved_bytes: u64,
+    /// Unprotected adapters no request of the latest plan named, in policy order.
     pub(super) candidates: Box<dyn EvictionPolicy>,
     pub(super) candidate_bytes: u64,
+    /// Unprotected adapters the latest fetch-mode plan's requests named, in policy order.
+    pub(super) named: Box<dyn EvictionPolicy>,
+    pub(super) named_bytes: u64,
     pub(crate) counters: TierCounters,
 }
 
@@ -89,6 +113,7 @@ impl HostLedger {
         max_count: Option<usize>,
         max_bytes: Option<u64>,
         policy: Box<dyn EvictionPolicy>,
+        named_policy: Box<dyn EvictionPolicy>,
     ) -> Self {
         Self {
             max_count,
@@ -99,6 +124,8 @@ impl HostLedger {
             reserved_bytes: 0,
             candidates: policy,
             candidate_bytes: 0,
+            named: named_policy,
+            named_bytes: 0,
             counters: TierCounters::default(),
         }
     }
@@ -110,25 +137,40 @@ impl HostLedger {
             && self.max_bytes.is_none_or(|m| self.bytes - self.reserved_bytes + bytes <= m)
     }
 
-    /// Whether one more resident adapter of `bytes` would fit beside the resident ones after
-    /// evicting every candidate (reservations aside): whether a finished fetch can enter now.
-    pub(crate) fn resident_room_possible(&self, bytes: u64) -> bool {
-        let count = self.count - self.reserved_count - self.candidates.len();
-        let used = self.bytes - self.reserved_bytes - self.candidate_bytes;
+    /// Every candidate: what a claim other than a fetch may evict.
+    pub(crate) fn every_candidate(&self) -> Evictable {
+        Evictable {
+            count: self.candidates.len() + self.named.len(),
+            bytes: self.candidate_bytes + self.named_bytes,
+        }
+    }
+
+    /// The candidates no request of the latest plan named: what any fetch may evict.
+    pub(crate) fn idle_candidates(&self) -> Evictable {
+        Evictable { count: self.candidates.len(), bytes: self.candidate_bytes }
+    }
+
+    /// Whether one more resident adapter of `bytes` would fit after evicting `evictable`: beside the
+    /// resident ones (a finished fetch entering), or beside them and every reservation
+    /// (`reservations_held`: a new claim).
+    pub(crate) fn fits(&self, bytes: u64, evictable: Evictable, reservations_held: bool) -> bool {
+        let (held_count, held_bytes) =
+            if reservations_held { (0, 0) } else { (self.reserved_count, self.reserved_bytes) };
+        let count = self.count - held_count - evictable.count;
+        let used = self.bytes - held_bytes - evictable.bytes;
         self.max_count.is_none_or(|m| count < m) && self.max_bytes.is_none_or(|m| used + bytes <= m)
     }
 
     /// Whether one more adapter of `bytes` would fit after evicting every candidate, counting every
-    /// reservation as held: the check for a new claim (a registration, a fetch, a blocking read).
+    /// reservation as held: the check for a new claim (a registration, a blocking read).
     pub(crate) fn room_possible(&self, bytes: u64) -> bool {
-        let count = self.count - self.candidates.len();
-        let used = self.bytes - self.candidate_bytes;
-        self.max_count.is_none_or(|m| count < m) && self.max_bytes.is_none_or(|m| used + bytes <= m)
+        self.fits(bytes, self.every_candidate(), true)
     }
 
     /// Why [`HostLedger::room_possible`] is false, with the numbers.
     pub(crate) fn shortage(&self, bytes: u64) -> String {
-        let protected = self.count - self.candidates.len();
+        let every = self.every_candidate();
+        let protected = self.count - every.count;
         let mut why = format!(
             "the host tier holds {} adapter(s) ({} bytes), {protected} of them protected (pinned, in flight, \
              loading, being fetched or in the current step)",
@@ -140,7 +182,7 @@ impl HostLedger {
         if let Some(m) = self.max_bytes {
             why.push_str(&format!(
                 "; max_host_bytes={m}, of which protected adapters take {} and this one needs {bytes}",
-                self.bytes - self.candidate_bytes
+                self.bytes - every.bytes
             ));
         }
         why

@@ -79,7 +79,7 @@ impl Registry {
         // A read in flight is cancelled at once, whatever the requests still in flight: the
         // reservation is released now, and the reader's report is refused (it drops the bytes).
         if self.get(key).tenancy.fetching {
-            self.end_fetch(key, false, &mut Vec::new());
+            self.end_fetch(key, None, &mut Vec::new());
         }
         Ok(self.finish_unload(key))
     }
@@ -121,6 +121,7 @@ impl Registry {
         self.refresh(key);
         self.step.retain(|&k| k != key);
         self.fresh.retain(|&k| k != key);
+        self.named.retain(|&k| k != key);
         let a = self.adapters[key.index()].take().expect("a live adapter key");
         self.overdue -= usize::from(a.tenancy.deferred_plans >= OVERDUE_AFTER);
         self.bytes_registered.0 -= a.identity.size.host_bytes;

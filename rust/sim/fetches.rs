@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::policy::AdapterKey;
 use crate::registry::{Registry, StepPlan};
 use crate::sim::trace::Request;
@@ -55,17 +55,23 @@ impl Fetches {
         }
     }
 
-    /// Reports done every fetch due by `clock`.
+    /// Reports done every fetch due by `clock`. One whose adapter cannot enter the host tier yet
+    /// (every place it could take is one the waiting requests need) stays pending and is reported
+    /// again at the next step, as a server's loader keeps its bytes until then.
     ///
-    /// Errors: the registry's (none expected: the replay never cancels a fetch).
+    /// Errors: the registry's others (none expected: the replay never cancels a fetch).
     pub(super) fn complete(&mut self, reg: &mut Registry, clock: f64) -> Result<()> {
-        while let Some((due, name, serial)) = self.pending.front() {
-            if *due > clock + CLOCK_SLACK {
-                break;
+        let due = self.pending.iter().take_while(|p| p.0 <= clock + CLOCK_SLACK).count();
+        let mut kept = VecDeque::new();
+        for (due, name, serial) in self.pending.drain(..due) {
+            match reg.fetch_done(&name, serial) {
+                Ok(_) => {}
+                Err(Error::Capacity(_)) => kept.push_back((due, name, serial)),
+                Err(e) => return Err(e),
             }
-            reg.fetch_done(name, *serial)?;
-            self.pending.pop_front();
         }
+        kept.append(&mut self.pending);
+        self.pending = kept;
         Ok(())
     }
 

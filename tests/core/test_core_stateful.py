@@ -35,9 +35,11 @@ PythonPlanner = planner_model.PythonPlanner
 class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
     """``PythonPlanner`` plus background reads, written from the registry's docstrings: a fetching
     adapter's host bytes are reserved, evicting nobody (its room is made once it is done, among the
-    resident adapters only); fetch mode defers host misses and fetches them in first-request order,
-    younger admitted adapters yielding host room to an older waiting one; a fetched adapter is fresh
-    (never evicted) until a plan admits it or leaves it out."""
+    resident adapters only); fetch mode defers host misses and fetches them in first-request order, at
+    most ``slots - pinned`` ready ahead (pinned and overdue adapters aside); a fetch evicts no adapter the
+    latest fetch-mode plan named, but an overdue adapter's fetch those named only after it (youngest first,
+    younger admitted adapters yielding); other claims evict unnamed candidates first; a fetched adapter is
+    fresh (never evicted) until a plan admits it or leaves it out."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
@@ -45,6 +47,8 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
         self.registrations = 0
         self.fetching: dict[str, int] = {}
         self.fresh: list[str] = []
+        # Adapter -> its first request in the latest fetch-mode plan (the *named* adapters).
+        self.named: dict[str, int] = {}
 
     def _host_used(self) -> tuple[int, int]:
         count, used = super()._host_used()
@@ -69,6 +73,52 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
     def _host_candidate(self, e: Any) -> bool:
         return bool(super()._host_candidate(e)) and e.name not in self.fresh
 
+    def _fetch_evictable(self, e: Any) -> tuple[list[Any], int | None]:
+        """What a fetch of ``e`` may evict (unnamed candidates; when ``e`` is overdue and named, also those
+        named after it), and from which first request named ones are evictable."""
+        candidates = [c for c in self.entries.values() if self._host_candidate(c)]
+        evictable = [c for c in candidates if c.name not in self.named]
+        if e.deferred_plans < planner_model.OVERDUE_AFTER or e.name not in self.named:
+            return evictable, None
+        first = self.named[e.name] + 1
+        return evictable + [c for c in candidates if self.named.get(c.name, -1) >= first], first
+
+    def _fits(self, nbytes: int, evictable: list[Any], reservations_held: bool) -> bool:
+        count, used = self._host_used() if reservations_held else super()._host_used()
+        count -= len(evictable)
+        used -= sum(c.host_bytes for c in evictable)
+        return (self.max_loaded is None or count < self.max_loaded) and (
+            self.max_host_bytes is None or used + nbytes <= self.max_host_bytes
+        )
+
+    def _evict_host(self, victim: Any, out: list[tuple[str, str, int]]) -> None:
+        if victim.slot is not None:
+            self._evict_device(victim, out)
+        self._leave_host(victim)
+        self.host["evictions"] += 1
+        out.append((victim.name, "host", -1))
+
+    def _candidates_in_order(self) -> list[Any]:
+        order = self._order(self.host_policy, self.host_order)
+        return [self.entries[n] for n in order if self._host_candidate(self.entries[n])]
+
+    def _make_host_room(self, nbytes: int, out: list[tuple[str, str, int]]) -> None:
+        while not self._has_room(nbytes):
+            candidates = self._candidates_in_order()
+            unnamed = [c for c in candidates if c.name not in self.named]
+            self._evict_host((unnamed or candidates)[0], out)
+
+    def _make_fetch_room(self, nbytes: int, first: int | None, out: list[tuple[str, str, int]]) -> None:
+        while not self._has_room(nbytes):
+            candidates = self._candidates_in_order()
+            unnamed = [c for c in candidates if c.name not in self.named]
+            if unnamed:
+                self._evict_host(unnamed[0], out)
+                continue
+            assert first is not None
+            named = [c for c in candidates if self.named[c.name] >= first]
+            self._evict_host(max(named, key=lambda c: self.named[c.name]), out)
+
     def _device_candidate(self, e: Any, idle: bool) -> bool:
         return bool(super()._device_candidate(e, idle)) and e.name not in self.fresh
 
@@ -84,10 +134,12 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
         done: bool = super().try_unload(name)
         if done and name in self.fresh:
             self.fresh.remove(name)
+        if done:
+            self.named.pop(name, None)
         return done
 
     def _start_fetch(self, e: Any, to_fetch: list[tuple[str, int]]) -> bool:
-        if not self._room_possible(e.host_bytes):
+        if not self._fits(e.host_bytes, self._fetch_evictable(e)[0], True):
             self.host["refusals"] += 1
             return False
         self.fetching[e.name] = self.serials[e.name]
@@ -95,9 +147,13 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
         to_fetch.append((e.name, self.serials[e.name]))
         return True
 
-    def _end_fetch(self, e: Any, out: list[Any]) -> None:
+    def _end_fetch(self, e: Any, out: list[Any], fetch: bool) -> None:
+        first = self._fetch_evictable(e)[1]
         del self.fetching[e.name]
-        self._make_host_room(e.host_bytes, out)
+        if fetch:
+            self._make_fetch_room(e.host_bytes, first, out)
+        else:
+            self._make_host_room(e.host_bytes, out)
         e.in_host = True
         self.host_order[e.name] = None
         self.host["loads"] += 1
@@ -110,7 +166,7 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
 
     def _read_for_load(self, e: Any, plan: Any) -> None:
         if e.name in self.fetching:
-            self._end_fetch(e, plan.evictions)
+            self._end_fetch(e, plan.evictions, fetch=False)
         else:
             super()._read_for_load(e, plan)
 
@@ -120,12 +176,18 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
         if len(names) != len(num_tokens):
             raise errors.UsageError("names and num_tokens differ in length")
         found = [None if n is None else self._lookup(n, True) for n in names]
+        self.named = {}
+        if fetch:
+            for i, e in enumerate(found):
+                if e is not None:
+                    self.named.setdefault(e.name, i)
         self.end_step()
         budget = self.slots - len(self._pinned())
         decided: dict[str, bool] = {}
         waiting: list[tuple[Any, int]] = []
         firsts: dict[str, int] = {}
         unpinned = self._admit_overdue(found, budget, decided, firsts, fetch)
+        deferred_in_host = 0
         for i, e in enumerate(found):
             if e is None or e.name in decided:
                 continue
@@ -141,25 +203,32 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
                 firsts[e.name] = i
             else:
                 self.device["refusals"] += 1
+                deferred_in_host += 1
         plan = planner_model.Plan()
         plan.to_fetch = []
+        ready = deferred_in_host + sum(1 for e, _ in waiting if e.name in self.fetching and not e.pinned)
         for e, first in waiting:
             if e.name in self.fetching:
                 continue
-            if not self._room_possible(e.host_bytes):
-                self._yield_room(first, e.host_bytes, firsts, decided)
-            self._start_fetch(e, plan.to_fetch)
+            overdue = e.deferred_plans >= planner_model.OVERDUE_AFTER
+            if not overdue and not e.pinned and ready >= budget:
+                continue
+            if overdue and not self._fits(e.host_bytes, self._fetch_evictable(e)[0], True):
+                ready += self._yield_room(first, e, firsts, decided)
+            if self._start_fetch(e, plan.to_fetch):
+                ready += not e.pinned
         self._place_step(plan, decided)
         self.fresh = [n for n in self.fresh if decided.get(n) is False]
         self._outputs(found, num_tokens, decided, plan)
         self._count_deferrals(decided, frozenset(e.name for e, _ in waiting if e.name in self.fetching))
         return plan
 
-    def _yield_room(self, first: int, nbytes: int, firsts: dict[str, int], decided: dict[str, bool]) -> None:
-        candidates = [e for e in self.entries.values() if self._host_candidate(e)]
+    def _yield_room(self, first: int, waiting: Any, firsts: dict[str, int], decided: dict[str, bool]) -> int:
+        nbytes = waiting.host_bytes
+        evictable = self._fetch_evictable(waiting)[0]
         count, used = self._host_used()
-        count -= len(candidates)
-        used -= sum(e.host_bytes for e in candidates)
+        count -= len(evictable)
+        used -= sum(e.host_bytes for e in evictable)
         need_count = 0 if self.max_loaded is None else max(0, count + 1 - self.max_loaded)
         need_bytes = 0 if self.max_host_bytes is None else max(0, used + nbytes - self.max_host_bytes)
         picks = []
@@ -172,11 +241,12 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
             need_count = max(0, need_count - 1)
             need_bytes = max(0, need_bytes - e.host_bytes)
         if need_count or need_bytes:
-            return
+            return 0
         for e in picks:
             self.step.remove(e)
             e.in_step = False
             decided[e.name] = False
+        return len(picks)
 
     def begin_step_fetch(self, names: list[str | None], num_tokens: list[int]) -> Any:
         # Requests of an adapter unloaded (or being unloaded) fail: planned as base requests of no
@@ -231,10 +301,10 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
 
     def fetch_done(self, name: str, serial: int) -> list[str]:
         e = self._fetch(name, serial)
-        if not self._resident_room_possible(e.host_bytes):
+        if not self._fits(e.host_bytes, self._fetch_evictable(e)[0], False):
             raise errors.CapacityError(f"{name!r} cannot enter the host tier yet")
         out: list[tuple[str, str, int]] = []
-        self._end_fetch(e, out)
+        self._end_fetch(e, out, fetch=True)
         self.fresh.append(name)
         return [n for n, tier, _ in out if tier == "host"]
 

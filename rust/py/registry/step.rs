@@ -133,7 +133,8 @@ impl PyStepPlan {
     }
 
     /// Why each deferred request waits, parallel to `deferred`: "device_room" (no slot now),
-    /// "host_room" (outside the host tier, which cannot make room now), "loading" (being read) or
+    /// "host_room" (outside the host tier, its read not started: no room that other requests do not
+    /// need, or as many adapters as a step can admit are ready already), "loading" (being read) or
     /// "fairness" (it gave way to an older waiting request).
     #[getter]
     fn reasons<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
