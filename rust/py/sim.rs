@@ -280,8 +280,9 @@ fn report_progress(py: Python<'_>, progress: Option<&Py<PyAny>>, served: usize) 
 
 /// Replays `trace` over `replicas` replicas, each with its own registry configured as `simulate`'s
 /// arguments say (pins on every replica), behind `router`: `random`, `least-loaded` (shortest
-/// queue) or `affinity` (`lora_pin.routing.rank_replicas`, homes from each adapter's share of the
-/// trace, spilling past `queue_bound` queued requests). One clock in steps of `step_seconds`:
+/// queue, ties at random), `affinity` (`lora_pin.routing.rank_replicas`, homes from each adapter's
+/// share of the trace, spilling past `queue_bound` queued requests) or `hash` (the least loaded of
+/// the adapter's homes however long its queue: placement's most, and its cost in queueing). One clock in steps of `step_seconds`:
 /// arrived requests are routed one by one, then every replica with work plans one step. Give the
 /// trace arrival times (`Trace.with_gamma_arrivals`); without them all requests arrive at once.
 ///

@@ -95,7 +95,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--router",
         default="random,least-loaded,affinity",
-        help="routers to compare with --replicas: random, least-loaded, affinity (default %(default)s)",
+        help=(
+            "routers to compare with --replicas: random, least-loaded (ties at random), affinity, or hash "
+            "(the adapter's homes however long their queues: placement's most, and its queueing cost) "
+            "(default %(default)s)"
+        ),
     )
     p.add_argument(
         "--arrival-rate",
@@ -314,7 +318,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out[1:]) + "\n"
 
 
-ROUTERS = ("random", "least-loaded", "affinity")
+ROUTERS = ("random", "least-loaded", "affinity", "hash")
 
 
 def _cluster_rows(args: argparse.Namespace, trace: Trace, about: dict[str, Any]) -> list[dict[str, Any]]:
