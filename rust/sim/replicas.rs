@@ -24,7 +24,8 @@ use crate::error::{Error, Result};
 use crate::routing::{home_replicas, rank_replicas, replication_factor, Holding, ReplicaStats, RouteRequest};
 use crate::sim::belady::{min_misses, Demand};
 use crate::sim::replay::{
-    arrival_times, check_config, count_step, setup, tier_report, SimConfig, SimReport, StepInputs,
+    arrival_times, check_config, count_bytes, count_step, setup, tier_report, SimConfig, SimReport,
+    StepInputs,
 };
 use crate::sim::trace::{SplitMix, Trace};
 
@@ -111,11 +112,14 @@ pub fn simulate_replicas(
     }
     let mut regs = Vec::with_capacity(replicas);
     let mut keys = Vec::new();
+    let mut sizes = None;
     for _ in 0..replicas {
-        let (reg, k) = setup(trace, config)?;
+        let (reg, k, s) = setup(trace, config)?;
         regs.push(reg);
         keys = k;
+        sizes = Some(s);
     }
+    let sizes = sizes.ok_or_else(|| Error::Spec("replicas must be at least 1 (got 0)".into()))?;
     let starts: Vec<_> = regs.iter().map(|r| r.stats()).collect();
     let pinned: Vec<bool> = keys.iter().map(|&k| regs[0].get(k).protection.pinned).collect();
     let requests = trace.requests();
@@ -217,6 +221,7 @@ pub fn simulate_replicas(
                 )));
             }
             busy[i] += 1;
+            count_bytes(&mut reports[i].sim, &plan, &sizes);
             count_step(&mut reports[i].sim, &mut demands[i], requests, &batch, &plan);
             let mut admitted = plan.admitted.iter().map(|&p| p as usize).peekable();
             let mut pos = 0usize;
@@ -236,8 +241,8 @@ pub fn simulate_replicas(
         rep.sim.requests = rep.routed;
         let device_bound = min_misses(&demands[i], config.slots, |a| pinned[a as usize], &[])?;
         rep.sim.device =
-            tier_report(&end.device, &starts[i].device, config.adapter_bytes, Some(device_bound));
-        rep.sim.host = tier_report(&end.host, &starts[i].host, config.adapter_bytes, None);
+            tier_report(&end.device, &starts[i].device, rep.sim.device.bytes_moved, Some(device_bound));
+        rep.sim.host = tier_report(&end.host, &starts[i].host, rep.sim.host.bytes_moved, None);
         rep.queue_mean = if steps == 0 { 0.0 } else { queue_sums[i] as f64 / steps as f64 };
         rep.utilisation = if steps == 0 { 0.0 } else { busy[i] as f64 / steps as f64 };
     }
