@@ -231,3 +231,16 @@ def test_a_restarted_replica_comes_back_with_the_adapters_and_pins(world: dict[s
         assert adapters["late"]["pinned"], (name, adapters)
         assert "ad1" not in adapters, (name, adapters)
         assert adapters["pin0"]["pinned"], (name, adapters)
+
+
+def test_models_health_and_metrics_cover_every_replica(world: dict[str, Any]) -> None:
+    url, names = world["url"], set(_replica_names())
+    status, body = _http(url + "/v1/models", "GET")
+    assert status == 200 and "lora_pin_disagreement" not in body, body
+    assert {"tiny", *PINNED} <= {m["id"] for m in body["data"]}  # earlier tests load and unload others
+    status, body = _http(url + "/health", "GET")
+    assert status == 200 and body == {"replicas": dict.fromkeys(names, 200)}, body
+    with urllib.request.urlopen(url + "/metrics", timeout=120) as response:
+        text = response.read().decode()
+    labelled = {name for name in names if f'replica="{name}"' in text}
+    assert labelled == names, text[:2000]
