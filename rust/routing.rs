@@ -12,9 +12,11 @@
 //! 4. any other replica, least loaded first.
 //!
 //! Within a class the least loaded replica comes first (shortest queue, then most free slots, then
-//! the earlier home, then the earlier replica). A replica whose queue has reached its bound is moved
-//! behind every replica still under its bound, so a hot adapter's requests spill to the next choice
-//! rather than wait behind one replica.
+//! the adapter's rendezvous order: its homes first, then the replica that would be its next home).
+//! Breaking ties by the adapter's own order rather than by position spreads them: with every queue
+//! equal, the first replica in the list would otherwise take every tie, and its queue alone would
+//! grow. A replica whose queue has reached its bound is moved behind every replica still under its
+//! bound, so a hot adapter's requests spill to the next choice rather than wait behind one replica.
 //!
 //! Rendezvous hashing (Thaler and Ravishankar 1998) gives each (adapter, replica) pair a weight; the
 //! adapter's homes are the replicas with the highest weights. Adding a replica makes it a home only
@@ -149,12 +151,13 @@ pub fn rank_replicas(request: &RouteRequest<'_>, replicas: &[ReplicaStats]) -> R
         }
     }
     let affinity = request.adapter.filter(|_| !request.pinned);
-    // Home rank per replica: its position among the adapter's homes, or None.
-    let mut home_rank: Vec<Option<usize>> = vec![None; replicas.len()];
+    // Each replica's place in the adapter's rendezvous order (its homes are the first `homes`); the
+    // base model and pinned adapters keep the replicas' own order.
+    let mut rendezvous: Vec<usize> = (0..replicas.len()).collect();
     if let Some(adapter) = affinity {
         let names: Vec<&str> = replicas.iter().map(|r| r.name.as_str()).collect();
-        for (rank, i) in home_replicas(adapter, &names, request.homes).into_iter().enumerate() {
-            home_rank[i] = Some(rank);
+        for (rank, i) in home_replicas(adapter, &names, replicas.len()).into_iter().enumerate() {
+            rendezvous[i] = rank;
         }
     }
     let class = |i: usize| -> u8 {
@@ -165,7 +168,7 @@ pub fn rank_replicas(request: &RouteRequest<'_>, replicas: &[ReplicaStats]) -> R
         match r.holding {
             Holding::Device => 0,
             Holding::Host | Holding::Fetching => 1,
-            Holding::Absent if home_rank[i].is_some() && r.free_slots > 0 => 2,
+            Holding::Absent if rendezvous[i] < request.homes && r.free_slots > 0 => 2,
             Holding::Absent => 3,
         }
     };
@@ -173,7 +176,7 @@ pub fn rank_replicas(request: &RouteRequest<'_>, replicas: &[ReplicaStats]) -> R
     order.sort_by_key(|&i| {
         let r = &replicas[i];
         let full = r.queue >= r.queue_bound;
-        (full, class(i), r.queue, std::cmp::Reverse(r.free_slots), home_rank[i].unwrap_or(usize::MAX), i)
+        (full, class(i), r.queue, std::cmp::Reverse(r.free_slots), rendezvous[i])
     });
     Ok(order)
 }

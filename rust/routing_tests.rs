@@ -48,6 +48,25 @@ fn a_home_without_a_free_slot_ranks_with_the_rest_by_load() {
 }
 
 #[test]
+fn ties_follow_the_adapters_rendezvous_order_so_they_do_not_all_fall_on_one_replica() {
+    let all = names(5);
+    let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+    let stats: Vec<ReplicaStats> = all.iter().map(|n| replica(n, Holding::Absent, 2, 1)).collect();
+    let mut firsts = [0usize; 5];
+    for a in 0..500 {
+        let adapter = format!("adapter-{a}");
+        let order = rank_replicas(&request(Some(&adapter), false, 2), &stats).unwrap();
+        assert_eq!(order, home_replicas(&adapter, &refs, 5), "{adapter}");
+        firsts[order[0]] += 1;
+    }
+    assert!(firsts.iter().all(|&c| (60..140).contains(&c)), "{firsts:?}");
+    // The base model and pinned adapters have no order of their own: the replicas' order.
+    for req in [request(Some("a"), true, 2), request(None, false, 1)] {
+        assert_eq!(rank_replicas(&req, &stats).unwrap(), vec![0, 1, 2, 3, 4]);
+    }
+}
+
+#[test]
 fn a_replica_at_its_queue_bound_spills_to_the_next_choice() {
     let all = names(3);
     let mut stats: Vec<ReplicaStats> = all.iter().map(|n| replica(n, Holding::Absent, 1, 0)).collect();

@@ -237,6 +237,8 @@ def simulate(
     load_ms: float = 0.0,
     record: bool = False,
     progress: Callable[[int], object] | None = None,
+    ranks: Sequence[tuple[int, float]] = ...,
+    max_host_bytes: int | None = None,
 ) -> dict[str, Any]: ...
 def rank_replicas(
     adapter: str | None,
@@ -261,6 +263,8 @@ def simulate_replicas(
     adapter_bytes: int = 33554432,
     queue_bound: int = 16,
     seed: int = 0,
+    ranks: Sequence[tuple[int, float]] = ...,
+    max_host_bytes: int | None = None,
 ) -> dict[str, Any]: ...
 def sgmv_cpu_available() -> bool: ...
 def dora_scale_rows(

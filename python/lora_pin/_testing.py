@@ -250,3 +250,47 @@ def slow_store(delay_ms: float = 0.0, *, gated: bool = False) -> Iterator[SlowSt
     finally:
         HostTier.read = original  # type: ignore[method-assign]
         store.release()
+
+
+class PeftOracle:
+    """Greedy decoding of one prompt alone, through PEFT with an adapter folder or through the base
+    model: the oracle the served outputs are checked against, token for token.
+
+    Args:
+        base_dir: the base model's folder (``transformers`` loads it; a PEFT model per adapter folder
+            is built over a copy of it on first use and kept).
+        eos: the token that ends a completion.
+    """
+
+    def __init__(self, base_dir: str | os.PathLike[str], eos: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+        self.eos = eos
+        self._models: dict[str | None, torch.nn.Module] = {None: self.base}
+
+    def tokens(
+        self, prompt: list[int], adapter_dir: str | os.PathLike[str] | None, max_tokens: int
+    ) -> list[int]:
+        """The up to ``max_tokens`` token ids greedy decoding appends to ``prompt`` (ids), through the
+        adapter at ``adapter_dir`` (None: the base model), stopping after :attr:`eos`."""
+        import copy
+
+        from peft import PeftModel
+
+        key = None if adapter_dir is None else str(adapter_dir)
+        if key not in self._models:
+            assert key is not None  # the base model is always there
+            self._models[key] = PeftModel.from_pretrained(copy.deepcopy(self.base), key).eval()
+        model = self._models[key]
+        out: list[int] = []
+        inputs, past = torch.tensor([prompt]), None
+        with torch.no_grad():
+            for _ in range(max_tokens):
+                result = model(inputs, cache=past, use_cache=True)
+                token = int(result.logits[0, -1].argmax())
+                out.append(token)
+                if token == self.eos:
+                    break
+                inputs, past = torch.tensor([[token]]), result.cache
+        return out

@@ -167,6 +167,11 @@ const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 /// when no request can run the loop waits for the next fetch (a wait is not a step). 0 (the
 /// default) reads in the step that needs the adapter, as blocking mode does.
 ///
+/// Sizes: `ranks` (a list of `(rank, weight)`) gives each adapter a rank drawn by the weights from a
+/// hash of its name, and `adapter_bytes * rank / largest rank` bytes (`adapter_bytes` is then the
+/// largest rank's size, what a slot holds); empty: every adapter `adapter_bytes`. `max_host_bytes`
+/// bounds the host tier in bytes as well (Belady's host bound is then not computed).
+///
 /// Returns a dict: `steps`, `requests`, `adapter_requests`, `deferrals`, `worst_wait` (the most steps
 /// one request was deferred), `tokens`, `uses`, `device`
 /// and `host` (each `hits`, `misses`, `evictions`, `bytes_moved`, `belady_misses`; the device also
@@ -184,13 +189,16 @@ const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 ///
 /// Raises:
 ///     SpecError: slots or batch_size of 0, max_loaded_loras below slots, an unknown policy, a pin the
-///         trace never names or beyond the pin limit, a negative step or load time.
+///         trace never names or beyond the pin limit, a negative step or load time, a rank outside
+///         1..=MAX_ADAPTER_RANK or a weight not above 0, max_host_bytes of 0 or below a pinned
+///         adapter's bytes.
 ///     KeyboardInterrupt (or what a signal handler raises), or what `progress` raises: the replay
 ///         stops there.
 #[pyfunction]
 #[pyo3(signature = (
     trace, *, slots, max_loaded_loras = None, policy = "lru", pins = Vec::new(), batch_size = 4,
-    step_seconds = 0.02, adapter_bytes = 33554432, load_ms = 0.0, record = false, progress = None
+    step_seconds = 0.02, adapter_bytes = 33554432, load_ms = 0.0, record = false, progress = None,
+    ranks = Vec::new(), max_host_bytes = None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn simulate<'py>(
@@ -206,6 +214,8 @@ pub fn simulate<'py>(
     load_ms: f64,
     record: bool,
     progress: Option<Py<PyAny>>,
+    ranks: Vec<(u32, f64)>,
+    max_host_bytes: Option<u64>,
 ) -> PyResult<Bound<'py, PyDict>> {
     shielded(py, || {
         let config = SimConfig {
@@ -216,6 +226,8 @@ pub fn simulate<'py>(
             batch_size: non_negative(py, "batch_size", batch_size)?,
             step_seconds,
             adapter_bytes,
+            ranks,
+            max_host_bytes,
             load_ms,
         };
         let trace = &trace.get().0;
@@ -279,9 +291,10 @@ fn report_progress(py: Python<'_>, progress: Option<&Py<PyAny>>, served: usize) 
 }
 
 /// Replays `trace` over `replicas` replicas, each with its own registry configured as `simulate`'s
-/// arguments say (pins on every replica), behind `router`: `random`, `least-loaded` (shortest
-/// queue) or `affinity` (`lora_pin.routing.rank_replicas`, homes from each adapter's share of the
-/// trace, spilling past `queue_bound` queued requests). One clock in steps of `step_seconds`:
+/// arguments say (pins on every replica, `ranks` and `max_host_bytes` likewise), behind `router`: `random`, `least-loaded` (shortest
+/// queue, ties at random), `affinity` (`lora_pin.routing.rank_replicas`, homes from each adapter's
+/// share of the trace, spilling past `queue_bound` queued requests) or `hash` (the least loaded of
+/// the adapter's homes however long its queue: placement's most, and its cost in queueing). One clock in steps of `step_seconds`:
 /// arrived requests are routed one by one, then every replica with work plans one step. Give the
 /// trace arrival times (`Trace.with_gamma_arrivals`); without them all requests arrive at once.
 ///
@@ -294,7 +307,8 @@ fn report_progress(py: Python<'_>, progress: Option<&Py<PyAny>>, served: usize) 
 #[pyfunction]
 #[pyo3(signature = (
     trace, *, replicas, router, slots, max_loaded_loras = None, policy = "lru", pins = Vec::new(),
-    batch_size = 4, step_seconds = 0.02, adapter_bytes = 33554432, queue_bound = 16, seed = 0
+    batch_size = 4, step_seconds = 0.02, adapter_bytes = 33554432, queue_bound = 16, seed = 0,
+    ranks = Vec::new(), max_host_bytes = None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn simulate_replicas<'py>(
@@ -311,6 +325,8 @@ pub fn simulate_replicas<'py>(
     adapter_bytes: u64,
     queue_bound: i64,
     seed: u64,
+    ranks: Vec<(u32, f64)>,
+    max_host_bytes: Option<u64>,
 ) -> PyResult<Bound<'py, PyDict>> {
     shielded(py, || {
         let config = SimConfig {
@@ -321,6 +337,8 @@ pub fn simulate_replicas<'py>(
             batch_size: non_negative(py, "batch_size", batch_size)?,
             step_seconds,
             adapter_bytes,
+            ranks,
+            max_host_bytes,
             load_ms: 0.0,
         };
         let replicas = non_negative(py, "replicas", replicas)?;

@@ -10,10 +10,16 @@ pub mod trace;
 
 pub use belady::{min_misses, Demand};
 pub use fetches::FetchReport;
-pub use replay::{sim_ref, simulate, simulate_until, simulate_with, SimConfig, SimReport, TierReport};
+pub use replay::{
+    adapter_sizes, sim_ref, simulate, simulate_until, simulate_with, SimConfig, SimReport, TierReport,
+};
 pub use replicas::{simulate_replicas, ClusterReport, ReplicaReport, Router};
 pub use trace::{Request, Trace, Workload};
 
 #[cfg(test)]
 #[path = "sim_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "sizes_tests.rs"]
+mod sizes_tests;

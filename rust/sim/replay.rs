@@ -16,16 +16,17 @@
 //! admit nothing waits instead (the clock jumps to the next fetch due, or the next arrival that
 //! can join the batch; such a wait is not a step). See [`FetchReport`].
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::convert::Infallible;
 use std::ops::ControlFlow;
 
 use crate::error::{Error, Result};
+use crate::limits::MAX_ADAPTER_RANK;
 use crate::policy::{AdapterKey, PolicyKind};
-use crate::registry::{AdapterSize, Config, Registry, StepOptions, StepPlan, TierStats};
+use crate::registry::{AdapterSize, Config, LoadSource, Registry, StepOptions, StepPlan, TierStats};
 use crate::sim::belady::{min_misses, Demand};
 use crate::sim::fetches::{FetchReport, Fetches};
-use crate::sim::trace::{Request, Trace};
+use crate::sim::trace::{Request, SplitMix, Trace};
 use crate::spec::LoRARef;
 
 /// One configuration to simulate.
@@ -43,8 +44,15 @@ pub struct SimConfig {
     pub batch_size: usize,
     /// Seconds a step takes (only matters for traces with arrival times), >= 0.
     pub step_seconds: f64,
-    /// Bytes of every adapter, in host memory and in a slot.
+    /// Bytes of an adapter of the largest rank in `ranks` (of every adapter when `ranks` is empty),
+    /// in host memory and in a slot.
     pub adapter_bytes: u64,
+    /// The mix of ranks, `(rank, weight)`: each adapter of the trace gets one, drawn by the weights
+    /// from a hash of its name (the same rank in every run and on every replica), and
+    /// `adapter_bytes * rank / largest rank` bytes. Empty: every adapter rank 16 of `adapter_bytes`.
+    pub ranks: Vec<(u32, f64)>,
+    /// Host-tier capacity in bytes (besides `max_loaded` in adapters); `None` is unbounded.
+    pub max_host_bytes: Option<u64>,
     /// Milliseconds a read from disk takes, >= 0: 0 reads in the step that needs the adapter (the
     /// blocking mode); more runs the loop in background mode (see the module docs).
     pub load_ms: f64,
@@ -61,6 +69,8 @@ impl SimConfig {
             batch_size: 4,
             step_seconds: 0.02,
             adapter_bytes: 32 << 20,
+            ranks: Vec::new(),
+            max_host_bytes: None,
             load_ms: 0.0,
         }
     }
@@ -76,7 +86,7 @@ pub struct TierReport {
     pub misses: u64,
     /// Adapters evicted to make room.
     pub evictions: u64,
-    /// Bytes brought into the tier (misses times the adapter size; held at `u64::MAX` past it).
+    /// Bytes brought into the tier (the sizes of the adapters missed; held at `u64::MAX` past it).
     pub bytes_moved: u64,
     /// Belady's fewest misses for the same demand and capacity; `None` when the tier is unbounded
     /// (host only: then the fewest disk reads are zero and no bound is worth printing).
@@ -170,7 +180,7 @@ pub fn simulate_until<B>(
     mut on_step: impl FnMut(&[u32], &StepPlan) -> ControlFlow<B>,
 ) -> Result<ControlFlow<B, SimReport>> {
     check_config(config)?;
-    let (mut reg, keys) = setup(trace, config)?;
+    let (mut reg, keys, sizes) = setup(trace, config)?;
     let pinned: Vec<bool> = keys.iter().map(|&k| reg.get(k).protection.pinned).collect();
     let host_initial: Vec<u32> = (0..keys.len())
         .filter(|&i| reg.get(keys[i]).tenancy.host_since.is_some())
@@ -203,6 +213,7 @@ pub fn simulate_until<B>(
         batch.extend(queue.iter().copied());
         fetches.complete(&mut reg, clock)?;
         let plan = step.serve(&mut reg, trace, &keys, &batch, background)?;
+        count_bytes(&mut report, &plan, &sizes);
         if background {
             fetches.record(&reg, &keys, requests, &batch, &plan, clock, report.steps);
         }
@@ -235,14 +246,13 @@ pub fn simulate_until<B>(
     }
 
     let end = reg.stats();
-    let bytes = config.adapter_bytes;
     let device_bound = min_misses(&demand, config.slots, |a| pinned[a as usize], &[])?;
-    report.device = tier_report(&end.device, &start.device, bytes, Some(device_bound));
+    report.device = tier_report(&end.device, &start.device, report.device.bytes_moved, Some(device_bound));
     let host_bound = config
         .max_loaded
         .map(|cap| min_misses(&demand, cap, |a| pinned[a as usize], &host_initial))
         .transpose()?;
-    report.host = tier_report(&end.host, &start.host, bytes, host_bound);
+    report.host = tier_report(&end.host, &start.host, report.host.bytes_moved, host_bound);
     report.fetch = fetches.report();
     Ok(ControlFlow::Continue(report))
 }
@@ -313,6 +323,24 @@ impl StepInputs {
     }
 }
 
+/// Adds the bytes one plan's loads and reads move to `report` (every plan: one that admits nothing
+/// may still start fetches).
+pub(super) fn count_bytes(report: &mut SimReport, plan: &StepPlan, sizes: &Sizes) {
+    // A slot load copies the adapter. A read from disk is a load from disk in blocking mode, or a
+    // fetch started in fetch mode (where a load from disk ends a fetch already counted).
+    for load in &plan.loads {
+        let bytes = sizes.by_key[load.key.index()];
+        report.device.bytes_moved = report.device.bytes_moved.saturating_add(bytes);
+        if load.source == LoadSource::Disk && !sizes.fetch_mode {
+            report.host.bytes_moved = report.host.bytes_moved.saturating_add(bytes);
+        }
+    }
+    for fetch in &plan.to_fetch {
+        let bytes = sizes.by_name.get(&*fetch.name).copied().unwrap_or(0);
+        report.host.bytes_moved = report.host.bytes_moved.saturating_add(bytes);
+    }
+}
+
 /// Adds one step's admitted requests to `report` (tokens, adapter requests, uses, deferrals, the step)
 /// and its distinct adapters, in first-use order, to `demand`.
 pub(super) fn count_step(
@@ -353,12 +381,12 @@ fn keep_deferred(queue: &mut VecDeque<u32>, batch: &[u32], deferred: &[u32]) {
     queue.truncate(kept);
 }
 
-/// What a tier did between the `start` and `end` snapshots, with `adapter_bytes` per miss and the
+/// What a tier did between the `start` and `end` snapshots, with the bytes its misses moved and the
 /// Belady bound for the same demand.
 pub(super) fn tier_report(
     end: &TierStats,
     start: &TierStats,
-    adapter_bytes: u64,
+    bytes_moved: u64,
     belady_misses: Option<u64>,
 ) -> TierReport {
     let (e, s) = (&end.counters, &start.counters);
@@ -366,16 +394,70 @@ pub(super) fn tier_report(
         hits: e.hits - s.hits,
         misses: e.misses - s.misses,
         evictions: e.evictions - s.evictions,
-        bytes_moved: (e.misses - s.misses).saturating_mul(adapter_bytes),
+        bytes_moved,
         belady_misses,
     }
 }
 
-/// A registry with the trace's adapters registered (pinned ones first, pinned) and their keys by
-/// trace index.
-pub(super) fn setup(trace: &Trace, config: &SimConfig) -> Result<(Registry, Vec<AdapterKey>)> {
+/// Every adapter's bytes, by registry key and by name, and whether steps run in fetch mode.
+pub(super) struct Sizes {
+    by_key: Vec<u64>,
+    by_name: HashMap<String, u64>,
+    fetch_mode: bool,
+}
+
+/// Each adapter's size under `config` (see [`SimConfig::ranks`]), in `names` order.
+///
+/// Errors: [`Error::Spec`] for a rank outside `1..=MAX_ADAPTER_RANK` or a weight that is not a
+/// finite number above 0 (each naming the value).
+pub fn adapter_sizes(config: &SimConfig, names: &[String]) -> Result<Vec<AdapterSize>> {
+    for &(rank, weight) in &config.ranks {
+        if !(1..=MAX_ADAPTER_RANK).contains(&(rank as usize)) {
+            return Err(Error::Spec(format!("rank {rank} is not in 1..={MAX_ADAPTER_RANK}")));
+        }
+        if !(weight.is_finite() && weight > 0.0) {
+            return Err(Error::Spec(format!("rank {rank}: weight {weight} is not a finite number above 0")));
+        }
+    }
+    let Some(largest) = config.ranks.iter().map(|&(r, _)| r).max() else {
+        let size = AdapterSize {
+            rank: 16,
+            host_bytes: config.adapter_bytes,
+            device_bytes: config.adapter_bytes,
+            scaling: 1.0,
+        };
+        return Ok(vec![size; names.len()]);
+    };
+    let total: f64 = config.ranks.iter().map(|&(_, w)| w).sum();
+    Ok(names
+        .iter()
+        .map(|name| {
+            // FNV-1a of the name, finished by SplitMix: stable across runs, platforms and replicas.
+            let h = name
+                .bytes()
+                .fold(0xCBF2_9CE4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01B3));
+            let mut draw = SplitMix::new(h).unit() * total;
+            let mut rank = largest;
+            for &(r, w) in &config.ranks {
+                if draw < w {
+                    rank = r;
+                    break;
+                }
+                draw -= w;
+            }
+            let bytes =
+                (u128::from(config.adapter_bytes) * u128::from(rank) / u128::from(largest)).max(1) as u64;
+            AdapterSize { rank, host_bytes: bytes, device_bytes: bytes, scaling: 1.0 }
+        })
+        .collect())
+}
+
+/// A registry with the trace's adapters registered (pinned ones first, pinned), their keys by trace
+/// index, and their sizes.
+pub(super) fn setup(trace: &Trace, config: &SimConfig) -> Result<(Registry, Vec<AdapterKey>, Sizes)> {
     let mut rc = Config::new(config.slots);
     rc.max_loaded = config.max_loaded;
+    rc.max_host_bytes = config.max_host_bytes;
     rc.device_policy = PolicyKind::parse("policy", &config.policy)?;
     rc.host_policy = rc.device_policy;
     let mut reg = Registry::new(rc)?;
@@ -389,25 +471,24 @@ pub(super) fn setup(trace: &Trace, config: &SimConfig) -> Result<(Registry, Vec<
             )));
         }
     }
-    let size = AdapterSize {
-        rank: 16,
-        host_bytes: config.adapter_bytes,
-        device_bytes: config.adapter_bytes,
-        scaling: 1.0,
-    };
-    let order = names
-        .iter()
-        .filter(|n| pins.contains(n.as_str()))
-        .chain(names.iter().filter(|n| !pins.contains(n.as_str())));
-    for name in order {
-        let r = sim_ref(name, pins.contains(name.as_str()))?;
-        reg.register(r, size).map_err(|e| match e {
+    let sizes = adapter_sizes(config, names)?;
+    let order = (0..names.len())
+        .filter(|&i| pins.contains(names[i].as_str()))
+        .chain((0..names.len()).filter(|&i| !pins.contains(names[i].as_str())));
+    for i in order {
+        let r = sim_ref(&names[i], pins.contains(names[i].as_str()))?;
+        reg.register(r, sizes[i]).map_err(|e| match e {
             Error::Capacity(msg) => Error::Spec(msg),
             other => other,
         })?;
     }
     let keys = names.iter().map(|n| reg.lookup(n, false)).collect::<Result<Vec<_>>>()?;
-    Ok((reg, keys))
+    let mut by_key = vec![0u64; keys.iter().map(|k| k.index() + 1).max().unwrap_or(0)];
+    for (k, size) in keys.iter().zip(&sizes) {
+        by_key[k.index()] = size.host_bytes;
+    }
+    let by_name = names.iter().cloned().zip(sizes.iter().map(|s| s.host_bytes)).collect();
+    Ok((reg, keys, Sizes { by_key, by_name, fetch_mode: config.load_ms > 0.0 }))
 }
 
 /// The ref the simulator registers for `name` (path `sim://NAME`).

@@ -1,6 +1,7 @@
 //! Replays a trace over N replicas of the same base model, each with its own registry (slots, host
-//! tier, policy, pins), behind a router: `random`, `least-loaded` or `affinity` (the rule of
-//! [`crate::routing`]).
+//! tier, policy, pins), behind a router: `random`, `least-loaded`, `affinity` (the rule of
+//! [`crate::routing`]) or `hash` (homes alone, whatever their queues: how far placement alone could
+//! cut loads, and what it costs in queueing).
 //!
 //! The loop runs on one clock in steps of `step_seconds`. At each step the requests that have
 //! arrived are routed one by one, in arrival order, each seeing the replicas' state at that moment
@@ -10,14 +11,21 @@
 //! arrival times arrives all at once, which makes routing meaningless: give it Gamma arrivals
 //! ([`Trace::with_gamma_arrivals`]).
 //!
+//! Both load-aware routers see the same thing: queues as they stand after every request routed
+//! before. Least-loaded breaks ties at random (a fixed order would pile every tie onto the first
+//! replica and inflate its queue, the figure the affinity router's queue is judged against);
+//! affinity breaks them by the adapter's rendezvous order. A replica with a queued request for the
+//! adapter counts as fetching it, as the live router counts a replica it sent the adapter to.
+//!
 //! The queueing figures are measured, not estimated: each replica's queue length is sampled after
 //! routing at every step, and its utilisation is the share of steps in which it ran a batch.
 
 use crate::error::{Error, Result};
-use crate::routing::{rank_replicas, replication_factor, Holding, ReplicaStats, RouteRequest};
+use crate::routing::{home_replicas, rank_replicas, replication_factor, Holding, ReplicaStats, RouteRequest};
 use crate::sim::belady::{min_misses, Demand};
 use crate::sim::replay::{
-    arrival_times, check_config, count_step, setup, tier_report, SimConfig, SimReport, StepInputs,
+    arrival_times, check_config, count_bytes, count_step, setup, tier_report, SimConfig, SimReport,
+    StepInputs,
 };
 use crate::sim::trace::{SplitMix, Trace};
 
@@ -30,10 +38,14 @@ pub enum Router {
     LeastLoaded,
     /// [`crate::routing::rank_replicas`]: where the adapter is, then its homes, then load.
     Affinity,
+    /// The least loaded of the adapter's homes (rendezvous hashing with the same replication factor
+    /// as affinity), however long its queue; the base model and pinned adapters by load. Placement
+    /// with no spill: the most an affinity router could save, and what it costs in queueing.
+    Hash,
 }
 
 impl Router {
-    /// Parses `random`, `least-loaded` or `affinity`.
+    /// Parses `random`, `least-loaded`, `affinity` or `hash`.
     ///
     /// Errors: [`Error::Spec`] naming the value and the choices.
     pub fn parse(text: &str) -> Result<Self> {
@@ -41,8 +53,9 @@ impl Router {
             "random" => Ok(Self::Random),
             "least-loaded" => Ok(Self::LeastLoaded),
             "affinity" => Ok(Self::Affinity),
+            "hash" => Ok(Self::Hash),
             other => Err(Error::Spec(format!(
-                "router {other:?} is not a router; choose random, least-loaded or affinity"
+                "router {other:?} is not a router; choose random, least-loaded, affinity or hash"
             ))),
         }
     }
@@ -99,11 +112,14 @@ pub fn simulate_replicas(
     }
     let mut regs = Vec::with_capacity(replicas);
     let mut keys = Vec::new();
+    let mut sizes = None;
     for _ in 0..replicas {
-        let (reg, k) = setup(trace, config)?;
+        let (reg, k, s) = setup(trace, config)?;
         regs.push(reg);
         keys = k;
+        sizes = Some(s);
     }
+    let sizes = sizes.ok_or_else(|| Error::Spec("replicas must be at least 1 (got 0)".into()))?;
     let starts: Vec<_> = regs.iter().map(|r| r.stats()).collect();
     let pinned: Vec<bool> = keys.iter().map(|&k| regs[0].get(k).protection.pinned).collect();
     let requests = trace.requests();
@@ -118,6 +134,7 @@ pub fn simulate_replicas(
     let homes: Vec<usize> =
         counts.iter().map(|&c| replication_factor(c as f64 / total, replicas)).collect::<Result<_>>()?;
     let names: Vec<String> = (0..replicas).map(|i| format!("replica-{i}")).collect();
+    let name_refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let free_slots = config.slots.saturating_sub(config.pins.len());
 
     let mut queues: Vec<Vec<u32>> = vec![Vec::new(); replicas];
@@ -146,18 +163,28 @@ pub fn simulate_replicas(
         }
         while next < requests.len() && arrivals[next] <= clock {
             let r = &requests[next];
+            let adapter = r.adapter.map(|a| a as usize).filter(|&a| !pinned[a]);
             let to = match router {
                 Router::Random => rng.below(replicas),
-                Router::LeastLoaded => (0..replicas).min_by_key(|&i| (queues[i].len(), i)).unwrap_or(0),
+                Router::LeastLoaded => least_loaded(&queues, 0..replicas, &mut rng),
+                Router::Hash => match adapter {
+                    Some(a) => {
+                        let homes = home_replicas(&trace.names()[a], &name_refs, homes[a]);
+                        least_loaded(&queues, homes.into_iter(), &mut rng)
+                    }
+                    None => least_loaded(&queues, 0..replicas, &mut rng),
+                },
                 Router::Affinity => {
                     let adapter = r.adapter.map(|a| a as usize);
                     for (i, s) in stats.iter_mut().enumerate() {
                         s.queue = queues[i].len();
                         s.holding = adapter.map_or(Holding::Absent, |a| {
                             let res = &regs[i].get(keys[a]).tenancy;
+                            let queued =
+                                || queues[i].iter().any(|&q| requests[q as usize].adapter == Some(a as u32));
                             if res.slot.is_some() {
                                 Holding::Device
-                            } else if res.fetching {
+                            } else if res.fetching || queued() {
                                 Holding::Fetching
                             } else if res.host_since.is_some() {
                                 Holding::Host
@@ -194,6 +221,7 @@ pub fn simulate_replicas(
                 )));
             }
             busy[i] += 1;
+            count_bytes(&mut reports[i].sim, &plan, &sizes);
             count_step(&mut reports[i].sim, &mut demands[i], requests, &batch, &plan);
             let mut admitted = plan.admitted.iter().map(|&p| p as usize).peekable();
             let mut pos = 0usize;
@@ -213,12 +241,24 @@ pub fn simulate_replicas(
         rep.sim.requests = rep.routed;
         let device_bound = min_misses(&demands[i], config.slots, |a| pinned[a as usize], &[])?;
         rep.sim.device =
-            tier_report(&end.device, &starts[i].device, config.adapter_bytes, Some(device_bound));
-        rep.sim.host = tier_report(&end.host, &starts[i].host, config.adapter_bytes, None);
+            tier_report(&end.device, &starts[i].device, rep.sim.device.bytes_moved, Some(device_bound));
+        rep.sim.host = tier_report(&end.host, &starts[i].host, rep.sim.host.bytes_moved, None);
         rep.queue_mean = if steps == 0 { 0.0 } else { queue_sums[i] as f64 / steps as f64 };
         rep.utilisation = if steps == 0 { 0.0 } else { busy[i] as f64 / steps as f64 };
     }
     Ok(ClusterReport { replicas: reports, steps })
+}
+
+/// The replica among `candidates` with the shortest queue; ties broken uniformly at random.
+fn least_loaded(
+    queues: &[Vec<u32>],
+    candidates: impl Iterator<Item = usize> + Clone,
+    rng: &mut SplitMix,
+) -> usize {
+    let shortest = candidates.clone().map(|i| queues[i].len()).min().unwrap_or(0);
+    let mut tied = candidates.filter(|&i| queues[i].len() == shortest);
+    let count = tied.clone().count();
+    tied.nth(rng.below(count.max(1))).unwrap_or(0)
 }
 
 #[cfg(test)]

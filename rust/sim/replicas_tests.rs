@@ -66,3 +66,28 @@ fn bad_cluster_settings_are_refused() {
     assert!(simulate_replicas(&trace, &background, 2, Router::Affinity, 4, 0).is_err());
     assert!(matches!(Router::parse("round-robin"), Err(Error::Spec(m)) if m.contains("round-robin")));
 }
+
+#[test]
+fn least_loaded_spreads_its_ties_over_the_replicas() {
+    // At 80% of capacity queues are often equal; a fixed tie-break would load the first replica most.
+    let trace = Trace::generate(Workload::Zipf(1.0), 200, 20_000, 5)
+        .unwrap()
+        .with_gamma_arrivals(640.0, 1.0, 6)
+        .unwrap();
+    let cluster = simulate_replicas(&trace, &SimConfig::new(8, "lru"), 4, Router::LeastLoaded, 4, 0).unwrap();
+    let queues: Vec<f64> = cluster.replicas.iter().map(|r| r.queue_mean).collect();
+    let (low, high) = queues.iter().fold((f64::MAX, 0.0f64), |(l, h), &q| (l.min(q), h.max(q)));
+    assert!(high / low < 1.05, "{queues:?}");
+}
+
+#[test]
+fn hash_routing_loads_least_and_queues_most() {
+    let trace = skewed(20_000);
+    let config = SimConfig::new(8, "lru");
+    let run = |router| simulate_replicas(&trace, &config, 4, router, 4, 0).unwrap();
+    let (least, affinity, hash) = (run(Router::LeastLoaded), run(Router::Affinity), run(Router::Hash));
+    assert!(loads(&hash) < loads(&affinity) && loads(&affinity) < loads(&least));
+    let worst = |r: &ClusterReport| r.replicas.iter().map(|x| x.queue_mean).fold(0.0, f64::max);
+    assert!(worst(&hash) > worst(&affinity), "{} vs {}", worst(&hash), worst(&affinity));
+    assert_eq!(Router::parse("hash").unwrap(), Router::Hash);
+}

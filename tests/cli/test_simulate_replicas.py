@@ -24,7 +24,7 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 def test_one_replica_decides_as_the_single_replica_replay() -> None:
     trace = Trace.generate("zipf:1.0", adapters=100, requests=3000, seed=2).with_gamma_arrivals(150.0, cv=2.0)
     single = simulate(trace, slots=8, max_loaded_loras=32, policy="lru")
-    for router in ROUTERS:
+    for router in (*ROUTERS, "hash"):
         cluster = simulate_replicas(trace, replicas=1, router=router, slots=8, max_loaded_loras=32)
         (rep,) = cluster["replicas"]
         assert rep["device"] == single["device"], router

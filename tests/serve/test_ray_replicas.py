@@ -6,7 +6,6 @@ adapter changes over HTTP reach every replica (and a replica started again gets 
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import os
 import shlex
@@ -19,7 +18,6 @@ from typing import Any
 
 import hypothesis  # noqa: F401  (see below)
 import pytest
-import torch
 
 # hypothesis is imported before Ray's threads start: its pytest plugin imports it lazily at the end of
 # the session, and CPython 3.11.7's parser then fails ("AST constructor recursion depth mismatch",
@@ -29,6 +27,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
+from lora_pin._testing import PeftOracle  # noqa: E402
 from lora_pin.cli.serve_cmd import ray_app  # noqa: E402
 from lora_pin.fixtures import make_peft_adapter, make_tiny_llama, save_char_tokenizer  # noqa: E402
 from lora_pin.serve.ray import RouteHint  # noqa: E402
@@ -62,20 +61,6 @@ def _http(url: str, method: str, body: Any = None) -> tuple[int, Any]:
         return status, json.loads(payload)
     except ValueError:
         return status, payload.decode()
-
-
-def _greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
-    out: list[int] = []
-    inputs, past = torch.tensor([prompt]), None
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            result = model(inputs, cache=past, use_cache=True)
-            token = int(result.logits[0, -1].argmax())
-            out.append(token)
-            if token == EOS:
-                break
-            inputs, past = torch.tensor([[token]]), result.cache
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +107,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         while _http(url + "/health", "GET")[0] != 200:
             assert time.monotonic() < deadline, "the replicated server did not become healthy"
             time.sleep(0.5)
-        yield {"url": url, "dirs": dirs, "base": base}
+        yield {"url": url, "dirs": dirs, "base_dir": base_dir}
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -180,16 +165,10 @@ def test_pinned_adapters_are_resident_on_every_replica(world: dict[str, Any]) ->
 
 
 def test_outputs_equal_peft_token_for_token(world: dict[str, Any]) -> None:
-    from peft import PeftModel
-
+    oracle = PeftOracle(world["base_dir"], EOS)
     for i, adapter in enumerate([None, *ADAPTERS]):
         prompt = _prompt(i)
-        model = world["base"]
-        if adapter is not None:
-            model = PeftModel.from_pretrained(
-                copy.deepcopy(world["base"]), str(world["dirs"][adapter])
-            ).eval()
-        want = _greedy(model, prompt, 6)
+        want = oracle.tokens(prompt, None if adapter is None else world["dirs"][adapter], 6)
         got, _ = _complete(world["url"], adapter or "tiny", prompt)
         assert got == want, adapter
 
@@ -252,3 +231,16 @@ def test_a_restarted_replica_comes_back_with_the_adapters_and_pins(world: dict[s
         assert adapters["late"]["pinned"], (name, adapters)
         assert "ad1" not in adapters, (name, adapters)
         assert adapters["pin0"]["pinned"], (name, adapters)
+
+
+def test_models_health_and_metrics_cover_every_replica(world: dict[str, Any]) -> None:
+    url, names = world["url"], set(_replica_names())
+    status, body = _http(url + "/v1/models", "GET")
+    assert status == 200 and "lora_pin_disagreement" not in body, body
+    assert {"tiny", *PINNED} <= {m["id"] for m in body["data"]}  # earlier tests load and unload others
+    status, body = _http(url + "/health", "GET")
+    assert status == 200 and body == {"replicas": dict.fromkeys(names, 200)}, body
+    with urllib.request.urlopen(url + "/metrics", timeout=120) as response:
+        text = response.read().decode()
+    labelled = {name for name in names if f'replica="{name}"' in text}
+    assert labelled == names, text[:2000]

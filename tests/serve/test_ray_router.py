@@ -14,6 +14,7 @@ pytest.importorskip("ray.serve")
 from lora_pin.model.lifecycle import AdapterPlacement, Placement
 from lora_pin.routing import home_replicas
 from lora_pin.serve.ray.ingress import apply_change, combine
+from lora_pin.serve.ray.merge import merge_health, merge_metrics, merge_models
 from lora_pin.serve.ray.router import AffinityRanker, RouteHint, replica_stats
 
 NAMES = ["r0", "r1", "r2", "r3"]
@@ -193,3 +194,70 @@ def test_answers_that_agree_pass_through_and_disagreements_name_the_replicas() -
     assert mixed.status_code == 502
     assert body["replicas"]["r1"] == {"status": 400, "body": "no room"}
     assert "succeeded on r0" in body["error"]["message"] and "r1 (400: no room)" in body["error"]["message"]
+
+
+def _answer(status: int, body: Any, content_type: str = "application/json") -> tuple[int, list[Any], bytes]:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return status, [("content-type", content_type)], raw
+
+
+def _cards(*models: tuple[str, str]) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": m, "root": root, "object": "model"} for m, root in models]}
+
+
+def test_models_are_the_union_and_a_disagreement_is_named() -> None:
+    same = _cards(("tiny", "/m"), ("a", "/ad/a"))
+    agreed = json.loads(merge_models({"r0": _answer(200, same), "r1": _answer(200, same)}).body)
+    assert agreed == same
+    differ = {
+        "r0": _answer(200, _cards(("tiny", "/m"), ("a", "/ad/a"))),
+        "r1": _answer(200, _cards(("tiny", "/m"), ("a", "/ad/a2"), ("b", "/ad/b"))),
+        "r2": _answer(503, {"error": "down"}),
+    }
+    merged = json.loads(merge_models(differ).body)
+    assert [c["id"] for c in merged["data"]] == ["tiny", "a", "b"]
+    assert merged["lora_pin_disagreement"] == {
+        "a": {"r0": "/ad/a", "r1": "/ad/a2"},
+        "b": {"r0": None, "r1": "/ad/b"},
+    }
+    assert merge_models({"r0": _answer(503, {})}).status_code == 503
+    assert merge_models({"r0": _answer(401, {"error": "Unauthorized"})}).status_code == 401
+
+
+def test_health_is_green_while_one_replica_is() -> None:
+    one_down = merge_health({"r0": _answer(200, b""), "r1": _answer(503, {"error": "down"})})
+    assert one_down.status_code == 200
+    assert json.loads(one_down.body) == {"replicas": {"r0": 200, "r1": 503}}
+    all_down = merge_health({"r0": _answer(503, {}), "r1": _answer(503, {})})
+    assert (
+        all_down.status_code == 503 and "r0 (503), r1 (503)" in json.loads(all_down.body)["error"]["message"]
+    )
+    assert merge_health({}).status_code == 503
+    assert merge_health({"r0": _answer(401, {}), "r1": _answer(401, {})}).status_code == 401
+
+
+def test_metrics_label_every_sample_with_its_replica_and_keep_one_header_per_family() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def text(requests: int) -> bytes:
+        return (
+            "# HELP lora_pin_requests_total Requests.\n# TYPE lora_pin_requests_total counter\n"
+            f'lora_pin_requests_total{{adapter="a"}} {requests}.0\n'
+            "# HELP lora_pin_slots Slots.\n# TYPE lora_pin_slots gauge\nlora_pin_slots 4.0\n"
+        ).encode()
+
+    plain = "text/plain; version=0.0.4"
+    merged = merge_metrics({"r0": _answer(200, text(3), plain), "r1": _answer(200, text(5), plain)})
+    families = {f.name: f for f in text_string_to_metric_families(merged.body.decode())}
+    samples = {
+        (s.name, s.labels.get("replica"), s.labels.get("adapter")): s.value
+        for f in families.values()
+        for s in f.samples
+    }
+    assert samples == {
+        ("lora_pin_requests_total", "r0", "a"): 3.0,
+        ("lora_pin_requests_total", "r1", "a"): 5.0,
+        ("lora_pin_slots", "r0", None): 4.0,
+        ("lora_pin_slots", "r1", None): 4.0,
+    }
+    assert merged.body.decode().count("# TYPE lora_pin_slots gauge") == 1

@@ -5,7 +5,6 @@ against the same prompt run alone through PEFT (or the base model) under greedy 
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import os
 import re
@@ -26,6 +25,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from lora_pin._testing import PeftOracle  # noqa: E402
 from lora_pin.fixtures import make_peft_adapter, make_tiny_llama, save_char_tokenizer  # noqa: E402
 
 EOS = 2  # the char tokenizer's </s>
@@ -124,35 +124,6 @@ class Server:
         self._log_file.close()
 
 
-class Oracle:
-    """Greedy decoding of one prompt alone, through PEFT with an adapter folder or through the base model."""
-
-    def __init__(self, base_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
-        self._models: dict[str | None, Any] = {None: self.base}
-
-    def tokens(self, prompt: list[int], adapter_dir: Path | None, max_tokens: int) -> list[int]:
-        from peft import PeftModel
-
-        key = None if adapter_dir is None else str(adapter_dir)
-        if key not in self._models:
-            self._models[key] = PeftModel.from_pretrained(copy.deepcopy(self.base), key).eval()
-        model = self._models[key]
-        out: list[int] = []
-        inputs, past = torch.tensor([prompt]), None
-        with torch.no_grad():
-            for _ in range(max_tokens):
-                result = model(inputs, cache=past, use_cache=True)
-                token = int(result.logits[0, -1].argmax())
-                out.append(token)
-                if token == EOS:
-                    break
-                inputs, past = torch.tensor([[token]]), result.cache
-        return out
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The model, its adapters (and spares to load at run time), the oracle, and two servers: ``lora``
@@ -214,7 +185,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     try:
         lora.wait_ready()
         plain.wait_ready()
-        yield {"lora": lora, "plain": plain, "dirs": dirs, "oracle": Oracle(base_dir), "outside": outside}
+        yield {
+            "lora": lora,
+            "plain": plain,
+            "dirs": dirs,
+            "oracle": PeftOracle(base_dir, EOS),
+            "outside": outside,
+        }
     finally:
         torch.set_num_threads(threads)
         lora.stop()

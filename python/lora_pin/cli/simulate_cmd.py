@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from lora_pin._core import MAX_SLOTS, Trace, simulate, simulate_replicas
+from lora_pin._core import MAX_ADAPTER_RANK, MAX_SLOTS, Trace, simulate, simulate_replicas
 from lora_pin.args import EVICTION_POLICIES
 from lora_pin.cli._plot import MISSING, draw
 from lora_pin.errors import SpecError
@@ -75,6 +75,21 @@ def add_parser(subparsers: Any) -> None:
         ),
     )
     p.add_argument(
+        "--ranks",
+        default=None,
+        metavar="R[:W],...",
+        help=(
+            "mixed ranks: each adapter gets one of these ranks, drawn by the weights W (default 1) from a "
+            "hash of its name, and a size in proportion (--adapter-mb or --adapter-size-from is then the "
+            "largest rank's size, what a slot holds), e.g. 8,16,64 or 8:2,16:1,64:1 (default: one size)"
+        ),
+    )
+    p.add_argument(
+        "--host-gib",
+        default=None,
+        help="bound the host tier in GiB too (besides --host in adapters); default unbounded",
+    )
+    p.add_argument(
         "--load-ms",
         default="0",
         help=(
@@ -95,7 +110,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--router",
         default="random,least-loaded,affinity",
-        help="routers to compare with --replicas: random, least-loaded, affinity (default %(default)s)",
+        help=(
+            "routers to compare with --replicas: random, least-loaded (ties at random), affinity, or hash "
+            "(the adapter's homes however long their queues: placement's most, and its queueing cost) "
+            "(default %(default)s)"
+        ),
     )
     p.add_argument(
         "--arrival-rate",
@@ -192,6 +211,30 @@ def _adapter_bytes(args: argparse.Namespace) -> int:
         return file.file_bytes + factors * element
 
 
+def _sizes(args: argparse.Namespace) -> dict[str, Any]:
+    """``simulate``'s size arguments from ``--ranks`` and ``--host-gib``: ``ranks`` ((rank, weight)
+    pairs) and ``max_host_bytes``.
+
+    Raises:
+        SpecError: an item of ``--ranks`` that is not ``RANK`` or ``RANK:WEIGHT``, or a ``--host-gib``
+            that is not a number above 0.
+    """
+    ranks: list[tuple[int, float]] = []
+    if args.ranks is not None:
+        for item in _list("--ranks", args.ranks):
+            rank, _, weight = item.partition(":")
+            w = _number("--ranks", weight) if weight else 1.0
+            if w == 0:
+                raise SpecError(f"--ranks: {item!r} has a weight of 0; give a number above 0")
+            ranks.append((_int("--ranks", rank, least=1, most=MAX_ADAPTER_RANK), w))
+    host_bytes = None
+    if args.host_gib is not None:
+        host_bytes = int(_number("--host-gib", args.host_gib, most=2**33) * (1 << 30))
+        if host_bytes < 1:
+            raise SpecError(f"--host-gib: {args.host_gib!r} is not a number above 0")
+    return {"ranks": ranks, "max_host_bytes": host_bytes}
+
+
 def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
     slots = [_int("--slots", s, least=1, most=MAX_SLOTS) for s in _list("--slots", args.slots)]
     hosts = [None if h == "none" else _int("--host", h, least=1) for h in _list("--host", args.host)]
@@ -206,6 +249,7 @@ def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
     batch = _int("--batch-size", args.batch_size, least=1)
     step_seconds = _number("--step-ms", args.step_ms) / 1000
     adapter_bytes = _adapter_bytes(args)
+    sizes = _sizes(args)
     load_ms = _number("--load-ms", args.load_ms)
     rows = []
     runs = len(slots) * len(hosts) * len(policies)
@@ -224,6 +268,7 @@ def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
                         adapter_bytes=adapter_bytes,
                         load_ms=load_ms,
                         progress=progress.served,
+                        **sizes,
                     )
                     progress.next_run(len(trace))
                     row = {
@@ -232,6 +277,7 @@ def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
                         "pins": pins,
                         "policy": policy,
                         "load_ms": load_ms,
+                        **sizes,
                     }
                     rows.append({**row, **report})
     return rows
@@ -314,7 +360,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out[1:]) + "\n"
 
 
-ROUTERS = ("random", "least-loaded", "affinity")
+ROUTERS = ("random", "least-loaded", "affinity", "hash")
 
 
 def _cluster_rows(args: argparse.Namespace, trace: Trace, about: dict[str, Any]) -> list[dict[str, Any]]:
@@ -336,6 +382,7 @@ def _cluster_rows(args: argparse.Namespace, trace: Trace, about: dict[str, Any])
     batch = _int("--batch-size", args.batch_size, least=1)
     step_seconds = _number("--step-ms", args.step_ms) / 1000
     adapter_bytes = _adapter_bytes(args)
+    sizes = _sizes(args)
     bound = batch if args.queue_bound is None else _int("--queue-bound", args.queue_bound, least=1)
     cv = _number("--cv", args.cv)
     if _number("--load-ms", args.load_ms) > 0:
@@ -366,6 +413,7 @@ def _cluster_rows(args: argparse.Namespace, trace: Trace, about: dict[str, Any])
                             step_seconds=step_seconds,
                             adapter_bytes=adapter_bytes,
                             queue_bound=bound,
+                            **sizes,
                         )
                         reps = report["replicas"]
                         uses = sum(r["uses"] for r in reps)
@@ -389,6 +437,7 @@ def _cluster_rows(args: argparse.Namespace, trace: Trace, about: dict[str, Any])
                                 "policy": policy,
                                 "pins": pins,
                                 "queue_bound": bound,
+                                **sizes,
                                 "overall": total,
                                 "clock_steps": report["steps"],
                                 "per_replica": reps,
@@ -467,5 +516,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         name = about.get("file") or about["workload"]
         sys.stdout.write(f"trace: {name}, {about['requests']} requests over {about['adapters']} adapters\n")
+        if args.ranks is not None or args.host_gib is not None:
+            sizes = rows[0] if rows else {}
+            ranks = ", ".join(f"{r}:{w:g}" for r, w in sizes.get("ranks", [])) or "one size"
+            cap = sizes.get("max_host_bytes")
+            host = "unbounded" if cap is None else f"{cap / (1 << 30):g} GiB"
+            sys.stdout.write(f"sizes: ranks {ranks}; host tier in bytes {host}\n")
         sys.stdout.write(table(rows))
     return 0

@@ -10,7 +10,10 @@ endpoints, errors and streams are those of ``lora-pin serve``:
   answer is 502 naming each replica with its status and body. What succeeded is recorded as the
   deployment's desired adapters, which every replica converges to when it starts (a restarted replica
   comes back with them) and whenever its routing stats show it missed a change;
-- everything else (``/v1/models``, ``/health``, ``/metrics``) goes to the least loaded replica.
+- ``GET /v1/models``, ``/health`` and ``/metrics`` are asked of every replica and merged
+  (:mod:`~lora_pin.serve.ray.merge`: the union of the models with any disagreement named, healthy while
+  one replica is, every replica's series labelled by replica);
+- everything else goes to the least loaded replica.
 
 The desired adapters live in the ingress: run one ingress replica (the default) per application.
 """
@@ -27,6 +30,7 @@ from ray import serve
 
 from lora_pin.args import lora_config_from_args
 from lora_pin.serve.naming import UnknownModelError, requested_adapter
+from lora_pin.serve.ray.merge import merge_health, merge_metrics, merge_models
 from lora_pin.serve.ray.router import LoRARouter, RouteHint
 
 __all__ = ["REPLICA_DEPLOYMENT", "LoRAIngress"]
@@ -38,6 +42,8 @@ _LOADS = {"/v1/load_lora_adapter", "/load_lora_adapter"}
 _UNLOADS = {"/v1/unload_lora_adapter", "/unload_lora_adapter"}
 _PINS = {"/v1/pin_lora_adapter": True, "/v1/unpin_lora_adapter": False}
 _ADAPTER_PATHS = _LOADS | _UNLOADS | set(_PINS)
+# The reads about the whole deployment: asked of every replica, answers merged.
+_MERGED_GETS = {"/v1/models": merge_models, "/health": merge_health, "/metrics": merge_metrics}
 
 # How long one replica may take over a load or an unload (an unload waits for the adapter's requests).
 _BROADCAST_TIMEOUT_S = 300.0
@@ -138,6 +144,11 @@ class LoRAIngress:
         }
         if request.method == "POST" and request.url.path in _ADAPTER_PATHS:
             return await self._broadcast(message)
+        if request.method == "GET" and request.url.path in _MERGED_GETS:
+            names = (await self._router()).replica_names()
+            # One replica after the other, as in _broadcast (calls from one request share its id).
+            answers = {n: await self._change(message, n, -1) for n in names}
+            return _MERGED_GETS[request.url.path](answers)
         return await self._relay(message, self._hint(message))
 
     def _hint(self, message: dict[str, Any]) -> RouteHint:
