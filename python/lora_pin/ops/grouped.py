@@ -65,9 +65,6 @@ _MIN_RUN = 16
 _DENSE_MAX_TOKENS = 4
 _DENSE_MAX_PADDING = 1.1
 _DENSE_MAX_PADDING_REDUCED = 1.75
-# Rows of a run of one slot's consecutive tokens computed per block by the fused op: shrink then expand,
-# while the block's rows are in cache (a prefill request's rows, as SGLang's per-request GEMMs have them).
-_RUN_BLOCK = 128
 # A bf16/fp16 expand of at most this many rows multiplies in fp32 (see expand_grouped).
 _FP32_PRODUCT_MAX_ROWS = 12
 # Slots with at most this many tokens go to the native kernels (where the CPU has them); busier slots
@@ -588,38 +585,46 @@ def _runs_delta(
     slice_offsets: Sequence[int],
     plan: Plan,
 ) -> None:
-    """The plan's runs (consecutive rows of one slot) as GEMMs on views of ``x`` and ``out``, shrink and
-    expand back to back for each block of at most ``_RUN_BLOCK`` rows, so that the block's rows of ``x``,
-    ``v`` and ``out`` are still in cache when the expand reads them (a whole prefill's ``out`` is not)."""
+    """The plan's runs (consecutive rows of one slot) as GEMMs on views of ``x`` and ``out``: every run's
+    shrink first, then every run's expand accumulating into ``out`` in place, one GEMM per run and op.
+
+    Whole runs in two phases, not shrink and expand back to back per block of 128 rows: with a layer's
+    ``x`` and ``out`` cold (as in a model), one GEMM per run and op instead of one per block (each
+    repacking the slot's weights), and ``x`` then ``out`` streamed in turn instead of alternately, took
+    a one-adapter prefill of 1024 rows from 1.1-1.3x to 1.4-1.9x faster than a GEMM pair per request,
+    fp32 and bf16, on one core (BENCHMARKS.md, CPU ops). ``v`` is 64 bytes a row at rank 16: keeping it
+    between the phases costs nothing."""
     max_rank, n_slices = b.shape[2], len(slice_offsets) - 1
     scalings = slot_scalings.tolist()
     a_t = a.transpose(1, 2)  # [slots, in, n_slices * R]
     reduced_precision = out.dtype != torch.float32
+    shrunk = []
     for run in plan.runs:
         ranks, slot = plan.ranks[run.slot], run.slot
-        end = run.start + run.size
-        for start in range(run.start, end, _RUN_BLOCK):
-            rows = slice(start, min(start + _RUN_BLOCK, end))
-            xs = x[rows]
-            if all(r == max_rank for r in ranks):
-                vs = torch.mm(xs, a_t[slot])
-            else:
-                vs = x.new_zeros(xs.shape[0], n_slices * max_rank)
-                for s, rank in enumerate(ranks):
-                    if rank:
-                        cols = slice(s * max_rank, s * max_rank + rank)
-                        torch.mm(xs, a_t[slot, :, cols], out=vs[:, cols])
+        xs = x[run.start : run.start + run.size]
+        if all(r == max_rank for r in ranks):
+            vs = torch.mm(xs, a_t[slot])
+        else:
+            vs = x.new_zeros(run.size, n_slices * max_rank)
             for s, rank in enumerate(ranks):
-                lo, hi = slice_offsets[s], slice_offsets[s + 1]
-                if not rank or lo == hi:
-                    continue
-                v_s = vs[:, s * max_rank : s * max_rank + rank]
-                b_s = b[slot, lo:hi, :rank].T  # [rank, width_s]
-                outs = out[rows, lo:hi]
-                if reduced_precision and outs.shape[0] <= _FP32_PRODUCT_MAX_ROWS:
-                    outs.add_(torch.mm(v_s.float(), b_s.float()), alpha=scalings[slot][s])
-                else:
-                    outs.addmm_(v_s, b_s, alpha=scalings[slot][s])
+                if rank:
+                    cols = slice(s * max_rank, s * max_rank + rank)
+                    torch.mm(xs, a_t[slot, :, cols], out=vs[:, cols])
+        shrunk.append(vs)
+    for run, vs in zip(plan.runs, shrunk, strict=True):
+        ranks, slot = plan.ranks[run.slot], run.slot
+        rows = slice(run.start, run.start + run.size)
+        for s, rank in enumerate(ranks):
+            lo, hi = slice_offsets[s], slice_offsets[s + 1]
+            if not rank or lo == hi:
+                continue
+            v_s = vs[:, s * max_rank : s * max_rank + rank]
+            b_s = b[slot, lo:hi, :rank].T  # [rank, width_s]
+            outs = out[rows, lo:hi]
+            if reduced_precision and run.size <= _FP32_PRODUCT_MAX_ROWS:
+                outs.add_(torch.mm(v_s.float(), b_s.float()), alpha=scalings[slot][s])
+            else:
+                outs.addmm_(v_s, b_s, alpha=scalings[slot][s])
 
 
 def plan_for(meta: KernelMeta, n_tokens: int, max_rank: int, dtype: torch.dtype, kernel: bool) -> Plan:
