@@ -122,7 +122,7 @@ class Plan(NamedTuple):
     dense: list[_Dense]
     # Slots run by the native kernels (none of their tokens is anywhere else); None when there are none.
     kernel: CpuSgmvPlan | None = None
-    # The shrink of the runs' rows in the native kernels (their expand stays on BLAS); None: BLAS.
+    # The shrink of the runs' rows in the native kernels, on one thread (their expand stays on BLAS).
     runs_shrink: CpuSgmvPlan | None = None
 
     @property
@@ -622,8 +622,8 @@ def _runs_delta(
     plan: Plan,
 ) -> None:
     """The plan's runs (consecutive rows of one slot) on views of ``x`` and ``out``: every run's shrink
-    first (one native call for all of them where the plan has one, else a GEMM per run), then every run's
-    expand, a GEMM per run and slice accumulating into ``out`` in place.
+    first (one native call for all of them where the plan has one and torch runs one thread, else a GEMM
+    per run), then every run's expand, a GEMM per run and slice accumulating into ``out`` in place.
 
     Whole runs in two phases, not shrink and expand back to back per block of 128 rows: with a layer's
     ``x`` and ``out`` cold (as in a model), one GEMM per run and op instead of one per block (each
@@ -634,12 +634,13 @@ def _runs_delta(
     max_rank, n_slices = b.shape[2], len(slice_offsets) - 1
     scalings = slot_scalings.tolist()
     reduced_precision = out.dtype != torch.float32
-    if plan.runs_shrink is not None:
+    # One thread only: there the native shrink measured clearly faster; at two threads, alternating
+    # rounds on the loaded 2-core machine put it at 0.57-1.08x of the same path with BLAS's shrink
+    # (medians) where BLAS's was 0.68-1.57x, so BLAS keeps those (BENCHMARKS.md, CPU ops).
+    if plan.runs_shrink is not None and torch.get_num_threads() == 1:
         xc = x.contiguous()
         v = x.new_zeros(x.shape[0], n_slices * max_rank)  # [T, n_slices * R]
-        plan.runs_shrink.shrink(
-            _KERNEL_DTYPES[x.dtype], _raw(xc), xc.shape[1], _raw(a), _raw(v), threads=torch.get_num_threads()
-        )
+        plan.runs_shrink.shrink(_KERNEL_DTYPES[x.dtype], _raw(xc), xc.shape[1], _raw(a), _raw(v), threads=1)
         shrunk = [v[run.start : run.start + run.size] for run in plan.runs]
     else:
         shrunk = [_run_shrink_blas(x, a, n_slices, plan.ranks[run.slot], run) for run in plan.runs]
