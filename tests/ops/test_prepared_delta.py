@@ -188,7 +188,7 @@ def test_a_layer_whose_group_no_row_uses_makes_no_op_call():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_long_runs_of_one_slot_match_the_reference(dtype, threads):
     # Long runs of one slot, one of a slot with a rank-0 slice, beside base rows; on one thread their
-    # shrink runs in the native kernels (where the CPU has them), on two on BLAS.
+    # shrink runs in the native kernels in fp32 (where the CPU has them), otherwise on BLAS.
     gen = torch.Generator().manual_seed(5)
     layer = random_layer(3, 40, [64, 16, 16], [8, (4, 0, 8)], dtype, gen)
     token_slots = torch.tensor([1] * 300 + [-1] * 7 + [0] * 200 + [2] * 129)
