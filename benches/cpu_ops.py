@@ -23,7 +23,8 @@ larger than the last-level cache written before every call (each call starts col
 adapter weights do in a model); the figure is the median over the rounds. Every case runs at each
 thread count in ``--threads`` (``torch.set_num_threads``), and the native kernels use as many.
 
-The fixed costs of a layer call are printed first, with their breakdown (see :func:`fixed_costs`).
+The fixed costs of a layer call are printed first, with their breakdown (see :func:`fixed_costs`), and
+an embedding's (:func:`embedding_fixed_costs`).
 
     python benches/cpu_ops.py                               # fp32 and bf16, 1 and 2 threads
     python benches/cpu_ops.py --dtype bf16 --threads 2      # one part of it
@@ -44,8 +45,17 @@ import torch
 import torch.nn.functional as F
 
 from lora_pin._testing import StackedLayer, random_layer, request_slots
-from lora_pin.model.layers import LoRALinear, StepSegments
-from lora_pin.ops import KernelMeta, expand, grouped, prepare_delta, segments_from_slots, shrink
+from lora_pin.model.layers import LoRAEmbedding, LoRALinear, StepSegments
+from lora_pin.ops import (
+    KernelMeta,
+    embedding_delta_,
+    expand,
+    grouped,
+    prepare_delta,
+    prepare_embedding_delta,
+    segments_from_slots,
+    shrink,
+)
 from lora_pin.ops.prepared import prepared_plan
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -140,6 +150,27 @@ def sglang_segments(
             out[lo_row:hi_row, lo:hi] += (v[:, s * max_rank : (s + 1) * max_rank] @ b_s.T) * scalings[slot][s]
 
 
+def fp64_reference(
+    out: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, layer: StackedLayer
+) -> torch.Tensor:
+    """``out`` plus every token's delta in float64, from the per-token slot map (no segment arrays, no
+    rounding): per slot and slice, ``scaling * (x_rows @ A_sᵀ) @ B_sᵀ``."""
+    want = out.double()
+    max_rank = layer.b.shape[2]
+    ranks, scalings = layer.slot_ranks.tolist(), layer.slot_scalings.tolist()
+    for slot in sorted(set(token_slots.tolist()) - {-1}):
+        rows = (token_slots == slot).nonzero().squeeze(1)
+        xs = x[rows].double()
+        for s in range(len(layer.slice_offsets) - 1):
+            rank = ranks[slot][s]
+            if rank:
+                lo, hi = layer.slice_offsets[s], layer.slice_offsets[s + 1]
+                a_s = layer.a[slot, s * max_rank : s * max_rank + rank].double()
+                b_s = layer.b[slot, lo:hi, :rank].double()
+                want[rows, lo:hi] += scalings[slot][s] * ((xs @ a_s.T) @ b_s.T)
+    return want
+
+
 def time_rounds(
     fns: Mapping[str, Callable[[], object]], rounds: int, flush: torch.Tensor, slow_s: float = 0.3
 ) -> dict[str, float]:
@@ -214,6 +245,9 @@ def run_case(
         err = (results[name] - results["lora_pin"]).abs().max().item()
         if err > tol * max(1.0, results[name].abs().max().item()):
             raise AssertionError(f"{case}: lora_pin and {name} disagree by {err}")
+    want = fp64_reference(out0, x, token_slots, layer)
+    scale = want.abs().max().item()
+    errors = {name: (got.double() - want).abs().max().item() / scale for name, got in results.items()}
     row: dict[str, float | int | str] = {
         "layer": case.layer,
         "slots": case.n_slots,
@@ -222,6 +256,8 @@ def run_case(
         "tokens": n_tokens,
         "adapters": len(set(slot_list) - {-1}),
     }
+    row["err lora_pin"] = errors["lora_pin"]
+    row["err baselines"] = min(errors[name] for name in BASELINES)
     scratch = {name: out0.clone() for name in methods}
     timed = {name: (lambda fn=fn, o=scratch[name]: fn(o)) for name, fn in methods.items()}
     row.update(time_rounds(timed, args.rounds, args.flush))
@@ -246,6 +282,7 @@ def table_header(threads: int, dtype: str) -> None:
         + "".join(f"{name:>10}" for name in (*BASELINES, "lora_pin"))
         + "".join(f"{name + '/x':>12}" for name in BASELINES)
         + f"{'best/x':>8} {'goal':>5}"
+        + f"{'err':>9} {'err base':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -261,6 +298,7 @@ def print_row(r: Mapping[str, float | int | str], threads: int) -> bool:
         + "".join(f"{float(r[name]) * 1e3:>10.3f}" for name in (*BASELINES, "lora_pin"))
         + "".join(f"{float(r[name]) / ours:>11.2f}x" for name in BASELINES)
         + f"{ratio:>7.2f}x {'ok' if met else 'MISS':>5}"
+        + f"{float(r['err lora_pin']):>9.1e} {float(r['err baselines']):>9.1e}"
         + ("" if needed == 1.0 else f" (>= {needed}x)"),
         flush=True,
     )
@@ -358,6 +396,66 @@ def fixed_costs(calls: int) -> dict[str, float]:
     return {name: seconds * 1e6 for name, seconds in figures.items()}
 
 
+def embedding_fixed_costs(calls: int) -> dict[str, float]:
+    """Microseconds of an embedding's LoRA work in one call whose kernels have next to nothing to do
+    (4 tokens, vocabulary 64, dim 64, rank 16, fp32), through :class:`LoRAEmbedding` as a model runs
+    it, less the base embedding's own call; and its parts. ``before`` is the lookup then the
+    ``lora_pin::expand`` op, what the layer did before its per-step preparation."""
+    gen = torch.Generator().manual_seed(1)
+    layer = random_layer(8, 64, [64], [16], torch.float32, gen)
+    base = torch.nn.Embedding(64, 64)
+    ids = torch.randint(0, 64, (4,), generator=gen)
+    buffers = types.SimpleNamespace(
+        group=types.SimpleNamespace(n_slices=1, key="embed_tokens"),
+        a=layer.a,
+        b=layer.b,
+        ranks=layer.slot_ranks,
+        scalings=layer.slot_scalings,
+        slice_offsets=layer.slice_offsets,
+        dora_slots=None,
+    )
+    used = segments_from_slots(torch.tensor([0, -1, 1, 0]))
+    ranks_elsewhere = layer.slot_ranks.clone()
+    ranks_elsewhere[2] = 0  # an adapter without weights on the embedding
+    unused_buffers = types.SimpleNamespace(**{**vars(buffers), "ranks": ranks_elsewhere})
+    unused = segments_from_slots(torch.tensor([2, -1, 2, -1]))
+
+    def layer_for(segs: object, bufs: object) -> Callable[[], object]:
+        step = StepSegments(segments=segs, any_adapter=True)  # type: ignore[arg-type]
+        module = LoRAEmbedding(base, bufs, lambda: step)  # type: ignore[arg-type]
+        return lambda: module(ids)
+
+    idle = LoRAEmbedding(base, buffers, lambda: None)  # type: ignore[arg-type]
+    meta = KernelMeta.for_layer(used, layer.slot_ranks, layer.slot_scalings, layer.slice_offsets)
+    delta = prepare_embedding_delta(meta, layer.a, layer.b, 4)
+    out = torch.randn(4, 64, generator=gen)
+
+    def before() -> None:
+        # The layer's CPU path before: the rows' slots, the lookup, then the expand op checked in full.
+        counts = (meta.seg_indptr[1:] - meta.seg_indptr[:-1]).long()
+        row_slots = torch.repeat_interleave(meta.seg_slots.long().clamp_min(0), counts)
+        v = out.new_zeros(4, 16)
+        v.index_copy_(0, meta.perm, layer.a[row_slots, :, ids.index_select(0, meta.perm)])
+        expand(out, v, layer.b, meta)
+
+    with torch.inference_mode():
+        base_call = _per_call(lambda: idle(ids), calls)
+        figures = {
+            "embedding, no row uses the group": _per_call(layer_for(unused, unused_buffers), calls)
+            - base_call,
+            "embedding, adapter rows": _per_call(layer_for(used, buffers), calls) - base_call,
+            "  apply (checks + op call + lookup + kernels)": _per_call(lambda: delta.apply(out, ids), calls),
+            "  the op checked in full, unprepared": _per_call(
+                lambda: embedding_delta_(out, ids, layer.a, layer.b, meta), calls
+            ),
+            "prepare, once per step": _per_call(
+                lambda: prepare_embedding_delta(meta, layer.a, layer.b, 4), max(calls // 10, 10)
+            ),
+            "before: lookup + expand op, unprepared": _per_call(before, calls),
+        }
+    return {name: seconds * 1e6 for name, seconds in figures.items()}
+
+
 def copy_bandwidth() -> float:
     """Bytes per second of a 256 MiB copy (read + write), best of 5."""
     src = torch.ones(64 * 2**20)
@@ -416,8 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
         if args.fixed_calls:
             print(f"\nfixed costs, {threads} thread{'s' if threads > 1 else ''} (µs per layer call, median):")
-            for name, micros in fixed_costs(args.fixed_calls).items():
-                print(f"  {name:42} {micros:8.2f}", flush=True)
+            costs = {**fixed_costs(args.fixed_calls), **embedding_fixed_costs(args.fixed_calls)}
+            for name, micros in costs.items():
+                print(f"  {name:46} {micros:8.2f}", flush=True)
         for dtype_name in args.dtype:
             gen = torch.Generator().manual_seed(args.seed)
             table_header(threads, dtype_name)
@@ -428,7 +527,9 @@ def main(argv: list[str] | None = None) -> int:
         "\npeft: PEFT's _mixed_batch_forward per module; gather-bmm: per-token weight gather then bmm;\n"
         "vllm: per-token gather per slice then batched products (vLLM's CPU SGMV); sglang: one GEMM pair\n"
         "per request segment in request order (SGLang's torch backend). goal: lora_pin >= every baseline,\n"
-        ">= 1.3x the best at 2 threads on mixed decode (distinct/uniform/zipf) over 64 adapters."
+        ">= 1.3x the best at 2 threads on mixed decode (distinct/uniform/zipf) over 64 adapters.\n"
+        "err: lora_pin's largest error against the fp64 reference, relative to the largest |output|;\n"
+        "err base: the smallest of the baselines' (the fp64 reference computed per slot from the slot map)."
     )
     print(f"goal met in every case: {all_met}; {time.perf_counter() - started:.1f} s")
     return 0

@@ -184,9 +184,11 @@ def test_a_layer_whose_group_no_row_uses_makes_no_op_call():
     assert [name for name in calls.names if name.startswith("lora_pin")] == ["lora_pin.lora_delta_.default"]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_long_runs_of_one_slot_match_the_reference(dtype):
-    # Runs longer than a block of the fused path, one of a slot with a rank-0 slice, beside base rows.
+def test_long_runs_of_one_slot_match_the_reference(dtype, threads):
+    # Long runs of one slot, one of a slot with a rank-0 slice, beside base rows; on one thread their
+    # shrink runs in the native kernels in fp32 (where the CPU has them), otherwise on BLAS.
     gen = torch.Generator().manual_seed(5)
     layer = random_layer(3, 40, [64, 16, 16], [8, (4, 0, 8)], dtype, gen)
     token_slots = torch.tensor([1] * 300 + [-1] * 7 + [0] * 200 + [2] * 129)
@@ -194,8 +196,13 @@ def test_long_runs_of_one_slot_match_the_reference(dtype):
     out = torch.randn(token_slots.shape[0], 96, generator=gen).to(dtype)
     delta = prepare_delta(layer.meta(segments_from_slots(token_slots, 64)), layer.a, layer.b, x.shape[0])
     got = out.clone()
-    with torch.inference_mode():
-        delta.apply(got, x)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            delta.apply(got, x)
+    finally:
+        torch.set_num_threads(previous)
     _assert_close(got, _reference(layer, token_slots, x, out))
     assert torch.equal(got[300:307], out[300:307])
 

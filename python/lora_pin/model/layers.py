@@ -27,6 +27,7 @@ from lora_pin.ops import (
     shrink,
 )
 from lora_pin.ops.dora import scale_rows_
+from lora_pin.ops.embedding import PreparedEmbeddingDelta, prepare_embedding_delta
 from lora_pin.weights.pool import GroupBuffers
 
 __all__ = ["BaseLayerWrapper", "LoRAEmbedding", "LoRALinear", "StepSegments"]
@@ -59,6 +60,7 @@ class StepSegments:
         "_by_length",
         "_deltas",
         "_dora_rows",
+        "_embedding_deltas",
         "_shared",
         "any_adapter",
         "chunk_size",
@@ -88,6 +90,8 @@ class StepSegments:
         self._shared: dict[tuple[torch.Size, ...], PreparedDelta] = {}
         # (DoRA slots of a group, input shape less features) -> the step's rows in them and their slots.
         self._dora_rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
+        # (embedding group's A buffer, output shape less features) -> its prepared delta (CPU).
+        self._embedding_deltas: dict[tuple[int, torch.Size], PreparedEmbeddingDelta] = {}
         if sequence_slots is not None and segments is not None:
             # The planner's one-token segments list the adapter sequences grouped by slot.
             self._adapter_sequences = segments.perm
@@ -146,6 +150,27 @@ class StepSegments:
             if like is None or delta.plan is not like.plan:
                 self._shared[shape_key] = delta
             self._deltas[key] = delta
+        return delta
+
+    def embedding_delta_for(
+        self, buffers: GroupBuffers, out: torch.Tensor, scale: Callable[[], float]
+    ) -> PreparedEmbeddingDelta:
+        """The step's LoRA delta in the embedding group of ``buffers`` for its CPU output ``out``
+        (``[..., dim]``), checked and planned on the first call of the step for that group and shape;
+        ``scale`` gives the factor of the looked-up columns then (:func:`prepare_embedding_delta`).
+
+        Raises:
+            UsageError: as :meth:`for_input`.
+            OpArgumentError: as :func:`lora_pin.ops.embedding.prepare_embedding_delta`.
+        """
+        key = (id(buffers.a), out.shape[:-1])
+        delta = self._embedding_deltas.get(key)
+        if delta is None:
+            seg = self.for_input(out)
+            meta = KernelMeta.for_layer(seg, buffers.ranks, buffers.scalings, buffers.slice_offsets)
+            n_tokens = out.numel() // out.shape[-1]
+            delta = prepare_embedding_delta(meta, buffers.a, buffers.b, n_tokens, scale())
+            self._embedding_deltas[key] = delta
         return delta
 
     def dora_rows_for(
@@ -368,8 +393,11 @@ class LoRAEmbedding(LoRALinear):
 
     The pool holds an embedding's A and B like a linear's (A ``[slots, R, num_embeddings]``, B
     ``[slots, dim, R]``). The shrink of a linear becomes a lookup: each adapter token's column of its
-    slot's A is gathered, then the expand op adds the B product, scaled, to the base output, so rows
+    slot's A is gathered, then the expand adds the B product, scaled, to the base output, so rows
     with no adapter are never touched. The rows are the step's tokens, as for every linear of the step.
+    On the CPU the step's delta is checked and planned once per step (one ``lora_pin::embedding_delta_``
+    call a forward, none when no row of the step uses the group); elsewhere the columns are gathered
+    here and ``lora_pin::expand`` adds them.
 
     Args:
         base_layer: the wrapped ``nn.Embedding`` (or subclass); kept as is. A one-element ``embed_scale``
@@ -384,10 +412,17 @@ class LoRAEmbedding(LoRALinear):
         step = self._active_step()
         if step is None or not step.any_adapter:
             return out
+        buf = self._pool_buffers
+        if out.dtype != buf.a.dtype:
+            self._check_dtype("the embedding output", out.dtype)
+        if out.device.type == "cpu" and not torch.compiler.is_compiling():
+            # Checked and planned once per step; a group no row of the step uses makes no op call.
+            delta = step.embedding_delta_for(buf, out, lambda: self._embed_scale(out.dtype))
+            if not delta.empty:
+                delta.apply(out.view(-1, out.shape[-1]), x.reshape(-1).long())
+            return out
         # The step's rows are the tokens; the output ([..., dim]) has the shape a linear's input would.
         seg = step.for_input(out)
-        buf = self._pool_buffers
-        self._check_dtype("the embedding output", out.dtype)
         meta = self._kernel_meta(seg)
         ids = x.reshape(-1)
         perm = seg.perm
@@ -398,11 +433,25 @@ class LoRAEmbedding(LoRALinear):
             seg.seg_slots.long().clamp_min(0), counts, output_size=perm.shape[0]
         )
         looked_up = buf.a[row_slots, :, ids.index_select(0, perm)]
-        scale = getattr(self.base_layer, "embed_scale", None)
-        if isinstance(scale, (int, float)) or (isinstance(scale, torch.Tensor) and scale.numel() == 1):
+        scale = self._embed_scale_tensor(out)
+        if scale is not None:
             # A scaled embedding (Gemma's) scales its output in its forward; PEFT scales the delta alike.
-            looked_up = looked_up * torch.as_tensor(scale, dtype=out.dtype, device=out.device)
+            looked_up = looked_up * scale
         v = out.new_zeros((ids.shape[0], buf.a.shape[1]))
         v.index_copy_(0, perm, looked_up)
         expand(out.view(-1, out.shape[-1]), v, buf.b, meta)
         return out
+
+    def _embed_scale_tensor(self, out: torch.Tensor) -> torch.Tensor | None:
+        """A scaled embedding's one-element ``embed_scale`` (Gemma's) in ``out``'s dtype and device, or
+        None for a plain embedding."""
+        scale = getattr(self.base_layer, "embed_scale", None)
+        if isinstance(scale, (int, float)) or (isinstance(scale, torch.Tensor) and scale.numel() == 1):
+            return torch.as_tensor(scale, dtype=out.dtype, device=out.device)
+        return None
+
+    def _embed_scale(self, dtype: torch.dtype) -> float:
+        """The factor of the looked-up columns as the prepared CPU path takes it: ``embed_scale`` rounded
+        to ``dtype`` as the device path rounds it (1.0 for a plain embedding)."""
+        scale = self._embed_scale_tensor(torch.empty(0, dtype=dtype))
+        return 1.0 if scale is None else float(scale)

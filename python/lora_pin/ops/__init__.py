@@ -6,14 +6,16 @@ Every token of a batch may use a different adapter (or none). The ops are driven
 the adapters from the device pool's stacked ``A`` / ``B`` buffers. CUDA tensors run Triton SGMV
 kernels (CUDA-graph capturable: no host-device synchronisation); CPU tensors run grouped torch GEMMs.
 LoRA on MoE experts (:mod:`lora_pin.ops.experts`) runs the same two ops over ``(adapter, expert)``
-segments. A DoRA adapter's rows are the LoRA rows rescaled afterwards by ``lora_pin::dora_scale_``
-(:mod:`lora_pin.ops.dora`). The Triton kernels also run on CPU tensors under the Triton interpreter through
-:mod:`lora_pin.ops.triton_sgmv` (tests).
+segments; an embedding's LoRA (a lookup, then expand) runs ``lora_pin::embedding_delta_`` on the
+CPU (:mod:`lora_pin.ops.embedding`). A DoRA adapter's rows are the LoRA rows rescaled afterwards by
+``lora_pin::dora_scale_`` (:mod:`lora_pin.ops.dora`). The Triton kernels also run on CPU tensors
+under the Triton interpreter through :mod:`lora_pin.ops.triton_sgmv` (tests).
 """
 
 from lora_pin.ops._checks import OpArgumentError
 from lora_pin.ops.custom_ops import expand, lora_delta_, shrink
 from lora_pin.ops.dora import dora_scale_, dora_scale_reference
+from lora_pin.ops.embedding import PreparedEmbeddingDelta, embedding_delta_, prepare_embedding_delta
 from lora_pin.ops.experts import (
     ExpertMeta,
     expert_lora_delta_,
@@ -31,9 +33,11 @@ __all__ = [
     "KernelMeta",
     "OpArgumentError",
     "PreparedDelta",
+    "PreparedEmbeddingDelta",
     "SegmentBatch",
     "dora_scale_",
     "dora_scale_reference",
+    "embedding_delta_",
     "expand",
     "expand_reference",
     "expert_lora_delta_",
@@ -43,6 +47,7 @@ __all__ = [
     "lora_delta_",
     "lora_reference",
     "prepare_delta",
+    "prepare_embedding_delta",
     "segments_from_slots",
     "shrink",
     "shrink_reference",

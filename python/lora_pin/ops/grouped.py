@@ -65,9 +65,11 @@ _MIN_RUN = 16
 _DENSE_MAX_TOKENS = 4
 _DENSE_MAX_PADDING = 1.1
 _DENSE_MAX_PADDING_REDUCED = 1.75
-# Rows of a run of one slot's consecutive tokens computed per block by the fused op: shrink then expand,
-# while the block's rows are in cache (a prefill request's rows, as SGLang's per-request GEMMs have them).
-_RUN_BLOCK = 128
+# Rows per group of the native shrink of long runs (_runs_shrink_plan): a 1024-row run's shrink took, on
+# one core, 2.74 / 3.24 / 3.43 / 3.92 / 6.50 ms in groups of 32 / 64 / 128 / 256 / 1024 rows against
+# 4.23 ms for one MKL GEMM (fp32, 4096 wide, rank 16); 10.3 against 12.1 ms at 14336 wide; bf16 2.08
+# against 2.76 and 6.64 against 8.11 ms.
+_RUN_SHRINK_ROWS = 32
 # A bf16/fp16 expand of at most this many rows multiplies in fp32 (see expand_grouped).
 _FP32_PRODUCT_MAX_ROWS = 12
 # Slots with at most this many tokens go to the native kernels (where the CPU has them); busier slots
@@ -120,6 +122,8 @@ class Plan(NamedTuple):
     dense: list[_Dense]
     # Slots run by the native kernels (none of their tokens is anywhere else); None when there are none.
     kernel: CpuSgmvPlan | None = None
+    # The shrink of the runs' rows in the native kernels, fp32 on one thread (their expand stays on BLAS).
+    runs_shrink: CpuSgmvPlan | None = None
 
     @property
     def empty(self) -> bool:
@@ -291,7 +295,39 @@ def build_plan(
         rows = perm  # the spans are in perm's order and cover it
     else:
         rows = torch.cat([perm[lo:hi] for lo, hi in gathered_spans])
-    return Plan(ranks, runs, rows, gathered_slots, [hi - lo for lo, hi in gathered_spans], dense, native)
+    # fp32 only: in bf16, oneDNN's shrink (AVX512-BF16 dot products) beat the kernels' on q/k/v (1.2-1.6x
+    # against 1.0-1.6x the best baseline, one thread) and tied on a plain layer.
+    native_runs = bool(kernel_tokens and runs) and dtype == torch.float32
+    runs_shrink = _runs_shrink_plan(runs, ranks, n_tokens, max_rank) if native_runs else None
+    return Plan(
+        ranks, runs, rows, gathered_slots, [hi - lo for lo, hi in gathered_spans], dense, native, runs_shrink
+    )
+
+
+def _runs_shrink_plan(runs: list[_Run], ranks: list[list[int]], n_tokens: int, max_rank: int) -> CpuSgmvPlan:
+    """The native kernels' plan for the shrink of ``runs``, each cut into groups of at most
+    ``_RUN_SHRINK_ROWS`` rows.
+
+    The runs' expand stays on BLAS, whose GEMMs beat the kernels' expand once a slot has many rows, but
+    their shrink (``[rows, in] @ [in, rank]``, a GEMM of few columns) is faster in the kernels when a
+    group's rows of ``x`` stay in cache while the slot's A streams past them (BENCHMARKS.md, CPU ops)."""
+    indptr = [0]
+    tokens: list[int] = []
+    slots: list[int] = []
+    for run in runs:
+        for start in range(run.start, run.start + run.size, _RUN_SHRINK_ROWS):
+            tokens.extend(range(start, min(start + _RUN_SHRINK_ROWS, run.start + run.size)))
+            indptr.append(len(tokens))
+            slots.append(run.slot)
+    return CpuSgmvPlan(
+        n_tokens,
+        tokens,
+        indptr,
+        slots,
+        [r for row in ranks for r in row],
+        n_slices=len(ranks[0]),
+        max_rank=max_rank,
+    )
 
 
 def _kernel_groups(
@@ -588,38 +624,64 @@ def _runs_delta(
     slice_offsets: Sequence[int],
     plan: Plan,
 ) -> None:
-    """The plan's runs (consecutive rows of one slot) as GEMMs on views of ``x`` and ``out``, shrink and
-    expand back to back for each block of at most ``_RUN_BLOCK`` rows, so that the block's rows of ``x``,
-    ``v`` and ``out`` are still in cache when the expand reads them (a whole prefill's ``out`` is not)."""
+    """The plan's runs (consecutive rows of one slot) on views of ``x`` and ``out``: every run's shrink
+    first (one native call for all of them where the plan has one and torch runs one thread, else a GEMM
+    per run), then every run's expand, a GEMM per run and slice accumulating into ``out`` in place.
+
+    Whole runs in two phases, not shrink and expand back to back per block of 128 rows: with a layer's
+    ``x`` and ``out`` cold (as in a model), one GEMM per run and op instead of one per block (each
+    repacking the slot's weights), and ``x`` then ``out`` streamed in turn instead of alternately, took
+    a one-adapter prefill of 1024 rows from 1.1-1.3x to 1.4-1.9x faster than a GEMM pair per request,
+    fp32 and bf16, on one core (BENCHMARKS.md, CPU ops). ``v`` is 64 bytes a row at rank 16: keeping it
+    between the phases costs nothing, and lets the shrink of every run be one native call."""
     max_rank, n_slices = b.shape[2], len(slice_offsets) - 1
     scalings = slot_scalings.tolist()
-    a_t = a.transpose(1, 2)  # [slots, in, n_slices * R]
     reduced_precision = out.dtype != torch.float32
-    for run in plan.runs:
+    # One thread only: there the native shrink measured clearly faster; at two threads, alternating
+    # rounds on the loaded 2-core machine put it at 0.57-1.08x of the same path with BLAS's shrink
+    # (medians) where BLAS's was 0.68-1.57x, so BLAS keeps those (BENCHMARKS.md, CPU ops).
+    if plan.runs_shrink is not None and torch.get_num_threads() == 1:
+        xc = x.contiguous()
+        v = x.new_zeros(x.shape[0], n_slices * max_rank)  # [T, n_slices * R]
+        plan.runs_shrink.shrink(_KERNEL_DTYPES[x.dtype], _raw(xc), xc.shape[1], _raw(a), _raw(v), threads=1)
+        shrunk = [v[run.start : run.start + run.size] for run in plan.runs]
+    else:
+        shrunk = [_run_shrink_blas(x, a, n_slices, plan.ranks[run.slot], run) for run in plan.runs]
+    for run, vs in zip(plan.runs, shrunk, strict=True):
         ranks, slot = plan.ranks[run.slot], run.slot
-        end = run.start + run.size
-        for start in range(run.start, end, _RUN_BLOCK):
-            rows = slice(start, min(start + _RUN_BLOCK, end))
-            xs = x[rows]
-            if all(r == max_rank for r in ranks):
-                vs = torch.mm(xs, a_t[slot])
+        rows = slice(run.start, run.start + run.size)
+        for s, rank in enumerate(ranks):
+            lo, hi = slice_offsets[s], slice_offsets[s + 1]
+            if not rank or lo == hi:
+                continue
+            v_s = vs[:, s * max_rank : s * max_rank + rank]
+            b_s = b[slot, lo:hi, :rank].T  # [rank, width_s]
+            outs = out[rows, lo:hi]
+            if reduced_precision and run.size <= _FP32_PRODUCT_MAX_ROWS:
+                outs.add_(torch.mm(v_s.float(), b_s.float()), alpha=scalings[slot][s])
             else:
-                vs = x.new_zeros(xs.shape[0], n_slices * max_rank)
-                for s, rank in enumerate(ranks):
-                    if rank:
-                        cols = slice(s * max_rank, s * max_rank + rank)
-                        torch.mm(xs, a_t[slot, :, cols], out=vs[:, cols])
-            for s, rank in enumerate(ranks):
-                lo, hi = slice_offsets[s], slice_offsets[s + 1]
-                if not rank or lo == hi:
-                    continue
-                v_s = vs[:, s * max_rank : s * max_rank + rank]
-                b_s = b[slot, lo:hi, :rank].T  # [rank, width_s]
-                outs = out[rows, lo:hi]
-                if reduced_precision and outs.shape[0] <= _FP32_PRODUCT_MAX_ROWS:
-                    outs.add_(torch.mm(v_s.float(), b_s.float()), alpha=scalings[slot][s])
-                else:
-                    outs.addmm_(v_s, b_s, alpha=scalings[slot][s])
+                outs.addmm_(v_s, b_s, alpha=scalings[slot][s])
+
+
+def _run_shrink_blas(
+    x: torch.Tensor,  # [T, in]
+    a: torch.Tensor,  # [slots, n_slices * R, in]
+    n_slices: int,
+    ranks: list[int],  # the run's slot's rank per slice
+    run: _Run,
+) -> torch.Tensor:
+    """One run's shrink as BLAS GEMMs on a view of ``x``; returns its ``v`` ``[run.size, n_slices * R]``."""
+    max_rank = a.shape[1] // n_slices
+    xs = x[run.start : run.start + run.size]
+    a_t = a[run.slot].T  # [in, n_slices * R]
+    if all(r == max_rank for r in ranks):
+        return torch.mm(xs, a_t)
+    vs = x.new_zeros(run.size, n_slices * max_rank)
+    for s, rank in enumerate(ranks):
+        if rank:
+            cols = slice(s * max_rank, s * max_rank + rank)
+            torch.mm(xs, a_t[:, cols], out=vs[:, cols])
+    return vs
 
 
 def plan_for(meta: KernelMeta, n_tokens: int, max_rank: int, dtype: torch.dtype, kernel: bool) -> Plan:
