@@ -15,7 +15,7 @@ second copy the floor does not make. Also timed: hashing every adapter's tensors
 (``reader.READ_THREADS = 1``, patched in here), to show what the core's other reading threads bring;
 and the host tier with nothing decided before (``cold``): the adapters here are alike (one config, one
 header), so after the first every load reuses the first one's checks and layout (the reader's header
-index and the load plan of ``weights/host.py``); ``cold`` drops both before each adapter, as a load
+index and the load plan of ``weights/load_plans.py``); ``cold`` drops both before each adapter, as a load
 of adapters of eight different recipes would find them.
 
 The loaders run in alternating rounds (floor, host tier, one thread, host tier + pool, PEFT, hashing; each

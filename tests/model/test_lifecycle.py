@@ -212,7 +212,9 @@ def test_a_replacement_from_the_host_tier_or_disk_or_a_fetch_serves_the_new_weig
     mgr, model = manager(world, max_loras_per_batch=2, max_loaded_loras=2)
     mgr.load("x", world.adapters["v1"])
     run(mgr, model, ["x"], 5)  # in a slot
+    # The last plan named x; a plan naming only y leaves x the unnamed one registration evicts first.
     mgr.load("y", world.adapters["other"])
+    run(mgr, model, ["y"], 5)
     mgr.load("z", world.adapters["other"])  # x leaves the host tier (and its slot)
     assert mgr.placement()["x"].tier == "disk"
     mgr.load("x", world.adapters["v2"], replace=True)
@@ -220,6 +222,7 @@ def test_a_replacement_from_the_host_tier_or_disk_or_a_fetch_serves_the_new_weig
     close(run(mgr, model, ["x", None], 6), oracle(world, tokens(2, 6), ["v2", None]))
     # Being fetched: the fetch is over, its read dropped; the waiting request runs on the new weights.
     mgr.load("y2", world.adapters["other"])
+    run(mgr, model, ["y2"], 5)
     mgr.load("z2", world.adapters["other"])
     assert mgr.placement()["x"].tier == "disk"
     from peft import LoraConfig

@@ -57,6 +57,11 @@ def served_manager(tiny_llama: torch.nn.Module, adapters: dict[str, Path]) -> Lo
     mgr.finish(mgr.prepare_step(["a2", "a3"], 1))
     # Installing those reads evicted others, which that step may have begun reading again.
     assert mgr.wait_loads(timeout=30)
+    # One adapter a step, each read in before its step: the two unpinned slots turn over.
+    for name in ("a1", "a2", "a3", "a1"):
+        mgr.prefetch([name])
+        assert mgr.wait_loads(timeout=30)
+        mgr.finish(mgr.prepare_step([name], 1))
     return mgr
 
 

@@ -484,10 +484,13 @@ def test_load_unload_cycles_do_not_leak_memory_or_counters(world: World) -> None
     want = references(mgr, model, ["a", "c"])
     mgr.unload("c")
     loads_before = mgr.registry.stats()["host"]["loads"]
-    warmup = CYCLES // 10
+    # Resident memory settles only after ~1,000 cycles since loads reuse their plans (weights/load_plans.py;
+    # measured: +2.2 MiB over the first 1,000 cycles, then +132 KiB over the next 3,000), so the growth is
+    # taken over CYCLES cycles after that many.
+    warmup = 1_000
     started = time.monotonic()
     rss_after_warmup = 0
-    for cycle in range(CYCLES):
+    for cycle in range(warmup + CYCLES):
         if cycle == warmup:
             rss_after_warmup = _rss_bytes()
         mgr.load("c", world.paths["c"])
@@ -499,7 +502,7 @@ def test_load_unload_cycles_do_not_leak_memory_or_counters(world: World) -> None
     stats = mgr.registry.stats()
     mgr.registry.audit()
     assert stats["registered"] == 2 and sorted(mgr.host) == ["a", "b"]
-    assert stats["host"]["loads"] == loads_before + CYCLES, (
+    assert stats["host"]["loads"] == loads_before + warmup + CYCLES, (
         stats
     )  # one host load per cycle, none lost or doubled
     assert stats["host"]["bytes"] == mgr.host.nbytes
@@ -512,7 +515,7 @@ def test_load_unload_cycles_do_not_leak_memory_or_counters(world: World) -> None
     # 10,000 cycles grew 7.1 MiB with safetensors' leaking get_tensor (~820 B per cycle), 0.65 MiB without
     # (benches/load_cycles.py); the bounds leave room for allocator noise, not for a leak per tensor read.
     limit = 2 << 20 if LONG else 1 << 20
-    assert growth < limit, f"resident memory grew {growth} bytes over {CYCLES - warmup} cycles"
+    assert growth < limit, f"resident memory grew {growth} bytes over {CYCLES} cycles"
 
 
 # ---- security end to end ------------------------------------------------------------------------------

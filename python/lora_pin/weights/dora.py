@@ -14,7 +14,7 @@ the base weight's device, in float32) and kept in the host tier and in the devic
 Under tensor parallelism a column-parallel rank holds whole rows of ``W`` (its output features) and the
 whole A, so its factors are its own. A row-parallel rank holds only its input columns of ``W`` and of A:
 the squared norm of a row is the sum of the ranks' squared norms over their columns, so each rank's read
-keeps its part (:attr:`~lora_pin.weights.host.HostModule.norm_sq`) and :func:`finish_factors` completes
+keeps its part (:attr:`~lora_pin.weights.hosted.HostModule.norm_sq`) and :func:`finish_factors` completes
 them with an all-reduce once every rank's read is agreed (a collective inside a read could wait forever
 for a rank whose read failed).
 
@@ -33,7 +33,7 @@ import torch
 from lora_pin.errors import AdapterLoadError
 
 if TYPE_CHECKING:
-    from lora_pin.weights.host import HostAdapter, HostModule
+    from lora_pin.weights.hosted import HostAdapter, HostModule
 
 __all__ = [
     "BaseWeights",
