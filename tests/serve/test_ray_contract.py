@@ -88,3 +88,16 @@ def test_deployment_options_used() -> None:
     assert {"app_name", "replica_id"} <= set(ReplicaContext.__dataclass_fields__) | {"app_name"}
     assert "method_name" in inspect.signature(serve.handle.DeploymentHandle.options).parameters
     assert "stream" in inspect.signature(serve.handle.DeploymentHandle.options).parameters
+
+
+def test_status_counts_running_replicas() -> None:
+    # ingress.LoRAIngress._adopt: serve.status() -> applications[app].deployments[name].replica_states,
+    # keyed by ReplicaState, a str enum whose "RUNNING" member equals the plain string.
+    from ray.serve._private.common import ReplicaState
+    from ray.serve.schema import ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
+
+    assert inspect.signature(serve.status).parameters == {}
+    assert "applications" in ServeStatus.__dataclass_fields__
+    assert "deployments" in ApplicationStatusOverview.__dataclass_fields__
+    assert "replica_states" in DeploymentStatusOverview.__dataclass_fields__
+    assert {ReplicaState.RUNNING: 2}.get("RUNNING") == 2

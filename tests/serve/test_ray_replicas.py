@@ -233,6 +233,55 @@ def test_a_restarted_replica_comes_back_with_the_adapters_and_pins(world: dict[s
         assert adapters["pin0"]["pinned"], (name, adapters)
 
 
+def _ingress_id() -> str:
+    ingress = serve.status().applications[APP].deployments
+    assert "LoRAIngress" in ingress, ingress
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if "#LoRAIngress#" in a["name"]]
+    assert len(actors) == 1, actors
+    return str(actors[0]["name"])
+
+
+def test_a_restarted_ingress_keeps_the_adapters_loaded_over_http(world: dict[str, Any]) -> None:
+    url, late = world["url"], str(world["dirs"]["late"])
+    if "late" not in next(iter(_replicas().values())):
+        assert (
+            _http(url + "/v1/load_lora_adapter", "POST", {"lora_name": "late", "lora_path": late})[0] == 200
+        )
+    assert _http(url + "/v1/pin_lora_adapter", "POST", {"lora_name": "late"})[0] == 200
+    ingress = serve.get_deployment_handle("LoRAIngress", APP)
+    before = ingress.desired_adapters.remote().result(timeout_s=60)
+    assert before["adapters"]["late"]["pinned"], before
+    old = _ingress_id()
+    ray.kill(ray.get_actor(old, namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if _ingress_id() != old and _http(url + "/health", "GET")[0] == 200:
+                break
+        except AssertionError:
+            pass  # between the old ingress and the new one
+        assert time.monotonic() < deadline, "no ingress replaced the killed one"
+        time.sleep(0.5)
+    # The new ingress started with the start-up adapters only; it adopts the replicas' newer ones.
+    after = ingress.desired_adapters.remote().result(timeout_s=60)
+
+    def summary(desired: dict[str, Any]) -> tuple[int, dict[str, tuple[str, bool]]]:
+        adapters = desired["adapters"]
+        return desired["generation"], {
+            n: (os.path.realpath(a["path"]), a["pinned"]) for n, a in adapters.items()
+        }
+
+    assert summary(after) == summary(before), (before, after)
+    # And a replica started after it gets them.
+    victim = sorted(_replica_names())[0]
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#LoRAReplica#{victim}", namespace="serve"), no_restart=True)
+    while victim in (names := _replica_names()) or len(names) < 2:
+        assert time.monotonic() < deadline + 90, f"no replica replaced {victim}: {names}"
+        time.sleep(0.5)
+    for name, adapters in _replicas().items():
+        assert adapters["late"]["pinned"], (name, adapters)
+
+
 def test_models_health_and_metrics_cover_every_replica(world: dict[str, Any]) -> None:
     url, names = world["url"], set(_replica_names())
     status, body = _http(url + "/v1/models", "GET")

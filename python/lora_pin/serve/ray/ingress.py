@@ -15,7 +15,10 @@ endpoints, errors and streams are those of ``lora-pin serve``:
   one replica is, every replica's series labelled by replica);
 - everything else goes to the least loaded replica.
 
-The desired adapters live in the ingress: run one ingress replica (the default) per application.
+The desired adapters live in the ingress: run one ingress replica (the default) per application. An
+ingress that Ray Serve starts again while replicas run adopts the desired adapters of the replica with the
+newest generation before it answers anything (:meth:`LoRAIngress.desired_adapters` included), so a
+replica started after it still gets the adapters loaded over HTTP.
 """
 
 import asyncio
@@ -120,16 +123,48 @@ class LoRAIngress:
         self.desired = startup_adapters(args)
         self.generation = 0
         self._changes = asyncio.Lock()
+        self._adopted = False
         self._reconciler = asyncio.get_event_loop().create_task(self._reconcile())
 
-    def desired_adapters(self) -> dict[str, Any]:
+    async def desired_adapters(self) -> dict[str, Any]:
         """The adapters every replica should serve (name -> ``{"path", "pinned"}``) and their
         generation: ``{"generation": int, "adapters": {...}}``."""
+        await self._adopt()
         return {"generation": self.generation, "adapters": self.desired}
+
+    async def _adopt(self) -> None:
+        # Once per ingress: when replicas already run (this ingress was started again), their desired
+        # adapters are newer than the start-up ones; take the newest replica's. Replicas still starting
+        # are not asked: they are the ones waiting for this answer.
+        if self._adopted:
+            return
+        async with self._changes:
+            if self._adopted:
+                return
+            app_name = serve.get_replica_context().app_name
+            deployments = (await asyncio.to_thread(serve.status)).applications[app_name].deployments
+            running = deployments[REPLICA_DEPLOYMENT].replica_states.get("RUNNING", 0)
+            if running:
+                for name in (await self._router()).replica_names():
+                    call = self.replicas.options(method_name="desired_state").remote(
+                        route=RouteHint(replica=name)
+                    )
+                    try:
+                        state = await asyncio.wait_for(call, _BROADCAST_TIMEOUT_S)
+                    except Exception as e:  # the replica is going away: another one answers
+                        log.warning("replica %s: desired adapters not read: %s", name, e)
+                        continue
+                    if int(state["generation"]) > self.generation:
+                        self.desired, self.generation = dict(state["adapters"]), int(state["generation"])
+                log.info(
+                    "ingress started beside %d replicas: generation %d adopted", running, self.generation
+                )
+            self._adopted = True
 
     @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
     async def forward(self, path: str, request: Request) -> Any:
         """Every HTTP request: to one replica or, for the adapter endpoints, to all."""
+        await self._adopt()
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
@@ -219,6 +254,7 @@ class LoRAIngress:
         # A replica that started while a change was applied, or on which a change failed, reports an older
         # generation than the ingress's: it is told the desired adapters once per generation.
         tried: dict[str, int] = {}
+        await self._adopt()
         while True:
             await asyncio.sleep(_RECONCILE_INTERVAL_S)
             app_name = serve.get_replica_context().app_name

@@ -183,6 +183,15 @@ class LoRAReplica:
         self.generation = max(self.generation, int(desired["generation"]))
         return failures
 
+    def desired_state(self, route: RouteHint | None = None) -> dict[str, Any]:
+        """What this replica serves, in the ingress's desired-adapters shape: ``{"generation": int,
+        "adapters": {name: {"path", "pinned"}}}`` (a restarted ingress adopts the newest replica's)."""
+        admin = self.state.admin
+        entries = () if admin.manager is None else admin.manager.placement().adapters
+        pinned = {a.name for a in entries if a.pinned}
+        adapters = {name: {"path": path, "pinned": name in pinned} for name, path in admin.served().items()}
+        return {"generation": self.generation, "adapters": adapters}
+
     def adapters(self, route: RouteHint | None = None) -> dict[str, Any]:
         """This replica's name and adapters, ``{"replica": str, "adapters": {name: {"tier", "pinned",
         "digest", "generation"}}}`` (from the manager's placement snapshot)."""
