@@ -33,6 +33,19 @@ from lora_pin.weights.pool import GroupBuffers
 __all__ = ["BaseLayerWrapper", "LoRAEmbedding", "LoRALinear", "StepSegments"]
 
 
+def rescales_dora(buffers: GroupBuffers, x: torch.Tensor) -> bool:
+    """Whether a layer's forward over ``x`` off the CPU eager path rescales the DoRA rows of ``buffers``'
+    group: while a DoRA adapter sits in its slots, and, for a pool that can hold DoRA, always when traced by
+    ``torch.compile`` or captured into a CUDA graph, which a DoRA load after the capture must not find
+    without the rescale (see :meth:`StepSegments.dora_rows_for`). Eager device steps with no DoRA slot
+    skip it: one kernel launch per layer and step."""
+    if buffers.dora_slots is None:
+        return False
+    if buffers.dora_slots or torch.compiler.is_compiling():
+        return True
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class StepSegments:
     """The token grouping of the active step, as the LoRA layers need it.
 
@@ -312,8 +325,7 @@ class LoRALinear(BaseLayerWrapper):
         meta = self._kernel_meta(seg)
         flat_out = out.view(-1, out.shape[-1])
         expand(flat_out, shrink(x.reshape(-1, x.shape[-1]), buf.a, meta), buf.b, meta)
-        if buf.dora_slots is not None:
-            # Whenever the pool can hold DoRA, not only while it does: see StepSegments.dora_rows_for.
+        if rescales_dora(buf, x):
             self._rescale_dora(step, out, x)
         return result
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lora_pin.model.layers import LoRALinear, StepSegments
+from lora_pin.model.layers import LoRALinear, StepSegments, rescales_dora
 from lora_pin.ops import KernelMeta, SegmentBatch, expand, shrink
 from lora_pin.parallel import CollectiveLog, GroupShard, RowCall, ShardPlan, parallel_kind
 from lora_pin.weights.pool import GroupBuffers
@@ -110,7 +110,7 @@ class ParallelLoRALinear(LoRALinear):
         tp = self._shard.tp
         if plain:
             expand(flat_out, shrink(flat_x, buf.a, meta), buf.b, meta)
-            if buf.dora_slots is not None:
+            if rescales_dora(buf, x):
                 self._rescale_dora(step, out, x)
         elif self._shard.layout.kind == "column":
             v_local = shrink(flat_x, buf.a, self._local_meta(seg, meta))  # [T, n * chunk]
