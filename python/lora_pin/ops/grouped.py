@@ -72,6 +72,11 @@ _DENSE_MAX_PADDING_REDUCED = 1.75
 _RUN_SHRINK_ROWS = 32
 # A bf16/fp16 expand of at most this many rows multiplies in fp32 (see expand_grouped).
 _FP32_PRODUCT_MAX_ROWS = 12
+# A bf16 shrink of at most this many columns over at least max(64, 4 x columns) rows runs as
+# ``A @ x^T`` (see _shrink_mm): 1.16-1.83x faster than ``x @ A^T`` at 8-16 columns and 64-512 rows,
+# 1.04-1.15x at 32 columns from 128 rows, 4096 wide, 1 and 2 threads; below those rows, and at 48-64
+# columns, oneDNN picks as good a kernel either way (0.5-1.0x) (BENCHMARKS.md, CPU ops).
+_BF16_TRANSPOSED_SHRINK_MAX_COLUMNS = 32
 # Slots with at most this many tokens go to the native kernels (where the CPU has them); busier slots
 # stay on BLAS, whose GEMMs win once a slot has enough rows: oneDNN's bf16 GEMMs catch up sooner than
 # fp32 BLAS does. torch's fp16 matmul on CPUs without AVX512-FP16 is far slower than the kernels even
@@ -474,17 +479,16 @@ def shrink_planned(
         )
     for block in plan.dense:
         _shrink_dense(x, a, v, block, n_slices)
-    a_t = a.transpose(1, 2)  # [slots, in, n_slices * R]; views are made once per call, not per group
 
     def shrink_rows(xs: torch.Tensor, vs: torch.Tensor, slot: int) -> None:
         ranks = plan.ranks[slot]
         if all(r == max_rank for r in ranks):
-            torch.mm(xs, a_t[slot], out=vs)
+            _shrink_mm(xs, a[slot], out=vs)
             return
         for s, rank in enumerate(ranks):
             if rank:
                 cols = slice(s * max_rank, s * max_rank + rank)
-                torch.mm(xs, a_t[slot, :, cols], out=vs[:, cols])
+                _shrink_mm(xs, a[slot, cols], out=vs[:, cols])
 
     for run in plan.runs:
         rows = slice(run.start, run.start + run.size)
@@ -673,15 +677,35 @@ def _run_shrink_blas(
     """One run's shrink as BLAS GEMMs on a view of ``x``; returns its ``v`` ``[run.size, n_slices * R]``."""
     max_rank = a.shape[1] // n_slices
     xs = x[run.start : run.start + run.size]
-    a_t = a[run.slot].T  # [in, n_slices * R]
     if all(r == max_rank for r in ranks):
-        return torch.mm(xs, a_t)
+        return _shrink_mm(xs, a[run.slot])
     vs = x.new_zeros(run.size, n_slices * max_rank)
     for s, rank in enumerate(ranks):
         if rank:
             cols = slice(s * max_rank, s * max_rank + rank)
-            torch.mm(xs, a_t[:, cols], out=vs[:, cols])
+            _shrink_mm(xs, a[run.slot, cols], out=vs[:, cols])
     return vs
+
+
+def _shrink_mm(xs: torch.Tensor, a_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``xs @ a_rows^T``: ``[rows, in]`` by ``[columns, in]`` to ``[rows, columns]``, written to ``out``
+    when given.
+
+    A bf16 product of few columns over many rows is computed as ``(a_rows @ xs^T)^T``, the same sums
+    (fp32 accumulation, one rounding) in the operand order for which oneDNN picks the faster kernel
+    (``_BF16_TRANSPOSED_SHRINK_MAX_COLUMNS``); the result is then a transposed view, which the expand's
+    GEMMs read as fast as a contiguous one."""
+    rows, columns = xs.shape[0], a_rows.shape[0]
+    if (
+        xs.dtype == torch.bfloat16
+        and columns <= _BF16_TRANSPOSED_SHRINK_MAX_COLUMNS
+        and rows >= max(64, 4 * columns)
+    ):
+        product = torch.mm(a_rows, xs.T).T
+        return product if out is None else out.copy_(product)
+    if out is None:
+        return torch.mm(xs, a_rows.T)
+    return torch.mm(xs, a_rows.T, out=out)
 
 
 def plan_for(meta: KernelMeta, n_tokens: int, max_rank: int, dtype: torch.dtype, kernel: bool) -> Plan:
