@@ -118,11 +118,21 @@ def make_peft_adapter(
 
 
 def save_peft_adapter(
-    base: torch.nn.Module, out_dir: str | os.PathLike[str], seed: int, *, scale: float = 0.1, **config: Any
+    base: torch.nn.Module,
+    out_dir: str | os.PathLike[str],
+    seed: int,
+    *,
+    scale: float = 0.1,
+    magnitude_spread: float = 0.3,
+    **config: Any,
 ) -> Path:
     """Save a PEFT adapter made from ``LoraConfig(**config)`` as given (any targets: ``target_parameters``,
     ``lm_head``, embeddings), over a copy of ``base`` (left untouched), with every LoRA tensor drawn from a
     seeded normal distribution times ``scale`` (PEFT starts B at zero); returns its directory.
+
+    A DoRA adapter's magnitudes (``use_dora=True``; PEFT starts them at ``||W||``, which with B = 0 makes
+    every factor 1) are each multiplied by ``1 + magnitude_spread * N(0, 1)`` from the same generator, so
+    the factors are far from 1 and a rescale done wrong shows.
 
     Raises:
         ValueError: PEFT rejects the configuration.
@@ -136,7 +146,9 @@ def save_peft_adapter(
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
-            if ".lora_" in name:
+            if "lora_magnitude_vector" in name:
+                param.mul_(1 + magnitude_spread * torch.randn(param.shape, generator=generator))
+            elif ".lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * scale)
     path = Path(out_dir)
     peft_model.save_pretrained(str(path))

@@ -25,22 +25,9 @@ import torch
 
 from lora_pin import LoRAManager
 from lora_pin.errors import AdapterLoadError, SpecError
+from lora_pin.fixtures import save_peft_adapter
 
 Forward = Callable[[torch.nn.Module, dict[str, Any]], torch.Tensor]
-
-
-def save_adapter(base: torch.nn.Module, out_dir: Path, seed: int, **config: Any) -> Path:
-    """A PEFT LoRA adapter over a copy of ``base`` with seeded random A and B (PEFT starts B at zero)."""
-    from peft import LoraConfig, get_peft_model
-
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(lora_dropout=0.0, **config))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    peft_model.save_pretrained(str(out_dir))
-    return out_dir
 
 
 def check_against_peft(
@@ -117,7 +104,7 @@ def test_attention_and_mlp_c_proj_are_separate_targets(
     base = request.getfixturevalue(family)
     conv1d = family == "gpt2"  # GPT-2's transformers Conv1D stores [in, out]: PEFT's fan_in_fan_out
     adapters = {
-        "both": save_adapter(
+        "both": save_peft_adapter(
             base,
             tmp_path / "both",
             1,
@@ -126,7 +113,7 @@ def test_attention_and_mlp_c_proj_are_separate_targets(
             target_modules=["c_attn", "c_proj"],
             fan_in_fan_out=conv1d,
         ),
-        "mlp": save_adapter(
+        "mlp": save_peft_adapter(
             base,
             tmp_path / "mlp",
             2,
@@ -135,7 +122,7 @@ def test_attention_and_mlp_c_proj_are_separate_targets(
             target_modules=["mlp.c_proj", "c_fc"],
             fan_in_fan_out=conv1d,
         ),
-        "attn1": save_adapter(
+        "attn1": save_peft_adapter(
             base,
             tmp_path / "attn1",
             3,
@@ -239,7 +226,7 @@ def test_vision_tower_and_language_model_share_names(
     assert len(keys) == 2, keys  # the case this test is about: one per tower
     projector = ["linear_1"] if family == "llava" else []  # Gemma 3's projector is no linear layer
     adapters = {
-        "text": save_adapter(
+        "text": save_peft_adapter(
             base,
             tmp_path / "text",
             1,
@@ -247,10 +234,10 @@ def test_vision_tower_and_language_model_share_names(
             lora_alpha=8,
             target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)",
         ),
-        "vision": save_adapter(
+        "vision": save_peft_adapter(
             base, tmp_path / "vision", 2, r=2, lora_alpha=4, target_modules=r".*vision_tower.*\.(q_proj|fc1)"
         ),
-        "both": save_adapter(
+        "both": save_peft_adapter(
             base,
             tmp_path / "both",
             3,
@@ -308,8 +295,10 @@ def test_encoder_decoder_sequences_carry_their_adapter_through_both(
     attention = ["q_proj", "k_proj", "v_proj", "out_proj"] if family == "bart" else ["q", "k", "v", "o"]
     mlp = ["fc1", "fc2"] if family == "bart" else ["wi", "wo"]
     adapters = {
-        "all": save_adapter(base, tmp_path / "all", 1, r=4, lora_alpha=8, target_modules=attention + mlp),
-        "encoder": save_adapter(
+        "all": save_peft_adapter(
+            base, tmp_path / "all", 1, r=4, lora_alpha=8, target_modules=attention + mlp
+        ),
+        "encoder": save_peft_adapter(
             base,
             tmp_path / "encoder",
             2,
@@ -317,7 +306,7 @@ def test_encoder_decoder_sequences_carry_their_adapter_through_both(
             lora_alpha=4,
             target_modules=rf".*encoder\..*\.({'|'.join(attention)})",
         ),
-        "cross": save_adapter(
+        "cross": save_peft_adapter(
             base,
             tmp_path / "cross",
             3,
@@ -354,10 +343,10 @@ def test_mamba_with_dt_proj_targeted(mamba: torch.nn.Module, tmp_path: Path) -> 
     # transformers 5's MambaMixer multiplies by dt_proj.weight instead of calling dt_proj, so a dt_proj LoRA
     # changes nothing there, in PEFT as here; x_proj's makes each adapter visible in the output.
     adapters = {
-        "dt": save_adapter(
+        "dt": save_peft_adapter(
             mamba, tmp_path / "dt", 1, r=2, lora_alpha=4, target_modules=["dt_proj", "x_proj"]
         ),
-        "all": save_adapter(
+        "all": save_peft_adapter(
             mamba,
             tmp_path / "all",
             2,
@@ -385,23 +374,25 @@ def neox() -> torch.nn.Module:
 
 def test_a_regex_start_up_adapter_selects_the_models_own_names(neox: torch.nn.Module, tmp_path: Path) -> None:
     adapters = {
-        "qkv": save_adapter(
+        "qkv": save_peft_adapter(
             neox, tmp_path / "qkv", 1, r=4, lora_alpha=8, target_modules=r".*\.query_key_value"
         ),
-        "mlp": save_adapter(neox, tmp_path / "mlp", 2, r=2, lora_alpha=2, target_modules=["dense_h_to_4h"]),
+        "mlp": save_peft_adapter(
+            neox, tmp_path / "mlp", 2, r=2, lora_alpha=2, target_modules=["dense_h_to_4h"]
+        ),
     }
     mgr = check_against_peft(neox, adapters, ["qkv", None, "mlp"], {"input_ids": ids(3, 4, 96)}, logits)
     assert set(mgr.targets.module_names) == {"query_key_value", "dense_h_to_4h"}
 
 
 def test_refusals_name_the_module_and_the_way_out(gpt2: torch.nn.Module, tmp_path: Path) -> None:
-    attn = save_adapter(
+    attn = save_peft_adapter(
         gpt2, tmp_path / "attn", 1, r=2, lora_alpha=2, target_modules=["attn.c_proj"], fan_in_fan_out=True
     )
-    mlp = save_adapter(
+    mlp = save_peft_adapter(
         gpt2, tmp_path / "mlp", 2, r=2, lora_alpha=2, target_modules=["mlp.c_proj"], fan_in_fan_out=True
     )
-    head = save_adapter(gpt2, tmp_path / "head", 3, r=2, lora_alpha=2, target_modules=["lm_head"])
+    head = save_peft_adapter(gpt2, tmp_path / "head", 3, r=2, lora_alpha=2, target_modules=["lm_head"])
     mgr = LoRAManager(
         copy.deepcopy(gpt2), [f"attn={attn}"], max_loras_per_batch=2, lora_target_modules=["attn.c_proj"]
     )
@@ -439,8 +430,8 @@ def test_falcon_linear_overriding_forward_but_returning_a_tensor_is_served(
     # FalconLinear subclasses nn.Linear with its own forward (the bias added after the matmul); PEFT
     # wraps it as a linear, and so must lora_pin.
     adapters = {
-        "a": save_adapter(falcon, tmp_path / "a", 1, r=4, lora_alpha=8, target_modules=targets),
-        "b": save_adapter(
+        "a": save_peft_adapter(falcon, tmp_path / "a", 1, r=4, lora_alpha=8, target_modules=targets),
+        "b": save_peft_adapter(
             falcon, tmp_path / "b", 2, r=2, lora_alpha=2, target_modules=["dense", "dense_h_to_4h"]
         ),
     }

@@ -14,26 +14,10 @@ import pytest
 import torch
 
 from lora_pin import LoRAManager
+from lora_pin.fixtures import save_peft_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RTOL, ATOL = 2e-4, 2e-5
-
-
-def _save(base: torch.nn.Module, out_dir: Path, seed: int, **config: Any) -> Path:
-    """A PEFT adapter over a copy of ``base``: seeded random A and B (PEFT starts B at zero) and, for
-    DoRA, magnitudes moved off their initial ``||W||`` so every factor is far from 1."""
-    from peft import LoraConfig, get_peft_model
-
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(lora_dropout=0.0, **config))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-            elif "lora_magnitude_vector" in name:
-                param.mul_(1 + 0.3 * torch.randn(param.shape, generator=generator))
-    peft_model.save_pretrained(str(out_dir))
-    return out_dir
 
 
 World = tuple[torch.nn.Module, dict[str, Path], dict[str, torch.Tensor], torch.Tensor]
@@ -52,13 +36,17 @@ def world(tiny_llama: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory)
     base = copy.deepcopy(tiny_llama).eval()
     root = tmp_path_factory.mktemp("dora-residency")
     adapters = {
-        "dora": _save(base, root / "dora", 1, r=4, lora_alpha=8, target_modules=ALL, use_dora=True),
-        "dora2": _save(
+        "dora": save_peft_adapter(
+            base, root / "dora", 1, r=4, lora_alpha=8, target_modules=ALL, use_dora=True
+        ),
+        "dora2": save_peft_adapter(
             base, root / "dora2", 2, r=8, lora_alpha=4, target_modules=["q_proj", "down_proj"], use_dora=True
         ),
     }
     for i in range(3):
-        adapters[f"lora{i}"] = _save(base, root / f"lora{i}", 10 + i, r=4, lora_alpha=8, target_modules=ALL)
+        adapters[f"lora{i}"] = save_peft_adapter(
+            base, root / f"lora{i}", 10 + i, r=4, lora_alpha=8, target_modules=ALL
+        )
     ids = _ids()
     with torch.no_grad():
         want = {

@@ -20,25 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lora_pin import LoRAManager
+from lora_pin.fixtures import save_peft_adapter
 
 TOLERANCE = {torch.float32: (2e-4, 2e-5), torch.bfloat16: (6e-2, 6e-2)}
-
-
-def save_adapter(base: torch.nn.Module, out_dir: Path, seed: int, **config: Any) -> Path:
-    """A PEFT adapter over a copy of ``base`` with seeded random A and B (PEFT starts B at zero) and, for
-    DoRA, magnitudes moved off their initial ``||W||`` so the factor is far from 1."""
-    from peft import LoraConfig, get_peft_model
-
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(lora_dropout=0.0, **config))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-            elif "lora_magnitude_vector" in name:
-                param.mul_(1 + 0.3 * torch.randn(param.shape, generator=generator))
-    peft_model.save_pretrained(str(out_dir))
-    return out_dir
 
 
 def plain_twin(dora_dir: Path, out_dir: Path) -> Path:
@@ -155,7 +139,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         base = _tiny(family, tiny_llama)
         root = tmp_path_factory.mktemp(f"dora-{family}")
         adapters = {
-            "dora": save_adapter(
+            "dora": save_peft_adapter(
                 base,
                 root / "dora",
                 1,
@@ -165,7 +149,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                 rank_pattern={everything[-1]: 2},
                 use_dora=True,
             ),
-            "dora_rs": save_adapter(
+            "dora_rs": save_peft_adapter(
                 base,
                 root / "dora_rs",
                 2,
@@ -176,7 +160,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                 alpha_pattern={few[0]: 16},
                 use_dora=True,
             ),
-            "lora": save_adapter(base, root / "lora", 3, r=4, lora_alpha=8, target_modules=everything),
+            "lora": save_peft_adapter(base, root / "lora", 3, r=4, lora_alpha=8, target_modules=everything),
         }
         adapters["twin"] = plain_twin(adapters["dora"], root / "twin")
         made[family] = (base, adapters, peft_oracles(base, adapters))
@@ -300,7 +284,7 @@ def test_gpt2_conv1d_fused_c_attn_with_biases_equals_peft(tmp_path: Path) -> Non
             if name.endswith(("c_attn.bias", "c_proj.bias", "c_fc.bias")):
                 param.normal_(0.0, 0.5)
     adapters = {
-        "dora": save_adapter(
+        "dora": save_peft_adapter(
             base,
             tmp_path / "dora",
             4,
@@ -310,7 +294,7 @@ def test_gpt2_conv1d_fused_c_attn_with_biases_equals_peft(tmp_path: Path) -> Non
             fan_in_fan_out=True,
             use_dora=True,
         ),
-        "lora": save_adapter(
+        "lora": save_peft_adapter(
             base, tmp_path / "lora", 5, r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True
         ),
     }

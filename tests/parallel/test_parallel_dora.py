@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from lora_pin import LoRAManager
 from lora_pin.errors import AdapterLoadError
-from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
+from lora_pin.fixtures import make_peft_adapter, make_tiny_llama, save_peft_adapter
 from lora_pin.parallel import TensorParallel
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -46,23 +46,6 @@ def _load(root: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(root / "model").eval()
-
-
-def _save_dora(base: torch.nn.Module, out_dir: Path, seed: int, **config: Any) -> Path:
-    """A PEFT DoRA adapter over a copy of ``base``: seeded random A and B (PEFT starts B at zero) and
-    magnitudes moved off their initial ``||W||``, so every factor is far from 1."""
-    from peft import LoraConfig, get_peft_model
-
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(lora_dropout=0.0, use_dora=True, **config))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-            elif "lora_magnitude_vector" in name:
-                param.mul_(1 + 0.3 * torch.randn(param.shape, generator=generator))
-    peft_model.save_pretrained(str(out_dir))
-    return out_dir
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +98,7 @@ def _save_qwen2(root: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             if name.endswith("proj.bias"):
                 param.normal_(0.0, 0.5)
     model.save_pretrained(root / "qwen2")
-    _save_dora(model, root / "qwen2_dora", 5, r=4, lora_alpha=8, target_modules=ALL)
+    save_peft_adapter(model, root / "qwen2_dora", 5, r=4, lora_alpha=8, target_modules=ALL, use_dora=True)
     with torch.inference_mode():
         peft = PeftModel.from_pretrained(copy.deepcopy(model), root / "qwen2_dora").eval()
         return {"qwen2_dora": _run(peft)}
@@ -132,8 +115,17 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tp_dora")
     make_tiny_llama(root / "model", heads=4, kv_heads=1, layers=2)
     base = _load(root)
-    _save_dora(base, root / "dora", 1, r=8, lora_alpha=16, target_modules=ALL, rank_pattern={"down_proj": 4})
-    _save_dora(
+    save_peft_adapter(
+        base,
+        root / "dora",
+        1,
+        r=8,
+        lora_alpha=16,
+        target_modules=ALL,
+        rank_pattern={"down_proj": 4},
+        use_dora=True,
+    )
+    save_peft_adapter(
         base,
         root / "dora_rs",
         2,
@@ -142,6 +134,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         target_modules=["v_proj", "o_proj", "down_proj"],
         use_rslora=True,
         alpha_pattern={"o_proj": 12},
+        use_dora=True,
     )
     make_peft_adapter(root / "model", root / "lora", r=4, lora_alpha=8, target_modules=ALL, seed=3)
     want: dict[str, dict[str, Any]] = {"float32": {}, "bfloat16": {}, "layer0": {}}

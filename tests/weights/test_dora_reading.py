@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lora_pin.errors import AdapterLoadError
+from lora_pin.fixtures import save_peft_adapter
 from lora_pin.model.attach import base_weights, model_targets
 from lora_pin.weights.config import AdapterConfig
 from lora_pin.weights.host import HostTier, load_adapter
@@ -28,21 +29,6 @@ from lora_pin.weights.reader import PEFT_PREFIX
 
 Q0 = "model.layers.0.self_attn.q_proj"
 MAG = f"{PEFT_PREFIX}{Q0}.lora_magnitude_vector"
-
-
-def save_dora(base: torch.nn.Module, out_dir: Path, seed: int, **config: Any) -> Path:
-    from peft import LoraConfig, get_peft_model
-
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(lora_dropout=0.0, use_dora=True, **config))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-            elif "lora_magnitude_vector" in name:
-                param.mul_(1 + 0.3 * torch.randn(param.shape, generator=generator))
-    peft_model.save_pretrained(str(out_dir))
-    return out_dir
 
 
 def edited(
@@ -68,7 +54,7 @@ def world(tiny_llama: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory)
     model = copy.deepcopy(tiny_llama)
     targets, module_of = model_targets(model, None)
     root = tmp_path_factory.mktemp("dora-reading")
-    dora = save_dora(
+    dora = save_peft_adapter(
         tiny_llama,
         root / "dora",
         1,
@@ -78,6 +64,7 @@ def world(tiny_llama: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory)
         use_rslora=True,
         rank_pattern={"down_proj": 2},
         alpha_pattern={"v_proj": 3},
+        use_dora=True,
     )
     return {
         "model": model,
@@ -200,8 +187,14 @@ def test_dora_on_an_embedding_refused_by_name(
 
     model = copy.deepcopy(tiny_llama)
     targets, module_of = model_targets(model, ModuleSelection.of(["embed_tokens", "q_proj"]))
-    path = save_dora(
-        tiny_llama, tmp_path / "embed", 2, r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]
+    path = save_peft_adapter(
+        tiny_llama,
+        tmp_path / "embed",
+        2,
+        r=4,
+        lora_alpha=8,
+        target_modules=["embed_tokens", "q_proj"],
+        use_dora=True,
     )
     with pytest.raises(AdapterLoadError, match=r"DoRA on embedding 'model.embed_tokens' cannot be served"):
         load_adapter(
