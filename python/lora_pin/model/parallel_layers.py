@@ -93,7 +93,8 @@ class ParallelLoRALinear(LoRALinear):
         flat_x = x.reshape(-1, x.shape[-1])
         flat_out = out.view(-1, out.shape[-1])
         plain = not self._shard.fully_sharded
-        if plain and x.device.type == "cpu" and not torch.compiler.is_compiling():
+        eager_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
+        if plain and eager_cpu:
             # As LoRALinear on CPU: the group's delta checked and planned once per step (a plain shard's
             # slice offsets are its group's), then one op call, or none for a group no row uses.
             delta = step.delta_for(buf, x)
@@ -104,34 +105,64 @@ class ParallelLoRALinear(LoRALinear):
             if buf.dora_slots:
                 self._rescale_dora(step, out, x)
             return
+        if eager_cpu:
+            self._add_split_delta(step, flat_out, flat_x)
+            return
         seg = step.for_input(x)
         self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
         meta = self._kernel_meta(seg)
-        tp = self._shard.tp
         if plain:
             expand(flat_out, shrink(flat_x, buf.a, meta), buf.b, meta)
             if rescales_dora(buf, x):
                 self._rescale_dora(step, out, x)
         elif self._shard.layout.kind == "column":
-            v_local = shrink(flat_x, buf.a, self._local_meta(seg, meta))  # [T, n * chunk]
-            parts = [torch.empty_like(v_local) for _ in range(tp.size)]
-            self._log.add("all_gather", v_local)
-            dist.all_gather(parts, v_local, group=tp.group)
-            n, chunk = meta.n_slices, v_local.shape[1] // meta.n_slices
-            # [tp, T, n, chunk] -> [T, n, tp, chunk]: slice s's full rank row j * chunk + k is rank j's k.
-            v = (
-                torch.stack(parts)
-                .view(tp.size, -1, n, chunk)
-                .permute(1, 2, 0, 3)
-                .reshape(v_local.shape[0], -1)
-            )
+            v = self._all_gather(shrink(flat_x, buf.a, self._local_meta(seg, meta)), meta.n_slices)
             expand(flat_out, v, buf.b, meta)
         else:
             v = shrink(flat_x, buf.a, meta)  # a partial [T, R]
-            self._log.add("all_reduce", v)
-            dist.all_reduce(v, group=tp.group)
+            self._all_reduce(v)
             lo, hi = self._columns
             expand(flat_out[:, lo:hi], v, buf.b, meta)
+
+    def _add_split_delta(self, step: StepSegments, flat_out: torch.Tensor, flat_x: torch.Tensor) -> None:
+        """A fully sharded layer's delta on the CPU: its shrink and expand checked and planned once per
+        step (:meth:`StepSegments.split_delta_for`), then per call the two op dispatches around the
+        collective. A group that no row of the step uses is skipped, collective included: that is read
+        from the group's full ranks (the expand's), the same on every process, so every process skips it
+        together; a column layer's own chunk may hold none of a slot's rank while another's holds some,
+        and its shrink is then zeros, still gathered."""
+        column = self._shard.layout.kind == "column"
+        local_ranks = self._local_ranks if column else None
+        shrink_d, expand_d = step.split_delta_for(self._pool_buffers, flat_x, self._offsets, local_ranks)
+        if expand_d.empty:
+            return
+        if flat_x.dtype is not expand_d.dtype:
+            self._check_dtype("the input", flat_x.dtype, ", or is autocast on (not supported)")
+        v = shrink_d.apply(flat_x)
+        if column:
+            expand_d.apply(flat_out, self._all_gather(v, expand_d.meta.n_slices))
+        else:
+            self._all_reduce(v)  # a partial [T, R]
+            lo, hi = self._columns
+            expand_d.apply(flat_out[:, lo:hi], v)
+
+    def _all_gather(self, v_local: torch.Tensor, n: int) -> torch.Tensor:
+        """A column layer's ``[T, n * chunk]`` shrinks of every process, as the ``[T, n * chunk * tp]``
+        its expand reads."""
+        tp = self._shard.tp
+        parts = [torch.empty_like(v_local) for _ in range(tp.size)]
+        self._log.add("all_gather", v_local)
+        dist.all_gather(parts, v_local, group=tp.group)
+        chunk = v_local.shape[1] // n
+        # [tp, T, n, chunk] -> [T, n, tp, chunk]: slice s's full rank row j * chunk + k is rank j's k.
+        return (
+            torch.stack(parts).view(tp.size, -1, n, chunk).permute(1, 2, 0, 3).reshape(v_local.shape[0], -1)
+        )
+
+    def _all_reduce(self, v: torch.Tensor) -> None:
+        tp = self._shard.tp
+        self._log.add("all_reduce", v)
+        dist.all_reduce(v, group=tp.group)
 
     def _dora_bias(self) -> torch.Tensor | None:
         """A row layer's partial product holds no bias (its reduce adds it); a column layer's output
@@ -150,13 +181,17 @@ class ParallelLoRALinear(LoRALinear):
         cached = self._shrink_meta
         if cached is not None and cached[0] is seg:
             return cached[1]
-        buf = self._pool_buffers
-        chunk = buf.a.shape[1] // meta.n_slices
-        first = self._shard.tp.rank * chunk
-        ranks = (buf.ranks - first).clamp(0, chunk).to(torch.int32)
-        local = meta._replace(slot_ranks=ranks)
+        local = meta._replace(slot_ranks=self._local_ranks())
         self._shrink_meta = (seg, local)
         return local
+
+    def _local_ranks(self) -> torch.Tensor:
+        """int32 ``[slots, n_slices]``: each slot's rows of a fully sharded column layer's chunk of the
+        rank dimension on this rank (0 where the chunk starts past the slot's rank)."""
+        buf = self._pool_buffers
+        chunk = buf.a.shape[1] // self._n_slices
+        first = self._shard.tp.rank * chunk
+        return (buf.ranks - first).clamp(0, chunk).to(torch.int32)
 
     def extra_repr(self) -> str:
         tp = self._shard.tp
