@@ -18,6 +18,15 @@ all-reduce, which sums ``f * partial`` over the ranks into ``f * (W x + s B A x)
 
 Rows with no adapter are never touched, so after the base layer's all-reduce they equal the sharded base
 model's output bit for bit.
+
+On the CPU (eager), a layer's LoRA work is checked and planned once per step and layer group: a plain
+shard's as one fused delta (:meth:`~lora_pin.model.layers.StepSegments.delta_for`), a fully sharded
+layer's as a shrink and an expand run apart around the collective
+(:meth:`~lora_pin.model.layers.StepSegments.split_delta_for`, :mod:`lora_pin.ops.split`). A group that
+no row of the step uses is skipped, collective included; for a fully sharded layer that is read from
+the group's full ranks, the same on every process, so every process of the group makes the same
+collective calls (a column layer's chunk may hold none of a slot's rank while another process's holds
+some of it).
 """
 
 from __future__ import annotations
