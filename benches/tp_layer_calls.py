@@ -128,24 +128,31 @@ def _before(layer: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
 
 
 class _NoCollectives:
-    """Replaces ``dist.all_gather`` and ``dist.all_reduce`` by what a group of one computes, without
+    """Replaces ``dist``'s all-gathers and ``all_reduce`` by what a group of one computes, without
     gloo: the layer's own work is then all that is timed (gloo's call costs hundreds of microseconds
     even in a group of one, and varies with the load more than the rest)."""
 
     def __enter__(self) -> None:
-        self._saved = dist.all_gather, dist.all_reduce
+        self._saved = dist.all_gather, dist.all_gather_into_tensor, dist.all_reduce
 
         def all_gather(parts: list[torch.Tensor], t: torch.Tensor, group: object = None) -> None:
             for part in parts:
                 part.copy_(t)
 
+        def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group: object = None) -> None:
+            out.copy_(t)
+
         def all_reduce(t: torch.Tensor, group: object = None) -> None:
             return None
 
-        dist.all_gather, dist.all_reduce = all_gather, all_reduce  # type: ignore[assignment]
+        dist.all_gather, dist.all_gather_into_tensor, dist.all_reduce = (  # type: ignore[assignment]
+            all_gather,
+            all_gather_into_tensor,
+            all_reduce,
+        )
 
     def __exit__(self, *exc: object) -> None:
-        dist.all_gather, dist.all_reduce = self._saved  # type: ignore[assignment]
+        dist.all_gather, dist.all_gather_into_tensor, dist.all_reduce = self._saved  # type: ignore[assignment]
 
 
 def layer_costs(root: Path, rounds: int, calls: int, collectives: bool) -> dict[str, float]:

@@ -159,14 +159,12 @@ class ParallelLoRALinear(LoRALinear):
         """A column layer's ``[T, n * chunk]`` shrinks of every process, as the ``[T, n * chunk * tp]``
         its expand reads."""
         tp = self._shard.tp
-        parts = [torch.empty_like(v_local) for _ in range(tp.size)]
+        tokens, chunk = v_local.shape[0], v_local.shape[1] // n
+        gathered = v_local.new_empty(tp.size * tokens, v_local.shape[1])
         self._log.add("all_gather", v_local)
-        dist.all_gather(parts, v_local, group=tp.group)
-        chunk = v_local.shape[1] // n
+        dist.all_gather_into_tensor(gathered, v_local, group=tp.group)
         # [tp, T, n, chunk] -> [T, n, tp, chunk]: slice s's full rank row j * chunk + k is rank j's k.
-        return (
-            torch.stack(parts).view(tp.size, -1, n, chunk).permute(1, 2, 0, 3).reshape(v_local.shape[0], -1)
-        )
+        return gathered.view(tp.size, tokens, n, chunk).permute(1, 2, 0, 3).reshape(tokens, -1)
 
     def _all_reduce(self, v: torch.Tensor) -> None:
         tp = self._shard.tp

@@ -261,17 +261,61 @@ def prepare_expand(
     return PreparedExpand(meta, b, n_tokens, plan)
 
 
-def _found(handle: int, kind: type, *tensors: torch.Tensor) -> PreparedShrink | PreparedExpand | None:
-    """The prepared op under ``handle`` if it is of ``kind`` and was made from exactly ``tensors``
-    (the pool buffer, then the segment arrays)."""
-    prepared = _BY_HANDLE.get(handle) if handle >= 0 else None
-    if not isinstance(prepared, kind):
+def _shrink_plan(
+    handle: int,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    arrays: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    n_slices: int,
+) -> Plan | None:
+    """The plan of the shrink prepared under ``handle`` if it was made for exactly these tensors; None
+    otherwise, and the caller checks and plans in full."""
+    found = _BY_HANDLE.get(handle) if handle >= 0 else None
+    if type(found) is not PreparedShrink or a is not found.a:
         return None
-    meta = prepared.meta
-    weights = prepared.a if isinstance(prepared, PreparedShrink) else prepared.b
-    if any(t is not m for t, m in zip(tensors, (weights, *meta[:4], meta.slot_scalings), strict=False)):
+    meta = found.meta
+    perm, seg_indptr, seg_slots, slot_ranks = arrays
+    if (
+        perm is not meta.perm
+        or seg_indptr is not meta.seg_indptr
+        or seg_slots is not meta.seg_slots
+        or slot_ranks is not meta.slot_ranks
+        or n_slices != meta.n_slices
+        or x.dtype is not found.dtype
+        or x.shape != (found.n_tokens, found.in_features)
+    ):
         return None
-    return prepared
+    return found.plan
+
+
+def _expand_plan(
+    handle: int,
+    out: torch.Tensor,
+    v: torch.Tensor,
+    b: torch.Tensor,
+    arrays: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    slice_offsets: list[int],
+) -> Plan | None:
+    """As :func:`_shrink_plan`, for the expand prepared under ``handle``."""
+    found = _BY_HANDLE.get(handle) if handle >= 0 else None
+    if type(found) is not PreparedExpand or b is not found.b:
+        return None
+    meta = found.meta
+    perm, seg_indptr, seg_slots, slot_ranks, slot_scalings = arrays
+    if (
+        perm is not meta.perm
+        or seg_indptr is not meta.seg_indptr
+        or seg_slots is not meta.seg_slots
+        or slot_ranks is not meta.slot_ranks
+        or slot_scalings is not meta.slot_scalings
+        or slice_offsets != found.offsets
+        or out.dtype is not found.dtype
+        or v.dtype is not found.dtype
+        or out.shape != (found.n_tokens, found.out_total)
+        or v.shape != (found.n_tokens, meta.n_slices * b.shape[2])
+    ):
+        return None
+    return found.plan
 
 
 def _shrink_meta(
@@ -314,15 +358,8 @@ def _prepared_shrink_cpu(
     n_slices: int,
     prepared: int = -1,
 ) -> torch.Tensor:
-    found = _found(prepared, PreparedShrink, a, perm, seg_indptr, seg_slots, slot_ranks)
-    if (
-        isinstance(found, PreparedShrink)
-        and found.meta.n_slices == n_slices
-        and x.dtype is found.dtype
-        and x.shape == (found.n_tokens, found.in_features)
-    ):
-        plan = found.plan
-    else:
+    plan = _shrink_plan(prepared, x, a, (perm, seg_indptr, seg_slots, slot_ranks), n_slices)
+    if plan is None:
         meta = _shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
         max_rank = check_shrink_args(x, a, meta)
         plan = plan_for(meta, x.shape[0], max_rank, x.dtype, kernel_ok(x.dtype, a))
@@ -364,17 +401,9 @@ def _prepared_expand_cpu(
     slice_offsets: list[int],
     prepared: int = -1,
 ) -> None:
-    found = _found(prepared, PreparedExpand, b, perm, seg_indptr, seg_slots, slot_ranks, slot_scalings)
-    if (
-        isinstance(found, PreparedExpand)
-        and found.offsets == slice_offsets
-        and out.dtype is found.dtype
-        and v.dtype is found.dtype
-        and out.shape == (found.n_tokens, found.out_total)
-        and v.shape == (found.n_tokens, found.meta.n_slices * b.shape[2])
-    ):
-        plan = found.plan
-    else:
+    arrays = (perm, seg_indptr, seg_slots, slot_ranks, slot_scalings)
+    plan = _expand_plan(prepared, out, v, b, arrays, slice_offsets)
+    if plan is None:
         meta = _expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
         max_rank = check_expand_args(out, v, b, meta)
         check_expand_memory(out, v=v, b=b, slot_scalings=slot_scalings)
