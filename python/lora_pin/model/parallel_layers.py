@@ -81,11 +81,14 @@ class ParallelLoRALinear(LoRALinear):
         self._offsets = shard.b_offsets(group)
         self._columns = shard.out_columns(group)
         self._shrink_meta: tuple[SegmentBatch, KernelMeta] | None = None
+        self._column = shard.layout.kind == "column"
+        # A fully sharded column layer's shrink runs over its chunk of each slot's rank.
+        self._shrink_ranks = self._local_ranks if self._column and shard.fully_sharded else None
 
     def forward(self, x: torch.Tensor) -> Any:
         """``[..., in_local] -> [..., out_local]``: the layer's output with this rank's delta (for a row
         layer, added before the layer's all-reduce); the same type the layer returns."""
-        if self._shard.layout.kind == "column":
+        if self._column:
             result = self.base_layer(x)
             self._add_delta(result[0] if self._returns_bias else result, x)
             return result
@@ -98,33 +101,23 @@ class ParallelLoRALinear(LoRALinear):
         step = self._active_step()
         if step is None or not step.any_adapter:
             return
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():
+            if self._shard.fully_sharded:
+                self._add_split_delta(step, out, x)
+            else:
+                self._add_prepared_delta(step, out, x)
+            return
         buf = self._pool_buffers
         flat_x = x.reshape(-1, x.shape[-1])
         flat_out = out.view(-1, out.shape[-1])
-        plain = not self._shard.fully_sharded
-        eager_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
-        if plain and eager_cpu:
-            # As LoRALinear on CPU: the group's delta checked and planned once per step (a plain shard's
-            # slice offsets are its group's), then one op call, or none for a group no row uses.
-            delta = step.delta_for(buf, x)
-            if not delta.empty:
-                if x.dtype is not delta.dtype:
-                    self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
-                delta.apply(flat_out, flat_x)
-            if buf.dora_slots:
-                self._rescale_dora(step, out, x)
-            return
-        if eager_cpu:
-            self._add_split_delta(step, flat_out, flat_x)
-            return
         seg = step.for_input(x)
         self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
         meta = self._kernel_meta(seg)
-        if plain:
+        if not self._shard.fully_sharded:
             expand(flat_out, shrink(flat_x, buf.a, meta), buf.b, meta)
             if rescales_dora(buf, x):
                 self._rescale_dora(step, out, x)
-        elif self._shard.layout.kind == "column":
+        elif self._column:
             v = self._all_gather(shrink(flat_x, buf.a, self._local_meta(seg, meta)), meta.n_slices)
             expand(flat_out, v, buf.b, meta)
         else:
@@ -133,22 +126,34 @@ class ParallelLoRALinear(LoRALinear):
             lo, hi = self._columns
             expand(flat_out[:, lo:hi], v, buf.b, meta)
 
-    def _add_split_delta(self, step: StepSegments, flat_out: torch.Tensor, flat_x: torch.Tensor) -> None:
+    def _add_prepared_delta(self, step: StepSegments, out: torch.Tensor, x: torch.Tensor) -> None:
+        """A plain shard's delta on the CPU, as :class:`LoRALinear`'s: the group's delta checked and
+        planned once per step (a plain shard's slice offsets are its group's), then one op call, or none
+        for a group no row uses."""
+        buf = self._pool_buffers
+        delta = step.delta_for(buf, x)
+        if not delta.empty:
+            if x.dtype is not delta.dtype:
+                self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
+            delta.apply(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]))
+        if buf.dora_slots:
+            self._rescale_dora(step, out, x)
+
+    def _add_split_delta(self, step: StepSegments, out: torch.Tensor, x: torch.Tensor) -> None:
         """A fully sharded layer's delta on the CPU: its shrink and expand checked and planned once per
         step (:meth:`StepSegments.split_delta_for`), then per call the two op dispatches around the
         collective. A group that no row of the step uses is skipped, collective included: that is read
         from the group's full ranks (the expand's), the same on every process, so every process skips it
         together; a column layer's own chunk may hold none of a slot's rank while another's holds some,
         and its shrink is then zeros, still gathered."""
-        column = self._shard.layout.kind == "column"
-        local_ranks = self._local_ranks if column else None
-        shrink_d, expand_d = step.split_delta_for(self._pool_buffers, flat_x, self._offsets, local_ranks)
+        shrink_d, expand_d = step.split_delta_for(self._pool_buffers, x, self._offsets, self._shrink_ranks)
         if expand_d.empty:
             return
-        if flat_x.dtype is not expand_d.dtype:
-            self._check_dtype("the input", flat_x.dtype, ", or is autocast on (not supported)")
-        v = shrink_d.apply(flat_x)
-        if column:
+        if x.dtype is not expand_d.dtype:
+            self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
+        v = shrink_d.apply(x.reshape(-1, x.shape[-1]))
+        flat_out = out.view(-1, out.shape[-1])
+        if self._column:
             expand_d.apply(flat_out, self._all_gather(v, expand_d.meta.n_slices))
         else:
             self._all_reduce(v)  # a partial [T, R]
