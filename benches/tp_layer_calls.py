@@ -155,6 +155,34 @@ class _NoCollectives:
         dist.all_gather, dist.all_gather_into_tensor, dist.all_reduce = self._saved  # type: ignore[assignment]
 
 
+def _parts(module: torch.nn.Module, x: torch.Tensor, rounds: int, calls: int) -> dict[str, list[float]]:
+    """The parts of a fully sharded layer call with adapter rows, each timed alone: the lookup of the
+    step's prepared pair, the shrink (checks, op, kernels), the column layer's all-gather and reshuffle
+    (with the collective replaced), the expand."""
+    step = module._active_step()
+    shrink_d, expand_d = step.split_delta_for(module._pool_buffers, x, module._offsets, module._shrink_ranks)
+    v = shrink_d.apply(x)
+    out = module.base_layer(x) if module._column else module.base_layer.partial(x)
+    lo, hi = module._columns
+    gathered = module._all_gather(v, expand_d.meta.n_slices) if module._column else v
+    parts: dict[str, Callable[[], object]] = {
+        "lookup of the prepared pair": lambda: step.split_delta_for(
+            module._pool_buffers, x, module._offsets, module._shrink_ranks
+        ),
+        "shrink (checks + op + kernels)": lambda: shrink_d.apply(x),
+        "expand (checks + op + kernels)": lambda: expand_d.apply(out[:, lo:hi], gathered),
+    }
+    if module._column:
+        parts["all-gather reshuffle (copy for the collective)"] = lambda: module._all_gather(
+            v, expand_d.meta.n_slices
+        )
+    found: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, fn in parts.items():
+            found.setdefault(name, []).append(_per_call(fn, calls))
+    return found
+
+
 def layer_costs(root: Path, rounds: int, calls: int, collectives: bool) -> dict[str, float]:
     """Microseconds per call, median over alternating rounds (see the module); with ``collectives``
     False, the collectives replaced by :class:`_NoCollectives`."""
@@ -203,6 +231,9 @@ def layer_costs(root: Path, rounds: int, calls: int, collectives: bool) -> dict[
                                 samples.setdefault(f"{kind}, {used}: {label}", []).append(
                                     _per_call(fn, calls)
                                 )
+                        if used == "adapter rows" and not collectives:
+                            for part, values in _parts(module, x, rounds, calls).items():
+                                samples[f"  {kind}, {part}"] = values
         finally:
             mgr.finish(step)
     mgr.detach()
