@@ -19,10 +19,14 @@ from lora_pin.ops import (
     KernelMeta,
     OpArgumentError,
     PreparedDelta,
+    PreparedExpand,
+    PreparedShrink,
     SegmentBatch,
     dora_scale_,
     expand,
     prepare_delta,
+    prepare_expand,
+    prepare_shrink,
     segments_from_slots,
     shrink,
 )
@@ -75,6 +79,8 @@ class StepSegments:
         "_dora_rows",
         "_embedding_deltas",
         "_shared",
+        "_split_deltas",
+        "_split_shared",
         "any_adapter",
         "chunk_size",
         "segments",
@@ -103,6 +109,10 @@ class StepSegments:
         self._shared: dict[tuple[torch.Size, ...], PreparedDelta] = {}
         # (DoRA slots of a group, input shape less features) -> the step's rows in them and their slots.
         self._dora_rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
+        # (group's A buffer, input shape less features) -> its prepared shrink and expand, run apart (CPU).
+        self._split_deltas: dict[tuple[int, torch.Size], tuple[PreparedShrink, PreparedExpand]] = {}
+        # As _shared, for the shrinks and expands run apart.
+        self._split_shared: dict[tuple[torch.Size, ...], tuple[PreparedShrink, PreparedExpand]] = {}
         # (embedding group's A buffer, output shape less features) -> its prepared delta (CPU).
         self._embedding_deltas: dict[tuple[int, torch.Size], PreparedEmbeddingDelta] = {}
         if sequence_slots is not None and segments is not None:
@@ -164,6 +174,50 @@ class StepSegments:
                 self._shared[shape_key] = delta
             self._deltas[key] = delta
         return delta
+
+    def split_delta_for(
+        self,
+        buffers: GroupBuffers,
+        x: torch.Tensor,
+        slice_offsets: Sequence[int],
+        shrink_ranks: Callable[[], torch.Tensor] | None = None,
+    ) -> tuple[PreparedShrink, PreparedExpand]:
+        """The step's LoRA shrink and expand in the layer group of ``buffers`` for CPU input ``x``
+        (``[..., in]``), for a layer that runs them apart (a fully sharded tensor-parallel layer, with a
+        collective between them); checked and planned on the first call of the step for that group and
+        shape, and shared with groups of the same shapes and ranks as :meth:`delta_for` shares.
+
+        Args:
+            buffers: the group's buffers; the expand runs over ``buffers.b`` with the group's ranks,
+                which decide its ``empty`` (the same on every process of a tensor-parallel group).
+            x: the layer input.
+            slice_offsets: the slices' columns in the expand's output (a fully sharded row layer's
+                own columns: ``(0, out_total / tp)``).
+            shrink_ranks: returns the int32 ``[slots, n_slices]`` ranks of ``buffers.a``'s rows when they
+                are not the group's (a column layer's chunk of each slot's rank); called on the first
+                call of the step only.
+
+        Raises:
+            UsageError: as :meth:`for_input`.
+            OpArgumentError: as :func:`lora_pin.ops.prepare_shrink` and :func:`~lora_pin.ops.prepare_expand`.
+        """
+        key = (id(buffers.a), x.shape[:-1])
+        found = self._split_deltas.get(key)
+        if found is None:
+            seg = self.for_input(x)
+            meta = KernelMeta.for_layer(seg, buffers.ranks, buffers.scalings, slice_offsets)
+            local = meta if shrink_ranks is None else meta._replace(slot_ranks=shrink_ranks())
+            n_tokens = x.numel() // x.shape[-1]
+            shape_key = (x.shape[:-1], buffers.a.shape, buffers.b.shape)
+            like = self._split_shared.get(shape_key)
+            found = (
+                prepare_shrink(local, buffers.a, n_tokens, like=None if like is None else like[0]),
+                prepare_expand(meta, buffers.b, n_tokens, like=None if like is None else like[1]),
+            )
+            if like is None or found[0].plan is not like[0].plan or found[1].plan is not like[1].plan:
+                self._split_shared[shape_key] = found
+            self._split_deltas[key] = found
+        return found
 
     def embedding_delta_for(
         self, buffers: GroupBuffers, out: torch.Tensor, scale: Callable[[], float]

@@ -18,6 +18,15 @@ all-reduce, which sums ``f * partial`` over the ranks into ``f * (W x + s B A x)
 
 Rows with no adapter are never touched, so after the base layer's all-reduce they equal the sharded base
 model's output bit for bit.
+
+On the CPU (eager), a layer's LoRA work is checked and planned once per step and layer group: a plain
+shard's as one fused delta (:meth:`~lora_pin.model.layers.StepSegments.delta_for`), a fully sharded
+layer's as a shrink and an expand run apart around the collective
+(:meth:`~lora_pin.model.layers.StepSegments.split_delta_for`, :mod:`lora_pin.ops.split`). A group that
+no row of the step uses is skipped, collective included; for a fully sharded layer that is read from
+the group's full ranks, the same on every process, so every process of the group makes the same
+collective calls (a column layer's chunk may hold none of a slot's rank while another process's holds
+some of it).
 """
 
 from __future__ import annotations
@@ -72,11 +81,14 @@ class ParallelLoRALinear(LoRALinear):
         self._offsets = shard.b_offsets(group)
         self._columns = shard.out_columns(group)
         self._shrink_meta: tuple[SegmentBatch, KernelMeta] | None = None
+        self._column = shard.layout.kind == "column"
+        # A fully sharded column layer's shrink runs over its chunk of each slot's rank.
+        self._shrink_ranks = self._local_ranks if self._column and shard.fully_sharded else None
 
     def forward(self, x: torch.Tensor) -> Any:
         """``[..., in_local] -> [..., out_local]``: the layer's output with this rank's delta (for a row
         layer, added before the layer's all-reduce); the same type the layer returns."""
-        if self._shard.layout.kind == "column":
+        if self._column:
             result = self.base_layer(x)
             self._add_delta(result[0] if self._returns_bias else result, x)
             return result
@@ -89,49 +101,80 @@ class ParallelLoRALinear(LoRALinear):
         step = self._active_step()
         if step is None or not step.any_adapter:
             return
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():
+            if self._shard.fully_sharded:
+                self._add_split_delta(step, out, x)
+            else:
+                self._add_prepared_delta(step, out, x)
+            return
         buf = self._pool_buffers
         flat_x = x.reshape(-1, x.shape[-1])
         flat_out = out.view(-1, out.shape[-1])
-        plain = not self._shard.fully_sharded
-        if plain and x.device.type == "cpu" and not torch.compiler.is_compiling():
-            # As LoRALinear on CPU: the group's delta checked and planned once per step (a plain shard's
-            # slice offsets are its group's), then one op call, or none for a group no row uses.
-            delta = step.delta_for(buf, x)
-            if not delta.empty:
-                if x.dtype is not delta.dtype:
-                    self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
-                delta.apply(flat_out, flat_x)
-            if buf.dora_slots:
-                self._rescale_dora(step, out, x)
-            return
         seg = step.for_input(x)
         self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
         meta = self._kernel_meta(seg)
-        tp = self._shard.tp
-        if plain:
+        if not self._shard.fully_sharded:
             expand(flat_out, shrink(flat_x, buf.a, meta), buf.b, meta)
             if rescales_dora(buf, x):
                 self._rescale_dora(step, out, x)
-        elif self._shard.layout.kind == "column":
-            v_local = shrink(flat_x, buf.a, self._local_meta(seg, meta))  # [T, n * chunk]
-            parts = [torch.empty_like(v_local) for _ in range(tp.size)]
-            self._log.add("all_gather", v_local)
-            dist.all_gather(parts, v_local, group=tp.group)
-            n, chunk = meta.n_slices, v_local.shape[1] // meta.n_slices
-            # [tp, T, n, chunk] -> [T, n, tp, chunk]: slice s's full rank row j * chunk + k is rank j's k.
-            v = (
-                torch.stack(parts)
-                .view(tp.size, -1, n, chunk)
-                .permute(1, 2, 0, 3)
-                .reshape(v_local.shape[0], -1)
-            )
+        elif self._column:
+            v = self._all_gather(shrink(flat_x, buf.a, self._local_meta(seg, meta)), meta.n_slices)
             expand(flat_out, v, buf.b, meta)
         else:
             v = shrink(flat_x, buf.a, meta)  # a partial [T, R]
-            self._log.add("all_reduce", v)
-            dist.all_reduce(v, group=tp.group)
+            self._all_reduce(v)
             lo, hi = self._columns
             expand(flat_out[:, lo:hi], v, buf.b, meta)
+
+    def _add_prepared_delta(self, step: StepSegments, out: torch.Tensor, x: torch.Tensor) -> None:
+        """A plain shard's delta on the CPU, as :class:`LoRALinear`'s: the group's delta checked and
+        planned once per step (a plain shard's slice offsets are its group's), then one op call, or none
+        for a group no row uses."""
+        buf = self._pool_buffers
+        delta = step.delta_for(buf, x)
+        if not delta.empty:
+            if x.dtype is not delta.dtype:
+                self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
+            delta.apply(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]))
+        if buf.dora_slots:
+            self._rescale_dora(step, out, x)
+
+    def _add_split_delta(self, step: StepSegments, out: torch.Tensor, x: torch.Tensor) -> None:
+        """A fully sharded layer's delta on the CPU: its shrink and expand checked and planned once per
+        step (:meth:`StepSegments.split_delta_for`), then per call the two op dispatches around the
+        collective. A group that no row of the step uses is skipped, collective included: that is read
+        from the group's full ranks (the expand's), the same on every process, so every process skips it
+        together; a column layer's own chunk may hold none of a slot's rank while another's holds some,
+        and its shrink is then zeros, still gathered."""
+        shrink_d, expand_d = step.split_delta_for(self._pool_buffers, x, self._offsets, self._shrink_ranks)
+        if expand_d.empty:
+            return
+        if x.dtype is not expand_d.dtype:
+            self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
+        v = shrink_d.apply(x.reshape(-1, x.shape[-1]))
+        flat_out = out.view(-1, out.shape[-1])
+        if self._column:
+            expand_d.apply(flat_out, self._all_gather(v, expand_d.meta.n_slices))
+        else:
+            self._all_reduce(v)  # a partial [T, R]
+            lo, hi = self._columns
+            expand_d.apply(flat_out[:, lo:hi], v)
+
+    def _all_gather(self, v_local: torch.Tensor, n: int) -> torch.Tensor:
+        """A column layer's ``[T, n * chunk]`` shrinks of every process, as the ``[T, n * chunk * tp]``
+        its expand reads."""
+        tp = self._shard.tp
+        tokens, chunk = v_local.shape[0], v_local.shape[1] // n
+        gathered = v_local.new_empty(tp.size * tokens, v_local.shape[1])
+        self._log.add("all_gather", v_local)
+        dist.all_gather_into_tensor(gathered, v_local, group=tp.group)
+        # [tp, T, n, chunk] -> [T, n, tp, chunk]: slice s's full rank row j * chunk + k is rank j's k.
+        return gathered.view(tp.size, tokens, n, chunk).permute(1, 2, 0, 3).reshape(tokens, -1)
+
+    def _all_reduce(self, v: torch.Tensor) -> None:
+        tp = self._shard.tp
+        self._log.add("all_reduce", v)
+        dist.all_reduce(v, group=tp.group)
 
     def _dora_bias(self) -> torch.Tensor | None:
         """A row layer's partial product holds no bias (its reduce adds it); a column layer's output
@@ -150,13 +193,17 @@ class ParallelLoRALinear(LoRALinear):
         cached = self._shrink_meta
         if cached is not None and cached[0] is seg:
             return cached[1]
-        buf = self._pool_buffers
-        chunk = buf.a.shape[1] // meta.n_slices
-        first = self._shard.tp.rank * chunk
-        ranks = (buf.ranks - first).clamp(0, chunk).to(torch.int32)
-        local = meta._replace(slot_ranks=ranks)
+        local = meta._replace(slot_ranks=self._local_ranks())
         self._shrink_meta = (seg, local)
         return local
+
+    def _local_ranks(self) -> torch.Tensor:
+        """int32 ``[slots, n_slices]``: each slot's rows of a fully sharded column layer's chunk of the
+        rank dimension on this rank (0 where the chunk starts past the slot's rank)."""
+        buf = self._pool_buffers
+        chunk = buf.a.shape[1] // self._n_slices
+        first = self._shard.tp.rank * chunk
+        return (buf.ranks - first).clamp(0, chunk).to(torch.int32)
 
     def extra_repr(self) -> str:
         tp = self._shard.tp

@@ -8,7 +8,9 @@ kernels (CUDA-graph capturable: no host-device synchronisation); CPU tensors run
 LoRA on MoE experts (:mod:`lora_pin.ops.experts`) runs the same two ops over ``(adapter, expert)``
 segments; an embedding's LoRA (a lookup, then expand) runs ``lora_pin::embedding_delta_`` on the
 CPU (:mod:`lora_pin.ops.embedding`). A DoRA adapter's rows are the LoRA rows rescaled afterwards by
-``lora_pin::dora_scale_`` (:mod:`lora_pin.ops.dora`). The Triton kernels also run on CPU tensors
+``lora_pin::dora_scale_`` (:mod:`lora_pin.ops.dora`). A layer whose shrink and expand run apart (fully
+sharded tensor parallelism: a collective between them) prepares each once per step on the CPU
+(:mod:`lora_pin.ops.split`). The Triton kernels also run on CPU tensors
 under the Triton interpreter through :mod:`lora_pin.ops.triton_sgmv` (tests).
 """
 
@@ -26,6 +28,7 @@ from lora_pin.ops.experts import (
 from lora_pin.ops.prepared import PreparedDelta, prepare_delta
 from lora_pin.ops.reference import expand_reference, lora_reference, shrink_reference
 from lora_pin.ops.segments import CUDA_CHUNK_SIZE, KernelMeta, SegmentBatch, segments_from_slots
+from lora_pin.ops.split import PreparedExpand, PreparedShrink, prepare_expand, prepare_shrink
 
 __all__ = [
     "CUDA_CHUNK_SIZE",
@@ -34,6 +37,8 @@ __all__ = [
     "OpArgumentError",
     "PreparedDelta",
     "PreparedEmbeddingDelta",
+    "PreparedExpand",
+    "PreparedShrink",
     "SegmentBatch",
     "dora_scale_",
     "dora_scale_reference",
@@ -48,6 +53,8 @@ __all__ = [
     "lora_reference",
     "prepare_delta",
     "prepare_embedding_delta",
+    "prepare_expand",
+    "prepare_shrink",
     "segments_from_slots",
     "shrink",
     "shrink_reference",
