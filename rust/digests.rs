@@ -40,17 +40,7 @@ pub struct Message<'a> {
     pub body: &'a [u8],
 }
 
-impl<'a> Message<'a> {
-    fn len(&self) -> usize {
-        self.head.len() + self.body.len()
-    }
-
-    /// The body's bytes `[start, start + len)` of the message, when they lie wholly in the body.
-    fn in_body(&self, start: usize, len: usize) -> Option<&'a [u8]> {
-        let at = start.checked_sub(self.head.len())?;
-        Some(&self.body[at..at + len])
-    }
-
+impl Message<'_> {
     /// Bytes `[start, start + len)` of the message, copied into `out`.
     fn copy(&self, start: usize, len: usize, out: &mut [u8]) {
         let head = self.head.len();
@@ -79,72 +69,94 @@ enum ChunkBytes<'a> {
 
 /// The BLAKE3 hash of each message, in order: `blake3::hash(head ++ body)`.
 pub fn digests(messages: &[Message<'_>]) -> Vec<[u8; 32]> {
-    let mut leaves = Vec::new();
-    let mut copies: Vec<[u8; CHUNK_LEN]> = Vec::new();
+    let mut batch = Digests::default();
     for message in messages {
-        if message.len() > CHUNK_LEN {
-            let left = left_subtree_len(message.len() as u64) as usize;
-            split(message, 0, left, &mut leaves, &mut copies);
-            split(message, left, message.len() - left, &mut leaves, &mut copies);
-        }
+        batch.add(message.head, message.body);
     }
-    let cvs = compress_chunks(&leaves, &copies);
-    let mut cvs = cvs.iter();
-    messages
-        .iter()
-        .map(|message| {
-            if message.len() <= CHUNK_LEN {
-                let mut hasher = Hasher::new();
-                hasher.update(message.head).update(message.body);
-                return *hasher.finalize().as_bytes();
-            }
-            let left = left_subtree_len(message.len() as u64) as usize;
-            let left_cv = merge(message, 0, left, &mut cvs);
-            let right_cv = merge(message, left, message.len() - left, &mut cvs);
-            *merge_subtrees_root(&left_cv, &right_cv, Mode::Hash).as_bytes()
-        })
-        .collect()
+    batch.finish()
 }
 
-/// Whether the non-root subtree `[start, start + len)` of `message` is one leaf (else it is split
-/// at its left subtree's length, as BLAKE3's tree is).
-fn is_leaf(message: &Message<'_>, start: usize, len: usize) -> bool {
-    len <= CHUNK_LEN || (len >= WIDE_BYTES && start >= message.head.len())
+/// Digests of messages added one at a time: [`Digests::add`] hashes what a message needs alone
+/// (its wide subtrees and its last chunk) at once, while its body is in cache, and keeps its
+/// left-edge chunks for [`Digests::finish`], which compresses them across messages.
+#[derive(Default)]
+pub struct Digests<'a> {
+    leaves: Vec<Leaf<'a>>,
+    copies: Vec<[u8; CHUNK_LEN]>,
+    /// Per message: its head's length and its length, or its hash for a message of one chunk.
+    messages: Vec<Result<(usize, usize), [u8; 32]>>,
 }
 
-/// Appends the leaves of the non-root subtree `[start, start + len)` of `message`, left to right.
-fn split<'a>(
-    message: &Message<'a>,
-    start: usize,
-    len: usize,
-    leaves: &mut Vec<Leaf<'a>>,
-    copies: &mut Vec<[u8; CHUNK_LEN]>,
-) {
-    if !is_leaf(message, start, len) {
+impl<'a> Digests<'a> {
+    /// Adds the message `head ++ body`; `body` is read again by [`Digests::finish`].
+    pub fn add(&mut self, head: &[u8], body: &'a [u8]) {
+        let len = head.len() + body.len();
+        if len <= CHUNK_LEN {
+            let mut hasher = Hasher::new();
+            hasher.update(head).update(body);
+            self.messages.push(Err(*hasher.finalize().as_bytes()));
+            return;
+        }
         let left = left_subtree_len(len as u64) as usize;
-        split(message, start, left, leaves, copies);
-        split(message, start + left, len - left, leaves, copies);
-        return;
+        self.split(head, body, 0, left);
+        self.split(head, body, left, len - left);
+        self.messages.push(Ok((head.len(), len)));
     }
-    let counter = (start / CHUNK_LEN) as u64;
-    let leaf = match message.in_body(start, len) {
-        Some(body) if len == CHUNK_LEN => {
-            let bytes = body.try_into().expect("a chunk's bytes are CHUNK_LEN long");
-            Leaf::Chunk { counter, bytes: ChunkBytes::Body(bytes) }
+
+    /// The hash of every message added, in order.
+    pub fn finish(self) -> Vec<[u8; 32]> {
+        let cvs = compress_chunks(&self.leaves, &self.copies);
+        let mut cvs = cvs.iter();
+        self.messages
+            .iter()
+            .map(|message| match *message {
+                Err(hash) => hash,
+                Ok((head, len)) => {
+                    let left = left_subtree_len(len as u64) as usize;
+                    let left_cv = merge(head, 0, left, &mut cvs);
+                    let right_cv = merge(head, left, len - left, &mut cvs);
+                    *merge_subtrees_root(&left_cv, &right_cv, Mode::Hash).as_bytes()
+                }
+            })
+            .collect()
+    }
+
+    /// Appends the leaves of the non-root subtree `[start, start + len)` of `head ++ body`, left to
+    /// right.
+    fn split(&mut self, head: &[u8], body: &'a [u8], start: usize, len: usize) {
+        if !is_leaf(head.len(), start, len) {
+            let left = left_subtree_len(len as u64) as usize;
+            self.split(head, body, start, left);
+            self.split(head, body, start + left, len - left);
+            return;
         }
-        Some(body) => Leaf::Done(subtree_cv(start, body)),
-        None => {
-            let mut bytes = [0; CHUNK_LEN];
-            message.copy(start, len, &mut bytes);
-            if len == CHUNK_LEN {
-                copies.push(bytes);
-                Leaf::Chunk { counter, bytes: ChunkBytes::Copied(copies.len() - 1) }
-            } else {
-                Leaf::Done(subtree_cv(start, &bytes[..len]))
+        let counter = (start / CHUNK_LEN) as u64;
+        let in_body = start.checked_sub(head.len()).map(|at| &body[at..at + len]);
+        let leaf = match in_body {
+            Some(body) if len == CHUNK_LEN => {
+                let bytes = body.try_into().expect("a chunk's bytes are CHUNK_LEN long");
+                Leaf::Chunk { counter, bytes: ChunkBytes::Body(bytes) }
             }
-        }
-    };
-    leaves.push(leaf);
+            Some(body) => Leaf::Done(subtree_cv(start, body)),
+            None => {
+                let mut bytes = [0; CHUNK_LEN];
+                Message { head, body }.copy(start, len, &mut bytes);
+                if len == CHUNK_LEN {
+                    self.copies.push(bytes);
+                    Leaf::Chunk { counter, bytes: ChunkBytes::Copied(self.copies.len() - 1) }
+                } else {
+                    Leaf::Done(subtree_cv(start, &bytes[..len]))
+                }
+            }
+        };
+        self.leaves.push(leaf);
+    }
+}
+
+/// Whether the non-root subtree `[start, start + len)` of a message whose head is `head` bytes long
+/// is one leaf (else it is split at its left subtree's length, as BLAKE3's tree is).
+fn is_leaf(head: usize, start: usize, len: usize) -> bool {
+    len <= CHUNK_LEN || (len >= WIDE_BYTES && start >= head)
 }
 
 /// The chaining value of the non-root subtree of `bytes` starting at message offset `start`.
@@ -181,19 +193,19 @@ fn compress_chunks(leaves: &[Leaf<'_>], copies: &[[u8; CHUNK_LEN]]) -> Vec<Chain
 }
 
 /// The chaining value of the non-root subtree `[start, start + len)` of `message`, merged from its
-/// leaves' (taken from `cvs` in the order `split` appended them).
+/// leaves' (taken from `cvs` in the order `split` appended them); `head`: its head's length.
 fn merge(
-    message: &Message<'_>,
+    head: usize,
     start: usize,
     len: usize,
     cvs: &mut std::slice::Iter<'_, ChainingValue>,
 ) -> ChainingValue {
-    if is_leaf(message, start, len) {
+    if is_leaf(head, start, len) {
         return *cvs.next().expect("one chaining value per leaf");
     }
     let left = left_subtree_len(len as u64) as usize;
-    let left_cv = merge(message, start, left, cvs);
-    let right_cv = merge(message, start + left, len - left, cvs);
+    let left_cv = merge(head, start, left, cvs);
+    let right_cv = merge(head, start + left, len - left, cvs);
     merge_subtrees_non_root(&left_cv, &right_cv, Mode::Hash)
 }
 

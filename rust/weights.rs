@@ -3,9 +3,10 @@
 //!
 //! A tensor larger than [`PIECE_BYTES`] is read in pieces of that size and every piece is hashed
 //! right after it lands, while it is still in the core's cache, so the bytes cross memory once.
-//! Smaller tensors are read in groups of up to [`GROUP_BYTES`], then hashed together
-//! ([`crate::digests`]: the chunks a tensor alone would compress one to eight abreast are compressed
-//! sixteen abreast across the group), again while in cache. A load's tensors are shared
+//! A smaller one is read whole and hashed as far as it can be alone right after, also in cache;
+//! the chunks on the left edges of the small tensors' trees, which a tensor alone compresses one to
+//! eight abreast, are compressed sixteen abreast across tensors at the end ([`crate::digests`]):
+//! those are each tensor's first 16 KiB read a second time. A load's tensors are shared
 //! out over a few threads (about equal bytes each, never under [`MIN_BYTES_PER_THREAD`] a thread):
 //! reading from the page cache and BLAKE3 both scale with cores, and a small adapter stays on the
 //! calling thread.
@@ -22,15 +23,13 @@
 
 use std::io;
 
-use crate::digests::{digests, Message};
+use crate::digests::Digests;
 use crate::error::{Error, Result};
 
 /// The tag every tensor digest starts with: a new layout of what is hashed gets a new tag.
 pub const TENSOR_TAG: &[u8] = b"lora_pin tensor v1\0";
 /// Bytes read, then hashed, at a time: small enough to be hashed from the core's L2 cache.
 pub const PIECE_BYTES: usize = 256 << 10;
-/// Bytes of small tensors read before they are hashed together: they stay in a core's L2 cache.
-pub const GROUP_BYTES: usize = 512 << 10;
 /// The least a thread of its own is worth (below it, starting a thread costs more than it saves).
 pub const MIN_BYTES_PER_THREAD: usize = 2 << 20;
 
@@ -235,50 +234,27 @@ pub fn read_tensors<R: ReadAt + ?Sized>(
 
 fn read_run<R: ReadAt + ?Sized>(
     source: &R,
-    mut reads: &mut [TensorRead<'_>],
-    mut outcomes: &mut [TensorOutcome],
-) -> Result<()> {
-    while !reads.is_empty() {
-        // Consecutive tensors of at most a piece each, up to a group's bytes, are read, then hashed
-        // together while they are in cache; a larger tensor is read and hashed a piece at a time.
-        let mut group = 0;
-        let mut bytes = 0;
-        while group < reads.len()
-            && reads[group].out.len() <= PIECE_BYTES
-            && (group == 0 || bytes + reads[group].out.len() <= GROUP_BYTES)
-        {
-            bytes += reads[group].out.len();
-            group += 1;
-        }
-        let taken = group.max(1);
-        let (now, rest) = std::mem::take(&mut reads).split_at_mut(taken);
-        let (found, rest_found) = std::mem::take(&mut outcomes).split_at_mut(taken);
-        if group == 0 {
-            read_large(source, &mut now[0], &mut found[0])?;
-        } else {
-            read_group(source, now, found)?;
-        }
-        (reads, outcomes) = (rest, rest_found);
-    }
-    Ok(())
-}
-
-/// Reads `reads` (each at most a piece) whole, then hashes them together
-/// ([`crate::digests::digests`]) and searches each for NaN/Inf.
-fn read_group<R: ReadAt + ?Sized>(
-    source: &R,
     reads: &mut [TensorRead<'_>],
     outcomes: &mut [TensorOutcome],
 ) -> Result<()> {
-    for read in reads.iter_mut() {
+    // Tensors of at most a piece are read whole and searched and hashed as far as each can be alone
+    // while in cache; their left edges are compressed together at the end ([`Digests`]). A larger
+    // tensor is read and hashed a piece at a time.
+    let mut small = Digests::default();
+    let mut small_at = Vec::new();
+    for (i, (read, outcome)) in reads.iter_mut().zip(outcomes.iter_mut()).enumerate() {
+        if read.out.len() > PIECE_BYTES {
+            read_large(source, read, outcome)?;
+            continue;
+        }
         fill(source, read.out, read.offset)
             .map_err(|why| Error::WeightFile(format!("tensor {:?}: {why}", read.name)))?;
+        outcome.non_finite = count_non_finite(&read.dtype, read.out);
+        small.add(&tensor_head(&read.name, &read.dtype, &read.shape), &*read.out);
+        small_at.push(i);
     }
-    let heads: Vec<Vec<u8>> = reads.iter().map(|r| tensor_head(&r.name, &r.dtype, &r.shape)).collect();
-    let messages: Vec<Message<'_>> =
-        reads.iter().zip(&heads).map(|(read, head)| Message { head, body: read.out }).collect();
-    for ((read, digest), outcome) in reads.iter().zip(digests(&messages)).zip(outcomes) {
-        *outcome = TensorOutcome { digest, non_finite: count_non_finite(&read.dtype, read.out) };
+    for (i, digest) in small_at.into_iter().zip(small.finish()) {
+        outcomes[i].digest = digest;
     }
     Ok(())
 }
