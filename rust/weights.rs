@@ -1,8 +1,12 @@
 //! Reading an adapter's stored tensors from its weight file into host memory, hashing each one as it
 //! is read: the one copy the host tier makes and the adapter's content digest in a single pass.
 //!
-//! Each tensor is read in pieces of [`PIECE_BYTES`] and every piece is hashed right after it lands,
-//! while it is still in the core's cache, so the bytes cross memory once. A load's tensors are shared
+//! A tensor larger than [`PIECE_BYTES`] is read in pieces of that size and every piece is hashed
+//! right after it lands, while it is still in the core's cache, so the bytes cross memory once.
+//! A smaller one is read whole and hashed as far as it can be alone right after, also in cache;
+//! the chunks on the left edges of the small tensors' trees, which a tensor alone compresses one to
+//! eight abreast, are compressed sixteen abreast across tensors at the end ([`crate::digests`]):
+//! those are each tensor's first 16 KiB read a second time. A load's tensors are shared
 //! out over a few threads (about equal bytes each, never under [`MIN_BYTES_PER_THREAD`] a thread):
 //! reading from the page cache and BLAKE3 both scale with cores, and a small adapter stays on the
 //! calling thread.
@@ -19,6 +23,7 @@
 
 use std::io;
 
+use crate::digests::Digests;
 use crate::error::{Error, Result};
 
 /// The tag every tensor digest starts with: a new layout of what is hashed gets a new tag.
@@ -92,11 +97,30 @@ pub fn count_non_finite(dtype: &str, data: &[u8]) -> Option<u64> {
     })
 }
 
-/// How many little-endian `N`-byte words (`N` = 2, 4 or 8) of `data` have every bit of `mask` set.
-/// Counted in `u32` per block of words, each word compared at its own width, so that the compiler
-/// turns the inner loop into vector compares: widened to a `u64` count per word, the search took
-/// about 0.3x the time BLAKE3 took over the same bytes (`perf`, one reading thread), now under 0.1x.
+/// How many little-endian `N`-byte words (`N` = 2, 4 or 8) of `data` have every bit of `mask` set:
+/// [`count_words`], with AVX2 where the CPU has it.
 fn count_exponent_all_ones<const N: usize>(data: &[u8], mask: u64) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (just detected), all `count_words_avx2` requires.
+        return unsafe { count_words_avx2::<N>(data, mask) };
+    }
+    count_words::<N>(data, mask)
+}
+
+/// [`count_words`] compiled for AVX2: on 4 MiB of `F32` 0.08 ms against the baseline's (SSE2) 0.17
+/// ms, about an eighth of BLAKE3's time over the same bytes instead of a quarter.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn count_words_avx2<const N: usize>(data: &[u8], mask: u64) -> u64 {
+    count_words::<N>(data, mask)
+}
+
+/// [`count_exponent_all_ones`] for any CPU. Counted in `u32` per block of words, each word compared
+/// at its own width, so that the compiler turns the inner loop into vector compares (a `u64` count
+/// per word took twice as long).
+#[inline(always)]
+fn count_words<const N: usize>(data: &[u8], mask: u64) -> u64 {
     const BLOCK: usize = 1 << 14;
     let mut total = 0u64;
     for block in data.chunks(BLOCK * N) {
@@ -128,18 +152,26 @@ fn count_exponent_all_ones<const N: usize>(data: &[u8], mask: u64) -> u64 {
     total
 }
 
+/// What a tensor's digest hashes before its bytes: its tag, name, dtype and shape (see the module's
+/// layout).
+pub fn tensor_head(name: &str, dtype: &str, shape: &[u64]) -> Vec<u8> {
+    let mut head = Vec::with_capacity(TENSOR_TAG.len() + 24 + name.len() + dtype.len() + 8 * shape.len());
+    head.extend_from_slice(TENSOR_TAG);
+    for text in [name, dtype] {
+        head.extend_from_slice(&(text.len() as u64).to_le_bytes());
+        head.extend_from_slice(text.as_bytes());
+    }
+    head.extend_from_slice(&(shape.len() as u64).to_le_bytes());
+    for dim in shape {
+        head.extend_from_slice(&dim.to_le_bytes());
+    }
+    head
+}
+
 /// A BLAKE3 hasher that has taken a tensor's tag, name, dtype and shape: its bytes come next.
 pub fn tensor_hasher(name: &str, dtype: &str, shape: &[u64]) -> blake3::Hasher {
     let mut hasher = blake3::Hasher::new();
-    hasher.update(TENSOR_TAG);
-    for text in [name, dtype] {
-        hasher.update(&(text.len() as u64).to_le_bytes());
-        hasher.update(text.as_bytes());
-    }
-    hasher.update(&(shape.len() as u64).to_le_bytes());
-    for dim in shape {
-        hasher.update(&dim.to_le_bytes());
-    }
+    hasher.update(&tensor_head(name, dtype, shape));
     hasher
 }
 
@@ -205,19 +237,43 @@ fn read_run<R: ReadAt + ?Sized>(
     reads: &mut [TensorRead<'_>],
     outcomes: &mut [TensorOutcome],
 ) -> Result<()> {
-    for (read, outcome) in reads.iter_mut().zip(outcomes) {
-        let mut hasher = tensor_hasher(&read.name, &read.dtype, &read.shape);
-        let mut non_finite = count_non_finite(&read.dtype, &[]);
-        for (i, piece) in read.out.chunks_mut(PIECE_BYTES).enumerate() {
-            let at = read.offset + (i * PIECE_BYTES) as u64;
-            fill(source, piece, at)
-                .map_err(|why| Error::WeightFile(format!("tensor {:?}: {why}", read.name)))?;
-            hasher.update(piece);
-            // A piece is a multiple of every element size, so no element straddles two.
-            non_finite = non_finite.map(|n| n + count_non_finite(&read.dtype, piece).unwrap_or(0));
+    // Tensors of at most a piece are read whole and searched and hashed as far as each can be alone
+    // while in cache; their left edges are compressed together at the end ([`Digests`]). A larger
+    // tensor is read and hashed a piece at a time.
+    let mut small = Digests::default();
+    let mut small_at = Vec::new();
+    for (i, (read, outcome)) in reads.iter_mut().zip(outcomes.iter_mut()).enumerate() {
+        if read.out.len() > PIECE_BYTES {
+            read_large(source, read, outcome)?;
+            continue;
         }
-        *outcome = TensorOutcome { digest: *hasher.finalize().as_bytes(), non_finite };
+        fill(source, read.out, read.offset)
+            .map_err(|why| Error::WeightFile(format!("tensor {:?}: {why}", read.name)))?;
+        outcome.non_finite = count_non_finite(&read.dtype, read.out);
+        small.add(&tensor_head(&read.name, &read.dtype, &read.shape), &*read.out);
+        small_at.push(i);
     }
+    for (i, digest) in small_at.into_iter().zip(small.finish()) {
+        outcomes[i].digest = digest;
+    }
+    Ok(())
+}
+
+fn read_large<R: ReadAt + ?Sized>(
+    source: &R,
+    read: &mut TensorRead<'_>,
+    outcome: &mut TensorOutcome,
+) -> Result<()> {
+    let mut hasher = tensor_hasher(&read.name, &read.dtype, &read.shape);
+    let mut non_finite = count_non_finite(&read.dtype, &[]);
+    for (i, piece) in read.out.chunks_mut(PIECE_BYTES).enumerate() {
+        let at = read.offset + (i * PIECE_BYTES) as u64;
+        fill(source, piece, at).map_err(|why| Error::WeightFile(format!("tensor {:?}: {why}", read.name)))?;
+        hasher.update(piece);
+        // A piece is a multiple of every element size, so no element straddles two.
+        non_finite = non_finite.map(|n| n + count_non_finite(&read.dtype, piece).unwrap_or(0));
+    }
+    *outcome = TensorOutcome { digest: *hasher.finalize().as_bytes(), non_finite };
     Ok(())
 }
 
@@ -377,6 +433,20 @@ mod tests {
                 })
                 .collect();
             assert_eq!(count_non_finite(dtype, &bytes), Some(7), "{dtype}");
+        }
+    }
+
+    #[test]
+    fn the_vector_and_plain_counts_agree() {
+        let bytes: Vec<u8> = (0..100_003usize).map(|i| [0xff, 0x7f, 0x80, 0x7c, 0x00][i % 5]).collect();
+        for (n, mask) in [(2, 0x7c00u64), (2, 0x7f80), (4, 0x7f80_0000), (8, 0x7ff0_0000_0000_0000)] {
+            let (fast, plain) = match n {
+                2 => (count_exponent_all_ones::<2>(&bytes, mask), count_words::<2>(&bytes, mask)),
+                4 => (count_exponent_all_ones::<4>(&bytes, mask), count_words::<4>(&bytes, mask)),
+                _ => (count_exponent_all_ones::<8>(&bytes, mask), count_words::<8>(&bytes, mask)),
+            };
+            assert_eq!(fast, plain, "{n} bytes, mask {mask:#x}");
+            assert!(plain > 0, "{n} bytes, mask {mask:#x}: the data must hold some");
         }
     }
 

@@ -99,6 +99,47 @@ def test_the_core_reads_and_hashes_as_the_python_path_does(
     assert len({digests[i : i + 32] for i in range(0, len(digests), 32)}) == len(placed)
 
 
+# Byte counts on both sides of BLAKE3's chunk (1 KiB), of two chunks, and of the 16- and 64-chunk subtrees
+# the core hashes on the library's wide path; the core reads tensors of up to 256 KiB together and hashes
+# their chunks abreast across tensors, a larger one alone.
+BOUNDARY_SIZES = [0, 1, 1023, 1024, 1025, 2048, 16 * 1024 - 1, 16 * 1024, 16 * 1024 + 1]
+BOUNDARY_SIZES += [64 * 1024 - 1, 64 * 1024, 64 * 1024 + 1, 256 * 1024, 256 * 1024 + 1]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_digests_of_tensors_at_chunk_and_subtree_boundaries_are_blake3s(tmp_path: Path, threads: int) -> None:
+    """Every size of ``BOUNDARY_SIZES``, with names that put the digest's head before a chunk boundary, on
+    one, or past it (a head longer than a chunk), read in one call in an order that mixes sizes: each
+    digest is the Python ``blake3`` package's (``tensor_digest``)."""
+    gen = torch.Generator().manual_seed(1)
+    # The head is 19 + 8 + len(name) + 8 + 2 + 8 + 8 bytes for a 1-D U8 tensor: 53 + len(name).
+    names = ["w", "x" * (1024 - 53), "y" * (1024 - 52), "z" * 3000, "é" * 700]
+    cases = [
+        (f"{names[i % len(names)]}.{i}", size)
+        for i, size in enumerate(BOUNDARY_SIZES + BOUNDARY_SIZES[::-1] + [17, 176 * 1024, 0, 3])
+    ]
+    datas = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen) for _, size in cases]
+    path = tmp_path / "boundaries.bin"
+    path.write_bytes(b"".join(bytes(d.numpy().data) for d in datas))
+    outs = [torch.zeros(size, dtype=torch.uint8) for _, size in cases]
+    offsets = [0]
+    for _, size in cases:
+        offsets.append(offsets[-1] + size)
+    jobs = [
+        (name, "U8", (size,), offset, out.data_ptr(), size)
+        for (name, size), offset, out in zip(cases, offsets, outs, strict=False)
+    ]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        digests, _ = _core._read_tensors(fd, jobs, threads=threads)
+    finally:
+        os.close(fd)
+    for i, ((name, size), data, out) in enumerate(zip(cases, datas, outs, strict=True)):
+        assert torch.equal(out, data), name
+        want = tensor_digest(name, "U8", (size,), bytes(data.numpy().data))
+        assert digests[32 * i : 32 * i + 32] == want, (name[:20], size)
+
+
 def test_a_short_file_is_refused_naming_the_tensor(tmp_path: Path) -> None:
     path = tmp_path / "short.bin"
     path.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
