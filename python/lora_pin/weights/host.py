@@ -3,7 +3,7 @@
 :func:`load_adapter` (and :func:`load_opened`, for an adapter already opened) reads one adapter into a
 :class:`~lora_pin.weights.hosted.HostAdapter`: the checks against the model
 (:mod:`lora_pin.weights.model_checks`), then the host modules (:mod:`lora_pin.weights.building`), or, for an
-adapter trained like two loaded before, the plan the second recorded (:mod:`lora_pin.weights.load_plans`).
+adapter trained like one loaded before, that load's plan (:mod:`lora_pin.weights.load_plans`).
 :class:`HostTier` holds the adapters loaded, by name.
 """
 
@@ -143,7 +143,7 @@ def load_opened(
     digest = adapter_digest(file.digests.result(), _served(modules.values(), pairs))
     whole = sum(_whole_numel(g, ranks, shards) for g in touched) * slab.memory.element_size()
     whole += sum(_whole_dora_nbytes(m, shards) for m in modules.values())
-    if plan_key is not None and not file.unused and not file.config.use_dora and plans.seen_before(plan_key):
+    if plan_key is not None and not file.unused and not file.config.use_dora:
         plans.put(plan_key, _LoadPlan.of(file, pairs, slab, modules, reads, searched, whole))
     return HostAdapter(
         name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks), digest, whole

@@ -1,6 +1,6 @@
-"""Load plans: what a load of an adapter decided, kept per model so that a later load of an adapter trained
-alike (the same config and weight file header) only reads and hashes its tensors (see :class:`_LoadPlan`).
-A plan is recorded by a recipe's second load (:meth:`_PlanCache.seen_before`).
+"""Load plans: what the first load of an adapter decided, kept per model so that a later load of an adapter
+trained alike (the same config and weight file header) only reads and hashes its tensors (see
+:class:`_LoadPlan`).
 """
 
 from __future__ import annotations
@@ -139,26 +139,12 @@ class _LoadPlan:
 
 
 class _PlanCache:
-    """The last few :class:`_LoadPlan` of one model's targets, by layout key and load settings, and the
-    last few keys loaded once without a plan (:meth:`seen_before`)."""
+    """The last few :class:`_LoadPlan` of one model's targets, by layout key and load settings."""
 
     def __init__(self, entries: int) -> None:
         self._entries = entries
         self._held: dict[tuple[object, ...], _LoadPlan] = {}
-        self._seen: dict[tuple[object, ...], None] = {}
         self._lock = threading.Lock()
-
-    def seen_before(self, key: tuple[object, ...]) -> bool:
-        """Whether a load with ``key`` was seen before (noting this one if not): a plan is built from a
-        recipe's second load, since recording one costs about a tenth of a first load and only later
-        loads of the same recipe gain from it; adapters of many different recipes then pay nothing."""
-        with self._lock:
-            if key in self._seen or key in self._held:
-                return True
-            self._seen[key] = None
-            while len(self._seen) > self._entries:
-                del self._seen[next(iter(self._seen))]
-            return False
 
     def get(self, key: tuple[object, ...]) -> _LoadPlan | None:
         with self._lock:
