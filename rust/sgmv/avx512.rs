@@ -349,6 +349,12 @@ pub(super) unsafe fn expand<E: Elem>(
         let scale = _mm512_set1_ps(scalings[g.slot * n_slices + s]);
         let b_rows = b.add((g.slot * out_total + lo) * max_rank);
         let width = hi - lo;
+        if tokens.len() >= PANEL_TOKENS {
+            let block = Block { b_rows, max_rank, rank, width, lo: tile.lo, hi: tile.hi.min(width) };
+            let rows = Rows { v: v.add(s * max_rank), v_stride, out: out.add(lo), out_total, scale };
+            expand_panels(tokens, block, rows);
+            continue;
+        }
         for o0 in (tile.lo..tile.hi.min(width)).step_by(COLUMNS) {
             let n_out = (width - o0).min(COLUMNS);
             let block = b_rows.add(o0 * max_rank);
@@ -397,4 +403,120 @@ unsafe fn row_products<E: Elem>(
         j0 += 16;
     }
     p
+}
+
+/// From this many tokens on, a group's expand transposes each block of 16 rows of B once
+/// ([`expand_panels`]) instead of folding every token's 16 products ([`row_products`]).
+pub(super) const PANEL_TOKENS: usize = 8;
+
+/// One slice of one group's B, and the output columns `lo..hi` of the slice a tile computes.
+#[derive(Clone, Copy)]
+struct Block<E> {
+    b_rows: *const E,
+    max_rank: usize,
+    rank: usize,
+    width: usize,
+    lo: usize,
+    hi: usize,
+}
+
+/// Where the slice's rows live: `v`'s and `out`'s first columns of the slice, and the scaling.
+#[derive(Clone, Copy)]
+struct Rows<E> {
+    v: *const E,
+    v_stride: usize,
+    out: *mut E,
+    out_total: usize,
+    scale: __m512,
+}
+
+/// Output columns whose panels [`expand_panels`] builds at a time: 64 KiB of panel at rank 16, so it
+/// stays in L2 while every token's row streams past it.
+const PANEL_COLUMNS: usize = 1024;
+
+/// The expand of many tokens of one slot and slice. Per block of 16 output columns, B's 16 rows are
+/// transposed once into `rank` vectors of 16 lanes (`panel[j]` lane `c` is `b[o0 + c, j]`); then each
+/// token's outputs are, per block, `rank` FMAs of the panel with the token's `v[j]` broadcast, four
+/// tokens at a time, added to `out` with the scaling (fp32 accumulation, one rounding). The panels of
+/// [`PANEL_COLUMNS`] columns are built first and each token's row of `out` then runs through them in
+/// order, so `out` streams row by row.
+#[inline(always)]
+unsafe fn expand_panels<E: Elem>(tokens: &[usize], block: Block<E>, rows: Rows<E>) {
+    let rank = block.rank;
+    let padded = rank.next_multiple_of(16);
+    // The tokens' v in fp32, read once for every column.
+    let mut vs = vec![0f32; tokens.len() * rank];
+    for (i, &t) in tokens.iter().enumerate() {
+        let row = rows.v.add(t * rows.v_stride);
+        for j0 in (0..rank).step_by(16) {
+            let n = (rank - j0).min(16);
+            let mut lanes = [0f32; 16];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), E::load_masked(row.add(j0), first(n)));
+            vs[i * rank + j0..i * rank + j0 + n].copy_from_slice(&lanes[..n]);
+        }
+    }
+    let mut b_block = vec![0f32; COLUMNS * padded];
+    let mut panels = vec![0f32; PANEL_COLUMNS * rank];
+    for c0 in (block.lo..block.hi).step_by(PANEL_COLUMNS) {
+        let c1 = (c0 + PANEL_COLUMNS).min(block.hi);
+        for (i, o0) in (c0..c1).step_by(COLUMNS).enumerate() {
+            let n_out = (block.width - o0).min(COLUMNS);
+            for c in 0..n_out {
+                let row = block.b_rows.add((o0 + c) * block.max_rank);
+                for j0 in (0..rank).step_by(16) {
+                    let m = first((rank - j0).min(16));
+                    _mm512_storeu_ps(
+                        b_block.as_mut_ptr().add(c * padded + j0),
+                        E::load_masked(row.add(j0), m),
+                    );
+                }
+            }
+            let panel = &mut panels[i * COLUMNS * rank..(i + 1) * COLUMNS * rank];
+            for j in 0..rank {
+                for c in 0..COLUMNS {
+                    // Lanes past n_out hold an earlier block's values: computed, never stored.
+                    panel[j * COLUMNS + c] = b_block[c * padded + j];
+                }
+            }
+        }
+        for (k, chunk) in tokens.chunks(4).enumerate() {
+            let vs = vs.as_ptr().add(k * 4 * rank);
+            for (i, o0) in (c0..c1).step_by(COLUMNS).enumerate() {
+                let m = first((block.width - o0).min(COLUMNS));
+                let at = Panel { panel: panels.as_ptr().add(i * COLUMNS * rank), vs, rank, o0, m };
+                match chunk.len() {
+                    1 => panel_tokens::<E, 1>(chunk, at, rows),
+                    2 => panel_tokens::<E, 2>(chunk, at, rows),
+                    3 => panel_tokens::<E, 3>(chunk, at, rows),
+                    _ => panel_tokens::<E, 4>(chunk, at, rows),
+                }
+            }
+        }
+    }
+}
+
+/// A block's panel, the first of its tokens' fp32 `v` rows, and its output columns.
+#[derive(Clone, Copy)]
+struct Panel {
+    panel: *const f32,
+    vs: *const f32,
+    rank: usize,
+    o0: usize,
+    m: __mmask16,
+}
+
+/// `out[t, o0..o0 + 16] += scale · Σ_j v[t, j] · panel[j]` for the `NT` tokens of `chunk`.
+#[inline(always)]
+unsafe fn panel_tokens<E: Elem, const NT: usize>(chunk: &[usize], at: Panel, rows: Rows<E>) {
+    let mut acc = [_mm512_setzero_ps(); NT];
+    for j in 0..at.rank {
+        let p = _mm512_loadu_ps(at.panel.add(j * COLUMNS));
+        for (t, sum) in acc.iter_mut().enumerate() {
+            *sum = _mm512_fmadd_ps(_mm512_set1_ps(*at.vs.add(t * at.rank + j)), p, *sum);
+        }
+    }
+    for (sum, &token) in acc.iter().zip(chunk) {
+        let dst = rows.out.add(token * rows.out_total + at.o0);
+        E::store_masked(dst, at.m, _mm512_fmadd_ps(*sum, rows.scale, E::load_masked(dst, at.m)));
+    }
 }

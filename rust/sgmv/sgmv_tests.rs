@@ -127,7 +127,7 @@ struct Case {
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    (1usize..4, 1usize..5, prop_oneof![Just(1usize), Just(4), Just(16), Just(20), Just(64)], 1usize..24)
+    (1usize..4, 1usize..5, prop_oneof![Just(1usize), Just(4), Just(16), Just(20), Just(64)], 1usize..40)
         .prop_flat_map(|(n_slices, n_slots, max_rank, n_tokens)| {
             (
                 Just((n_slices, n_slots, max_rank, n_tokens)),
@@ -145,7 +145,8 @@ fn case() -> impl Strategy<Value = Case> {
                     let mut slots = Vec::new();
                     while (*indptr.last().unwrap() as usize) < order.len() {
                         let left = order.len() - *indptr.last().unwrap() as usize;
-                        indptr.push(indptr.last().unwrap() + rng.random_range(1..=left.min(9)) as i64);
+                        // Up to 14 tokens a group: groups of PANEL_TOKENS and more take the panel expand.
+                        indptr.push(indptr.last().unwrap() + rng.random_range(1..=left.min(14)) as i64);
                         slots.push(rng.random_range(0..n_slots) as i64);
                     }
                     (order, indptr, slots)

@@ -233,30 +233,33 @@ def test_runs_gathers_and_merged_chunks_in_one_batch():
     _assert_close(got, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("slice_widths", [[96], QKV_GQA], ids=["plain", "qkv"])
-def test_bf16_shrink_of_many_rows_and_few_columns_matches_the_reference(slice_widths):
-    # bf16 GEMMs of at most 32 columns over at least 64 rows run as A @ x^T (grouped._shrink_mm):
-    # slot 0 in long runs (views), slots 1 and 2 interleaved token by token (80 rows each, gathered),
-    # ranks 16 and 8 (one GEMM per slot) and per-slice ranks (one GEMM per slice), beside base rows.
+def test_long_runs_and_gathered_spans_match_the_reference(slice_widths, dtype):
+    # Slot 0 in long runs (views; the native kernels' panel expand where out is contiguous), slots 1
+    # and 2 interleaved token by token (80 rows each, gathered), slot 3 decode-sized in fp32; ranks 16
+    # and 8 (one GEMM per slot) and per-slice ranks (one per slice), beside base rows. In bf16 the
+    # shrink of at most 32 columns over 64 rows or more runs as A @ x^T (grouped._shrink_mm).
     token_slots = torch.tensor([0] * 70 + [1, 2] * 80 + [-1] * 5 + [0] * 130 + [3] * 64)
     gen = torch.Generator().manual_seed(11)
     ranks = [16, 8, (16, 0, 4)[: len(slice_widths)], 32]
-    layer = random_layer(4, 80, slice_widths, ranks, torch.bfloat16, gen)
-    x = torch.randn(token_slots.shape[0], 80, generator=gen).to(torch.bfloat16)
-    out = torch.randn(token_slots.shape[0], layer.slice_offsets[-1], generator=gen).to(torch.bfloat16)
-    want = lora_reference(out, x, *layer[:2], token_slots, *layer[2:])
+    layer = random_layer(4, 80, slice_widths, ranks, dtype, gen)
+    x = torch.randn(token_slots.shape[0], 80, generator=gen).to(dtype)
+    wide = torch.randn(token_slots.shape[0], layer.slice_offsets[-1] + 8, generator=gen).to(dtype)
+    want = lora_reference(wide[:, 8:], x, *layer[:2], token_slots, *layer[2:])
     meta = layer.meta(segments_from_slots(token_slots, 32))
-    got = out.clone()
-    lora_delta_(got, x, layer.a, layer.b, meta)
-    _assert_close(got, want)
     v = shrink(x, layer.a, meta)
     want_v = shrink_reference(x, layer.a, meta)
     _assert_close(v, want_v)
     assert torch.equal(v == 0, want_v == 0), "uncovered rows and columns past the rank must be exactly zero"
-    got = out.clone()
-    expand(got, v, layer.b, meta)
-    _assert_close(got, want)
-    assert torch.equal(_bits(got[token_slots < 0]), _bits(out[token_slots < 0]))
+    for out in (wide[:, 8:].contiguous(), wide.clone()[:, 8:]):  # contiguous, then strided (BLAS)
+        before = out.clone()
+        lora_delta_(out, x, layer.a, layer.b, meta)
+        _assert_close(out, want)
+        assert torch.equal(_bits(out[token_slots < 0]), _bits(before[token_slots < 0]))
+        out.copy_(before)
+        expand(out, v, layer.b, meta)
+        _assert_close(out, want)
 
 
 def test_strided_inputs_and_outputs():

@@ -127,8 +127,10 @@ class Plan(NamedTuple):
     dense: list[_Dense]
     # Slots run by the native kernels (none of their tokens is anywhere else); None when there are none.
     kernel: CpuSgmvPlan | None = None
-    # The shrink of the runs' rows in the native kernels, fp32 on one thread (their expand stays on BLAS).
+    # The shrink of the runs' rows in the native kernels, fp32 on one thread.
     runs_shrink: CpuSgmvPlan | None = None
+    # The expand of the runs' rows in the native kernels, one group per run (_runs_expand_plan).
+    runs_expand: CpuSgmvPlan | None = None
 
     @property
     def empty(self) -> bool:
@@ -304,8 +306,32 @@ def build_plan(
     # against 1.0-1.6x the best baseline, one thread) and tied on a plain layer.
     native_runs = bool(kernel_tokens and runs) and dtype == torch.float32
     runs_shrink = _runs_shrink_plan(runs, ranks, n_tokens, max_rank) if native_runs else None
-    return Plan(
-        ranks, runs, rows, gathered_slots, [hi - lo for lo, hi in gathered_spans], dense, native, runs_shrink
+    runs_expand = _runs_expand_plan(runs, ranks, n_tokens, max_rank) if kernel_tokens and runs else None
+    sizes = [hi - lo for lo, hi in gathered_spans]
+    return Plan(ranks, runs, rows, gathered_slots, sizes, dense, native, runs_shrink, runs_expand)
+
+
+def _runs_expand_plan(runs: list[_Run], ranks: list[list[int]], n_tokens: int, max_rank: int) -> CpuSgmvPlan:
+    """The native kernels' plan for the expand of ``runs``, one group per run.
+
+    A group of many tokens takes the kernels' panel expand (``rust/sgmv/avx512.rs``): each block of
+    16 rows of the slot's B is transposed once and every token's row of ``out`` streams through the
+    blocks, where BLAS's GEMM of inner dimension ``rank`` ran well below the speed of reading and
+    writing ``out`` (8 runs of 128 rows, 4096 wide, rank 16: 2.7 against 4.6 ms fp32, 2.8 against
+    4.1 ms bf16 on one thread; 2.2 against 6.8 and 1.9 against 3.7 ms on two; BENCHMARKS.md, CPU ops)."""
+    indptr = [0]
+    tokens: list[int] = []
+    for run in runs:
+        tokens.extend(range(run.start, run.start + run.size))
+        indptr.append(len(tokens))
+    return CpuSgmvPlan(
+        n_tokens,
+        tokens,
+        indptr,
+        [run.slot for run in runs],
+        [r for row in ranks for r in row],
+        n_slices=len(ranks[0]),
+        max_rank=max_rank,
     )
 
 
@@ -628,29 +654,48 @@ def _runs_delta(
     slice_offsets: Sequence[int],
     plan: Plan,
 ) -> None:
-    """The plan's runs (consecutive rows of one slot) on views of ``x`` and ``out``: every run's shrink
-    first (one native call for all of them where the plan has one and torch runs one thread, else a GEMM
-    per run), then every run's expand, a GEMM per run and slice accumulating into ``out`` in place.
+    """The plan's runs (consecutive rows of one slot) on views of ``x`` and ``out``, in two phases:
+    every run's shrink first (one native call for all of them where the plan has one and torch runs
+    one thread, else GEMMs per run), then every run's expand (one native call where the plan has one
+    and ``out`` is contiguous, else a GEMM per run and slice accumulating into ``out`` in place).
 
     Whole runs in two phases, not shrink and expand back to back per block of 128 rows: with a layer's
-    ``x`` and ``out`` cold (as in a model), one GEMM per run and op instead of one per block (each
-    repacking the slot's weights), and ``x`` then ``out`` streamed in turn instead of alternately, took
-    a one-adapter prefill of 1024 rows from 1.1-1.3x to 1.4-1.9x faster than a GEMM pair per request,
-    fp32 and bf16, on one core (BENCHMARKS.md, CPU ops). ``v`` is 64 bytes a row at rank 16: keeping it
-    between the phases costs nothing, and lets the shrink of every run be one native call."""
+    ``x`` and ``out`` cold (as in a model), ``x`` then ``out`` are streamed in turn instead of
+    alternately, and no GEMM repacks a slot's weights per block (BENCHMARKS.md, CPU ops). ``v`` is 64
+    bytes a row at rank 16: keeping it between the phases costs nothing."""
     max_rank, n_slices = b.shape[2], len(slice_offsets) - 1
-    scalings = slot_scalings.tolist()
-    reduced_precision = out.dtype != torch.float32
     # One thread only: there the native shrink measured clearly faster; at two threads, alternating
     # rounds on the loaded 2-core machine put it at 0.57-1.08x of the same path with BLAS's shrink
     # (medians) where BLAS's was 0.68-1.57x, so BLAS keeps those (BENCHMARKS.md, CPU ops).
-    if plan.runs_shrink is not None and torch.get_num_threads() == 1:
-        xc = x.contiguous()
+    native_shrink = plan.runs_shrink is not None and torch.get_num_threads() == 1
+    native_expand = plan.runs_expand is not None and out.is_contiguous()
+    if native_shrink or native_expand:
         v = x.new_zeros(x.shape[0], n_slices * max_rank)  # [T, n_slices * R]
-        plan.runs_shrink.shrink(_KERNEL_DTYPES[x.dtype], _raw(xc), xc.shape[1], _raw(a), _raw(v), threads=1)
+        if plan.runs_shrink is not None and native_shrink:
+            xc = x.contiguous()
+            plan.runs_shrink.shrink(
+                _KERNEL_DTYPES[x.dtype], _raw(xc), xc.shape[1], _raw(a), _raw(v), threads=1
+            )
+        else:
+            for run in plan.runs:
+                rows = v[run.start : run.start + run.size]
+                _run_shrink_blas(x, a, n_slices, plan.ranks[run.slot], run, out=rows)
         shrunk = [v[run.start : run.start + run.size] for run in plan.runs]
     else:
         shrunk = [_run_shrink_blas(x, a, n_slices, plan.ranks[run.slot], run) for run in plan.runs]
+    if plan.runs_expand is not None and native_expand:
+        plan.runs_expand.expand(
+            _KERNEL_DTYPES[out.dtype],
+            _raw(out),
+            _raw(v),
+            _raw(b),
+            _raw(slot_scalings),
+            slice_offsets,
+            threads=torch.get_num_threads(),
+        )
+        return
+    scalings = slot_scalings.tolist()
+    reduced_precision = out.dtype != torch.float32
     for run, vs in zip(plan.runs, shrunk, strict=True):
         ranks, slot = plan.ranks[run.slot], run.slot
         rows = slice(run.start, run.start + run.size)
@@ -673,13 +718,15 @@ def _run_shrink_blas(
     n_slices: int,
     ranks: list[int],  # the run's slot's rank per slice
     run: _Run,
+    out: torch.Tensor | None = None,  # [run.size, n_slices * R], zero
 ) -> torch.Tensor:
-    """One run's shrink as BLAS GEMMs on a view of ``x``; returns its ``v`` ``[run.size, n_slices * R]``."""
+    """One run's shrink as BLAS GEMMs on a view of ``x``; returns its ``v`` ``[run.size, n_slices * R]``
+    (``out`` when given: columns past a slice's rank are left as they are)."""
     max_rank = a.shape[1] // n_slices
     xs = x[run.start : run.start + run.size]
     if all(r == max_rank for r in ranks):
-        return _shrink_mm(xs, a[run.slot])
-    vs = x.new_zeros(run.size, n_slices * max_rank)
+        return _shrink_mm(xs, a[run.slot], out=out)
+    vs = x.new_zeros(run.size, n_slices * max_rank) if out is None else out
     for s, rank in enumerate(ranks):
         if rank:
             cols = slice(s * max_rank, s * max_rank + rank)
