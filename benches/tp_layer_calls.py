@@ -278,7 +278,7 @@ def row_expand_costs(rounds: int, calls: int) -> dict[str, float]:
                         _per_call(lambda e=native, c=columns, w=v: e.apply(c, w), n)
                     )
                     times["BLAS in place"].append(_per_call(lambda e=blas, c=columns, w=v: e.apply(c, w), n))
-            has_kernel = native.plan.kernel is not None
+            has_kernel = native.plan.kernel is not None or native.plan.runs_expand is not None
             for what, values in times.items():
                 name = f"{str(dtype).removeprefix('torch.')} {label}: {what}"
                 figures[name] = (

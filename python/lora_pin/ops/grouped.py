@@ -552,7 +552,8 @@ def expand_planned(
     slice_offsets: Sequence[int],
     plan: Plan,
 ) -> None:
-    """Expand by a plan made for these shapes (:func:`build_plan`)."""
+    """Expand by a plan made for these shapes (:func:`build_plan`). The runs take the native kernels'
+    expand where the plan has one and ``out`` is contiguous (:func:`_runs_expand_plan`), else BLAS."""
     max_rank = b.shape[2]
     n_slices = len(slice_offsets) - 1
     if plan.kernel is not None:
@@ -568,7 +569,20 @@ def expand_planned(
         )
     for block in plan.dense:
         _expand_dense(out, v, b, slot_scalings, slice_offsets, block)
-    if not plan.runs and plan.gathered_rows is None:
+    runs = plan.runs
+    if plan.runs_expand is not None and out.is_contiguous():
+        vc = v.contiguous()
+        plan.runs_expand.expand(
+            _KERNEL_DTYPES[out.dtype],
+            _raw(out),
+            _raw(vc),
+            _raw(b),
+            _raw(slot_scalings),
+            slice_offsets,
+            threads=torch.get_num_threads(),
+        )
+        runs = []
+    if not runs and plan.gathered_rows is None:
         return
     scalings = slot_scalings.tolist()
     # A bf16/fp16 addmm_ of a few rows with K = rank pays a large fixed cost in oneDNN; the product in
@@ -599,7 +613,7 @@ def expand_planned(
             continue
         b_t = b[:, lo:hi].transpose(1, 2)  # [slots, R, width_s]
         out_s, v_s = out[:, lo:hi], v[:, s * max_rank : (s + 1) * max_rank]
-        for run in plan.runs:
+        for run in runs:
             rows = slice(run.start, run.start + run.size)
             expand_rows(out_s[rows], v_s[rows], b_t, run.slot, s)
         if plan.gathered_rows is not None:
