@@ -232,3 +232,25 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
     (a_lo, a_hi), (b_lo, b_hi) = extent(a), extent(b)
     return a_lo < b_hi and b_lo < a_hi
+
+
+def refuse_grad(*tensors: torch.Tensor) -> None:
+    """Refuses tensors that require grad with grad mode on: the ops have no autograd formula.
+
+    Raises:
+        OpArgumentError: one of ``tensors`` requires grad and grad mode is on.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise OpArgumentError(
+            "lora_pin ops have no autograd formula; run them under torch.inference_mode() or torch.no_grad()"
+        )
+
+
+def same_tensor_kind(t: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether ``t`` passes every check ``other`` passed: same shape, dtype, device and contiguity."""
+    return (
+        t.shape == other.shape
+        and t.dtype is other.dtype
+        and t.device == other.device
+        and t.is_contiguous() == other.is_contiguous()
+    )

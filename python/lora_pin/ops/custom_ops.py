@@ -17,38 +17,17 @@ from lora_pin.ops._checks import (
     check_expand_args,
     check_expand_memory,
     check_shrink_args,
+    refuse_grad,
 )
 from lora_pin.ops.grouped import delta_planned, expand_grouped, kernel_ok, plan_for, shrink_grouped
 from lora_pin.ops.prepared import prepared_plan
-from lora_pin.ops.segments import KernelMeta
+from lora_pin.ops.segments import KernelMeta, expand_meta, shrink_meta
 
 __all__ = ["expand", "lora_delta_", "shrink"]
 
 # The registered ops below are the torch.library boundary: their schemas spell out the KernelMeta's
 # fields one by one (torch.library has no type for it), and each implementation gathers them back into
 # one KernelMeta before anything else runs.
-
-
-def _shrink_meta(
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    n_slices: int,
-) -> KernelMeta:
-    return KernelMeta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
-
-
-def _expand_meta(
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
-    slice_offsets: list[int],
-) -> KernelMeta:
-    n_slices = len(slice_offsets) - 1
-    return KernelMeta(perm, seg_indptr, seg_slots, slot_ranks, n_slices, slot_scalings, tuple(slice_offsets))
 
 
 def _shrink_fake(
@@ -60,7 +39,7 @@ def _shrink_fake(
     slot_ranks: torch.Tensor,
     n_slices: int,
 ) -> torch.Tensor:
-    max_rank = check_shrink_args(x, a, _shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices))
+    max_rank = check_shrink_args(x, a, shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices))
     return x.new_empty(x.shape[0], n_slices * max_rank)
 
 
@@ -75,7 +54,7 @@ def _expand_fake(
     slot_scalings: torch.Tensor,
     slice_offsets: list[int],
 ) -> None:
-    meta = _expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    meta = expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
     check_expand_args(out, v, b, meta)
 
 
@@ -89,7 +68,7 @@ def _shrink_op(
     slot_ranks: torch.Tensor,
     n_slices: int,
 ) -> torch.Tensor:
-    meta = _shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
+    meta = shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
     check_shrink_args(x, a, meta)
     return shrink_grouped(x, a, meta)
 
@@ -106,7 +85,7 @@ def _shrink_cuda(
 ) -> torch.Tensor:
     from lora_pin.ops.triton_sgmv import sgmv_shrink
 
-    meta = _shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
+    meta = shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
     return sgmv_shrink(x, a, meta, interpret=False)
 
 
@@ -125,7 +104,7 @@ def _expand_op(
     slot_scalings: torch.Tensor,
     slice_offsets: list[int],
 ) -> None:
-    meta = _expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    meta = expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
     check_expand_args(out, v, b, meta)
     check_expand_memory(out, v=v, b=b, slot_scalings=slot_scalings)
     expand_grouped(out, v, b, meta)
@@ -146,7 +125,7 @@ def _expand_cuda(
     from lora_pin.ops.triton_sgmv import sgmv_expand
 
     check_expand_memory(out, v=v, b=b, slot_scalings=slot_scalings)
-    meta = _expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    meta = expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
     sgmv_expand(out, v, b, meta, interpret=False)
 
 
@@ -179,7 +158,7 @@ def _lora_delta_cpu(
     arrays = (perm, seg_indptr, seg_slots, slot_ranks, slot_scalings)
     plan = prepared_plan(prepared, out, x, a, b, arrays)
     if plan is None:
-        meta = _expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+        meta = expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
         max_rank = check_shrink_args(x, a, meta)
         check_expand_args(out, x.new_empty(x.shape[0], meta.n_slices * max_rank), b, meta)
         check_expand_memory(out, x=x, a=a, b=b, slot_scalings=slot_scalings)
@@ -204,7 +183,7 @@ def _lora_delta_cuda(
 ) -> None:
     from lora_pin.ops.triton_sgmv import sgmv_expand, sgmv_shrink
 
-    meta = _expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    meta = expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
     check_shrink_args(x, a, meta)
     check_expand_memory(out, a=a, b=b, slot_scalings=slot_scalings)
     sgmv_expand(out, sgmv_shrink(x, a, meta, interpret=False), b, meta, interpret=False)
@@ -224,7 +203,7 @@ def _lora_delta_fake(
     slice_offsets: list[int],
     prepared: int = -1,
 ) -> None:
-    meta = _expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    meta = expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
     max_rank = check_shrink_args(x, a, meta)
     check_expand_args(out, x.new_empty(x.shape[0], meta.n_slices * max_rank), b, meta)
 
@@ -276,18 +255,11 @@ def expand(out: torch.Tensor, v: torch.Tensor, b: torch.Tensor, meta: KernelMeta
             an int; or ``out``, ``v`` or ``b`` requires grad with grad mode on: the ops are for inference
             and the in-place add would silently drop the LoRA path from the gradient.
     """
-    _refuse_grad(out, v, b)
+    refuse_grad(out, v, b)
     slot_scalings, offsets = _expand_layout(meta)
     torch.ops.lora_pin.expand(
         out, v, b, meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks, slot_scalings, offsets
     )
-
-
-def _refuse_grad(*tensors: torch.Tensor) -> None:
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise OpArgumentError(
-            "lora_pin ops have no autograd formula; run them under torch.inference_mode() or torch.no_grad()"
-        )
 
 
 def _expand_layout(meta: KernelMeta) -> tuple[torch.Tensor, list[int]]:
@@ -315,7 +287,7 @@ def lora_delta_(
     caller that runs the same segments through many layers prepares them once instead
     (:func:`lora_pin.ops.prepare_delta`).
     """
-    _refuse_grad(out, x, a, b)
+    refuse_grad(out, x, a, b)
     slot_scalings, offsets = _expand_layout(meta)
     torch.ops.lora_pin.lora_delta_(
         out, x, a, b, meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks, slot_scalings, offsets

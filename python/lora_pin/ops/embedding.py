@@ -21,7 +21,7 @@ import weakref
 import torch
 
 from lora_pin.errors import OpArgumentError
-from lora_pin.ops._checks import check_expand_args, check_expand_memory
+from lora_pin.ops._checks import check_expand_args, check_expand_memory, refuse_grad
 from lora_pin.ops.grouped import Plan, expand_planned, kernel_ok, plan_for
 from lora_pin.ops.segments import KernelMeta
 
@@ -158,11 +158,7 @@ class PreparedEmbeddingDelta:
                 f"{self.dtype} [{self.n_tokens}, {self.dim}], got ids {ids.dtype} {tuple(ids.shape)} and out "
                 f"{out.dtype} {tuple(out.shape)}"
             )
-        if torch.is_grad_enabled() and out.requires_grad:
-            raise OpArgumentError(
-                "lora_pin ops have no autograd formula; "
-                "run them under torch.inference_mode() or torch.no_grad()"
-            )
+        refuse_grad(out)
         meta = self.meta
         assert meta.slot_scalings is not None
         torch.ops.lora_pin.embedding_delta_(

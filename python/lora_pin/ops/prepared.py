@@ -20,9 +20,9 @@ import weakref
 import torch
 
 from lora_pin.errors import OpArgumentError
-from lora_pin.ops._checks import check_expand_args, check_shrink_args
+from lora_pin.ops._checks import check_expand_args, check_shrink_args, refuse_grad, same_tensor_kind
 from lora_pin.ops.grouped import Plan, kernel_ok, plan_for
-from lora_pin.ops.segments import KernelMeta
+from lora_pin.ops.segments import KernelMeta, same_segments
 
 __all__ = ["PreparedDelta", "prepare_delta", "prepared_plan"]
 
@@ -87,11 +87,7 @@ class PreparedDelta:
                 f"out [{self.n_tokens}, {self.out_total}], got x {x.dtype} {tuple(x.shape)} and out "
                 f"{out.dtype} {tuple(out.shape)}"
             )
-        if torch.is_grad_enabled() and (out.requires_grad or x.requires_grad):
-            raise OpArgumentError(
-                "lora_pin ops have no autograd formula; "
-                "run them under torch.inference_mode() or torch.no_grad()"
-            )
+        refuse_grad(out, x)
         meta = self.meta
         torch.ops.lora_pin.lora_delta_(
             out,
@@ -149,33 +145,16 @@ def _same_layout(
     like: PreparedDelta, meta: KernelMeta, a: torch.Tensor, b: torch.Tensor, n_tokens: int
 ) -> bool:
     """Whether ``like``'s checks and plan hold for ``meta`` over ``a`` and ``b`` (:func:`prepare_delta`)."""
-    other = like.meta
-    scalings, other_scalings = meta.slot_scalings, other.slot_scalings
+    scalings, other_scalings = meta.slot_scalings, like.meta.slot_scalings
     return (
         n_tokens == like.n_tokens
-        and meta.perm is other.perm
-        and meta.seg_indptr is other.seg_indptr
-        and meta.seg_slots is other.seg_slots
-        and meta.n_slices == other.n_slices
-        and meta.slice_offsets == other.slice_offsets
-        and a.shape == like.a.shape
-        and b.shape == like.b.shape
-        and a.dtype is like.a.dtype
-        and b.dtype is like.a.dtype
-        and a.device == like.a.device
-        and b.device == like.a.device
-        and a.is_contiguous() == like.a.is_contiguous()
-        and b.is_contiguous() == like.b.is_contiguous()
+        and meta.slice_offsets == like.meta.slice_offsets
+        and same_tensor_kind(a, like.a)
+        and same_tensor_kind(b, like.b)
         and scalings is not None
         and other_scalings is not None
-        and scalings.shape == other_scalings.shape
-        and scalings.dtype is other_scalings.dtype
-        and scalings.device == other_scalings.device
-        and scalings.is_contiguous() == other_scalings.is_contiguous()
-        and meta.slot_ranks.shape == other.slot_ranks.shape
-        and meta.slot_ranks.dtype is other.slot_ranks.dtype
-        and meta.slot_ranks.device == other.slot_ranks.device
-        and torch.equal(meta.slot_ranks, other.slot_ranks)
+        and same_tensor_kind(scalings, other_scalings)
+        and same_segments(meta, like.meta)
     )
 
 

@@ -149,3 +149,43 @@ def segments_from_slots(
         seg_indptr=seg_indptr.to(device=device, dtype=torch.int32),
         seg_slots=seg_slots.to(device=device, dtype=torch.int32),
     )
+
+
+def shrink_meta(
+    perm: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    n_slices: int,
+) -> KernelMeta:
+    """The :class:`KernelMeta` of a registered shrink op's arguments (torch.library has no type for it,
+    so the schemas spell its fields out one by one)."""
+    return KernelMeta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
+
+
+def expand_meta(
+    perm: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    slice_offsets: list[int],
+) -> KernelMeta:
+    """The :class:`KernelMeta` of a registered expand op's arguments (as :func:`shrink_meta`)."""
+    n_slices = len(slice_offsets) - 1
+    return KernelMeta(perm, seg_indptr, seg_slots, slot_ranks, n_slices, slot_scalings, tuple(slice_offsets))
+
+
+def same_segments(meta: KernelMeta, other: KernelMeta) -> bool:
+    """Whether two metas share the step's segment arrays (by identity) and hold equal ranks: the checks
+    and plan made for one then hold for the other."""
+    return (
+        meta.perm is other.perm
+        and meta.seg_indptr is other.seg_indptr
+        and meta.seg_slots is other.seg_slots
+        and meta.n_slices == other.n_slices
+        and meta.slot_ranks.shape == other.slot_ranks.shape
+        and meta.slot_ranks.dtype is other.slot_ranks.dtype
+        and meta.slot_ranks.device == other.slot_ranks.device
+        and torch.equal(meta.slot_ranks, other.slot_ranks)
+    )

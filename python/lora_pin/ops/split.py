@@ -27,45 +27,21 @@ import weakref
 import torch
 
 from lora_pin.errors import OpArgumentError
-from lora_pin.ops._checks import check_expand_args, check_expand_memory, check_shrink_args
+from lora_pin.ops._checks import (
+    check_expand_args,
+    check_expand_memory,
+    check_shrink_args,
+    refuse_grad,
+    same_tensor_kind,
+)
 from lora_pin.ops.grouped import Plan, expand_planned, kernel_ok, plan_for, shrink_planned
-from lora_pin.ops.segments import KernelMeta
+from lora_pin.ops.segments import KernelMeta, expand_meta, same_segments, shrink_meta
 
 __all__ = ["PreparedExpand", "PreparedShrink", "prepare_expand", "prepare_shrink"]
 
 # Handle -> prepared shrink or expand, alive while its step holds it.
 _BY_HANDLE: weakref.WeakValueDictionary[int, PreparedShrink | PreparedExpand] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
-
-
-def _refuse_grad(*tensors: torch.Tensor) -> None:
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise OpArgumentError(
-            "lora_pin ops have no autograd formula; run them under torch.inference_mode() or torch.no_grad()"
-        )
-
-
-def _same_segments(meta: KernelMeta, other: KernelMeta) -> bool:
-    """Whether two metas share the step's segment arrays (by identity) and hold equal ranks."""
-    return (
-        meta.perm is other.perm
-        and meta.seg_indptr is other.seg_indptr
-        and meta.seg_slots is other.seg_slots
-        and meta.n_slices == other.n_slices
-        and meta.slot_ranks.shape == other.slot_ranks.shape
-        and meta.slot_ranks.dtype is other.slot_ranks.dtype
-        and meta.slot_ranks.device == other.slot_ranks.device
-        and torch.equal(meta.slot_ranks, other.slot_ranks)
-    )
-
-
-def _same_tensor_kind(t: torch.Tensor, other: torch.Tensor) -> bool:
-    return (
-        t.shape == other.shape
-        and t.dtype is other.dtype
-        and t.device == other.device
-        and t.is_contiguous() == other.is_contiguous()
-    )
 
 
 class PreparedShrink:
@@ -114,7 +90,7 @@ class PreparedShrink:
                 f"the LoRA shrink was prepared for x {self.dtype} [{self.n_tokens}, {self.in_features}], "
                 f"got x {x.dtype} {tuple(x.shape)}"
             )
-        _refuse_grad(x)
+        refuse_grad(x)
         if self.empty:
             return x.new_zeros(self.n_tokens, self.width)
         meta = self.meta
@@ -178,7 +154,7 @@ class PreparedExpand:
                 f"v [{self.n_tokens}, {width}], got out {out.dtype} {tuple(out.shape)} and v {v.dtype} "
                 f"{tuple(v.shape)}"
             )
-        _refuse_grad(out, v)
+        refuse_grad(out, v)
         if self.empty:
             return
         meta = self.meta
@@ -216,9 +192,9 @@ def prepare_shrink(
     """
     if (
         like is not None
-        and _same_tensor_kind(a, like.a)
+        and same_tensor_kind(a, like.a)
         and n_tokens == like.n_tokens
-        and _same_segments(meta, like.meta)
+        and same_segments(meta, like.meta)
     ):
         return PreparedShrink(meta, a, n_tokens, like.plan)
     max_rank = check_shrink_args(a.new_empty_strided((n_tokens, a.shape[2]), (0, 0)), a, meta)
@@ -246,12 +222,12 @@ def prepare_expand(
     slot_scalings, offsets = meta.expand_layout()
     if (
         like is not None
-        and _same_tensor_kind(b, like.b)
+        and same_tensor_kind(b, like.b)
         and n_tokens == like.n_tokens
         and tuple(offsets) == tuple(like.offsets)
         and like.meta.slot_scalings is not None
-        and _same_tensor_kind(slot_scalings, like.meta.slot_scalings)
-        and _same_segments(meta, like.meta)
+        and same_tensor_kind(slot_scalings, like.meta.slot_scalings)
+        and same_segments(meta, like.meta)
     ):
         return PreparedExpand(meta, b, n_tokens, like.plan)
     out_like = b.new_empty_strided((n_tokens, b.shape[1]), (0, 0))
@@ -318,28 +294,6 @@ def _expand_plan(
     return found.plan
 
 
-def _shrink_meta(
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    n_slices: int,
-) -> KernelMeta:
-    return KernelMeta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
-
-
-def _expand_meta(
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
-    slice_offsets: list[int],
-) -> KernelMeta:
-    n_slices = len(slice_offsets) - 1
-    return KernelMeta(perm, seg_indptr, seg_slots, slot_ranks, n_slices, slot_scalings, tuple(slice_offsets))
-
-
 torch.library.define(
     "lora_pin::prepared_shrink",
     "(Tensor x, Tensor a, Tensor perm, Tensor seg_indptr, Tensor seg_slots, Tensor slot_ranks, int n_slices, "
@@ -360,7 +314,7 @@ def _prepared_shrink_cpu(
 ) -> torch.Tensor:
     plan = _shrink_plan(prepared, x, a, (perm, seg_indptr, seg_slots, slot_ranks), n_slices)
     if plan is None:
-        meta = _shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
+        meta = shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
         max_rank = check_shrink_args(x, a, meta)
         plan = plan_for(meta, x.shape[0], max_rank, x.dtype, kernel_ok(x.dtype, a))
     return shrink_planned(x, a, n_slices, plan)
@@ -377,7 +331,7 @@ def _prepared_shrink_fake(
     n_slices: int,
     prepared: int = -1,
 ) -> torch.Tensor:
-    max_rank = check_shrink_args(x, a, _shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices))
+    max_rank = check_shrink_args(x, a, shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices))
     return x.new_empty(x.shape[0], n_slices * max_rank)
 
 
@@ -404,7 +358,7 @@ def _prepared_expand_cpu(
     arrays = (perm, seg_indptr, seg_slots, slot_ranks, slot_scalings)
     plan = _expand_plan(prepared, out, v, b, arrays, slice_offsets)
     if plan is None:
-        meta = _expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+        meta = expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
         max_rank = check_expand_args(out, v, b, meta)
         check_expand_memory(out, v=v, b=b, slot_scalings=slot_scalings)
         plan = plan_for(meta, out.shape[0], max_rank, out.dtype, kernel_ok(out.dtype, out, b, slot_scalings))
@@ -432,5 +386,5 @@ def _prepared_expand_fake(
     prepared: int = -1,
 ) -> None:
     check_expand_args(
-        out, v, b, _expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+        out, v, b, expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
     )
