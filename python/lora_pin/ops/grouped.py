@@ -681,33 +681,31 @@ def _runs_delta(
     # One thread only: there the native shrink measured clearly faster; at two threads, alternating
     # rounds on the loaded 2-core machine put it at 0.57-1.08x of the same path with BLAS's shrink
     # (medians) where BLAS's was 0.68-1.57x, so BLAS keeps those (BENCHMARKS.md, CPU ops).
-    native_shrink = plan.runs_shrink is not None and torch.get_num_threads() == 1
-    native_expand = plan.runs_expand is not None and out.is_contiguous()
-    if native_shrink or native_expand:
+    runs_shrink = plan.runs_shrink if torch.get_num_threads() == 1 else None
+    runs_expand = plan.runs_expand if out.is_contiguous() else None
+    if runs_shrink is None and runs_expand is None:
+        shrunk = [_run_shrink_blas(x, a, n_slices, plan.ranks[run.slot], run) for run in plan.runs]
+    else:
         v = x.new_zeros(x.shape[0], n_slices * max_rank)  # [T, n_slices * R]
-        if plan.runs_shrink is not None and native_shrink:
+        if runs_shrink is not None:
             xc = x.contiguous()
-            plan.runs_shrink.shrink(
-                _KERNEL_DTYPES[x.dtype], _raw(xc), xc.shape[1], _raw(a), _raw(v), threads=1
-            )
+            runs_shrink.shrink(_KERNEL_DTYPES[x.dtype], _raw(xc), xc.shape[1], _raw(a), _raw(v), threads=1)
         else:
             for run in plan.runs:
-                rows = v[run.start : run.start + run.size]
-                _run_shrink_blas(x, a, n_slices, plan.ranks[run.slot], run, out=rows)
+                v_rows = v[run.start : run.start + run.size]
+                _run_shrink_blas(x, a, n_slices, plan.ranks[run.slot], run, out=v_rows)
+        if runs_expand is not None:
+            runs_expand.expand(
+                _KERNEL_DTYPES[out.dtype],
+                _raw(out),
+                _raw(v),
+                _raw(b),
+                _raw(slot_scalings),
+                slice_offsets,
+                threads=torch.get_num_threads(),
+            )
+            return
         shrunk = [v[run.start : run.start + run.size] for run in plan.runs]
-    else:
-        shrunk = [_run_shrink_blas(x, a, n_slices, plan.ranks[run.slot], run) for run in plan.runs]
-    if plan.runs_expand is not None and native_expand:
-        plan.runs_expand.expand(
-            _KERNEL_DTYPES[out.dtype],
-            _raw(out),
-            _raw(v),
-            _raw(b),
-            _raw(slot_scalings),
-            slice_offsets,
-            threads=torch.get_num_threads(),
-        )
-        return
     scalings = slot_scalings.tolist()
     reduced_precision = out.dtype != torch.float32
     for run, vs in zip(plan.runs, shrunk, strict=True):
