@@ -14,20 +14,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lora_pin._testing import PATTERNS, random_layer, request_slots
 from lora_pin.model.layers import LoRAEmbedding, StepSegments
-from lora_pin.ops import KernelMeta, OpArgumentError, grouped, segments_from_slots
+from lora_pin.ops import KernelMeta, OpArgumentError, segments_from_slots
 from lora_pin.ops.embedding import embedding_delta_, prepare_embedding_delta
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 VOCAB, DIM = 50, 40
 
 
-@pytest.fixture(autouse=True, params=["native", "torch"])
-def cpu_path(request, monkeypatch):
-    native = request.param == "native"
-    if native and not grouped.sgmv_cpu_available():
-        pytest.skip("this CPU lacks AVX-512: only the torch path runs here")
-    monkeypatch.setattr(grouped, "use_cpu_kernels", native)
-    return request.param
+pytestmark = pytest.mark.usefixtures("cpu_path")  # native kernels, then the torch path (conftest.py)
 
 
 def _case(pattern, tokens_per_request, dtype, seed=0, n_requests=12):

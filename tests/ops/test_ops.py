@@ -33,14 +33,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 QKV_GQA = [64, 16, 16]  # q, k, v output widths under grouped-query attention
 
 
-@pytest.fixture(autouse=True, params=["native", "torch"])
-def cpu_path(request, monkeypatch):
-    """Runs the test on the native kernels and on the torch path alone."""
-    native = request.param == "native"
-    if native and not grouped.sgmv_cpu_available():
-        pytest.skip("this CPU lacks AVX-512: only the torch path runs here")
-    monkeypatch.setattr(grouped, "use_cpu_kernels", native)
-    return request.param
+pytestmark = pytest.mark.usefixtures("cpu_path")  # native kernels, then the torch path (conftest.py)
 
 
 def test_ci_runs_the_native_kernels(cpu_path):

@@ -15,7 +15,6 @@ from lora_pin._testing import PATTERNS, random_layer, request_slots
 from lora_pin.model.layers import LoRALinear, StepSegments
 from lora_pin.ops import (
     OpArgumentError,
-    grouped,
     lora_delta_,
     lora_reference,
     prepare_delta,
@@ -25,13 +24,7 @@ from lora_pin.ops import (
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
-@pytest.fixture(autouse=True, params=["native", "torch"])
-def cpu_path(request, monkeypatch):
-    native = request.param == "native"
-    if native and not grouped.sgmv_cpu_available():
-        pytest.skip("this CPU lacks AVX-512: only the torch path runs here")
-    monkeypatch.setattr(grouped, "use_cpu_kernels", native)
-    return request.param
+pytestmark = pytest.mark.usefixtures("cpu_path")  # native kernels, then the torch path (conftest.py)
 
 
 def _case(pattern, tokens_per_request, dtype, seed=0, n_requests=12, hidden=48, widths=(64, 16, 16)):
