@@ -366,13 +366,7 @@ class LoRALinear(BaseLayerWrapper):
             return self._untouched(result, step.for_input(x))
         buf = self._pool_buffers
         if x.device.type == "cpu" and not torch.compiler.is_compiling():
-            delta = step.delta_for(buf, x)
-            if not delta.empty:
-                if x.dtype is not delta.dtype:
-                    self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
-                delta.apply(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]))
-            if buf.dora_slots:
-                self._rescale_dora(step, out, x)
+            self._add_prepared_delta(step, out, x)
             return result
         seg = step.for_input(x)
         self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
@@ -382,6 +376,18 @@ class LoRALinear(BaseLayerWrapper):
         if rescales_dora(buf, x):
             self._rescale_dora(step, out, x)
         return result
+
+    def _add_prepared_delta(self, step: StepSegments, out: torch.Tensor, x: torch.Tensor) -> None:
+        """The delta on the CPU: the group's delta checked and planned once per step, then one op call,
+        or none for a group no row uses; then the DoRA rescale of the step's DoRA rows, if any."""
+        buf = self._pool_buffers
+        delta = step.delta_for(buf, x)
+        if not delta.empty:
+            if x.dtype is not delta.dtype:
+                self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
+            delta.apply(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]))
+        if buf.dora_slots:
+            self._rescale_dora(step, out, x)
 
     def _rescale_dora(self, step: StepSegments, out: torch.Tensor, x: torch.Tensor) -> None:
         """Rescale the step's DoRA rows of ``out`` (base plus LoRA delta) around the base layer's bias:

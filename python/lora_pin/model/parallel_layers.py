@@ -126,19 +126,6 @@ class ParallelLoRALinear(LoRALinear):
             lo, hi = self._columns
             expand(flat_out[:, lo:hi], v, buf.b, meta)
 
-    def _add_prepared_delta(self, step: StepSegments, out: torch.Tensor, x: torch.Tensor) -> None:
-        """A plain shard's delta on the CPU, as :class:`LoRALinear`'s: the group's delta checked and
-        planned once per step (a plain shard's slice offsets are its group's), then one op call, or none
-        for a group no row uses."""
-        buf = self._pool_buffers
-        delta = step.delta_for(buf, x)
-        if not delta.empty:
-            if x.dtype is not delta.dtype:
-                self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
-            delta.apply(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]))
-        if buf.dora_slots:
-            self._rescale_dora(step, out, x)
-
     def _add_split_delta(self, step: StepSegments, out: torch.Tensor, x: torch.Tensor) -> None:
         """A fully sharded layer's delta on the CPU: its shrink and expand checked and planned once per
         step (:meth:`StepSegments.split_delta_for`), then per call the two op dispatches around the
