@@ -145,8 +145,9 @@ fn case() -> impl Strategy<Value = Case> {
                     let mut slots = Vec::new();
                     while (*indptr.last().unwrap() as usize) < order.len() {
                         let left = order.len() - *indptr.last().unwrap() as usize;
-                        // Up to 14 tokens a group: groups of PANEL_TOKENS and more take the panel expand.
-                        indptr.push(indptr.last().unwrap() + rng.random_range(1..=left.min(14)) as i64);
+                        // Up to 24 tokens a group: groups of PANEL_TOKENS and more take the panel expand,
+                        // block by block up to PANEL_STREAM_TOKENS and streamed past it.
+                        indptr.push(indptr.last().unwrap() + rng.random_range(1..=left.min(24)) as i64);
                         slots.push(rng.random_range(0..n_slots) as i64);
                     }
                     (order, indptr, slots)
