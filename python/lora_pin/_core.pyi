@@ -25,6 +25,7 @@ __all__ = [
     "_release",
     "_unload_timeout_error",
     "check_limits",
+    "cpu_features",
     "dora_scale_rows",
     "home_replicas",
     "parse_lora_paths",
@@ -267,6 +268,7 @@ def simulate_replicas(
     max_host_bytes: int | None = None,
 ) -> dict[str, Any]: ...
 def sgmv_cpu_available() -> bool: ...
+def cpu_features() -> dict[str, bool]: ...
 def dora_scale_rows(
     out: tuple[int, int],
     width: int,

@@ -10,7 +10,9 @@ use pyo3::prelude::*;
 
 use super::errors::new_error;
 use super::{detached, shielded};
-use crate::sgmv::{available, dora_scale_rows as scale_rows, CpuPlan, Data, DataMut};
+use crate::sgmv::{
+    available, cpu_features as features, dora_scale_rows as scale_rows, CpuPlan, Data, DataMut,
+};
 
 /// One tensor's memory as Python hands it over: address and element count.
 type Raw = (usize, usize);
@@ -19,6 +21,15 @@ type Raw = (usize, usize);
 #[pyfunction]
 pub fn sgmv_cpu_available() -> bool {
     available()
+}
+
+/// The matrix units of this CPU that the CPU path chooses by: a dict of ``avx2`` (with FMA),
+/// ``avx512`` (what the native kernels need), ``avx512_bf16`` and ``amx_bf16`` (AMX tiles with bf16
+/// products, enabled by the operating system), each a bool.
+#[pyfunction]
+pub fn cpu_features() -> std::collections::BTreeMap<&'static str, bool> {
+    let f = features();
+    [("avx2", f.avx2), ("avx512", f.avx512), ("avx512_bf16", f.avx512_bf16), ("amx_bf16", f.amx_bf16)].into()
 }
 
 /// DoRA rows' rescale in place: ``out[rows[i]] = factors[slots[i]] * (out[rows[i]] - bias) + bias``.

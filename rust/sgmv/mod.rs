@@ -84,6 +84,68 @@ pub fn available() -> bool {
     }
 }
 
+/// The matrix units a CPU offers, as the CPU path chooses between the native kernels and the BLAS
+/// (oneDNN, MKL) GEMMs torch calls: what wins where was measured per unit (BENCHMARKS.md, CPU ops).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CpuFeatures {
+    /// AVX2 and FMA (every x86-64 CPU of the last decade).
+    pub avx2: bool,
+    /// Everything the native kernels use ([`available`]).
+    pub avx512: bool,
+    /// AVX512-BF16 dot products (oneDNN's bf16 GEMMs on Cooper Lake, Zen 4 and later).
+    pub avx512_bf16: bool,
+    /// AMX tiles with bf16 products, enabled by the operating system (Sapphire Rapids and later):
+    /// oneDNN's bf16 GEMMs run on them.
+    pub amx_bf16: bool,
+}
+
+/// What this CPU has (all false off x86-64).
+pub fn cpu_features() -> CpuFeatures {
+    #[cfg(target_arch = "x86_64")]
+    {
+        CpuFeatures {
+            avx2: is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            avx512: avx512::detected(),
+            avx512_bf16: is_x86_feature_detected!("avx512bf16"),
+            amx_bf16: amx_bf16_enabled(),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        CpuFeatures::default()
+    }
+}
+
+/// AMX-BF16 and AMX-TILE in CPUID leaf 7 (EDX bits 22 and 24), with the tile state enabled by the
+/// operating system in XCR0 (bits 17 and 18). std's detection of AMX is not stable yet.
+#[cfg(target_arch = "x86_64")]
+fn amx_bf16_enabled() -> bool {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    // Leaf 7 is read only where leaf 0 says it exists.
+    if __cpuid(0).eax < 7 {
+        return false;
+    }
+    let leaf7 = __cpuid_count(7, 0);
+    let amx = leaf7.edx & (1 << 22) != 0 && leaf7.edx & (1 << 24) != 0;
+    amx && is_x86_feature_detected!("xsave") && tile_state_enabled()
+}
+
+/// Whether XCR0 has the AMX tile configuration and data states (bits 17 and 18).
+#[cfg(target_arch = "x86_64")]
+fn tile_state_enabled() -> bool {
+    use std::arch::x86_64::__cpuid;
+    // SAFETY: XGETBV runs only where leaf 1 ECX bit 27 (OSXSAVE) says the operating system allows it.
+    __cpuid(1).ecx & (1 << 27) != 0 && unsafe { xcr0() } & (0b11 << 17) == 0b11 << 17
+}
+
+/// XCR0. Safety: the CPU and the operating system support XSAVE (OSXSAVE set).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "xsave")]
+unsafe fn xcr0() -> u64 {
+    // SAFETY: the caller guarantees XSAVE and OSXSAVE; XCR0 exists wherever they do.
+    unsafe { std::arch::x86_64::_xgetbv(0) }
+}
+
 /// The tokens of one slot, `tokens[start..end]` of the plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Group {

@@ -485,3 +485,12 @@ fn a_task_that_panics_on_a_worker_panics_the_caller_and_the_pool_goes_on() {
     });
     assert_eq!(ran.load(Ordering::Relaxed), 16);
 }
+
+#[test]
+fn cpu_features_agree_with_the_kernels_and_imply_each_other() {
+    let f = crate::sgmv::cpu_features();
+    assert_eq!(f.avx512, crate::sgmv::available());
+    // Every CPU with AVX-512 F has AVX2; AMX CPUs have AVX-512 (no CPU pairs AMX with less).
+    assert!(!f.avx512 || f.avx2);
+    assert!(!f.amx_bf16 || f.avx512);
+}
