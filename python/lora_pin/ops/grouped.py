@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from lora_pin._core import CpuSgmvPlan, sgmv_cpu_available
+from lora_pin._core import CpuSgmvPlan, cpu_features, sgmv_cpu_available
 from lora_pin.ops._checks import check_segment_contents
 from lora_pin.ops.segments import KernelMeta
 
@@ -85,6 +85,11 @@ _KERNEL_MAX_TOKENS = {torch.float32: 64, torch.bfloat16: 32, torch.float16: sys.
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Whether the native kernels run at all: the CPU must have them, and LORA_PIN_CPU_KERNELS=0 turns them off.
 use_cpu_kernels = sgmv_cpu_available() and os.environ.get("LORA_PIN_CPU_KERNELS", "1") != "0"
+# Where the CPU has AMX (bf16 tiles), oneDNN's bf16 GEMM expands long runs about as fast as the native
+# panel expand or faster (the panel 0.82-1.07x of it, median 0.93x, over 8 runs of 128 rows and one of
+# 1024, plain and q/k/v, 4096 wide, one thread; BENCHMARKS.md, CPU ops), so bf16 runs keep BLAS there.
+# Without AMX the panel expand wins (1.9 against 3.7 ms at 8 x 128 rows, two threads).
+_BF16_RUNS_NATIVE_EXPAND = not cpu_features()["amx_bf16"]
 # Distinct plans kept: one per (step, layer group with its own ranks); a model has a handful of groups.
 _PLAN_CACHE_SIZE = 16
 
@@ -306,7 +311,12 @@ def build_plan(
     # against 1.0-1.6x the best baseline, one thread) and tied on a plain layer.
     native_runs = bool(kernel_tokens and runs) and dtype == torch.float32
     runs_shrink = _runs_shrink_plan(runs, ranks, n_tokens, max_rank) if native_runs else None
-    runs_expand = _runs_expand_plan(runs, ranks, n_tokens, max_rank) if kernel_tokens and runs else None
+    native_expand = dtype != torch.bfloat16 or _BF16_RUNS_NATIVE_EXPAND
+    runs_expand = (
+        _runs_expand_plan(runs, ranks, n_tokens, max_rank)
+        if kernel_tokens and runs and native_expand
+        else None
+    )
     sizes = [hi - lo for lo, hi in gathered_spans]
     return Plan(ranks, runs, rows, gathered_slots, sizes, dense, native, runs_shrink, runs_expand)
 
