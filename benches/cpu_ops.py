@@ -12,7 +12,9 @@ CPU path (not from its code):
   (``einsum``) scaled into ``v``, a per-token gather of the slice's B and a second batched product
   added into the slice's columns.
 - ``sglang``: SGLang's torch-native LoRA backend: a loop over the batch's request segments in request
-  order (unsorted by adapter), one GEMM with the request's stacked A and one per slice with its B.
+  order (unsorted by adapter), one ``einsum`` with the request's stacked A (the scaling applied to its
+  r-wide output) and one per slice with its B added into the output; a batch of one adapter is one
+  segment of every row.
 
 ``lora_pin`` is timed as a model layer runs it: the step's delta for the layer group prepared once
 (:func:`lora_pin.ops.prepare_delta`, shared by every layer of the group, so not timed here) and
@@ -20,14 +22,18 @@ applied per call. Every case is checked against the baselines before it is timed
 
 Timing: methods take turns in every round, in an order that rotates from round to round, with a buffer
 larger than the last-level cache written before every call (each call starts cold, as a layer's
-adapter weights do in a model); the figure is the median over the rounds. Every case runs at each
-thread count in ``--threads`` (``torch.set_num_threads``), and the native kernels use as many.
+adapter weights do in a model); the figure is the median over the rounds. ``--caches warm`` instead runs
+each call once, untimed, right before its timed call (weights and activations in cache as far as they
+fit: a small model, or a layer called twice). Every case runs at each thread count in ``--threads``
+(``torch.set_num_threads``), and the native kernels use as many.
 
 The fixed costs of a layer call are printed first, with their breakdown (see :func:`fixed_costs`), and
 an embedding's (:func:`embedding_fixed_costs`).
 
     python benches/cpu_ops.py                               # fp32 and bf16, 1 and 2 threads
     python benches/cpu_ops.py --dtype bf16 --threads 2      # one part of it
+    python benches/cpu_ops.py --caches cold,warm --hidden 2048 --layers plain --adapters 8 \
+        --phases decode --patterns distinct --dtype fp32 --threads 1   # one case, both cache states
     python benches/cpu_ops.py --help
 """
 
@@ -134,20 +140,31 @@ def vllm_sgmv(
 def sglang_segments(
     out: torch.Tensor, x: torch.Tensor, request_slots: list[int], tokens_per_request: int, layer: StackedLayer
 ) -> None:
-    """SGLang's torch-native backend as described: per request segment (in request order), one GEMM with
-    the request's stacked A, then one GEMM per slice with its B, scaled and added."""
+    """SGLang's torch-native backend as described: a batch of one adapter is one shrink ``einsum`` over
+    every row and one expand per slice; otherwise, per request segment (in request order), one ``einsum``
+    with the request's stacked A scaled in the batch's dtype, then one ``einsum`` per slice with its B
+    added to the output."""
     max_rank = layer.b.shape[2]
-    scalings = layer.slot_scalings.tolist()
     n_slices = len(layer.slice_offsets) - 1
-    for i, slot in enumerate(request_slots):
-        if slot < 0:
-            continue
-        lo_row, hi_row = i * tokens_per_request, (i + 1) * tokens_per_request
-        v = x[lo_row:hi_row] @ layer.a[slot].T  # [len, n_slices * R]
+    scalings = layer.slot_scalings.tolist()
+    if len(set(request_slots)) == 1 and request_slots[0] >= 0:
+        segments = [(request_slots[0], 0, len(request_slots) * tokens_per_request)]
+    else:
+        segments = [
+            (slot, i * tokens_per_request, (i + 1) * tokens_per_request)
+            for i, slot in enumerate(request_slots)
+            if slot >= 0
+        ]
+    for slot, lo_row, hi_row in segments:
+        v = torch.einsum("si,oi->so", x[lo_row:hi_row], layer.a[slot])  # [len, n_slices * R]
+        for s in range(n_slices):
+            v[:, s * max_rank : (s + 1) * max_rank] *= scalings[slot][s]
         for s in range(n_slices):
             lo, hi = layer.slice_offsets[s], layer.slice_offsets[s + 1]
             b_s = layer.b[slot, lo:hi]  # [width, R]
-            out[lo_row:hi_row, lo:hi] += (v[:, s * max_rank : (s + 1) * max_rank] @ b_s.T) * scalings[slot][s]
+            out[lo_row:hi_row, lo:hi] += torch.einsum(
+                "si,oi->so", v[:, s * max_rank : (s + 1) * max_rank], b_s
+            )
 
 
 def fp64_reference(
@@ -172,11 +189,16 @@ def fp64_reference(
 
 
 def time_rounds(
-    fns: Mapping[str, Callable[[], object]], rounds: int, flush: torch.Tensor, slow_s: float = 0.3
+    fns: Mapping[str, Callable[[], object]],
+    rounds: int,
+    flush: torch.Tensor | None,
+    slow_s: float = 0.3,
 ) -> dict[str, float]:
     """Median seconds of one call of each, over interleaved rounds with the order rotating every round and
-    ``flush`` written before every call (each call starts with cold caches). A method whose warm-up call
-    took over ``slow_s`` (a baseline gathering every token's weights in prefill) runs in 3 rounds only."""
+    ``flush`` written before every call (each call starts with cold caches), or, with ``flush`` None, the
+    call run once untimed right before (it starts with its own inputs and weights in cache, as far as they
+    fit). A method whose warm-up call took over ``slow_s`` (a baseline gathering every token's weights in
+    prefill) runs in 3 rounds only."""
     slow = set()
     for name, fn in fns.items():
         start = time.perf_counter()
@@ -190,7 +212,10 @@ def time_rounds(
             name = names[(r + i) % len(names)]
             if name in slow and len(samples[name]) >= 3:
                 continue
-            flush.add_(1)
+            if flush is None:
+                fns[name]()
+            else:
+                flush.add_(1)
             start = time.perf_counter()
             fns[name]()
             samples[name].append(time.perf_counter() - start)
@@ -205,7 +230,9 @@ def cases(args: argparse.Namespace) -> list[Case]:
                 ("decode", args.decode_batch, 1),
                 ("prefill", args.prefill_requests, args.prefill_tokens),
             ):
-                for pattern in _PATTERNS:
+                if phase not in args.phases:
+                    continue
+                for pattern in args.patterns:
                     out.append(Case(layer, n_slots, pattern, phase, n_requests, tokens))
     return out
 
@@ -260,7 +287,7 @@ def run_case(
     row["err baselines"] = min(errors[name] for name in BASELINES)
     scratch = {name: out0.clone() for name in methods}
     timed = {name: (lambda fn=fn, o=scratch[name]: fn(o)) for name, fn in methods.items()}
-    row.update(time_rounds(timed, args.rounds, args.flush))
+    row.update(time_rounds(timed, args.rounds, args.flush if args.cache == "cold" else None))
     return row
 
 
@@ -273,9 +300,10 @@ def goal_of(row: Mapping[str, float | int | str], threads: int) -> tuple[float, 
     return ratio, needed, ratio >= needed
 
 
-def table_header(threads: int, dtype: str) -> None:
+def table_header(threads: int, dtype: str, cache: str) -> None:
     print(
-        f"\n{dtype}, {threads} thread{'s' if threads > 1 else ''} (median ms; ratios = baseline / lora_pin)"
+        f"\n{dtype}, {threads} thread{'s' if threads > 1 else ''}, {cache} caches "
+        "(median ms; ratios = baseline / lora_pin)"
     )
     header = (
         f"{'layer':5} {'slots':>5} {'phase':7} {'pattern':9} {'tok':>4} {'ad':>3} "
@@ -497,11 +525,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per case (median reported)")
     parser.add_argument("--fixed-calls", type=int, default=2000, help="calls per repeat of the fixed costs")
     parser.add_argument("--flush-mb", type=int, default=128, help="buffer written before each timed call")
+    parser.add_argument(
+        "--caches",
+        type=lambda s: s.split(","),
+        default=["cold"],
+        help="cold (a buffer larger than the last-level cache written before each call) and/or warm "
+        "(the call run once right before the timed one)",
+    )
+    parser.add_argument(
+        "--phases", type=lambda s: s.split(","), default=["decode", "prefill"], help="decode and/or prefill"
+    )
+    parser.add_argument(
+        "--patterns", type=lambda s: s.split(","), default=list(_PATTERNS), help=",".join(_PATTERNS)
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for name in args.dtype:
         if name not in _DTYPES:
             parser.error(f"unknown dtype {name!r}; expected fp32, bf16 or fp16")
+    for flag, values, known in (
+        ("--caches", args.caches, ("cold", "warm")),
+        ("--phases", args.phases, ("decode", "prefill")),
+        ("--patterns", args.patterns, _PATTERNS),
+    ):
+        for value in values:
+            if value not in known:
+                parser.error(f"{flag}: unknown {value!r}; expected {', '.join(known)}")
     args.flush = torch.zeros(args.flush_mb * 2**20 // 4)
     print(
         f"torch {torch.__version__}, hidden {args.hidden}, ranks {args.ranks}, chunk {args.chunk_size}, "
@@ -517,15 +566,17 @@ def main(argv: list[str] | None = None) -> int:
             costs = {**fixed_costs(args.fixed_calls), **embedding_fixed_costs(args.fixed_calls)}
             for name, micros in costs.items():
                 print(f"  {name:46} {micros:8.2f}", flush=True)
-        for dtype_name in args.dtype:
-            gen = torch.Generator().manual_seed(args.seed)
-            table_header(threads, dtype_name)
-            for case in cases(args):
-                with torch.inference_mode():
-                    all_met &= print_row(run_case(case, _DTYPES[dtype_name], args, gen), threads)
+        for cache in args.caches:
+            args.cache = cache
+            for dtype_name in args.dtype:
+                gen = torch.Generator().manual_seed(args.seed)
+                table_header(threads, dtype_name, args.cache)
+                for case in cases(args):
+                    with torch.inference_mode():
+                        all_met &= print_row(run_case(case, _DTYPES[dtype_name], args, gen), threads)
     print(
         "\npeft: PEFT's _mixed_batch_forward per module; gather-bmm: per-token weight gather then bmm;\n"
-        "vllm: per-token gather per slice then batched products (vLLM's CPU SGMV); sglang: one GEMM pair\n"
+        "vllm: per-token gather per slice then batched products (vLLM's CPU SGMV); sglang: one einsum pair\n"
         "per request segment in request order (SGLang's torch backend). goal: lora_pin >= every baseline,\n"
         ">= 1.3x the best at 2 threads on mixed decode (distinct/uniform/zipf) over 64 adapters.\n"
         "err: lora_pin's largest error against the fp64 reference, relative to the largest |output|;\n"
