@@ -11,7 +11,11 @@ Three comparisons, each against its named baseline in the same process, reported
    share (step minus the base-only step) is reported too, and a LoRA-only step with DoRA adapters resident
    in other slots against one with none (what DoRA costs the steps that do not use it);
 3. *load*: ``HostTier.read`` of a DoRA adapter (which computes its factors against the base weights)
-   against its plain twin.
+   against its plain twin;
+4. *norm*: one layer's ``||W + s B A||`` per output feature as the reads compute it
+   (``dora_norm_parts``: rows of ``W + s B A`` formed in float64, block by block) against the square
+   expanded in float32 (``||W||^2 + 2 s <W, B A> + s^2 ||B A||^2``, what ran before, kept here as the
+   baseline), for float32 and bfloat16 base weights.
 
 Goal: DoRA rows at most 1.2x the LoRA cost per row. The op and step figures are medians of rounds that
 alternate between the cases compared (a busy neighbour then slows each alike).
@@ -29,6 +33,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
@@ -95,6 +100,54 @@ def op_case(args: argparse.Namespace, hidden: int) -> dict[str, float]:
         "ratio": us["dora"] / us["lora"],
         "dora_torch_rescale_us": us["dora_torch"],
         "torch_rescale_ratio": us["dora_torch"] / us["lora"],
+    }
+
+
+def expanded_norm_sq(weight: Any, a: Any, b: Any, scaling: float) -> Any:
+    """``||W_i + s B_i A||^2`` per row with the square expanded, in float32, 1024 rows at a time (the
+    baseline of :func:`norm_case`; it loses rows that are small against ``W``)."""
+    import torch
+
+    norm_sq = torch.zeros(weight.shape[0], dtype=torch.float32)
+    a = a.float()
+    gram = a @ a.T
+    for row in range(0, weight.shape[0], 1024):
+        w = weight[row : row + 1024].float()
+        b_rows = b[row : row + 1024].float()
+        cross = (b_rows * (w @ a.T)).sum(dim=1)
+        own = ((b_rows @ gram) * b_rows).sum(dim=1)
+        norm_sq[row : row + 1024] = torch.linalg.vector_norm(w, dim=1).square() + 2 * scaling * cross
+        norm_sq[row : row + 1024] += scaling * scaling * own
+    return norm_sq
+
+
+def norm_case(args: argparse.Namespace, out: int, width: int, dtype_name: str) -> dict[str, Any]:
+    """One ``[out, width]`` layer's DoRA norms at rank ``args.rank``: blocks in float64 against the
+    expanded square in float32."""
+    import torch
+
+    from lora_pin.weights.dora import dora_norm_parts
+
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(out, width, generator=gen).to(dtype)
+    a = 0.1 * torch.randn(args.rank, width, generator=gen).to(dtype)
+    b = 0.1 * torch.randn(out, args.rank, generator=gen).to(dtype)
+    slices = [(0, out, args.rank, 2.0)]
+    with torch.inference_mode():
+        us = alternating_us(
+            {
+                "expanded": lambda: expanded_norm_sq(weight, a, b, 2.0),
+                "blocks": lambda: dora_norm_parts(weight, a, b, slices),
+            },
+            max(args.calls // 100, 3),
+        )
+    return {
+        "shape": [out, width],
+        "dtype": dtype_name,
+        "expanded_us": us["expanded"],
+        "blocks_us": us["blocks"],
+        "ratio": us["blocks"] / us["expanded"],
     }
 
 
@@ -209,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         "op": op_case(args, args.hidden),
         "op_wide": op_case(args, args.wide),
         **model_cases(args),
+        **{
+            f"norm_{out}x{width}_{dtype}": norm_case(args, out, width, dtype)
+            for out, width in ((args.hidden, args.hidden), (args.wide, args.wide))
+            for dtype in ("float32", "bfloat16")
+        },
     }
     print(json.dumps({"args": vars(args), **results}, indent=2))
     for name, r in results.items():
