@@ -110,14 +110,14 @@ def dora_norm_parts(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slic
             continue
         first, last, rank, scaling = spec
         a_s = a[s * max_rank : s * max_rank + rank].to(device=device, dtype=torch.float64)  # [r, in]
+        b_s = b[first:last, :rank].to(device=device, dtype=torch.float64)  # [rows, r]
         reach = torch.linalg.vector_norm(a_s, dim=1) * (abs(scaling) * (rank + 4) * 2.0**-51)  # [r]
+        parts[1, first:last] = (b_s.abs() @ reach).square()
         for row in range(first, last, rows_per_block):
             end = min(row + rows_per_block, last)
-            b_rows = b[row:end, :rank].to(device=device, dtype=torch.float64)  # [rows, r]
             formed = block[: end - row].copy_(weight[row:end])
-            formed.addmm_(b_rows, a_s, alpha=scaling)  # W + s B A, [rows, in]
+            formed.addmm_(b_s[row - first : end - first], a_s, alpha=scaling)  # W + s B A, [rows, in]
             parts[0, row:end] = torch.linalg.vector_norm(formed, dim=1).square()
-            parts[1, row:end] = (b_rows.abs() @ reach).square()
     return parts.cpu()
 
 
