@@ -28,10 +28,11 @@ DTYPES = [torch.float32, torch.bfloat16]
 IDS = ["fp32", "bf16"]
 # A served DoRA feature's largest error over the tokens, relative to its own largest output. float32: the
 # factor, the rescale and PEFT's sum each round once (2^-24) on values computed alike (A x is exactly 0,
-# W x the same base layer's), so 1e-5 leaves room only for a norm accurate to its result. bfloat16: PEFT
-# rounds its float32 result to bfloat16 once, lora_pin the factor in the slot and the rescaled output
-# (2^-9 each): at most three roundings, so 2^-7.
-FEATURE_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
+# W x the same base layer's), so 1e-5 leaves room only for a norm accurate to its result. bfloat16 (unit
+# roundoff 2^-8): PEFT rounds its float32 result once, lora_pin the factor in the slot and the rescaled
+# output, and the two base outputs W x, rounded from two GEMM calls, may sit an ulp (2^-7) apart: 5 * 2^-8
+# (7.5e-3 measured; the norm expanded as before is off by 4% at 1e-3 and refuses the 1e-4 row).
+FEATURE_RTOL = {torch.float32: 1e-5, torch.bfloat16: 5 * 2**-8}
 # Logits, per token, relative to that token's largest logit (bfloat16: what tests/model/test_dora_serving.py
 # allows, the layers after this one in bfloat16).
 LOGITS_RTOL = {torch.float32: 1e-5, torch.bfloat16: 6e-2}

@@ -81,7 +81,7 @@ def dora_norm_parts(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slic
     ``W + s B A`` are formed in float64, a block of rows at a time, from ``W`` as the model holds it and A
     and B as the host tier holds them (the values the layers serve, so a served row's output stays within
     its magnitude), then reduced. Each norm's error is then at most about ``(r + 2) 2^-53 (||W_i|| + |s|
-    sum_k |B_ik| ||A_k||)``: relative to the norm itself, a row at 1e-6 of ``||W_i||`` keeps about nine
+    sum_k |B_ik| ||A_k||)``: relative to the norm itself, a row at 1e-6 of ``||W_i||`` keeps about eight
     digits, where expanding the square (``||W_i||^2 + 2 s <W_i, B_i A> + s^2 ||B_i A||^2``) in float32
     kept none, and where PEFT's float32 sum keeps about one.
 
