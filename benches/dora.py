@@ -11,7 +11,12 @@ Three comparisons, each against its named baseline in the same process, reported
    share (step minus the base-only step) is reported too, and a LoRA-only step with DoRA adapters resident
    in other slots against one with none (what DoRA costs the steps that do not use it);
 3. *load*: ``HostTier.read`` of a DoRA adapter (which computes its factors against the base weights)
-   against its plain twin.
+   against its plain twin, and against the same read with the norms expanded as before (``expanded_parts``
+   patched in for ``dora_norm_parts``);
+4. *norm*: one layer's ``||W + s B A||`` per output feature as the reads compute it
+   (``dora_norm_parts``: rows of ``W + s B A`` formed in float64, block by block) against the square
+   expanded in float32 (``||W||^2 + 2 s <W, B A> + s^2 ||B A||^2``, what ran before, kept here as the
+   baseline), for float32 and bfloat16 base weights.
 
 Goal: DoRA rows at most 1.2x the LoRA cost per row. The op and step figures are medians of rounds that
 alternate between the cases compared (a busy neighbour then slows each alike).
@@ -29,6 +34,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
@@ -98,6 +105,69 @@ def op_case(args: argparse.Namespace, hidden: int) -> dict[str, float]:
     }
 
 
+def expanded_norm_sq(weight: Any, a: Any, b: Any, scaling: float) -> Any:
+    """``||W_i + s B_i A||^2`` per row with the square expanded, in float32, 1024 rows at a time (the
+    baseline of :func:`norm_case`; it loses rows that are small against ``W``)."""
+    import torch
+
+    norm_sq = torch.zeros(weight.shape[0], dtype=torch.float32)
+    a = a.float()
+    gram = a @ a.T
+    for row in range(0, weight.shape[0], 1024):
+        w = weight[row : row + 1024].float()
+        b_rows = b[row : row + 1024].float()
+        cross = (b_rows * (w @ a.T)).sum(dim=1)
+        own = ((b_rows @ gram) * b_rows).sum(dim=1)
+        norm_sq[row : row + 1024] = torch.linalg.vector_norm(w, dim=1).square() + 2 * scaling * cross
+        norm_sq[row : row + 1024] += scaling * scaling * own
+    return norm_sq
+
+
+def expanded_parts(weight: Any, a: Any, b: Any, slices: Any) -> Any:
+    """``dora_norm_parts``'s result with the squared norms of :func:`expanded_norm_sq` and no rounding
+    bound: patched into a read for the *load* case's baseline (the read as it ran before)."""
+    import torch
+
+    parts = torch.zeros(2, weight.shape[0], dtype=torch.float64)
+    max_rank = a.shape[0] // max(len(slices), 1)
+    for s, spec in enumerate(slices):
+        if spec is not None:
+            first, last, rank, scaling = spec
+            a_s = a[s * max_rank : s * max_rank + rank]
+            parts[0, first:last] = expanded_norm_sq(weight[first:last], a_s, b[first:last, :rank], scaling)
+    return parts
+
+
+def norm_case(args: argparse.Namespace, out: int, width: int, dtype_name: str) -> dict[str, Any]:
+    """One ``[out, width]`` layer's DoRA norms at rank ``args.rank``: blocks in float64 against the
+    expanded square in float32."""
+    import torch
+
+    from lora_pin.weights.dora import dora_norm_parts
+
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(out, width, generator=gen).to(dtype)
+    a = 0.1 * torch.randn(args.rank, width, generator=gen).to(dtype)
+    b = 0.1 * torch.randn(out, args.rank, generator=gen).to(dtype)
+    slices = [(0, out, args.rank, 2.0)]
+    with torch.inference_mode():
+        us = alternating_us(
+            {
+                "expanded": lambda: expanded_norm_sq(weight, a, b, 2.0),
+                "blocks": lambda: dora_norm_parts(weight, a, b, slices),
+            },
+            max(args.calls // 100, 3),
+        )
+    return {
+        "shape": [out, width],
+        "dtype": dtype_name,
+        "expanded_us": us["expanded"],
+        "blocks_us": us["blocks"],
+        "ratio": us["blocks"] / us["expanded"],
+    }
+
+
 def model_cases(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """The decode step and the load, over a small Llama with DoRA adapters and their plain twins."""
     import torch
@@ -106,6 +176,7 @@ def model_cases(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 
     from lora_pin import LoRAManager
     from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
+    from lora_pin.weights import building
 
     transformers.logging.set_verbosity_error()
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -176,8 +247,17 @@ def model_cases(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 calls,
             )
             base_us, twin_us, dora_us, plain_us = (steps[k] for k in ("base", "twin", "dora", "plain"))
+
+        def read_expanded() -> object:
+            with mock.patch.object(building, "dora_norm_parts", expanded_parts):
+                return mgr.host.read("x", dora[0])
+
         reads = alternating_us(
-            {"dora": lambda: mgr.host.read("x", dora[0]), "twin": lambda: mgr.host.read("x", twins[0])},
+            {
+                "dora": lambda: mgr.host.read("x", dora[0]),
+                "expanded": read_expanded,
+                "twin": lambda: mgr.host.read("x", twins[0]),
+            },
             max(calls // 2, 3),
         )
         read_dora, read_twin = reads["dora"], reads["twin"]
@@ -191,6 +271,11 @@ def model_cases(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         },
         "lora_step_beside_dora": {"without_us": plain_us, "with_us": twin_us, "ratio": twin_us / plain_us},
         "load": {"lora_us": read_twin, "dora_us": read_dora, "ratio": read_dora / read_twin},
+        "load_vs_expanded_norm": {
+            "expanded_us": reads["expanded"],
+            "blocks_us": read_dora,
+            "ratio": read_dora / reads["expanded"],
+        },
     }
 
 
@@ -209,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
         "op": op_case(args, args.hidden),
         "op_wide": op_case(args, args.wide),
         **model_cases(args),
+        **{
+            f"norm_{out}x{width}_{dtype}": norm_case(args, out, width, dtype)
+            for out, width in ((args.hidden, args.hidden), (args.wide, args.wide))
+            for dtype in ("float32", "bfloat16")
+        },
     }
     print(json.dumps({"args": vars(args), **results}, indent=2))
     for name, r in results.items():

@@ -15,7 +15,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["make_peft_adapter", "make_tiny_llama", "save_char_tokenizer", "save_peft_adapter"]
+__all__ = [
+    "CANCEL_MODULE",
+    "CANCEL_RATIOS",
+    "ZERO_FEATURE",
+    "make_cancelling_dora",
+    "make_peft_adapter",
+    "make_tiny_llama",
+    "save_char_tokenizer",
+    "save_peft_adapter",
+]
 
 
 def make_tiny_llama(
@@ -153,6 +162,91 @@ def save_peft_adapter(
     path = Path(out_dir)
     peft_model.save_pretrained(str(path))
     return path
+
+
+#: The output features of layer 0's ``down_proj`` that :func:`make_cancelling_dora` makes, each with its
+#: ``||W_i + s B_i A|| / ||W_i||`` (1: no cancellation), and the feature whose row of ``W + s B A`` is
+#: exactly zero in the ``zero`` adapter (a ratio-1 row in the ``cancel`` adapter).
+CANCEL_RATIOS = {0: 1.0, 1: 1e-2, 2: 1e-3, 3: 1e-4, 4: 1e-6}
+ZERO_FEATURE = 5
+CANCEL_MODULE = "model.layers.0.mlp.down_proj"
+
+
+def make_cancelling_dora(
+    base: torch.nn.Module, root: str | os.PathLike[str], seed: int = 0
+) -> dict[str, Path]:
+    """Edit the Llama ``base`` in place and save two DoRA adapters over it whose rows of ``W + s B A``
+    cancel (layer 0's ``down_proj``, rank 4, alpha 8, so ``s = 2``); returns ``{"cancel": ..., "zero": ...}``.
+
+    A and B hold small integers and A is zero on the odd input columns, so ``s B A`` is exact in float32
+    and bfloat16 (integers up to 48) and in any order of summation. Row ``i`` of :data:`CANCEL_RATIOS`
+    (ratio below 1) gets ``W_i = -s B_i A`` on the even columns and, on the odd ones, a residual whose norm
+    is the ratio times ``||W_i||`` (bfloat16 values, so the model cast to bfloat16 keeps them): the row of
+    ``W + s B A`` is that residual, and ``W`` is up to 1e6 times larger. Its magnitude is ``||W_i||`` (a
+    factor of 1 / ratio), so its output is as large as an uncancelled row's; every other row's is
+    ``||W_i + s B_i A||`` times a uniform draw from [0.7, 1.3] (a trained adapter's factors stay near 1,
+    and PEFT's ``base + (f - 1) base`` would itself cancel for a factor far below 1). ``zero`` differs
+    from ``cancel`` in B's row :data:`ZERO_FEATURE` only, which cancels that row of ``W`` (zero on the odd
+    columns) exactly.
+
+    Layer 0's ``up_proj`` rows at even indices are zeroed, so ``down_proj``'s input is zero on the even
+    columns: ``A x`` is exactly 0 and each row's output is its residual's product with ``x`` scaled by the
+    factor, computed alike in any dtype: the outputs then measure the factors, not the layer's own
+    cancellation of ``W x`` against ``s B A x`` (which no dtype resolves at these ratios).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    weight = base.get_parameter(f"{CANCEL_MODULE}.weight").detach()  # [64, 128]
+    out, width = weight.shape
+    a = torch.randint(-3, 4, (4, width), generator=generator).float()
+    a[:, 1::2] = 0
+    b = torch.randint(-2, 3, (out, 4), generator=generator).float()
+    for row in [*CANCEL_RATIOS, ZERO_FEATURE]:
+        if not b[row].any():
+            b[row, 0] = 1
+    b[[r for r, ratio in CANCEL_RATIOS.items() if ratio == 1]] = 0
+    scaled = 2 * b @ a  # s B A, exact
+    with torch.no_grad():
+        base.get_parameter("model.layers.0.mlp.up_proj.weight")[0::2] = 0
+        for row, ratio in [*CANCEL_RATIOS.items(), (ZERO_FEATURE, 0.0)]:
+            if ratio == 1:
+                continue
+            cancelled = scaled[row].norm()
+            residual = torch.randn(width // 2, generator=generator)
+            residual *= ratio * cancelled / (1 - ratio**2) ** 0.5 / residual.norm()
+            weight[row, 0::2] = -scaled[row, 0::2]
+            weight[row, 1::2] = residual.to(torch.bfloat16).float()
+    magnitude_of = f"base_model.model.{CANCEL_MODULE}.lora_magnitude_vector"
+    made = {}
+    for name in ("cancel", "zero"):
+        path = save_peft_adapter(
+            base,
+            Path(root) / name,
+            seed,
+            r=4,
+            lora_alpha=8,
+            target_modules=["down_proj"],
+            layers_to_transform=[0],
+            use_dora=True,
+        )
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+        rows = b.clone()
+        if name == "cancel":
+            rows[ZERO_FEATURE] = 0
+        magnitude = (weight + 2 * rows @ a).norm(dim=1) * (0.7 + 0.6 * torch.rand(out, generator=generator))
+        magnitude[list(CANCEL_RATIOS)] = weight[list(CANCEL_RATIOS)].norm(dim=1)
+        tensors.update(
+            {
+                f"base_model.model.{CANCEL_MODULE}.lora_A.weight": a,
+                f"base_model.model.{CANCEL_MODULE}.lora_B.weight": rows,
+                magnitude_of: magnitude,
+            }
+        )
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        made[name] = path
+    return made
 
 
 def save_char_tokenizer(directory: str | os.PathLike[str]) -> Path:

@@ -25,7 +25,14 @@ import torch.multiprocessing as mp
 
 from lora_pin import LoRAManager
 from lora_pin.errors import AdapterLoadError
-from lora_pin.fixtures import make_peft_adapter, make_tiny_llama, save_peft_adapter
+from lora_pin.fixtures import (
+    CANCEL_MODULE,
+    ZERO_FEATURE,
+    make_cancelling_dora,
+    make_peft_adapter,
+    make_tiny_llama,
+    save_peft_adapter,
+)
 from lora_pin.parallel import TensorParallel
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -42,10 +49,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _load(root: Path) -> torch.nn.Module:
+def _load(root: Path, name: str = "model") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(root / "model").eval()
+    return AutoModelForCausalLM.from_pretrained(root / name).eval()
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +111,22 @@ def _save_qwen2(root: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {"qwen2_dora": _run(peft)}
 
 
+def _save_cancelling(root: Path) -> torch.Tensor:
+    """The tiny Llama edited by :func:`make_cancelling_dora` (saved as ``cancel_model``), its ``cancel``
+    and ``zero`` adapters, and ``cancel``'s factors of layer 0's ``down_proj`` in float64."""
+    from safetensors.torch import load_file
+
+    base = _load(root)
+    paths = make_cancelling_dora(base, root / "cancelling")
+    base.save_pretrained(root / "cancel_model")
+    state = load_file(str(paths["cancel"] / "adapter_model.safetensors"))
+    prefix = f"base_model.model.{CANCEL_MODULE}"
+    a, b = state[f"{prefix}.lora_A.weight"].double(), state[f"{prefix}.lora_B.weight"].double()
+    weight = base.get_submodule(CANCEL_MODULE).weight.detach().double()
+    magnitude = state[f"{prefix}.lora_magnitude_vector"].double()
+    return magnitude / torch.linalg.vector_norm(weight + 2 * b @ a, dim=1)
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama (4 heads, 1 kv head, replicated over the ranks), the adapters (``dora``: every
@@ -152,6 +175,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
             }
             want["bfloat16"][name] = _run(peft.to(torch.bfloat16))
     want["qwen2"] = _save_qwen2(root)
+    want["cancel"] = _save_cancelling(root)
     torch.save(want, root / "peft.pt")
     return root
 
@@ -201,6 +225,7 @@ def _worker(rank: int, world: int, root_text: str, port: int) -> None:
         for loading in ("blocking", "background"):
             _check_eviction_and_reload(root, tp, want["float32"], loading)
         _check_fully_sharded_refused(root, rank, world)
+        _check_cancelling_rows(root, tp, want["cancel"])
     finally:
         dist.destroy_process_group()
 
@@ -358,6 +383,26 @@ def _check_fully_sharded_refused(root: Path, rank: int, world: int) -> None:
     with pytest.raises(AdapterLoadError, match="fully sharded"):
         mgr.load("dora", root / "dora")
     assert "dora" not in mgr.registry
+    mgr.detach()
+
+
+def _check_cancelling_rows(root: Path, tp: TensorParallel, want: torch.Tensor) -> None:
+    """Rows of ``W + s B A`` at 1 to 1e-6 of ``||W||`` in the row-parallel ``down_proj``, each rank holding
+    half of every row's columns: the factors from the all-reduced parts are the float64 ones rounded once,
+    alike on both ranks; a row that cancels exactly is refused by name on every rank, and nothing loads."""
+    from lora_pin.parallel_fixtures import shard_llama
+
+    model = shard_llama(_load(root, "cancel_model"), tp)
+    adapters = root / "cancelling"
+    mgr = LoRAManager(model, [f"cancel={adapters / 'cancel'}"], max_loras_per_batch=2, tp=tp)
+    factor = mgr.host["cancel"].modules[CANCEL_MODULE].factor
+    assert factor is not None
+    torch.testing.assert_close(factor.double(), want, rtol=2**-23, atol=0)
+    with pytest.raises(
+        AdapterLoadError, match=rf"module '{CANCEL_MODULE}': output feature {ZERO_FEATURE}: .*zero"
+    ):
+        mgr.load("zero", adapters / "zero")
+    assert "zero" not in mgr.registry
     mgr.detach()
 
 

@@ -155,7 +155,12 @@ REFUSALS: list[tuple[str, Any, Any, str]] = [
         lambda c: c.update(use_dora=False),
         r"are DoRA magnitudes, but the config's field 'use_dora'",
     ),
-    ("zero_norm", _zero_b_row, None, rf"module '{Q0}': the DoRA factor .* of output feature 5 is"),
+    (
+        "zero_norm",
+        _zero_b_row,
+        None,
+        rf"module '{Q0}': output feature 5: the norm \|\|W \+ s B A\|\| is zero",
+    ),
 ]
 
 

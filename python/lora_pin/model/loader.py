@@ -522,7 +522,7 @@ class BackgroundLoads:
                 assert job.serial is not None
                 completed = finished.get(job)
                 if isinstance(completed, BaseException):
-                    # Its DoRA factors are not finite: alike on every rank (their norms are).
+                    # A DoRA norm is zero or a factor out of range: alike on every rank (their norms are).
                     if self.residency.abandon_fetch(job.name, job.serial):
                         self._fail(job.name, job.serial, completed)
                     continue

@@ -71,7 +71,7 @@ class Collective(ABC):
         rank calls it for the same adapters in the same order, as every agreement.
 
         Raises:
-            AdapterLoadError: a factor is not finite (alike on every rank).
+            AdapterLoadError: a norm is zero or a factor out of range (alike on every rank).
         """
         return finish_factors(adapter, self._sum)
 

@@ -18,7 +18,7 @@ import torch
 
 from lora_pin.errors import AdapterLoadError
 from lora_pin.weights.digest import ServedModule
-from lora_pin.weights.dora import BaseWeights, checked_factor, dora_factor, dora_norm_sq, module_slices
+from lora_pin.weights.dora import BaseWeights, checked_factor, dora_norm_parts, module_slices
 from lora_pin.weights.hosted import HostModule, _Slab
 from lora_pin.weights.reader import AdapterFile, LoraTensorPair
 from lora_pin.weights.targets import TargetGroup
@@ -185,13 +185,12 @@ def _with_factors(
     file: AdapterFile, modules: dict[str, HostModule], base_weights: BaseWeights, shards: ShardPlan | None
 ) -> dict[str, HostModule]:
     """The DoRA ``modules`` with their factors computed against the model's ``base_weights``; with
-    ``shards``, a row-parallel group's with this rank's part of its squared norms instead (see
-    :class:`HostModule`).
+    ``shards``, a row-parallel group's with this rank's part of its norms instead (see :class:`HostModule`).
 
     Raises:
         AdapterLoadError: a module's base weight cannot be read (its layer keeps no plain ``[out, in]``
-            weight) or has another shape, or a factor is not finite (a row of ``W + s B A`` of norm zero,
-            or a magnitude too large for float32).
+            weight) or has another shape, or a row of ``W + s B A`` has norm zero, or a factor is out of
+            the serving dtype's range (:func:`~lora_pin.weights.dora.checked_factor`).
     """
     where = f"adapter {file.name!r} ({file.weights_path})"
     done = {}
@@ -207,13 +206,16 @@ def _with_factors(
             )
         slices = module_slices(module)
         assert module.magnitude is not None
-        shard = None if shards is None else shards.group(key)
         with torch.no_grad():
-            if shard is not None and shard.layout.kind == "row":
-                done[key] = replace(module, norm_sq=dora_norm_sq(weight.detach(), module.a, module.b, slices))
-                continue
-            factor = dora_factor(weight.detach(), module.a, module.b, slices, module.magnitude)
-        checked_factor(where, key, factor)
+            parts = dora_norm_parts(weight.detach(), module.a, module.b, slices)
+        shard = None if shards is None else shards.group(key)
+        if shard is not None and shard.layout.kind == "row":
+            done[key] = replace(module, norm_parts=parts)
+            continue
+        # A column-parallel rank's rows of a slice start at its shard of the module's output features.
+        member_shards = [None if shards is None else shards.member(m.key) for m in group.members]
+        firsts = [0 if m is None else m.b_rows[0] for m in member_shards]
+        factor = checked_factor(where, group, parts, module.magnitude, slices, module.a.dtype, firsts)
         done[key] = replace(module, factor=factor.pin_memory() if module.a.is_pinned() else factor)
     return done
 

@@ -37,11 +37,12 @@ class HostModule:
     A DoRA adapter's module also holds ``magnitude``, float32 ``[out_total]`` (its
     ``lora_magnitude_vector`` on the rows of the slices it targets, 0 elsewhere), and, once computed
     against the model's base weight, ``factor``, float32 ``[out_total]`` (:func:`~lora_pin.weights.dora.
-    dora_factor`: ``m / ||W + s B A||`` per output feature, 1 on the slices it does not target), which
+    checked_factor`: ``m / ||W + s B A||`` per output feature, 1 on the slices it does not target), which
     the pool copies beside A and B. Both None for plain LoRA. On a tensor-parallel rank a column
     layer's magnitudes and factors are its output rows'; a row-parallel layer's factor waits, None, for
-    the other ranks' parts of its squared norms, this rank's part held in ``norm_sq`` (float32
-    ``[out_total]``) until :func:`~lora_pin.weights.dora.finish_factors` completes them.
+    the other ranks' parts of its norms, this rank's part held in ``norm_parts`` (float64
+    ``[2, out_total]``, :func:`~lora_pin.weights.dora.dora_norm_parts`) until
+    :func:`~lora_pin.weights.dora.finish_factors` completes them.
     """
 
     group: TargetGroup
@@ -53,7 +54,7 @@ class HostModule:
     scaling_tensor: torch.Tensor
     magnitude: torch.Tensor | None = None
     factor: torch.Tensor | None = None
-    norm_sq: torch.Tensor | None = None
+    norm_parts: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -74,7 +75,7 @@ def _whole_dora_nbytes(module: HostModule, shards: ShardPlan | None) -> int:
     for member in module.group.members:
         shard = None if shards is None else shards.member(member.key)
         full_out += member.out_features if shard is None else shard.full_out
-    held = 1 + (module.factor is not None or module.norm_sq is not None)
+    held = 1 + (module.factor is not None or module.norm_parts is not None)
     return held * full_out * module.magnitude.element_size()
 
 

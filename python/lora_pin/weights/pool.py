@@ -207,7 +207,7 @@ class DevicePool:
             why = (
                 "its row-parallel factors were not completed over the tensor-parallel ranks "
                 "(Collective.finish_read)"
-                if module.norm_sq is not None
+                if module.norm_parts is not None
                 else "it is a DoRA adapter read without the model's base weights (read it through a "
                 "HostTier given base_weights)"
             )
