@@ -48,7 +48,7 @@ def _assert_replicas_hold_the_desired_adapters(deployment: Deployment) -> None:
 
 def test_a_replica_that_drifted_is_sent_the_desired_adapters_again(deployment: Deployment) -> None:
     _assert_replicas_hold_the_desired_adapters(deployment)
-    drifted = deployment.names()[0]
+    _, drifted = deployment.complete("ad2", deployment.prompt(0))  # where ad2's requests go
     with deployment.traffic(_models(deployment)) as wrong:
         # Changes on one replica that the ingress did not make: what a replica that missed changes holds.
         assert deployment.behind_the_back(drifted, "/v1/unload_lora_adapter", {"lora_name": "ad2"}) == 200
