@@ -42,16 +42,16 @@ CALL_S = 30.0
 T = TypeVar("T")
 
 
-def wait_for(what: str, check: Callable[[], T | None], patience: float = PATIENCE_S) -> T:
-    """Polls ``check()`` until it returns something other than None (or False), and returns it; fails
-    naming ``what`` when ``patience`` seconds pass first."""
+def wait_for(what: str, check: Callable[[], T | None], patience: float = PATIENCE_S, every: float = 0.2) -> T:
+    """Polls ``check()`` every ``every`` s until it returns something other than None (or False), and
+    returns it; fails naming ``what`` when ``patience`` seconds pass first."""
     deadline = time.monotonic() + patience
     while True:
         result = check()
         if result is not None and result is not False:
             return result
         assert time.monotonic() < deadline, f"{what}: not within {patience:g} s"
-        time.sleep(0.2)
+        time.sleep(every)
 
 
 def prompt(i: int) -> list[int]:

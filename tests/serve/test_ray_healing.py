@@ -128,13 +128,13 @@ def _in_flight_on(deployment: Deployment) -> str | None:
 
 
 def test_a_request_in_flight_on_a_killed_replica_is_answered_by_another(deployment: Deployment) -> None:
-    ids, want = _long_prompt(deployment, "pin0", 200)
+    ids, want = _long_prompt(deployment, "pin0", 240)
     with ThreadPoolExecutor(1) as pool:
         for _ in range(3):
             deployment.converged()
             future = pool.submit(deployment.completion, "pin0", ids, len(want))
             victim = deployment.wait_for(
-                "a replica with the request in flight", lambda: _in_flight_on(deployment)
+                "a replica with the request in flight", lambda: _in_flight_on(deployment), every=0.01
             )
             deployment.kill(victim)
             status, body, replica = future.result()
@@ -150,8 +150,8 @@ def test_a_request_in_flight_on_a_killed_replica_is_answered_by_another(deployme
 
 
 def test_a_stream_cut_by_a_killed_replica_ends_with_an_error_event(deployment: Deployment) -> None:
-    ids, _ = _long_prompt(deployment, "pin0", 200)
-    body = {"model": "pin0", "prompt": ids, "max_tokens": 200, "temperature": 0, "stream": True}
+    ids, _ = _long_prompt(deployment, "pin0", 240)
+    body = {"model": "pin0", "prompt": ids, "max_tokens": 240, "temperature": 0, "stream": True}
     for _ in range(3):
         deployment.converged()
         request = urllib.request.Request(
