@@ -101,3 +101,29 @@ def test_status_counts_running_replicas() -> None:
     assert "deployments" in ApplicationStatusOverview.__dataclass_fields__
     assert "replica_states" in DeploymentStatusOverview.__dataclass_fields__
     assert {ReplicaState.RUNNING: 2}.get("RUNNING") == 2
+
+
+def test_a_request_of_its_own_in_an_empty_context() -> None:
+    # ingress._own_request runs a call in an empty contextvars.Context so it gets a request id of its own:
+    # Ray Serve reads the caller's request from a context variable and mints ids when there is none.
+    import contextvars
+
+    from ray.serve._private import default_impl
+    from ray.serve.context import _serve_request_context
+
+    assert isinstance(_serve_request_context, contextvars.ContextVar)
+    source = inspect.getsource(default_impl.get_request_metadata)
+    assert "else generate_request_id()" in source and "_internal_request_id" in source
+
+
+def test_what_a_lost_replica_raises() -> None:
+    # ingress._lost tells a replica that went away from one that raised; ingress._relay cancels the
+    # answer it gives up on.
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+    from ray.serve.exceptions import ReplicaUnavailableError
+    from ray.serve.handle import DeploymentResponseGenerator
+
+    assert issubclass(ActorDiedError, RayActorError) and issubclass(ActorUnavailableError, RayActorError)
+    assert "cause" in inspect.signature(RayTaskError.__init__).parameters
+    assert issubclass(ReplicaUnavailableError, Exception)
+    assert callable(DeploymentResponseGenerator.cancel)

@@ -13,7 +13,7 @@ pytest.importorskip("ray.serve")
 
 from lora_pin.model.lifecycle import AdapterPlacement, Placement
 from lora_pin.routing import home_replicas
-from lora_pin.serve.ray.ingress import apply_change, combine
+from lora_pin.serve.ray.ingress import combine
 from lora_pin.serve.ray.merge import merge_health, merge_metrics, merge_models
 from lora_pin.serve.ray.router import AffinityRanker, RouteHint, replica_stats
 
@@ -121,6 +121,34 @@ def test_adding_a_replica_moves_about_one_in_n_of_the_homes() -> None:
     assert 0.12 < len(moved) / len(adapters) < 0.28  # about 1/5
 
 
+def test_an_adapters_requests_go_only_where_it_is_served_at_the_desired_version() -> None:
+    ranker = AffinityRanker(queue_bound=4)
+    rows = [
+        ("r0", {**_stats({"a": "device"}), "serves": {"a": {"version": 1, "pinned": False}}}),
+        ("r1", {**_stats(), "serves": {"a": {"version": 3, "pinned": False}}}),
+        ("r2", {**_stats(), "serves": {}}),
+        ("r3", _stats()),  # no report yet
+    ]
+    # r0 holds it in a slot, but at an older version: it is left out, the pinned flag or not.
+    for pinned in (False, True):
+        assert ranker.rank(RouteHint(adapter="a", pinned=pinned, version=3), rows) == [1]
+    assert sorted(ranker.rank(RouteHint(adapter="a", version=1), rows)) == [0, 1]
+    # Without a version (or for the base) every replica is ranked.
+    assert sorted(ranker.rank(RouteHint(adapter="a"), rows)) == [0, 1, 2, 3]
+    assert sorted(ranker.rank(RouteHint(), rows)) == [0, 1, 2, 3]
+    # When no report has it yet (a report on its way), any replica may answer: the ingress sees it.
+    assert sorted(ranker.rank(RouteHint(adapter="a", version=9), rows)) == [0, 1, 2, 3]
+
+
+def test_a_retried_request_avoids_the_replicas_it_failed_on() -> None:
+    ranker = AffinityRanker(queue_bound=4)
+    rows = _rows(r1={"a": "device"})
+    assert NAMES[ranker.rank(RouteHint(adapter="a"), rows)[0]] == "r1"
+    order = ranker.rank(RouteHint(adapter="a", exclude=("r1", "r3")), rows)
+    assert sorted(NAMES[i] for i in order) == ["r0", "r2"]
+    assert ranker.rank(RouteHint(exclude=tuple(NAMES)), rows) == []
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="queue_bound"):
         AffinityRanker(queue_bound=0)
@@ -163,24 +191,6 @@ def test_routing_stats_from_a_placement_snapshot() -> None:
     }
     assert json.loads(json.dumps(stats)) == stats
     assert replica_stats("r1", None, 0)["holding"] == {}
-
-
-def test_adapter_changes_update_the_desired_adapters() -> None:
-    desired = {"a": {"path": "/x/a", "pinned": True}}
-    loaded = apply_change(desired, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "/x/b"})
-    assert loaded["b"] == {"path": "/x/b", "pinned": False} and desired == {
-        "a": {"path": "/x/a", "pinned": True}
-    }
-    sglang = apply_change(
-        loaded, "/load_lora_adapter", {"lora_name": "c", "lora_path": "/x/c", "pinned": True}
-    )
-    assert sglang["c"]["pinned"]
-    inplace = apply_change(
-        desired, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/y/a", "load_inplace": True}
-    )
-    assert inplace["a"] == {"path": "/y/a", "pinned": True}
-    assert apply_change(loaded, "/v1/unpin_lora_adapter", {"lora_name": "a"})["a"]["pinned"] is False
-    assert "a" not in apply_change(loaded, "/unload_lora_adapter", {"lora_name": "a"})
 
 
 def test_answers_that_agree_pass_through_and_disagreements_name_the_replicas() -> None:

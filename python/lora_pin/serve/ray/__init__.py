@@ -6,7 +6,9 @@ Needs the ``ray`` extra (``ray[serve]``, its minor version pinned: the request-r
 - :mod:`~lora_pin.serve.ray.replica`: one replica, the same engine and app as ``lora-pin serve``;
 - :mod:`~lora_pin.serve.ray.router`: Ray Serve's request router, ranking replicas by their placement
   snapshots with :func:`lora_pin.routing.rank_replicas`;
-- :mod:`~lora_pin.serve.ray.ingress`: the OpenAI-compatible face; adapter changes reach every replica.
+- :mod:`~lora_pin.serve.ray.ingress`: the OpenAI-compatible face; adapter changes reach every replica,
+  replicas that differ from the desired adapters are sent them again, lost requests are retried;
+- :mod:`~lora_pin.serve.ray.desired`: the desired adapters and the order of steps that reaches them.
 
 :func:`build_application` makes the Ray Serve application (for ``serve.run`` or ``serve run``);
 :func:`run_local` starts a local Ray cluster and serves it until interrupted.

@@ -4,24 +4,32 @@ The replica builds the :class:`~lora_pin.serve.app.ServerState` a ``lora-pin ser
 (model, manager with its start-up adapters, engine) and the same FastAPI app
 (:func:`lora_pin.serve.app.build_app`); the ingress forwards each HTTP request to it whole and relays
 the answer as the app sends it (:meth:`LoRAReplica.forward`), so every endpoint, error and stream is
-the single server's own. Before it takes requests, a replica asks the ingress for the adapters the
-deployment should serve and converges to them (:func:`converge`): a replica that died and was started
-again comes back with the adapters and pins loaded over HTTP since start-up.
+the single server's own.
+
+Before it takes requests, a replica asks the ingress for the adapters the deployment should serve and
+reaches exactly them: it starts with its ``--lora-paths`` adapters pinned as the desired adapters say,
+then follows :func:`~lora_pin.serve.ray.desired.plan` (:func:`converge`). A replica that died and was
+started again so comes back with the adapters, versions and pins set over HTTP since start-up. Its
+routing stats (:meth:`LoRAReplica.record_routing_stats`) report what it serves and at which version;
+the router sends an adapter's requests only where it is served at the desired version.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
 from lora_pin.errors import LoraPinError
 from lora_pin.serve.app import build_app
+from lora_pin.serve.ray.desired import LOADS, Step, plan, startup_adapters, startup_items
 from lora_pin.serve.ray.router import RouteHint, replica_stats
 
 if TYPE_CHECKING:
@@ -32,40 +40,48 @@ __all__ = ["LoRAReplica", "converge"]
 log = logging.getLogger("lora_pin.serve")
 
 
-async def converge(state: ServerState, desired: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Bring ``state``'s adapters to ``desired`` (name -> ``{"path": str, "pinned": bool}``): unload what
-    is not desired, load what is missing, pin and unpin to match. Returns one line per change that
-    failed (empty: all applied); the rest is applied regardless, and each failure is logged.
+async def converge(
+    state: ServerState, versions: dict[str, int], desired: Mapping[str, Mapping[str, Any]]
+) -> list[str]:
+    """Bring ``state``'s adapters to ``desired`` (name -> ``{"path", "pinned", "version"}``) by the
+    steps of :func:`~lora_pin.serve.ray.desired.plan`; ``versions`` (name -> the version each served
+    adapter was loaded at) is updated as loads and replacements succeed. Returns one line per step that
+    failed (empty: all applied); the other steps are applied regardless, and each failure is logged.
     """
     admin = state.admin
+    pinned = (
+        set() if admin.manager is None else {a.name for a in admin.manager.placement().adapters if a.pinned}
+    )
+    served = {
+        name: {"path": path, "pinned": name in pinned, "version": versions.get(name, -1)}
+        for name, path in admin.served().items()
+    }
     failures: list[str] = []
-
-    async def attempt(what: str, action: Callable[[], Any]) -> None:
+    for step in plan(served, desired):
         try:
-            result = action()
-            if asyncio.iscoroutine(result):
-                await result
+            await _apply(admin, step)
         except LoraPinError as e:
-            log.error("replica start: %s failed: %s", what, e)
-            failures.append(f"{what}: {e}")
-
-    served = admin.served()
-    for name in sorted(set(served) - set(desired)):
-        await attempt(f"unload {name!r}", partial(admin.unload, name))
-    for name, want in sorted(desired.items()):
-        path, pinned = str(want["path"]), bool(want.get("pinned", False))
-        if name not in served:
-            await attempt(f"load {name!r}", partial(admin.load, name, path, pinned=pinned))
+            log.error("replica converging: %s %r failed: %s", step.action, step.name, e)
+            failures.append(f"{step.action} {step.name!r}: {e}")
             continue
-        if os.path.realpath(served[name]) != os.path.realpath(path):
-            await attempt(f"replace {name!r}", partial(admin.load, name, path, replace=True))
-        now_pinned = admin.manager is not None and admin.manager.placement()[name].pinned
-        if pinned != now_pinned:
-            await attempt(
-                f"{'pin' if pinned else 'unpin'} {name!r}",
-                partial(admin.pin if pinned else admin.unpin, name),
-            )
+        if step.action in ("load", "replace"):
+            versions[step.name] = step.version
+        elif step.action == "unload":
+            versions.pop(step.name, None)
     return failures
+
+
+async def _apply(admin: Any, step: Step) -> None:
+    if step.action == "unload":
+        await admin.unload(step.name)
+    elif step.action == "unpin":
+        admin.unpin(step.name)
+    elif step.action == "replace":
+        await admin.load(step.name, step.path, replace=True)
+    elif step.action == "load":
+        await admin.load(step.name, step.path)
+    else:
+        admin.pin(step.name)
 
 
 async def _asgi_exchange(app: Any, request: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -141,10 +157,24 @@ class LoRAReplica:
     ) -> None:
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id
-        self.state = build_state(args)
-        self.app = build_app(self.state)
         self.generation = -1
         desired = await serve.get_deployment_handle(ingress, context.app_name).desired_adapters.remote()
+        wanted = desired["adapters"]
+        items = startup_items(args, wanted)
+        if items is not None:
+            # The start-up adapters as the desired adapters pin them: a pin made at run time then finds
+            # the room an unpin made for it.
+            args = copy.copy(args)
+            args.lora_paths = items
+        self.state = build_state(args)
+        self.app = build_app(self.state)
+        # name -> the desired version whose weights this replica serves. A start-up adapter read from the
+        # desired path now holds the same weights as a load of that version would.
+        self.versions: dict[str, int] = {}
+        for name, started in startup_adapters(args).items():
+            want = wanted.get(name)
+            same = want is not None and os.path.realpath(want["path"]) == os.path.realpath(started["path"])
+            self.versions[name] = int(want["version"]) if same else 0
         await self.sync_adapters(desired)
 
     async def forward(
@@ -161,57 +191,86 @@ class LoRAReplica:
 
     async def change(
         self, request: dict[str, Any], generation: int, route: RouteHint | None = None
-    ) -> tuple[int, list[Any], bytes]:
-        """Answers one adapter endpoint ``request`` (as :meth:`forward`) whole: ``(status, headers,
-        body)``; a success brings this replica to the ingress's desired-adapters ``generation``."""
+    ) -> dict[str, Any]:
+        """Answers one ``request`` (as :meth:`forward`) whole, for the ingress: an adapter change made
+        as the desired adapters' change ``generation`` (a read: -1). Returns ``{"status", "headers",
+        "body", "report"}``, the report (:meth:`report`) taken after the change."""
         status, headers, body = 0, [], bytearray()
         async for message in self.forward(request):
             if "status" in message:
                 status, headers = message["status"], message["headers"]
             else:
                 body += message["body"]
-        if status == 200:
+        if status == 200 and generation >= 0:
+            if request["path"] in LOADS:
+                # A load or an in-place replacement: these weights are that change's.
+                self.versions[str(json.loads(request["body"])["lora_name"])] = generation
             self.generation = max(self.generation, generation)
-        return status, headers, bytes(body)
+        return {"status": status, "headers": headers, "body": bytes(body), "report": self.report()}
 
-    async def sync_adapters(self, desired: dict[str, Any], route: RouteHint | None = None) -> list[str]:
+    async def sync_adapters(self, desired: dict[str, Any], route: RouteHint | None = None) -> dict[str, Any]:
         """Converge to the ingress's ``desired`` adapters (``{"generation", "adapters"}``, see
-        :func:`converge`); returns the failures, one line each (also logged)."""
-        failures = await converge(self.state, desired["adapters"])
+        :func:`converge`). Returns ``{"failures": [str], "report": ...}``: the steps that failed, one
+        line each (also logged), and :meth:`report` after."""
+        failures = await converge(self.state, self.versions, desired["adapters"])
         if failures:
             log.error("replica %s serves without: %s", self.name, "; ".join(failures))
         self.generation = max(self.generation, int(desired["generation"]))
-        return failures
+        return {"failures": failures, "report": self.report()}
 
     def desired_state(self, route: RouteHint | None = None) -> dict[str, Any]:
         """What this replica serves, in the ingress's desired-adapters shape: ``{"generation": int,
-        "adapters": {name: {"path", "pinned"}}}`` (a restarted ingress adopts the newest replica's)."""
+        "adapters": {name: {"path", "pinned", "version"}}}`` (a restarted ingress adopts the newest
+        replica's)."""
         admin = self.state.admin
         entries = () if admin.manager is None else admin.manager.placement().adapters
         pinned = {a.name for a in entries if a.pinned}
-        adapters = {name: {"path": path, "pinned": name in pinned} for name, path in admin.served().items()}
+        adapters = {
+            name: {"path": path, "pinned": name in pinned, "version": self.versions.get(name, -1)}
+            for name, path in admin.served().items()
+        }
         return {"generation": self.generation, "adapters": adapters}
 
     def adapters(self, route: RouteHint | None = None) -> dict[str, Any]:
         """This replica's name and adapters, ``{"replica": str, "adapters": {name: {"tier", "pinned",
-        "digest", "generation"}}}`` (from the manager's placement snapshot)."""
+        "digest", "generation", "version"}}}`` (from the manager's placement snapshot; ``generation`` is
+        the manager's, ``version`` the desired adapters')."""
         manager = self.state.admin.manager
         entries = () if manager is None else manager.placement().adapters
         return {
             "replica": self.name,
             "adapters": {
-                a.name: {"tier": a.tier, "pinned": a.pinned, "digest": a.digest, "generation": a.generation}
+                a.name: {
+                    "tier": a.tier,
+                    "pinned": a.pinned,
+                    "digest": a.digest,
+                    "generation": a.generation,
+                    "version": self.versions.get(a.name, -1),
+                }
                 for a in entries
             },
         }
 
+    def report(self, route: RouteHint | None = None) -> dict[str, Any]:
+        """What the router and the ingress know this replica by: its placement snapshot
+        (:func:`lora_pin.serve.ray.router.replica_stats`) and ``{"at": int, "generation": int, "serves":
+        {name: {"version": int, "pinned": bool}}}``: when it was taken (this process's monotonic clock,
+        ns: the newer of two reports is the later), the last desired generation applied, and every
+        adapter that takes requests here (one being unloaded does not)."""
+        at = time.monotonic_ns()  # before the reads: the state reported is at least as new
+        admin = self.state.admin
+        placement = None if admin.manager is None else admin.manager.placement()
+        pinned = set() if placement is None else {a.name for a in placement.adapters if a.pinned}
+        serves = {
+            name: {"version": self.versions.get(name, -1), "pinned": name in pinned}
+            for name in admin.served()
+        }
+        stats = replica_stats(self.name, placement, sum(admin.outstanding().values()))
+        return {**stats, "at": at, "generation": self.generation, "serves": serves}
+
     def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve's hook: this replica's placement snapshot for the router (see
-        :func:`lora_pin.serve.ray.router.replica_stats`)."""
-        manager = self.state.admin.manager
-        placement = None if manager is None else manager.placement()
-        stats = replica_stats(self.name, placement, sum(self.state.admin.outstanding().values()))
-        return {**stats, "generation": self.generation}
+        """Ray Serve's hook: :meth:`report`, for the router."""
+        return self.report()
 
     def check_health(self) -> None:
         """Ray Serve's hook: fails while the engine's generation thread is down (it is restarted by the

@@ -17,13 +17,20 @@ Snapshots arrive every ``request_routing_stats_period_s`` (a second by default h
 remembers where it sent each adapter lately (as ``fetching`` there: it is being loaded) and counts its own
 requests in flight per replica (the queue), both exact in the ingress's process.
 
+An adapter's requests go only to replicas that report serving it at the deployment's desired version
+(:func:`lora_pin.serve.ray.desired.serves_at` on each replica's ``serves``): a replica that started again
+or missed a change takes none of them until it has caught up. Reports come with the routing stats and,
+fresher, with every answer to the ingress's adapter changes (:meth:`LoRARouter.note`); the newest wins.
+
 A request may also name one replica (:attr:`RouteHint.replica`): the ingress uses that to apply a load,
-unload or pin to every replica in turn.
+unload or pin to every replica in turn; or name replicas to avoid (:attr:`RouteHint.exclude`): those a
+retried request already failed on.
 """
 
 from __future__ import annotations
 
 import importlib
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +40,7 @@ from typing import Any
 from ray.serve.request_router import RequestRouter
 
 from lora_pin.routing import Holding, ReplicaStats, rank_replicas, replication_factor
+from lora_pin.serve.ray.desired import serves_at
 
 __all__ = ["AffinityRanker", "LoRARouter", "RouteHint", "replica_stats"]
 
@@ -48,12 +56,17 @@ class RouteHint:
         adapter: the adapter the request names; None for the base model (or a request that names no
             model the ingress knows: any replica answers it the same way).
         pinned: the adapter is pinned on every replica (routed by load alone).
+        version: the adapter's desired version: only replicas serving it at that version or newer take
+            the request (None: any replica).
         replica: send to this replica only (its name, ``ReplicaID.unique_id``); None: rank them all.
+        exclude: replicas not to send it to (a retry avoids those it failed on).
     """
 
     adapter: str | None = None
     pinned: bool = False
+    version: int | None = None
     replica: str | None = None
+    exclude: tuple[str, ...] = ()
 
 
 def replica_stats(name: str, placement: Any, queue: int) -> dict[str, Any]:
@@ -122,20 +135,28 @@ class AffinityRanker:
         replicas: Sequence[tuple[str, Mapping[str, Any]]],
         request_id: str | None = None,
     ) -> list[int]:
-        """Ranks ``replicas`` (name, routing stats) for a request, best first; every index once, or only
-        the named replica's when ``hint.replica`` is set (none if it is not among them).
+        """Ranks ``replicas`` (name, routing stats) for a request, best first, by index; only the named
+        replica's when ``hint.replica`` is set (none if it is not among them).
 
-        The first time a ``request_id`` is ranked it counts in its adapter's share of the traffic, and
-        the adapter counts as fetching on the first choice for ``memory_s``. Stats a replica has not
-        reported yet count as holding nothing, with one free slot.
+        Replicas in ``hint.exclude`` are left out. With ``hint.version`` set, so are those whose stats'
+        ``serves`` lack ``hint.adapter`` at that version, unless none has it (a report not yet here:
+        whichever replica answers, the ingress sees its answer). The first time a ``request_id`` is
+        ranked it counts in its adapter's share of the traffic, and the adapter counts as fetching on the
+        first choice for ``memory_s``. Stats a replica has not reported yet count as holding nothing,
+        with one free slot.
         """
         if hint.replica is not None:
             return [i for i, (name, _) in enumerate(replicas) if name == hint.replica]
-        if not replicas:
+        kept = [i for i, (name, _) in enumerate(replicas) if name not in hint.exclude]
+        if hint.adapter is not None and hint.version is not None:
+            adapter, version = hint.adapter, hint.version
+            serving = [i for i in kept if serves_at(replicas[i][1].get("serves", {}), adapter, version)]
+            kept = serving or kept
+        if not kept:
             return []
         now = self._clock()
         rows = []
-        for name, stats in replicas:
+        for name, stats in (replicas[i] for i in kept):
             holding: Holding = "absent"
             if hint.adapter is not None:
                 holding = _HOLDING.get(stats.get("holding", {}).get(hint.adapter, ""), "absent")
@@ -156,7 +177,7 @@ class AffinityRanker:
             self._count(request_id, hint.adapter)
             if hint.adapter is not None and not hint.pinned:
                 self._sent[(rows[order[0]].name, hint.adapter)] = now
-        return order
+        return [kept[i] for i in order]
 
     def _count(self, request_id: str, adapter: str | None) -> None:
         if len(self._recent) == self._recent.maxlen:
@@ -205,16 +226,22 @@ def _hint_of(pending_request: Any) -> RouteHint:
     hint = None if pending_request is None else pending_request.kwargs.get("route")
     if hint is None:
         return RouteHint()
+    version = getattr(hint, "version", None)
     return RouteHint(
         adapter=getattr(hint, "adapter", None),
         pinned=bool(getattr(hint, "pinned", False)),
+        version=None if version is None else int(version),
         replica=getattr(hint, "replica", None),
+        exclude=tuple(getattr(hint, "exclude", ())),
     )
 
 
 class LoRARouter(RequestRouter):  # type: ignore[misc, valid-type]
     """Ray Serve's request router for lora_pin replicas (set it in the deployment's
-    ``RequestRouterConfig``; ``request_router_kwargs``: ``queue_bound``, ``memory_s``, ``window``)."""
+    ``RequestRouterConfig``; ``request_router_kwargs``: ``queue_bound``, ``memory_s``, ``window``).
+
+    Thread safety: Ray Serve runs the router on a loop of its own; :meth:`note` and :meth:`report` may be
+    called from any thread."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         """Ray Serve's hook: the ranker's settings from ``request_router_kwargs``."""
@@ -223,6 +250,8 @@ class LoRARouter(RequestRouter):  # type: ignore[misc, valid-type]
             memory_s=float(kwargs.get("memory_s", 3.0)),
             window=int(kwargs.get("window", 1000)),
         )
+        self._noted: dict[str, dict[str, Any]] = {}
+        self._noted_lock = threading.Lock()
         deployment = self._deployment_id
         _live_routers()[(deployment.app_name, deployment.name)] = self
 
@@ -234,17 +263,49 @@ class LoRARouter(RequestRouter):  # type: ignore[misc, valid-type]
 
     def replica_names(self) -> list[str]:
         """The names (``ReplicaID.unique_id``) of the replicas running now, as Ray Serve last said."""
-        return sorted(r.unique_id for r in self.curr_replicas)
+        return sorted(r.unique_id for r in list(self.curr_replicas))
+
+    def note(self, replica: str, report: Mapping[str, Any]) -> None:
+        """Keep ``report`` (a replica's ``record_routing_stats()`` shape, with its ``at``) as what
+        ``replica`` serves, unless a newer one is known."""
+        with self._noted_lock:
+            known = self._noted.get(replica)
+            if known is None or int(report.get("at", 0)) >= int(known.get("at", 0)):
+                self._noted[replica] = dict(report)
+
+    def report(self, replica: str) -> dict[str, Any] | None:
+        """The newest report of ``replica``: its last routing stats or the last :meth:`note`, whichever
+        the replica made later (None: neither yet)."""
+        stats = None
+        for replica_id, running in list(self.curr_replicas.items()):
+            if replica_id.unique_id == replica:
+                stats = running.routing_stats or None
+        return self._newest(replica, stats)
+
+    def _newest(self, replica: str, stats: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        with self._noted_lock:
+            noted = self._noted.get(replica)
+        if stats is None or (noted is not None and int(noted.get("at", 0)) > int(stats.get("at", 0))):
+            return noted
+        return dict(stats)
 
     def update_replicas(self, replicas: list[Any]) -> None:
         """Ray Serve's hook: the running replicas changed."""
         super().update_replicas(replicas)
-        self.ranker.forget({r.replica_id.unique_id for r in replicas})
+        live = {r.replica_id.unique_id for r in replicas}
+        self.ranker.forget(live)
+        with self._noted_lock:
+            for name in [n for n in self._noted if n not in live]:
+                del self._noted[name]
 
     async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[Any]:
-        """Ray Serve's hook: the candidates ranked by :meth:`AffinityRanker.rank`, one per rank."""
+        """Ray Serve's hook: the candidates ranked by :meth:`AffinityRanker.rank` on each one's newest
+        report, one per rank."""
         hint = _hint_of(pending_request)
-        rows = [(r.replica_id.unique_id, r.routing_stats or {}) for r in candidate_replicas]
+        rows = [
+            (r.replica_id.unique_id, self._newest(r.replica_id.unique_id, r.routing_stats or None) or {})
+            for r in candidate_replicas
+        ]
         request_id = None
         if pending_request is not None:
             request_id = pending_request.metadata.internal_request_id
