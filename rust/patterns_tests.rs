@@ -51,7 +51,9 @@ fn the_exponential_pattern_matches_in_linear_time() {
     let start = std::time::Instant::now();
     assert_eq!(full.first_match(KEY).unwrap(), None);
     assert_eq!(full.first_match(&format!("{}X", "a".repeat(40))).unwrap(), Some(0));
-    assert!(start.elapsed().as_secs_f64() < 1.0);
+    // A hang guard, not a benchmark: microseconds in linear time, however busy the machine; days for a
+    // backtracking engine's 2^40 ways.
+    assert!(start.elapsed().as_secs_f64() < 60.0);
 }
 
 #[test]

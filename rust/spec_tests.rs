@@ -135,7 +135,8 @@ fn an_at_file_that_is_a_fifo_is_refused_without_blocking() {
     let (tx, rx) = std::sync::mpsc::channel();
     // On a thread: opened the blocking way, the open would wait for a writer forever.
     std::thread::spawn(move || tx.send(err(&[&item])));
-    let msg = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("parsing a FIFO @FILE blocked");
+    // A hang guard: the refusal takes microseconds; a blocking open would wait for ever.
+    let msg = rx.recv_timeout(std::time::Duration::from_secs(120)).expect("parsing a FIFO @FILE blocked");
     std::fs::remove_file(&fifo).unwrap();
     assert!(msg.contains("item 0") && msg.contains("not a regular file"), "{msg}");
 }

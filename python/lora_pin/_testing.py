@@ -202,8 +202,9 @@ class SlowStore:
                 self._gated = False
             self._changed.notify_all()
 
-    def wait_for_read(self, name: str, timeout: float = 10.0) -> bool:
-        """Block until a read of ``name`` has begun; False after ``timeout`` seconds."""
+    def wait_for_read(self, name: str, timeout: float = _GATE_TIMEOUT_S) -> bool:
+        """Block until a read of ``name`` has begun; False after ``timeout`` seconds (by default as long
+        as a gated read waits for its release: a guard against a hang, far past a busy machine's delays)."""
         with self._changed:
             return self._changed.wait_for(lambda: any(n == name for n, _ in self.reads), timeout=timeout)
 

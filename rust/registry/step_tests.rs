@@ -20,7 +20,8 @@ fn a_step_holds_its_adapters_until_finished_so_an_unload_waits_for_it() {
     assert!(matches!(again, Error::AdapterInUse(_)), "{again}");
     let waiter = {
         let shared = Arc::clone(&shared);
-        std::thread::spawn(move || shared.unload("a", Some(Duration::from_secs(10))))
+        // A hang guard: the step below finishes at once, and the unload returns with it.
+        std::thread::spawn(move || shared.unload("a", Some(Duration::from_secs(120))))
     };
     shared.lock().report_load(ticket, 0, true).unwrap();
     shared.finish_step(ticket).unwrap();

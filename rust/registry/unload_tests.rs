@@ -27,6 +27,8 @@ fn unload_waits_for_requests_and_is_idempotent() {
         let shared = shared.clone();
         std::thread::spawn(move || shared.unload("a", None))
     };
+    // Most likely the waiter sleeps in the unload by now; if not, it finds the adapter drained: the
+    // outcome is the same, the pause only makes the wake-up the path usually taken.
     std::thread::sleep(Duration::from_millis(20));
     shared.release(&[Some(&id)]).unwrap();
     waiter.join().unwrap().unwrap();

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from collections.abc import Callable
 
 import pytest
 
 from lora_pin._core import FetchPlan, LoRARef, LoRARegistry
 from lora_pin.errors import AdapterNotFoundError, CapacityError, UsageError
+
+# Rounds each thread of the threaded test runs at least (a third of a second on an idle machine).
+ROUNDS = 20_000
+# Seconds a wait may take before the test calls it a hang: far past any busy machine, never the outcome.
+HANG_GUARD_S = 120
 
 
 def make(slots: int = 2, loaded: int | None = 2, names: str = "abc") -> LoRARegistry:
@@ -152,14 +156,23 @@ def test_steps_prefetches_and_reports_from_threads_keep_every_invariant() -> Non
     stop = threading.Event()
     failures: list[BaseException] = []
 
+    # Each thread runs at least ROUNDS rounds, all three at once: a count of work, not a span of time, so
+    # a busy machine runs the same interleavings, only slower.
+    rounds_done = [threading.Event() for _ in range(3)]
+
     def guarded(body: Callable[[random.Random], None], seed: int) -> Callable[[], None]:
         def run() -> None:
             rng = random.Random(seed)
             try:
+                rounds = 0
                 while not stop.is_set():
                     body(rng)
+                    rounds += 1
+                    if rounds == ROUNDS:
+                        rounds_done[seed].set()
             except BaseException as e:  # the main thread reports it
                 failures.append(e)
+                rounds_done[seed].set()
 
         return run
 
@@ -192,10 +205,11 @@ def test_steps_prefetches_and_reports_from_threads_keep_every_invariant() -> Non
     threads = [threading.Thread(target=guarded(f, i)) for i, f in enumerate((serve, load, schedule))]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    for done in rounds_done:
+        assert done.wait(HANG_GUARD_S), "deadlock: a thread stopped making rounds"
     stop.set()
     for t in threads:
-        t.join(timeout=10)
+        t.join(timeout=HANG_GUARD_S)
         assert not t.is_alive(), "deadlock"
     assert not failures, failures
     reg.audit()

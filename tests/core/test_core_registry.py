@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 import warnings
 
 import pytest
@@ -24,6 +23,9 @@ from lora_pin.errors import (
     UsageError,
 )
 from lora_pin.unloading import unload_async
+
+# Seconds a wait may take before the test calls it a hang: far past any busy machine, never the outcome.
+HANG_GUARD_S = 120
 
 
 def make(slots: int = 2, loaded: int | None = None, names: str = "abc", **kw: object) -> LoRARegistry:
@@ -118,10 +120,11 @@ def test_unload_blocks_until_released_then_is_idempotent() -> None:
         protocol.acquire(reg, ["a"])
     with pytest.raises(AdapterInUseError):
         reg.register(LoRARef("a", "/srv/a"), rank=8, host_bytes=1, device_bytes=1)
+    # Released from another thread, most likely while this one waits (before it does, the outcome is the
+    # same); the timeout only guards against a hang: an unload that missed the release fails at it.
     threading.Timer(0.05, protocol.release, args=(reg, ids)).start()
-    started = time.monotonic()
-    reg.unload("a", timeout=5)
-    assert time.monotonic() - started < 2
+    reg.unload("a", timeout=HANG_GUARD_S)
+    assert reg.stats()["unloading"] == []
     reg.unload("a")
     with pytest.raises(AdapterNotFoundError):
         reg.unload("never")
@@ -143,7 +146,7 @@ def test_asyncio_unload_while_in_use_does_not_block_the_loop() -> None:
             protocol.release(reg, ids)
             events.append("released")
 
-        unload = asyncio.create_task(unload_async(reg, "b", timeout=5))
+        unload = asyncio.create_task(unload_async(reg, "b", timeout=HANG_GUARD_S))
         await asyncio.sleep(0)
         assert "b" not in reg
         await finish_request()
@@ -199,7 +202,7 @@ def test_eight_threads_of_random_operations_keep_the_invariants() -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
+        t.join(timeout=HANG_GUARD_S)
     assert not any(t.is_alive() for t in threads), "a thread is stuck: deadlock"
     assert not errors, errors
     reg.audit()

@@ -15,6 +15,9 @@ from typing import Any
 
 from lora_pin.model.loader import BackgroundLoader, LoadJob
 
+# Seconds a wait may take before the test calls it a hang: far past any busy machine, never the outcome.
+HANG_GUARD_S = 120
+
 
 class _Payload:
     """Stands for what a read returns (an adapter's tensors): only its lifetime matters here."""
@@ -27,7 +30,7 @@ def test_an_idle_worker_keeps_nothing_of_its_last_read() -> None:
     box: list[Any] = [payload]
     del payload
     assert loader.submit(LoadJob("a", 1), lambda: box.pop(), None)
-    assert loader.wait(timeout=10)
+    assert loader.wait(timeout=HANG_GUARD_S)
     done = loader.take()
     assert [c.job for c in done] == [LoadJob("a", 1)] and done[0].adapter is not None
     del done
@@ -41,28 +44,30 @@ def test_close_returns_once_the_idle_workers_have_ended() -> None:
     workers: list[threading.Thread] = []
     for i in range(2):
         loader.submit(LoadJob(f"a{i}", 1), lambda: workers.append(threading.current_thread()), None)
-    assert loader.wait(timeout=10)
+    assert loader.wait(timeout=HANG_GUARD_S)
     assert workers, "no read ran"
-    loader.close()
+    loader.close(grace=HANG_GUARD_S)
     assert [t.name for t in workers if t.is_alive()] == []
 
 
 def test_close_does_not_wait_for_a_stuck_read() -> None:
-    loader = BackgroundLoader(workers=1, timeout=30.0)
+    loader = BackgroundLoader(workers=1, timeout=600.0)
     release = threading.Event()
     started = threading.Event()
 
     def stuck() -> None:
         started.set()
-        release.wait(30)
+        release.wait()
 
     loader.submit(LoadJob("a", 1), stuck, None)
-    assert started.wait(10)
+    assert started.wait(HANG_GUARD_S)
     ended = threading.Event()
-    closer = threading.Thread(target=lambda: (loader.close(), ended.set()))
+    # The read is let go only after close() returned, and close() is given more grace than the test
+    # waits: a close() that waited for the running read could only return by the test's failing.
+    closer = threading.Thread(target=lambda: (loader.close(grace=10 * HANG_GUARD_S), ended.set()))
     closer.start()
     try:
-        assert ended.wait(5), "close() waited for a running read"
+        assert ended.wait(HANG_GUARD_S), "close() waited for a running read"
     finally:
         release.set()
-        closer.join(10)
+        closer.join(HANG_GUARD_S)

@@ -8,7 +8,6 @@ import concurrent.futures
 import copy
 import shutil
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,8 @@ from lora_pin.ops import CUDA_CHUNK_SIZE
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
+# Seconds a wait may take before the test calls it a hang: far past any busy machine, never the outcome.
+HANG_GUARD_S = 120
 # Six adapters: mixed ranks, rslora, rank/alpha patterns, partial target modules, a subset of layers.
 ADAPTERS: dict[str, dict[str, Any]] = {
     "a8": dict(r=8, lora_alpha=16, target_modules=ATTN + MLP, seed=1),
@@ -307,18 +308,20 @@ def test_a_failed_discovery_keeps_an_adapter_a_step_took_up_meanwhile(
     (root / "broken").mkdir()
     (root / "broken" / "adapter_config.json").write_text("{")
     model, mgr = discovering(world, root)
-    real_read, step_running = mgr.host.read, threading.Event()
+    real_read, reading_broken, step_running = mgr.host.read, threading.Event(), threading.Event()
 
     def read(name: str, path: Any, root: Any = None) -> Any:
         if name == "broken":
-            assert step_running.wait(10)  # a step on the other thread uses "a8" by now
+            reading_broken.set()
+            assert step_running.wait(HANG_GUARD_S)  # a step on the other thread uses "a8" by now
         return real_read(name, path, root=root)
 
     monkeypatch.setattr(mgr.host, "read", read)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         failed = pool.submit(mgr.discover, ["a8", "broken"])
-        while "a8" not in mgr.registry:
-            time.sleep(0.001)
+        # Names are read and registered in order: "a8" is registered once "broken" is being read.
+        assert reading_broken.wait(HANG_GUARD_S)
+        assert "a8" in mgr.registry
         step = mgr.prepare_step(["a8"], 3)
         step_running.set()
         with pytest.raises(AdapterLoadError, match="broken"):
@@ -366,7 +369,7 @@ def test_threads_discovering_one_adapter_load_it_once(
     # Both threads are made to be inside the (real) file read at once: the race, every time.
     import lora_pin.weights.host as host_module
 
-    real_load, both_reading = host_module.load_adapter, threading.Barrier(2, timeout=10)
+    real_load, both_reading = host_module.load_adapter, threading.Barrier(2, timeout=HANG_GUARD_S)
 
     def load_together(*args: Any, **kwargs: Any) -> Any:
         both_reading.wait()

@@ -45,6 +45,8 @@ LONG = os.environ.get("LORA_PIN_LONG") == "1"
 FUZZ_EXAMPLES = 20_000 if LONG else 300
 CYCLES = 10_000 if LONG else 2_000
 STEPS_PER_THREAD_RUN = 2_000 if LONG else 150
+# Seconds a wait may take before the test calls it a hang: far past any busy machine, never the outcome.
+HANG_GUARD_S = 120
 FIGURES: dict[str, Any] = {}
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -64,6 +66,14 @@ def report() -> Iterator[None]:
 
 def count(name: str) -> None:
     FIGURES[name] = FIGURES.get(name, 0) + 1
+
+
+def wait_for(condition: Callable[[], bool]) -> None:
+    """Poll what the system reports until ``condition`` holds; only a hang ends it otherwise."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not condition():
+        assert time.monotonic() < deadline, "hung: the condition never held"
+        time.sleep(0.005)
 
 
 # ---- fuzzing every entry point that takes user strings ------------------------------------------------
@@ -332,10 +342,15 @@ def test_threads_load_unload_pin_while_steps_run(world: World) -> None:
 
         return run
 
+    def others_ran() -> bool:
+        # The stepper runs on until the other threads have each done their part at least once: how
+        # far they get in its steps is the scheduler's business, not the test's.
+        return ops["load"] > 0 and ops["unload"] > 0 and ops["pin"] > 0
+
     @guard
     def stepper() -> None:
         rng = random.Random(1)
-        while steps[0] < STEPS_PER_THREAD_RUN and not stop.is_set():
+        while (steps[0] < STEPS_PER_THREAD_RUN or not others_ran()) and not stop.is_set():
             names: list[str | None] = [rng.choice([None, *stable, *churn]) for _ in range(rng.randint(1, 4))]
             try:
                 groups = mgr.split(names)
@@ -362,7 +377,7 @@ def test_threads_load_unload_pin_while_steps_run(world: World) -> None:
         while not stop.is_set():
             name = rng.choice(churn)
             if name in mgr.registry:
-                mgr.unload(name, timeout=30)
+                mgr.unload(name, timeout=HANG_GUARD_S)
                 ops["unload"] += 1
             else:
                 mgr.load(name, world.paths[name])
@@ -405,15 +420,17 @@ def test_unload_waits_for_in_flight_requests(world: World) -> None:
     mgr, _model = manager(world, ["a", "b"], slots=2)
     step = mgr.prepare_step(["a", None], [3, 2])
     returned = threading.Event()
-    worker = threading.Thread(target=lambda: (mgr.unload("a", timeout=30), returned.set()))
+    worker = threading.Thread(target=lambda: (mgr.unload("a", timeout=HANG_GUARD_S), returned.set()))
     worker.start()
-    time.sleep(0.2)
-    assert not returned.is_set(), "unload returned while a request still used the adapter"
-    assert "a" not in mgr.registry  # but no new request can take it
+    # The unload has begun once the registry lists "a" as unloading: no new request can take it now.
+    wait_for(lambda: mgr.registry.stats()["unloading"] == ["a"])
+    assert "a" not in mgr.registry
     with pytest.raises(lora_pin.AdapterNotFoundError):
         protocol.acquire(mgr.registry, ["a"])
+    # Its request is still in the step, which this thread holds: the unload cannot have returned.
+    assert not returned.is_set(), "unload returned while a request still used the adapter"
     mgr.finish(step)
-    worker.join(timeout=30)
+    worker.join(timeout=HANG_GUARD_S)
     assert returned.is_set() and "a" not in mgr.host
 
 

@@ -139,7 +139,7 @@ def _check(root: Path, tp: TensorParallel) -> None:
 
 def _worker(rank: int, world: int, root_text: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
     try:
         _check(Path(root_text), TensorParallel(rank, world))

@@ -51,7 +51,7 @@ STEPS = {
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
-TIMEOUT = datetime.timedelta(seconds=90)
+TIMEOUT = datetime.timedelta(seconds=300)
 
 
 def _free_port() -> int:

@@ -4,8 +4,9 @@ error inside a step."""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,25 @@ from lora_pin import LoRAManager
 from lora_pin.serve.engine import EngineConfig, EngineStats, LoRAEngine
 
 POISON = 127
+# Seconds a wait may take before the test calls it a hang: far past any busy machine, never the outcome.
+HANG_GUARD_S = 120
+
+
+def _wait_for(condition: Callable[[], bool]) -> None:
+    """Poll what the engine reports until ``condition`` holds; only a hang ends it otherwise."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not condition():
+        assert time.monotonic() < deadline, "hung: the engine never got there"
+        time.sleep(0.01)
+
+
+def _submit_together(eng: LoRAEngine, requests: list[tuple[str, list[int], str | None, int]]) -> None:
+    """Submit ``(id, prompt, adapter, max_new_tokens)`` requests while the engine's loop is paused, so
+    its next round takes them all in at once: the order they are scheduled in is the scheduler's, never
+    a race between this thread's submissions and the engine's steps."""
+    with eng.cb.pause():
+        for rid, prompt, adapter, tokens in requests:
+            eng.submit(rid, prompt, adapter, max_new_tokens=tokens, streaming=False)
 
 
 def _engine(
@@ -66,7 +86,7 @@ def narrow_engine(tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path) -> I
     yield from _engine(tiny_llama_dir, make_adapters, tmp_path, pinned=("a",), max_requests_per_batch=2)
 
 
-def _results(eng: LoRAEngine, ids: list[str], timeout: float = 60.0) -> dict[str, Any]:
+def _results(eng: LoRAEngine, ids: list[str], timeout: float = HANG_GUARD_S) -> dict[str, Any]:
     """Each request's finished output, and the order they finished in (``"order"``)."""
     results: dict[str, Any] = {"order": []}
     deadline = time.monotonic() + timeout
@@ -87,8 +107,7 @@ def test_a_deferred_request_waits_for_younger_resident_ones_at_most_overdue_afte
     ``OVERDUE_AFTER`` rounds and goes first then, so it finishes before most of them (served strictly
     by cost, it would finish after all of them)."""
     order = ["b1", "c1", *(f"b{i}" for i in range(2, 10))]
-    for i, rid in enumerate(order):
-        narrow_engine.submit(rid, [5 + i, 40, 60, 70, 9], rid[0], max_new_tokens=6, streaming=False)
+    _submit_together(narrow_engine, [(rid, [5 + i, 40, 60, 70, 9], rid[0], 6) for i, rid in enumerate(order)])
     done = _results(narrow_engine, order)
     finished = done["order"]
     assert all(done[r].error is None for r in order)
@@ -107,11 +126,14 @@ def test_a_pinned_adapters_request_goes_before_older_ones_that_wait_for_a_slot(
     narrow_engine.submit("a0", [8, 40, 60, 70, 9], "a", max_new_tokens=2, streaming=False)
     assert _results(narrow_engine, ["a0"])["a0"].error is None
     queued = [f"{n}{i}" for i in range(1, 5) for n in "bc"]
-    # Submitted at once, a1 right after them: on a quiet machine the whole queue can finish in a few
-    # milliseconds, so a pause before a1 would find nothing left to overtake.
-    for i, rid in enumerate(queued):
-        narrow_engine.submit(rid, [5 + i, 40, 60, 70, 9], rid[0], max_new_tokens=12, streaming=False)
-    narrow_engine.submit("a1", [9, 40, 60, 70, 9], "a", max_new_tokens=6, streaming=False)
+    # All in one round, a1 last: the engine finds the whole queue waiting, however fast or slow it is.
+    _submit_together(
+        narrow_engine,
+        [
+            *((rid, [5 + i, 40, 60, 70, 9], rid[0], 12) for i, rid in enumerate(queued)),
+            ("a1", [9, 40, 60, 70, 9], "a", 6),
+        ],
+    )
     done = _results(narrow_engine, [*queued, "a1"])
     finished = done["order"]
     assert all(done[r].error is None for r in [*queued, "a1"])
@@ -120,27 +142,41 @@ def test_a_pinned_adapters_request_goes_before_older_ones_that_wait_for_a_slot(
 
 def test_a_cancelled_request_leaves_the_engine_wherever_it_was(narrow_engine: LoRAEngine) -> None:
     """Two requests a step: a running request and a waiting one are cancelled; both leave the engine
-    without an output, the others finish whole, and once they are done the engine holds nothing."""
+    without an output, the others finish whole, and once they are done the engine holds nothing.
+
+    The first step's forward is held until both are cancelled: r0 runs in it (offered first), r5 waits
+    (two a step, offered last), whatever the machine's speed."""
     engine = narrow_engine
+    model = engine.cb.model
+    in_forward, cancelled = threading.Event(), threading.Event()
+
+    def hold_the_first_forward(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if not in_forward.is_set():
+            in_forward.set()
+            assert cancelled.wait(HANG_GUARD_S)
+
+    hook = model.get_input_embeddings().register_forward_pre_hook(hold_the_first_forward)
     ids = [f"r{i}" for i in range(6)]
-    for i, rid in enumerate(ids):
-        engine.submit(rid, [5 + i, 40, 60, 70, 9], "b" if i % 2 else None, max_new_tokens=30, streaming=False)
-    deadline = time.monotonic() + 30
-    while engine.stats().running < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.stats().queued >= 1
-    engine.cancel("r0")  # running: it was offered first
-    engine.cancel("r5")  # waiting: two requests a step, and it is offered last
+    try:
+        _submit_together(
+            engine, [(rid, [5 + i, 40, 60, 70, 9], "b" if i % 2 else None, 30) for i, rid in enumerate(ids)]
+        )
+        assert in_forward.wait(HANG_GUARD_S)
+        held = engine.stats()
+        assert held.running == 2 and held.queued == 4, held
+        engine.cancel("r0")  # running: it was offered first
+        engine.cancel("r5")  # waiting: two requests a step, and it is offered last
+    finally:
+        cancelled.set()
+        hook.remove()
     kept = ["r1", "r2", "r3", "r4"]
     done = _results(engine, kept)
     assert all(done[r].error is None and len(done[r].generated_tokens) == 30 for r in kept)
-    assert engine.cb.get_result(timeout=0.5) is None  # nothing of r0 or r5 came out
     for rid in kept:
         engine.done(rid)
-    deadline = time.monotonic() + 5
-    while engine.stats() != EngineStats(0, 0, 0, 0) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert engine.stats() == EngineStats(0, 0, 0, 0)
+    # Once the engine holds nothing, no output can come any more: none of r0 or r5 came out.
+    _wait_for(lambda: engine.stats() == EngineStats(0, 0, 0, 0))
+    assert engine.cb.get_result(timeout=0.01) is None
 
 
 def test_the_engine_serves_on_after_an_error_in_a_step(engine: LoRAEngine) -> None:
@@ -157,9 +193,9 @@ def test_the_engine_serves_on_after_an_error_in_a_step(engine: LoRAEngine) -> No
         engine.submit("bad", [5, POISON, 9], "a", max_new_tokens=3, streaming=False)
         bad = _results(engine, ["bad"])["bad"]
         assert bad.error is not None and "refuses token 127" in bad.error
-        deadline = time.monotonic() + 10
-        while not engine.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # The supervisor saw the thread end and started it again (the old one may still be ending
+        # when the error is delivered: is_alive() alone could see that one).
+        _wait_for(lambda: engine.restarts == 1 and engine.is_alive())
         engine.submit("good", [5, 6, 9], "b", max_new_tokens=3, streaming=False)
         engine.submit("base", [5, 6, 9], None, max_new_tokens=3, streaming=False)
         done = _results(engine, ["good", "base"])

@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,8 @@ ADAPTERS = [f"ad{i:02d}" for i in range(12)]
 STARTUP = ADAPTERS[:6]  # the first two pinned; the rest are loaded over HTTP
 PINNED = ADAPTERS[:2]
 API_KEY = "test-key"
+# Seconds a wait may take before the test calls it a hang: far past any busy machine, never the outcome.
+HANG_GUARD_S = 120
 
 
 def _free_port() -> int:
@@ -59,7 +61,7 @@ class Server:
             env=env,
         )
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -224,6 +226,19 @@ async def _complete(
             tokens += chunk.choices[0].token_ids
             text += chunk.choices[0].text
     return tokens, text
+
+
+def _wait_for(condition: Callable[[], bool]) -> None:
+    """Poll what the server reports until ``condition`` holds; only a hang ends it otherwise."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not condition():
+        assert time.monotonic() < deadline, "hung: the server never got there"
+        time.sleep(0.05)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """:func:`_wait_for` from asyncio code: ``condition`` (blocking HTTP) runs on a worker thread."""
+    await asyncio.to_thread(_wait_for, condition)
 
 
 def _model_field(i: int, adapter: str | None) -> tuple[str, dict[str, Any]]:
@@ -436,39 +451,43 @@ def test_a_failed_adapter_read_fails_its_request_alone(world: dict[str, Any]) ->
 
 def test_an_unload_waits_for_the_adapters_queued_and_running_requests(world: dict[str, Any]) -> None:
     """Requests of ``ad09`` running and queued when its unload arrives all finish with its tokens; a new
-    request for it meanwhile is 404; the unload answers once they are done."""
+    request for it meanwhile is 404; the unload answers once they are done.
+
+    Each move waits for what the server reports, not for time to pass: the unload is sent once all six
+    requests count as outstanding, the new request once ``ad09`` has left ``/v1/models`` (draining)."""
     lora, dirs, oracle = world["lora"], world["dirs"], world["oracle"]
     prompts = [_prompt(20 + i, length=30) for i in range(6)]
     n = 200  # long enough that the unload arrives while they run
 
-    async def run() -> tuple[list[Any], list[float], Any, float, float, Any]:
+    def outstanding() -> float:
+        return sum(lora.metric("lora_pin_serve_requests_outstanding", adapter="ad09").values())
+
+    def listed() -> bool:
+        return "ad09" in {m.id for m in lora.client().models.list().data}
+
+    async def run() -> tuple[list[Any], float, Any, Any]:
         client = lora.async_client()
-        finished: list[float] = []
-
-        async def one(i: int, prompt: list[int]) -> Any:
-            result = await _complete(client, "ad09", prompt, n, i % 2 == 0, ignore_eos=True)
-            finished.append(time.monotonic())
-            return result
-
-        requests = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
-        await asyncio.sleep(0.1)
-        sent = time.monotonic()
+        requests = [
+            asyncio.create_task(_complete(client, "ad09", p, n, i % 2 == 0, ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ]
+        await _until(lambda: outstanding() == len(prompts))
         unload = asyncio.create_task(
             asyncio.to_thread(lora.http, "POST", "/v1/unload_lora_adapter", {"lora_name": "ad09"})
         )
-        await asyncio.sleep(0.05)
+        await _until(lambda: not listed())
+        at_drain = await asyncio.to_thread(outstanding)
         refused = await asyncio.gather(
             _complete(client, "ad09", prompts[0], 2, False), return_exceptions=True
         )
         results = await asyncio.gather(*requests)
         unloaded = await unload
-        done = time.monotonic()
         await client.close()
-        return results, finished, refused[0], sent, done, unloaded
+        return results, at_drain, refused[0], unloaded
 
-    results, finished, refused, sent, done, (status, text) = asyncio.run(run())
-    assert sent < min(finished), "the unload arrived after the requests: the test proves nothing"
-    assert done >= max(finished)
+    results, at_drain, refused, (status, text) = asyncio.run(run())
+    assert at_drain > 0, "the requests ended before the unload began: the test proves nothing"
+    # Had the unload not waited for them, their adapter would have gone from under them.
     for prompt, (tokens, _) in zip(prompts, results, strict=True):
         expected = oracle.tokens(prompt, dirs["ad09"], n)
         assert tokens[: len(expected)] == expected and len(tokens) == n
@@ -478,13 +497,17 @@ def test_an_unload_waits_for_the_adapters_queued_and_running_requests(world: dic
 
 
 def test_a_client_that_goes_away_cancels_its_request_and_leaves_nothing_behind(world: dict[str, Any]) -> None:
-    """A streamed request closed after its first chunk and a plain one whose client times out, both far
-    from their last token: each is cancelled in the engine (counted ``cancelled``, not answered), and
-    nothing of them stays in the engine's tables or the adapters' counts (``/metrics``)."""
+    """A streamed request closed after its first chunk and a plain one whose client gives up (its task
+    cancelled once the server counts the request), both far from their last token: each is cancelled in
+    the engine (counted ``cancelled``, not answered), and nothing of them stays in the engine's tables
+    or the adapters' counts (``/metrics``)."""
     lora = world["lora"]
 
     def cancelled() -> float:
         return sum(lora.metric("lora_pin_serve_requests_total", outcome="cancelled").values())
+
+    def outstanding(adapter: str) -> float:
+        return sum(lora.metric("lora_pin_serve_requests_outstanding", adapter=adapter).values())
 
     before = cancelled()
 
@@ -501,27 +524,30 @@ def test_a_client_that_goes_away_cancels_its_request_and_leaves_nothing_behind(w
         async for _ in stream:
             break
         await stream.close()
-        impatient = lora.async_client(timeout=0.5)
-        with pytest.raises(openai.APITimeoutError):
-            await impatient.completions.create(
+        impatient = asyncio.create_task(
+            client.completions.create(
                 model="ad03",
                 prompt=_prompt(8),
                 max_tokens=220,
                 temperature=0,
                 extra_body={"ignore_eos": True},
             )
-        await impatient.close()
+        )
+        await _until(lambda: outstanding("ad03") == 1)
+        impatient.cancel()  # the client gives up: its connection closes
+        with pytest.raises(asyncio.CancelledError):
+            await impatient
         await client.close()
 
     asyncio.run(run())
-    deadline = time.monotonic() + 10
-    while True:
+
+    def nothing_left() -> bool:
         held = lora.metric("lora_pin_serve_engine_requests")
         outstanding = lora.metric("lora_pin_serve_requests_outstanding")
-        if not any(held.values()) and not outstanding and cancelled() - before == 2:
-            break
-        assert time.monotonic() < deadline, (held, outstanding, cancelled() - before)
-        time.sleep(0.05)
+        return not any(held.values()) and not outstanding and cancelled() - before == 2
+
+    _wait_for(nothing_left)
+    held = lora.metric("lora_pin_serve_engine_requests")
     assert set(held) == {f"state={s}" for s in ("queued", "running", "tracked", "result_handlers")}
     prompt = _prompt(9)
     r = lora.client().completions.create(

@@ -576,6 +576,8 @@ def test_open_adapter_reads_no_tensor(world: World) -> None:
 
 
 EXPONENTIAL = "(?:.|.)" * 30 + "X"  # 2^30 ways per module name for a backtracking engine
+# CPU seconds of the loading thread a config's patterns may cost (milliseconds in linear time).
+CONFIG_CPU_S = 2.0
 
 
 @pytest.mark.parametrize(
@@ -604,14 +606,15 @@ def test_config_regexes_cannot_stall_a_load(
     world: World, tmp_path: Path, case: str, edit: Callable[..., None], message: str | None
 ) -> None:
     d = copy_adapter(world, tmp_path / case, config=edit)
-    start = time.perf_counter()
+    start = time.thread_time()
     if message is None:
         load_adapter("ad", d, world.targets, max_rank=MAX_RANK, dtype=torch.float32)
     else:
         with pytest.raises(AdapterLoadError, match=message):
             load_adapter("ad", d, world.targets, max_rank=MAX_RANK, dtype=torch.float32)
-    # Python's backtracking re took about 11 s for the target case at 26 groups, 16x that at 30.
-    assert time.perf_counter() - start < 2.0
+    # Python's backtracking re took about 11 s for the target case at 26 groups, 16x that at 30. The
+    # patterns are matched on this thread: its own CPU time, which a busy machine does not add to.
+    assert time.thread_time() - start < CONFIG_CPU_S
 
 
 def test_a_config_at_the_entry_limit_loads_fast_and_as_peft_ranks_it(world: World, tmp_path: Path) -> None:
@@ -626,9 +629,9 @@ def test_a_config_at_the_entry_limit_loads_fast_and_as_peft_ranks_it(world: Worl
         c["rank_pattern"] |= {f"{names[i % len(names)]}|unused_{i}": 8 for i in range(keys)}
 
     d = copy_adapter(world, tmp_path / "many", config=fill)
-    start = time.perf_counter()
+    start = time.thread_time()
     many = load_adapter("many", d, world.targets, max_rank=MAX_RANK, dtype=torch.float32)
-    assert time.perf_counter() - start < 2.0
+    assert time.thread_time() - start < CONFIG_CPU_S
     plain = load_adapter(
         "plain", world.adapters["mixed"], world.targets, max_rank=MAX_RANK, dtype=torch.float32
     )
