@@ -419,11 +419,24 @@ class RegistryVsModel(RuleBasedStateMachine):
         for name in NAMES:
             self.register(name, False, nbytes, 8)
 
-    @rule(
-        name=names, nbytes=st.integers(1, 600), rank=st.integers(1, 16), stale=st.sampled_from([0, 0, 0, 1])
-    )
-    def replace(self, name: str, nbytes: int, rank: int, stale: int) -> None:
-        """New weights in place (``stale``: for a registration that is no longer the name's)."""
+    @rule(data=st.data(), rank=st.integers(1, 16), stale=st.sampled_from([0, 0, 0, 1]))
+    def replace(self, data: st.DataObject, rank: int, stale: int) -> None:
+        """New weights in place for a registered adapter, a pinned one as often as any (any name when
+        none is registered; ``stale``: for a registration that is no longer the name's). Their bytes are
+        often the edge of the room the pins leave it, on either side."""
+        registered = sorted(self.model.entries)
+        pinned = sorted(e.name for e in self.model._pinned())
+        choices = [st.sampled_from(c) for c in (pinned, registered) if c]
+        name = data.draw(st.one_of(choices) if choices else names)
+        edges = []
+        e = self.model.entries.get(name)
+        if e is not None and self.model.max_host_bytes is not None:
+            others = [o for o in self.model.entries.values() if o is not e]
+            room = self.model.max_host_bytes - sum(o.host_bytes for o in others if o.pinned)
+            if e.pinned:
+                room -= max((o.host_bytes for o in others if not o.pinned), default=0)
+            edges = [b for b in (room, room + 1) if b >= 1]
+        nbytes = data.draw(st.integers(1, 600) | st.sampled_from(edges) if edges else st.integers(1, 600))
         serial = self.model.serials.get(name, 0) + stale
         got = same_outcome(
             lambda: self.reg.replace(name, serial, rank=rank, host_bytes=nbytes, device_bytes=nbytes),
