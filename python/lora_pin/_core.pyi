@@ -5,7 +5,9 @@ from typing import Any, Literal, TypeAlias, final
 __all__ = [
     "EVICTION_POLICIES",
     "MAX_ADAPTER_RANK",
+    "MAX_ARRIVAL_CV",
     "MAX_SLOTS",
+    "MIN_ARRIVAL_CV",
     "OVERDUE_AFTER",
     "CpuSgmvPlan",
     "FetchPlan",
@@ -39,6 +41,8 @@ __version__: str
 MAX_SLOTS: int
 MAX_ADAPTER_RANK: int
 OVERDUE_AFTER: int
+MIN_ARRIVAL_CV: float
+MAX_ARRIVAL_CV: float
 EVICTION_POLICIES: tuple[str, ...]
 
 @final

@@ -45,6 +45,8 @@ pub mod _core {
         m.add("MAX_SLOTS", crate::limits::MAX_SLOTS)?;
         m.add("MAX_ADAPTER_RANK", crate::limits::MAX_ADAPTER_RANK)?;
         m.add("OVERDUE_AFTER", crate::limits::OVERDUE_AFTER)?;
+        m.add("MIN_ARRIVAL_CV", crate::sim::MIN_ARRIVAL_CV)?;
+        m.add("MAX_ARRIVAL_CV", crate::sim::MAX_ARRIVAL_CV)?;
         m.add("EVICTION_POLICIES", pyo3::types::PyTuple::new(m.py(), crate::policy::POLICY_NAMES)?)
     }
 }

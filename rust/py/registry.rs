@@ -531,7 +531,8 @@ impl PyLoRARegistry {
     /// Raises:
     ///     AdapterNotFoundError: `name` is not registered, is being unloaded, or was registered again
     ///         since (another serial).
-    ///     CapacityError: the host tier cannot make room, or the pinned adapters would overflow it.
+    ///     CapacityError: the host tier cannot make room, the pinned adapters would overflow it, or
+    ///         a registered adapter would no longer fit in it beside the pinned ones (as for `pin`).
     ///     SpecError: rank < 1, a negative byte count, or a non-finite scaling.
     ///     Nothing changes on an error.
     #[pyo3(signature = (name, serial, *, rank, host_bytes, device_bytes, scaling = 1.0))]

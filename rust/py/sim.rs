@@ -69,7 +69,9 @@ impl PyTrace {
     /// coefficient of variation `cv` (shape `1 / cv**2`; 1 is Poisson). Replaces any arrival times.
     ///
     /// Raises:
-    ///     SpecError: `rate` or `cv` not a finite number above 0.
+    ///     SpecError: `rate` not a finite number above 0; `cv` outside `MIN_ARRIVAL_CV..=MAX_ARRIVAL_CV`
+    ///         (1e-150..=1e150, where the shape is a finite number above 0); a Gamma scale
+    ///         `cv**2 / rate` that is not a finite number above 0; arrival times past the largest float.
     #[pyo3(signature = (rate, *, cv = 1.0, seed = 0))]
     fn with_gamma_arrivals(&self, py: Python<'_>, rate: f64, cv: f64, seed: u64) -> PyResult<Self> {
         let trace = self.0.clone();

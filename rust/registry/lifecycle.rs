@@ -69,8 +69,10 @@ impl Registry {
     ///
     /// Errors: [`Error::AdapterNotFound`] when `name` is not registered (or is being unloaded, or was
     /// registered again since: another serial); [`Error::Capacity`] when the host tier cannot make
-    /// room, or the pinned adapters would overflow it; [`Error::Spec`] for a rank of 0, a non-finite
-    /// scaling or byte totals past 2^64. Nothing changes on an error.
+    /// room, the pinned adapters would overflow it, or a registered adapter (this one or another)
+    /// would no longer fit in it beside the pinned ones (the rule [`Registry::pin`] keeps);
+    /// [`Error::Spec`] for a rank of 0, a non-finite scaling or byte totals past 2^64. Nothing
+    /// changes on an error.
     pub fn replace(&mut self, name: &str, serial: u64, size: AdapterSize) -> Result<Vec<String>> {
         let key = self.lookup(name, false)?;
         let a = self.get(key);
@@ -95,16 +97,13 @@ impl Registry {
             })?;
         let pinned = a.protection.pinned;
         let pinned_bytes = self.pinned_host_bytes - if pinned { old.host_bytes } else { 0 };
-        if let (true, Some(max)) = (pinned, self.host.max_bytes) {
-            if pinned_bytes + size.host_bytes > max {
-                self.host.counters.refusals += 1;
-                return Err(Error::Capacity(format!(
-                    "cannot replace pinned adapter {name:?} by {} host bytes: the other pinned adapters \
-                     take {pinned_bytes} of max_host_bytes={max}",
-                    size.host_bytes
-                )));
-            }
+        let what = || format!("replace adapter {name:?} by {} host bytes", size.host_bytes);
+        if pinned {
+            self.check_pin_room(what, pinned_bytes + size.host_bytes, None, Some(key))?;
+        } else {
+            self.check_pin_room(what, pinned_bytes, Some((name, size.host_bytes)), Some(key))?;
         }
+        let a = self.get(key);
         let (was_host, was_fetching) = (a.tenancy.host_since.is_some(), a.tenancy.fetching);
         // Out of the candidate sets while the room is made (it must not evict itself), and its old
         // bytes out of the ledger, as if it had left.

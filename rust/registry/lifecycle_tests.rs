@@ -107,3 +107,45 @@ fn placement_tells_each_adapters_tier_and_counts() {
     assert_eq!(tiers, [("a", false, false, 0), ("b", true, true, 0), ("c", false, true, 2)]);
     assert_eq!((p.slots, p.free_slots, p.host_bytes), (2, 1, 200));
 }
+
+#[test]
+fn a_replacement_that_grows_a_pinned_adapter_past_the_room_of_another_is_refused() {
+    // 300 host bytes: p (100, pinned) and q (200). Growing p to 200 would leave q 100 bytes beside
+    // the pins, and q's requests would wait for ever: refused as pin would be, nothing changed.
+    let mut reg = bytes_registry(300, &[("p", 100), ("q", 200)]);
+    reg.pin("p").unwrap();
+    let serial = reg.serial("p").unwrap();
+    let before = (reg.stats(), reg.placement());
+    let err = reg.replace("p", serial, size(8, 200)).unwrap_err();
+    assert!(matches!(err, Error::Capacity(_)), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("cannot replace adapter \"p\""), "{msg}");
+    assert!(msg.contains("\"q\" needs 200") && msg.contains("200 of max_host_bytes=300"), "{msg}");
+    reg.audit().unwrap();
+    let after = (reg.stats(), reg.placement());
+    assert_eq!(before.1, after.1);
+    assert_eq!(before.0.host.resident, after.0.host.resident);
+    assert_eq!(before.0.host.counters.refusals + 1, after.0.host.counters.refusals);
+    // Growing it to what leaves q its room is accepted.
+    assert_eq!(reg.replace("p", serial, size(8, 100)).unwrap(), Vec::<String>::new());
+    reg.audit().unwrap();
+}
+
+#[test]
+fn a_replacement_that_grows_an_unpinned_adapter_past_the_room_beside_the_pins_is_refused() {
+    // p is pinned while evicted from the host tier: its 100 bytes are promised though not
+    // resident, so the host tier has room for q's 250 now, but not once p is read again.
+    let mut reg = bytes_registry(300, &[("p", 100), ("q", 100), ("r", 100), ("s", 100)]);
+    assert_eq!(reg.stats().host.resident, ["q", "r", "s"]);
+    reg.pin("p").unwrap();
+    let serial = reg.serial("q").unwrap();
+    let before = reg.placement();
+    let err = reg.replace("q", serial, size(4, 250)).unwrap_err();
+    assert!(matches!(err, Error::Capacity(_)), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("\"q\" needs 250") && msg.contains("100 of max_host_bytes=300"), "{msg}");
+    reg.audit().unwrap();
+    assert_eq!(reg.placement(), before);
+    assert_eq!(reg.replace("q", serial, size(4, 200)).unwrap(), ["r"]);
+    reg.audit().unwrap();
+}

@@ -301,7 +301,8 @@ impl Registry {
         if r.pinned {
             self.check_pin(&r.lora_name, size.host_bytes, None)?;
         } else {
-            self.check_fits_beside_pins(&r, size.host_bytes)?;
+            let what = || format!("register {} ({} host bytes)", describe(&r), size.host_bytes);
+            self.check_pin_room(what, self.pinned_host_bytes, Some((&r.lora_name, size.host_bytes)), None)?;
         }
         if !self.host.room_possible(size.host_bytes) {
             self.host.counters.refusals += 1;
@@ -415,23 +416,6 @@ impl Registry {
         self.refresh(key);
     }
 
-    /// Refuses an unpinned adapter that could never enter the host tier beside the pinned ones: its
-    /// requests would wait forever.
-    fn check_fits_beside_pins(&mut self, r: &LoRARef, host_bytes: u64) -> Result<()> {
-        let Some(max) = self.host.max_bytes else { return Ok(()) };
-        if self.pinned_host_bytes.saturating_add(host_bytes) <= max {
-            return Ok(());
-        }
-        self.host.counters.refusals += 1;
-        Err(Error::Capacity(format!(
-            "cannot register {} ({host_bytes} host bytes): the pinned adapters take {} of \
-             max_host_bytes={max}, so it could never enter the host tier beside them; unpin one or \
-             raise max_host_bytes",
-            describe(r),
-            self.pinned_host_bytes
-        )))
-    }
-
     /// The registered unpinned adapter with the most host bytes, `except` aside: the one that needs
     /// the most room beside the pinned adapters.
     fn largest_unpinned(&self, except: Option<AdapterKey>) -> Option<(&str, u64)> {
@@ -467,29 +451,50 @@ impl Registry {
                 )));
             }
         }
-        if let Some(max) = self.host.max_bytes {
-            let pinned = self.pinned_host_bytes + host_bytes;
-            if pinned > max {
-                self.host.counters.refusals += 1;
-                return Err(Error::Capacity(format!(
-                    "cannot pin adapter {name:?} ({host_bytes} host bytes): pinned adapters already take \
-                     {} of max_host_bytes={max}",
-                    self.pinned_host_bytes
-                )));
-            }
-            if let Some((other, needs)) = self.largest_unpinned(key).filter(|&(_, b)| pinned + b > max) {
-                let why = format!(
-                    "cannot pin adapter {name:?} ({host_bytes} host bytes): the pinned adapters would take \
-                     {pinned} of max_host_bytes={max}, leaving {} bytes, and adapter {other:?} needs {needs}; \
+        let what = || format!("pin adapter {name:?} ({host_bytes} host bytes)");
+        self.check_pin_room(what, self.pinned_host_bytes + host_bytes, None, key)
+    }
+
+    /// The pin-room rule, for every change to the pinned adapters' host bytes or to an unpinned
+    /// adapter's (a pin, a registration, a replacement): with `max_host_bytes`, the pinned adapters
+    /// fit in the host tier, and every registered unpinned adapter fits in it beside them (else its
+    /// requests would wait forever for room that can never come).
+    ///
+    /// `pinned` is the pinned adapters' host bytes after the change; `unpinned` the name and host
+    /// bytes of an unpinned adapter after the change when the registry does not count it so yet (one
+    /// being registered or replaced); `except` the registered adapter whose entry the change
+    /// supersedes (left out of the registry's own unpinned ones). `what` says what is refused.
+    ///
+    /// Errors: [`Error::Capacity`] with the numbers (counted as a host-tier refusal).
+    fn check_pin_room(
+        &mut self,
+        what: impl FnOnce() -> String,
+        pinned: u64,
+        unpinned: Option<(&str, u64)>,
+        except: Option<AdapterKey>,
+    ) -> Result<()> {
+        let Some(max) = self.host.max_bytes else { return Ok(()) };
+        let take = if pinned == self.pinned_host_bytes { "take" } else { "would take" };
+        let why = if pinned > max {
+            format!("the pinned adapters {take} {pinned} of max_host_bytes={max}")
+        } else {
+            let largest = match (self.largest_unpinned(except), unpinned) {
+                (Some(a), Some(b)) => Some(if b.1 > a.1 { b } else { a }),
+                (a, b) => a.or(b),
+            };
+            match largest.filter(|&(_, needs)| pinned.saturating_add(needs) > max) {
+                None => return Ok(()),
+                Some((other, needs)) => format!(
+                    "the pinned adapters {take} {pinned} of max_host_bytes={max}, leaving {} bytes, and \
+                     adapter {other:?} needs {needs}, so it could never enter the host tier beside them; \
                      every registered adapter must fit in the host tier beside the pinned ones (unload it, \
-                     unpin another or raise max_host_bytes)",
+                     unpin one or raise max_host_bytes)",
                     max - pinned
-                );
-                self.host.counters.refusals += 1;
-                return Err(Error::Capacity(why));
+                ),
             }
-        }
-        Ok(())
+        };
+        self.host.counters.refusals += 1;
+        Err(Error::Capacity(format!("cannot {}: {why}", what())))
     }
 
     /// Pins `name`: from now on it is never evicted from either tier (an adapter evicted from the host

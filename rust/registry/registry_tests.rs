@@ -157,6 +157,7 @@ enum Op {
     FinishStep,
     Prefetch(Vec<Option<u8>>),
     FetchReport(u8, bool),
+    Replace(u8, u64),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -180,6 +181,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => Just(Op::FinishStep),
         1 => prop::collection::vec(prop::option::weighted(0.9, name.clone()), 0..5).prop_map(Op::Prefetch),
         3 => (name.clone(), prop::bool::weighted(0.8)).prop_map(|(n, ok)| Op::FetchReport(n, ok)),
+        2 => (name.clone(), 1u64..800).prop_map(|(n, b)| Op::Replace(n, b)),
     ]
 }
 
@@ -473,6 +475,23 @@ proptest! {
                         let mut places = places;
                         places.remove(&name(*n));
                         prop_assert_eq!(places, after);
+                    }
+                }
+                Op::Replace(n, bytes) => {
+                    let Ok(serial) = reg.serial(&name(*n)) else { continue };
+                    let placement = reg.placement();
+                    match reg.replace(&name(*n), serial, AdapterSize { rank: 8, host_bytes: *bytes, device_bytes: *bytes, scaling: 1.0 }) {
+                        Ok(gone) => {
+                            for g in gone {
+                                let (pinned, loading, in_step, in_flight) = before[&g];
+                                prop_assert!(!pinned && !loading && !in_step && !in_flight, "{g} was protected");
+                            }
+                        }
+                        // A refused replacement changes nothing.
+                        Err(e) => {
+                            prop_assert!(matches!(e, Error::Capacity(_) | Error::AdapterNotFound { .. }), "{e}");
+                            prop_assert_eq!(placement, reg.placement());
+                        }
                     }
                 }
             }

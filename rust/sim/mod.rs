@@ -14,7 +14,7 @@ pub use replay::{
     adapter_sizes, sim_ref, simulate, simulate_until, simulate_with, SimConfig, SimReport, TierReport,
 };
 pub use replicas::{simulate_replicas, ClusterReport, ReplicaReport, Router};
-pub use trace::{Request, Trace, Workload};
+pub use trace::{Request, Trace, Workload, MAX_ARRIVAL_CV, MIN_ARRIVAL_CV};
 
 #[cfg(test)]
 #[path = "sim_tests.rs"]

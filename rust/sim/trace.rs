@@ -12,6 +12,18 @@ use crate::textfile::{read_regular_text, TextFileError};
 /// path such as `/dev/zero` cannot exhaust memory.
 pub const MAX_TRACE_FILE_BYTES: u64 = 256 << 20;
 
+/// The smallest and largest coefficient of variation [`Trace::with_gamma_arrivals`] takes: between
+/// them the Gamma shape `1 / cv^2` is a finite number above 0 (from 1e-300 to 1e300). Past them it
+/// rounds to infinity or to 0, where no Gamma draw exists.
+pub const MIN_ARRIVAL_CV: f64 = 1e-150;
+/// See [`MIN_ARRIVAL_CV`].
+pub const MAX_ARRIVAL_CV: f64 = 1e150;
+
+/// How many candidates [`gamma`] draws before it gives up. Each is accepted with probability above
+/// 0.95 for every shape, so this bound is never met by a valid shape; it makes the loop end by
+/// construction, whatever rounding does to the acceptance test.
+const GAMMA_TRIES: usize = 1000;
+
 /// One request of a trace.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Request {
@@ -131,13 +143,19 @@ fn normal(rng: &mut SplitMix) -> f64 {
 }
 
 /// A Gamma(`shape`, 1) draw (Marsaglia and Tsang 2000; shapes below 1 boosted by `u^(1/shape)`).
-fn gamma(rng: &mut SplitMix, shape: f64) -> f64 {
+/// `None` when `shape` is not a finite number above 0 (at infinity the acceptance test is NaN, so the
+/// rejection loop never ends; at 0 the boost is NaN), or when [`GAMMA_TRIES`] candidates were all
+/// rejected.
+fn gamma(rng: &mut SplitMix, shape: f64) -> Option<f64> {
+    if !shape.is_finite() || shape <= 0.0 {
+        return None;
+    }
     if shape < 1.0 {
-        return gamma(rng, shape + 1.0) * (1.0 - rng.unit()).powf(1.0 / shape);
+        return Some(gamma(rng, shape + 1.0)? * (1.0 - rng.unit()).powf(1.0 / shape));
     }
     let d = shape - 1.0 / 3.0;
     let c = 1.0 / (9.0 * d).sqrt();
-    loop {
+    for _ in 0..GAMMA_TRIES {
         let x = normal(rng);
         let v = (1.0 + c * x).powi(3);
         if v <= 0.0 {
@@ -145,9 +163,10 @@ fn gamma(rng: &mut SplitMix, shape: f64) -> f64 {
         }
         let u = 1.0 - rng.unit();
         if u.ln() < 0.5 * x * x + d - d * v + d * v.ln() {
-            return d * v;
+            return Some(d * v);
         }
     }
+    None
 }
 
 /// Samples ranks `0..n` with probability proportional to `1 / (rank + 1)^alpha`.
@@ -356,20 +375,44 @@ impl Trace {
     /// `1 / rate` seconds, coefficient of variation `cv` (shape `1 / cv^2`; cv 1 is Poisson arrivals,
     /// higher is burstier). Replaces any arrival times; the same arguments give the same times.
     ///
-    /// Errors: [`Error::Spec`] when `rate` or `cv` is not a finite number above 0.
+    /// Errors: [`Error::Spec`] when `rate` is not a finite number above 0; when `cv` is outside
+    /// [`MIN_ARRIVAL_CV`]`..=`[`MAX_ARRIVAL_CV`] (or NaN); when the Gamma scale `1 / (rate * shape)`
+    /// is not a finite number above 0 (an extreme rate with an extreme cv); or when the arrival
+    /// times pass the largest `f64` (a rate so low that the gaps add up past it). Each names the
+    /// values.
     pub fn with_gamma_arrivals(mut self, rate: f64, cv: f64, seed: u64) -> Result<Self> {
-        for (what, v) in [("rate", rate), ("cv", cv)] {
-            if !v.is_finite() || v <= 0.0 {
-                return Err(Error::Spec(format!("arrival {what} must be a finite number above 0 (got {v})")));
-            }
+        if !rate.is_finite() || rate <= 0.0 {
+            return Err(Error::Spec(format!("arrival rate must be a finite number above 0 (got {rate:?})")));
+        }
+        if !(MIN_ARRIVAL_CV..=MAX_ARRIVAL_CV).contains(&cv) {
+            return Err(Error::Spec(format!(
+                "arrival cv must be a number in {MIN_ARRIVAL_CV:e}..={MAX_ARRIVAL_CV:e}, where the Gamma \
+                 shape 1/cv^2 is a finite number above 0 (got {cv:?})"
+            )));
         }
         let shape = 1.0 / (cv * cv);
         let scale = 1.0 / (rate * shape);
+        if !scale.is_finite() || scale <= 0.0 {
+            return Err(Error::Spec(format!(
+                "arrival rate {rate:?} with cv {cv:?}: the Gamma scale cv^2/rate is {scale:?}, not a finite \
+                 number above 0; bring the rate or the cv nearer 1"
+            )));
+        }
         let mut rng = SplitMix::new(seed ^ 0x6A09_E667_F3BC_C908);
         let mut clock = 0.0;
         for r in &mut self.requests {
-            clock += gamma(&mut rng, shape) * scale;
+            let gap = gamma(&mut rng, shape).ok_or_else(|| {
+                Error::Spec(format!("arrival cv {cv:?}: no Gamma draw of shape {shape:?} was found"))
+            })?;
+            clock += gap * scale;
             r.arrival = Some(clock);
+        }
+        if !clock.is_finite() {
+            return Err(Error::Spec(format!(
+                "arrival rate {rate:?} with cv {cv:?}: the arrival times of {} requests pass the largest \
+                 number (about 1.8e308 seconds); raise the rate",
+                self.requests.len()
+            )));
         }
         Ok(self)
     }
@@ -395,3 +438,7 @@ impl Trace {
         order.into_iter().take(k).map(|i| self.names[i].clone()).collect()
     }
 }
+
+#[cfg(test)]
+#[path = "trace_tests.rs"]
+mod tests;

@@ -4,6 +4,7 @@ against the single-replica replay (one replica must decide exactly as ``simulate
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -79,6 +80,39 @@ def test_bad_replica_arguments_exit_2_naming_the_flag(
     code, out, err = _cli(capsys, "--requests", "100", *argv)
     assert code == 2 and out == ""
     assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # The Gamma shape 1/cv^2 rounds to 0 or to infinity: the sampler looped forever.
+        (["--cv", "1e200"], "--cv: '1e200' is not a number in 1e-150..1e+150"),
+        (["--cv", "1e-200"], "--cv: '1e-200' is not a number in 1e-150..1e+150"),
+        (["--cv", "1e-160"], "--cv: '1e-160' is not a number in 1e-150..1e+150"),
+        # A finite shape whose scale 1/(rate * shape) is infinite: NaN arrivals, and the replica loop
+        # waited forever for the first of them.
+        (
+            ["--cv", "1e100", "--arrival-rate", "1e-300"],
+            "--arrival-rate (1e-300 requests/s) with --cv 1e+100",
+        ),
+        (["--cv", "100", "--step-ms", "1.7e308"], "the rate from --step-ms and --batch-size"),
+        # Gaps so long that the arrival times pass the largest float.
+        (["--arrival-rate", "1e-306", "--requests", "2000"], "pass the largest"),
+    ],
+)
+def test_arrival_parameters_that_leave_no_gamma_draw_exit_2_at_once(argv: list[str], message: str) -> None:
+    """Each of these once hung the command; now it exits 2 at once naming the flags. The child is held to
+    60 s, far more than the fixed command takes, so a hang fails the test instead of stalling it."""
+    sweep = ["--requests", "200", "--adapters", "20", "--slots", "4", "--policy", "lru", "--router", "random"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lora_pin", "simulate", *sweep, "--replicas", "1", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert message in done.stderr and done.stderr.count("\n") == 1, done.stderr
 
 
 def test_plot_writes_an_image_of_the_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

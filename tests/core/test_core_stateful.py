@@ -1,8 +1,8 @@
 """Hypothesis drives the Rust registry and a plain-Python model of the same rules
 (``tests/core/planner_model.py``'s ``PythonPlanner``, dicts and OrderedDicts scanned in policy order, with the
-fetching state added here) with the same random operations; every result, every plan array, every
-error class and the per-tier counters must agree, and the registry's own invariant audit must pass
-after every step."""
+fetching state and replacements added here) with the same random operations; every result, every plan array,
+every error class and the per-tier counters must agree, and the registry's own invariant audit must pass
+after every step (replacements included)."""
 
 from __future__ import annotations
 
@@ -308,6 +308,43 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
         self.fresh.append(name)
         return [n for n, tier, _ in out if tier == "host"]
 
+    def replace(self, name: str, serial: int, *, rank: int, host_bytes: int) -> list[str]:
+        """New weights of ``host_bytes`` for the registration ``serial`` of ``name``, held in host memory:
+        refused when the pinned adapters, with every unpinned one beside them, would not fit in the host
+        tier (``pin``'s rule) or no room can be made; else room is made as for a registration and the
+        adapter ends in the host tier (a fetch of it is over, and it is fresh)."""
+        e = self._lookup(name, False)
+        if self.serials[name] != serial:
+            raise errors.AdapterNotFoundError(f"{name} (registration {serial})")
+        if self.max_host_bytes is not None:
+            pinned = sum(p.host_bytes for p in self._pinned() if p is not e) + (host_bytes if e.pinned else 0)
+            unpinned = [o.host_bytes for o in self.entries.values() if not o.pinned and o is not e]
+            unpinned += [] if e.pinned else [host_bytes]
+            if pinned + max(unpinned, default=0) > self.max_host_bytes:
+                self.host["refusals"] += 1
+                raise errors.CapacityError(
+                    f"cannot replace {name!r}: an adapter would not fit beside the pins"
+                )
+        # Out of the candidates and the ledger while room is made, as if it had left.
+        was_host, was_fetching, in_step = e.in_host, name in self.fetching, e.in_step
+        e.in_host, e.in_step = False, True
+        self.fetching.pop(name, None)
+        if not self._room_possible(host_bytes):
+            e.in_host, e.in_step = was_host, in_step
+            if was_fetching:
+                self.fetching[name] = serial
+            self.host["refusals"] += 1
+            raise errors.CapacityError(f"cannot replace {name!r}: the host tier is full")
+        out: list[tuple[str, str, int]] = []
+        self._make_host_room(host_bytes, out)
+        e.host_bytes, e.rank, e.in_host, e.in_step = host_bytes, rank, True, in_step
+        if not was_host:
+            self.host_order[name] = None
+            self.host["loads"] += 1
+        if was_fetching:
+            self.fresh.append(name)
+        return [n for n, tier, _ in out if tier == "host"]
+
     def fetch_failed(self, name: str, serial: int) -> None:
         del self.fetching[self._fetch(name, serial).name]
 
@@ -381,6 +418,32 @@ class RegistryVsModel(RuleBasedStateMachine):
         """More adapters than slots, so steps contend for slots and victims must be chosen."""
         for name in NAMES:
             self.register(name, False, nbytes, 8)
+
+    @rule(data=st.data(), rank=st.integers(1, 16), stale=st.sampled_from([0, 0, 0, 1]))
+    def replace(self, data: st.DataObject, rank: int, stale: int) -> None:
+        """New weights in place for a registered adapter, a pinned one as often as any (any name when
+        none is registered; ``stale``: for a registration that is no longer the name's). Their bytes are
+        often the edge of the room the pins leave it, on either side."""
+        registered = sorted(self.model.entries)
+        pinned = sorted(e.name for e in self.model._pinned())
+        choices = [st.sampled_from(c) for c in (pinned, registered) if c]
+        name = data.draw(st.one_of(choices) if choices else names)
+        edges = []
+        e = self.model.entries.get(name)
+        if e is not None and self.model.max_host_bytes is not None:
+            others = [o for o in self.model.entries.values() if o is not e]
+            room = self.model.max_host_bytes - sum(o.host_bytes for o in others if o.pinned)
+            if e.pinned:
+                room -= max((o.host_bytes for o in others if not o.pinned), default=0)
+            edges = [b for b in (room, room + 1) if b >= 1]
+        nbytes = data.draw(st.integers(1, 600) | st.sampled_from(edges) if edges else st.integers(1, 600))
+        serial = self.model.serials.get(name, 0) + stale
+        got = same_outcome(
+            lambda: self.reg.replace(name, serial, rank=rank, host_bytes=nbytes, device_bytes=nbytes),
+            lambda: self.model.replace(name, serial, rank=rank, host_bytes=nbytes),
+        )
+        if got:
+            assert got[0] == got[1]
 
     @rule(name=names)
     def pin(self, name: str) -> None:

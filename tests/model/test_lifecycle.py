@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lora_pin import AdapterLoadError, AdapterNotFoundError, DuplicateAdapterError, LoRAManager
+from lora_pin import AdapterLoadError, AdapterNotFoundError, CapacityError, DuplicateAdapterError, LoRAManager
 from lora_pin.model.lifecycle import AdapterIdentity
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -206,6 +206,58 @@ def test_a_refused_replacement_changes_nothing(world: World, tmp_path: Path) -> 
     close(want, oracle(world, tokens(3, 4), ["v1", "other", None]))
     with pytest.raises(DuplicateAdapterError):
         mgr.load("live", world.adapters["v2"])
+
+
+@pytest.mark.parametrize("source", ["path", "tensors"])
+def test_a_replacement_that_leaves_another_adapter_no_room_beside_the_pins_is_refused(
+    world: World, source: str
+) -> None:
+    """Host memory for a small pinned p and a big q: replacing p by big weights would leave q less room
+    beside the pins than it needs (its requests would wait for host room forever), so it is refused with
+    the rule ``pin`` applies, naming both adapters and the numbers, and nothing changes: identities, pin,
+    host tier, outputs. q is still served."""
+    from peft import LoraConfig
+
+    sizes, _ = manager(world)
+    sizes.load("small", world.adapters["v2"])
+    sizes.load("big", world.adapters["v1"])
+    small, big = sizes.placement()["small"].host_bytes, sizes.placement()["big"].host_bytes
+    assert small < big
+    mgr, model = manager(world, max_loras_per_batch=3, max_host_bytes=small + big)
+    mgr.load("p", world.adapters["v2"], pinned=True)
+    mgr.load("q", world.adapters["v1"])
+    names: list[str | None] = ["p", "q", None]
+    want = run(mgr, model, names, 12)
+    close(want, oracle(world, tokens(3, 12), ["v2", "v1", None]))
+
+    def state() -> tuple[Any, ...]:
+        """Identities (digest, generation), placement (tiers, slots, pins, bytes), stats, host tensors."""
+        identities = (mgr.identity("p"), mgr.identity("q"))
+        return identities, mgr.placement(), mgr.stats(), {n: mgr.host[n] for n in mgr.host}
+
+    before = state()
+    with pytest.raises(CapacityError) as refused:
+        if source == "path":
+            mgr.load("p", world.adapters["v1"], replace=True)
+        else:
+            tensors = load_file(world.adapters["v1"] / "adapter_model.safetensors")
+            config = LoraConfig.from_pretrained(str(world.adapters["v1"]))
+            mgr.load_tensors("p", tensors, config, replace=True)
+    message = str(refused.value)
+    assert 'replace adapter "p"' in message and f'adapter "q" needs {big}' in message, message
+    assert f"would take {big} of max_host_bytes={small + big}" in message, message
+    after = state()
+    assert after[0] == before[0] and after[1] == before[1]
+    for key in ("identities", "pinned_names", "host_bytes", "registered"):
+        assert after[2][key] == before[2][key], key
+    assert after[2]["host"]["resident"] == before[2]["host"]["resident"] == ["p", "q"]
+    assert after[3].keys() == before[3].keys() and all(after[3][n] is before[3][n] for n in before[3])
+    assert torch.equal(run(mgr, model, names, 12), want)
+    # q is served by a step of its own too (it was never evicted for the refused weights).
+    step = mgr.prepare_step(["q"], 1)
+    mgr.finish(step)
+    assert step.admitted == (0,) and not step.deferred
+    mgr.registry.audit()
 
 
 def test_a_replacement_from_the_host_tier_or_disk_or_a_fetch_serves_the_new_weights(world: World) -> None:

@@ -8,7 +8,15 @@ import json
 import sys
 from typing import Any
 
-from lora_pin._core import MAX_ADAPTER_RANK, MAX_SLOTS, Trace, simulate, simulate_replicas
+from lora_pin._core import (
+    MAX_ADAPTER_RANK,
+    MAX_ARRIVAL_CV,
+    MAX_SLOTS,
+    MIN_ARRIVAL_CV,
+    Trace,
+    simulate,
+    simulate_replicas,
+)
 from lora_pin.args import EVICTION_POLICIES
 from lora_pin.cli._plot import MISSING, draw
 from lora_pin.errors import SpecError
@@ -126,7 +134,12 @@ def add_parser(subparsers: Any) -> None:
         ),
     )
     p.add_argument(
-        "--cv", default="1", help="coefficient of variation of the arrival gaps (default %(default)s)"
+        "--cv",
+        default="1",
+        help=(
+            f"coefficient of variation of the arrival gaps, {MIN_ARRIVAL_CV:g}..{MAX_ARRIVAL_CV:g} "
+            "(default %(default)s)"
+        ),
     )
     p.add_argument(
         "--queue-bound",
@@ -158,13 +171,13 @@ def _int(flag: str, text: str, *, least: int, most: int = 2**63 - 1) -> int:
     return value
 
 
-def _number(flag: str, text: str, *, most: float = float("inf")) -> float:
+def _number(flag: str, text: str, *, least: float = 0.0, most: float = float("inf")) -> float:
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0 <= value <= most or value == float("inf"):
-        raise SpecError(f"{flag}: {text!r} is not a number in 0..{most:g}")
+    if not least <= value <= most or value == float("inf"):
+        raise SpecError(f"{flag}: {text!r} is not a number in {least:g}..{most:g}")
     return value
 
 
@@ -384,7 +397,8 @@ def _cluster_rows(args: argparse.Namespace, trace: Trace, about: dict[str, Any])
     adapter_bytes = _adapter_bytes(args)
     sizes = _sizes(args)
     bound = batch if args.queue_bound is None else _int("--queue-bound", args.queue_bound, least=1)
-    cv = _number("--cv", args.cv)
+    # Past this range the Gamma shape 1/cv^2 rounds to 0 or infinity, where no gap can be drawn.
+    cv = _number("--cv", args.cv, least=MIN_ARRIVAL_CV, most=MAX_ARRIVAL_CV)
     if _number("--load-ms", args.load_ms) > 0:
         raise SpecError("--load-ms: background loading is not modelled with --replicas; leave it at 0")
     rows = []
@@ -395,7 +409,12 @@ def _cluster_rows(args: argparse.Namespace, trace: Trace, about: dict[str, Any])
                 rate = 0.8 * n * batch / max(step_seconds, 1e-9)
             else:
                 rate = _number("--arrival-rate", args.arrival_rate)
-            timed = trace.with_gamma_arrivals(rate, cv=cv, seed=about.get("seed", 0))
+            try:
+                timed = trace.with_gamma_arrivals(rate, cv=cv, seed=about.get("seed", 0))
+            except SpecError as e:
+                given = args.arrival_rate is not None
+                source = "--arrival-rate" if given else "the rate from --step-ms and --batch-size"
+                raise SpecError(f"{source} ({rate:g} requests/s) with --cv {cv:g}: {e}") from e
             about.setdefault("arrivals", {})[n] = {"rate": rate, "cv": cv}
         for s in slots:
             for h in hosts:

@@ -14,7 +14,8 @@ weights (the adapter was being fetched) is over, and what it reads is dropped wh
 evicted to disk comes back into host memory. A device slot holding the old weights keeps them while the step
 running now reads them, and is refreshed before the next step that uses it: every step that begins after
 the replacement returns runs on the new weights. A refused replacement (unreadable files, NaN, shapes, no
-host room) changes nothing.
+host room, weights that would leave a registered adapter no room beside the pinned ones) changes nothing:
+the core refuses before any tensor is swapped.
 
 With tensor parallelism every rank reads its part and hashes the whole adapter's tensors; the ranks agree on
 the outcome and then on the digest and the whole adapter's bytes before any registers or replaces, so ranks
@@ -152,8 +153,10 @@ class Lifecycle:
                 some rank, or the ranks read different adapters).
             DuplicateAdapterError: ``name`` is registered and ``replace`` is False.
             AdapterNotFoundError: the adapter to replace was unloaded meanwhile.
-            CapacityError: the host tier cannot take it, or pinning would leave no slot for unpinned
-                adapters. In every case nothing changes.
+            CapacityError: the host tier cannot take it, pinning would leave no slot for unpinned
+                adapters, or a registered adapter would no longer fit in the host tier beside the pinned
+                ones (the core's pin rule, for loads and replacements alike). In every case nothing
+                changes.
         """
         where = WHERE if path is None else path
 

@@ -274,8 +274,11 @@ class LoRAManager:
         Raises:
             AdapterLoadError: the adapter cannot be served; PathNotAllowedError / UnsafeFormatError likewise.
             DuplicateAdapterError: ``name`` is registered (without ``replace``).
-            CapacityError: the host tier is full of adapters that cannot be evicted, or pinning would leave
-                no slot for unpinned adapters. In every case nothing changes.
+            CapacityError: the host tier is full of adapters that cannot be evicted, pinning would leave
+                no slot for unpinned adapters, or (with ``max_host_bytes``) a registered adapter would no
+                longer fit in the host tier beside the pinned ones: a pinned load, or a replacement that
+                grows a pinned adapter or outgrows the room the pins leave (the rule of :meth:`pin`). In
+                every case nothing changes.
         """
         return self._lifecycle.load(name, os.fspath(path), None, None, pinned=pinned, replace=replace)
 
@@ -347,7 +350,9 @@ class LoRAManager:
 
         Raises:
             AdapterNotFoundError: ``name`` is not registered.
-            CapacityError: fewer than one slot would stay for unpinned adapters (the message has the numbers).
+            CapacityError: fewer than one slot would stay for unpinned adapters, or (with ``max_host_bytes``)
+                the pinned adapters would overflow the host tier or leave a registered adapter less room
+                in it than its bytes (the message has the numbers).
 
         With ``tp``, every rank calls it; if it fails on any rank it is undone where it succeeded and every
         rank raises.

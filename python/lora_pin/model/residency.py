@@ -163,7 +163,9 @@ class Residency:
 
         Raises:
             AdapterNotFoundError: ``name`` is not registered (or is being unloaded).
-            CapacityError: the host tier cannot make room for the new weights. Nothing changes then.
+            CapacityError: the host tier cannot make room for the new weights, or they would leave a
+                registered adapter no room beside the pinned ones (the core decides before any tensor
+                is swapped). Nothing changes then.
         """
         with self.lock:
             source = self._sources.get(name)
