@@ -351,6 +351,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         "--max-lora-rank", "8", "--lora-target-modules", "all",
         "--allow-runtime-lora-updating", "--lora-root", str(adapters),
         "--replicas", str(REPLICAS), "--replica-cpus", "1", "--replica-queue-bound", str(QUEUE_BOUND),
+        # A frozen replica must stay one for as long as a test holds it, however slow the machine:
+        # Ray Serve would replace it after its health check's 30 s (the holder gone from the router).
+        "--replica-health-check-timeout", "600",
     ]  # fmt: skip
     port = _free_port()
     # On a busy machine Ray Serve's HTTP proxy can take longer than its 5 s readiness check to start.

@@ -147,6 +147,14 @@ def add_parser(subparsers: Any) -> None:
         help="a replica's queued and running requests at which its adapters' requests spill to the "
         "next replica (default %(default)s)",
     )
+    replicas.add_argument(
+        "--replica-health-check-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds a replica may leave Ray Serve's health check unanswered before it is replaced "
+        "(default %(default)s)",
+    )
     add_lora_args(p)
     p.set_defaults(run=run)
 
@@ -283,4 +291,5 @@ def ray_app(options: dict[str, str]) -> Any:
         replica_cpus=args.replica_cpus,
         replica_gpus=args.replica_gpus,
         queue_bound=args.replica_queue_bound,
+        health_check_timeout_s=args.replica_health_check_timeout,
     )

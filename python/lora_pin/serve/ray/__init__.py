@@ -44,6 +44,7 @@ def build_application(
     replica_gpus: float = 0.0,
     queue_bound: int = 8,
     max_ongoing_requests: int = 64,
+    health_check_timeout_s: float = 30.0,
 ) -> Any:
     """The Ray Serve application: ``replicas`` lora_pin replicas built by ``build_state(args)`` behind
     one ingress (its route prefix is ``/``).
@@ -56,10 +57,14 @@ def build_application(
         replica_gpus: GPUs each replica claims (Ray then gives it those devices alone); 0 on CPU.
         queue_bound: a replica's queued and running requests at which requests spill to the next choice.
         max_ongoing_requests: Ray Serve's own limit per replica (requests past it wait in the ingress).
+        health_check_timeout_s: how long a replica may leave Ray Serve's health check unanswered
+            before it is replaced (Ray Serve's default, 30 s; more where replicas may stall, e.g. a
+            machine that is swapping).
 
     Raises:
-        ValueError: ``replicas`` or ``queue_bound`` below 1, ``replica_cpus`` not positive,
-            ``replica_gpus`` negative, or ``max_ongoing_requests`` below ``queue_bound``.
+        ValueError: ``replicas`` or ``queue_bound`` below 1, ``replica_cpus`` or
+            ``health_check_timeout_s`` not positive, ``replica_gpus`` negative, or
+            ``max_ongoing_requests`` below ``queue_bound``.
     """
     if (
         replicas < 1
@@ -67,11 +72,13 @@ def build_application(
         or replica_cpus <= 0
         or replica_gpus < 0
         or max_ongoing_requests < queue_bound
+        or not health_check_timeout_s > 0
     ):
         raise ValueError(
             f"replicas ({replicas}) and queue_bound ({queue_bound}) must be at least 1, replica_cpus "
             f"({replica_cpus}) above 0, replica_gpus ({replica_gpus}) at least 0, and "
-            f"max_ongoing_requests ({max_ongoing_requests}) at least queue_bound"
+            f"max_ongoing_requests ({max_ongoing_requests}) at least queue_bound, and "
+            f"health_check_timeout_s ({health_check_timeout_s}) above 0"
         )
     router = RequestRouterConfig(
         request_router_class=LoRARouter,
@@ -86,6 +93,7 @@ def build_application(
         ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         max_ongoing_requests=max_ongoing_requests,
         request_router_config=router,
+        health_check_timeout_s=health_check_timeout_s,
     )
     ingress = serve.deployment(
         LoRAIngress,
@@ -124,6 +132,7 @@ def run_local(
             replica_cpus=args.replica_cpus,
             replica_gpus=args.replica_gpus,
             queue_bound=args.replica_queue_bound,
+            health_check_timeout_s=args.replica_health_check_timeout,
         )
         serve.run(application, name="lora_pin", route_prefix="/")
         stop = threading.Event()
