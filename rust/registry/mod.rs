@@ -478,7 +478,11 @@ impl Registry {
         let why = if pinned > max {
             format!("the pinned adapters {take} {pinned} of max_host_bytes={max}")
         } else {
-            let largest = match (self.largest_unpinned(except), unpinned) {
+            // The registered unpinned adapters fit beside the pins as they are (the rule held before
+            // this change), so only pins that grow need them looked through: a registration stays O(1).
+            let registered =
+                if pinned > self.pinned_host_bytes { self.largest_unpinned(except) } else { None };
+            let largest = match (registered, unpinned) {
                 (Some(a), Some(b)) => Some(if b.1 > a.1 { b } else { a }),
                 (a, b) => a.or(b),
             };
