@@ -49,13 +49,7 @@ async def converge(
     failed (empty: all applied); the other steps are applied regardless, and each failure is logged.
     """
     admin = state.admin
-    pinned = (
-        set() if admin.manager is None else {a.name for a in admin.manager.placement().adapters if a.pinned}
-    )
-    served = {
-        name: {"path": path, "pinned": name in pinned, "version": versions.get(name, -1)}
-        for name, path in admin.served().items()
-    }
+    served = _served(admin, versions, _placement(admin))
     failures: list[str] = []
     for step in plan(served, desired):
         try:
@@ -69,6 +63,21 @@ async def converge(
         elif step.action == "unload":
             versions.pop(step.name, None)
     return failures
+
+
+def _placement(admin: Any) -> Any:
+    """The manager's placement snapshot; None for a server without adapters."""
+    return None if admin.manager is None else admin.manager.placement()
+
+
+def _served(admin: Any, versions: Mapping[str, int], placement: Any) -> dict[str, dict[str, Any]]:
+    """Every adapter that takes requests, ``{name: {"path", "pinned", "version"}}`` (-1: a version
+    this replica does not know), pins read from ``placement``."""
+    pinned = set() if placement is None else {a.name for a in placement.adapters if a.pinned}
+    return {
+        name: {"path": path, "pinned": name in pinned, "version": versions.get(name, -1)}
+        for name, path in admin.served().items()
+    }
 
 
 async def _apply(admin: Any, step: Step) -> None:
@@ -223,13 +232,7 @@ class LoRAReplica:
         "adapters": {name: {"path", "pinned", "version"}}}`` (a restarted ingress adopts the newest
         replica's)."""
         admin = self.state.admin
-        entries = () if admin.manager is None else admin.manager.placement().adapters
-        pinned = {a.name for a in entries if a.pinned}
-        adapters = {
-            name: {"path": path, "pinned": name in pinned, "version": self.versions.get(name, -1)}
-            for name, path in admin.served().items()
-        }
-        return {"generation": self.generation, "adapters": adapters}
+        return {"generation": self.generation, "adapters": _served(admin, self.versions, _placement(admin))}
 
     def adapters(self, route: RouteHint | None = None) -> dict[str, Any]:
         """This replica's name and adapters, ``{"replica": str, "adapters": {name: {"tier", "pinned",
@@ -259,11 +262,10 @@ class LoRAReplica:
         adapter that takes requests here (one being unloaded does not)."""
         at = time.monotonic_ns()  # before the reads: the state reported is at least as new
         admin = self.state.admin
-        placement = None if admin.manager is None else admin.manager.placement()
-        pinned = set() if placement is None else {a.name for a in placement.adapters if a.pinned}
+        placement = _placement(admin)
         serves = {
-            name: {"version": self.versions.get(name, -1), "pinned": name in pinned}
-            for name in admin.served()
+            name: {"version": entry["version"], "pinned": entry["pinned"]}
+            for name, entry in _served(admin, self.versions, placement).items()
         }
         stats = replica_stats(self.name, placement, sum(admin.outstanding().values()))
         return {**stats, "at": at, "generation": self.generation, "serves": serves}
