@@ -129,12 +129,13 @@ def combine(answers: dict[str, tuple[int, list[tuple[str, str]], bytes]]) -> Res
     return _error(502, message, "ReplicaDisagreement", replicas=per_replica)
 
 
-def _wants_stream(message: dict[str, Any]) -> bool:
+def _body_fields(message: dict[str, Any]) -> dict[str, Any] | None:
+    """The request's JSON body as a dict; None when it is not one (the replica answers that)."""
     try:
         fields = json.loads(message["body"])
     except (ValueError, UnicodeDecodeError):
-        return False
-    return isinstance(fields, dict) and bool(fields.get("stream"))
+        return None
+    return fields if isinstance(fields, dict) else None
 
 
 def _replica_of(headers: list[tuple[str, str]]) -> str | None:
@@ -299,27 +300,28 @@ class LoRAIngress:
             reads = [self._ask(message, n, -1, _READ_TIMEOUT_S) for n in names]
             answers = dict(zip(names, await asyncio.gather(*reads), strict=True))
             return _MERGED_GETS[request.url.path](answers)
-        return await self._relay(message, self._hint(message))
+        fields = _body_fields(message)
+        stream = fields is not None and bool(fields.get("stream"))
+        return await self._relay(message, self._hint(message, fields), stream)
 
-    def _hint(self, message: dict[str, Any]) -> RouteHint:
-        if message["method"] != "POST" or not message["path"].endswith("completions"):
-            return RouteHint()
+    def _hint(self, message: dict[str, Any], fields: dict[str, Any] | None) -> RouteHint:
+        if fields is None or message["method"] != "POST" or not message["path"].endswith("completions"):
+            return RouteHint()  # whichever replica answers it answers the same error
         try:
-            fields = json.loads(message["body"])
             adapter = requested_adapter(
                 fields.get("model"), fields.get("lora_path"), self.base_name, self.desired.__contains__
             )
-        except (ValueError, UnicodeDecodeError, AttributeError, TypeError, UnknownModelError):
-            return RouteHint()  # whichever replica answers it answers the same error
+        except (TypeError, UnknownModelError):
+            return RouteHint()
         if adapter is None:
             return RouteHint()
         want = self.desired[adapter]
         return RouteHint(adapter=adapter, pinned=bool(want["pinned"]), version=int(want["version"]))
 
-    async def _relay(self, message: dict[str, Any], hint: RouteHint) -> Any:
-        """Forwards ``message`` to the replica the router picks, and to another when that one dies
-        before the client got anything, or is behind on ``hint.adapter`` (answers 404)."""
-        stream = _wants_stream(message)
+    async def _relay(self, message: dict[str, Any], hint: RouteHint, stream: bool) -> Any:
+        """Forwards ``message`` (a ``stream``: its answer relayed as it comes) to the replica the router
+        picks, and to another when that one dies before the client got anything, or is behind on
+        ``hint.adapter`` (answers 404)."""
         tried: list[str] = []
         lost: list[str] = []
         behind: Response | None = None
