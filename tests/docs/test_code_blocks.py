@@ -16,6 +16,12 @@ The rules a page follows (docs/development.md repeats them for writers):
   Anything else in a bash block fails here: mark such a block not-run with the reason.
 - Any other fence language fails: use one of these, or mark the block.
 
+Not run, by their markers: the blocks that start servers (``lora-pin serve``, a Ray cluster, a metrics port)
+or talk to one (curl, the openai client), since tests/serve/ and tests/model/test_metrics.py start the same
+servers on a tiny model and check their answers; ``pip install``s (network); the two commands (they are the
+whole job and the whole suite); examples that need a framework's own classes or several ranks (tests/parallel/
+runs lora_pin.parallel_fixtures' layers instead); the long reliability runs.
+
 README's quick start is also checked against PEFT (its logits equal PEFT's mixed-batch forward).
 """
 
