@@ -11,7 +11,8 @@ if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
 fi
 stamp=.venv/.lora_pin-requirements
-want="$(sha256sum requirements/dev.txt | cut -d' ' -f1)"
+# Every file under requirements/ counts: dev.txt includes docs.txt.
+want="$(cat requirements/*.txt | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     echo "lora-pin setup: installing requirements/dev.txt (torch is large: a few minutes the first time)" >&2
     .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip

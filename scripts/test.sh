@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: format and lint gates for Rust and Python, the Rust tests, the stub check,
-# and pytest (Triton interpreter tests included). Exits non-zero on the first failure.
+# The whole test suite: format and lint gates for Rust and Python, the Rust tests, the stub check, the docs
+# site (mkdocs, warnings as errors: a broken link or API reference fails), and pytest (Triton interpreter
+# tests included). Exits non-zero on the first failure.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -14,6 +15,7 @@ step "cargo test";                              cargo test --quiet
 step "ruff check";                              ruff check python tests benches
 step "ruff format --check";                     ruff format --check python tests benches
 step "mypy.stubtest lora_pin._core";           python -m mypy.stubtest lora_pin._core
+step "mkdocs build --strict (the docs site)";  NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet
 step "pytest"
 set +e
 python -m pytest "$@"

@@ -84,8 +84,9 @@ class LoRAManager:
             ``{"qkv_proj": [("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)],
             "gate_up_proj": [("gate_proj", 14336), ("up_proj", 14336)]}``; one shrink then serves the
             whole fused output. Leave None for models with separate projections (Hugging Face Llama ...).
-        max_file_bytes, max_tensors: per-adapter limits on the weight file (see
-            :mod:`lora_pin.weights.limits`), checked before any tensor is read.
+        max_file_bytes: per-adapter limit on the weight file's bytes (see :mod:`lora_pin.weights.limits`),
+            checked before any tensor is read.
+        max_tensors: per-adapter limit on the weight file's tensor count, checked likewise.
         loading: ``"background"`` (the default): a step never reads from disk; a request whose adapter
             is not in host memory is deferred while a background loader reads it, and is admitted by a
             later step (with ``tp``, once every rank has read its shards: the ranks agree at each step's
@@ -299,7 +300,8 @@ class LoRAManager:
                 lora_pin keeps them to read them again after a host-tier eviction; changing them in
                 place afterwards makes that read fail (its digest differs) rather than serve them.
             config: ``adapter_config.json``'s fields as a dict, or a PEFT config object.
-            pinned, replace: as :meth:`load`.
+            pinned: as :meth:`load`.
+            replace: as :meth:`load`.
 
         With ``tp``, every rank calls it with the whole tensors, and keeps its own part.
 

@@ -52,8 +52,8 @@ class Collective(ABC):
         another rank failed). Returns its value and the fresh id rank 0 drew (None on one process).
 
         Raises:
-            whatever ``run`` raises; over ranks, a :class:`~lora_pin.errors.LoraPinError` of the failed
-            rank's class when ``run`` failed on another rank (``what`` names the operation then).
+            LoraPinError: over ranks, one of the failed rank's class when ``run`` failed on another rank
+                (``what`` names the operation then); and whatever ``run`` raises.
         """
 
     @abstractmethod
