@@ -35,8 +35,8 @@ PAGE = 16
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The tiny model, adapters ``a0``..``a5`` (``twin``: ``a0``'s weights under another name;
     ``swap``/``swap2``: weights to replace ``a5`` with), and two servers: ``lora`` (prefix caching on,
-    an API key, 3 slots) and ``plain`` (``--no-prefix-caching``, the key on every endpoint, never scraped
-    for ``/metrics``)."""
+    an API key, 3 slots) and ``plain`` (``--no-prefix-caching``, the key on every endpoint, a host tier of
+    4 adapters for 7 given at start-up)."""
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("parity")
@@ -62,7 +62,16 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     ]  # fmt: skip
     lora = Server(common, root / "lora.log", api_key=API_KEY)
     plain = Server(
-        [*common, "--no-prefix-caching", "--api-key-all-endpoints", "--log-interval", "0.5"],
+        # Seven start-up adapters over a host tier of four: all are registered.
+        [
+            *common,
+            "--no-prefix-caching",
+            "--api-key-all-endpoints",
+            "--log-interval",
+            "0.5",
+            "--max-loaded-loras",
+            "4",
+        ],
         root / "plain.log",
         api_key=API_KEY,
     )
@@ -421,6 +430,19 @@ def test_without_prefix_caching_nothing_is_shared(world: dict[str, Any]) -> None
     for _ in range(2):
         r = _complete(plain, model="a0", prompt=prompt, max_tokens=3, temperature=0)
         assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_start_up_adapters_past_the_host_tier_are_all_served(world: dict[str, Any]) -> None:
+    """``plain`` was given 7 start-up adapters for a host tier of 4 (refused before): each is listed and
+    answers PEFT's tokens, in two rounds (the host tier evicts and reads them again)."""
+    plain, dirs, oracle = world["plain"], world["dirs"], world["oracle"]
+    names = [*ADAPTERS, "twin"]
+    assert {m.id for m in plain.client().models.list().data} >= set(names)
+    prompt = _prompt(62, 7)
+    for _ in range(2):
+        for name in names:
+            r = _complete(plain, model=name, prompt=prompt, max_tokens=4, temperature=0)
+            assert r.choices[0].token_ids == oracle.tokens(prompt, dirs[name], 4), name
 
 
 # ---- versions ------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -236,8 +237,15 @@ def build_server(args: argparse.Namespace) -> Any:
         raise SpecError(
             "--allow-runtime-lora-updating needs --lora-root: the folders adapters may be loaded from"
         )
-    config = lora_config_from_args(args)
-    for ref in () if config is None else config.refs:
+    # Start-up adapters past the host tier are registered too (as vLLM's --lora-modules past
+    # --max-cpu-loras): the tier's first ones at start, the rest loaded after (idle adapters leave the
+    # host tier for them, read again on first use).
+    config = lora_config_from_args(argparse.Namespace(**{**vars(args), "max_loaded_loras": None}))
+    later: list[Any] = []
+    if config is not None and args.max_loaded_loras is not None:
+        first, later = _split_startup(config.refs, args.max_loaded_loras)
+        config = dataclasses.replace(config, refs=first, max_loaded_loras=args.max_loaded_loras)
+    for ref in () if config is None else (*config.refs, *later):
         check_adapter_name(ref.lora_name, base_name)
     chat_template = _chat_template(args.chat_template)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -267,6 +275,11 @@ def build_server(args: argparse.Namespace) -> Any:
             ref.lora_path,
             ", pinned" if ref.pinned else "",
         )
+    if manager is not None:
+        for ref in later:
+            later_ref = manager.load(ref.lora_name, ref.lora_path)
+            startup = (*startup, later_ref)
+            log.info("adapter %r: registered from %s at start-up", ref.lora_name, ref.lora_path)
     num_blocks = args.num_blocks
     kv_gib = args.kv_cache_memory
     if num_blocks is None and kv_gib is None and device.type == "cpu":
@@ -309,6 +322,30 @@ def build_server(args: argparse.Namespace) -> Any:
     if args.log_interval > 0:
         StatusLog(engine, manager, admin, args.log_interval).start()
     return state
+
+
+def _split_startup(refs: tuple[Any, ...], loaded: int) -> tuple[tuple[Any, ...], list[Any]]:
+    """The start-up adapters the manager takes at once (the pinned ones, then the first others, up to
+    ``loaded``) and those loaded after it, in the order given.
+
+    Raises:
+        SpecError: more pinned adapters than ``loaded`` (they must all stay in host memory).
+    """
+    pinned = sum(r.pinned for r in refs)
+    if pinned > loaded:
+        raise SpecError(
+            f"{pinned} start-up adapters are pinned but --max-loaded-loras={loaded} holds at most {loaded}"
+        )
+    room = loaded - pinned
+    first: list[Any] = []
+    later: list[Any] = []
+    for ref in refs:
+        if ref.pinned or room > 0:
+            room -= not ref.pinned
+            first.append(ref)
+        else:
+            later.append(ref)
+    return tuple(first), later
 
 
 def kv_cache_blocks(config: Any, dtype: Any, page_size: int, gib: float) -> int:

@@ -710,13 +710,15 @@ def _adapter_routes(app: FastAPI, state: ServerState, body_of: Any) -> None:
         if admin.serves(name) and not inplace:
             raise HTTPError(400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput")
         try:
-            # In place: the registered adapter's weights are replaced atomically (id, pin and queued
-            # requests stay); a refused replacement leaves the old weights serving.
+            # In place: once the adapter's requests have ended (new ones wait), its weights are
+            # replaced (id and pin stay); a refused replacement leaves the old weights serving.
             await admin.load(name, path, replace=inplace)
         except DuplicateAdapterError as e:
             raise HTTPError(
                 400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput"
             ) from e
+        except AdapterBusyError as e:
+            raise HTTPError(409, str(e), "ConflictError") from e
         except LoraPinError as e:
             raise HTTPError(400, f"Failed to load LoRA adapter '{name}': {e}", "BadRequestError") from e
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
