@@ -184,6 +184,31 @@ def test_top_k_keeps_the_draws_among_the_k_most_likely(world: dict[str, Any]) ->
     assert set(firsts) <= top3 and len(set(firsts)) > 1, (firsts, top3)
 
 
+def test_n_seeded_choices_stream_as_they_answer_whole(world: dict[str, Any]) -> None:
+    """``n`` 3 with a seed and a stop string, streamed with usage and whole: each choice's streamed text,
+    tokens and end equal the whole answer's (choice j draws with ``seed + j``), the choices differ, and
+    the usage chunk counts every choice's tokens."""
+    lora = world["lora"]
+    ask = {
+        "model": "a2", "prompt": _prompt(90, 8), "max_tokens": 20, "temperature": 1.0, "n": 3,
+        "extra_body": {"seed": 11, "stop": ["A"]},
+    }  # fmt: skip
+    whole = _complete(lora, **ask)
+    assert len({tuple(c.token_ids) for c in whole.choices}) == 3
+    texts, tokens, ends = ["", "", ""], [[], [], []], [None, None, None]
+    usage = None
+    for chunk in _complete(lora, stream=True, stream_options={"include_usage": True}, **ask):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            tokens[c.index] += c.token_ids
+            ends[c.index] = c.finish_reason or ends[c.index]
+    for c in whole.choices:
+        assert (texts[c.index], tokens[c.index], ends[c.index]) == (c.text, c.token_ids, c.finish_reason)
+        assert "A" not in c.text
+    assert usage is not None and usage.completion_tokens == sum(len(t) for t in tokens)
+
+
 # ---- stop strings, stop tokens, logprobs ----------------------------------------------------------------
 
 
