@@ -251,3 +251,33 @@ def test_the_forward_runs_the_scheduled_requests_tokens_in_order(
         hook.remove()
         engine.stop()
         manager.detach()
+
+
+def test_the_prefix_cache_shares_blocks_only_under_the_same_key(tiny_llama_dir: Path) -> None:
+    """Below HTTP, on the engine itself: one 40-token prompt (two full 16-token pages) run in turn under
+    keys k1, k1, k2, none, none, k1: the prompt tokens the cache gave each are 0, 32, 0, 0, 32, 32. If the
+    engine stopped hashing through the seam engine.py keys, the k2 and unkeyed runs would get 32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    engine = LoRAEngine(model, None, EngineConfig(num_blocks=32, page_size=16, max_batch_tokens=64))
+    prompt = [(7 * i) % 90 + 32 for i in range(40)]
+    k1, k2 = "ab" * 32, "cd" * 32
+    got = []
+    try:
+        engine.start()
+        for i, key in enumerate([k1, k1, k2, None, None, k1]):
+            rid = f"r{i}"
+            # Two tokens: the engine hashes a step's completed blocks only for requests still running.
+            engine.submit(rid, prompt, None, max_new_tokens=2, streaming=False, prefix_key=key)
+            deadline = time.monotonic() + HANG_GUARD_S
+            output = None
+            while (output is None or not output.is_finished()) and time.monotonic() < deadline:
+                output = engine.cb.get_result(request_id=rid, timeout=0.5)
+            assert output is not None and output.is_finished()
+            got.append(engine.cached_tokens(rid))
+            engine.done(rid)
+    finally:
+        engine.stop()
+    assert got == [0, 32, 0, 0, 32, 32]
+    assert engine.prefix_stats() == {"queries": 6, "hit_tokens": 96}
