@@ -76,6 +76,9 @@ _SUPERVISE_INTERVAL_S = 0.2
 
 log = logging.getLogger("lora_pin.serve")
 
+# transformers' share of free device memory for the KV cache when logits are processed.
+_MEMORY_PERCENT_WITH_SAMPLER = 0.8
+
 # The prefix-cache key of the request whose blocks the engine's thread hashes now (unset: none).
 _hash_key = threading.local()
 
@@ -203,13 +206,19 @@ class LoRAEngine:
         scheduler_type = f"lora_pin-{id(self):x}"
         SCHEDULER_MAPPING[scheduler_type] = _scheduler_class(self, SCHEDULER_MAPPING["fifo"])
         self._scheduler_type = scheduler_type
+        settings = {k: v for k, v in vars(config).items() if v is not None}
+        if next(model.parameters()).device.type == "cuda":
+            # On CUDA the engine leaves more free memory beside its cache when it processes logits (0.8,
+            # not 0.9): the sampler's vocabulary-sized temporaries need it, though at init the engine
+            # sees no processor (CPU keeps the engine's own 0.6).
+            settings.setdefault("max_memory_percent", _MEMORY_PERCENT_WITH_SAMPLER)
         cb_config = ContinuousBatchingConfig(
             scheduler_type=scheduler_type,
             allow_block_sharing=prefix_caching,
             use_cuda_graph=False,
             use_async_batching=False,
             default_compile_level=0,
-            **{k: v for k, v in vars(config).items() if v is not None},
+            **settings,
         )
         generation = GenerationConfig(
             do_sample=False, eos_token_id=-1 if eos_token_id is None else eos_token_id
