@@ -238,7 +238,7 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
         return _int(body, "logprobs", 0, MAX_LOGPROBS, None)
     wanted = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, MAX_LOGPROBS, None)
-    if top is not None and not wanted:
+    if top and not wanted:
         raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
     return (top or 0) if wanted else None
 
