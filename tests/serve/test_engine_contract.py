@@ -169,6 +169,12 @@ def test_block_hashing_the_prefix_cache_keys_by_adapter() -> None:
     assert source.count("compute_block_hash(") == 3  # its definition and the two calls above
     # The scheduler is built with the cache as its first argument.
     assert _params(Scheduler.__init__)[:2] == ["self", "cache"]
+    # The engine's resolved config (its page size: whether a prompt fills a shareable block).
+    assert "self.continuous_batching_config = resolve_continuous_batching_config(" in inspect.getsource(
+        cb.ContinuousBatchingManager.__init__
+    )
+    # A prefix match never covers the prompt's last token.
+    assert "(len(prompt_ids) - 1) // self.tokens_per_page" in match
 
 
 def test_the_logits_processor_seam_the_sampler_uses() -> None:

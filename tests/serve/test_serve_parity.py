@@ -210,6 +210,35 @@ def test_n_seeded_choices_stream_as_they_answer_whole(world: dict[str, Any]) -> 
     assert usage is not None and usage.completion_tokens == sum(len(t) for t in tokens)
 
 
+def test_n_choices_share_their_prompts_prefill(world: dict[str, Any]) -> None:
+    """``n`` 3 over a fresh 40-token prompt (two whole pages), greedy, streamed and not: the first choice
+    computes the prompt, the two others are each given its two pages by the prefix cache (the server's
+    hit counter grows by four pages; the answer reports two), and every choice equals PEFT's tokens."""
+    lora, dirs, oracle = world["lora"], world["dirs"], world["oracle"]
+
+    def hits() -> float:
+        return sum(lora.metric("lora_pin_serve_prefix_cache_hit_tokens_total").values())
+
+    for k, stream in enumerate((False, True)):
+        before = hits()
+        prompt = _prompt(95 + k, 40)
+        want = oracle.tokens(prompt, dirs["a3"], 5)
+        ask = {"model": "a3", "prompt": prompt, "max_tokens": 5, "temperature": 0, "n": 3}
+        if not stream:
+            r = _complete(lora, **ask)
+            choices = {c.index: c.token_ids for c in r.choices}
+            usage = r.usage
+        else:
+            choices, usage = {0: [], 1: [], 2: []}, None
+            for chunk in _complete(lora, stream=True, stream_options={"include_usage": True}, **ask):
+                usage = chunk.usage or usage
+                for c in chunk.choices:
+                    choices[c.index] += c.token_ids
+        assert choices == {0: want, 1: want, 2: want}
+        assert usage is not None and usage.prompt_tokens_details.cached_tokens == 2 * PAGE
+        assert hits() - before == 2 * 2 * PAGE
+
+
 # ---- stop strings, stop tokens, logprobs ----------------------------------------------------------------
 
 

@@ -376,6 +376,7 @@ class _Choice:
         self.error: Any = None
         self.last: Any = None  # the engine's last output for it
         self.started = False  # a chunk of it was streamed
+        self.submitted = False  # it went to the engine
         self.sent_tokens = 0
         self.sent_text = 0
         self.closed = False  # nothing more of it goes to the client (its stop string was seen)
@@ -389,40 +390,69 @@ class _Flight:
         self.state, self.lease, self.answer = state, lease, answer
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.choices: list[_Choice] = []
+        # A prompt's first choice -> its other choices, queued once it has its first token.
+        self._followers: dict[int, list[tuple[_Choice, list[int], int]]] = {}
         self._closed = False
 
     def submit(self, prompts: list[list[int]], limits: list[int]) -> None:
         """Queue ``n`` choices of each prompt (choice ``p * n + j`` is prompt p's j-th).
 
+        With prefix caching and a prompt of at least one whole KV page, a prompt's first choice goes
+        alone, and the others once it has its first token: its prompt's blocks are in the cache by
+        then, so theirs are shared rather than computed again.
+
         Raises:
             HTTPError: 503, the engine takes no requests now (it is starting again after an error).
         """
-        params, engine = self.answer.params, self.state.engine
+        n, engine = self.answer.params.n, self.state.engine
         for p, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
-            for j in range(params.n):
-                index = p * params.n + j
-                choice = _Choice(index, f"{self.answer.request_id}-{index}", p, len(prompt))
-                self.choices.append(choice)
-                engine.cb.register_result_handler(
-                    choice.request_id, lambda output, i=index: self.queue.put_nowait((i, output))
-                )
-                try:
-                    engine.submit(
-                        choice.request_id,
-                        prompt,
-                        self.lease.name,
-                        max_new_tokens=limit,
-                        # Stop strings are looked for as the tokens come, to end the choice there.
-                        streaming=params.stream or bool(params.stop),
-                        ignore_eos=params.ignore_eos,
-                        sampling=params.sampling_of(j),
-                        stop_token_ids=params.stop_token_ids,
-                        prefix_key=self.lease.digest,
-                    )
-                except RuntimeError as e:
-                    engine.cb.output_router.result_handlers.pop(choice.request_id, None)
-                    choice.closed = True
-                    raise HTTPError(503, str(e), "ServiceUnavailable") from e
+            for j in range(n):
+                index = p * n + j
+                self.choices.append(_Choice(index, f"{self.answer.request_id}-{index}", p, len(prompt)))
+            later = n > 1 and engine.shares_prefix(len(prompt))
+            self._submit(self.choices[p * n], prompt, limit, leads=later)
+            if later:
+                self._followers[p * n] = [(c, prompt, limit) for c in self.choices[p * n + 1 : p * n + n]]
+            else:
+                for choice in self.choices[p * n + 1 : p * n + n]:
+                    self._submit(choice, prompt, limit)
+
+    def _submit(self, choice: _Choice, prompt: list[int], limit: int, leads: bool = False) -> None:
+        """Queue one choice; ``leads``: others wait for its first token (streamed to see it).
+
+        Raises:
+            HTTPError: 503, the engine takes no requests now.
+        """
+        params, engine = self.answer.params, self.state.engine
+        engine.cb.register_result_handler(
+            choice.request_id, lambda output, i=choice.index: self.queue.put_nowait((i, output))
+        )
+        choice.submitted = True
+        try:
+            engine.submit(
+                choice.request_id,
+                prompt,
+                self.lease.name,
+                max_new_tokens=limit,
+                # Stop strings are looked for as the tokens come, to end the choice there.
+                streaming=params.stream or bool(params.stop) or leads,
+                ignore_eos=params.ignore_eos,
+                sampling=params.sampling_of(choice.index % params.n),
+                stop_token_ids=params.stop_token_ids,
+                prefix_key=self.lease.digest,
+            )
+        except RuntimeError as e:
+            engine.cb.output_router.result_handlers.pop(choice.request_id, None)
+            choice.closed = True
+            raise HTTPError(503, str(e), "ServiceUnavailable") from e
+
+    def _release_followers(self, leader: int) -> None:
+        """Queue the choices that waited for ``leader``'s first token (or its end)."""
+        for choice, prompt, limit in self._followers.pop(leader, ()):
+            try:
+                self._submit(choice, prompt, limit)
+            except HTTPError as e:
+                choice.error = e.message
 
     async def outputs(self) -> AsyncIterator[_Choice]:
         """Each choice as it changes (its new tokens, its end), until every choice has ended. The flight
@@ -431,6 +461,7 @@ class _Flight:
         while not all(c.finish is not None or c.error is not None for c in self.choices):
             index, output = await self.queue.get()
             choice = self.choices[index]
+            self._release_followers(index)
             if choice.closed:
                 continue
             self.answer.update(choice, output)
@@ -449,7 +480,7 @@ class _Flight:
         engine = self.state.engine
         gave_up = False
         for choice in self.choices:
-            if choice.closed:
+            if choice.closed or not choice.submitted:
                 continue
             if choice.last is not None and choice.last.is_finished():
                 engine.done(choice.request_id)

@@ -202,6 +202,7 @@ class LoRAEngine:
         self._evictions: dict[tuple[str, str], int] = {}
         self.sampler = RowSampler()
         self.eos_token_id = eos_token_id
+        self.prefix_caching = prefix_caching
         # Installed with LoRA off too: it lets cancelled requests go.
         scheduler_type = f"lora_pin-{id(self):x}"
         SCHEDULER_MAPPING[scheduler_type] = _scheduler_class(self, SCHEDULER_MAPPING["fifo"])
@@ -228,6 +229,7 @@ class LoRAEngine:
         )
         # The engine's processors come from the generation config, greedy here: none. lora_pin's sampler
         # takes their place, with one row of per-request arguments (its row numbers).
+        self.page_size = int(self.cb.continuous_batching_config.page_size)
         processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([self.sampler]))
         processors.tensors_required = 1
         self.cb.logit_processor = processors
@@ -322,6 +324,11 @@ class LoRAEngine:
             self._prefix_key.pop(request_id, None)
             self._cached.pop(request_id, None)
         self.sampler.forget(request_id)
+
+    def shares_prefix(self, prompt_len: int) -> bool:
+        """Whether a later request with the same first ``prompt_len`` tokens (and adapter) would be
+        given some of their KV by the prefix cache: caching is on and the prompt fills a page."""
+        return self.prefix_caching and prompt_len - 1 >= self.page_size
 
     def cached_tokens(self, request_id: str) -> int:
         """The prompt tokens of ``request_id`` whose KV the prefix cache gave it (0 until it starts)."""
