@@ -423,6 +423,13 @@ def test_an_adapter_name_no_request_could_reach_is_refused(world: dict[str, Any]
             "POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(dirs["swap"])}
         )
         assert status == 400, (name[:20], body)
+    # A string is not a boolean: "no" would have replaced a0's weights.
+    status, body = lora.http(
+        "POST",
+        "/v1/load_lora_adapter",
+        {"lora_name": "a0", "lora_path": str(dirs["swap"]), "load_inplace": "no"},
+    )
+    assert status == 400 and body["error"]["param"] == "load_inplace", body
     assert sorted(m.id for m in lora.client().models.list().data) == before
 
 

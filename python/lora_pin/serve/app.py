@@ -737,7 +737,12 @@ def _adapter_routes(app: FastAPI, state: ServerState, body_of: Any) -> None:
     async def vllm_load(request: Request) -> Any:
         body = await body_of(request)
         name, path = names(body, "lora_name", "lora_path")
-        inplace = bool(body.get("load_inplace")) and admin.serves(name)
+        inplace = body.get("load_inplace")
+        if inplace is not None and not isinstance(inplace, bool):
+            raise HTTPError(
+                400, f"load_inplace must be true or false (got {inplace!r})", param="load_inplace"
+            )
+        inplace = bool(inplace) and admin.serves(name)
         if admin.serves(name) and not inplace:
             raise HTTPError(400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput")
         try:
