@@ -245,18 +245,18 @@ def build_app(state: ServerState) -> FastAPI:
                 headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
             )
         answer = _Answer(state, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, body, params, chat)
-        lease = await state.admin.acquire(adapter)
-        if lease is None:
+        flight = _Flight(state, answer)
+        # The lease goes straight into the flight, which releases it however the request ends.
+        flight.lease = await state.admin.acquire(adapter)
+        if flight.lease is None:
             raise HTTPError(404, UnknownModelError(str(body.get("model"))).args[0], "NotFoundError", "model")
-        # From here the lease is released however the request ends: by the flight, which holds it.
-        flight = _Flight(state, lease, answer)
         try:
             flight.submit(prompts, limits)
+            if params.stream:
+                return _Stream(answer.stream(flight), flight)
         except BaseException:
             flight.close()
             raise
-        if params.stream:
-            return _Stream(answer.stream(flight), flight)
         try:
             return await _unless_disconnected(answer.whole(flight), request)
         finally:
@@ -386,13 +386,20 @@ class _Flight:
     """One request's choices in the engine, from their submission until the server lets them go
     (:meth:`close`); holds the request's lease on its adapter until then."""
 
-    def __init__(self, state: ServerState, lease: Lease, answer: _Answer) -> None:
-        self.state, self.lease, self.answer = state, lease, answer
+    def __init__(self, state: ServerState, answer: _Answer) -> None:
+        self.state, self.answer = state, answer
+        self.lease: Lease | None = None  # set once the request is counted
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.choices: list[_Choice] = []
         # A prompt's first choice -> its other choices, queued once it has its first token.
         self._followers: dict[int, list[tuple[_Choice, list[int], int]]] = {}
         self._closed = False
+
+    @property
+    def held(self) -> Lease:
+        """The request's lease (set before anything is submitted)."""
+        assert self.lease is not None, "the flight was used before its request was counted"
+        return self.lease
 
     def submit(self, prompts: list[list[int]], limits: list[int]) -> None:
         """Queue ``n`` choices of each prompt (choice ``p * n + j`` is prompt p's j-th).
@@ -432,14 +439,14 @@ class _Flight:
             engine.submit(
                 choice.request_id,
                 prompt,
-                self.lease.name,
+                self.held.name,
                 max_new_tokens=limit,
                 # Stop strings are looked for as the tokens come, to end the choice there.
                 streaming=params.stream or bool(params.stop) or leads,
                 ignore_eos=params.ignore_eos,
                 sampling=params.sampling_of(choice.index % params.n),
                 stop_token_ids=params.stop_token_ids,
-                prefix_key=self.lease.digest,
+                prefix_key=self.held.digest,
             )
         except RuntimeError as e:
             engine.cb.output_router.result_handlers.pop(choice.request_id, None)
@@ -487,9 +494,10 @@ class _Flight:
             else:
                 engine.cancel(choice.request_id)
                 gave_up = True
-        if gave_up:
-            self.state.metrics.count(self.lease.name, "cancelled")
-        self.lease.release()
+        if self.lease is not None:
+            if gave_up:
+                self.state.metrics.count(self.lease.name, "cancelled")
+            self.lease.release()
 
 
 class _Stream(StreamingResponse):
@@ -583,7 +591,7 @@ class _Answer:
         ttft = stamps[0] - self.accepted if stamps else None
         tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
         ok = all(c.error is None for c in flight.choices)
-        self.state.metrics.observe(flight.lease.name, ok, ttft, tpot)
+        self.state.metrics.observe(flight.held.name, ok, ttft, tpot)
 
     def _usage(self, flight: _Flight) -> dict[str, Any]:
         prompts: dict[int, tuple[int, int]] = {}
