@@ -36,7 +36,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The tiny model, adapters ``a0``..``a5`` (``twin``: ``a0``'s weights under another name;
     ``swap``/``swap2``: weights to replace ``a5`` with), and two servers: ``lora`` (prefix caching on,
     an API key, 3 slots) and ``plain`` (``--no-prefix-caching``, the key on every endpoint, a host tier of
-    4 adapters for 7 given at start-up)."""
+    4 adapters for 7 given at start-up, a tokenizer folder and a chat template file of its own)."""
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("parity")
@@ -60,6 +60,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         "--max-lora-rank", "8", "--lora-target-modules", "all",
         "--allow-runtime-lora-updating", "--lora-root", str(adapters), "--api-key", API_KEY,
     ]  # fmt: skip
+    template = root / "template.jinja"
+    template.write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
     lora = Server(common, root / "lora.log", api_key=API_KEY)
     plain = Server(
         # Seven start-up adapters over a host tier of four: all are registered.
@@ -71,6 +73,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "0.5",
             "--max-loaded-loras",
             "4",
+            "--tokenizer",
+            str(base_dir),
+            "--chat-template",
+            str(template),
         ],
         root / "plain.log",
         api_key=API_KEY,
@@ -604,6 +610,24 @@ def test_tokenize_detokenize_list_prompts_and_n(world: dict[str, Any]) -> None:
         assert c.token_ids == oracle.tokens(prompts[c.index // 2], dirs["a2"], 5)
     assert r.usage.prompt_tokens == 15 and r.usage.completion_tokens == sum(
         len(c.token_ids) for c in r.choices
+    )
+
+
+def test_the_chat_template_and_tokenizer_flags(world: dict[str, Any]) -> None:
+    """``plain`` applies ``--chat-template``'s file (``<content>`` per message) where ``lora`` applies the
+    tokenizer's own, in ``/v1/tokenize`` and in a chat completion's prompt."""
+    plain, lora, oracle = world["plain"], world["lora"], world["oracle"]
+    messages = [{"role": "user", "content": "hi"}]
+    status, body = plain.http("POST", "/v1/tokenize", {"model": "tiny", "messages": messages})
+    assert status == 200 and body["tokens"] == [ord(c) for c in "<hi>"]
+    assert (
+        lora.http("POST", "/v1/tokenize", {"model": "tiny", "messages": messages})[1]["tokens"]
+        != body["tokens"]
+    )
+    r = plain.client().chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == 4
+    assert r.choices[0].message.content == "".join(
+        chr(t) for t in oracle.tokens(body["tokens"], None, 4) if t > 2
     )
 
 
