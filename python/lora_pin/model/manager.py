@@ -455,7 +455,8 @@ class LoRAManager:
     def evictions(self) -> dict[tuple[str, str], int]:
         """Evictions so far by ``(adapter, tier)`` (the 256 pairs evicted most, as :meth:`stats`); cheap
         enough to read after every step, to report each eviction when it happens."""
-        return dict(self.residency.evictions)
+        with self.residency.lock:  # loads on other threads count evictions meanwhile
+            return dict(self.residency.evictions)
 
     def stats(self) -> dict[str, Any]:
         """Counters per tier (hits, misses, loads, evictions, refusals), resident and pinned sets, the
