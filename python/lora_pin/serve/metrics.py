@@ -206,7 +206,11 @@ class StatusLog:
     def _run(self) -> None:
         while True:
             time.sleep(self.interval)
-            line = self.line()
+            try:
+                line = self.line()
+            except RuntimeError as e:  # a counter changed while it was read: the next line has it
+                log.debug("status line skipped: %s", e)
+                continue
             if line is not None:
                 log.info("%s", line)
 
