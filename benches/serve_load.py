@@ -22,6 +22,13 @@ order.
 
 Run: ``.venv/bin/python benches/serve_load.py`` (defaults sized for a 2-core CPU in a few minutes: hidden
 512, 4 layers; ``--hidden 1024 --layers 8`` is the issue's size, for a machine with room).
+
+``--shared-prefix TOKENS`` runs the shared-system-prompt workload instead (issue 36): every request is
+one system prompt of TOKENS tokens and a short user part of its own, over ``--shared-adapters`` adapters
+(popularity as above, ``--base-share`` on the base), served by two LoRA servers, prefix caching on and
+off (``--no-prefix-caching``). Blocks are shared only among requests with the same adapter weights, so
+the hits come from each adapter's repeats. Printed: TTFT and TPOT p50/p99, output tokens/s, the prompt
+tokens the cache gave (``/metrics``), and caching's TTFT p50 speed-up.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--max-batch-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=1, help="torch threads of each server")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shared-prefix", type=int, default=0, help="run the shared-system-prompt workload")
+    p.add_argument("--shared-adapters", type=int, default=64, help="adapters of that workload")
     return p.parse_args()
 
 
@@ -151,6 +160,7 @@ class _Server:
             "deferred": r"^lora_pin_deferred_requests_total (\S+)",
             "device loads": r'^lora_pin_loads_total\{tier="device"\} (\S+)',
             "host loads": r'^lora_pin_loads_total\{tier="host"\} (\S+)',
+            "cached tokens": r"^lora_pin_serve_prefix_cache_hit_tokens_total (\S+)",
         }
         found = {k: re.search(rx, text, re.M) for k, rx in wanted.items()}
         return {k: float(m.group(1)) if m else 0.0 for k, m in found.items()}
@@ -249,8 +259,56 @@ async def _drive(server: _Server, workload: list[Any], pinned: set[str]) -> dict
     }
 
 
+def _shared_prefix(args: argparse.Namespace) -> int:
+    """The shared-system-prompt workload, prefix caching on and off (module docs)."""
+    root = Path(tempfile.mkdtemp(prefix="serve_load-prefix-"))
+    t0 = time.perf_counter()
+    base, dirs = _make_model(root, args, args.shared_adapters)
+    names = [d.name for d in dirs]
+    system = [random.Random(args.seed + 1).randrange(32, 127) for _ in range(args.shared_prefix)]
+    workload = [
+        (at, name, system + prompt[:16], n) for at, name, prompt, n in _workload(args, len(names), names)
+    ]
+    page = 32
+    # Room for every adapter's cached prompt and the running requests, so caching is never starved.
+    blocks = (len(names) + 1 + args.requests) * (args.shared_prefix // page + 2)
+    flags = [
+        "--model", str(base), "--served-model-name", "base", "--device", "cpu",
+        "--max-batch-tokens", str(args.max_batch_tokens), "--num-blocks", str(blocks),
+        "--page-size", str(page), "--max-model-len", str(args.shared_prefix + 256),
+        "--lora-paths", *[f"{n}={d}" for n, d in zip(names, dirs, strict=True)],
+        "--max-loras-per-batch", str(args.slots), "--max-loaded-loras", str(len(names)),
+        "--max-lora-rank", str(args.rank), "--lora-target-modules", "q_proj", "v_proj",
+    ]  # fmt: skip
+    results = {}
+    for label, extra in (("prefix caching off", ["--no-prefix-caching"]), ("prefix caching on", [])):
+        server = _Server([*flags, *extra], args.threads, root / f"{label.split()[-1]}.log")
+        try:
+            asyncio.run(_drive(server, workload[:4], set()))
+            results[label] = asyncio.run(_drive(server, workload, set()))
+        finally:
+            server.stop()
+    cols = ["tok/s", "ttft p50", "ttft p99", "tpot p50", "tpot p99", "cached tokens"]
+    print("| shared system prompt | " + " | ".join(cols) + " |")
+    print("| --- " * (len(cols) + 1) + "|")
+    for label, r in results.items():
+        cells = [f"{r[c]:.3f}" if "t p" in c else f"{r[c]:.1f}" for c in cols]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    on, off = results["prefix caching on"], results["prefix caching off"]
+    print(
+        f"# TTFT p50 {off['ttft p50'] / on['ttft p50']:.2f}x lower with prefix caching; tok/s "
+        f"{on['tok/s'] / off['tok/s']:.2f}x; {args.requests} requests of a {args.shared_prefix}-token system "
+        f"prompt + 16 tokens over {len(names)} adapters ({args.popularity}, base share {args.base_share}), "
+        f"{args.rate}/s Gamma(cv={args.cv}), output {args.output}; hidden {args.hidden}, {args.layers} "
+        f"layers, {args.slots} slots; total {time.perf_counter() - t0:.0f} s"
+    )
+    return 0
+
+
 def main() -> int:
     args = _args()
+    if args.shared_prefix:
+        return _shared_prefix(args)
     counts = [int(c) for c in args.adapter_counts.split(",")]
     root = Path(tempfile.mkdtemp(prefix="serve_load-"))
     t0 = time.perf_counter()

@@ -275,15 +275,7 @@ class PeftOracle:
     ) -> list[int]:
         """The up to ``max_tokens`` token ids greedy decoding appends to ``prompt`` (ids), through the
         adapter at ``adapter_dir`` (None: the base model), stopping after :attr:`eos`."""
-        import copy
-
-        from peft import PeftModel
-
-        key = None if adapter_dir is None else str(adapter_dir)
-        if key not in self._models:
-            assert key is not None  # the base model is always there
-            self._models[key] = PeftModel.from_pretrained(copy.deepcopy(self.base), key).eval()
-        model = self._models[key]
+        model = self._model(adapter_dir)
         out: list[int] = []
         inputs, past = torch.tensor([prompt]), None
         with torch.no_grad():
@@ -295,3 +287,25 @@ class PeftOracle:
                     break
                 inputs, past = torch.tensor([[token]]), result.cache
         return out
+
+    def log_softmax(
+        self, prompt: list[int], adapter_dir: str | os.PathLike[str] | None, generated: list[int]
+    ) -> torch.Tensor:
+        """float64 ``[len(generated), vocab]``: ``log_softmax`` of the logits predicting each token of
+        ``generated`` after ``prompt`` (one forward over both), through the adapter at ``adapter_dir``."""
+        model = self._model(adapter_dir)
+        ids = torch.tensor([prompt + generated[:-1]]) if generated else torch.tensor([prompt])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 :].double()
+        return torch.log_softmax(logits, dim=-1)[: len(generated)]
+
+    def _model(self, adapter_dir: str | os.PathLike[str] | None) -> torch.nn.Module:
+        import copy
+
+        from peft import PeftModel
+
+        key = None if adapter_dir is None else str(adapter_dir)
+        if key not in self._models:
+            assert key is not None  # the base model is always there
+            self._models[key] = PeftModel.from_pretrained(copy.deepcopy(self.base), key).eval()
+        return self._models[key]

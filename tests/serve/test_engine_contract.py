@@ -139,18 +139,77 @@ def test_the_config_fields_the_integration_sets() -> None:
     } <= fields
 
 
-def test_block_hashing_still_has_no_key_but_the_tokens() -> None:
-    """Block sharing is off while LoRA is on because the prefix match and the block hashes take tokens
-    only. Should the engine grow a way to add a key (an adapter's identity), this fails: key the blocks
-    by adapter then, and turn sharing back on."""
+def test_block_hashing_the_prefix_cache_keys_by_adapter() -> None:
+    """engine.py keys block sharing by adapter: its scheduler wraps the cache's two calls that hash a
+    request's blocks (the prefix match of a waiting request, the marking of the blocks a step
+    completed) and sets the request's key, which the allocators' ``compute_block_hash`` (looked up as a
+    module global at each call) takes as the first block's parent. Should any of this move, the keys
+    would silently be lost and KV shared across adapters: this fails first."""
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
-    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import (
-        compute_block_hash,
-    )
+    from transformers.generation.continuous_batching.cache_allocators import cache_allocator
+    from transformers.generation.continuous_batching.scheduler import Scheduler
 
     assert _params(PagedAttentionCache.search_prefix_match) == ["self", "request_id", "prompt_ids"]
     assert _params(PagedAttentionCache.mark_complete_blocks) == ["self", "state", "complete_blocks"]
-    assert _params(compute_block_hash) == ["parent_hash", "tokens"]
+    # The only callers of the two, on the engine's thread.
+    assert "self.cache.search_prefix_match(state.request_id" in inspect.getsource(
+        Scheduler._infer_request_tokens
+    )
+    assert "self.cache.mark_complete_blocks(state" in inspect.getsource(
+        cb.continuous_api.ContinuousBatchProcessor
+    )
+    # The hash chain starts from None and calls the module's function by its global name.
+    assert _params(cache_allocator.compute_block_hash) == ["parent_hash", "tokens"]
+    allocator = cache_allocator.CacheAllocator
+    match = inspect.getsource(allocator.match_prefix_blocks)
+    assert "current_hash = None" in match and "compute_block_hash(current_hash, tokens)" in match
+    mark = inspect.getsource(allocator.mark_complete_blocks)
+    assert "parent_hash = None" in mark and "compute_block_hash(parent_hash, tokens)" in mark
+    source = inspect.getsource(cache_allocator)
+    assert source.count("compute_block_hash(") == 3  # its definition and the two calls above
+    # The scheduler is built with the cache as its first argument.
+    assert _params(Scheduler.__init__)[:2] == ["self", "cache"]
+    # The engine's resolved config (its page size: whether a prompt fills a shareable block).
+    assert "self.continuous_batching_config = resolve_continuous_batching_config(" in inspect.getsource(
+        cb.ContinuousBatchingManager.__init__
+    )
+    # A prefix match never covers the prompt's last token.
+    assert "(len(prompt_ids) - 1) // self.tokens_per_page" in match
+
+
+def test_the_logits_processor_seam_the_sampler_uses() -> None:
+    """engine.py replaces the engine's logits processors by lora_pin's sampler (one row of per-request
+    arguments) and leaves the engine greedy: the argmax of the processed logits picks each token, and
+    the processed rows are the requests with a new token, in batch order."""
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingLogitsProcessor,
+        ContinuousBatchingLogitsProcessorList,
+    )
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
+    from lora_pin.serve.sampling import RowSampler
+
+    assert issubclass(RowSampler, ContinuousBatchingLogitsProcessor)
+    assert {"fill_defaults", "prepare_tensor_args", "__call__"} <= set(
+        ContinuousBatchingLogitsProcessor.__abstractmethods__
+    )
+    processors = inspect.getsource(ContinuousBatchingLogitsProcessorList)
+    assert "if request.has_new_token" in processors and "self.tensors_required" in processors
+    assert "logit_processor.tensors_required" in inspect.getsource(ContinuousBatchingIOs)
+    # The manager hands its list (an attribute set at init) to the batch processor it creates.
+    assert "logit_processor=self.logit_processor" in inspect.getsource(
+        cb.ContinuousBatchingManager._create_batch_processor
+    )
+    sample = inspect.getsource(ModelRunner._sample)
+    assert "torch.argmax(probs, dim=-1, keepdim=True)" in sample and "if self.do_sample" in sample
+    # Rows of the processed logits: the logits_indices, appended for requests with a new token in order
+    # (then one stale row per other request of the batch, unused).
+    prepare = inspect.getsource(ContinuousBatchingIOs)
+    assert "logits_indices=self.logits_indices[:num_sequences]" in prepare
+    assert prepare.index("if future_state.has_new_token:") < prepare.index(
+        "logits_processors.prepare_tensor_args("
+    )
 
 
 def test_the_forward_runs_the_scheduled_requests_tokens_in_order(
@@ -198,3 +257,33 @@ def test_the_forward_runs_the_scheduled_requests_tokens_in_order(
         hook.remove()
         engine.stop()
         manager.detach()
+
+
+def test_the_prefix_cache_shares_blocks_only_under_the_same_key(tiny_llama_dir: Path) -> None:
+    """Below HTTP, on the engine itself: one 40-token prompt (two full 16-token pages) run in turn under
+    keys k1, k1, k2, none, none, k1: the prompt tokens the cache gave each are 0, 32, 0, 0, 32, 32. If the
+    engine stopped hashing through the seam engine.py keys, the k2 and unkeyed runs would get 32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    engine = LoRAEngine(model, None, EngineConfig(num_blocks=32, page_size=16, max_batch_tokens=64))
+    prompt = [(7 * i) % 90 + 32 for i in range(40)]
+    k1, k2 = "ab" * 32, "cd" * 32
+    got = []
+    try:
+        engine.start()
+        for i, key in enumerate([k1, k1, k2, None, None, k1]):
+            rid = f"r{i}"
+            # Two tokens: the engine hashes a step's completed blocks only for requests still running.
+            engine.submit(rid, prompt, None, max_new_tokens=2, streaming=False, prefix_key=key)
+            deadline = time.monotonic() + HANG_GUARD_S
+            output = None
+            while (output is None or not output.is_finished()) and time.monotonic() < deadline:
+                output = engine.cb.get_result(request_id=rid, timeout=0.5)
+            assert output is not None and output.is_finished()
+            got.append(engine.cached_tokens(rid))
+            engine.done(rid)
+    finally:
+        engine.stop()
+    assert got == [0, 32, 0, 0, 32, 32]
+    assert engine.prefix_stats() == {"queries": 6, "hit_tokens": 96}

@@ -308,7 +308,9 @@ def test_sync_chat_and_streaming_chat_match_peft(world: dict[str, Any]) -> None:
         r = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
         assert r.choices[0].message.content == "".join(chr(t) for t in expected if t > 2)
         assert r.usage.prompt_tokens == len(prompt)
-        chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=6, stream=True)
+        chunks = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=6, temperature=0, stream=True
+        )
         assert (
             "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             == r.choices[0].message.content
@@ -384,13 +386,13 @@ def test_refusals_change_nothing_and_the_server_goes_on(world: dict[str, Any]) -
     status, body = lora.http("POST", "/v1/load_lora_adapter", {"lora_name": "x"})
     assert status == 400
     assert sorted(m.id for m in client.models.list().data) == before
-    # Malformed JSON, a body too large, a non-object body, a bad prompt, sampling asked for: 4xx.
+    # Malformed JSON, a body too large, a non-object body, a bad prompt, a negative temperature: 4xx.
     assert lora.http("POST", "/v1/completions", raw=b'{"model": ')[0] == 400
     assert lora.http("POST", "/v1/completions", raw=b"[1, 2]")[0] == 400
     assert lora.http("POST", "/v1/completions", raw=b'{"prompt": "' + b"x" * 70000 + b'"}')[0] == 413
     assert lora.http("POST", "/v1/completions", {"model": "tiny", "prompt": [1, 999]})[0] == 400
     assert (
-        lora.http("POST", "/v1/completions", {"model": "tiny", "prompt": "a", "temperature": 0.7})[0] == 400
+        lora.http("POST", "/v1/completions", {"model": "tiny", "prompt": "a", "temperature": -0.7})[0] == 400
     )
     # Without --allow-runtime-lora-updating the adapter endpoints do not exist; without the key, 401.
     assert (

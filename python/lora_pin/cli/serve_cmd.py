@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -14,6 +15,10 @@ from lora_pin.errors import SpecError
 from lora_pin.serve import DEFAULT_MAX_QUEUED_REQUESTS
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The KV cache on CPU when --kv-cache-memory is not given (vLLM's VLLM_CPU_KVCACHE_SPACE plays this part).
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
+# The engine's page size when --page-size is not given (transformers' default).
+_ENGINE_PAGE_SIZE = 256
 
 
 def add_parser(subparsers: Any) -> None:
@@ -41,7 +46,34 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--api-key",
         default=os.environ.get("LORA_PIN_API_KEY"),
-        help="every request must bear 'Authorization: Bearer KEY' (default: $LORA_PIN_API_KEY, else none)",
+        help="requests to the API must bear 'Authorization: Bearer KEY' (default: $LORA_PIN_API_KEY, else "
+        "none); /health, /metrics and /version stay open unless --api-key-all-endpoints",
+    )
+    p.add_argument(
+        "--api-key-all-endpoints",
+        action="store_true",
+        help="--api-key guards /health, /metrics and /version too",
+    )
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a local tokenizer folder (default: --model's)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="the chat template for /v1/chat/completions: a file, or the Jinja template itself "
+        "(default: the tokenizer's)",
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="never share KV-cache blocks between requests (default: shared among requests with the same "
+        "prompt prefix and the same adapter weights)",
     )
     p.add_argument(
         "--allow-runtime-lora-updating",
@@ -73,11 +105,19 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="tokens per KV-cache page")
     p.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help=f"the KV cache's size in GiB (default: {DEFAULT_CPU_KV_CACHE_GIB:g} GiB on CPU; on CUDA the "
+        "engine's share of free memory, --max-memory-percent); --num-blocks, when given, wins",
+    )
+    p.add_argument(
         "--max-memory-percent",
         type=float,
         default=None,
         metavar="F",
-        help="share of free device memory the KV cache may take, 0..1 (engine default)",
+        help="share of free device memory the KV cache may take on CUDA, 0..1 (engine default)",
     )
     p.add_argument("--dtype", default="auto", choices=_DTYPES, help="the model's dtype (default %(default)s)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -91,9 +131,17 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--default-max-tokens",
         type=int,
-        default=256,
+        default=None,
         metavar="N",
-        help="a chat request's output limit when it sets none (default %(default)s)",
+        help="a request's output limit when it sets none, at most the room left in the context "
+        "(default: the room left)",
+    )
+    p.add_argument(
+        "--log-interval",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between the periodic status log lines; 0 turns them off (default %(default)s)",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -170,28 +218,49 @@ def build_server(args: argparse.Namespace) -> Any:
     import transformers
 
     from lora_pin.model import LoRAManager
-    from lora_pin.serve.adapters import AdapterAdmin
+    from lora_pin.serve.adapters import AdapterAdmin, check_adapter_name
     from lora_pin.serve.app import ServerState
     from lora_pin.serve.engine import EngineConfig, LoRAEngine
-    from lora_pin.serve.metrics import ServeMetrics
+    from lora_pin.serve.metrics import ServeMetrics, StatusLog
 
     model_dir = local_model_dir(args.model)
     if args.max_queued_requests < 1:
         raise SpecError(f"--max-queued-requests must be at least 1 (got {args.max_queued_requests})")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise SpecError(f"--default-max-tokens must be at least 1 (got {args.default_max_tokens})")
+    if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
+        raise SpecError(f"--kv-cache-memory must be above 0 GiB (got {args.kv_cache_memory})")
+    if args.log_interval < 0:
+        raise SpecError(f"--log-interval must be 0 (off) or more seconds (got {args.log_interval})")
+    base_name = args.served_model_name or str(args.model)
     if args.allow_runtime_lora_updating and not args.lora_root:
         raise SpecError(
             "--allow-runtime-lora-updating needs --lora-root: the folders adapters may be loaded from"
         )
-    config = lora_config_from_args(args)
+    # Start-up adapters past the host tier are registered too (as vLLM's --lora-modules past
+    # --max-cpu-loras): the tier's first ones at start, the rest loaded after (idle adapters leave the
+    # host tier for them, read again on first use).
+    config = lora_config_from_args(argparse.Namespace(**{**vars(args), "max_loaded_loras": None}))
+    later: list[Any] = []
+    if config is not None and args.max_loaded_loras is not None:
+        first, later = _split_startup(config.refs, args.max_loaded_loras)
+        config = dataclasses.replace(config, refs=first, max_loaded_loras=args.max_loaded_loras)
+    for ref in () if config is None else (*config.refs, *later):
+        check_adapter_name(ref.lora_name, base_name)
+    chat_template = _chat_template(args.chat_template)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         # transformers types PreTrainedModel.to through a decorator that mypy reads as taking a model.
         model = model.to(device).eval()  # type: ignore[arg-type]
-        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
-        raise SpecError(f"--model: cannot load a causal LM and its tokenizer from {model_dir!r}: {e}") from e
+        raise SpecError(f"--model: cannot load a causal LM from {model_dir!r}: {e}") from e
+    tokenizer_dir = model_dir if args.tokenizer is None else local_model_dir(args.tokenizer)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as e:
+        raise SpecError(f"--tokenizer: cannot load a tokenizer from {tokenizer_dir!r}: {e}") from e
     manager = None
     if config is not None:
         manager = LoRAManager.from_config(
@@ -206,30 +275,109 @@ def build_server(args: argparse.Namespace) -> Any:
             ref.lora_path,
             ", pinned" if ref.pinned else "",
         )
+    if manager is not None:
+        for ref in later:
+            later_ref = manager.load(ref.lora_name, ref.lora_path)
+            startup = (*startup, later_ref)
+            log.info("adapter %r: registered from %s at start-up", ref.lora_name, ref.lora_path)
+    num_blocks = args.num_blocks
+    kv_gib = args.kv_cache_memory
+    if num_blocks is None and kv_gib is None and device.type == "cpu":
+        kv_gib = DEFAULT_CPU_KV_CACHE_GIB
+    if num_blocks is None and kv_gib is not None:
+        num_blocks = kv_cache_blocks(model.config, model.dtype, args.page_size or _ENGINE_PAGE_SIZE, kv_gib)
     engine_config = EngineConfig(
         max_batch_tokens=args.max_batch_tokens,
-        num_blocks=args.num_blocks,
+        num_blocks=num_blocks,
         page_size=args.page_size,
         max_memory_percent=args.max_memory_percent,
     )
-    engine = LoRAEngine(model, manager, engine_config, eos_token_id=tokenizer.eos_token_id)
-    admin = AdapterAdmin(manager, startup)
+    engine = LoRAEngine(
+        model,
+        manager,
+        engine_config,
+        eos_token_id=tokenizer.eos_token_id,
+        prefix_caching=args.prefix_caching,
+    )
+    admin = AdapterAdmin(manager, startup, base_name=base_name)
     max_len = args.max_model_len or getattr(model.config, "max_position_embeddings", None) or 2048
     state = ServerState(
         engine=engine,
         tokenizer=tokenizer,
         admin=admin,
-        metrics=ServeMetrics(manager, admin.outstanding, engine_stats=engine.stats),
-        base_name=args.served_model_name or str(args.model),
+        metrics=ServeMetrics(
+            manager, admin.outstanding, engine_stats=engine.stats, prefix_stats=engine.prefix_stats
+        ),
+        base_name=base_name,
         max_model_len=max_len,
         api_key=args.api_key,
+        api_key_all_endpoints=args.api_key_all_endpoints,
         allow_runtime_updates=args.allow_runtime_lora_updating,
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens,
         max_queued_requests=args.max_queued_requests,
+        chat_template=chat_template,
     )
     engine.start()
+    if args.log_interval > 0:
+        StatusLog(engine, manager, admin, args.log_interval).start()
     return state
+
+
+def _split_startup(refs: tuple[Any, ...], loaded: int) -> tuple[tuple[Any, ...], list[Any]]:
+    """The start-up adapters the manager takes at once (the pinned ones, then the first others, up to
+    ``loaded``) and those loaded after it, in the order given.
+
+    Raises:
+        SpecError: more pinned adapters than ``loaded`` (they must all stay in host memory).
+    """
+    pinned = sum(r.pinned for r in refs)
+    if pinned > loaded:
+        raise SpecError(
+            f"{pinned} start-up adapters are pinned but --max-loaded-loras={loaded} holds at most {loaded}"
+        )
+    room = loaded - pinned
+    first: list[Any] = []
+    later: list[Any] = []
+    for ref in refs:
+        if ref.pinned or room > 0:
+            room -= not ref.pinned
+            first.append(ref)
+        else:
+            later.append(ref)
+    return tuple(first), later
+
+
+def kv_cache_blocks(config: Any, dtype: Any, page_size: int, gib: float) -> int:
+    """KV-cache blocks (``page_size`` tokens of keys and values in every layer) that fit in ``gib`` GiB
+    for a model of ``config`` in ``dtype``.
+
+    Raises:
+        SpecError: not even one block fits.
+    """
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_block = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize * page_size
+    blocks = int(gib * 2**30) // per_block
+    if blocks < 1:
+        raise SpecError(f"--kv-cache-memory {gib:g} GiB holds no block of {per_block} bytes")
+    return blocks
+
+
+def _chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's contents, or the template itself."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError as e:
+        raise SpecError(f"--chat-template: cannot read {value!r}: {e}") from e
+    if "{" not in value:
+        raise SpecError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -454,6 +454,12 @@ class LoRAManager:
         """
         return self._loads.wait_any(timeout)
 
+    def evictions(self) -> dict[tuple[str, str], int]:
+        """Evictions so far by ``(adapter, tier)`` (the 256 pairs evicted most, as :meth:`stats`); cheap
+        enough to read after every step, to report each eviction when it happens."""
+        with self.residency.lock:  # loads on other threads count evictions meanwhile
+            return dict(self.residency.evictions)
+
     def stats(self) -> dict[str, Any]:
         """Counters per tier (hits, misses, loads, evictions, refusals), resident and pinned sets, the
         pool's size in bytes, requests deferred by steps (``deferred_requests``, once per step deferred),

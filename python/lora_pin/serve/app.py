@@ -2,13 +2,17 @@
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI's, streaming or not; ``model`` names
   the base, an adapter (vLLM) or ``base:adapter`` (SGLang); SGLang's ``lora_path`` field too; vLLM's
-  ``return_token_ids`` and ``ignore_eos``;
+  ``return_token_ids``, ``ignore_eos``, ``top_k``, ``min_p`` and ``stop_token_ids``. Sampling, seeds,
+  ``n``, stop strings and log-probabilities per request; every parameter the server does not implement
+  is refused by name (:mod:`lora_pin.serve.params` has the rules);
+- ``POST /v1/tokenize``, ``/v1/detokenize``: vLLM's;
 - ``GET /v1/models``: the base and every adapter, with vLLM's ``root`` and ``parent``;
 - ``POST /v1/load_lora_adapter``, ``/v1/unload_lora_adapter``: vLLM's bodies, status codes, messages;
 - ``POST /load_lora_adapter``, ``/unload_lora_adapter``: SGLang's, ``{success, error_message,
   loaded_adapters}``;
 - ``POST /v1/pin_lora_adapter``, ``/v1/unpin_lora_adapter``: ``{lora_name}``, in vLLM's shapes;
-- ``GET /health`` (200 while the engine's thread runs, 503 if not), ``GET /metrics`` (Prometheus text).
+- ``GET /health`` (200 while the engine's thread runs, 503 if not), ``GET /metrics`` (Prometheus text),
+  ``GET /version``.
 
 A request whose client goes away before its answer (a closed stream, a timeout, a dropped connection) is
 cancelled in the engine (:meth:`~lora_pin.serve.engine.LoRAEngine.cancel`): its KV-cache pages and its
@@ -17,13 +21,15 @@ for the engine to start them; past that a new one is refused at once with 503 an
 (SGLang's ``--max-queued-requests``, its status and message), so a flood cannot grow the server's memory.
 
 The adapter endpoints exist only with ``allow_runtime_updates`` (as vLLM's exist only when runtime
-updating is allowed): without it they are 404. With ``api_key`` every endpoint needs
-``Authorization: Bearer <key>`` (401 ``{"error": "Unauthorized"}`` otherwise, vLLM's answer). Errors are
-OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``. Bodies past ``max_body_bytes`` are 413,
-malformed JSON 400; the server goes on.
+updating is allowed): without it they are 404. With ``api_key`` every endpoint but ``/health``,
+``/metrics`` and ``/version`` needs ``Authorization: Bearer <key>`` (401 ``{"error": "Unauthorized"}``
+otherwise, vLLM's answer); with ``api_key_all_endpoints`` those too. Errors are OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``. Bodies past ``max_body_bytes`` are 413, malformed JSON
+400; the server goes on.
 
-Decoding is greedy: a request asking for sampling (``temperature`` above 0) or several choices (``n``
-above 1) is refused (400) rather than answered differently from what it asked.
+A request holds a :class:`~lora_pin.serve.adapters.Lease` on its adapter from the moment it is counted;
+the lease passes at once to the request's flight, which releases it however the request ends (answered,
+failed, cancelled, refused by the engine): nothing that can raise runs between the two.
 """
 
 from __future__ import annotations
@@ -40,16 +46,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from lora_pin import __version__
 from lora_pin.errors import AdapterNotFoundError, DuplicateAdapterError, LoraPinError
 from lora_pin.serve import DEFAULT_MAX_QUEUED_REQUESTS
-from lora_pin.serve.adapters import AdapterAdmin, AdapterBusyError
+from lora_pin.serve.adapters import AdapterAdmin, AdapterBusyError, Lease
 from lora_pin.serve.naming import UnknownModelError, requested_adapter
+from lora_pin.serve.params import InvalidParameter, RequestParams, read_params
+from lora_pin.serve.sampling import TokenLogprobs
 
 if TYPE_CHECKING:
     from lora_pin.serve.engine import LoRAEngine
     from lora_pin.serve.metrics import ServeMetrics
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "QUEUE_FULL_RETRY_AFTER_S", "ServerState", "build_app"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "MAX_PROMPTS", "QUEUE_FULL_RETRY_AFTER_S", "ServerState", "build_app"]
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 # The ``Retry-After`` of a refusal for a full queue: a step or a few free room.
@@ -67,11 +76,15 @@ class ServerState:
         metrics: the ``/metrics`` registry.
         base_name: the base model's name in requests and ``/v1/models``.
         max_model_len: the longest prompt plus output a request may ask for, in tokens.
-        api_key: the key every request must bear (None: none).
+        api_key: the key requests must bear (None: none).
+        api_key_all_endpoints: the key guards ``/health``, ``/metrics`` and ``/version`` too (otherwise
+            only the API: probes and scrapers need no key, as with vLLM).
         allow_runtime_updates: whether the adapter endpoints exist.
         max_body_bytes: the largest request body.
-        default_max_tokens: a chat request's output limit when it sets none.
+        default_max_tokens: a request's output limit when it sets none, at most the room left in the
+            context (None: the room left).
         max_queued_requests: the most requests waiting for the engine to start them; past it, 503.
+        chat_template: the chat template (Jinja) to use instead of the tokenizer's (None: its own).
     """
 
     engine: LoRAEngine
@@ -81,10 +94,12 @@ class ServerState:
     base_name: str
     max_model_len: int
     api_key: str | None = None
+    api_key_all_endpoints: bool = False
     allow_runtime_updates: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    chat_template: str | None = None
 
 
 class HTTPError(Exception):
@@ -110,13 +125,24 @@ def _error(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+# Paths a key does not guard unless ``api_key_all_endpoints``: health probes, scrapers, version checks.
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# Prompts one completion request may list (each with ``n`` choices).
+MAX_PROMPTS = 64
+
+
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI application serving ``state`` (run it with uvicorn)."""
     app = FastAPI(title="lora-pin serve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Any:
-        if state.api_key is not None and request.headers.get("authorization") != f"Bearer {state.api_key}":
+        guarded = state.api_key_all_endpoints or request.url.path not in _OPEN_PATHS
+        if (
+            guarded
+            and state.api_key is not None
+            and request.headers.get("authorization") != f"Bearer {state.api_key}"
+        ):
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > state.max_body_bytes):
@@ -147,53 +173,69 @@ def build_app(state: ServerState) -> FastAPI:
             return _error(503, "the engine's generation thread is not running", "ServiceUnavailable")
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version() -> Any:
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def metrics() -> Any:
-        state.admin.log_evictions()
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> Any:
         created = int(time.time())
-        data = [_model_card(state.base_name, state.base_name, None, created)]
-        data += [_model_card(n, path, state.base_name, created) for n, path in state.admin.served().items()]
+        data = [_model_card(state.base_name, state.base_name, None, created, state.max_model_len)]
+        data += [
+            _model_card(n, path, state.base_name, created, state.max_model_len)
+            for n, path in state.admin.served().items()
+        ]
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await body_of(request)
-        prompt_ids = _prompt_ids(state, body.get("prompt"))
-        return await _answer(request, body, prompt_ids, body.get("max_tokens", 16), chat=False)
+        prompts = _prompts(state, body.get("prompt"))
+        return await _answer(request, body, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         body = await body_of(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise HTTPError(400, "messages must be a non-empty list", param="messages")
-        try:
-            prompt_ids = state.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
-            )
-        except Exception as e:  # the template's own errors: a message without role or content, say
-            raise HTTPError(400, f"messages do not fit the chat template: {e}", param="messages") from e
-        if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "keys"):
-            prompt_ids = prompt_ids["input_ids"]
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        return await _answer(request, body, list(prompt_ids), limit or state.default_max_tokens, chat=True)
+        return await _answer(request, body, [_chat_prompt(state, body)], chat=True)
 
-    async def _answer(
-        request: Request, body: dict[str, Any], prompt_ids: list[int], limit: Any, chat: bool
-    ) -> Any:
+    @app.post("/v1/tokenize")
+    async def tokenize(request: Request) -> Any:
+        body = await body_of(request)
+        _adapter_of(state, body)  # a model that is not served is 404, as for a completion
+        if "messages" in body:
+            ids = _chat_prompt(state, body)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise HTTPError(400, "prompt must be a string (or give messages)", param="prompt")
+            special = body.get("add_special_tokens", True)
+            if not isinstance(special, bool):
+                raise HTTPError(400, "add_special_tokens must be true or false", param="add_special_tokens")
+            ids = list(state.tokenizer(prompt, add_special_tokens=special)["input_ids"])
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    @app.post("/v1/detokenize")
+    async def detokenize(request: Request) -> Any:
+        body = await body_of(request)
+        _adapter_of(state, body)
+        tokens = body.get("tokens")
+        if not _token_ids(state, tokens, allow_empty=True):
+            raise HTTPError(400, f"tokens must be a list of token ids below {len(state.tokenizer)}", "tokens")
+        return {"prompt": state.tokenizer.decode(tokens)}
+
+    async def _answer(request: Request, body: dict[str, Any], prompts: list[list[int]], chat: bool) -> Any:
+        try:
+            params = read_params(body, chat=chat, vocab=len(state.tokenizer))
+        except InvalidParameter as e:
+            raise HTTPError(400, str(e), param=e.param) from e
+        if len(prompts) * params.n > MAX_PROMPTS:
+            raise HTTPError(400, f"prompts times n must be at most {MAX_PROMPTS}", param="n")
         adapter = _adapter_of(state, body)
-        max_tokens = _max_tokens(state, limit, len(prompt_ids))
-        if body.get("n", 1) != 1:
-            raise HTTPError(400, "n must be 1: this server returns one choice per request", param="n")
-        temperature = body.get("temperature")
-        if temperature is not None and (not isinstance(temperature, (int, float)) or temperature > 0):
-            raise HTTPError(
-                400, "this server decodes greedily: temperature must be 0 or unset", param="temperature"
-            )
+        limits = [_max_tokens(state, params.max_tokens, len(p)) for p in prompts]
         if state.engine.stats().queued >= state.max_queued_requests:
             state.metrics.count(adapter, "refused")
             raise HTTPError(
@@ -202,15 +244,21 @@ def build_app(state: ServerState) -> FastAPI:
                 "ServiceUnavailable",
                 headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
             )
-        if not state.admin.acquire(adapter):
+        answer = _Answer(state, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, body, params, chat)
+        flight = _Flight(state, answer)
+        # The lease goes straight into the flight, which releases it however the request ends.
+        flight.lease = await state.admin.acquire(adapter)
+        if flight.lease is None:
             raise HTTPError(404, UnknownModelError(str(body.get("model"))).args[0], "NotFoundError", "model")
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        answer = _Answer(state, request_id, adapter, body, len(prompt_ids), chat)
-        flight = _submit(state, request_id, prompt_ids, adapter, max_tokens, body)
-        if body.get("stream"):
-            return _Stream(answer.stream(flight.outputs()), flight)
         try:
-            return await _unless_disconnected(answer.whole(flight.outputs()), request)
+            flight.submit(prompts, limits)
+            if params.stream:
+                return _Stream(answer.stream(flight), flight)
+        except BaseException:
+            flight.close()
+            raise
+        try:
+            return await _unless_disconnected(answer.whole(flight), request)
         finally:
             flight.close()
 
@@ -219,7 +267,7 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _model_card(name: str, root: str, parent: str | None, created: int) -> dict[str, Any]:
+def _model_card(name: str, root: str, parent: str | None, created: int, max_model_len: int) -> dict[str, Any]:
     return {
         "id": name,
         "object": "model",
@@ -227,6 +275,7 @@ def _model_card(name: str, root: str, parent: str | None, created: int) -> dict[
         "owned_by": "lora_pin",
         "root": root,
         "parent": parent,
+        "max_model_len": max_model_len,
     }
 
 
@@ -241,30 +290,71 @@ def _adapter_of(state: ServerState, body: dict[str, Any]) -> str | None:
         raise HTTPError(400, str(e), param="model") from e
 
 
-def _prompt_ids(state: ServerState, prompt: Any) -> list[int]:
-    """A completion's prompt as token ids: a string, a list of ids, or a one-element list of either."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str) and prompt:
-        return list(state.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+def _token_ids(state: ServerState, ids: Any, allow_empty: bool = False) -> bool:
     vocab = len(state.tokenizer)
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)
-    ):
-        return list(prompt)
-    raise HTTPError(
-        400,
-        f"prompt must be a non-empty string or list of token ids below {vocab} (one prompt)",
-        param="prompt",
+    return (
+        isinstance(ids, list)
+        and (allow_empty or bool(ids))
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids)
     )
 
 
-def _max_tokens(state: ServerState, limit: Any, prompt_len: int) -> int:
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise HTTPError(400, f"max_tokens must be a positive integer (got {limit!r})", param="max_tokens")
-    if prompt_len + limit > state.max_model_len:
+def _prompts(state: ServerState, prompt: Any) -> list[list[int]]:
+    """A completion's prompts as token ids: a string, a list of ids, or a list of either (each one a
+    prompt of its own, answered by its own choices)."""
+    if isinstance(prompt, str) or _token_ids(state, prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = prompt
+    else:
+        prompts = [None]
+    if len(prompts) > MAX_PROMPTS:
+        raise HTTPError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    out = []
+    for p in prompts:
+        if isinstance(p, str) and p:
+            out.append(list(state.tokenizer(p, add_special_tokens=False)["input_ids"]))
+        elif _token_ids(state, p):
+            out.append(list(p))
+        else:
+            raise HTTPError(
+                400,
+                f"prompt must be a non-empty string or list of token ids below {len(state.tokenizer)}, or a "
+                "list of such prompts",
+                param="prompt",
+            )
+    return out
+
+
+def _chat_prompt(state: ServerState, body: dict[str, Any]) -> list[int]:
+    """The chat template applied to ``messages``, with the assistant's turn begun."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(400, "messages must be a non-empty list", param="messages")
+    try:
+        ids = state.tokenizer.apply_chat_template(
+            messages, chat_template=state.chat_template, add_generation_prompt=True, tokenize=True
+        )
+    except Exception as e:  # the template's own errors: a message without role or content, say
+        raise HTTPError(400, f"messages do not fit the chat template: {e}", param="messages") from e
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _max_tokens(state: ServerState, limit: int | None, prompt_len: int) -> int:
+    """The output limit of a prompt of ``prompt_len`` tokens: ``limit``, or by default the room left in
+    the context (at most ``default_max_tokens``)."""
+    room = state.max_model_len - prompt_len
+    if room < 1:
+        raise HTTPError(
+            400,
+            f"the prompt's {prompt_len} tokens leave no room in the model's length {state.max_model_len}",
+            param="prompt",
+        )
+    if limit is None:
+        return room if state.default_max_tokens is None else min(state.default_max_tokens, room)
+    if limit > room:
         raise HTTPError(
             400,
             f"the prompt's {prompt_len} tokens plus max_tokens {limit} exceed the model's length "
@@ -274,69 +364,140 @@ def _max_tokens(state: ServerState, limit: Any, prompt_len: int) -> int:
     return limit
 
 
-def _submit(
-    state: ServerState,
-    request_id: str,
-    prompt_ids: list[int],
-    adapter: str | None,
-    max_tokens: int,
-    body: dict[str, Any],
-) -> _Flight:
-    """Queue one request (its count taken by the caller).
+class _Choice:
+    """One choice of a request: one request in the engine, its tokens, its text and how it ended."""
 
-    Raises:
-        HTTPError: 503, the engine takes no requests now (it is starting again after an error).
-    """
-    flight = _Flight(state, request_id, adapter)
-    engine = state.engine
-    try:
-        engine.cb.register_result_handler(request_id, flight.queue.put_nowait)
-        engine.submit(
-            request_id,
-            prompt_ids,
-            adapter,
-            max_new_tokens=max_tokens,
-            streaming=bool(body.get("stream")),
-            ignore_eos=bool(body.get("ignore_eos")),
-        )
-    except RuntimeError as e:
-        engine.cb.output_router.result_handlers.pop(request_id, None)
-        state.admin.release(adapter)
-        raise HTTPError(503, str(e), "ServiceUnavailable") from e
-    return flight
+    def __init__(self, index: int, request_id: str, prompt: int, prompt_len: int) -> None:
+        self.index, self.request_id, self.prompt, self.prompt_len = index, request_id, prompt, prompt_len
+        self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []  # of its tokens so far, when asked for
+        self.text = ""
+        self.finish: str | None = None
+        self.error: Any = None
+        self.last: Any = None  # the engine's last output for it
+        self.started = False  # a chunk of it was streamed
+        self.submitted = False  # it went to the engine
+        self.sent_tokens = 0
+        self.sent_text = 0
+        self.closed = False  # nothing more of it goes to the client (its stop string was seen)
 
 
 class _Flight:
-    """One request in the engine, from its submission until the server lets it go (:meth:`close`)."""
+    """One request's choices in the engine, from their submission until the server lets them go
+    (:meth:`close`); holds the request's lease on its adapter until then."""
 
-    def __init__(self, state: ServerState, request_id: str, adapter: str | None) -> None:
-        self.state, self.request_id, self.adapter = state, request_id, adapter
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.finished = False
+    def __init__(self, state: ServerState, answer: _Answer) -> None:
+        self.state, self.answer = state, answer
+        self.lease: Lease | None = None  # set once the request is counted
+        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self.choices: list[_Choice] = []
+        # A prompt's first choice -> its other choices, queued once it has its first token.
+        self._followers: dict[int, list[tuple[_Choice, list[int], int]]] = {}
         self._closed = False
 
-    async def outputs(self) -> AsyncIterator[Any]:
-        """The engine's outputs, each one cumulative, until the finished one."""
+    @property
+    def held(self) -> Lease:
+        """The request's lease (set before anything is submitted)."""
+        assert self.lease is not None, "the flight was used before its request was counted"
+        return self.lease
+
+    def submit(self, prompts: list[list[int]], limits: list[int]) -> None:
+        """Queue ``n`` choices of each prompt (choice ``p * n + j`` is prompt p's j-th).
+
+        With prefix caching and a prompt of at least one whole KV page, a prompt's first choice goes
+        alone, and the others once it has its first token: its prompt's blocks are in the cache by
+        then, so theirs are shared rather than computed again.
+
+        Raises:
+            HTTPError: 503, the engine takes no requests now (it is starting again after an error).
+        """
+        n, engine = self.answer.params.n, self.state.engine
+        for p, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
+            for j in range(n):
+                index = p * n + j
+                self.choices.append(_Choice(index, f"{self.answer.request_id}-{index}", p, len(prompt)))
+            later = n > 1 and engine.shares_prefix(len(prompt))
+            self._submit(self.choices[p * n], prompt, limit, leads=later)
+            if later:
+                self._followers[p * n] = [(c, prompt, limit) for c in self.choices[p * n + 1 : p * n + n]]
+            else:
+                for choice in self.choices[p * n + 1 : p * n + n]:
+                    self._submit(choice, prompt, limit)
+
+    def _submit(self, choice: _Choice, prompt: list[int], limit: int, leads: bool = False) -> None:
+        """Queue one choice; ``leads``: others wait for its first token (streamed to see it).
+
+        Raises:
+            HTTPError: 503, the engine takes no requests now.
+        """
+        params, engine = self.answer.params, self.state.engine
+        engine.cb.register_result_handler(
+            choice.request_id, lambda output, i=choice.index: self.queue.put_nowait((i, output))
+        )
+        choice.submitted = True
         try:
-            while not self.finished:
-                output = await self.queue.get()
-                self.finished = output.is_finished()
-                yield output
-        finally:
-            self.close()
+            engine.submit(
+                choice.request_id,
+                prompt,
+                self.held.name,
+                max_new_tokens=limit,
+                # Stop strings are looked for as the tokens come, to end the choice there.
+                streaming=params.stream or bool(params.stop) or leads,
+                ignore_eos=params.ignore_eos,
+                sampling=params.sampling_of(choice.index % params.n),
+                stop_token_ids=params.stop_token_ids,
+                prefix_key=self.held.digest,
+            )
+        except RuntimeError as e:
+            engine.cb.output_router.result_handlers.pop(choice.request_id, None)
+            choice.closed = True
+            raise HTTPError(503, str(e), "ServiceUnavailable") from e
+
+    def _release_followers(self, leader: int) -> None:
+        """Queue the choices that waited for ``leader``'s first token (or its end)."""
+        for choice, prompt, limit in self._followers.pop(leader, ()):
+            try:
+                self._submit(choice, prompt, limit)
+            except HTTPError as e:
+                choice.error = e.message
+
+    async def outputs(self) -> AsyncIterator[_Choice]:
+        """Each choice as it changes (its new tokens, its end), until every choice has ended. The flight
+        stays open (its log-probabilities readable) until :meth:`close`, which its owner calls however
+        the answer ends."""
+        while not all(c.finish is not None or c.error is not None for c in self.choices):
+            index, output = await self.queue.get()
+            choice = self.choices[index]
+            self._release_followers(index)
+            if choice.closed:
+                continue
+            self.answer.update(choice, output)
+            if choice.finish == "stop" and not output.is_finished():
+                # Its stop string came: the engine need not go on with it.
+                choice.closed = True
+                self.state.engine.cancel(choice.request_id)
+            yield choice
 
     def close(self) -> None:
-        """Let the request go (again: nothing): cancelled in the engine unless its last output came;
-        its adapter's count released."""
+        """Let the request go (again: nothing): its unfinished choices cancelled in the engine, its lease
+        released."""
         if self._closed:
             return
         self._closed = True
-        if self.finished:
-            self.state.engine.done(self.request_id)
-        else:
-            self.state.engine.cancel(self.request_id)
-            self.state.metrics.count(self.adapter, "cancelled")
-        self.state.admin.release(self.adapter)
+        engine = self.state.engine
+        gave_up = False
+        for choice in self.choices:
+            if choice.closed or not choice.submitted:
+                continue
+            if choice.last is not None and choice.last.is_finished():
+                engine.done(choice.request_id)
+            else:
+                engine.cancel(choice.request_id)
+                gave_up = True
+        if self.lease is not None:
+            if gave_up:
+                self.state.metrics.count(self.lease.name, "cancelled")
+            self.lease.release()
 
 
 class _Stream(StreamingResponse):
@@ -380,124 +541,190 @@ class _Answer:
     """One request's answer, whole or streamed, in OpenAI's completion or chat shape."""
 
     def __init__(
-        self,
-        state: ServerState,
-        request_id: str,
-        adapter: str | None,
-        body: dict[str, Any],
-        prompt_len: int,
-        chat: bool,
+        self, state: ServerState, request_id: str, body: dict[str, Any], params: RequestParams, chat: bool
     ) -> None:
-        self.state, self.request_id, self.adapter, self.chat = state, request_id, adapter, chat
+        self.state, self.request_id, self.params, self.chat = state, request_id, params, chat
         self.model = body.get("model") or state.base_name
-        self.prompt_len = prompt_len
-        self.return_token_ids = bool(body.get("return_token_ids"))
-        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         self.created = int(time.time())
         self.accepted = time.perf_counter()
-        eos = state.engine.cb.generation_config.eos_token_id
-        self.eos = set(eos if isinstance(eos, list) else [eos])
-
-    def _record(self, output: Any) -> None:
-        stamps = output.timestamps or []
-        ttft = stamps[0] - self.accepted if stamps else None
-        tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
-        self.state.metrics.observe(self.adapter, output.error is None, ttft, tpot)
-
-    def _finish_reason(self, tokens: list[int]) -> str:
-        return "stop" if tokens and tokens[-1] in self.eos else "length"
+        eos = state.engine.eos_token_id
+        eos_ids = [] if eos is None or params.ignore_eos else [eos] if isinstance(eos, int) else list(eos)
+        self.ends = {*eos_ids, *params.stop_token_ids}
+        # Text that may still turn out to begin a stop string is held back from a stream.
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.recorded = False
 
     def _text(self, tokens: list[int]) -> str:
         return str(self.state.tokenizer.decode(tokens, skip_special_tokens=True))
 
-    def _usage(self, completion: int) -> dict[str, int]:
+    def update(self, choice: _Choice, output: Any) -> None:
+        """Take the engine's latest ``output`` for ``choice``: its tokens and text, cut at the first stop
+        string; its end."""
+        choice.last = output
+        if output.error is not None:
+            choice.error = output.error
+            return
+        tokens = list(output.generated_tokens)
+        if self.params.sampling.logprobs is not None:
+            # Copied as the tokens come: the sampler forgets them with the request.
+            sampler = self.state.engine.sampler
+            choice.logprobs += sampler.logprobs(choice.request_id, len(choice.logprobs), len(tokens))
+        text = self._text(tokens)
+        if self.params.stop:
+            # A stop string must end in the new text: look from where one could have begun.
+            start = max(0, len(choice.text) - self.holdback)
+            hits = [(i, s) for s in self.params.stop if (i := text.find(s, start)) >= 0]
+            if hits:
+                choice.tokens, choice.text = tokens, text[: min(hits)[0]]
+                choice.finish = "stop"
+                return
+        choice.tokens, choice.text = tokens, text
+        if output.is_finished():
+            choice.finish = "stop" if tokens and tokens[-1] in self.ends else "length"
+
+    def _record(self, flight: _Flight) -> None:
+        if self.recorded:
+            return
+        self.recorded = True
+        first = flight.choices[0].last
+        stamps = [] if first is None else first.timestamps or []
+        ttft = stamps[0] - self.accepted if stamps else None
+        tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+        ok = all(c.error is None for c in flight.choices)
+        self.state.metrics.observe(flight.held.name, ok, ttft, tpot)
+
+    def _usage(self, flight: _Flight) -> dict[str, Any]:
+        prompts: dict[int, tuple[int, int]] = {}
+        for c in flight.choices:
+            cached = self.state.engine.cached_tokens(c.request_id)
+            prompts[c.prompt] = (c.prompt_len, max(cached, prompts.get(c.prompt, (0, 0))[1]))
+        prompt_tokens = sum(n for n, _ in prompts.values())
+        completion = sum(len(c.tokens) for c in flight.choices)
         return {
-            "prompt_tokens": self.prompt_len,
+            "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
-            "total_tokens": self.prompt_len + completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c for _, c in prompts.values())},
         }
 
-    async def whole(self, outputs: AsyncIterator[Any]) -> Any:
-        last = None
-        async for output in outputs:
-            last = output
-        assert last is not None
-        self._record(last)
-        if last.error is not None:
-            raise HTTPError(500, f"the request failed: {last.error}", "InternalServerError")
-        tokens = list(last.generated_tokens)
-        text = self._text(tokens)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self._finish_reason(tokens), "logprobs": None}
+    def _logprobs(self, choice: _Choice, start: int, stop: int, text_offset: int) -> Any:
+        """The OpenAI ``logprobs`` of ``choice``'s tokens ``start`` to ``stop`` (None if not asked)."""
+        if self.params.sampling.logprobs is None:
+            return None
+        entries = choice.logprobs[start:stop]
+        word = self.state.tokenizer.decode
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if self.return_token_ids:
-            choice["token_ids"] = tokens
+            return {
+                "content": [
+                    {
+                        "token": (t := word([e.token])),
+                        "logprob": e.logprob,
+                        "bytes": list(t.encode()),
+                        "top_logprobs": [
+                            {"token": (w := word([i])), "logprob": lp, "bytes": list(w.encode())}
+                            for i, lp in e.top
+                        ],
+                    }
+                    for e in entries
+                ]
+            }
+        tokens = [word([e.token]) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(text_offset)
+            text_offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{word([i]): lp for i, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _raise_error(self, flight: _Flight) -> None:
+        for c in flight.choices:
+            if c.error is not None:
+                raise HTTPError(500, f"the request failed: {c.error}", "InternalServerError")
+
+    async def whole(self, flight: _Flight) -> Any:
+        async for _ in flight.outputs():
+            pass
+        self._record(flight)
+        self._raise_error(flight)
+        choices = []
+        for c in flight.choices:
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "finish_reason": c.finish,
+                "logprobs": self._logprobs(c, 0, len(c.tokens), 0),
+            }
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            if self.params.return_token_ids:
+                choice["token_ids"] = c.tokens
+            choices.append(choice)
         return {
             "id": self.request_id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": self._usage(len(tokens)),
+            "choices": choices,
+            "usage": self._usage(flight),
         }
 
-    def _chunk(self, text: str | None, tokens: list[int], finish: str | None, first: bool) -> str:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    def _chunk(self, choice: _Choice, text: str, tokens_end: int, logprobs: Any) -> str:
+        body: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish, "logprobs": logprobs}
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            delta: dict[str, Any] = {} if choice.started else {"role": "assistant"}
             if text:
                 delta["content"] = text
-            choice["delta"] = delta
+            body["delta"] = delta
         else:
-            choice["text"] = text or ""
-        if self.return_token_ids:
-            choice["token_ids"] = tokens
+            body["text"] = text
+        if self.params.return_token_ids:
+            body["token_ids"] = choice.tokens[choice.sent_tokens : tokens_end]
         chunk = {
             "id": self.request_id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": [body],
         }
         return f"data: {json.dumps(chunk)}\n\n"
 
-    async def stream(self, outputs: AsyncIterator[Any]) -> AsyncIterator[str]:
-        sent_tokens: list[int] = []
-        sent_text = ""
-        first = True
-        last = None
-        async for output in outputs:
-            last = output
-            if output.error is not None:
+    async def stream(self, flight: _Flight) -> AsyncIterator[str]:
+        async for choice in flight.outputs():
+            if choice.error is not None:
                 break
-            tokens = list(output.generated_tokens)
-            text = self._text(tokens)
-            new_text = text[len(sent_text) :] if text.startswith(sent_text) else text
-            new_tokens = tokens[len(sent_tokens) :]
-            finish = self._finish_reason(tokens) if output.is_finished() else None
-            if new_tokens or finish is not None:
-                yield self._chunk(new_text, new_tokens, finish, first)
-                first = False
-            sent_tokens, sent_text = tokens, text
-        if last is not None:
-            self._record(last)
-        if last is not None and last.error is not None:
+            # Held back: text that may begin a stop string, and a character still being decoded.
+            ready = len(choice.text) if choice.finish is not None else len(choice.text) - self.holdback
+            text = choice.text[choice.sent_text : max(ready, choice.sent_text)]
+            if text.endswith("\ufffd") and choice.finish is None:
+                text = text.rstrip("\ufffd")
+            tokens_end = len(choice.tokens)
+            if tokens_end > choice.sent_tokens or choice.finish is not None:
+                logprobs = self._logprobs(choice, choice.sent_tokens, tokens_end, choice.sent_text)
+                yield self._chunk(choice, text, tokens_end, logprobs)
+                choice.started = True
+                choice.sent_tokens, choice.sent_text = tokens_end, choice.sent_text + len(text)
+        self._record(flight)
+        failed = next((c for c in flight.choices if c.error is not None), None)
+        if failed is not None:
             error = {
-                "message": f"the request failed: {last.error}",
+                "message": f"the request failed: {failed.error}",
                 "type": "InternalServerError",
                 "code": 500,
             }
             yield f"data: {json.dumps({'error': error})}\n\n"
-        elif self.include_usage:
+        elif self.params.include_usage:
             usage: dict[str, Any] = {
                 "id": self.request_id,
                 "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": self._usage(len(sent_tokens)),
+                "usage": self._usage(flight),
             }
             yield f"data: {json.dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
@@ -518,17 +745,24 @@ def _adapter_routes(app: FastAPI, state: ServerState, body_of: Any) -> None:
     async def vllm_load(request: Request) -> Any:
         body = await body_of(request)
         name, path = names(body, "lora_name", "lora_path")
-        inplace = bool(body.get("load_inplace")) and admin.serves(name)
+        inplace = body.get("load_inplace")
+        if inplace is not None and not isinstance(inplace, bool):
+            raise HTTPError(
+                400, f"load_inplace must be true or false (got {inplace!r})", param="load_inplace"
+            )
+        inplace = bool(inplace) and admin.serves(name)
         if admin.serves(name) and not inplace:
             raise HTTPError(400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput")
         try:
-            # In place: the registered adapter's weights are replaced atomically (id, pin and queued
-            # requests stay); a refused replacement leaves the old weights serving.
+            # In place: once the adapter's requests have ended (new ones wait), its weights are
+            # replaced (id and pin stay); a refused replacement leaves the old weights serving.
             await admin.load(name, path, replace=inplace)
         except DuplicateAdapterError as e:
             raise HTTPError(
                 400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput"
             ) from e
+        except AdapterBusyError as e:
+            raise HTTPError(409, str(e), "ConflictError") from e
         except LoraPinError as e:
             raise HTTPError(400, f"Failed to load LoRA adapter '{name}': {e}", "BadRequestError") from e
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")

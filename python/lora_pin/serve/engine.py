@@ -10,14 +10,20 @@ manager the batch the engine built (:meth:`~lora_pin.model.LoRAManager.run_subse
 (:meth:`~lora_pin.model.LoRAManager.finish`) when the engine's loop comes round again, after the forward
 and the update of the requests.
 
-What the integration turns off while LoRA is on, and why:
+What the integration changes in the engine, and why:
 
-- block sharing (the prefix cache): the engine hashes blocks by their tokens only, and offers no
-  supported way to add the adapter to the key, so KV computed under one adapter would be reused for
-  another's (or the base's) same prompt;
-- CUDA graphs and compiled steps: the segments' shapes change with every step's adapter mix;
-- asynchronous batching: a step's segments must be those of the batch the forward runs, and async
-  batching prepares the next batch while the last one runs.
+- prefix caching (block sharing) is keyed by what a request is served with: the engine hashes blocks by
+  their tokens only, so lora_pin starts each request's chain of block hashes from its adapter's content
+  digest (:meth:`~lora_pin.model.LoRAManager.identity`; none for the base model). KV computed under one
+  adapter is shared only with requests of the same weights (two names with the same weights share, a
+  replacement with other weights does not), the base's only with the base. The seam is the engine's
+  ``compute_block_hash`` as its cache allocators call it (pinned by ``tests/serve/test_engine_contract.py``);
+  ``prefix_caching=False`` turns sharing off;
+- sampling and log-probabilities per request: one logits processor of lora_pin's
+  (:class:`~lora_pin.serve.sampling.RowSampler`), the engine left greedy;
+- CUDA graphs, compiled steps and asynchronous batching are off: the segments' shapes change with every
+  step's adapter mix, a step's segments must be those of the batch the forward runs (async batching
+  prepares the next batch while the last one runs), and the sampler reads the rows prepared last.
 
 Order and fairness: the engine offers its candidates running requests first, then waiting ones in
 arrival order. lora_pin offers the waiting ones in four ranks, each in arrival order: first those that
@@ -57,6 +63,8 @@ import torch
 
 from lora_pin._core import OVERDUE_AFTER
 from lora_pin.errors import AdapterNotFoundError, LoraPinError, StalePlanError
+from lora_pin.serve.params import SamplingParams
+from lora_pin.serve.sampling import RowSampler
 
 if TYPE_CHECKING:
     from lora_pin.model import LoRAManager, Step
@@ -67,6 +75,31 @@ __all__ = ["EngineConfig", "EngineStats", "LoRAEngine"]
 _SUPERVISE_INTERVAL_S = 0.2
 
 log = logging.getLogger("lora_pin.serve")
+
+# transformers' share of free device memory for the KV cache when logits are processed.
+_MEMORY_PERCENT_WITH_SAMPLER = 0.8
+
+# The prefix-cache key of the request whose blocks the engine's thread hashes now (unset: none).
+_hash_key = threading.local()
+
+
+def _keyed_hashing() -> None:
+    """Make the engine's block hashes start from the current request's key (:data:`_hash_key`), once
+    per process: the first block of a chain hashes as if its parent's hash were the key. With no key
+    set (any other use of the engine) the hashes are the engine's own."""
+    from transformers.generation.continuous_batching.cache_allocators import cache_allocator
+
+    original = cache_allocator.compute_block_hash
+    if getattr(original, "lora_pin_keyed", False):
+        return
+
+    def compute_block_hash(parent_hash: int | None, tokens: list[int]) -> int:
+        if parent_hash is None:
+            parent_hash = getattr(_hash_key, "key", None)
+        return int(original(parent_hash, tokens))
+
+    compute_block_hash.lora_pin_keyed = True  # type: ignore[attr-defined]
+    cache_allocator.compute_block_hash = compute_block_hash
 
 
 class EngineConfig:
@@ -116,10 +149,13 @@ class LoRAEngine:
         manager: the LoRA manager, or None to serve the base model alone (the engine's own defaults).
         config: the engine's settings.
         eos_token_id: the token(s) that end a request.
+        prefix_caching: share KV-cache blocks among requests with the same prompt prefix and the same
+            adapter weights (module docs); False: never share.
 
     Requests go in with :meth:`submit` and come out through the engine's own ``register_result_handler``
     (``engine.cb``, a ``ContinuousBatchingManager``); :meth:`done` after the last output, :meth:`cancel`
-    when the client gives up before it. Greedy decoding.
+    when the client gives up before it. Each request is decoded greedily or sampled as its
+    :class:`~lora_pin.serve.params.SamplingParams` say (:attr:`sampler`).
 
     Raises:
         ValueError, RuntimeError: from transformers, when the model cannot run continuous batching.
@@ -132,9 +168,14 @@ class LoRAEngine:
         config: EngineConfig | None = None,
         *,
         eos_token_id: int | list[int] | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         from transformers import ContinuousBatchingConfig, GenerationConfig
+        from transformers.generation.continuous_batching.cb_logits_processors import (
+            ContinuousBatchingLogitsProcessorList,
+        )
         from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING
+        from transformers.generation.logits_process import LogitsProcessorList
 
         config = config or EngineConfig()
         self.manager = manager
@@ -152,18 +193,33 @@ class LoRAEngine:
         self._waiting: list[str] = []
         self._stopping = threading.Event()
         self.restarts = 0
-        lora_on = manager is not None
+        # Requests -> the prefix-cache key their block hashes start from (absent: the base model's).
+        self._prefix_key: dict[str, int] = {}
+        # Requests -> the prompt tokens the prefix cache gave them.
+        self._cached: dict[str, int] = {}
+        self.prefix_queries = 0
+        self.prefix_hit_tokens = 0
+        self._evictions: dict[tuple[str, str], int] = {}
+        self.sampler = RowSampler()
+        self.eos_token_id = eos_token_id
+        self.prefix_caching = prefix_caching
         # Installed with LoRA off too: it lets cancelled requests go.
         scheduler_type = f"lora_pin-{id(self):x}"
         SCHEDULER_MAPPING[scheduler_type] = _scheduler_class(self, SCHEDULER_MAPPING["fifo"])
         self._scheduler_type = scheduler_type
+        settings = {k: v for k, v in vars(config).items() if v is not None}
+        if next(model.parameters()).device.type == "cuda":
+            # On CUDA the engine leaves more free memory beside its cache when it processes logits (0.8,
+            # not 0.9): the sampler's vocabulary-sized temporaries need it, though at init the engine
+            # sees no processor (CPU keeps the engine's own 0.6).
+            settings.setdefault("max_memory_percent", _MEMORY_PERCENT_WITH_SAMPLER)
         cb_config = ContinuousBatchingConfig(
             scheduler_type=scheduler_type,
-            allow_block_sharing=not lora_on,
-            use_cuda_graph=False if lora_on else None,
-            use_async_batching=False if lora_on else None,
+            allow_block_sharing=prefix_caching,
+            use_cuda_graph=False,
+            use_async_batching=False,
             default_compile_level=0,
-            **{k: v for k, v in vars(config).items() if v is not None},
+            **settings,
         )
         generation = GenerationConfig(
             do_sample=False, eos_token_id=-1 if eos_token_id is None else eos_token_id
@@ -171,6 +227,12 @@ class LoRAEngine:
         self.cb: Any = model.init_continuous_batching(  # type: ignore[operator]
             generation_config=generation, continuous_batching_config=cb_config
         )
+        # The engine's processors come from the generation config, greedy here: none. lora_pin's sampler
+        # takes their place, with one row of per-request arguments (its row numbers).
+        self.page_size = int(self.cb.continuous_batching_config.page_size)
+        processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([self.sampler]))
+        processors.tensors_required = 1
+        self.cb.logit_processor = processors
 
     # ---- the engine's side -------------------------------------------------------------------------
 
@@ -218,9 +280,15 @@ class LoRAEngine:
         max_new_tokens: int,
         streaming: bool,
         ignore_eos: bool = False,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Sequence[int] = (),
+        prefix_key: str | None = None,
     ) -> None:
         """Queue ``prompt_ids`` for generation with ``adapter`` (None: the base model) as ``request_id``;
-        ``ignore_eos``: generate ``max_new_tokens`` whatever comes (load tests).
+        ``ignore_eos``: generate ``max_new_tokens`` whatever comes (load tests); ``sampling``: how its
+        tokens are picked (None: greedy); ``stop_token_ids``: tokens that end it besides the
+        end-of-sequence one(s); ``prefix_key``: what its KV blocks are shared by (the adapter's content
+        digest, hex; None: the base model's).
 
         Register a result handler for ``request_id`` on :attr:`cb` first, so no output is missed.
 
@@ -229,13 +297,19 @@ class LoRAEngine:
         """
         with self._lock:
             self._adapter_of[request_id] = adapter
+            if prefix_key is not None:
+                self._prefix_key[request_id] = int(prefix_key[:16], 16)
+        if sampling is not None:
+            self.sampler.register(request_id, sampling)
+        eos = [] if ignore_eos or self.eos_token_id is None else self.eos_token_id
+        ends = [*([eos] if isinstance(eos, int) else eos), *stop_token_ids]
         accepted = self.cb.add_request(
             list(prompt_ids),
             request_id=request_id,
             max_new_tokens=max_new_tokens,
             streaming=streaming,
             record_timestamps=True,
-            eos_token_id=-1 if ignore_eos else None,
+            eos_token_id=ends or -1,
         )
         if accepted is None:
             self.done(request_id)
@@ -247,6 +321,19 @@ class LoRAEngine:
             self._adapter_of.pop(request_id, None)
             self._arrived.discard(request_id)
             self._cancelled.discard(request_id)
+            self._prefix_key.pop(request_id, None)
+            self._cached.pop(request_id, None)
+        self.sampler.forget(request_id)
+
+    def shares_prefix(self, prompt_len: int) -> bool:
+        """Whether a later request with the same first ``prompt_len`` tokens (and adapter) would be
+        given some of their KV by the prefix cache: caching is on and the prompt fills a page."""
+        return self.prefix_caching and prompt_len - 1 >= self.page_size
+
+    def cached_tokens(self, request_id: str) -> int:
+        """The prompt tokens of ``request_id`` whose KV the prefix cache gave it (0 until it starts)."""
+        with self._lock:
+            return self._cached.get(request_id, 0)
 
     def cancel(self, request_id: str) -> None:
         """Give up ``request_id`` before its last output: the engine drops it at the start of its next
@@ -275,6 +362,54 @@ class LoRAEngine:
             tracked=tracked,
             result_handlers=len(self.cb.output_router.result_handlers),
         )
+
+    def prefix_stats(self) -> dict[str, int]:
+        """The prefix cache's work so far: ``queries`` (requests looked up when they started) and
+        ``hit_tokens`` (prompt tokens whose KV was shared rather than computed)."""
+        return {"queries": self.prefix_queries, "hit_tokens": self.prefix_hit_tokens}
+
+    def _install_prefix_keys(self, cache: Any) -> None:
+        """Key ``cache``'s block sharing by each request's :meth:`submit` ``prefix_key`` (module docs):
+        its two calls that hash a request's blocks run with that request's key set."""
+        _keyed_hashing()
+        search, mark = cache.search_prefix_match, cache.mark_complete_blocks
+
+        def search_prefix_match(request_id: str, prompt_ids: list[int]) -> int:
+            with self._lock:
+                _hash_key.key = self._prefix_key.get(request_id)
+            try:
+                found = int(search(request_id, prompt_ids))
+            finally:
+                _hash_key.key = None
+            with self._lock:
+                self.prefix_queries += 1
+                self.prefix_hit_tokens += found
+                if request_id in self._adapter_of:
+                    self._cached[request_id] = found
+            return found
+
+        def mark_complete_blocks(state: Any, complete_blocks: Any) -> None:
+            with self._lock:
+                _hash_key.key = self._prefix_key.get(state.request_id)
+            try:
+                mark(state, complete_blocks)
+            finally:
+                _hash_key.key = None
+
+        cache.search_prefix_match = search_prefix_match
+        cache.mark_complete_blocks = mark_complete_blocks
+
+    def _log_evictions(self) -> None:
+        """One log line per adapter eviction since the last step's (engine's thread, after each plan)."""
+        if self.manager is None:
+            return
+        current = self.manager.evictions()
+        if current == self._evictions:
+            return
+        for (name, tier), count in current.items():
+            for _ in range(count - self._evictions.get((name, tier), 0)):
+                log.info("adapter %r: evicted from the %s tier", name, tier)
+        self._evictions = current
 
     def _forget(self, request_id: str) -> None:
         """Drop every record of ``request_id``: the engine holds it no more and makes no output of it."""
@@ -435,6 +570,10 @@ def _scheduler_class(engine: LoRAEngine, base: type[Any]) -> type[Any]:
     """The engine's scheduler ``base`` with lora_pin's admission in front of its own budgets."""
 
     class LoRAScheduler(base):  # type: ignore[misc, valid-type]
+        def __init__(self, cache: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(cache, *args, **kwargs)
+            engine._install_prefix_keys(cache)
+
         def clear_cancelled_requests(self) -> list[Any]:
             # Called first in every round of the engine's loop: the last step's forward and update are
             # over, and its outputs delivered, so no output of a request removed now can come any more.
@@ -453,6 +592,7 @@ def _scheduler_class(engine: LoRAEngine, base: type[Any]) -> type[Any]:
             self, candidates: list[Any], token_budget: int, cache_budget: int, removed: set[str]
         ) -> Any:
             admitted = engine._admit(self, candidates, removed)
+            engine._log_evictions()
             result = super()._process_candidates(admitted, token_budget, cache_budget, removed)
             engine._run(result[0])
             return result

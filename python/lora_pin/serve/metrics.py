@@ -10,7 +10,9 @@ Besides :class:`~lora_pin.metrics.LoRAMetricsCollector`'s metrics (slots, tiers,
 - ``lora_pin_serve_requests_outstanding{adapter}``: queued and running requests now;
 - ``lora_pin_serve_engine_requests{state}``: what the engine holds now
   (:class:`~lora_pin.serve.engine.EngineStats`): ``queued`` (the queue ``--max-queued-requests`` bounds),
-  ``running``, ``tracked`` (its per-request records), ``result_handlers``.
+  ``running``, ``tracked`` (its per-request records), ``result_handlers``;
+- ``lora_pin_serve_prefix_cache_queries_total``, ``lora_pin_serve_prefix_cache_hit_tokens_total``: requests
+  the prefix cache was asked about when they started, and the prompt tokens whose KV it gave them.
 
 ``adapter`` is the adapter's name, ``__base__`` for the base model, and ``__other__`` for adapters past the
 series cap (``max_adapters`` distinct names get their own series, first come first served), so thousands of
@@ -19,7 +21,9 @@ adapters never mean thousands of series.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -27,9 +31,12 @@ from lora_pin.metrics import DEFAULT_MAX_ADAPTERS, LoRAMetricsCollector
 
 if TYPE_CHECKING:
     from lora_pin.model import LoRAManager
-    from lora_pin.serve.engine import EngineStats
+    from lora_pin.serve.adapters import AdapterAdmin
+    from lora_pin.serve.engine import EngineStats, LoRAEngine
 
-__all__ = ["BASE_LABEL", "OTHER_LABEL", "ServeMetrics"]
+__all__ = ["BASE_LABEL", "OTHER_LABEL", "ServeMetrics", "StatusLog"]
+
+log = logging.getLogger("lora_pin.serve")
 
 BASE_LABEL = "__base__"
 OTHER_LABEL = "__other__"
@@ -44,6 +51,8 @@ class ServeMetrics:
         outstanding: returns the queued and running requests per adapter at each scrape.
         max_adapters: the cap on distinct adapter labels.
         engine_stats: returns what the engine holds, at each scrape (None: not exported).
+        prefix_stats: returns the prefix cache's ``queries`` and ``hit_tokens``, at each scrape (None:
+            not exported).
     """
 
     def __init__(
@@ -52,6 +61,7 @@ class ServeMetrics:
         outstanding: Callable[[], dict[str, int]],
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         engine_stats: Callable[[], EngineStats] | None = None,
+        prefix_stats: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -61,6 +71,8 @@ class ServeMetrics:
         self.registry.register(_Outstanding(outstanding, self.label))
         if engine_stats is not None:
             self.registry.register(_EngineRequests(engine_stats))
+        if prefix_stats is not None:
+            self.registry.register(_PrefixCache(prefix_stats))
         self._max_adapters = max_adapters
         self._labels: set[str] = set()
         self._lock = threading.Lock()
@@ -153,3 +165,72 @@ class _EngineRequests:
         for state, count in asdict(self._stats()).items():
             family.add_metric([state], count)
         yield family
+
+
+class _PrefixCache:
+    """The prefix cache's counters, read at each scrape."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        stats = self._stats()
+        yield CounterMetricFamily(
+            "lora_pin_serve_prefix_cache_queries",
+            "Requests looked up in the prefix cache when they started",
+            value=stats["queries"],
+        )
+        yield CounterMetricFamily(
+            "lora_pin_serve_prefix_cache_hit_tokens",
+            "Prompt tokens whose KV the prefix cache gave (not computed)",
+            value=stats["hit_tokens"],
+        )
+
+
+class StatusLog:
+    """One ``lora_pin.serve`` log line every ``interval`` seconds while requests run or adapters move:
+    requests running and waiting, output tokens per second, adapters resident in device slots and
+    pinned, and the adapter loads and evictions since the last line (a daemon thread, :meth:`start`)."""
+
+    def __init__(
+        self, engine: LoRAEngine, manager: LoRAManager | None, admin: AdapterAdmin, interval: float
+    ) -> None:
+        self.engine, self.manager, self.admin, self.interval = engine, manager, admin, interval
+        self._last = (time.monotonic(), 0, 0, 0)
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="lora_pin-status-log", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            try:
+                line = self.line()
+            except RuntimeError as e:  # a counter changed while it was read: the next line has it
+                log.debug("status line skipped: %s", e)
+                continue
+            if line is not None:
+                log.info("%s", line)
+
+    def line(self) -> str | None:
+        """The status since the last call; None when nothing ran and nothing moved."""
+        now, tokens = time.monotonic(), self.engine.sampler.tokens_generated
+        resident = pinned = loads = evictions = 0
+        if self.manager is not None:
+            stats = self.manager.stats()
+            resident, pinned = len(stats["device"]["resident"]), len(stats["pinned_names"])
+            loads = int(stats["device"]["loads"])
+            evictions = sum(self.manager.evictions().values())
+        then, last_tokens, last_loads, last_evictions = self._last
+        self._last = (now, tokens, loads, evictions)
+        held = self.engine.stats()
+        if not (held.running or held.queued or tokens - last_tokens or loads - last_loads):
+            return None
+        rate = (tokens - last_tokens) / max(now - then, 1e-9)
+        return (
+            f"status: {held.running} running, {held.queued} waiting, {rate:.1f} output tokens/s; "
+            f"adapters: {resident} in device slots, {pinned} pinned; since the last line: "
+            f"{loads - last_loads} slot loads, {evictions - last_evictions} evictions"
+        )
