@@ -37,18 +37,7 @@ def _check_contents(
         )
 
 
-# Registered at the dispatcher's level (a schema and one kernel per device) rather than through
-# torch.library.custom_op, whose Python wrapper cost three times the arithmetic of a decode step's rows:
-# this op runs once per layer with DoRA rows and step (traced or on a device; the CPU's eager layers call
-# scale_rows_ on their prepared rows).
-torch.library.define(
-    "lora_pin::dora_scale_",
-    "(Tensor(a!) out, Tensor? bias, Tensor factors, Tensor dora, Tensor rows, Tensor row_slots) -> ()",
-)
-
-
-@torch.library.impl("lora_pin::dora_scale_", "cpu")
-def _dora_scale_cpu(
+def dora_scale_torch(
     out: torch.Tensor,
     bias: torch.Tensor | None,
     factors: torch.Tensor,
@@ -140,8 +129,7 @@ def _native(
     )
 
 
-@torch.library.impl("lora_pin::dora_scale_", "cuda")
-def _dora_scale_cuda(
+def dora_scale_cuda(
     out: torch.Tensor,
     bias: torch.Tensor | None,
     factors: torch.Tensor,
@@ -154,8 +142,7 @@ def _dora_scale_cuda(
     dora_scale_triton(out, bias, factors, dora, rows, row_slots, interpret=False)
 
 
-@torch.library.register_fake("lora_pin::dora_scale_")
-def _dora_scale_fake(
+def dora_scale_fake(
     out: torch.Tensor,
     bias: torch.Tensor | None,
     factors: torch.Tensor,
