@@ -7,8 +7,8 @@ gathers them back into one meta before a body runs. Every device runs the defaul
 native CPU kernels where they apply) unless it has its own: CUDA runs the Triton kernels.
 
 Most ops are defined at the dispatcher's level (a schema and one kernel per device), not through
-``torch.library.custom_op``, whose Python wrapper costs more than the rest of a small call; shrink and
-expand, which callers chain by hand, take custom_op's autograd guard (see :attr:`OpSpec.custom_op`).
+``torch.library.custom_op``, whose Python wrapper costs more than the rest of a small call; shrink,
+whose output callers hand on (to expand), takes custom_op's autograd guard (:attr:`OpSpec.custom_op`).
 Each has a fake body, so ``torch.compile`` traces through it and ``torch.library.opcheck`` passes. They
 are for inference: no autograd formula is registered (the faces refuse tensors that require grad).
 """
