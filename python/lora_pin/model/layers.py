@@ -1,9 +1,10 @@
 """LoRA layers: wrappers around a model's target linears that add every row's adapter delta.
 
 A :class:`LoRALinear` keeps the base layer untouched and, while a step is active, adds
-``scaling * B[slot] (A[slot] x)`` to each row whose request uses an adapter, through the ``lora_pin``
-shrink/expand ops over the device pool's buffers; a row of a DoRA adapter is then rescaled by its
-factor around the bias (:mod:`lora_pin.weights.dora`). Rows with no adapter are never touched, so they
+``scaling * B[slot] (A[slot] x)`` to each row whose request uses an adapter, over the device pool's
+buffers, through the model's backend (:mod:`lora_pin.ops.backends`, chosen once for the pool's device:
+the layers never look at the device); a row of a DoRA adapter is then rescaled by its factor around
+the bias (:mod:`lora_pin.weights.dora`). Rows with no adapter are never touched, so they
 equal the base model's output bit for bit. With no active step the wrapper is the base layer.
 """
 
