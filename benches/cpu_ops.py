@@ -16,9 +16,10 @@ CPU path (not from its code):
   r-wide output) and one per slice with its B added into the output; a batch of one adapter is one
   segment of every row.
 
-``lora_pin`` is timed as a model layer runs it: the step's delta for the layer group prepared once
-(:func:`lora_pin.ops.prepare_delta`, shared by every layer of the group, so not timed here) and
-applied per call. Every case is checked against the baselines before it is timed.
+``lora_pin`` is timed as a model layer runs it on the CPU: the step's delta for the layer group checked
+and planned once (:meth:`lora_pin.ops.backends.cpu.CpuDelta.prepare`, shared by every layer of the
+group, so not timed here) and applied per call. Every case is checked against the baselines before it
+is timed.
 
 Timing: methods take turns in every round, in an order that rotates from round to round, with a buffer
 larger than the last-level cache written before every call (each call starts cold, as a layer's
@@ -57,12 +58,11 @@ from lora_pin.ops import (
     embedding_delta_,
     expand,
     grouped,
-    prepare_delta,
-    prepare_embedding_delta,
+    lora_delta_,
     segments_from_slots,
     shrink,
 )
-from lora_pin.ops.prepared import prepared_plan
+from lora_pin.ops.backends.cpu import CpuDelta, CpuEmbeddingDelta
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PATTERNS = ("distinct", "uniform", "zipf", "identical")
@@ -253,7 +253,7 @@ def run_case(
     x = torch.randn(n_tokens, args.hidden, generator=gen).to(dtype)
     out0 = torch.randn(n_tokens, layer.slice_offsets[-1], generator=gen).to(dtype)
     segments = segments_from_slots(token_slots, args.chunk_size)
-    delta = prepare_delta(layer.meta(segments), layer.a, layer.b, n_tokens)
+    delta = CpuDelta.prepare(layer.meta(segments), layer.a, layer.b, n_tokens)
     adapter_names, slot_list = token_slots.tolist(), req_slots.tolist()
     methods: dict[str, Callable[[torch.Tensor], object]] = {
         "peft": lambda o: peft_mixed_batch(o, x, adapter_names, layer),
@@ -390,22 +390,14 @@ def fixed_costs(calls: int) -> dict[str, float]:
 
     idle = LoRALinear(_Output(out), buffers, lambda: None)  # type: ignore[arg-type]
     meta = KernelMeta.for_layer(used, layer.slot_ranks, layer.slot_scalings, layer.slice_offsets)
-    delta = prepare_delta(meta, layer.a, layer.b, 4)
-    arrays = (meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks, meta.slot_scalings)
+    delta = CpuDelta.prepare(meta, layer.a, layer.b, 4)
     kernel = delta.plan.kernel
-    op = torch.ops.lora_pin.lora_delta_.default
     with torch.inference_mode():
         base = _per_call(lambda: idle(x), calls)
         figures = {
             "layer, no row uses the group": _per_call(layer_for(unused, unused_buffers), calls) - base,
             "layer, adapter rows": _per_call(layer_for(used, buffers), calls) - base,
-            "  apply (checks + op call)": _per_call(lambda: delta.apply(out, x), calls),
-            "  op dispatch + plan lookup + kernels": _per_call(
-                lambda: op(out, x, layer.a, layer.b, *arrays, delta.offsets, delta.handle), calls
-            ),
-            "  plan lookup": _per_call(
-                lambda: prepared_plan(delta.handle, out, x, layer.a, layer.b, arrays), calls
-            ),
+            "  apply (checks + kernels)": _per_call(lambda: delta.apply(out, x), calls),
             "  kernels (one native call)": _per_call(
                 lambda: grouped.delta_planned(
                     out, x, layer.a, layer.b, layer.slot_scalings, delta.offsets, delta.plan
@@ -415,7 +407,10 @@ def fixed_costs(calls: int) -> dict[str, float]:
             if kernel is not None
             else float("nan"),
             "prepare, once per step and group": _per_call(
-                lambda: prepare_delta(meta, layer.a, layer.b, 4), max(calls // 10, 10)
+                lambda: CpuDelta.prepare(meta, layer.a, layer.b, 4), max(calls // 10, 10)
+            ),
+            "the fused op checked in full, unprepared": _per_call(
+                lambda: lora_delta_(out, x, layer.a, layer.b, meta), calls
             ),
             "before: shrink + expand ops, unprepared": _per_call(
                 lambda: expand(out, shrink(x, layer.a, meta), layer.b, meta), calls
@@ -455,7 +450,7 @@ def embedding_fixed_costs(calls: int) -> dict[str, float]:
 
     idle = LoRAEmbedding(base, buffers, lambda: None)  # type: ignore[arg-type]
     meta = KernelMeta.for_layer(used, layer.slot_ranks, layer.slot_scalings, layer.slice_offsets)
-    delta = prepare_embedding_delta(meta, layer.a, layer.b, 4)
+    delta = CpuEmbeddingDelta.prepare(meta, layer.a, layer.b, 4)
     out = torch.randn(4, 64, generator=gen)
 
     def before() -> None:
@@ -472,12 +467,12 @@ def embedding_fixed_costs(calls: int) -> dict[str, float]:
             "embedding, no row uses the group": _per_call(layer_for(unused, unused_buffers), calls)
             - base_call,
             "embedding, adapter rows": _per_call(layer_for(used, buffers), calls) - base_call,
-            "  apply (checks + op call + lookup + kernels)": _per_call(lambda: delta.apply(out, ids), calls),
+            "  apply (checks + lookup + kernels)": _per_call(lambda: delta.apply(out, ids), calls),
             "  the op checked in full, unprepared": _per_call(
                 lambda: embedding_delta_(out, ids, layer.a, layer.b, meta), calls
             ),
             "prepare, once per step": _per_call(
-                lambda: prepare_embedding_delta(meta, layer.a, layer.b, 4), max(calls // 10, 10)
+                lambda: CpuEmbeddingDelta.prepare(meta, layer.a, layer.b, 4), max(calls // 10, 10)
             ),
             "before: lookup + expand op, unprepared": _per_call(before, calls),
         }

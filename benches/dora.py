@@ -3,7 +3,7 @@
 Three comparisons, each against its named baseline in the same process, reported as ratios:
 
 1. *op*: one layer's adapter work for a decode batch, LoRA (the prepared shrink + expand,
-   ``PreparedDelta.apply``) against DoRA (the same, then the rescale of the DoRA rows the layers run on
+   ``CpuDelta.apply``) against DoRA (the same, then the rescale of the DoRA rows the layers run on
    the CPU, ``scale_rows_``: one native call for float32), per adapter row; the same with the rescale in
    torch (``scale_rows_torch_``: gathers, arithmetic, scatter) as a second row;
 2. *step*: a whole decode forward of a small Llama under ``LoRAManager.batch`` with every row on DoRA
@@ -59,7 +59,8 @@ def op_case(args: argparse.Namespace, hidden: int) -> dict[str, float]:
     import torch
 
     from lora_pin._testing import random_layer
-    from lora_pin.ops import prepare_delta, segments_from_slots
+    from lora_pin.ops import segments_from_slots
+    from lora_pin.ops.backends.cpu import CpuDelta
     from lora_pin.ops.dora import scale_rows_, scale_rows_torch_
 
     gen = torch.Generator().manual_seed(0)
@@ -70,7 +71,7 @@ def op_case(args: argparse.Namespace, hidden: int) -> dict[str, float]:
     x = torch.randn(args.rows, hidden, generator=gen)
     out = torch.randn(args.rows, hidden, generator=gen)
     bias = torch.randn(hidden, generator=gen)
-    delta = prepare_delta(meta, layer.a, layer.b, args.rows)
+    delta = CpuDelta.prepare(meta, layer.a, layer.b, args.rows)
     factors = 1 + 0.1 * torch.randn(args.adapters, hidden, generator=gen)
     counts = (seg.seg_indptr[1:] - seg.seg_indptr[:-1]).long()
     long_slots = torch.repeat_interleave(seg.seg_slots, counts).long()

@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 from lora_pin import LoRAManager
 from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
-from lora_pin.ops import KernelMeta, expand, grouped, prepare_expand, segments_from_slots, shrink
-from lora_pin.ops.split import PreparedExpand
+from lora_pin.ops import KernelMeta, expand, grouped, segments_from_slots, shrink
+from lora_pin.ops.backends.cpu import CpuExpand
 from lora_pin.parallel import ParallelLayout, TensorParallel, qkv_slices
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -160,13 +160,15 @@ def _parts(module: torch.nn.Module, x: torch.Tensor, rounds: int, calls: int) ->
     step's prepared pair, the shrink (checks, op, kernels), the column layer's all-gather and reshuffle
     (with the collective replaced), the expand."""
     step = module._active_step()
-    shrink_d, expand_d = step.split_delta_for(module._pool_buffers, x, module._offsets, module._shrink_ranks)
+    kernels = module._backend.kernels(step)
+    split = kernels.split_delta(module._pool_buffers, x, module._offsets, module._shrink_ranks)
+    shrink_d, expand_d = split.shrink_work, split.expand_work
     v = shrink_d.apply(x)
     out = module.base_layer(x) if module._column else module.base_layer.partial(x)
     lo, hi = module._columns
     gathered = module._all_gather(v, expand_d.meta.n_slices) if module._column else v
     parts: dict[str, Callable[[], object]] = {
-        "lookup of the prepared pair": lambda: step.split_delta_for(
+        "lookup of the prepared pair": lambda: kernels.split_delta(
             module._pool_buffers, x, module._offsets, module._shrink_ranks
         ),
         "shrink (checks + op + kernels)": lambda: shrink_d.apply(x),
@@ -263,10 +265,8 @@ def row_expand_costs(rounds: int, calls: int) -> dict[str, float]:
         ):
             tokens = token_slots.shape[0]
             meta = layer.meta(segments_from_slots(token_slots))
-            native = prepare_expand(meta, layer.b, tokens)
-            blas = PreparedExpand(
-                meta, layer.b, tokens, grouped.plan_for(meta, tokens, 16, dtype, kernel=False)
-            )
+            native = CpuExpand.prepare(meta, layer.b, tokens)
+            blas = CpuExpand(meta, layer.b, tokens, grouped.plan_for(meta, tokens, 16, dtype, kernel=False))
             v = torch.randn(tokens, 16, generator=gen).to(dtype)
             partial = torch.randn(tokens, 4096, generator=gen).to(dtype)
             columns = partial[:, 2048:]

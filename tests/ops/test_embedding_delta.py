@@ -1,7 +1,8 @@
-"""The embedding's prepared LoRA delta (``prepare_embedding_delta``, ``lora_pin::embedding_delta_``) and
-the CPU path of ``LoRAEmbedding`` that uses it: against an fp64 reference of PEFT's embedding formula,
-opcheck, refusals, and no op call for a group no row of the step uses. Every test runs with the native
-kernels and with the torch path alone. The layer against PEFT itself: tests/model/test_embedding_lm_head.py.
+"""The embedding's LoRA delta (``lora_pin::embedding_delta_``, and the CPU backend's per-step
+``CpuEmbeddingDelta``) and the CPU path of ``LoRAEmbedding`` that uses it: against an fp64 reference of
+PEFT's embedding formula, opcheck, refusals, and no work for a group no row of the step uses. Every test
+runs with the native kernels and with the torch path alone. The layer against PEFT itself:
+tests/model/test_embedding_lm_head.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lora_pin._testing import PATTERNS, random_layer, request_slots
 from lora_pin.model.layers import LoRAEmbedding, StepSegments
 from lora_pin.ops import KernelMeta, OpArgumentError, segments_from_slots
-from lora_pin.ops.embedding import embedding_delta_, prepare_embedding_delta
+from lora_pin.ops.backends.cpu import CpuEmbeddingDelta
+from lora_pin.ops.embedding import embedding_delta_
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 VOCAB, DIM = 50, 40
@@ -60,7 +62,7 @@ def test_the_prepared_delta_and_the_op_match_the_fp64_reference(pattern, tokens,
     layer, token_slots, ids, out = _case(pattern, tokens, dtype)
     meta = layer.meta(segments_from_slots(token_slots, 4))
     scale = 2.5 if tokens == 1 else 1.0
-    delta = prepare_embedding_delta(meta, layer.a, layer.b, ids.shape[0], scale)
+    delta = CpuEmbeddingDelta.prepare(meta, layer.a, layer.b, ids.shape[0], scale)
     want = _reference(layer, token_slots, ids, out, scale)
     with torch.inference_mode():
         delta.apply(got := out.clone(), ids)
@@ -74,29 +76,13 @@ def test_the_prepared_delta_and_the_op_match_the_fp64_reference(pattern, tokens,
     assert torch.equal(got[untouched], out[untouched])
 
 
-def test_the_op_passes_opcheck_with_and_without_a_prepared_plan():
+def test_the_op_passes_opcheck():
     layer, token_slots, ids, out = _case("zipf", 3, torch.float32)
     meta = layer.meta(segments_from_slots(token_slots, 4))
-    delta = prepare_embedding_delta(meta, layer.a, layer.b, ids.shape[0], 1.5)
-    arrays = (*meta[:4], meta.slot_scalings)
-    for prepared in (-1, delta.handle):
-        torch.library.opcheck(
-            torch.ops.lora_pin.embedding_delta_.default,
-            (out.clone(), ids, layer.a, layer.b, *arrays, 1.5, prepared),
-        )
-
-
-def test_a_handle_serves_only_the_tensors_it_was_prepared_for():
-    layer, token_slots, ids, out = _case("uniform", 1, torch.float32)
-    meta = layer.meta(segments_from_slots(token_slots))
-    delta = prepare_embedding_delta(meta, layer.a, layer.b, ids.shape[0])
-    other_a = layer.a.flip(0).contiguous()  # another group's weights under the same handle
-    with torch.inference_mode():
-        torch.ops.lora_pin.embedding_delta_(
-            got := out.clone(), ids, other_a, layer.b, *meta[:4], meta.slot_scalings, 1.0, delta.handle
-        )
-    flipped = layer._replace(a=other_a)
-    _assert_close(got, _reference(flipped, token_slots, ids, out, 1.0))
+    torch.library.opcheck(
+        torch.ops.lora_pin.embedding_delta_.default,
+        (out.clone(), ids, layer.a, layer.b, *meta[:4], meta.slot_scalings, [0, DIM], 1.5),
+    )
 
 
 def test_bad_arguments_are_refused_by_name_and_change_nothing():
@@ -117,7 +103,7 @@ def test_bad_arguments_are_refused_by_name_and_change_nothing():
         with torch.inference_mode(), pytest.raises(OpArgumentError, match=message):
             embedding_delta_(*args)
         assert torch.equal(out, before)
-    delta = prepare_embedding_delta(meta, layer.a, layer.b, ids.shape[0])
+    delta = CpuEmbeddingDelta.prepare(meta, layer.a, layer.b, ids.shape[0])
     with torch.inference_mode(), pytest.raises(OpArgumentError, match="prepared for ids int64"):
         delta.apply(out, ids[:-1])
 
@@ -149,7 +135,7 @@ def _embedding(layer, ranks, token_slots):
     return base, LoRAEmbedding(base, buffers, lambda: step)  # type: ignore[arg-type]
 
 
-def test_the_layer_makes_one_op_call_and_none_for_a_group_no_row_uses():
+def test_the_layer_runs_its_plan_without_an_op_call_and_nothing_for_a_group_no_row_uses():
     layer, _, ids, _ = _case("uniform", 1, torch.float32)
     token_slots = torch.tensor([1, -1, 2, 1] * 3)
     ids = ids[: token_slots.shape[0]]
@@ -160,18 +146,17 @@ def test_the_layer_makes_one_op_call_and_none_for_a_group_no_row_uses():
         module(ids)  # the first call of the step prepares (and runs ops to read the arrays)
         calls.names.clear()
         got = module(ids)
-    assert [name for name in calls.names if name.startswith("lora_pin")] == []
+    assert calls.names == ["aten.embedding.default"]  # the base embedding's, and nothing of the delta
     assert torch.equal(got, base(ids))
-    # Rows on a slot the group has: one op call, the embedding's, and PEFT's formula's result.
+    # Rows on a slot the group has: PEFT's formula's result, by the plan made on the step's first call
+    # (no lora_pin op: the backend runs the kernels itself).
     token_slots = torch.tensor([1, -1, 0, 1] * 3)
     base, module = _embedding(layer, ranks, token_slots)
     with torch.inference_mode(), _Calls() as calls:
         module(ids)
         calls.names.clear()
         got = module(ids)
-    assert [name for name in calls.names if name.startswith("lora_pin")] == [
-        "lora_pin.embedding_delta_.default"
-    ]
+    assert not [name for name in calls.names if name.startswith("lora_pin")]
     with torch.no_grad():
         want = _reference(layer._replace(slot_ranks=ranks), token_slots, ids, base(ids), 1.0)
     _assert_close(got, want)
@@ -182,4 +167,4 @@ def test_a_meta_made_for_shrink_alone_is_refused():
     seg = segments_from_slots(token_slots)
     meta = KernelMeta(seg.perm, seg.seg_indptr, seg.seg_slots, layer.slot_ranks, 1)
     with pytest.raises(OpArgumentError, match="slot_scalings and slice_offsets"):
-        prepare_embedding_delta(meta, layer.a, layer.b, ids.shape[0])
+        CpuEmbeddingDelta.prepare(meta, layer.a, layer.b, ids.shape[0])

@@ -12,6 +12,7 @@ from lora_pin.errors import SpecError
 from lora_pin.model.experts import ExpertLayout, LoRAExperts, expert_layout
 from lora_pin.model.layers import LoRAEmbedding, LoRALinear, StepSegments
 from lora_pin.model.parallel_layers import wrap_parallel
+from lora_pin.ops.backends import backend_for
 from lora_pin.weights import FUSED_GROUPS, DevicePool, GroupBuffers, LinearTarget, LoRATargets
 from lora_pin.weights.config import layer_index
 from lora_pin.weights.targets import (
@@ -266,7 +267,9 @@ def attach(
     :func:`model_targets`) with a :class:`LoRALinear` (a :class:`LoRAEmbedding` for an embedding, one
     :class:`~lora_pin.model.experts.LoRAExperts` for all the served weights of an experts module, a
     :class:`~lora_pin.model.parallel_layers.ParallelLoRALinear` for a layer ``shards`` cuts); returns the
-    originals by module key."""
+    originals by module key. Every layer runs its work through one backend, chosen here once for the
+    pool's device."""
+    backend = backend_for(pool.device)
     originals: dict[str, torch.nn.Module] = {}
     experts: dict[str, dict[str, GroupBuffers]] = {}
     for group in targets.groups:
@@ -278,13 +281,18 @@ def attach(
         original = model.get_submodule(key)
         kind = linear_kind(original)
         returns_bias = kind is not None and kind.returns_bias
-        parallel = None if shards is None else wrap_parallel(original, buffers, active_step, shards, log)
+        parallel = (
+            None if shards is None else wrap_parallel(original, buffers, active_step, shards, log, backend)
+        )
         if parallel is not None:
             _set(model, key, parallel)
         elif group.members[0].embedding:
-            _set(model, key, LoRAEmbedding(original, buffers, active_step))
+            _set(model, key, LoRAEmbedding(original, buffers, active_step, backend=backend))
         else:
-            _set(model, key, LoRALinear(original, buffers, active_step, returns_bias=returns_bias, key=key))
+            wrapper = LoRALinear(
+                original, buffers, active_step, returns_bias=returns_bias, key=key, backend=backend
+            )
+            _set(model, key, wrapper)
         originals[key] = original
     for key, by_name in experts.items():
         original = model.get_submodule(key)

@@ -1,9 +1,10 @@
 """LoRA layers: wrappers around a model's target linears that add every row's adapter delta.
 
 A :class:`LoRALinear` keeps the base layer untouched and, while a step is active, adds
-``scaling * B[slot] (A[slot] x)`` to each row whose request uses an adapter, through the ``lora_pin``
-shrink/expand ops over the device pool's buffers; a row of a DoRA adapter is then rescaled by its
-factor around the bias (:mod:`lora_pin.weights.dora`). Rows with no adapter are never touched, so they
+``scaling * B[slot] (A[slot] x)`` to each row whose request uses an adapter, over the device pool's
+buffers, through the model's backend (:mod:`lora_pin.ops.backends`, chosen once for the pool's device:
+the layers never look at the device); a row of a DoRA adapter is then rescaled by its factor around
+the bias (:mod:`lora_pin.weights.dora`). Rows with no adapter are never touched, so they
 equal the base model's output bit for bit. With no active step the wrapper is the base layer.
 """
 
@@ -15,39 +16,11 @@ from typing import Any
 import torch
 
 from lora_pin.errors import SpecError, UsageError
-from lora_pin.ops import (
-    KernelMeta,
-    OpArgumentError,
-    PreparedDelta,
-    PreparedExpand,
-    PreparedShrink,
-    SegmentBatch,
-    dora_scale_,
-    expand,
-    prepare_delta,
-    prepare_expand,
-    prepare_shrink,
-    segments_from_slots,
-    shrink,
-)
-from lora_pin.ops.dora import scale_rows_
-from lora_pin.ops.embedding import PreparedEmbeddingDelta, prepare_embedding_delta
+from lora_pin.ops import OpArgumentError, SegmentBatch, segments_from_slots
+from lora_pin.ops.backends import LoRABackend, backend_for
 from lora_pin.weights.pool import GroupBuffers
 
 __all__ = ["BaseLayerWrapper", "LoRAEmbedding", "LoRALinear", "StepSegments"]
-
-
-def rescales_dora(buffers: GroupBuffers, x: torch.Tensor) -> bool:
-    """Whether a layer's forward over ``x`` off the CPU eager path rescales the DoRA rows of ``buffers``'
-    group: while a DoRA adapter sits in its slots, and, for a pool that can hold DoRA, always when traced by
-    ``torch.compile`` or captured into a CUDA graph, which a DoRA load after the capture must not find
-    without the rescale (see :meth:`StepSegments.dora_rows_for`). Eager device steps with no DoRA slot
-    skip it: one kernel launch per layer and step."""
-    if buffers.dora_slots is None:
-        return False
-    if buffers.dora_slots or torch.compiler.is_compiling():
-        return True
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class StepSegments:
@@ -65,8 +38,7 @@ class StepSegments:
       no data-dependent shape in the forward, so ``torch.compile(fullgraph=True)`` traces it).
 
     ``any_adapter`` is False when every row is base-model only: the layers then skip the ops entirely.
-    On CPU each layer group's delta is checked and planned once per step and input shape
-    (:meth:`delta_for`), and a group that no row of the step uses is skipped without an op call.
+    What the kernels keep for a step is the backend's (:mod:`lora_pin.ops.backends`), not the step's.
 
     A plain class with ``__slots__``: every step builds one.
     """
@@ -75,12 +47,6 @@ class StepSegments:
         "_adapter_sequences",
         "_adapter_slots",
         "_by_length",
-        "_deltas",
-        "_dora_rows",
-        "_embedding_deltas",
-        "_shared",
-        "_split_deltas",
-        "_split_shared",
         "any_adapter",
         "chunk_size",
         "segments",
@@ -103,18 +69,6 @@ class StepSegments:
         self._by_length: dict[int, SegmentBatch] = {}
         self._adapter_sequences: torch.Tensor | None = None
         self._adapter_slots: torch.Tensor | None = None
-        # (group's A buffer, input shape less features) -> the group's prepared delta in this step (CPU).
-        self._deltas: dict[tuple[int, torch.Size], PreparedDelta] = {}
-        # (input shape less features, A's shape, B's shape) -> the last group prepared in full with them.
-        self._shared: dict[tuple[torch.Size, ...], PreparedDelta] = {}
-        # (DoRA slots of a group, input shape less features) -> the step's rows in them and their slots.
-        self._dora_rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
-        # (group's A buffer, input shape less features) -> its prepared shrink and expand, run apart (CPU).
-        self._split_deltas: dict[tuple[int, torch.Size], tuple[PreparedShrink, PreparedExpand]] = {}
-        # As _shared, for the shrinks and expands run apart.
-        self._split_shared: dict[tuple[torch.Size, ...], tuple[PreparedShrink, PreparedExpand]] = {}
-        # (embedding group's A buffer, output shape less features) -> its prepared delta (CPU).
-        self._embedding_deltas: dict[tuple[int, torch.Size], PreparedEmbeddingDelta] = {}
         if sequence_slots is not None and segments is not None:
             # The planner's one-token segments list the adapter sequences grouped by slot.
             self._adapter_sequences = segments.perm
@@ -151,130 +105,6 @@ class StepSegments:
             cached = self._segments_of_length(length)
             self._by_length[length] = cached
         return cached
-
-    def delta_for(self, buffers: GroupBuffers, x: torch.Tensor) -> PreparedDelta:
-        """The step's LoRA delta in the layer group of ``buffers`` for CPU input ``x`` (``[..., in]``),
-        checked and planned on the first call of the step for that group and shape.
-
-        Raises:
-            UsageError: as :meth:`for_input`.
-            OpArgumentError: as :func:`lora_pin.ops.prepare_delta`.
-        """
-        # By the identity of the group's A buffer, which the entry holds, so the id stays its own.
-        key = (id(buffers.a), x.shape[:-1])
-        delta = self._deltas.get(key)
-        if delta is None:
-            seg = self.for_input(x)
-            meta = KernelMeta.for_layer(seg, buffers.ranks, buffers.scalings, buffers.slice_offsets)
-            # Each layer runs once a step: groups of one shape share the checks and plan of the first.
-            shape_key = (x.shape[:-1], buffers.a.shape, buffers.b.shape)
-            like = self._shared.get(shape_key)
-            delta = prepare_delta(meta, buffers.a, buffers.b, x.numel() // x.shape[-1], like=like)
-            if like is None or delta.plan is not like.plan:
-                self._shared[shape_key] = delta
-            self._deltas[key] = delta
-        return delta
-
-    def split_delta_for(
-        self,
-        buffers: GroupBuffers,
-        x: torch.Tensor,
-        slice_offsets: Sequence[int],
-        shrink_ranks: Callable[[], torch.Tensor] | None = None,
-    ) -> tuple[PreparedShrink, PreparedExpand]:
-        """The step's LoRA shrink and expand in the layer group of ``buffers`` for CPU input ``x``
-        (``[..., in]``), for a layer that runs them apart (a fully sharded tensor-parallel layer, with a
-        collective between them); checked and planned on the first call of the step for that group and
-        shape, and shared with groups of the same shapes and ranks as :meth:`delta_for` shares.
-
-        Args:
-            buffers: the group's buffers; the expand runs over ``buffers.b`` with the group's ranks,
-                which decide its ``empty`` (the same on every process of a tensor-parallel group).
-            x: the layer input.
-            slice_offsets: the slices' columns in the expand's output (a fully sharded row layer's
-                own columns: ``(0, out_total / tp)``).
-            shrink_ranks: returns the int32 ``[slots, n_slices]`` ranks of ``buffers.a``'s rows when they
-                are not the group's (a column layer's chunk of each slot's rank); called on the first
-                call of the step only.
-
-        Raises:
-            UsageError: as :meth:`for_input`.
-            OpArgumentError: as :func:`lora_pin.ops.prepare_shrink` and :func:`~lora_pin.ops.prepare_expand`.
-        """
-        key = (id(buffers.a), x.shape[:-1])
-        found = self._split_deltas.get(key)
-        if found is None:
-            seg = self.for_input(x)
-            meta = KernelMeta.for_layer(seg, buffers.ranks, buffers.scalings, slice_offsets)
-            local = meta if shrink_ranks is None else meta._replace(slot_ranks=shrink_ranks())
-            n_tokens = x.numel() // x.shape[-1]
-            shape_key = (x.shape[:-1], buffers.a.shape, buffers.b.shape)
-            like = self._split_shared.get(shape_key)
-            found = (
-                prepare_shrink(local, buffers.a, n_tokens, like=None if like is None else like[0]),
-                prepare_expand(meta, buffers.b, n_tokens, like=None if like is None else like[1]),
-            )
-            if like is None or found[0].plan is not like[0].plan or found[1].plan is not like[1].plan:
-                self._split_shared[shape_key] = found
-            self._split_deltas[key] = found
-        return found
-
-    def embedding_delta_for(
-        self, buffers: GroupBuffers, out: torch.Tensor, scale: Callable[[], float]
-    ) -> PreparedEmbeddingDelta:
-        """The step's LoRA delta in the embedding group of ``buffers`` for its CPU output ``out``
-        (``[..., dim]``), checked and planned on the first call of the step for that group and shape;
-        ``scale`` gives the factor of the looked-up columns then (:func:`prepare_embedding_delta`).
-
-        Raises:
-            UsageError: as :meth:`for_input`.
-            OpArgumentError: as :func:`lora_pin.ops.embedding.prepare_embedding_delta`.
-        """
-        key = (id(buffers.a), out.shape[:-1])
-        delta = self._embedding_deltas.get(key)
-        if delta is None:
-            seg = self.for_input(out)
-            meta = KernelMeta.for_layer(seg, buffers.ranks, buffers.scalings, buffers.slice_offsets)
-            n_tokens = out.numel() // out.shape[-1]
-            delta = prepare_embedding_delta(meta, buffers.a, buffers.b, n_tokens, scale())
-            self._embedding_deltas[key] = delta
-        return delta
-
-    def dora_rows_for(
-        self, buffers: GroupBuffers, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The rows of layer input ``x`` to rescale as DoRA rows in the group of ``buffers`` and their
-        slots (int64 ``[N]`` and ``[N]``: int64 for :func:`lora_pin.ops.dora.scale_rows_` on the CPU,
-        int32 for :func:`lora_pin.ops.dora_scale_` otherwise), or None when there are none; made once
-        per step, group DoRA slots and input shape.
-
-        On the CPU they are exactly the rows of the group's DoRA slots (read from the host arrays); on a
-        device, or traced by ``torch.compile``, they are every adapter row, and the op skips the others
-        by the slots' flags (no read of the arrays from the host), whether or not a DoRA adapter is in
-        the pool now: a captured graph or a compiled step must not depend on ``dora_slots``, which a
-        later load changes while the flags change in place. None for buffers with no DoRA factors.
-
-        Raises:
-            UsageError: as :meth:`for_input`.
-        """
-        dora_slots = buffers.dora_slots
-        # Traced by torch.compile, as on a device: no read of the arrays from the host.
-        on_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
-        if dora_slots is None or (on_cpu and not dora_slots):
-            return None
-        key = (frozenset(dora_slots) if on_cpu else None, x.shape[:-1])
-        if key in self._dora_rows:
-            return self._dora_rows[key]
-        seg = self.for_input(x)
-        counts = (seg.seg_indptr[1:] - seg.seg_indptr[:-1]).long()
-        row_slots = torch.repeat_interleave(seg.seg_slots, counts, output_size=seg.perm.shape[0])
-        picked: tuple[torch.Tensor, torch.Tensor] | None = (seg.perm, row_slots)
-        if on_cpu:
-            chosen = torch.isin(row_slots, torch.tensor(sorted(dora_slots), dtype=row_slots.dtype))
-            # int64 slots: what the prepared rescale indexes with (scale_rows_), converted once a step.
-            picked = (seg.perm[chosen], row_slots[chosen].long()) if bool(chosen.any()) else None
-        self._dora_rows[key] = picked
-        return picked
 
     def _segments_of_length(self, length: int) -> SegmentBatch:
         """Segments for ``length`` rows per sequence: each adapter sequence's rows, cut into chunks."""
@@ -318,6 +148,7 @@ class LoRALinear(BaseLayerWrapper):
     The wrapped layer's output is the whole group: one slice for an ordinary linear (``q_proj``), several
     for a fused one (a ``qkv_proj`` whose output is ``[q | k | v]``, serving adapters trained on separate
     ``q_proj``/``k_proj``/``v_proj``): one shrink serves every slice and expand writes each slice's columns.
+    How the delta is computed is the backend's (:mod:`lora_pin.ops.backends`), chosen once per model.
 
     Args:
         base_layer: the wrapped linear (kept as is; its weights are never modified); output width
@@ -327,6 +158,8 @@ class LoRALinear(BaseLayerWrapper):
         returns_bias: ``base_layer`` returns ``(out, bias)`` (see :func:`lora_pin.register_linear`); the
             wrapper then returns the same pair, the delta added to ``out``.
         key: the module's key in the model, for errors.
+        backend: runs the delta; the model's layers share one (default: a new one for the device of
+            ``buffers``, :func:`lora_pin.ops.backends.backend_for`).
 
     Attributes the wrapper does not have itself (``weight``, ``bias``, ``in_features`` ...) are the base
     layer's, so model code that reads them directly (Mamba reads ``dt_proj.weight``) keeps working.
@@ -340,6 +173,7 @@ class LoRALinear(BaseLayerWrapper):
         *,
         returns_bias: bool = False,
         key: str = "",
+        backend: LoRABackend | None = None,
     ) -> None:
         super().__init__()
         self.base_layer = base_layer
@@ -347,12 +181,10 @@ class LoRALinear(BaseLayerWrapper):
         self._key = key
         self._pool_buffers = buffers
         self._active_step = active_step
+        self._backend = backend_for(buffers.a.device) if backend is None else backend
         self._n_slices = buffers.group.n_slices
         # Where each slice's columns start and end in the output: a tensor-parallel shard has its own.
         self._offsets: Sequence[int] = buffers.slice_offsets
-        # The kernel metadata of the last segments seen: every forward of one step reuses it. Keyed by
-        # identity, which is safe because the entry holds the segments it was made from.
-        self._meta: tuple[SegmentBatch, KernelMeta] | None = None
 
     def forward(self, x: torch.Tensor) -> Any:
         """``[..., in] -> [..., out_total]``: the base output plus the step's adapter deltas, in place (for a
@@ -364,49 +196,22 @@ class LoRALinear(BaseLayerWrapper):
             return result
         if not isinstance(out, torch.Tensor):
             return self._untouched(result, step.for_input(x))
-        buf = self._pool_buffers
-        if x.device.type == "cpu" and not torch.compiler.is_compiling():
-            self._add_prepared_delta(step, out, x)
-            return result
-        seg = step.for_input(x)
-        self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
-        meta = self._kernel_meta(seg)
-        flat_out = out.view(-1, out.shape[-1])
-        expand(flat_out, shrink(x.reshape(-1, x.shape[-1]), buf.a, meta), buf.b, meta)
-        if rescales_dora(buf, x):
-            self._rescale_dora(step, out, x)
+        self._check_dtypes(x, out)
+        self._backend.add_lora_linear(step, self._pool_buffers, out, x, self._offsets, self._dora_bias)
         return result
 
-    def _add_prepared_delta(self, step: StepSegments, out: torch.Tensor, x: torch.Tensor) -> None:
-        """The delta on the CPU: the group's delta checked and planned once per step, then one op call,
-        or none for a group no row uses; then the DoRA rescale of the step's DoRA rows, if any."""
-        buf = self._pool_buffers
-        delta = step.delta_for(buf, x)
-        if not delta.empty:
-            if x.dtype is not delta.dtype:
-                self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
-            delta.apply(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]))
-        if buf.dora_slots:
-            self._rescale_dora(step, out, x)
+    def _check_dtypes(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Refuse an input, or (for a pool that holds DoRA factors, which rescale it) an output, of
+        another dtype than the pool's.
 
-    def _rescale_dora(self, step: StepSegments, out: torch.Tensor, x: torch.Tensor) -> None:
-        """Rescale the step's DoRA rows of ``out`` (base plus LoRA delta) around the base layer's bias:
-        ``f * (out - bias) + bias``. A layer returning ``(out, bias)`` left its bias out of ``out``."""
-        buf = self._pool_buffers
-        picked = step.dora_rows_for(buf, x)
-        if picked is None:
-            return
-        assert buf.factors is not None and buf.dora is not None
-        bias = self._dora_bias()
-        flat = out.view(-1, out.shape[-1])
-        if x.device.type == "cpu" and not torch.compiler.is_compiling():
-            # Exactly the step's DoRA rows, from its own arrays: no checks or filter left to do.
-            if out.dtype is not buf.factors.dtype:
-                self._check_dtype("the layer output", out.dtype)
-            scale_rows_(flat, bias, buf.factors, *picked)
-        else:
-            # Every adapter row: the op keeps the DoRA slots' rows by their flags.
-            dora_scale_(flat, bias, buf.factors, buf.dora, *picked)
+        Raises:
+            OpArgumentError: as :meth:`_check_dtype`.
+        """
+        pool = self._pool_buffers.a.dtype
+        if x.dtype is not pool:
+            self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
+        if out.dtype is not pool and self._pool_buffers.dora_slots:
+            self._check_dtype("the layer output", out.dtype)
 
     def _dora_bias(self) -> torch.Tensor | None:
         """The bias in ``out`` that a DoRA row is rescaled around (``[out]``), or None."""
@@ -445,15 +250,6 @@ class LoRALinear(BaseLayerWrapper):
                 f"manager after it){more}?"
             )
 
-    def _kernel_meta(self, seg: SegmentBatch) -> KernelMeta:
-        cached = self._meta
-        if cached is not None and cached[0] is seg:
-            return cached[1]
-        buf = self._pool_buffers
-        meta = KernelMeta.for_layer(seg, buf.ranks, buf.scalings, self._offsets)
-        self._meta = (seg, meta)
-        return meta
-
     def extra_repr(self) -> str:
         group = self._pool_buffers.group
         return f"group={group.key!r}, slices={self._n_slices}"
@@ -467,15 +263,13 @@ class LoRAEmbedding(LoRALinear):
     ``[slots, dim, R]``). The shrink of a linear becomes a lookup: each adapter token's column of its
     slot's A is gathered, then the expand adds the B product, scaled, to the base output, so rows
     with no adapter are never touched. The rows are the step's tokens, as for every linear of the step.
-    On the CPU the step's delta is checked and planned once per step (one ``lora_pin::embedding_delta_``
-    call a forward, none when no row of the step uses the group); elsewhere the columns are gathered
-    here and ``lora_pin::expand`` adds them.
 
     Args:
         base_layer: the wrapped ``nn.Embedding`` (or subclass); kept as is. A one-element ``embed_scale``
             attribute (Gemma's scaled embedding) scales the delta too, as PEFT does.
         buffers: the device pool's buffers of this embedding's group (one slice).
         active_step: returns the active :class:`StepSegments`, or None outside a step.
+        backend: as for :class:`LoRALinear`.
     """
 
     def forward(self, x: torch.Tensor) -> Any:
@@ -484,46 +278,8 @@ class LoRAEmbedding(LoRALinear):
         step = self._active_step()
         if step is None or not step.any_adapter:
             return out
-        buf = self._pool_buffers
-        if out.dtype != buf.a.dtype:
+        if out.dtype is not self._pool_buffers.a.dtype:
             self._check_dtype("the embedding output", out.dtype)
-        if out.device.type == "cpu" and not torch.compiler.is_compiling():
-            # Checked and planned once per step; a group no row of the step uses makes no op call.
-            delta = step.embedding_delta_for(buf, out, lambda: self._embed_scale(out.dtype))
-            if not delta.empty:
-                delta.apply(out.view(-1, out.shape[-1]), x.reshape(-1).long())
-            return out
-        # The step's rows are the tokens; the output ([..., dim]) has the shape a linear's input would.
-        seg = step.for_input(out)
-        meta = self._kernel_meta(seg)
-        ids = x.reshape(-1)
-        perm = seg.perm
-        # Each adapter row's slot, from its segment's (a skipped segment's -1 reads slot 0: expand skips
-        # that segment). output_size keeps the shape known without a device-to-host read.
-        counts = (seg.seg_indptr[1:] - seg.seg_indptr[:-1]).long()
-        row_slots = torch.repeat_interleave(
-            seg.seg_slots.long().clamp_min(0), counts, output_size=perm.shape[0]
-        )
-        looked_up = buf.a[row_slots, :, ids.index_select(0, perm)]
-        scale = self._embed_scale_tensor(out)
-        if scale is not None:
-            # A scaled embedding (Gemma's) scales its output in its forward; PEFT scales the delta alike.
-            looked_up = looked_up * scale
-        v = out.new_zeros((ids.shape[0], buf.a.shape[1]))
-        v.index_copy_(0, perm, looked_up)
-        expand(out.view(-1, out.shape[-1]), v, buf.b, meta)
+        embed_scale = getattr(self.base_layer, "embed_scale", None)
+        self._backend.add_lora_embedding(step, self._pool_buffers, out, x, embed_scale)
         return out
-
-    def _embed_scale_tensor(self, out: torch.Tensor) -> torch.Tensor | None:
-        """A scaled embedding's one-element ``embed_scale`` (Gemma's) in ``out``'s dtype and device, or
-        None for a plain embedding."""
-        scale = getattr(self.base_layer, "embed_scale", None)
-        if isinstance(scale, (int, float)) or (isinstance(scale, torch.Tensor) and scale.numel() == 1):
-            return torch.as_tensor(scale, dtype=out.dtype, device=out.device)
-        return None
-
-    def _embed_scale(self, dtype: torch.dtype) -> float:
-        """The factor of the looked-up columns as the prepared CPU path takes it: ``embed_scale`` rounded
-        to ``dtype`` as the device path rounds it (1.0 for a plain embedding)."""
-        scale = self._embed_scale_tensor(torch.empty(0, dtype=dtype))
-        return 1.0 if scale is None else float(scale)

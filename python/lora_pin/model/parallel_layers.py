@@ -19,14 +19,13 @@ all-reduce, which sums ``f * partial`` over the ranks into ``f * (W x + s B A x)
 Rows with no adapter are never touched, so after the base layer's all-reduce they equal the sharded base
 model's output bit for bit.
 
-On the CPU (eager), a layer's LoRA work is checked and planned once per step and layer group: a plain
-shard's as one fused delta (:meth:`~lora_pin.model.layers.StepSegments.delta_for`), a fully sharded
-layer's as a shrink and an expand run apart around the collective
-(:meth:`~lora_pin.model.layers.StepSegments.split_delta_for`, :mod:`lora_pin.ops.split`). A group that
-no row of the step uses is skipped, collective included; for a fully sharded layer that is read from
-the group's full ranks, the same on every process, so every process of the group makes the same
-collective calls (a column layer's chunk may hold none of a slot's rank while another process's holds
-some of it).
+How the work runs is the backend's (:mod:`lora_pin.ops.backends`): a plain shard's delta as a plain
+layer's, a fully sharded layer's as a shrink and an expand run apart around the collective
+(:meth:`~lora_pin.ops.backends.LoRABackend.split_delta`). A group that the backend knows no row of the
+step uses (the CPU's reads the arrays; a device's never does) is skipped, collective included; that is
+read from the group's full ranks, the same on every process, so every process of the group makes the
+same collective calls (a column layer's chunk may hold none of a slot's rank while another process's
+holds some of it).
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lora_pin.model.layers import LoRALinear, StepSegments, rescales_dora
-from lora_pin.ops import KernelMeta, SegmentBatch, expand, shrink
+from lora_pin.model.layers import LoRALinear, StepSegments
+from lora_pin.ops.backends import LoRABackend
 from lora_pin.parallel import CollectiveLog, GroupShard, RowCall, ShardPlan, parallel_kind
 from lora_pin.weights.pool import GroupBuffers
 
@@ -57,6 +56,7 @@ class ParallelLoRALinear(LoRALinear):
         row_call: for a row-parallel layer, how to run it in two halves (required then).
         returns_bias: the layer's forward returns ``(out, bias)``.
         log: where the collectives this layer runs are counted.
+        backend: as for :class:`~lora_pin.model.layers.LoRALinear`.
 
     Every rank must run the same steps through the same layers: the fully sharded collectives are matched
     across ranks by order.
@@ -72,15 +72,15 @@ class ParallelLoRALinear(LoRALinear):
         row_call: RowCall | None,
         returns_bias: bool = False,
         log: CollectiveLog | None = None,
+        backend: LoRABackend | None = None,
     ) -> None:
-        super().__init__(base_layer, buffers, active_step, returns_bias=returns_bias)
+        super().__init__(base_layer, buffers, active_step, returns_bias=returns_bias, backend=backend)
         self._shard = shard
         self._row_call = row_call
         self._log = log if log is not None else CollectiveLog()
         group = buffers.group
         self._offsets = shard.b_offsets(group)
         self._columns = shard.out_columns(group)
-        self._shrink_meta: tuple[SegmentBatch, KernelMeta] | None = None
         self._column = shard.layout.kind == "column"
         # A fully sharded column layer's shrink runs over its chunk of each slot's rank.
         self._shrink_ranks = self._local_ranks if self._column and shard.fully_sharded else None
@@ -101,51 +101,23 @@ class ParallelLoRALinear(LoRALinear):
         step = self._active_step()
         if step is None or not step.any_adapter:
             return
-        if x.device.type == "cpu" and not torch.compiler.is_compiling():
-            if self._shard.fully_sharded:
-                self._add_split_delta(step, out, x)
-            else:
-                self._add_prepared_delta(step, out, x)
-            return
+        self._check_dtypes(x, out)
         buf = self._pool_buffers
-        flat_x = x.reshape(-1, x.shape[-1])
-        flat_out = out.view(-1, out.shape[-1])
-        seg = step.for_input(x)
-        self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
-        meta = self._kernel_meta(seg)
         if not self._shard.fully_sharded:
-            expand(flat_out, shrink(flat_x, buf.a, meta), buf.b, meta)
-            if rescales_dora(buf, x):
-                self._rescale_dora(step, out, x)
-        elif self._column:
-            v = self._all_gather(shrink(flat_x, buf.a, self._local_meta(seg, meta)), meta.n_slices)
-            expand(flat_out, v, buf.b, meta)
-        else:
-            v = shrink(flat_x, buf.a, meta)  # a partial [T, R]
-            self._all_reduce(v)
-            lo, hi = self._columns
-            expand(flat_out[:, lo:hi], v, buf.b, meta)
-
-    def _add_split_delta(self, step: StepSegments, out: torch.Tensor, x: torch.Tensor) -> None:
-        """A fully sharded layer's delta on the CPU: its shrink and expand checked and planned once per
-        step (:meth:`StepSegments.split_delta_for`), then per call the two op dispatches around the
-        collective. A group that no row of the step uses is skipped, collective included: that is read
-        from the group's full ranks (the expand's), the same on every process, so every process skips it
-        together; a column layer's own chunk may hold none of a slot's rank while another's holds some,
-        and its shrink is then zeros, still gathered."""
-        shrink_d, expand_d = step.split_delta_for(self._pool_buffers, x, self._offsets, self._shrink_ranks)
-        if expand_d.empty:
+            self._backend.add_lora_linear(step, buf, out, x, self._offsets, self._dora_bias)
             return
-        if x.dtype is not expand_d.dtype:
-            self._check_dtype("the input", x.dtype, ", or is autocast on (not supported)")
-        v = shrink_d.apply(x.reshape(-1, x.shape[-1]))
+        # The shrink and expand run apart, around the collective that joins the processes' parts.
+        split = self._backend.split_delta(step, buf, x, self._offsets, self._shrink_ranks)
+        if split is None:
+            return
+        v = split.shrink(x.reshape(-1, x.shape[-1]))
         flat_out = out.view(-1, out.shape[-1])
         if self._column:
-            expand_d.apply(flat_out, self._all_gather(v, expand_d.meta.n_slices))
+            split.expand(flat_out, self._all_gather(v, self._n_slices))
         else:
             self._all_reduce(v)  # a partial [T, R]
             lo, hi = self._columns
-            expand_d.apply(flat_out[:, lo:hi], v)
+            split.expand(flat_out[:, lo:hi], v)
 
     def _all_gather(self, v_local: torch.Tensor, n: int) -> torch.Tensor:
         """A column layer's ``[T, n * chunk]`` shrinks of every process, as the ``[T, n * chunk * tp]``
@@ -175,15 +147,6 @@ class ParallelLoRALinear(LoRALinear):
             bias = to_local()
         return None if bias is None else bias.detach()
 
-    def _local_meta(self, seg: SegmentBatch, meta: KernelMeta) -> KernelMeta:
-        """The shrink meta of a fully sharded column layer: each slot's rows of this rank's chunk."""
-        cached = self._shrink_meta
-        if cached is not None and cached[0] is seg:
-            return cached[1]
-        local = meta._replace(slot_ranks=self._local_ranks())
-        self._shrink_meta = (seg, local)
-        return local
-
     def _local_ranks(self) -> torch.Tensor:
         """int32 ``[slots, n_slices]``: each slot's rows of a fully sharded column layer's chunk of the
         rank dimension on this rank (0 where the chunk starts past the slot's rank)."""
@@ -204,6 +167,7 @@ def wrap_parallel(
     active_step: Callable[[], StepSegments | None],
     plan: ShardPlan,
     log: CollectiveLog | None = None,
+    backend: LoRABackend | None = None,
 ) -> ParallelLoRALinear | None:
     """The wrapper of a cut layer (None when ``buffers``' group is not cut on ``plan``)."""
     shard = plan.group(buffers.group.key)
@@ -218,4 +182,5 @@ def wrap_parallel(
         row_call=kind.row_call,
         returns_bias=kind.returns_bias,
         log=log,
+        backend=backend,
     )

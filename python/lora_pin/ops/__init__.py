@@ -4,20 +4,21 @@ Every token of a batch may use a different adapter (or none). The ops are driven
 (:class:`SegmentBatch`, made by the Rust planner or :func:`segments_from_slots`), which a
 :class:`KernelMeta` joins with a layer group's per-slot ranks, scalings and slice layout; they read
 the adapters from the device pool's stacked ``A`` / ``B`` buffers. CUDA tensors run Triton SGMV
-kernels (CUDA-graph capturable: no host-device synchronisation); CPU tensors run grouped torch GEMMs.
+kernels (CUDA-graph capturable: no host-device synchronisation); CPU tensors run grouped torch GEMMs
+and the native kernels. Every op is registered from one table (:mod:`lora_pin.ops.library`).
 LoRA on MoE experts (:mod:`lora_pin.ops.experts`) runs the same two ops over ``(adapter, expert)``
-segments; an embedding's LoRA (a lookup, then expand) runs ``lora_pin::embedding_delta_`` on the
-CPU (:mod:`lora_pin.ops.embedding`). A DoRA adapter's rows are the LoRA rows rescaled afterwards by
-``lora_pin::dora_scale_`` (:mod:`lora_pin.ops.dora`). A layer whose shrink and expand run apart (fully
-sharded tensor parallelism: a collective between them) prepares each once per step on the CPU
-(:mod:`lora_pin.ops.split`). The Triton kernels also run on CPU tensors
-under the Triton interpreter through :mod:`lora_pin.ops.triton_sgmv` (tests).
+segments; an embedding's LoRA (a lookup, then expand) runs ``lora_pin::embedding_delta_``
+(:mod:`lora_pin.ops.embedding`). A DoRA adapter's rows are the LoRA rows rescaled afterwards by
+``lora_pin::dora_scale_`` (:mod:`lora_pin.ops.dora`). The model's LoRA layers run their work through a
+backend chosen once per device (:mod:`lora_pin.ops.backends`). The Triton kernels also run on CPU
+tensors under the Triton interpreter through :mod:`lora_pin.ops.triton_sgmv` (tests).
 """
 
+from lora_pin.ops import library as _library  # noqa: F401  (registers torch.ops.lora_pin.*)
 from lora_pin.ops._checks import OpArgumentError
 from lora_pin.ops.custom_ops import expand, lora_delta_, shrink
 from lora_pin.ops.dora import dora_scale_, dora_scale_reference
-from lora_pin.ops.embedding import PreparedEmbeddingDelta, embedding_delta_, prepare_embedding_delta
+from lora_pin.ops.embedding import embedding_delta_
 from lora_pin.ops.experts import (
     ExpertMeta,
     expert_lora_delta_,
@@ -25,20 +26,14 @@ from lora_pin.ops.experts import (
     expert_segments,
     flat_expert_buffers,
 )
-from lora_pin.ops.prepared import PreparedDelta, prepare_delta
 from lora_pin.ops.reference import expand_reference, lora_reference, shrink_reference
 from lora_pin.ops.segments import CUDA_CHUNK_SIZE, KernelMeta, SegmentBatch, segments_from_slots
-from lora_pin.ops.split import PreparedExpand, PreparedShrink, prepare_expand, prepare_shrink
 
 __all__ = [
     "CUDA_CHUNK_SIZE",
     "ExpertMeta",
     "KernelMeta",
     "OpArgumentError",
-    "PreparedDelta",
-    "PreparedEmbeddingDelta",
-    "PreparedExpand",
-    "PreparedShrink",
     "SegmentBatch",
     "dora_scale_",
     "dora_scale_reference",
@@ -51,10 +46,6 @@ __all__ = [
     "flat_expert_buffers",
     "lora_delta_",
     "lora_reference",
-    "prepare_delta",
-    "prepare_embedding_delta",
-    "prepare_expand",
-    "prepare_shrink",
     "segments_from_slots",
     "shrink",
     "shrink_reference",

@@ -14,7 +14,7 @@ import torch
 from lora_pin.errors import OpArgumentError
 from lora_pin.ops.segments import KernelMeta
 
-__all__ = ["MAX_SLICES", "OpArgumentError", "check_expand_args", "check_shrink_args"]
+__all__ = ["MAX_SLICES", "OpArgumentError", "check_dora_args", "check_expand_args", "check_shrink_args"]
 
 # The fused Triton expand takes slice offsets as scalar kernel arguments (no host-to-device copy, so a
 # CUDA graph can capture it); q/k/v and gate/up need 3 and 2.
@@ -204,6 +204,44 @@ def check_expand_args(
             raise OpArgumentError(f"{name} is on {t.device} but out is on {out.device}")
     _check_segments(out.device, meta, out.shape[0])
     return max_rank
+
+
+def check_dora_args(
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    factors: torch.Tensor,
+    dora: torch.Tensor,
+    rows: torch.Tensor,
+    row_slots: torch.Tensor,
+) -> None:
+    """Shapes, dtypes and devices of :func:`dora_scale_`'s arguments (metadata only, never contents).
+
+    Raises:
+        OpArgumentError: naming the argument and what it should be.
+    """
+    problems = []
+    if out.dim() != 2 or out.dtype not in _FLOAT_DTYPES:
+        problems.append(f"out must be [T, O] fp16/bf16/fp32, got {tuple(out.shape)} {out.dtype}")
+    width = out.shape[-1]
+    if factors.dim() != 2 or factors.shape[1] != width or factors.dtype != out.dtype:
+        problems.append(
+            f"factors must be [slots, {width}] {out.dtype}, got {tuple(factors.shape)} {factors.dtype}"
+        )
+    if dora.dim() != 1 or dora.dtype != torch.int32 or dora.shape[0] != factors.shape[0]:
+        problems.append(f"dora must be int32 [{factors.shape[0]}], got {tuple(dora.shape)} {dora.dtype}")
+    if rows.dim() != 1 or rows.dtype != torch.int64:
+        problems.append(f"rows must be int64 [N], got {tuple(rows.shape)} {rows.dtype}")
+    if row_slots.dim() != 1 or row_slots.dtype != torch.int32 or row_slots.shape != rows.shape:
+        problems.append(
+            f"row_slots must be int32 [{rows.shape[0]}], got {tuple(row_slots.shape)} {row_slots.dtype}"
+        )
+    if bias is not None and (bias.shape != (width,) or bias.dtype != out.dtype):
+        problems.append(f"bias must be [{width}] {out.dtype} or None, got {tuple(bias.shape)} {bias.dtype}")
+    tensors = [out, factors, dora, rows, row_slots] + ([] if bias is None else [bias])
+    if len({t.device for t in tensors}) != 1:
+        problems.append(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
+    if problems:
+        raise OpArgumentError("dora_scale_: " + "; ".join(problems))
 
 
 def check_expand_memory(out: torch.Tensor, **read: torch.Tensor) -> None:

@@ -1,12 +1,13 @@
-"""The ``lora_pin::shrink`` and ``lora_pin::expand`` torch custom ops and their Python faces.
+"""The shrink, expand and fused delta ops: their bodies per device and their Python faces.
 
-Dispatch: CUDA tensors run the Triton SGMV kernels (``triton_sgmv``); every other device runs the
-grouped torch path (``grouped``). Both ops have fake impls, so ``torch.compile`` traces through them
-(``fullgraph=True`` works) and ``torch.library.opcheck`` passes. They are for inference: no autograd
-formula is registered.
+The bodies take the step's segments as one :class:`KernelMeta` (:mod:`lora_pin.ops.library` registers
+them from its table, spelling the meta out field by field only in the schemas). Dispatch: CUDA tensors
+run the Triton SGMV kernels (``triton_sgmv``); every other device runs the grouped torch path
+(``grouped``). The fake bodies let ``torch.compile`` trace through the ops (``fullgraph=True`` works)
+and ``torch.library.opcheck`` pass. They are for inference: no autograd formula is registered.
 """
 
-# No `from __future__ import annotations` here: torch.library reads the op schema from the annotations.
+from __future__ import annotations
 
 import operator
 
@@ -20,190 +21,69 @@ from lora_pin.ops._checks import (
     refuse_grad,
 )
 from lora_pin.ops.grouped import delta_planned, expand_grouped, kernel_ok, plan_for, shrink_grouped
-from lora_pin.ops.prepared import prepared_plan
-from lora_pin.ops.segments import KernelMeta, expand_meta, shrink_meta
+from lora_pin.ops.segments import KernelMeta
 
-__all__ = ["expand", "lora_delta_", "shrink"]
-
-# The registered ops below are the torch.library boundary: their schemas spell out the KernelMeta's
-# fields one by one (torch.library has no type for it), and each implementation gathers them back into
-# one KernelMeta before anything else runs.
+__all__ = ["expand", "expand_args", "lora_delta_", "shrink"]
 
 
-def _shrink_fake(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    n_slices: int,
-) -> torch.Tensor:
-    max_rank = check_shrink_args(x, a, shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices))
-    return x.new_empty(x.shape[0], n_slices * max_rank)
-
-
-def _expand_fake(
-    out: torch.Tensor,
-    v: torch.Tensor,
-    b: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
-    slice_offsets: list[int],
-) -> None:
-    meta = expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
-    check_expand_args(out, v, b, meta)
-
-
-@torch.library.custom_op("lora_pin::shrink", mutates_args=())
-def _shrink_op(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    n_slices: int,
-) -> torch.Tensor:
-    meta = shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
+def shrink_torch(x: torch.Tensor, a: torch.Tensor, meta: KernelMeta) -> torch.Tensor:
     check_shrink_args(x, a, meta)
     return shrink_grouped(x, a, meta)
 
 
-@_shrink_op.register_kernel("cuda")
-def _shrink_cuda(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    n_slices: int,
-) -> torch.Tensor:
+def shrink_cuda(x: torch.Tensor, a: torch.Tensor, meta: KernelMeta) -> torch.Tensor:
     from lora_pin.ops.triton_sgmv import sgmv_shrink
 
-    meta = shrink_meta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
     return sgmv_shrink(x, a, meta, interpret=False)
 
 
-_shrink_op.register_fake(_shrink_fake)
+def shrink_fake(x: torch.Tensor, a: torch.Tensor, meta: KernelMeta) -> torch.Tensor:
+    max_rank = check_shrink_args(x, a, meta)
+    return x.new_empty(x.shape[0], meta.n_slices * max_rank)
 
 
-@torch.library.custom_op("lora_pin::expand", mutates_args=("out",))
-def _expand_op(
-    out: torch.Tensor,
-    v: torch.Tensor,
-    b: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
-    slice_offsets: list[int],
-) -> None:
-    meta = expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+def expand_torch(out: torch.Tensor, v: torch.Tensor, b: torch.Tensor, meta: KernelMeta) -> None:
     check_expand_args(out, v, b, meta)
-    check_expand_memory(out, v=v, b=b, slot_scalings=slot_scalings)
+    check_expand_memory(out, v=v, b=b, slot_scalings=meta.expand_layout()[0])
     expand_grouped(out, v, b, meta)
 
 
-@_expand_op.register_kernel("cuda")
-def _expand_cuda(
-    out: torch.Tensor,
-    v: torch.Tensor,
-    b: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
-    slice_offsets: list[int],
-) -> None:
+def expand_cuda(out: torch.Tensor, v: torch.Tensor, b: torch.Tensor, meta: KernelMeta) -> None:
     from lora_pin.ops.triton_sgmv import sgmv_expand
 
-    check_expand_memory(out, v=v, b=b, slot_scalings=slot_scalings)
-    meta = expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
+    check_expand_memory(out, v=v, b=b, slot_scalings=meta.expand_layout()[0])
     sgmv_expand(out, v, b, meta, interpret=False)
 
 
-_expand_op.register_fake(_expand_fake)
-
-# The fused op is registered at the dispatcher's level (a schema and one kernel per device) rather than
-# through torch.library.custom_op, whose Python wrapper costs more than the rest of a small call: this op
-# runs once per LoRA layer and step.
-torch.library.define(
-    "lora_pin::lora_delta_",
-    "(Tensor(a!) out, Tensor x, Tensor a, Tensor b, Tensor perm, Tensor seg_indptr, Tensor seg_slots, "
-    "Tensor slot_ranks, Tensor slot_scalings, int[] slice_offsets, int prepared=-1) -> ()",
-)
+def expand_fake(out: torch.Tensor, v: torch.Tensor, b: torch.Tensor, meta: KernelMeta) -> None:
+    check_expand_args(out, v, b, meta)
 
 
-@torch.library.impl("lora_pin::lora_delta_", "cpu")
-def _lora_delta_cpu(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
-    slice_offsets: list[int],
-    prepared: int = -1,
+def lora_delta_torch(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: KernelMeta
 ) -> None:
-    arrays = (perm, seg_indptr, seg_slots, slot_ranks, slot_scalings)
-    plan = prepared_plan(prepared, out, x, a, b, arrays)
-    if plan is None:
-        meta = expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
-        max_rank = check_shrink_args(x, a, meta)
-        check_expand_args(out, x.new_empty(x.shape[0], meta.n_slices * max_rank), b, meta)
-        check_expand_memory(out, x=x, a=a, b=b, slot_scalings=slot_scalings)
-        kernel = kernel_ok(x.dtype, out, a, b, slot_scalings)
-        plan = plan_for(meta, x.shape[0], max_rank, x.dtype, kernel)
-    delta_planned(out, x, a, b, slot_scalings, slice_offsets, plan)
+    slot_scalings, slice_offsets = meta.expand_layout()
+    max_rank = check_shrink_args(x, a, meta)
+    check_expand_args(out, x.new_empty(x.shape[0], meta.n_slices * max_rank), b, meta)
+    check_expand_memory(out, x=x, a=a, b=b, slot_scalings=slot_scalings)
+    kernel = kernel_ok(x.dtype, out, a, b, slot_scalings)
+    plan = plan_for(meta, x.shape[0], max_rank, x.dtype, kernel)
+    delta_planned(out, x, a, b, slot_scalings, list(slice_offsets), plan)
 
 
-@torch.library.impl("lora_pin::lora_delta_", "cuda")
-def _lora_delta_cuda(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
-    slice_offsets: list[int],
-    prepared: int = -1,
+def lora_delta_cuda(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: KernelMeta
 ) -> None:
     from lora_pin.ops.triton_sgmv import sgmv_expand, sgmv_shrink
 
-    meta = expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
     check_shrink_args(x, a, meta)
-    check_expand_memory(out, a=a, b=b, slot_scalings=slot_scalings)
+    check_expand_memory(out, a=a, b=b, slot_scalings=meta.expand_layout()[0])
     sgmv_expand(out, sgmv_shrink(x, a, meta, interpret=False), b, meta, interpret=False)
 
 
-@torch.library.register_fake("lora_pin::lora_delta_")
-def _lora_delta_fake(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
-    slice_offsets: list[int],
-    prepared: int = -1,
+def lora_delta_fake(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: KernelMeta
 ) -> None:
-    meta = expand_meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, slice_offsets)
     max_rank = check_shrink_args(x, a, meta)
     check_expand_args(out, x.new_empty(x.shape[0], meta.n_slices * max_rank), b, meta)
 
@@ -256,14 +136,19 @@ def expand(out: torch.Tensor, v: torch.Tensor, b: torch.Tensor, meta: KernelMeta
             and the in-place add would silently drop the LoRA path from the gradient.
     """
     refuse_grad(out, v, b)
-    slot_scalings, offsets = _expand_layout(meta)
-    torch.ops.lora_pin.expand(
-        out, v, b, meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks, slot_scalings, offsets
-    )
+    torch.ops.lora_pin.expand(out, v, b, *expand_args(meta))
 
 
-def _expand_layout(meta: KernelMeta) -> tuple[torch.Tensor, list[int]]:
-    """``meta``'s scalings and slice offsets as the registered ops take them (the offsets as ints)."""
+def expand_args(
+    meta: KernelMeta,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """``meta`` as the ops that expand take it: ``perm, seg_indptr, seg_slots, slot_ranks,
+    slot_scalings, slice_offsets`` (the offsets as ints).
+
+    Raises:
+        OpArgumentError: ``meta`` lacks scalings or slice offsets, an offset is not an int, or its
+            ``n_slices`` disagrees with them.
+    """
     slot_scalings, slice_offsets = meta.expand_layout()
     try:
         offsets = [operator.index(o) for o in slice_offsets]
@@ -273,7 +158,7 @@ def _expand_layout(meta: KernelMeta) -> tuple[torch.Tensor, list[int]]:
         raise OpArgumentError(
             f"n_slices={meta.n_slices} but slice_offsets {offsets} hold {len(offsets) - 1} slices"
         )
-    return slot_scalings, offsets
+    return meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks, slot_scalings, offsets
 
 
 def lora_delta_(
@@ -283,13 +168,10 @@ def lora_delta_(
 
     Returns ``out``.
 
-    Shapes and errors as for :func:`shrink` and :func:`expand`. One ``lora_pin::lora_delta_`` call: a
-    caller that runs the same segments through many layers prepares them once instead
-    (:func:`lora_pin.ops.prepare_delta`).
+    Shapes and errors as for :func:`shrink` and :func:`expand`. One ``lora_pin::lora_delta_`` call that
+    checks and plans everything: the LoRA layers on the CPU plan once per step and group instead
+    (:class:`lora_pin.ops.backends.CpuBackend`).
     """
     refuse_grad(out, x, a, b)
-    slot_scalings, offsets = _expand_layout(meta)
-    torch.ops.lora_pin.lora_delta_(
-        out, x, a, b, meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks, slot_scalings, offsets
-    )
+    torch.ops.lora_pin.lora_delta_(out, x, a, b, *expand_args(meta))
     return out

@@ -18,48 +18,9 @@ import torch
 
 from lora_pin._core import dora_scale_rows
 from lora_pin.errors import OpArgumentError
+from lora_pin.ops._checks import check_dora_args
 
-__all__ = ["check_dora_args", "dora_scale_", "dora_scale_reference", "scale_rows_", "scale_rows_torch_"]
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def check_dora_args(
-    out: torch.Tensor,
-    bias: torch.Tensor | None,
-    factors: torch.Tensor,
-    dora: torch.Tensor,
-    rows: torch.Tensor,
-    row_slots: torch.Tensor,
-) -> None:
-    """Shapes, dtypes and devices of :func:`dora_scale_`'s arguments (metadata only, never contents).
-
-    Raises:
-        OpArgumentError: naming the argument and what it should be.
-    """
-    problems = []
-    if out.dim() != 2 or out.dtype not in _FLOAT_DTYPES:
-        problems.append(f"out must be [T, O] fp16/bf16/fp32, got {tuple(out.shape)} {out.dtype}")
-    width = out.shape[-1]
-    if factors.dim() != 2 or factors.shape[1] != width or factors.dtype != out.dtype:
-        problems.append(
-            f"factors must be [slots, {width}] {out.dtype}, got {tuple(factors.shape)} {factors.dtype}"
-        )
-    if dora.dim() != 1 or dora.dtype != torch.int32 or dora.shape[0] != factors.shape[0]:
-        problems.append(f"dora must be int32 [{factors.shape[0]}], got {tuple(dora.shape)} {dora.dtype}")
-    if rows.dim() != 1 or rows.dtype != torch.int64:
-        problems.append(f"rows must be int64 [N], got {tuple(rows.shape)} {rows.dtype}")
-    if row_slots.dim() != 1 or row_slots.dtype != torch.int32 or row_slots.shape != rows.shape:
-        problems.append(
-            f"row_slots must be int32 [{rows.shape[0]}], got {tuple(row_slots.shape)} {row_slots.dtype}"
-        )
-    if bias is not None and (bias.shape != (width,) or bias.dtype != out.dtype):
-        problems.append(f"bias must be [{width}] {out.dtype} or None, got {tuple(bias.shape)} {bias.dtype}")
-    tensors = [out, factors, dora, rows, row_slots] + ([] if bias is None else [bias])
-    if len({t.device for t in tensors}) != 1:
-        problems.append(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
-    if problems:
-        raise OpArgumentError("dora_scale_: " + "; ".join(problems))
+__all__ = ["dora_scale_", "dora_scale_reference", "scale_rows_", "scale_rows_torch_"]
 
 
 def _check_contents(
@@ -76,18 +37,7 @@ def _check_contents(
         )
 
 
-# Registered at the dispatcher's level (a schema and one kernel per device) rather than through
-# torch.library.custom_op, whose Python wrapper cost three times the arithmetic of a decode step's rows:
-# this op runs once per layer with DoRA rows and step (traced or on a device; the CPU's eager layers call
-# scale_rows_ on their prepared rows).
-torch.library.define(
-    "lora_pin::dora_scale_",
-    "(Tensor(a!) out, Tensor? bias, Tensor factors, Tensor dora, Tensor rows, Tensor row_slots) -> ()",
-)
-
-
-@torch.library.impl("lora_pin::dora_scale_", "cpu")
-def _dora_scale_cpu(
+def dora_scale_torch(
     out: torch.Tensor,
     bias: torch.Tensor | None,
     factors: torch.Tensor,
@@ -179,8 +129,7 @@ def _native(
     )
 
 
-@torch.library.impl("lora_pin::dora_scale_", "cuda")
-def _dora_scale_cuda(
+def dora_scale_cuda(
     out: torch.Tensor,
     bias: torch.Tensor | None,
     factors: torch.Tensor,
@@ -193,8 +142,7 @@ def _dora_scale_cuda(
     dora_scale_triton(out, bias, factors, dora, rows, row_slots, interpret=False)
 
 
-@torch.library.register_fake("lora_pin::dora_scale_")
-def _dora_scale_fake(
+def dora_scale_fake(
     out: torch.Tensor,
     bias: torch.Tensor | None,
     factors: torch.Tensor,

@@ -1,49 +1,28 @@
-"""An embedding layer's LoRA delta for one step, checked and planned once: ``lora_pin::embedding_delta_``.
+"""An embedding layer's LoRA delta: ``lora_pin::embedding_delta_``, its CPU and fake bodies and its face.
 
 PEFT's embedding LoRA adds ``scaling * B[slot] A[slot][:, id]`` to each adapter token's embedding: the
 shrink of a linear becomes a lookup of one column of the slot's A per token, and the expand is the
-linear's. On the CPU, :func:`prepare_embedding_delta` checks the step's segments against a group's
-buffers, plans the expand and reads which rows use a slot with a rank in the group, once per step; a
-call is then one ``lora_pin::embedding_delta_`` dispatch, the lookup and the expand. A group that no
-row of the step uses has nothing to call (:attr:`PreparedEmbeddingDelta.empty`).
-
-As for :mod:`lora_pin.ops.prepared`, the op takes the prepared plan by its handle only for the very
-tensors it was made from; any other call (a direct one, ``opcheck``) checks and plans in full. The op
-has a CPU kernel and a fake one: on a device, :class:`lora_pin.model.layers.LoRAEmbedding` gathers the
-columns itself and calls ``lora_pin::expand``, which never reads the segment arrays on the host.
+linear's. The op checks the step's segments against a group's buffers, plans the expand and reads which
+rows use a slot with a rank in the group on every call; the LoRA layers on the CPU do that once per
+step and group instead (:class:`lora_pin.ops.backends.CpuBackend`, with the helpers here). The op has a
+CPU body and a fake one: on a device the layers gather the columns themselves and call
+``lora_pin::expand``, which never reads the segment arrays on the host.
 """
 
 from __future__ import annotations
-
-import itertools
-import weakref
 
 import torch
 
 from lora_pin.errors import OpArgumentError
 from lora_pin.ops._checks import check_expand_args, check_expand_memory, refuse_grad
-from lora_pin.ops.grouped import Plan, expand_planned, kernel_ok, plan_for
+from lora_pin.ops.custom_ops import expand_args
+from lora_pin.ops.grouped import CpuOpPlan, expand_planned, kernel_ok, plan_for
 from lora_pin.ops.segments import KernelMeta
 
-__all__ = ["PreparedEmbeddingDelta", "embedding_delta_", "prepare_embedding_delta"]
-
-# Handle -> prepared embedding delta, alive while its step holds it.
-_BY_HANDLE: weakref.WeakValueDictionary[int, PreparedEmbeddingDelta] = weakref.WeakValueDictionary()
-_HANDLES = itertools.count()
+__all__ = ["check_embedding_args", "embedding_delta_", "lookup_expand", "used_rows"]
 
 
-def _meta(
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
-    dim: int,
-) -> KernelMeta:
-    return KernelMeta(perm, seg_indptr, seg_slots, slot_ranks, 1, slot_scalings, (0, dim))
-
-
-def _check(
+def check_embedding_args(
     out: torch.Tensor,  # [T, dim]
     ids: torch.Tensor,  # int64 [T]
     a: torch.Tensor,  # [slots, R, num_embeddings]
@@ -53,8 +32,11 @@ def _check(
     """The shapes, dtypes and devices of the op's arguments (no contents read).
 
     Raises:
-        OpArgumentError: naming the first argument that does not fit.
+        OpArgumentError: naming the first argument that does not fit, or ``meta`` with more than one slice.
     """
+    offsets = meta.expand_layout()[1]
+    if meta.n_slices != 1 or len(offsets) != 2:
+        raise OpArgumentError(f"an embedding group has one slice, got slice_offsets {list(offsets)}")
     if ids.dim() != 1 or ids.dtype != torch.int64 or ids.shape[0] != out.shape[0] or ids.device != out.device:
         raise OpArgumentError(
             f"ids must be int64 [T={out.shape[0]}] on {out.device}, got {tuple(ids.shape)} {ids.dtype} "
@@ -73,7 +55,7 @@ def _check(
     check_expand_args(out, out.new_empty_strided((out.shape[0], a.shape[1]), (0, 0)), b, meta)
 
 
-def _used_rows(meta: KernelMeta) -> tuple[torch.Tensor, torch.Tensor]:
+def used_rows(meta: KernelMeta) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of ``meta``'s segments whose slot has a rank in the group, and their slots (int64
     ``[M]`` each): the only rows whose A columns the expand reads."""
     counts = (meta.seg_indptr[1:] - meta.seg_indptr[:-1]).long()
@@ -84,17 +66,19 @@ def _used_rows(meta: KernelMeta) -> tuple[torch.Tensor, torch.Tensor]:
     return meta.perm[used], row_slots[used]
 
 
-def _lookup_expand(
+def lookup_expand(
     out: torch.Tensor,  # [T, dim], updated in place
     ids: torch.Tensor,  # int64 [T]
     a: torch.Tensor,  # [slots, R, num_embeddings]
     b: torch.Tensor,  # [slots, dim, R]
     slot_scalings: torch.Tensor,  # float32 [slots, 1]
-    rows: torch.Tensor,  # int64 [M]
+    rows: torch.Tensor,  # int64 [M], from used_rows
     row_slots: torch.Tensor,  # int64 [M]
     scale: float,
-    plan: Plan,
+    plan: CpuOpPlan,
 ) -> None:
+    """The delta of checked arguments by a plan made for them: each used row's column of its slot's A,
+    scaled by ``scale``, then the planned expand."""
     looked_up = a[row_slots, :, ids.index_select(0, rows)]  # [M, R]
     if scale != 1.0:
         looked_up = looked_up * scale
@@ -103,192 +87,38 @@ def _lookup_expand(
     expand_planned(out, v, b, slot_scalings, (0, out.shape[1]), plan)
 
 
-class PreparedEmbeddingDelta:
-    """The LoRA delta of one embedding group in one step, for ``n_tokens`` ids (see the module).
-
-    Made by :func:`prepare_embedding_delta`; :meth:`apply` adds the delta to the embedding's output.
-    ``empty``: no row of the step uses an adapter with a rank in this group, so there is nothing to apply.
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "a",
-        "b",
-        "dim",
-        "dtype",
-        "empty",
-        "handle",
-        "meta",
-        "n_tokens",
-        "plan",
-        "row_slots",
-        "rows",
-        "scale",
-    )
-
-    def __init__(
-        self, meta: KernelMeta, a: torch.Tensor, b: torch.Tensor, n_tokens: int, scale: float, plan: Plan
-    ) -> None:
-        self.meta, self.a, self.b, self.plan = meta, a, b, plan
-        self.n_tokens, self.dim, self.dtype, self.scale = n_tokens, b.shape[1], a.dtype, scale
-        self.empty = plan.empty
-        self.rows, self.row_slots = _used_rows(meta)
-        self.handle = next(_HANDLES)
-        _BY_HANDLE[self.handle] = self
-
-    def apply(self, out: torch.Tensor, ids: torch.Tensor) -> None:
-        """``out += delta(ids)`` in place, through ``lora_pin::embedding_delta_`` with the prepared plan.
-
-        Args:
-            out: ``[n_tokens, dim]`` of the pool's dtype, the base embeddings, mutated.
-            ids: int64 ``[n_tokens]``, the token ids the base embedding looked up (so within its vocabulary).
-
-        Raises:
-            OpArgumentError: ``out`` or ``ids`` has another shape or dtype than the delta was prepared
-                for, or ``out`` requires grad with grad mode on.
-        """
-        if (
-            out.dtype is not self.dtype
-            or ids.dtype is not torch.int64
-            or ids.shape != (self.n_tokens,)
-            or out.shape != (self.n_tokens, self.dim)
-        ):
+def embedding_delta_torch(
+    out: torch.Tensor,
+    ids: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    meta: KernelMeta,
+    scale: float = 1.0,
+) -> None:
+    slot_scalings = meta.expand_layout()[0]
+    check_embedding_args(out, ids, a, b, meta)
+    check_expand_memory(out, ids=ids, a=a, b=b, slot_scalings=slot_scalings)
+    plan = plan_for(meta, out.shape[0], b.shape[2], out.dtype, kernel_ok(out.dtype, out, b, slot_scalings))
+    rows, row_slots = used_rows(meta)
+    if rows.numel():
+        lowest, highest = torch.aminmax(ids.index_select(0, rows))
+        if int(lowest) < 0 or int(highest) >= a.shape[2]:
             raise OpArgumentError(
-                f"the embedding's LoRA delta was prepared for ids int64 [{self.n_tokens}] and out "
-                f"{self.dtype} [{self.n_tokens}, {self.dim}], got ids {ids.dtype} {tuple(ids.shape)} and out "
-                f"{out.dtype} {tuple(out.shape)}"
+                f"ids holds {int(lowest)}..{int(highest)} outside the embedding's [0, {a.shape[2]})"
             )
-        refuse_grad(out)
-        meta = self.meta
-        assert meta.slot_scalings is not None
-        torch.ops.lora_pin.embedding_delta_(
-            out,
-            ids,
-            self.a,
-            self.b,
-            meta.perm,
-            meta.seg_indptr,
-            meta.seg_slots,
-            meta.slot_ranks,
-            meta.slot_scalings,
-            self.scale,
-            self.handle,
-        )
-
-
-def prepare_embedding_delta(
-    meta: KernelMeta, a: torch.Tensor, b: torch.Tensor, n_tokens: int, scale: float = 1.0
-) -> PreparedEmbeddingDelta:
-    """Checks and plans an embedding group's LoRA delta over ``meta``'s segments, for ``n_tokens`` ids on
-    the CPU.
-
-    Args:
-        meta: the step's segments in this group with its scalings, one slice ``(0, dim)``
-            (:meth:`KernelMeta.for_layer`).
-        a: ``[slots, R, num_embeddings]``, the group's stacked A (PEFT's ``lora_embedding_A`` per slot);
-            b: ``[slots, dim, R]``, its B.
-        n_tokens: ``T``, the ids of each call.
-        scale: multiplies the looked-up columns (a scaled embedding's ``embed_scale``, as PEFT applies
-            it to the delta), already rounded to the pool's dtype.
-
-    Raises:
-        OpArgumentError: a shape, dtype or device that does not fit, ``meta`` with more than one slice,
-            or segment contents :func:`lora_pin.ops.expand` refuses (checked here once, not per call).
-    """
-    slot_scalings, offsets = meta.expand_layout()
-    if meta.n_slices != 1 or len(offsets) != 2:
-        raise OpArgumentError(f"an embedding group has one slice, got slice_offsets {list(offsets)}")
-    out_like = b.new_empty_strided((n_tokens, b.shape[1]), (0, 0))
-    _check(out_like, torch.empty_strided((n_tokens,), (0,), dtype=torch.int64, device=b.device), a, b, meta)
-    kernel = kernel_ok(b.dtype, b, slot_scalings)
-    return PreparedEmbeddingDelta(
-        meta, a, b, n_tokens, scale, plan_for(meta, n_tokens, b.shape[2], b.dtype, kernel)
-    )
-
-
-def _prepared(
-    handle: int,
-    out: torch.Tensor,
-    ids: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    arrays: tuple[torch.Tensor, ...],
-    scale: float,
-) -> PreparedEmbeddingDelta | None:
-    """The delta prepared under ``handle`` if it was made for exactly these tensors; None otherwise."""
-    prepared = _BY_HANDLE.get(handle) if handle >= 0 else None
-    if prepared is None or a is not prepared.a or b is not prepared.b or scale != prepared.scale:
-        return None
-    meta = prepared.meta
-    if any(t is not m for t, m in zip(arrays, (*meta[:4], meta.slot_scalings), strict=True)):
-        return None
-    if ids.shape != (prepared.n_tokens,) or out.shape != (prepared.n_tokens, prepared.dim):
-        return None
-    if ids.dtype is not torch.int64 or out.dtype is not prepared.dtype:
-        return None
-    if prepared.plan.kernel is not None and not out.is_contiguous():
-        return None
-    return prepared
-
-
-torch.library.define(
-    "lora_pin::embedding_delta_",
-    "(Tensor(a!) out, Tensor ids, Tensor a, Tensor b, Tensor perm, Tensor seg_indptr, Tensor seg_slots, "
-    "Tensor slot_ranks, Tensor slot_scalings, float scale=1.0, int prepared=-1) -> ()",
-)
-
-
-@torch.library.impl("lora_pin::embedding_delta_", "cpu")
-def _embedding_delta_cpu(
-    out: torch.Tensor,
-    ids: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
-    scale: float = 1.0,
-    prepared: int = -1,
-) -> None:
-    arrays = (perm, seg_indptr, seg_slots, slot_ranks, slot_scalings)
-    found = _prepared(prepared, out, ids, a, b, arrays, scale)
-    if found is not None:
-        plan, rows, row_slots = found.plan, found.rows, found.row_slots
-    else:
-        meta = _meta(*arrays, out.shape[1])
-        _check(out, ids, a, b, meta)
-        check_expand_memory(out, ids=ids, a=a, b=b, slot_scalings=slot_scalings)
-        plan = plan_for(
-            meta, out.shape[0], b.shape[2], out.dtype, kernel_ok(out.dtype, out, b, slot_scalings)
-        )
-        rows, row_slots = _used_rows(meta)
-        if rows.numel():
-            lowest, highest = torch.aminmax(ids.index_select(0, rows))
-            if int(lowest) < 0 or int(highest) >= a.shape[2]:
-                raise OpArgumentError(
-                    f"ids holds {int(lowest)}..{int(highest)} outside the embedding's [0, {a.shape[2]})"
-                )
     if not plan.empty:
-        _lookup_expand(out, ids, a, b, slot_scalings, rows, row_slots, scale, plan)
+        lookup_expand(out, ids, a, b, slot_scalings, rows, row_slots, scale, plan)
 
 
-@torch.library.register_fake("lora_pin::embedding_delta_")
-def _embedding_delta_fake(
+def embedding_delta_fake(
     out: torch.Tensor,
     ids: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
+    meta: KernelMeta,
     scale: float = 1.0,
-    prepared: int = -1,
 ) -> None:
-    _check(out, ids, a, b, _meta(perm, seg_indptr, seg_slots, slot_ranks, slot_scalings, out.shape[1]))
+    check_embedding_args(out, ids, a, b, meta)
 
 
 def embedding_delta_(
@@ -310,19 +140,13 @@ def embedding_delta_(
         meta: the step's segments with the group's ranks, scalings and one slice ``(0, dim)``.
         scale: multiplies the looked-up columns (a scaled embedding's ``embed_scale``).
 
-    Returns ``out``. One call checks everything; a step that runs many calls prepares them once
-    (:func:`prepare_embedding_delta`).
+    Returns ``out``. One call checks and plans everything; the LoRA layers on the CPU plan once per step
+    and group instead.
 
     Raises:
         OpArgumentError: a shape, dtype or device that does not fit, an id outside the embedding, segment
             contents :func:`lora_pin.ops.expand` refuses, or ``out`` requires grad with grad mode on.
     """
-    if torch.is_grad_enabled() and out.requires_grad:
-        raise OpArgumentError(
-            "lora_pin ops have no autograd formula; run them under torch.inference_mode() or torch.no_grad()"
-        )
-    slot_scalings, offsets = meta.expand_layout()
-    if meta.n_slices != 1 or len(offsets) != 2:
-        raise OpArgumentError(f"an embedding group has one slice, got slice_offsets {list(offsets)}")
-    torch.ops.lora_pin.embedding_delta_(out, ids, a, b, *meta[:4], slot_scalings, scale)
+    refuse_grad(out)
+    torch.ops.lora_pin.embedding_delta_(out, ids, a, b, *expand_args(meta), scale)
     return out

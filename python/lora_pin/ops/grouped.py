@@ -42,7 +42,7 @@ from lora_pin.ops._checks import check_segment_contents
 from lora_pin.ops.segments import KernelMeta
 
 __all__ = [
-    "Plan",
+    "CpuOpPlan",
     "build_plan",
     "delta_planned",
     "expand_grouped",
@@ -118,7 +118,7 @@ class _Dense(NamedTuple):
     positions: torch.Tensor | None
 
 
-class Plan(NamedTuple):
+class CpuOpPlan(NamedTuple):
     """How one call runs: which slots are batched, which rows are views, which are gathered."""
 
     ranks: list[list[int]]
@@ -153,12 +153,12 @@ class PlanCache:
 
     def __init__(self, size: int) -> None:
         self._size = size
-        self._plans: OrderedDict[Hashable, Plan] = OrderedDict()
+        self._plans: OrderedDict[Hashable, CpuOpPlan] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(
         self, meta: KernelMeta, n_tokens: int, max_rank: int, dtype: torch.dtype, kernel: bool = False
-    ) -> Plan:
+    ) -> CpuOpPlan:
         max_padding = _DENSE_MAX_PADDING if dtype == torch.float32 else _DENSE_MAX_PADDING_REDUCED
         kernel_tokens = _KERNEL_MAX_TOKENS[dtype] if kernel else 0
         key = (
@@ -239,7 +239,7 @@ def _dense_blocks(
 
 def build_plan(
     meta: KernelMeta, n_tokens: int, max_rank: int, dtype: torch.dtype, kernel: bool = False
-) -> Plan:
+) -> CpuOpPlan:
     """Reads the segment arrays once (checking their contents) and decides: the native kernels (when
     ``kernel``), the batched path, or per group views or gathering.
 
@@ -264,15 +264,15 @@ def build_plan(
         else:
             spans.append([slot, lo, hi])
     if not spans:
-        return Plan(ranks, [], None, [], [], [])
+        return CpuOpPlan(ranks, [], None, [], [], [])
     native = None
     if kernel_tokens:
         native, spans = _kernel_groups(spans, perm, ranks, n_tokens, max_rank, kernel_tokens)
         if not spans:
-            return Plan(ranks, [], None, [], [], [], native)
+            return CpuOpPlan(ranks, [], None, [], [], [], native)
     dense, spans = _dense_blocks(spans, perm, ranks, max_padding)
     if not spans:
-        return Plan(ranks, [], None, [], [], dense, native)
+        return CpuOpPlan(ranks, [], None, [], [], dense, native)
 
     # Cut every span into runs of consecutive tokens. Runs long enough for a GEMM to pay become views
     # (no copy); a span of short runs (decode tokens of one adapter spread over the batch) is gathered.
@@ -318,7 +318,7 @@ def build_plan(
         else None
     )
     sizes = [hi - lo for lo, hi in gathered_spans]
-    return Plan(ranks, runs, rows, gathered_slots, sizes, dense, native, runs_shrink, runs_expand)
+    return CpuOpPlan(ranks, runs, rows, gathered_slots, sizes, dense, native, runs_shrink, runs_expand)
 
 
 def _runs_expand_plan(runs: list[_Run], ranks: list[list[int]], n_tokens: int, max_rank: int) -> CpuSgmvPlan:
@@ -503,7 +503,7 @@ def shrink_planned(
     x: torch.Tensor,  # [T, in]
     a: torch.Tensor,  # [slots, n_slices * R, in]
     n_slices: int,
-    plan: Plan,
+    plan: CpuOpPlan,
 ) -> torch.Tensor:
     """Shrink by a plan made for these shapes (:func:`build_plan`); returns ``v`` ``[T, n_slices * R]``."""
     max_rank = a.shape[1] // n_slices
@@ -560,7 +560,7 @@ def expand_planned(
     b: torch.Tensor,  # [slots, out_total, R]
     slot_scalings: torch.Tensor,  # float32 [slots, n_slices]
     slice_offsets: Sequence[int],
-    plan: Plan,
+    plan: CpuOpPlan,
 ) -> None:
     """Expand by a plan made for these shapes (:func:`build_plan`). The runs take the native kernels'
     expand where the plan has one and ``out`` is contiguous (:func:`_runs_expand_plan`), else BLAS."""
@@ -642,7 +642,7 @@ def delta_planned(
     b: torch.Tensor,  # [slots, out_total, R]
     slot_scalings: torch.Tensor,  # float32 [slots, n_slices]
     slice_offsets: Sequence[int],
-    plan: Plan,
+    plan: CpuOpPlan,
 ) -> None:
     """Shrink then expand by a plan made for these shapes (:func:`build_plan`). A plan whose every slot
     runs on the native kernels is one native call, with ``v`` in its scratch memory."""
@@ -676,7 +676,7 @@ def _runs_delta(
     b: torch.Tensor,  # [slots, out_total, R]
     slot_scalings: torch.Tensor,  # float32 [slots, n_slices]
     slice_offsets: Sequence[int],
-    plan: Plan,
+    plan: CpuOpPlan,
 ) -> None:
     """The plan's runs (consecutive rows of one slot) on views of ``x`` and ``out``, in two phases:
     every run's shrink first (one native call for all of them where the plan has one and torch runs
@@ -777,6 +777,6 @@ def _shrink_mm(xs: torch.Tensor, a_rows: torch.Tensor, out: torch.Tensor | None 
     return torch.mm(xs, a_rows.T, out=out)
 
 
-def plan_for(meta: KernelMeta, n_tokens: int, max_rank: int, dtype: torch.dtype, kernel: bool) -> Plan:
+def plan_for(meta: KernelMeta, n_tokens: int, max_rank: int, dtype: torch.dtype, kernel: bool) -> CpuOpPlan:
     """The plan of ``meta`` for these shapes, from the cache of plans by content (built on a miss)."""
     return _PLANS.get(meta, n_tokens, max_rank, dtype, kernel)

@@ -151,31 +151,6 @@ def segments_from_slots(
     )
 
 
-def shrink_meta(
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    n_slices: int,
-) -> KernelMeta:
-    """The :class:`KernelMeta` of a registered shrink op's arguments (torch.library has no type for it,
-    so the schemas spell its fields out one by one)."""
-    return KernelMeta(perm, seg_indptr, seg_slots, slot_ranks, n_slices)
-
-
-def expand_meta(
-    perm: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scalings: torch.Tensor,
-    slice_offsets: list[int],
-) -> KernelMeta:
-    """The :class:`KernelMeta` of a registered expand op's arguments (as :func:`shrink_meta`)."""
-    n_slices = len(slice_offsets) - 1
-    return KernelMeta(perm, seg_indptr, seg_slots, slot_ranks, n_slices, slot_scalings, tuple(slice_offsets))
-
-
 def same_segments(meta: KernelMeta, other: KernelMeta) -> bool:
     """Whether two metas share the step's segment arrays (by identity) and hold equal ranks: the checks
     and plan made for one then hold for the other."""

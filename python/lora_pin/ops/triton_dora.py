@@ -13,7 +13,7 @@ import torch
 import triton.language as tl
 
 from lora_pin.errors import OpArgumentError
-from lora_pin.ops.dora import check_dora_args
+from lora_pin.ops._checks import check_dora_args
 from lora_pin.ops.triton_sgmv import _COMPILE_OPTIONS, KernelLaunch
 
 __all__ = ["dora_scale_launch", "dora_scale_triton"]
@@ -73,7 +73,7 @@ def dora_scale_launch(
     are no rows; shapes checked, contents not read.
 
     Raises:
-        OpArgumentError: as :func:`lora_pin.ops.dora.check_dora_args`.
+        OpArgumentError: as :func:`lora_pin.ops._checks.check_dora_args`.
     """
     check_dora_args(out, bias, factors, dora, rows, row_slots)
     n_rows, width = rows.shape[0], out.shape[1]

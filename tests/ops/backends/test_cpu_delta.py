@@ -1,7 +1,7 @@
-"""The per-step prepared LoRA delta (``prepare_delta``, the fused ``lora_pin::lora_delta_`` op) and the
-layer path that uses it: correctness against the fp64 reference, opcheck, no op call for an unused
-group, results independent of the thread count. Every test runs with the native kernels and with the
-torch path alone."""
+"""The CPU backend's per-step LoRA delta (``CpuDelta``, what ``lora_pin::lora_delta_`` computes, planned
+once per step and group) and the layer path that uses it: correctness against the fp64 reference,
+opcheck of the fused op, one kernel state per step, no work for an unused group, results independent
+of the thread count. Every test runs with the native kernels and with the torch path alone."""
 
 from __future__ import annotations
 
@@ -13,13 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lora_pin._testing import PATTERNS, random_layer, request_slots
 from lora_pin.model.layers import LoRALinear, StepSegments
-from lora_pin.ops import (
-    OpArgumentError,
-    lora_delta_,
-    lora_reference,
-    prepare_delta,
-    segments_from_slots,
-)
+from lora_pin.ops import OpArgumentError, lora_delta_, lora_reference, segments_from_slots
+from lora_pin.ops.backends import CpuBackend
+from lora_pin.ops.backends.cpu import CpuDelta
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
@@ -51,7 +47,7 @@ def _assert_close(got, want):
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_a_prepared_delta_matches_the_fp64_reference(pattern, tokens, dtype):
     layer, token_slots, x, out = _case(pattern, tokens, dtype)
-    delta = prepare_delta(layer.meta(segments_from_slots(token_slots, 4)), layer.a, layer.b, x.shape[0])
+    delta = CpuDelta.prepare(layer.meta(segments_from_slots(token_slots, 4)), layer.a, layer.b, x.shape[0])
     got = out.clone()
     with torch.inference_mode():
         delta.apply(got, x)
@@ -80,32 +76,39 @@ def test_results_do_not_depend_on_the_thread_count(threads, cpu_path):
     _assert_close(many, _reference(layer, token_slots, x, out))
 
 
-def test_the_fused_op_passes_opcheck_with_and_without_a_prepared_plan():
+def test_the_fused_op_passes_opcheck():
     layer, token_slots, x, out = _case("uniform", 3, torch.float32)
     meta = layer.meta(segments_from_slots(token_slots, 4))
-    delta = prepare_delta(meta, layer.a, layer.b, x.shape[0])
     args = (out, x, layer.a, layer.b, *meta[:4], meta.slot_scalings, list(meta.slice_offsets))
     torch.library.opcheck(torch.ops.lora_pin.lora_delta_.default, args)
-    torch.library.opcheck(torch.ops.lora_pin.lora_delta_.default, (*args, delta.handle))
 
 
-def test_a_plan_serves_only_the_tensors_it_was_made_from():
+def test_each_step_gets_its_own_kernel_state():
     layer, first_slots, x, out = _case("distinct", 1, torch.float32)
-    delta = prepare_delta(layer.meta(segments_from_slots(first_slots)), layer.a, layer.b, x.shape[0])
-    # Another step's arrays with the first one's handle: the op checks and plans them in full.
-    other_slots = torch.flip(first_slots, [0])
-    other = layer.meta(segments_from_slots(other_slots))
-    got = out.clone()
+    backend = CpuBackend()
+    steps = [
+        StepSegments(segments=segments_from_slots(slots), any_adapter=True)
+        for slots in (first_slots, torch.flip(first_slots, [0]))
+    ]
+    active = [steps[0]]
+    module = _layer(
+        layer, layer.slot_ranks, first_slots, out.clone(), backend=backend, active=lambda: active[0]
+    )
     with torch.inference_mode():
-        torch.ops.lora_pin.lora_delta_(
-            got, x, layer.a, layer.b, *other[:4], other.slot_scalings, list(other.slice_offsets), delta.handle
-        )
-    _assert_close(got, _reference(layer, other_slots, x, out))
+        first = module(x)
+        kernels = backend.kernels(steps[0])
+        assert backend.kernels(steps[0]) is kernels  # kept for the step's other layers
+        active[0] = steps[1]  # the next step: its own arrays, planned anew
+        module.base_layer.out = out.clone()
+        second = module(x)
+    assert backend.kernels(steps[1]) is not kernels
+    _assert_close(first, _reference(layer, first_slots, x, out))
+    _assert_close(second, _reference(layer, torch.flip(first_slots, [0]), x, out))
 
 
 def test_apply_refuses_inputs_it_was_not_prepared_for():
     layer, token_slots, x, out = _case("zipf", 1, torch.float32)
-    delta = prepare_delta(layer.meta(segments_from_slots(token_slots)), layer.a, layer.b, x.shape[0])
+    delta = CpuDelta.prepare(layer.meta(segments_from_slots(token_slots)), layer.a, layer.b, x.shape[0])
     with pytest.raises(OpArgumentError, match=r"prepared for x torch\.float32"):
         delta.apply(out[:-1].clone(), x[:-1])
     with pytest.raises(OpArgumentError, match=r"got x torch\.bfloat16"):
@@ -117,7 +120,7 @@ def test_prepare_refuses_bad_segments_by_name():
     meta = layer.meta(segments_from_slots(token_slots))
     bad = meta._replace(perm=meta.perm.clone().fill_(x.shape[0]))
     with pytest.raises(OpArgumentError, match="perm holds tokens outside"):
-        prepare_delta(bad, layer.a, layer.b, x.shape[0])
+        CpuDelta.prepare(bad, layer.a, layer.b, x.shape[0])
 
 
 class _Calls(TorchDispatchMode):
@@ -141,7 +144,7 @@ class _Output(torch.nn.Module):
         return self.out
 
 
-def _layer(layer, ranks, token_slots, out):
+def _layer(layer, ranks, token_slots, out, backend=None, active=None):
     buffers = types.SimpleNamespace(
         group=types.SimpleNamespace(n_slices=3, key="qkv"),
         a=layer.a,
@@ -152,10 +155,10 @@ def _layer(layer, ranks, token_slots, out):
         dora_slots=None,
     )
     step = StepSegments(segments=segments_from_slots(token_slots), any_adapter=True)
-    return LoRALinear(_Output(out), buffers, lambda: step)
+    return LoRALinear(_Output(out), buffers, active or (lambda: step), backend=backend)
 
 
-def test_a_layer_whose_group_no_row_uses_makes_no_op_call():
+def test_a_layer_runs_its_plan_without_an_op_call_and_nothing_for_a_group_no_row_uses():
     layer, _, x, out = _case("uniform", 1, torch.float32)
     # Slots 1 and 2 have no rank in this group (their adapters target other modules).
     ranks = layer.slot_ranks.clone()
@@ -168,13 +171,15 @@ def test_a_layer_whose_group_no_row_uses_makes_no_op_call():
         result = module(x)
     assert calls.names == []
     assert torch.equal(result, out)
-    # The same layer with a row on a slot the group has makes one op call, the fused one.
-    module = _layer(layer, ranks, torch.tensor([1, -1, 0, 1] * 3), out.clone())
+    # The same layer with a row on a slot the group has: the delta, by the plan of the step's first call
+    # (no lora_pin op: the backend runs the kernels itself).
+    token_slots = torch.tensor([1, -1, 0, 1] * 3)
+    got = out.clone()
+    module = _layer(layer, ranks, token_slots, got)
     with torch.inference_mode(), _Calls() as calls:
         module(x)
-        calls.names.clear()
-        module(x)
-    assert [name for name in calls.names if name.startswith("lora_pin")] == ["lora_pin.lora_delta_.default"]
+    assert not [name for name in calls.names if name.startswith("lora_pin")]
+    _assert_close(got, _reference(layer._replace(slot_ranks=ranks), token_slots, x, out))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -187,7 +192,7 @@ def test_long_runs_of_one_slot_match_the_reference(dtype, threads):
     token_slots = torch.tensor([1] * 300 + [-1] * 7 + [0] * 200 + [2] * 129)
     x = torch.randn(token_slots.shape[0], 40, generator=gen).to(dtype)
     out = torch.randn(token_slots.shape[0], 96, generator=gen).to(dtype)
-    delta = prepare_delta(layer.meta(segments_from_slots(token_slots, 64)), layer.a, layer.b, x.shape[0])
+    delta = CpuDelta.prepare(layer.meta(segments_from_slots(token_slots, 64)), layer.a, layer.b, x.shape[0])
     got = out.clone()
     previous = torch.get_num_threads()
     try:
@@ -203,10 +208,10 @@ def test_long_runs_of_one_slot_match_the_reference(dtype, threads):
 def test_groups_of_one_shape_share_a_plan_only_when_their_ranks_agree():
     layer, token_slots, x, out = _case("uniform", 1, torch.float32)
     segments = segments_from_slots(token_slots)
-    first = prepare_delta(layer.meta(segments), layer.a, layer.b, x.shape[0])
+    first = CpuDelta.prepare(layer.meta(segments), layer.a, layer.b, x.shape[0])
     # Another group of the same shapes and ranks (other weights): the plan is shared, the result its own.
     other_a, other_b = layer.a.flip(0).contiguous(), layer.b.flip(0).contiguous()
-    same = prepare_delta(layer.meta(segments), other_a, other_b, x.shape[0], like=first)
+    same = CpuDelta.prepare(layer.meta(segments), other_a, other_b, x.shape[0], like=first)
     assert same.plan is first.plan
     got = out.clone()
     with torch.inference_mode():
@@ -214,7 +219,7 @@ def test_groups_of_one_shape_share_a_plan_only_when_their_ranks_agree():
     _assert_close(got, lora_reference(out, x, other_a, other_b, token_slots, *layer[2:]))
     # A group whose adapters have no rank in it: planned on its own (empty), not given the first's plan.
     ranks = torch.zeros_like(layer.slot_ranks)
-    unused = prepare_delta(
+    unused = CpuDelta.prepare(
         layer.meta(segments)._replace(slot_ranks=ranks), layer.a, layer.b, x.shape[0], like=first
     )
     assert unused.plan is not first.plan and unused.empty and not first.empty

@@ -1,8 +1,7 @@
-"""The per-step prepared shrink and expand run apart (``prepare_shrink`` / ``prepare_expand``, the ops
-``lora_pin::prepared_shrink`` and ``lora_pin::prepared_expand_``), as a fully sharded tensor-parallel layer
-runs them: against the fp64 reference, opcheck, a strided output (a row layer's column slice), a shrink
-over other ranks than the expand's (a column layer's chunk), and refusals. Every test runs with the native
-kernels and with the torch path alone."""
+"""The CPU backend's per-step shrink and expand run apart (``CpuShrink`` / ``CpuExpand``), as a fully
+sharded tensor-parallel layer runs them: against the fp64 reference, a strided output (a row layer's
+column slice), a shrink over other ranks than the expand's (a column layer's chunk), and refusals. Every
+test runs with the native kernels and with the torch path alone."""
 
 from __future__ import annotations
 
@@ -10,14 +9,8 @@ import pytest
 import torch
 
 from lora_pin._testing import PATTERNS, random_layer, request_slots
-from lora_pin.ops import (
-    OpArgumentError,
-    expand_reference,
-    prepare_expand,
-    prepare_shrink,
-    segments_from_slots,
-    shrink_reference,
-)
+from lora_pin.ops import OpArgumentError, expand_reference, segments_from_slots, shrink_reference
+from lora_pin.ops.backends.cpu import CpuExpand, CpuShrink
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
@@ -46,8 +39,8 @@ def _assert_close(got, want):
 def test_a_prepared_shrink_then_expand_match_the_fp64_reference(pattern, tokens, dtype):
     layer, token_slots, x, out = _case(pattern, tokens, dtype)
     meta = layer.meta(segments_from_slots(token_slots, 4))
-    shrink_d = prepare_shrink(meta, layer.a, x.shape[0])
-    expand_d = prepare_expand(meta, layer.b, x.shape[0])
+    shrink_d = CpuShrink.prepare(meta, layer.a, x.shape[0])
+    expand_d = CpuExpand.prepare(meta, layer.b, x.shape[0])
     got = out.clone()
     with torch.inference_mode():
         v = shrink_d.apply(x)
@@ -64,7 +57,7 @@ def test_an_expand_into_a_column_slice_leaves_the_other_columns(tokens, dtype):
     # A row layer's expand writes its own columns of the partial product, a strided view.
     layer, token_slots, x, _ = _case("uniform", tokens, dtype, widths=(32,), ranks=(8, 3))
     meta = layer.meta(segments_from_slots(token_slots, 4))
-    expand_d = prepare_expand(meta, layer.b, x.shape[0])
+    expand_d = CpuExpand.prepare(meta, layer.b, x.shape[0])
     v = shrink_reference(x, layer.a, meta).to(dtype)
     partial = torch.randn(x.shape[0], 96, generator=torch.Generator().manual_seed(3)).to(dtype)
     got = partial.clone()
@@ -85,7 +78,7 @@ def test_a_shrink_over_a_chunk_of_the_rank_uses_its_own_ranks():
     local = (layer.slot_ranks - 4).clamp(0, 4).to(torch.int32)
     token_slots = torch.tensor([0, -1, 1, 0] * 3)  # slot 0 has ranks 8, slot 1 ranks (4, 0, 8)
     meta = layer.meta(segments_from_slots(token_slots))._replace(slot_ranks=local)
-    shrink_d = prepare_shrink(meta, chunk, x.shape[0])
+    shrink_d = CpuShrink.prepare(meta, chunk, x.shape[0])
     with torch.inference_mode():
         v = shrink_d.apply(x)
     _assert_close(v, shrink_reference(x, chunk, meta))
@@ -94,54 +87,17 @@ def test_a_shrink_over_a_chunk_of_the_rank_uses_its_own_ranks():
     only_rank_4_ranks = local.clone()
     only_rank_4_ranks[1] = torch.tensor([0, 0, 0], dtype=torch.int32)
     meta = layer.meta(segments_from_slots(only_rank_4))._replace(slot_ranks=only_rank_4_ranks)
-    empty = prepare_shrink(meta, chunk, x.shape[0])
+    empty = CpuShrink.prepare(meta, chunk, x.shape[0])
     assert empty.empty
     with torch.inference_mode():
         assert torch.equal(empty.apply(x), torch.zeros(x.shape[0], 12))
 
 
-def test_the_ops_pass_opcheck_with_and_without_a_prepared_plan():
-    layer, token_slots, x, out = _case("uniform", 3, torch.float32)
-    meta = layer.meta(segments_from_slots(token_slots, 4))
-    shrink_d = prepare_shrink(meta, layer.a, x.shape[0])
-    expand_d = prepare_expand(meta, layer.b, x.shape[0])
-    shrink_args = (x, layer.a, *meta[:4], meta.n_slices)
-    torch.library.opcheck(torch.ops.lora_pin.prepared_shrink.default, shrink_args)
-    torch.library.opcheck(torch.ops.lora_pin.prepared_shrink.default, (*shrink_args, shrink_d.handle))
-    v = shrink_reference(x, layer.a, meta).float()
-    expand_args = (out, v, layer.b, *meta[:4], meta.slot_scalings, list(meta.slice_offsets))
-    torch.library.opcheck(torch.ops.lora_pin.prepared_expand_.default, expand_args)
-    torch.library.opcheck(torch.ops.lora_pin.prepared_expand_.default, (*expand_args, expand_d.handle))
-
-
-def test_a_plan_serves_only_the_tensors_it_was_made_from():
-    layer, first_slots, x, out = _case("distinct", 1, torch.float32)
-    first = layer.meta(segments_from_slots(first_slots))
-    shrink_d = prepare_shrink(first, layer.a, x.shape[0])
-    expand_d = prepare_expand(first, layer.b, x.shape[0])
-    # Another step's arrays with the first one's handles: the ops check and plan them in full.
-    other = layer.meta(segments_from_slots(torch.flip(first_slots, [0])))
-    got = out.clone()
-    with torch.inference_mode():
-        v = torch.ops.lora_pin.prepared_shrink(x, layer.a, *other[:4], other.n_slices, shrink_d.handle)
-        torch.ops.lora_pin.prepared_expand_(
-            got, v, layer.b, *other[:4], other.slot_scalings, list(other.slice_offsets), expand_d.handle
-        )
-        # A shrink's handle given to the expand: not its kind, checked in full too.
-        again = out.clone()
-        torch.ops.lora_pin.prepared_expand_(
-            again, v, layer.b, *other[:4], other.slot_scalings, list(other.slice_offsets), shrink_d.handle
-        )
-    _assert_close(v, shrink_reference(x, layer.a, other))
-    _assert_close(got, expand_reference(out, v, layer.b, other))
-    assert torch.equal(again, got)
-
-
-def test_apply_and_the_ops_refuse_what_does_not_fit():
+def test_prepare_and_apply_refuse_what_does_not_fit():
     layer, token_slots, x, out = _case("zipf", 1, torch.float32)
     meta = layer.meta(segments_from_slots(token_slots))
-    shrink_d = prepare_shrink(meta, layer.a, x.shape[0])
-    expand_d = prepare_expand(meta, layer.b, x.shape[0])
+    shrink_d = CpuShrink.prepare(meta, layer.a, x.shape[0])
+    expand_d = CpuExpand.prepare(meta, layer.b, x.shape[0])
     with pytest.raises(OpArgumentError, match=r"shrink was prepared for x torch\.float32"):
         shrink_d.apply(x[:-1])
     v = torch.zeros(x.shape[0], 24)
@@ -151,23 +107,19 @@ def test_apply_and_the_ops_refuse_what_does_not_fit():
         shrink_d.apply(x.clone().requires_grad_())
     bad = meta._replace(perm=meta.perm.clone().fill_(x.shape[0]))
     with pytest.raises(OpArgumentError, match="perm holds tokens outside"):
-        prepare_shrink(bad, layer.a, x.shape[0])
+        CpuShrink.prepare(bad, layer.a, x.shape[0])
     with pytest.raises(OpArgumentError, match="perm holds tokens outside"):
-        prepare_expand(bad, layer.b, x.shape[0])
-    with pytest.raises(OpArgumentError, match="out overlaps v"), torch.inference_mode():
-        torch.ops.lora_pin.prepared_expand_(
-            out[:, :24], out[:, :24], layer.b[:, :24], *meta[:4], meta.slot_scalings, [0, 8, 16, 24]
-        )
+        CpuExpand.prepare(bad, layer.b, x.shape[0])
 
 
 def test_groups_of_one_shape_share_plans_only_when_their_ranks_agree():
     layer, token_slots, x, out = _case("uniform", 1, torch.float32)
     segments = segments_from_slots(token_slots)
-    first_s = prepare_shrink(layer.meta(segments), layer.a, x.shape[0])
-    first_e = prepare_expand(layer.meta(segments), layer.b, x.shape[0])
+    first_s = CpuShrink.prepare(layer.meta(segments), layer.a, x.shape[0])
+    first_e = CpuExpand.prepare(layer.meta(segments), layer.b, x.shape[0])
     other_a, other_b = layer.a.flip(0).contiguous(), layer.b.flip(0).contiguous()
-    same_s = prepare_shrink(layer.meta(segments), other_a, x.shape[0], like=first_s)
-    same_e = prepare_expand(layer.meta(segments), other_b, x.shape[0], like=first_e)
+    same_s = CpuShrink.prepare(layer.meta(segments), other_a, x.shape[0], like=first_s)
+    same_e = CpuExpand.prepare(layer.meta(segments), other_b, x.shape[0], like=first_e)
     assert same_s.plan is first_s.plan and same_e.plan is first_e.plan
     got = out.clone()
     with torch.inference_mode():
@@ -177,5 +129,5 @@ def test_groups_of_one_shape_share_plans_only_when_their_ranks_agree():
     _assert_close(v, shrink_reference(x, other_a, meta))
     _assert_close(got, expand_reference(out, v, other_b, meta))
     unused = layer.meta(segments)._replace(slot_ranks=torch.zeros_like(layer.slot_ranks))
-    empty_e = prepare_expand(unused, layer.b, x.shape[0], like=first_e)
+    empty_e = CpuExpand.prepare(unused, layer.b, x.shape[0], like=first_e)
     assert empty_e.plan is not first_e.plan and empty_e.empty and not first_e.empty
