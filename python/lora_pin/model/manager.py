@@ -178,8 +178,6 @@ class LoRAManager:
             rank = max(a.max_rank for a in startup)
             host.max_rank = rank
         self.max_rank = rank
-        if shards is not None:
-            shards.bind(rank)
         self.pool = DevicePool(
             self.targets, max_loras_per_batch, rank, self.dtype, self.device, shards=shards
         )

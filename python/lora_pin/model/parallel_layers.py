@@ -202,7 +202,7 @@ def wrap_parallel(
     original: torch.nn.Module,
     buffers: GroupBuffers,
     active_step: Callable[[], StepSegments | None],
-    plan: ShardPlan,
+    plan: ShardPlan[GroupShard],
     log: CollectiveLog | None = None,
 ) -> ParallelLoRALinear | None:
     """The wrapper of a cut layer (None when ``buffers``' group is not cut on ``plan``)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,11 +31,9 @@ from lora_pin.weights.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TENSORS
 from lora_pin.weights.load_plans import _LoadPlan, _plans
 from lora_pin.weights.model_checks import _check_against_model, _listing
 from lora_pin.weights.reader import AdapterFile, open_adapter
+from lora_pin.weights.shards import WHOLE, GroupCut, ShardPlan
 from lora_pin.weights.targets import LoRATargets
 from lora_pin.weights.tensors import AdapterTensors
-
-if TYPE_CHECKING:
-    from lora_pin.parallel.sharding import ShardPlan
 
 __all__ = ["HostAdapter", "HostModule", "HostTier", "load_adapter", "load_opened"]
 
@@ -53,7 +50,7 @@ def load_adapter(
     pin_memory: bool | None = None,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     max_tensors: int = DEFAULT_MAX_TENSORS,
-    shards: ShardPlan | None = None,
+    shards: ShardPlan[GroupCut] = WHOLE,
     base_weights: BaseWeights | None = None,
 ) -> HostAdapter:
     """Read, validate and normalise the PEFT adapter at ``path`` into host tensors for ``targets``.
@@ -61,9 +58,10 @@ def load_adapter(
     Every check runs before any host tensor is built, and nothing outside the returned object changes, so a
     failure leaves the caller's state as it was. ``pin_memory`` defaults to ``torch.cuda.is_available()``.
     Tensor shapes: per touched group A ``[n_slices * rank, in]``, B ``[out_total, rank]``
-    (see :class:`HostModule`). With ``shards`` (a tensor-parallel rank's
-    :class:`~lora_pin.parallel.sharding.ShardPlan`) the stored tensors are checked at their unsharded shapes
-    and only this rank's part of each is read from the file and kept. A DoRA adapter's factors
+    (see :class:`HostModule`). ``shards`` says which part of each tensor to keep
+    (:class:`~lora_pin.weights.shards.ShardPlan`): the whole of it by default; on a tensor-parallel rank the
+    stored tensors are checked at their unsharded shapes and only this rank's part of each is read from
+    the file and kept. A DoRA adapter's factors
     (:mod:`lora_pin.weights.dora`) are computed against ``base_weights`` (group key -> the model's base
     weight ``[out_total, in]``, on its device), once; without it they are left None (the adapter is then
     for inspection, not for a device pool).
@@ -108,7 +106,7 @@ def load_opened(
     max_rank: int,
     dtype: torch.dtype,
     pin_memory: bool | None = None,
-    shards: ShardPlan | None = None,
+    shards: ShardPlan[GroupCut] = WHOLE,
     base_weights: BaseWeights | None = None,
 ) -> HostAdapter:
     """:func:`load_adapter` of an adapter already opened (:func:`~lora_pin.weights.reader.open_adapter`,
@@ -124,7 +122,7 @@ def load_opened(
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
     plans = _plans(targets)
     plan_key = (
-        None if file.layout_key is None or shards is not None else (*file.layout_key, max_rank, dtype, pin)
+        None if file.layout_key is None or shards.parallel else (*file.layout_key, max_rank, dtype, pin)
     )
     plan = None if plan_key is None else plans.get(plan_key)
     if plan is not None:
@@ -169,7 +167,7 @@ class HostTier:
         allow_pickle: bool = False,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_tensors: int = DEFAULT_MAX_TENSORS,
-        shards: ShardPlan | None = None,
+        shards: ShardPlan[GroupCut] = WHOLE,
         base_weights: BaseWeights | None = None,
     ) -> None:
         self.targets = targets
