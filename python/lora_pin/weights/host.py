@@ -2,8 +2,9 @@
 
 :func:`load_adapter` (and :func:`load_opened`, for an adapter already opened) reads one adapter into a
 :class:`~lora_pin.weights.hosted.HostAdapter`: the checks against the model
-(:mod:`lora_pin.weights.model_checks`), then the host modules (:mod:`lora_pin.weights.building`), or, for an
-adapter trained like one loaded before, that load's plan (:mod:`lora_pin.weights.load_plans`).
+(:mod:`lora_pin.weights.model_checks`), then, for a plain adapter, a plan decided from its header and kept
+for the next adapter trained alike (:mod:`lora_pin.weights.load_plans`): one read of every tensor into its
+place; for any other, its host modules built one by one (:mod:`lora_pin.weights.building`).
 :class:`HostTier` holds the adapters loaded, by name.
 """
 
@@ -30,7 +31,7 @@ from lora_pin.weights.hosted import HostAdapter, HostModule, _Slab, _whole_dora_
 from lora_pin.weights.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TENSORS
 from lora_pin.weights.load_plans import _LoadPlan, _plans
 from lora_pin.weights.model_checks import _check_against_model, _listing
-from lora_pin.weights.reader import AdapterFile, open_adapter
+from lora_pin.weights.reader import AdapterFile, LoraTensorPair, open_adapter
 from lora_pin.weights.shards import WHOLE, GroupCut, ShardPlan
 from lora_pin.weights.targets import LoRATargets
 from lora_pin.weights.tensors import AdapterTensors
@@ -125,9 +126,28 @@ def load_opened(
         None if file.layout_key is None or shards.parallel else (*file.layout_key, max_rank, dtype, pin)
     )
     plan = None if plan_key is None else plans.get(plan_key)
-    if plan is not None:
-        return plan.load(file, targets, dtype)
-    ranks, pairs = _check_against_model(file, targets, max_rank, shards)
+    if plan is None:
+        ranks, pairs = _check_against_model(file, targets, max_rank, shards)
+        plan = None if plan_key is None else _LoadPlan.decide(file, targets, ranks, pairs, dtype, pin)
+        if plan is None:
+            return _build(file, targets, ranks, pairs, dtype, pin, shards, base_weights)
+        plans.put(plan_key, plan)
+    return plan.load(file, targets, dtype)
+
+
+def _build(
+    file: AdapterFile,
+    targets: LoRATargets,
+    ranks: dict[str, int],
+    pairs: dict[str, LoraTensorPair],
+    dtype: torch.dtype,
+    pin: bool,
+    shards: ShardPlan[GroupCut],
+    base_weights: BaseWeights | None,
+) -> HostAdapter:
+    """The :class:`HostAdapter` of ``file``, whose checks against the model gave ``ranks`` and ``pairs``,
+    built module by module (:mod:`lora_pin.weights.building`): a load no plan covers (zero padding,
+    another stored dtype, DoRA, expert weights, a tensor-parallel rank's part, tensors in memory)."""
     touched = [g for g in targets.groups if any(m.key in ranks for m in g.members)]
     slab = _Slab(sum(_group_numel(g, ranks, shards) for g in touched), dtype, pin)
     reads: list[tuple[str, torch.Tensor]] = []
@@ -141,10 +161,8 @@ def load_opened(
     digest = adapter_digest(file.digests.result(), _served(modules.values(), pairs))
     whole = sum(_whole_numel(g, ranks, shards) for g in touched) * slab.memory.element_size()
     whole += sum(_whole_dora_nbytes(m, shards) for m in modules.values())
-    if plan_key is not None and not file.unused and not file.config.use_dora:
-        plans.put(plan_key, _LoadPlan.of(file, pairs, slab, modules, reads, searched, whole))
     return HostAdapter(
-        name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks), digest, whole
+        file.name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks), digest, whole
     )
 
 

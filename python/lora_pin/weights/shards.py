@@ -122,6 +122,12 @@ class ShardPlan(Generic[G_co]):
         for group, cut in self._groups.values():
             for member, shard in zip(group.members, cut.members, strict=True):
                 self._members[member.key] = shard
+        self._rank_cut = {
+            key for key, (_, cut) in self._groups.items() if any(m.cut_rank for m in cut.members)
+        }
+        # The whole shard of each uncut target asked for, by key, with the target it was made for: asked
+        # for every module of every load, made once (another model's target of the same key replaces it).
+        self._whole: dict[str, tuple[LinearTarget, MemberShard]] = {}
 
     @property
     def rank_chunk(self) -> int:
@@ -140,11 +146,16 @@ class ShardPlan(Generic[G_co]):
     def member(self, target: LinearTarget) -> MemberShard:
         """What this process holds of ``target``'s tensors (:meth:`MemberShard.whole` when not cut)."""
         shard = self._members.get(target.key)
-        return MemberShard.whole(target) if shard is None else shard
+        if shard is not None:
+            return shard
+        held = self._whole.get(target.key)
+        if held is None or held[0] is not target:
+            held = self._whole[target.key] = (target, MemberShard.whole(target))
+        return held[1]
 
     def cuts_rank(self, group: TargetGroup) -> bool:
         """Whether this process holds only a chunk of the rank dimension of some member of ``group``."""
-        return any(self.member(m).cut_rank for m in group.members)
+        return group.key in self._rank_cut
 
     def inputs_cut(self, key: str) -> bool:
         """Whether target group ``key``'s input columns are cut (row-parallel), so a DoRA norm over its
