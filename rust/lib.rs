@@ -8,6 +8,7 @@
 pub mod digests;
 pub mod error;
 pub mod hash;
+pub mod header;
 pub mod limits;
 pub mod patterns;
 pub mod policy;

@@ -20,8 +20,10 @@ __all__ = [
     "_acquire",
     "_checked_names",
     "_end_step",
+    "_index_header",
     "_load_done",
     "_load_failed",
+    "_lora_pairs",
     "_plan",
     "_read_tensors",
     "_release",
@@ -211,6 +213,14 @@ def _load_failed(registry: LoRARegistry, name: str) -> None: ...
 def _read_tensors(
     fd: int, reads: Sequence[tuple[str, str, Sequence[int], int, int, int]], *, threads: int = 1
 ) -> tuple[bytes, list[int | None]]: ...
+def _index_header(
+    json: bytes, data_start: int, file_size: int, max_tensors: int
+) -> tuple[
+    int, list[tuple[str, str, list[int], int, int]], list[tuple[str, int, int, bool, int | None]], list[int]
+]: ...
+def _lora_pairs(
+    tensors: Sequence[tuple[str, Sequence[int]]],
+) -> tuple[list[tuple[str, int, int, bool, int | None]], list[int]]: ...
 def _checked_names(names: Iterable[str | None]) -> list[str | None]: ...
 def _unload_timeout_error(name: str, in_flight: int, waited: float) -> BaseException: ...
 

@@ -2,6 +2,7 @@
 //! mapping and GIL release live here; every decision is made by the core.
 
 mod errors;
+mod header;
 mod patterns;
 mod registry;
 mod routing;
@@ -21,6 +22,8 @@ pub mod _core {
 
     #[pymodule_export]
     use super::errors::unload_timeout_error;
+    #[pymodule_export]
+    use super::header::{index_header, lora_pairs};
     #[pymodule_export]
     use super::patterns::PyPatternSet;
     #[pymodule_export]

@@ -1,13 +1,17 @@
-"""The package's layers: a module imports only its own layer and the layers below it.
+"""The package's layers: a module imports only its own layer and the layers below it, and no two modules
+import each other.
 
-Every import counts, a function-local one included (a cycle in disguise), except those under
-``if TYPE_CHECKING:``, which name a type for annotations and run nothing (``weights`` names the
-shard plan ``parallel`` defines).
+Every import counts, a function-local one included (a cycle in disguise). So does every name a module
+gives a type: an import under ``if TYPE_CHECKING:`` and a module named in a string annotation run nothing,
+yet a lower layer that names a higher one's types depends on it all the same (``weights`` once named the
+shard plan ``parallel`` defined; the plan type now lives in ``weights``).
 """
 
 from __future__ import annotations
 
 import ast
+import re
+from itertools import combinations
 from pathlib import Path
 
 import lora_pin
@@ -61,17 +65,24 @@ def is_submodule(name: str) -> bool:
     return any(path.with_suffix(s).exists() for s in (".py", ".pyi")) or (path / "__init__.py").exists()
 
 
-def imported(tree: ast.Module, typing: bool = False) -> list[tuple[int, str]]:
-    """``(line, module)`` of every ``lora_pin`` module ``tree`` imports outside ``if TYPE_CHECKING:``
-    (inside too when ``typing``)."""
+# A dotted ``lora_pin`` name inside a string annotation (``"lora_pin.parallel.sharding.ShardPlan"``).
+_NAMED = re.compile(r"\blora_pin(?:\.\w+)+")
+
+
+def imported(tree: ast.Module, type_level: bool = False) -> list[tuple[int, str]]:
+    """``(line, module)`` of every ``lora_pin`` module ``tree`` imports outside ``if TYPE_CHECKING:``;
+    with ``type_level``, also those it imports under it and those its string annotations name."""
     skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if not typing and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    if not type_level:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
     out: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if id(node) in skipped:
             continue
+        if type_level:
+            out += [(line, named) for line, named in _annotated(node)]
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "lora_pin"]
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "lora_pin":
@@ -83,15 +94,78 @@ def imported(tree: ast.Module, typing: bool = False) -> list[tuple[int, str]]:
     return out
 
 
+def _annotated(node: ast.AST) -> list[tuple[int, str]]:
+    """``(line, module)`` of each ``lora_pin`` module a string annotation on ``node`` names (the longest
+    prefix of the dotted name that is a module)."""
+    annotations: list[ast.expr | None] = []
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        args = node.args
+        every = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+        annotations += [a.annotation for a in every if a is not None]
+        annotations.append(node.returns)
+    elif isinstance(node, ast.AnnAssign):
+        annotations.append(node.annotation)
+    out = []
+    for annotation in annotations:
+        for part in ast.walk(annotation) if annotation is not None else ():
+            if isinstance(part, ast.Constant) and isinstance(part.value, str):
+                for name in _NAMED.findall(part.value):
+                    parts = name.split(".")
+                    found = next(
+                        (
+                            ".".join(parts[:n])
+                            for n in range(len(parts), 0, -1)
+                            if is_submodule(".".join(parts[:n]))
+                        ),
+                        "lora_pin",
+                    )
+                    out.append((part.lineno, found))
+    return out
+
+
+def _imports(type_level: bool) -> dict[str, list[tuple[int, str]]]:
+    """Every module of the package and what it imports (see :func:`imported`)."""
+    return {
+        module_name(path): imported(ast.parse(path.read_text(), str(path)), type_level)
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
+
+
 def test_no_module_imports_a_higher_layer() -> None:
     wrong = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        module = module_name(path)
+    for module, targets in _imports(type_level=False).items():
         level = layer_of(module)
-        for line, target in imported(ast.parse(path.read_text(), str(path))):
+        for line, target in targets:
             if layer_of(target) > level:
                 wrong.append(f"{module}:{line} imports {target}")
     assert not wrong, "lower layers import higher ones:\n" + "\n".join(wrong)
+
+
+def test_no_module_names_a_type_of_a_higher_layer() -> None:
+    wrong = []
+    for module, targets in _imports(type_level=True).items():
+        level = layer_of(module)
+        for line, target in targets:
+            if layer_of(target) > level:
+                wrong.append(f"{module}:{line} names {target}")
+    assert not wrong, "lower layers name higher ones' types:\n" + "\n".join(wrong)
+
+
+def mutual_pairs(imports: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """The pairs ``(a, b)``, ``a < b``, of modules of ``imports`` (module -> what it imports) that import
+    each other."""
+    return {(a, b) for a, b in combinations(sorted(imports), 2) if b in imports[a] and a in imports[b]}
+
+
+def test_no_two_modules_import_each_other() -> None:
+    imports = {m: {t for _, t in targets} for m, targets in _imports(type_level=True).items()}
+    pairs = mutual_pairs(imports)
+    assert not pairs, f"modules importing each other (one should not know the other): {sorted(pairs)}"
+
+
+def test_the_check_sees_two_modules_importing_each_other() -> None:
+    imports = {"lora_pin.x": {"lora_pin.y"}, "lora_pin.y": {"lora_pin.x", "lora_pin.z"}, "lora_pin.z": set()}
+    assert mutual_pairs(imports) == {("lora_pin.x", "lora_pin.y")}
 
 
 def test_the_check_sees_a_function_local_import_of_a_higher_layer() -> None:
@@ -100,42 +174,11 @@ def test_the_check_sees_a_function_local_import_of_a_higher_layer() -> None:
     assert layer_of("lora_pin.model.manager") > layer_of("lora_pin.parallel.group")
     typing_only = ast.parse("if TYPE_CHECKING:\n    from lora_pin.parallel import ShardPlan\n")
     assert imported(typing_only) == []
-    assert imported(typing_only, typing=True) == [(2, "lora_pin.parallel")]
+    assert imported(typing_only, type_level=True) == [(2, "lora_pin.parallel")]
 
 
-# Pairs of modules known to import each other, each with the work that removes it. Empty when none.
-KNOWN_MUTUAL_IMPORTS: frozenset[frozenset[str]] = frozenset(
-    {
-        # The weights helper of issue 34 removes this one (weights/dora.py <-> weights/hosted.py).
-        frozenset({"lora_pin.weights.dora", "lora_pin.weights.hosted"}),
-    }
-)
-
-
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the ``lora_pin`` modules it imports, those under ``TYPE_CHECKING`` included: two modules
-    that name each other's types know each other as much as two that call each other."""
-    graph: dict[str, set[str]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        module = module_name(path)
-        found = imported(ast.parse(path.read_text(), str(path)), typing=True)
-        graph[module] = {t for _, t in found if t != module}
-    return graph
-
-
-def mutual_imports(graph: dict[str, set[str]]) -> set[frozenset[str]]:
-    """The pairs of modules of ``graph`` that import each other."""
-    return {frozenset({m, t}) for m, targets in graph.items() for t in targets if m in graph.get(t, ())}
-
-
-def test_no_two_modules_import_each_other() -> None:
-    found = mutual_imports(import_graph())
-    unexpected = sorted(" <-> ".join(sorted(pair)) for pair in found - KNOWN_MUTUAL_IMPORTS)
-    assert not unexpected, "modules that import each other (a cycle; one should not know the other):\n" + (
-        "\n".join(unexpected)
-    )
-
-
-def test_the_check_sees_two_modules_importing_each_other() -> None:
-    graph = {"lora_pin.x": {"lora_pin.y"}, "lora_pin.y": {"lora_pin.x", "lora_pin.z"}, "lora_pin.z": set()}
-    assert mutual_imports(graph) == {frozenset({"lora_pin.x", "lora_pin.y"})}
+def test_the_check_sees_a_module_named_in_a_string_annotation() -> None:
+    tree = ast.parse('def f(plan: "lora_pin.parallel.sharding.GroupShard | None") -> None: ...\n')
+    assert imported(tree) == []
+    assert imported(tree, type_level=True) == [(1, "lora_pin.parallel.sharding")]
+    assert layer_of("lora_pin.parallel.sharding") > layer_of("lora_pin.weights.building")

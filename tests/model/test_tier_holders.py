@@ -1,5 +1,5 @@
 """The tier holders on their own, over a small core: :class:`Residency` (the tensors behind both tiers)
-and :class:`BackgroundLoads` (the installer of background reads), without a manager or a model forward.
+and :class:`BackgroundReads` (the installer of background reads), without a manager or a model forward.
 
 Oracles: the weights PEFT saved (read back with safetensors), and the core's own audit and placement.
 """
@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 from lora_pin import LoRARef, LoRARegistry
 from lora_pin.errors import AdapterLoadError
 from lora_pin.model.attach import model_targets
-from lora_pin.model.loader import BackgroundLoads
+from lora_pin.model.reads import BackgroundReads
 from lora_pin.model.residency import Residency
+from lora_pin.parallel import SingleProcess
 from lora_pin.weights import DevicePool, HostTier
 from lora_pin.weights.targets import ModuleSelection
 
@@ -87,7 +88,7 @@ def test_installs_enter_a_background_read_and_keep_a_failure_for_its_requests(
     residency.add(LoRARef.new("a", str(adapters["a"])))
     residency.add(LoRARef.new("b", str(broken)))
     residency.add(LoRARef.new("c", str(adapters["c"])))  # evicts a
-    loads = BackgroundLoads(residency, workers=1)
+    loads = BackgroundReads(residency, SingleProcess(), workers=1)
     try:
         assert loads.start_fetches(residency.registry.prefetch(["a"]).to_fetch) == ["a"]
         assert tier_of(residency, "a") == "fetching"

@@ -485,8 +485,7 @@ def test_a_rank_8_adapter_is_cut_over_16_ranks_with_zero_padding(tmp_path: Path,
 
         model = shard_llama(LlamaForCausalLM(config), tp)
         targets, module_of = model_targets(model, ModuleSelection.of(ALL))
-        plan = shard_plan(model, targets, module_of, tp)
-        plan.bind(8)
+        plan = shard_plan(model, targets, module_of, tp, max_rank=8)
         host = HostTier(targets, max_rank=8, dtype=torch.float32, shards=plan).read("x", adapter)
         q, k = (
             host.modules["model.layers.0.self_attn.q_proj"],

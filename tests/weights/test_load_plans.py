@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 
 import lora_pin.weights.host as host
 from lora_pin.errors import AdapterLoadError
+from lora_pin.fixtures import make_peft_adapter
 from lora_pin.weights import HostAdapter, LoRATargets, load_adapter
+from lora_pin.weights.shards import ShardPlan
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 KEY = "base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"
@@ -160,3 +162,46 @@ def test_threads_loading_by_one_plan_get_their_own_adapters(
         loaded = list(pool.map(lambda i: load(f"t{i}", alike[i % 3], targets), range(24)))
     for i, adapter in enumerate(loaded):
         assert_same(adapter, fresh[i % 3])
+
+
+def built(name: str, path: Path, targets: LoRATargets) -> HostAdapter:
+    """``path`` loaded without a plan: a plan over ranks that cuts nothing holds every tensor whole, as one
+    process does, and has its host modules built one by one (ranks never share plans)."""
+    return load_adapter(
+        name,
+        path,
+        targets,
+        max_rank=8,
+        dtype=torch.float32,
+        pin_memory=False,
+        shards=ShardPlan(parallel=True),
+    )
+
+
+def test_a_first_load_by_the_plan_it_decides_equals_a_load_built_module_by_module(
+    alike: list[Path], tiny_llama: torch.nn.Module, tmp_path: Path
+) -> None:
+    targets = LoRATargets.from_model(tiny_llama)
+    first = load("a", alike[0], targets)
+    assert len(host._plans(targets)._held) == 1, "a plain first load decides a plan"
+    assert_same(first, built("a", alike[0], LoRATargets.from_model(tiny_llama)))
+    # A rank pattern pads v_proj's slice of the fused qkv group: no plan, built, and still PEFT's tensors.
+    padded = tmp_path / "pattern"
+    made = make_peft_adapter(
+        tiny_llama, padded, r=4, lora_alpha=8, target_modules=ALL, rank_pattern={"v_proj": 2}
+    )
+    fresh = LoRATargets.from_model(tiny_llama)
+    pattern = load("pattern", made, fresh)
+    assert len(host._plans(fresh)._held) == 0
+    assert_same(pattern, built("pattern", made, LoRATargets.from_model(tiny_llama)))
+    stored = load_file(made / "adapter_model.safetensors")
+    assert torch.equal(pattern.modules["model.layers.1.self_attn.qkv_proj"].a[8:10], stored[KEY])
+    # A NaN is refused in the same words either way.
+    broken = tmp_path / "nan"
+    shutil.copytree(alike[1], broken)
+    set_element(broken / "adapter_model.safetensors", KEY, 3, float("inf"))
+    with pytest.raises(AdapterLoadError) as planned:
+        load("broken", broken, LoRATargets.from_model(tiny_llama))
+    with pytest.raises(AdapterLoadError) as whole:
+        built("broken", broken, LoRATargets.from_model(tiny_llama))
+    assert str(planned.value) == str(whole.value) and "1 NaN/Inf" in str(planned.value)

@@ -320,7 +320,7 @@ def build_server(args: argparse.Namespace) -> Any:
     )
     engine.start()
     if args.log_interval > 0:
-        StatusLog(engine, manager, admin, args.log_interval).start()
+        StatusLog(engine, manager, args.log_interval).start()
     return state
 
 

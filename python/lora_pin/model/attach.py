@@ -15,6 +15,7 @@ from lora_pin.model.parallel_layers import wrap_parallel
 from lora_pin.ops.backends import backend_for
 from lora_pin.weights import FUSED_GROUPS, DevicePool, GroupBuffers, LinearTarget, LoRATargets
 from lora_pin.weights.config import layer_index
+from lora_pin.weights.shards import WHOLE, ShardPlan
 from lora_pin.weights.targets import (
     ModuleSelection,
     linear_features,
@@ -24,7 +25,7 @@ from lora_pin.weights.targets import (
 )
 
 if TYPE_CHECKING:
-    from lora_pin.parallel import CollectiveLog, ShardPlan
+    from lora_pin.parallel import CollectiveLog, GroupShard
 
 __all__ = ["attach", "base_weights", "detach", "model_targets"]
 
@@ -260,7 +261,7 @@ def attach(
     module_of: Mapping[str, str],
     pool: DevicePool,
     active_step: Callable[[], StepSegments | None],
-    shards: ShardPlan | None = None,
+    shards: ShardPlan[GroupShard] = WHOLE,
     log: CollectiveLog | None = None,
 ) -> dict[str, torch.nn.Module]:
     """Wrap the module of every target group (``module_of``: group key -> module key, from
@@ -281,9 +282,7 @@ def attach(
         original = model.get_submodule(key)
         kind = linear_kind(original)
         returns_bias = kind is not None and kind.returns_bias
-        parallel = (
-            None if shards is None else wrap_parallel(original, buffers, active_step, shards, log, backend)
-        )
+        parallel = wrap_parallel(original, buffers, active_step, shards, log, backend)
         if parallel is not None:
             _set(model, key, parallel)
         elif group.members[0].embedding:

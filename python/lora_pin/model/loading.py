@@ -29,7 +29,7 @@ from lora_pin.errors import (
     UsageError,
 )
 from lora_pin.model.adapter_dir import adapter_folders
-from lora_pin.model.loader import BackgroundLoads
+from lora_pin.model.reads import BackgroundReads
 from lora_pin.model.residency import Residency
 from lora_pin.parallel import Collective
 
@@ -55,7 +55,7 @@ class Discovery:
         adapter_dir: the manager's ``adapter_dir`` (None: names not registered are not found).
     """
 
-    def __init__(self, residency: Residency, loads: BackgroundLoads, adapter_dir: Path | None) -> None:
+    def __init__(self, residency: Residency, loads: BackgroundReads, adapter_dir: Path | None) -> None:
         self.residency = residency
         self.loads = loads
         self.adapter_dir = adapter_dir
@@ -157,7 +157,7 @@ class Loading(ABC):
     mode: str
 
     def __init__(
-        self, residency: Residency, loads: BackgroundLoads, discovery: Discovery, collective: Collective
+        self, residency: Residency, loads: BackgroundReads, discovery: Discovery, collective: Collective
     ) -> None:
         self.residency = residency
         self.loads = loads
@@ -321,7 +321,7 @@ class BackgroundLoading(Loading):
     mode = "background"
 
     def __init__(
-        self, residency: Residency, loads: BackgroundLoads, discovery: Discovery, collective: Collective
+        self, residency: Residency, loads: BackgroundReads, discovery: Discovery, collective: Collective
     ) -> None:
         super().__init__(residency, loads, discovery, collective)
         # Adapters of the groups after the first of the last split, prefetched by the next step.

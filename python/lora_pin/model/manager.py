@@ -23,14 +23,14 @@ from lora_pin.model.adapter_dir import checked_adapter_dir
 from lora_pin.model.attach import FusedSpec, attach, base_weights, detach, model_targets
 from lora_pin.model.layers import StepSegments
 from lora_pin.model.lifecycle import AdapterIdentity, Lifecycle, Placement
-from lora_pin.model.loader import (
+from lora_pin.model.loading import BackgroundLoading, BlockingLoading, Discovery
+from lora_pin.model.reads import (
     DEFAULT_LOAD_TIMEOUT,
     LOADING_MODES,
-    BackgroundLoads,
+    BackgroundReads,
     checked_load_timeout,
     loading_mode,
 )
-from lora_pin.model.loading import BackgroundLoading, BlockingLoading, Discovery
 from lora_pin.model.residency import Residency
 from lora_pin.model.step import Step, StepArrays, step_segments
 from lora_pin.ops import CUDA_CHUNK_SIZE, segments_from_slots
@@ -179,8 +179,6 @@ class LoRAManager:
             rank = max(a.max_rank for a in startup)
             host.max_rank = rank
         self.max_rank = rank
-        if shards is not None:
-            shards.bind(rank)
         self.pool = DevicePool(
             self.targets, max_loras_per_batch, rank, self.dtype, self.device, shards=shards
         )
@@ -194,7 +192,7 @@ class LoRAManager:
         )
         self.residency = Residency(self.registry, host, self.pool)
         self._lifecycle = Lifecycle(self.residency, self._collective)
-        self._loads = BackgroundLoads(self.residency, load_workers, load_timeout, self._collective)
+        self._loads = BackgroundReads(self.residency, self._collective, load_workers, load_timeout)
         self._discovery = Discovery(self.residency, self._loads, self.adapter_dir)
         strategy = BackgroundLoading if self.loading == "background" else BlockingLoading
         self._loading = strategy(self.residency, self._loads, self._discovery, self._collective)
@@ -481,7 +479,7 @@ class LoRAManager:
         stats["adapter_read_seconds"] = self.residency.read_seconds
         stats["background_loads"] = self.residency.background_loads
         stats["background_load_failures"] = self._loads.failures
-        stats["loads_in_flight"] = len(self._loads.loader.running())
+        stats["loads_in_flight"] = len(self._loads.pool.running())
         stats["identities"] = {
             name: {"id": i.id, "digest": i.digest, "generation": i.generation}
             for name, i in sorted(self._lifecycle.identities().items())

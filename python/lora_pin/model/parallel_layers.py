@@ -165,7 +165,7 @@ def wrap_parallel(
     original: torch.nn.Module,
     buffers: GroupBuffers,
     active_step: Callable[[], StepSegments | None],
-    plan: ShardPlan,
+    plan: ShardPlan[GroupShard],
     log: CollectiveLog | None = None,
     backend: LoRABackend | None = None,
 ) -> ParallelLoRALinear | None:

@@ -6,7 +6,7 @@ device pool (:class:`~lora_pin.weights.DevicePool`), which registration filled e
 each registered adapter is read from again after a host-tier eviction. Every change to them happens
 under one lock, so loads, unloads and steps on different threads never see half of one.
 
-Background reads (:mod:`lora_pin.model.loader`) use :meth:`Residency.read_fetch` on a worker thread,
+Background reads (:mod:`lora_pin.model.reads`) use :meth:`Residency.read_fetch` on a worker thread,
 which changes nothing; what they read enters the host tier with :meth:`Residency.install_fetch`.
 
 On CUDA, a slot's copy from host memory waits only for the steps that read that slot before (an event

@@ -22,15 +22,8 @@ rank reading, holding and computing only its shard.
 from lora_pin.parallel.api import ParallelKind, RowCall, parallel_kind, register_parallel_linear, shard_plan
 from lora_pin.parallel.collective import CollectiveLog, agree
 from lora_pin.parallel.group import Collective, SingleProcess, TensorParallelGroup
-from lora_pin.parallel.sharding import (
-    ColumnSlice,
-    GroupShard,
-    MemberShard,
-    ParallelLayout,
-    ShardPlan,
-    TensorParallel,
-    qkv_slices,
-)
+from lora_pin.parallel.sharding import ColumnSlice, GroupShard, ParallelLayout, TensorParallel, qkv_slices
+from lora_pin.weights.shards import MemberShard, ShardPlan
 
 __all__ = [
     "Collective",

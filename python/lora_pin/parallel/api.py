@@ -19,7 +19,8 @@ import torch
 
 from lora_pin.errors import SpecError
 from lora_pin.parallel.group import Collective, SingleProcess, TensorParallelGroup
-from lora_pin.parallel.sharding import ParallelLayout, ShardPlan, TensorParallel, group_shard
+from lora_pin.parallel.sharding import GroupShard, ParallelLayout, TensorParallel, group_shard
+from lora_pin.weights.shards import WHOLE, ShardPlan
 from lora_pin.weights.targets import LoRATargets, TargetGroup, output_layer_keys, register_linear
 
 __all__ = [
@@ -184,16 +185,22 @@ def detect_tp(model: torch.nn.Module, module_keys: Iterable[str]) -> TensorParal
 
 
 def shard_plan(
-    model: torch.nn.Module, targets: LoRATargets, module_of: Mapping[str, str], tp: TensorParallel
-) -> ShardPlan:
+    model: torch.nn.Module,
+    targets: LoRATargets,
+    module_of: Mapping[str, str],
+    tp: TensorParallel,
+    max_rank: int | None = None,
+) -> ShardPlan[GroupShard]:
     """This rank's sharding of every target group whose layer is a registered parallel class; other
     targets (an embedding, an ``lm_head`` kept whole) are replicated and served as on one process.
+    ``max_rank`` (the pool's) fixes each rank's chunk of the rank dimension when ``tp.fully_sharded``.
 
     Raises:
         SpecError: a layer's layout is cut over another rank or size than ``tp``, a row-parallel class was
-            registered without ``partial``/``reduce``, or a layout does not match the layer's targets.
+            registered without ``partial``/``reduce``, or a layout does not match the layer's targets;
+            ``tp.fully_sharded`` without ``max_rank``.
     """
-    groups: dict[str, tuple[TargetGroup, Any]] = {}
+    groups: dict[str, tuple[TargetGroup, GroupShard]] = {}
     output = output_layer_keys(model)
     for group in targets.groups:
         key = module_of[group.key]
@@ -222,7 +229,7 @@ def shard_plan(
                 "the delta joins the partial sum before its all-reduce"
             )
         groups[group.key] = (group, group_shard(layout, group, tp.fully_sharded))
-    return ShardPlan(tp, groups)
+    return ShardPlan(groups, parallel=True, ranks=tp.size, fully_sharded=tp.fully_sharded, max_rank=max_rank)
 
 
 def manager_shard_plan(
@@ -231,10 +238,10 @@ def manager_shard_plan(
     module_of: Mapping[str, str],
     tp: TensorParallel | None,
     max_rank: int | None,
-) -> tuple[ShardPlan | None, Collective]:
+) -> tuple[ShardPlan[GroupShard], Collective]:
     """A manager's shard plan and :class:`~lora_pin.parallel.group.Collective`: for ``tp``, or for the
     tensor parallelism of a model cut by transformers' ``tp_plan`` (``DTensor`` weights) when ``tp`` is
-    None; ``(None, SingleProcess())`` for a model on one process.
+    None; ``(WHOLE, SingleProcess())`` for a model on one process.
 
     Raises:
         SpecError: as :func:`shard_plan`; or ``fully_sharded`` without ``max_rank`` (each rank's chunk of the
@@ -244,13 +251,10 @@ def manager_shard_plan(
         # A model cut by transformers' tp_plan: its linears' device mesh says where this process stands.
         tp = detect_tp(model, module_of.values())
     if tp is None:
-        return None, SingleProcess()
+        return WHOLE, SingleProcess()
     if tp.fully_sharded and max_rank is None:
         raise SpecError(
             "tp=TensorParallel(fully_sharded=True) needs max_lora_rank: each rank holds a chunk of the "
             "pool's rank, fixed before any adapter is read"
         )
-    plan = shard_plan(model, targets, module_of, tp)
-    if max_rank is not None:
-        plan.bind(max_rank)
-    return plan, TensorParallelGroup(tp)
+    return shard_plan(model, targets, module_of, tp, max_rank), TensorParallelGroup(tp)

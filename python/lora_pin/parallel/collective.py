@@ -39,7 +39,17 @@ from lora_pin.errors import (
 )
 from lora_pin.parallel.sharding import TensorParallel
 
-__all__ = ["READ", "RUNNING", "Agreement", "CollectiveLog", "agree", "agree_fetches", "agreed"]
+__all__ = [
+    "READ",
+    "RUNNING",
+    "Agreement",
+    "CollectiveLog",
+    "agree",
+    "agree_fetches",
+    "agreed",
+    "fetch_agreements",
+    "fetch_status",
+]
 
 T = TypeVar("T")
 
@@ -162,19 +172,30 @@ def agree_fetches(
 
     Must be called by every rank of ``tp.group``, in the same order, with as many outcomes.
     """
-    # Per rank: 0 running, 1 read, 1 + the error's code when failed.
     status = torch.zeros(len(outcomes), tp.size, dtype=torch.int64)
     for i, outcome in enumerate(outcomes):
-        status[i, tp.rank] = int(outcome) if isinstance(outcome, bool) else 1 + _code(outcome)
+        status[i, tp.rank] = fetch_status(outcome)
     if log is not None:
         log.add("agree_fetches", status)
     dist.all_reduce(status, group=tp.group)
+    return fetch_agreements(status.tolist())
+
+
+def fetch_status(outcome: bool | BaseException) -> int:
+    """One process's state of a fetch as :func:`agree_fetches` sends it: 0 running, 1 read, 1 + the
+    error's code when its read failed."""
+    return int(outcome) if isinstance(outcome, bool) else 1 + _code(outcome)
+
+
+def fetch_agreements(rows: Sequence[Sequence[int]]) -> list[Agreement | None]:
+    """Per fetch, from every process's :func:`fetch_status` of it (one row per fetch, one column per
+    process), what :func:`agree_fetches` returns."""
     agreements: list[Agreement | None] = []
-    for row in status.tolist():
+    for row in rows:
         if any(c > 1 for c in row):
             agreements.append(Agreement([c - 1 if c > 1 else 0 for c in row], ""))
         elif all(c == 1 for c in row):
-            agreements.append(Agreement([0] * tp.size, ""))
+            agreements.append(Agreement([0] * len(row), ""))
         else:
             agreements.append(None)
     return agreements

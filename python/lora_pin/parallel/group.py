@@ -16,7 +16,14 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from lora_pin.parallel.collective import Agreement, CollectiveLog, agree_fetches, agreed
+from lora_pin.parallel.collective import (
+    Agreement,
+    CollectiveLog,
+    agree_fetches,
+    agreed,
+    fetch_agreements,
+    fetch_status,
+)
 from lora_pin.parallel.identity import agree_identity
 from lora_pin.parallel.sharding import TensorParallel
 from lora_pin.weights.dora import finish_factors
@@ -38,11 +45,15 @@ class Collective(ABC):
             process it may (a last resort when other threads keep evicting what it needs); over ranks a
             read inside a step would be one rank's alone, so a step that cannot bring its adapters into
             host memory first fails instead.
+        reads_end_apart: whether the processes' background reads of one fetch end at times of their own,
+            so that each install first agrees on which are over (:meth:`agree_fetches`); on one process a
+            read is installed as it ends.
     """
 
     tp: TensorParallel | None = None
     log: CollectiveLog | None = None
     steps_may_read = True
+    reads_end_apart = False
 
     @abstractmethod
     def agreed(
@@ -63,6 +74,14 @@ class Collective(ABC):
         Raises:
             AdapterLoadError: over ranks, when two ranks read different adapters.
         """
+
+    @abstractmethod
+    def agree_fetches(self, outcomes: Sequence[bool | BaseException]) -> list[Agreement | None]:
+        """Which background reads are over on every process: per fetch (listed alike on every process,
+        with this one's :data:`~lora_pin.parallel.collective.RUNNING`, :data:`~lora_pin.parallel.collective.
+        READ` or the exception its read failed with), None while it runs somewhere and failed nowhere, else
+        an :class:`~lora_pin.parallel.collective.Agreement` naming the processes where it failed (none:
+        read everywhere)."""
 
     def finish_read(self, adapter: HostAdapter) -> HostAdapter:
         """What a read leaves to the ranks together, done once every rank's read of ``adapter`` is agreed:
@@ -96,6 +115,10 @@ class SingleProcess(Collective):
     def agree_identity(self, what: str, digest: str, whole_bytes: int) -> None:
         """Nothing to compare with (see :meth:`Collective.agree_identity`)."""
 
+    def agree_fetches(self, outcomes: Sequence[bool | BaseException]) -> list[Agreement | None]:
+        """Each read is over when it is over here (see :meth:`Collective.agree_fetches`)."""
+        return fetch_agreements([[fetch_status(outcome)] for outcome in outcomes])
+
     def _sum(self, tensor: torch.Tensor) -> None:
         """One process's sum is its own tensor."""
 
@@ -112,6 +135,7 @@ class TensorParallelGroup(Collective):
     """
 
     steps_may_read = False
+    reads_end_apart = True
 
     def __init__(self, tp: TensorParallel) -> None:
         self.tp: TensorParallel = tp

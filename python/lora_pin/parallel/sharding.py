@@ -18,25 +18,26 @@ expands its own output columns). A rank not divisible by ``tp_size`` is padded w
 a chunk is ``ceil(R / tp)`` rows, so a rank-8 adapter at TP = 16 has one row on each of eight ranks and none
 on the other eight.
 
-Every width here is checked once, when the layout is made; the weights code then only slices.
+Every width here is checked once, when the layout is made; the weights code then only slices. A rank's
+shards of every group make its :class:`~lora_pin.weights.shards.ShardPlan`
+(:func:`lora_pin.parallel.shard_plan`): the plan type the weights code reads, of which one process's
+(nothing cut) is the degenerate case.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from lora_pin.errors import SpecError
+from lora_pin.weights.shards import MemberShard
 from lora_pin.weights.targets import TargetGroup
 
 __all__ = [
     "ColumnSlice",
     "GroupShard",
     "LayerKind",
-    "MemberShard",
     "ParallelLayout",
-    "ShardPlan",
     "TensorParallel",
     "qkv_slices",
 ]
@@ -191,31 +192,6 @@ class ParallelLayout:
 
 
 @dataclass(frozen=True)
-class MemberShard:
-    """What one target module's adapter tensors look like unsharded, and which part of them this rank holds.
-
-    ``a_cols`` and ``b_rows`` are ``(begin, end)`` ranges of the stored ``A [r, full_in]`` columns and
-    ``B [full_out, r]`` rows; :meth:`a_rows` gives the range of A's rows (the rank dimension), cut only for
-    a fully sharded column layer (``cut_rank``)."""
-
-    kind: LayerKind
-    full_in: int
-    full_out: int
-    a_cols: tuple[int, int]
-    b_rows: tuple[int, int]
-    cut_rank: bool
-    tp_rank: int
-
-    def a_rows(self, rank: int, chunk: int) -> tuple[int, int]:
-        """The rows of an ``A [rank, full_in]`` this rank holds: all of them, or its fully sharded chunk of
-        ``chunk`` rows (maybe empty: padding rows past ``rank`` are zero, never stored)."""
-        if not self.cut_rank:
-            return 0, rank
-        begin = min(self.tp_rank * chunk, rank)
-        return begin, min(begin + chunk, rank)
-
-
-@dataclass(frozen=True)
 class GroupShard:
     """The sharding of one target group (one wrapped layer) on this rank.
 
@@ -233,6 +209,11 @@ class GroupShard:
     def tp(self) -> TensorParallel:
         """The group the layer is cut over (its collectives run on ``tp.group``)."""
         return self.layout.tp
+
+    @property
+    def inputs_cut(self) -> bool:
+        """Whether the layer is row-parallel (its input columns cut)."""
+        return self.layout.kind == "row"
 
     def pool_shape(self, group: TargetGroup, max_rank: int) -> tuple[int, int, int]:
         """``(a_rank, b_out, b_rank)`` of the device pool's buffers for this group: A
@@ -306,69 +287,5 @@ def group_shard(layout: ParallelLayout, group: TargetGroup, fully_sharded: bool)
             else:
                 b_rows = (0, s.full_out)
         cut_rank = fully_sharded and layout.kind == "column"
-        members.append(
-            MemberShard(layout.kind, layout.full_in, s.full_out, a_cols, b_rows, cut_rank, tp.rank)
-        )
+        members.append(MemberShard(layout.full_in, s.full_out, a_cols, b_rows, cut_rank, tp.rank))
     return GroupShard(layout, tuple(members), fully_sharded)
-
-
-class ShardPlan:
-    """Every wrapped layer's sharding on this rank, by target group key and by member module key.
-
-    Made by the manager from the model's parallel layers (:func:`lora_pin.parallel.shard_plan`) and handed to
-    the host tier (which reads and keeps only this rank's part of each adapter) and the device pool (which
-    allocates this rank's shapes).
-    """
-
-    def __init__(self, tp: TensorParallel, groups: Mapping[str, tuple[TargetGroup, GroupShard]]) -> None:
-        self.tp = tp
-        self._groups = dict(groups)
-        self._members: dict[str, MemberShard] = {}
-        self._max_rank: int | None = None
-        for group, shard in self._groups.values():
-            for member, ms in zip(group.members, shard.members, strict=True):
-                self._members[member.key] = ms
-
-    def bind(self, max_rank: int) -> None:
-        """Fix the pool's rank, which sets the fully sharded rank chunk (``ceil(max_rank / tp)``)."""
-        self._max_rank = max_rank
-
-    @property
-    def rank_chunk(self) -> int:
-        """Rows of the rank dimension each rank holds of a fully sharded column layer."""
-        return self.tp.rank_chunk(self.max_rank)
-
-    @property
-    def max_rank(self) -> int:
-        """The pool's rank (:meth:`bind`)."""
-        if self._max_rank is None:
-            raise SpecError("shard plan: the pool's rank is not bound yet")
-        return self._max_rank
-
-    def group(self, key: str) -> GroupShard | None:
-        """The sharding of target group ``key``, or None for a layer that is not cut (replicated)."""
-        found = self._groups.get(key)
-        return None if found is None else found[1]
-
-    def member(self, key: str) -> MemberShard | None:
-        """The sharding of target module ``key``, or None when it is not cut."""
-        return self._members.get(key)
-
-    def pool_shape(self, group: TargetGroup, max_rank: int) -> tuple[int, int, int]:
-        """``(a_rank, b_out, b_rank)`` of ``group``'s pool buffers (uncut: ``max_rank, out, max_rank``)."""
-        shard = self.group(group.key)
-        return (max_rank, group.out_total, max_rank) if shard is None else shard.pool_shape(group, max_rank)
-
-    def host_shape(self, group: TargetGroup, rank: int) -> tuple[int, int, int]:
-        """``(a_rank, b_out, b_rank)`` of an adapter's host module for ``group`` at slice rank ``rank``."""
-        shard = self.group(group.key)
-        if shard is None:
-            return rank, group.out_total, rank
-        fully_column = shard.fully_sharded and shard.layout.kind == "column"
-        # Only a fully sharded column layer's chunk depends on the pool's rank.
-        return shard.host_shape(group, rank, self.max_rank if fully_column else rank)
-
-    def b_offsets(self, group: TargetGroup) -> tuple[int, ...]:
-        """Row offsets of the slices in this rank's B of ``group``."""
-        shard = self.group(group.key)
-        return group.slice_offsets if shard is None else shard.b_offsets(group)

@@ -31,7 +31,6 @@ from lora_pin.metrics import DEFAULT_MAX_ADAPTERS, LoRAMetricsCollector
 
 if TYPE_CHECKING:
     from lora_pin.model import LoRAManager
-    from lora_pin.serve.adapters import AdapterAdmin
     from lora_pin.serve.engine import EngineStats, LoRAEngine
 
 __all__ = ["BASE_LABEL", "OTHER_LABEL", "ServeMetrics", "StatusLog"]
@@ -194,10 +193,8 @@ class StatusLog:
     requests running and waiting, output tokens per second, adapters resident in device slots and
     pinned, and the adapter loads and evictions since the last line (a daemon thread, :meth:`start`)."""
 
-    def __init__(
-        self, engine: LoRAEngine, manager: LoRAManager | None, admin: AdapterAdmin, interval: float
-    ) -> None:
-        self.engine, self.manager, self.admin, self.interval = engine, manager, admin, interval
+    def __init__(self, engine: LoRAEngine, manager: LoRAManager | None, interval: float) -> None:
+        self.engine, self.manager, self.interval = engine, manager, interval
         self._last = (time.monotonic(), 0, 0, 0)
 
     def start(self) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,10 +20,8 @@ from lora_pin.weights.digest import ServedModule
 from lora_pin.weights.dora import BaseWeights, checked_factor, dora_norm_parts, module_slices
 from lora_pin.weights.hosted import HostModule, _Slab
 from lora_pin.weights.reader import AdapterFile, LoraTensorPair
+from lora_pin.weights.shards import GroupCut, ShardPlan
 from lora_pin.weights.targets import TargetGroup
-
-if TYPE_CHECKING:
-    from lora_pin.parallel.sharding import ShardPlan
 
 
 def _group_ranks(group: TargetGroup, ranks: dict[str, int]) -> tuple[int, ...]:
@@ -33,27 +30,16 @@ def _group_ranks(group: TargetGroup, ranks: dict[str, int]) -> tuple[int, ...]:
     return tuple(ranks.get(m.key, 0) for m in group.members)
 
 
-def _module_shape(group: TargetGroup, rank: int, shards: ShardPlan | None) -> tuple[int, int, int]:
-    """``(a_rank, b_out, b_rank)``: A ``[n_slices * a_rank, in]`` and B ``[b_out, b_rank]``."""
-    return (rank, group.out_total, rank) if shards is None else shards.host_shape(group, rank)
-
-
-def _group_numel(group: TargetGroup, ranks: dict[str, int], shards: ShardPlan | None) -> int:
-    a_rank, b_out, b_rank = _module_shape(group, max(_group_ranks(group, ranks)), shards)
+def _group_numel(group: TargetGroup, ranks: dict[str, int], shards: ShardPlan[GroupCut]) -> int:
+    a_rank, b_out, b_rank = shards.host_shape(group, max(_group_ranks(group, ranks)))
     return a_rank * group.n_slices * group.in_features + b_out * b_rank
 
 
-def _whole_numel(group: TargetGroup, ranks: dict[str, int], shards: ShardPlan | None) -> int:
-    """The elements of ``group``'s host module on an unsharded model: :func:`_group_numel` without
-    ``shards``, from the layers' unsharded widths (alike on every tensor-parallel rank)."""
-    if shards is None:
-        return _group_numel(group, ranks, None)
+def _whole_numel(group: TargetGroup, ranks: dict[str, int], shards: ShardPlan[GroupCut]) -> int:
+    """The elements of ``group``'s host module on an unsharded model: :func:`_group_numel` from the
+    layers' unsharded widths (alike on every tensor-parallel rank)."""
     rank = max(_group_ranks(group, ranks))
-    full_in, full_out = group.in_features, 0
-    for member in group.members:
-        shard = shards.member(member.key)
-        full_in = full_in if shard is None else shard.full_in
-        full_out += member.out_features if shard is None else shard.full_out
+    full_in, full_out = shards.whole_widths(group)
     return rank * group.n_slices * full_in + full_out * rank
 
 
@@ -68,7 +54,7 @@ def _build_module(
     pairs: dict[str, LoraTensorPair],
     slab: _Slab,
     reads: list[tuple[str, torch.Tensor]],
-    shards: ShardPlan | None = None,
+    shards: ShardPlan[GroupCut],
 ) -> _Built:
     """``group``'s A and B in views of ``slab``, their padding zeroed, and its slices' ranks and scalings;
     the tensors read straight into those views are added to ``reads`` (the caller reads them all in one
@@ -83,14 +69,11 @@ def _build_module(
             for m, r in zip(group.members, slice_ranks, strict=True)
         )
     rank = max(slice_ranks)
-    a_rank, b_out, b_rank = _module_shape(group, rank, shards)
-    cut = shards is not None and any(
-        (m := shards.member(member.key)) is not None and m.cut_rank for member in group.members
-    )
-    padded = cut or any(r != rank for r in slice_ranks)
+    a_rank, b_out, b_rank = shards.host_shape(group, rank)
+    padded = shards.cuts_rank(group) or any(r != rank for r in slice_ranks)
     a = slab.take((group.n_slices * a_rank, group.in_features), padded)
     b = slab.take((b_out, b_rank), padded)
-    offsets = group.slice_offsets if shards is None else shards.b_offsets(group)
+    offsets = shards.b_offsets(group)
     if group.experts:
         _read_experts(file, pairs[group.key], group.experts, a, b, group.members[0].peft_swapped)
     for s, member in enumerate(() if group.experts else group.members):
@@ -98,14 +81,14 @@ def _build_module(
             continue
         pair = pairs[member.key]
         b_cols = b[offsets[s] : offsets[s + 1], : slice_ranks[s]]
-        shard = None if shards is None else shards.member(member.key)
-        if shard is None:
+        shard = shards.member(member)
+        if shard.is_whole:
             reads.append((pair.a_name, a[s * a_rank : s * a_rank + slice_ranks[s]]))
             reads.append((pair.b_name, b_cols))
             continue
         # This rank's part only: A's columns of its input shard (and its chunk of the rank's rows when
         # fully sharded), B's rows of its output shard.
-        chunk = shards.rank_chunk if shards is not None and shard.cut_rank else 0
+        chunk = shards.rank_chunk if shard.cut_rank else 0
         first, last = shard.a_rows(slice_ranks[s], chunk)
         a_part = a[s * a_rank : s * a_rank + last - first]
         file.read_slice_into(pair.a_name, a_part, (first, last), shard.a_cols)
@@ -118,7 +101,7 @@ def _host_modules(
     pairs: dict[str, LoraTensorPair],
     built: list[_Built],
     pin: bool,
-    shards: ShardPlan | None = None,
+    shards: ShardPlan[GroupCut],
 ) -> dict[str, HostModule]:
     """Each built group's :class:`HostModule`, by group key, with a DoRA adapter's magnitudes; every
     group's ``rank_tensor`` and ``scaling_tensor`` are views of one tensor each (two allocations per
@@ -153,7 +136,7 @@ def _read_magnitude(
     slice_ranks: tuple[int, ...],
     pairs: dict[str, LoraTensorPair],
     out_total: int,
-    shards: ShardPlan | None = None,
+    shards: ShardPlan[GroupCut],
 ) -> torch.Tensor:
     """A DoRA module's magnitudes, float32 ``[out_total]`` (0 on the rows of slices it does not target;
     with ``shards``, this rank's output rows of each slice).
@@ -175,14 +158,17 @@ def _read_magnitude(
                 f"adapter {file.name!r} ({file.weights_path}): tensor {name!r} has {bad} NaN/Inf "
                 "value(s); refused"
             )
-        shard = None if shards is None else shards.member(member.key)
-        rows = stored if shard is None else stored[shard.b_rows[0] : shard.b_rows[1]]
+        first, last = shards.member(member).b_rows
+        rows = stored[first:last]
         magnitude[offsets[s] : offsets[s + 1]] = rows.to(torch.float32)
     return magnitude
 
 
 def _with_factors(
-    file: AdapterFile, modules: dict[str, HostModule], base_weights: BaseWeights, shards: ShardPlan | None
+    file: AdapterFile,
+    modules: dict[str, HostModule],
+    base_weights: BaseWeights,
+    shards: ShardPlan[GroupCut],
 ) -> dict[str, HostModule]:
     """The DoRA ``modules`` with their factors computed against the model's ``base_weights``; with
     ``shards``, a row-parallel group's with this rank's part of its norms instead (see :class:`HostModule`).
@@ -208,13 +194,11 @@ def _with_factors(
         assert module.magnitude is not None
         with torch.no_grad():
             parts = dora_norm_parts(weight.detach(), module.a, module.b, slices)
-        shard = None if shards is None else shards.group(key)
-        if shard is not None and shard.layout.kind == "row":
+        if shards.inputs_cut(key):
             done[key] = replace(module, norm_parts=parts)
             continue
         # A column-parallel rank's rows of a slice start at its shard of the module's output features.
-        member_shards = [None if shards is None else shards.member(m.key) for m in group.members]
-        firsts = [0 if m is None else m.b_rows[0] for m in member_shards]
+        firsts = [shards.member(m).b_rows[0] for m in group.members]
         factor = checked_factor(where, group, parts, module.magnitude, slices, module.a.dtype, firsts)
         done[key] = replace(module, factor=factor.pin_memory() if module.a.is_pinned() else factor)
     return done

@@ -27,7 +27,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from blake3 import blake3
@@ -122,10 +122,10 @@ class TensorDigests:
         return self._digests
 
 
-@dataclass(frozen=True)
-class ServedModule:
+class ServedModule(NamedTuple):
     """One module an adapter serves: the model's target key, its rank and scaling, and its two tensors
-    (three for a DoRA module: ``magnitude_name`` names its ``lora_magnitude_vector``)."""
+    (three for a DoRA module: ``magnitude_name`` names its ``lora_magnitude_vector``). A tuple, not a
+    dataclass: a first load makes one per module it serves."""
 
     key: str
     rank: int

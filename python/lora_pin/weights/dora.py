@@ -42,7 +42,6 @@ __all__ = [
     "BaseWeights",
     "checked_factor",
     "dora_norm_parts",
-    "factor_nbytes",
     "finish_factors",
     "module_slices",
 ]
@@ -206,8 +205,3 @@ def finish_factors(adapter: HostAdapter, reduce: Callable[[torch.Tensor], None])
         pinned = module.a.is_pinned()
         done[key] = replace(module, factor=factor.pin_memory() if pinned else factor, norm_parts=None)
     return replace(adapter, modules=done)
-
-
-def factor_nbytes(out_features: int, dtype: torch.dtype) -> int:
-    """Bytes of one group's factor in a device slot (``[out]`` in the pool's dtype)."""
-    return out_features * torch.empty((), dtype=dtype).element_size()

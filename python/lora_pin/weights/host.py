@@ -2,8 +2,9 @@
 
 :func:`load_adapter` (and :func:`load_opened`, for an adapter already opened) reads one adapter into a
 :class:`~lora_pin.weights.hosted.HostAdapter`: the checks against the model
-(:mod:`lora_pin.weights.model_checks`), then the host modules (:mod:`lora_pin.weights.building`), or, for an
-adapter trained like one loaded before, that load's plan (:mod:`lora_pin.weights.load_plans`).
+(:mod:`lora_pin.weights.model_checks`), then, for a plain adapter, a plan decided from its header and kept
+for the next adapter trained alike (:mod:`lora_pin.weights.load_plans`): one read of every tensor into its
+place; for any other, its host modules built one by one (:mod:`lora_pin.weights.building`).
 :class:`HostTier` holds the adapters loaded, by name.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,12 +31,10 @@ from lora_pin.weights.hosted import HostAdapter, HostModule, _Slab, _whole_dora_
 from lora_pin.weights.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TENSORS
 from lora_pin.weights.load_plans import _LoadPlan, _plans
 from lora_pin.weights.model_checks import _check_against_model, _listing
-from lora_pin.weights.reader import AdapterFile, open_adapter
+from lora_pin.weights.reader import AdapterFile, LoraTensorPair, open_adapter
+from lora_pin.weights.shards import WHOLE, GroupCut, ShardPlan
 from lora_pin.weights.targets import LoRATargets
 from lora_pin.weights.tensors import AdapterTensors
-
-if TYPE_CHECKING:
-    from lora_pin.parallel.sharding import ShardPlan
 
 __all__ = ["HostAdapter", "HostModule", "HostTier", "load_adapter", "load_opened"]
 
@@ -53,7 +51,7 @@ def load_adapter(
     pin_memory: bool | None = None,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     max_tensors: int = DEFAULT_MAX_TENSORS,
-    shards: ShardPlan | None = None,
+    shards: ShardPlan[GroupCut] = WHOLE,
     base_weights: BaseWeights | None = None,
 ) -> HostAdapter:
     """Read, validate and normalise the PEFT adapter at ``path`` into host tensors for ``targets``.
@@ -61,9 +59,10 @@ def load_adapter(
     Every check runs before any host tensor is built, and nothing outside the returned object changes, so a
     failure leaves the caller's state as it was. ``pin_memory`` defaults to ``torch.cuda.is_available()``.
     Tensor shapes: per touched group A ``[n_slices * rank, in]``, B ``[out_total, rank]``
-    (see :class:`HostModule`). With ``shards`` (a tensor-parallel rank's
-    :class:`~lora_pin.parallel.sharding.ShardPlan`) the stored tensors are checked at their unsharded shapes
-    and only this rank's part of each is read from the file and kept. A DoRA adapter's factors
+    (see :class:`HostModule`). ``shards`` says which part of each tensor to keep
+    (:class:`~lora_pin.weights.shards.ShardPlan`): the whole of it by default; on a tensor-parallel rank the
+    stored tensors are checked at their unsharded shapes and only this rank's part of each is read from
+    the file and kept. A DoRA adapter's factors
     (:mod:`lora_pin.weights.dora`) are computed against ``base_weights`` (group key -> the model's base
     weight ``[out_total, in]``, on its device), once; without it they are left None (the adapter is then
     for inspection, not for a device pool).
@@ -108,7 +107,7 @@ def load_opened(
     max_rank: int,
     dtype: torch.dtype,
     pin_memory: bool | None = None,
-    shards: ShardPlan | None = None,
+    shards: ShardPlan[GroupCut] = WHOLE,
     base_weights: BaseWeights | None = None,
 ) -> HostAdapter:
     """:func:`load_adapter` of an adapter already opened (:func:`~lora_pin.weights.reader.open_adapter`,
@@ -124,12 +123,31 @@ def load_opened(
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
     plans = _plans(targets)
     plan_key = (
-        None if file.layout_key is None or shards is not None else (*file.layout_key, max_rank, dtype, pin)
+        None if file.layout_key is None or shards.parallel else (*file.layout_key, max_rank, dtype, pin)
     )
     plan = None if plan_key is None else plans.get(plan_key)
-    if plan is not None:
-        return plan.load(file, targets, dtype)
-    ranks, pairs = _check_against_model(file, targets, max_rank, shards)
+    if plan is None:
+        ranks, pairs = _check_against_model(file, targets, max_rank, shards)
+        plan = None if plan_key is None else _LoadPlan.decide(file, targets, ranks, pairs, dtype, pin)
+        if plan is None:
+            return _build(file, targets, ranks, pairs, dtype, pin, shards, base_weights)
+        plans.put(plan_key, plan)
+    return plan.load(file, targets, dtype)
+
+
+def _build(
+    file: AdapterFile,
+    targets: LoRATargets,
+    ranks: dict[str, int],
+    pairs: dict[str, LoraTensorPair],
+    dtype: torch.dtype,
+    pin: bool,
+    shards: ShardPlan[GroupCut],
+    base_weights: BaseWeights | None,
+) -> HostAdapter:
+    """The :class:`HostAdapter` of ``file``, whose checks against the model gave ``ranks`` and ``pairs``,
+    built module by module (:mod:`lora_pin.weights.building`): a load no plan covers (zero padding,
+    another stored dtype, DoRA, expert weights, a tensor-parallel rank's part, tensors in memory)."""
     touched = [g for g in targets.groups if any(m.key in ranks for m in g.members)]
     slab = _Slab(sum(_group_numel(g, ranks, shards) for g in touched), dtype, pin)
     reads: list[tuple[str, torch.Tensor]] = []
@@ -143,10 +161,8 @@ def load_opened(
     digest = adapter_digest(file.digests.result(), _served(modules.values(), pairs))
     whole = sum(_whole_numel(g, ranks, shards) for g in touched) * slab.memory.element_size()
     whole += sum(_whole_dora_nbytes(m, shards) for m in modules.values())
-    if plan_key is not None and not file.unused and not file.config.use_dora:
-        plans.put(plan_key, _LoadPlan.of(file, pairs, slab, modules, reads, searched, whole))
     return HostAdapter(
-        name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks), digest, whole
+        file.name, file.directory, file.config, targets, dtype, modules, 2 * len(ranks), digest, whole
     )
 
 
@@ -169,7 +185,7 @@ class HostTier:
         allow_pickle: bool = False,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_tensors: int = DEFAULT_MAX_TENSORS,
-        shards: ShardPlan | None = None,
+        shards: ShardPlan[GroupCut] = WHOLE,
         base_weights: BaseWeights | None = None,
     ) -> None:
         self.targets = targets

@@ -14,16 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from lora_pin.weights.config import AdapterConfig
-from lora_pin.weights.dora import factor_nbytes
+from lora_pin.weights.shards import GroupCut, ShardPlan
 from lora_pin.weights.targets import LoRATargets, TargetGroup
-
-if TYPE_CHECKING:
-    from lora_pin.parallel.sharding import ShardPlan
 
 
 @dataclass(frozen=True)
@@ -66,15 +62,12 @@ def _dora_nbytes(module: HostModule) -> int:
     return sum(t.nbytes for t in (module.magnitude, module.factor) if t is not None)
 
 
-def _whole_dora_nbytes(module: HostModule, shards: ShardPlan | None) -> int:
+def _whole_dora_nbytes(module: HostModule, shards: ShardPlan[GroupCut]) -> int:
     """:func:`_dora_nbytes` of ``module`` on an unsharded model: the same on every tensor-parallel rank
     (a row-parallel factor still pending counts as the factor it becomes)."""
     if module.magnitude is None:
         return 0
-    full_out = 0
-    for member in module.group.members:
-        shard = None if shards is None else shards.member(member.key)
-        full_out += member.out_features if shard is None else shard.full_out
+    _, full_out = shards.whole_widths(module.group)
     held = 1 + (module.factor is not None or module.norm_parts is not None)
     return held * full_out * module.magnitude.element_size()
 
@@ -138,7 +131,8 @@ class HostAdapter:
                 member = group.members[0 if group.experts else s]
                 total += rank * (member.in_features + widths[s]) * size
             if module.magnitude is not None:
-                total += factor_nbytes(module.b.shape[0], self.dtype)
+                # A DoRA factor per output feature, in the serving dtype.
+                total += module.b.shape[0] * size
         return total
 
     @property

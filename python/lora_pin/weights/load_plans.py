@@ -1,26 +1,28 @@
-"""Load plans: what the first load of an adapter decided, kept per model so that a later load of an adapter
-trained alike (the same config and weight file header) only reads and hashes its tensors (see
-:class:`_LoadPlan`).
+"""Load plans: what a load of an adapter decides from its config, its weight file's header and the model
+before it reads a tensor (see :class:`_LoadPlan`), then kept per model so that a later load of an adapter
+trained alike (the same config and header) only reads and hashes its tensors.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
 import torch
 
-from lora_pin.weights.building import _non_finite, _served
+from lora_pin.weights.building import _non_finite
 from lora_pin.weights.digest import ServedModule, adapter_digest
-from lora_pin.weights.hosted import HostAdapter, HostModule, _Slab
+from lora_pin.weights.hosted import HostAdapter, HostModule
 from lora_pin.weights.reader import AdapterFile, LoraTensorPair
 from lora_pin.weights.targets import LoRATargets, TargetGroup
 
+# The stored dtypes whose NaN/Inf the core counts as it reads (lora_pin.weights.reader.AdapterFile.read_many).
+_SEARCHED = frozenset(("F64", "F32", "F16", "BF16"))
 # One read of a plan: tensor name, stored dtype, shape, file offset, byte offset in the slab, bytes.
 _PlannedRead = tuple[str, str, tuple[int, ...], int, int, int]
 # One group of a plan: the group, A's and B's element offset in the slab and shape, per slice rank and
-# scaling, and the rank and scaling tensors (the first load's: nothing writes them, the pool copies
-# them, so every load by the plan shares them).
+# scaling, and the rank and scaling tensors (shared by every load: see _group_tensors).
 _PlannedModule = tuple[
     TargetGroup,
     int,
@@ -36,14 +38,16 @@ _PlannedModule = tuple[
 
 @dataclass(frozen=True)
 class _LoadPlan:
-    """What a load of one adapter decided from its config, its weight file's header and the model
+    """What a load of one adapter decides from its config, its weight file's header and the model
     (every check passed, the slab's layout, what each tensor's bytes go where, the ranks and scalings,
-    the modules its digest covers), kept so that a later load with the same config and header bytes
+    the modules its digest covers; :meth:`decide`), before any tensor is read: the load itself is then
+    one read of every tensor into its place (:meth:`load`). Kept so that a later load with the same
+    config and header bytes
     (:attr:`~lora_pin.weights.reader.AdapterFile.layout_key`), for the same model, max rank, dtype and
     memory pinning, only reads and hashes the tensors: adapters trained alike share all of it, and
     deciding it again costs more than reading them.
 
-    Only plain loads are kept: a safetensors file with no unused tensor (PEFT's copies of base weights
+    Only plain loads have a plan: a safetensors file with no unused tensor (PEFT's copies of base weights
     are compared by value on every load), no DoRA magnitudes, no expert weights, unsharded, every tensor
     read straight into its place in the serving dtype and those places covering the whole slab (no
     padding to zero, and the core's NaN/Inf search covers every element).
@@ -58,51 +62,68 @@ class _LoadPlan:
     whole_nbytes: int
 
     @classmethod
-    def of(
+    def decide(
         cls,
         file: AdapterFile,
+        targets: LoRATargets,
+        ranks: dict[str, int],
         pairs: dict[str, LoraTensorPair],
-        slab: _Slab,
-        modules: dict[str, HostModule],
-        reads: list[tuple[str, torch.Tensor]],
-        searched: list[tuple[tuple[str, torch.Tensor], int | None]],
-        whole_nbytes: int,
+        dtype: torch.dtype,
+        pin: bool,
     ) -> _LoadPlan | None:
-        """The plan of a load that just succeeded (its slab, modules, reads and the core's NaN/Inf
-        counts), or None when it is not a plain load (see the class)."""
-        memory = slab.memory
-        size, base = memory.element_size(), memory.data_ptr()
-        if any(bad is None for _, bad in searched) or any(g.group.experts for g in modules.values()):
+        """The plan of loading ``file``, decided from its header and its checked ``ranks`` and ``pairs``
+        (:func:`~lora_pin.weights.model_checks._check_against_model`) before any tensor is read; None when
+        the load is not a plain one (see the class): the host modules are then built one by one
+        (:mod:`lora_pin.weights.building`). A plan lays the slab out as that building does: per touched
+        group in the targets' order, A ``[n_slices * rank, in]`` then B ``[out_total, rank]``, with slice
+        s's tensors at A's rows ``[s * rank, (s + 1) * rank)`` and B's rows ``[off_s, off_{s+1})``."""
+        if file.layout_key is None or file.unused or file.config.use_dora or file.dtype != dtype:
             return None
-        planned = []
-        for tensor_name, out in reads:
-            dtype, shape, begin, end = file.stored(tensor_name)
-            planned.append((tensor_name, dtype, shape, begin, out.data_ptr() - base, end - begin))
-        if sum(r[5] for r in planned) != memory.nbytes:
-            return None
-        built = tuple(
-            (
-                m.group,
-                (m.a.data_ptr() - base) // size,
-                (m.a.shape[0], m.a.shape[1]),
-                (m.b.data_ptr() - base) // size,
-                (m.b.shape[0], m.b.shape[1]),
-                m.ranks,
-                m.scalings,
-                m.rank_tensor,
-                m.scaling_tensor,
+        size = dtype.itemsize
+        config = file.config
+        at = 0
+        reads: list[_PlannedRead] = []
+        built: list[tuple[TargetGroup, int, tuple[int, int], int, tuple[int, int], tuple[int, ...]]] = []
+        scalings: list[tuple[float, ...]] = []
+        served: list[ServedModule] = []
+        for group in targets.groups:
+            members = group.members
+            if not any(m.key in ranks for m in members):
+                continue  # not touched
+            rank = ranks.get(members[0].key, 0)
+            if group.experts or any(ranks.get(m.key, 0) != rank for m in members):
+                return None  # an expert weight, or slices of several ranks (padding to zero)
+            width = group.in_features
+            a_at, b_at = at, at + group.n_slices * rank * width
+            at = b_at + group.out_total * rank
+            group_scalings = tuple(config.scaling_for(m.key, rank) for m in members)
+            for s, member in enumerate(members):
+                pair = pairs[member.key]
+                for name, element in (
+                    (pair.a_name, a_at + s * rank * width),
+                    (pair.b_name, b_at + group.slice_offsets[s] * rank),
+                ):
+                    stored_dtype, shape, begin, end = file.stored(name)
+                    if stored_dtype not in _SEARCHED:
+                        return None  # the core's NaN/Inf search would not cover it
+                    reads.append((name, stored_dtype, shape, begin, element * size, end - begin))
+                served.append(ServedModule(member.key, rank, group_scalings[s], pair.a_name, pair.b_name))
+            built.append(
+                (
+                    group,
+                    a_at,
+                    (group.n_slices * rank, width),
+                    b_at,
+                    (group.out_total, rank),
+                    (rank,) * len(members),
+                )
             )
-            for m in modules.values()
+            scalings.append(group_scalings)
+        modules = tuple(
+            (*module, group_scalings, *_group_tensors(module[5], group_scalings, pin))
+            for module, group_scalings in zip(built, scalings, strict=True)
         )
-        return cls(
-            memory.numel(),
-            memory.is_pinned(),
-            tuple(planned),
-            built,
-            tuple(_served(modules.values(), pairs)),
-            len(reads),
-            whole_nbytes,
-        )
+        return cls(at, pin, tuple(reads), modules, tuple(served), len(reads), at * size)
 
     def load(self, file: AdapterFile, targets: LoRATargets, dtype: torch.dtype) -> HostAdapter:
         """:func:`~lora_pin.weights.host.load_opened` of ``file`` by this plan: one read of every tensor,
@@ -136,6 +157,21 @@ class _LoadPlan:
             digest,
             self.whole_nbytes,
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_tensors(
+    ranks: tuple[int, ...], scalings: tuple[float, ...], pin: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int32 rank and float32 scaling tensors ``[n_slices]`` of a host module with these slice ranks
+    and scalings. Nothing writes them (the pool copies them into its slots), so every module with the same
+    figures shares one pair, whatever its adapter or recipe: the groups of one adapter mostly share a
+    few, and so do the recipes of one rank and alpha."""
+    rank_tensor = torch.tensor(ranks, dtype=torch.int32)
+    scaling_tensor = torch.tensor(scalings, dtype=torch.float32)
+    if pin:
+        return rank_tensor.pin_memory(), scaling_tensor.pin_memory()
+    return rank_tensor, scaling_tensor
 
 
 class _PlanCache:

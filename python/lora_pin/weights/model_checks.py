@@ -7,16 +7,13 @@ adapter, the file and the field, module or tensor.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 
 from lora_pin.errors import AdapterLoadError
 from lora_pin.weights.reader import PEFT_PREFIX, AdapterFile, LoraTensorPair
+from lora_pin.weights.shards import GroupCut, ShardPlan
 from lora_pin.weights.targets import LinearTarget, LoRATargets
-
-if TYPE_CHECKING:
-    from lora_pin.parallel.sharding import ShardPlan
 
 _LISTED = 8
 
@@ -116,13 +113,13 @@ def _check_expert_pair(file: AdapterFile, pair: LoraTensorPair, target: LinearTa
 
 
 def _check_against_model(
-    file: AdapterFile, targets: LoRATargets, max_rank: int, shards: ShardPlan | None = None
+    file: AdapterFile, targets: LoRATargets, max_rank: int, shards: ShardPlan[GroupCut]
 ) -> tuple[dict[str, int], dict[str, LoraTensorPair]]:
     """Validate the adapter's modules against the model; return the rank of each target key it touches
     and the tensor pair of each (keyed by module key, or by parameter key for an expert weight)."""
     name, config, where = file.name, file.config, f"adapter {file.name!r} ({file.weights_path})"
     expert_pairs = _expert_pairs(file, targets)
-    if expert_pairs and shards is not None:
+    if expert_pairs and shards.parallel:
         raise AdapterLoadError(
             f"{where}: field 'target_parameters' puts LoRA on MoE expert weights "
             f"({_listing(expert_pairs)}), which lora_pin does not serve under tensor parallelism; serve "
@@ -186,7 +183,7 @@ def _check_against_model(
 
 
 def _check_dora(
-    file: AdapterFile, targets: LoRATargets, pairs: dict[str, LoraTensorPair], shards: ShardPlan | None
+    file: AdapterFile, targets: LoRATargets, pairs: dict[str, LoraTensorPair], shards: ShardPlan[GroupCut]
 ) -> None:
     """A DoRA adapter (``use_dora``) has one ``lora_magnitude_vector`` ``[out]`` per targeted linear; a
     plain one has none. DoRA on an embedding (PEFT scales its lookup differently) is refused by name.
@@ -203,7 +200,7 @@ def _check_dora(
                 "tensors)"
             )
         return
-    if shards is not None and shards.tp.fully_sharded:
+    if shards.fully_sharded:
         raise AdapterLoadError(
             f"{where}: field 'use_dora' is true; lora_pin does not serve DoRA adapters with fully sharded "
             "tensor parallelism (a rank holds only a chunk of A's or B's rank, and a DoRA norm needs the "
@@ -222,8 +219,7 @@ def _check_dora(
                 f"{where}: field 'use_dora' is true (DoRA) but module {key!r} has no tensor "
                 f"{PEFT_PREFIX}{key}.lora_magnitude_vector"
             )
-        shard = None if shards is None else shards.member(key)
-        out_features = target.out_features if shard is None else shard.full_out
+        out_features = shards.member(target).full_out
         if pair.magnitude_shape != (out_features,):
             raise AdapterLoadError(
                 f"{where}: tensor {pair.magnitude_name!r} has shape {list(pair.magnitude_shape or ())}, "
@@ -267,14 +263,13 @@ def _why_not_target(targets: LoRATargets, unserved: list[str]) -> str:
 
 
 def _check_pair(
-    file: AdapterFile, pair: LoraTensorPair, target: LinearTarget, max_rank: int, shards: ShardPlan | None
+    file: AdapterFile, pair: LoraTensorPair, target: LinearTarget, max_rank: int, shards: ShardPlan[GroupCut]
 ) -> int:
     where = f"adapter {file.name!r} ({file.weights_path})"
     # A tensor-parallel rank's module is a shard of the layer the adapter was trained on: the stored tensors
     # have the unsharded widths, of which this rank reads its part.
-    shard = None if shards is None else shards.member(target.key)
-    in_features = target.in_features if shard is None else shard.full_in
-    out_features = target.out_features if shard is None else shard.full_out
+    shard = shards.member(target)
+    in_features, out_features = shard.full_in, shard.full_out
     if pair.embedding != target.embedding:
         held, actual, expected = (
             ("an embedding's", "a linear layer", "lora_A/lora_B")

@@ -11,9 +11,9 @@ For each target group (by its key, ``model.layers.0.self_attn.qkv_proj``), alloc
   DoRA in this group; 1.0 and 0 otherwise. ``dora_slots`` mirrors ``dora`` on the host (a set of slots), so
   a step knows without reading the device whether a group has DoRA rows at all.
 
-A tensor-parallel rank's pool (``shards``) holds its shard of each group: the widths are the layer's local
-ones, and a fully sharded group's A holds ``ceil(max_rank / tp)`` rows per slice (its chunk of the rank) or
-its B only the rank's output rows (see :mod:`lora_pin.parallel.sharding`).
+A tensor-parallel rank's pool (its :class:`~lora_pin.weights.shards.ShardPlan`) holds its shard of each
+group: the widths are the layer's local ones, and a fully sharded group's A holds ``ceil(max_rank / tp)``
+rows per slice (its chunk of the rank) or its B only the rank's output rows.
 
 Everything of a slot outside its adapter's ranks is zero, and groups the adapter does not target are zero
 with rank 0, so a reused slot never leaks the previous occupant's weights.
@@ -22,16 +22,13 @@ with rank 0, so a reused slot never leaks the previous occupant's weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from lora_pin.errors import PoolError
 from lora_pin.weights.host import HostAdapter, HostModule
+from lora_pin.weights.shards import WHOLE, GroupCut, ShardPlan
 from lora_pin.weights.targets import LoRATargets, TargetGroup
-
-if TYPE_CHECKING:
-    from lora_pin.parallel.sharding import ShardPlan
 
 __all__ = ["DevicePool", "GroupBuffers"]
 
@@ -71,9 +68,10 @@ class DevicePool:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        shards: ShardPlan | None = None,
+        shards: ShardPlan[GroupCut] = WHOLE,
     ) -> None:
-        """Allocate every buffer (zeroed); with ``shards``, in this tensor-parallel rank's shapes.
+        """Allocate every buffer (zeroed), in the shapes ``shards`` gives (a tensor-parallel rank's shard of
+        each group; the whole of it by default).
 
         Raises:
             PoolError: ``slots`` or ``max_rank`` is not positive, ``dtype`` is not floating point, or the
@@ -90,10 +88,7 @@ class DevicePool:
         self.device = torch.device(device)
         element = torch.empty((), dtype=dtype).element_size()
         # (a_rank, b_out, b_rank) per group: A [slots, n_slices * a_rank, in], B [slots, b_out, b_rank].
-        shapes = {
-            g.key: (max_rank, g.out_total, max_rank) if shards is None else shards.pool_shape(g, max_rank)
-            for g in targets.groups
-        }
+        shapes = {g.key: shards.pool_shape(g, max_rank) for g in targets.groups}
         # Per group: A, B, ranks and scalings, a DoRA factor per output row and its flag.
         self.slot_nbytes = sum(
             (g.n_slices * shapes[g.key][0] * g.in_features + shapes[g.key][1] * shapes[g.key][2]) * element

@@ -59,17 +59,6 @@ SAFETENSORS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
 #: The prefix of every tensor name PEFT saves (before the module key).
 PEFT_PREFIX = "base_model.model."
-# suffix -> (half, whether it is an embedding's): PEFT names an embedding's A [r, num_embeddings] and
-# B [embedding_dim, r] lora_embedding_A / lora_embedding_B, with no ``.weight``. A DoRA module's magnitude
-# ([out], one per output feature) is lora_magnitude_vector for every kind of module, so it takes the kind
-# of the pair it sits beside ("m" matches either).
-_SUFFIXES = {
-    ".lora_A.weight": ("a", False),
-    ".lora_B.weight": ("b", False),
-    ".lora_embedding_A": ("a", True),
-    ".lora_embedding_B": ("b", True),
-    ".lora_magnitude_vector": ("m", False),
-}
 # The safetensors format's own cap on its JSON header.
 _MAX_HEADER_BYTES = 100_000_000
 #: The most threads one load reads and hashes its tensors on (the caller's included; the core keeps a
@@ -490,59 +479,24 @@ def _read_header(name: str, file: FolderFile) -> bytes:
         raise _header_error(name, file, str(exc)) from None
 
 
-def _index_safetensors(name: str, file: FolderFile, raw: bytes, max_tensors: int) -> dict[str, _Stored]:
+def _index_safetensors(
+    name: str, file: FolderFile, raw: bytes, max_tensors: int
+) -> tuple[dict[str, _Stored], dict[str, LoraTensorPair], list[str], torch.dtype]:
     """Every tensor's dtype, shape and byte range from the header ``raw`` (:func:`_read_header`),
-    checked as the safetensors format requires (known dtype, byte length = elements x element size,
-    ranges back to back covering the data)."""
-    size = file.stamp[1]
-    length = len(raw) - 8
+    checked by the core as the safetensors format requires (known dtype, byte length = elements x
+    element size, ranges back to back covering the data), and the LoRA pairs among them (see
+    :func:`_pair_tensors`)."""
     try:
-        header = orjson.loads(raw[8:])
-    except orjson.JSONDecodeError as exc:
-        raise _header_error(name, file, f"the header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise _header_error(name, file, "the header is not a JSON object")
-    header.pop("__metadata__", None)
-    check_count(name, file.path, len(header), max_tensors)
-    # Offsets as positions in the file, for pread.
-    data = 8 + length
-    stored = {key: _stored_entry(name, file, key, entry, data) for key, entry in header.items()}
-    position = data
-    for key, entry in sorted(stored.items(), key=lambda item: item[1][2:]):
-        if entry.begin != position:
-            raise _header_error(
-                name, file, f"tensor {key!r} starts at {entry.begin - data}, expected {position - data}"
-            )
-        position = entry.end
-    if position != size:
-        raise _header_error(name, file, f"tensors cover {position - data} bytes of {size - data}")
-    return stored
-
-
-def _stored_entry(name: str, file: FolderFile, key: str, entry: object, data: int) -> _Stored:
-    """One header entry checked, its offsets moved by ``data`` (where the data starts in the file)."""
-    if not isinstance(entry, dict):
-        raise _header_error(name, file, f"tensor {key!r}: expected an object, got {entry!r:.80}")
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(dtype, str) or (size := _DTYPE_SIZES.get(dtype)) is None:
-        raise _header_error(name, file, f"tensor {key!r}: unknown dtype {dtype!r:.40}")
-    dims: list[int] = []
-    numel = 1
-    for dim in shape if isinstance(shape, list) else [None]:
-        if type(dim) is not int or dim < 0:
-            raise _header_error(name, file, f"tensor {key!r}: shape {shape!r:.80} is not a list of sizes")
-        dims.append(dim)
-        numel *= dim
-    if not isinstance(offsets, list) or len(offsets) != 2:
-        raise _header_error(name, file, f"tensor {key!r}: data_offsets {offsets!r:.80} are not [begin, end]")
-    begin, end = offsets
-    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
-        raise _header_error(name, file, f"tensor {key!r}: data_offsets {offsets!r:.80} are not [begin, end]")
-    if numel * size != end - begin:
-        raise _header_error(
-            name, file, f"tensor {key!r}: {end - begin} bytes do not hold shape {shape} of {dtype}"
-        )
-    return _Stored(dtype, tuple(dims), begin + data, end + data)
+        count, tensors, found, unused = _core._index_header(raw[8:], len(raw), file.stamp[1], max_tensors)
+    except ValueError as exc:
+        raise _header_error(name, file, str(exc)) from None
+    check_count(name, file.path, count, max_tensors)
+    stored = {t[0]: _Stored(t[1], tuple(t[2]), t[3], t[4]) for t in tensors}
+    names = [t[0] for t in tensors]
+    shapes = [s.shape for s in stored.values()]
+    dtypes: list[torch.dtype | str] = [_SAFETENSORS_DTYPES.get(t[1], t[1]) for t in tensors]
+    pairs, dtype = _checked_pairs(name, file.path, names, shapes, dtypes, found)
+    return stored, pairs, [names[i] for i in unused], dtype
 
 
 def _load_pickle(name: str, file: FolderFile, max_tensors: int) -> dict[str, torch.Tensor]:
@@ -570,50 +524,51 @@ def _load_pickle(name: str, file: FolderFile, max_tensors: int) -> dict[str, tor
 def _pair_tensors(
     name: str, where: Path, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype | str]
 ) -> tuple[dict[str, LoraTensorPair], list[str], torch.dtype]:
-    """The complete lora_A/lora_B pairs by module key, the unused tensor names, and the pairs' dtype."""
-    halves: dict[str, dict[tuple[str, bool], str]] = {}
-    unused: list[str] = []
-    for key in shapes:
-        # Every suffix starts with ".lora_" and holds it once: the key's tail from its last ".lora_"
-        # is its suffix, if it has one. PEFT saves every LoRA tensor under the prefix and loads
-        # nothing without it: a tensor without it is unused (refused), never a second copy of a
-        # module's half.
-        cut = key.rfind(".lora_")
-        half = _SUFFIXES.get(key[cut:]) if cut >= 0 and key.startswith(PEFT_PREFIX) else None
-        if half is None:
-            unused.append(key)
-        else:
-            halves.setdefault(key[len(PEFT_PREFIX) : cut], {})[half] = key
-    pairs: dict[str, LoraTensorPair] = {}
-    for module_key, by_half in halves.items():
-        # A linear's pair and an embedding's are never mixed: a lora_A.weight beside a lora_embedding_B
-        # is no pair, and both halves of both kinds is one pair too many.
-        kinds = {e for (h, e) in by_half if h != "m"}
-        embedding = any(kinds)
-        found = {h: n for (h, e), n in by_half.items()}
-        if len(kinds) != 1 or len(found) != len(by_half) or not {"a", "b"} <= set(found):
-            unused.extend(by_half.values())
-            continue
-        a_name, b_name = found["a"], found["b"]
-        a_shape, b_shape = shapes[a_name], shapes[b_name]
-        for tensor_name, shape in ((a_name, a_shape), (b_name, b_shape)):
-            if len(shape) != 2:
-                raise AdapterLoadError(
-                    f"adapter {name!r} ({where}): tensor {tensor_name!r} has shape {list(shape)}, "
-                    "expected 2-D"
-                )
-        magnitude = found.get("m")
-        pairs[module_key] = LoraTensorPair(
+    """The complete lora_A/lora_B pairs by module key, the unused tensor names, and the pairs' dtype.
+
+    The core finds the pairs by PEFT's names (:func:`lora_pin._core._lora_pairs`): every LoRA tensor
+    under the prefix, a linear's ``lora_A.weight``/``lora_B.weight`` or an embedding's
+    ``lora_embedding_A``/``_B``, never the two kinds mixed, and a DoRA ``lora_magnitude_vector`` beside
+    either; any other tensor is unused (refused by the checks against the model).
+
+    Raises:
+        AdapterLoadError: a pair's A or B is not 2-D, the pairs' dtypes differ or are not float.
+    """
+    names = list(shapes)
+    try:
+        found, unused = _core._lora_pairs([(n, shapes[n]) for n in names])
+    except ValueError as exc:
+        raise AdapterLoadError(f"adapter {name!r} ({where}): {exc}") from None
+    pairs, dtype = _checked_pairs(
+        name, where, names, list(shapes.values()), [dtypes[n] for n in names], found
+    )
+    return pairs, [names[i] for i in unused], dtype
+
+
+def _checked_pairs(
+    name: str,
+    where: Path,
+    names: list[str],
+    shapes: list[tuple[int, ...]],
+    dtypes: list[torch.dtype | str],
+    found: list[tuple[str, int, int, bool, int | None]],
+) -> tuple[dict[str, LoraTensorPair], torch.dtype]:
+    """The core's pairs (indexes into ``names``, ``shapes`` and ``dtypes``) as :class:`LoraTensorPair`
+    by module key, and their dtype, checked: one float dtype for every A and B, a float magnitude."""
+    pairs = {
+        module_key: LoraTensorPair(
             module_key,
-            a_name,
-            b_name,
-            a_shape,
-            b_shape,
+            names[a],
+            names[b],
+            shapes[a],
+            shapes[b],
             embedding,
-            magnitude,
-            None if magnitude is None else shapes[magnitude],
+            None if m is None else names[m],
+            None if m is None else shapes[m],
         )
-    pair_dtypes = {dtypes[n] for p in pairs.values() for n in (p.a_name, p.b_name)}
+        for module_key, a, b, embedding, m in found
+    }
+    pair_dtypes = {dtypes[i] for _, a, b, _, _ in found for i in (a, b)}
     if len(pair_dtypes) > 1:
         raise AdapterLoadError(
             f"adapter {name!r} ({where}): LoRA tensors have mixed dtypes {sorted(map(str, pair_dtypes))}"
@@ -622,13 +577,13 @@ def _pair_tensors(
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise AdapterLoadError(f"adapter {name!r} ({where}): LoRA tensors have non-float dtype {dtype}")
     # A magnitude may be stored in another float dtype than A and B (it is applied in float32).
-    for p in pairs.values():
-        m_dtype = None if p.magnitude_name is None else dtypes[p.magnitude_name]
+    for *_, m in found:
+        m_dtype = None if m is None else dtypes[m]
         if m_dtype is not None and not (isinstance(m_dtype, torch.dtype) and m_dtype.is_floating_point):
             raise AdapterLoadError(
-                f"adapter {name!r} ({where}): tensor {p.magnitude_name!r} has non-float dtype {m_dtype}"
+                f"adapter {name!r} ({where}): tensor {names[m]!r} has non-float dtype {m_dtype}"
             )
-    return pairs, sorted(unused), dtype
+    return pairs, dtype
 
 
 def open_adapter(
@@ -676,12 +631,7 @@ def _open_weights(
         header = _read_header(name, file)
         indexed = _INDEXED.get((header, file.stamp[1]))
         if indexed is None:
-            stored = _index_safetensors(name, file, header, max_tensors)
-            shapes = {k: s.shape for k, s in stored.items()}
-            dtypes: dict[str, torch.dtype | str] = {
-                k: _SAFETENSORS_DTYPES.get(s.dtype, s.dtype) for k, s in stored.items()
-            }
-            pairs, unused, dtype = _pair_tensors(name, file.path, shapes, dtypes)
+            stored, pairs, unused, dtype = _index_safetensors(name, file, header, max_tensors)
             _INDEXED.put((header, file.stamp[1]), (stored, pairs, unused, dtype))
         else:
             stored, pairs, unused, dtype = indexed
@@ -709,7 +659,7 @@ def _open_weights(
             )
         loaded = _load_pickle(name, file, max_tensors)
         shapes = {k: tuple(v.shape) for k, v in loaded.items()}
-        dtypes = {k: v.dtype for k, v in loaded.items()}
+        dtypes: dict[str, torch.dtype | str] = {k: v.dtype for k, v in loaded.items()}
     elif os.path.lexists(folder.path / PICKLE_NAME):
         raise UnsafeFormatError(
             f"adapter {name!r} ({folder.path / PICKLE_NAME}): weights are a pickle (adapter_model.bin); "
@@ -768,27 +718,7 @@ _CACHED_HEADER_BYTES = 1 << 20
 _INDEXED = _IndexCache(32)
 
 
-# Element sizes of every dtype the safetensors format names; the float ones map to torch below.
-_DTYPE_SIZES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E5M2": 1,
-    "F8_E4M3": 1,
-    "F8_E8M0": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-    "C64": 8,
-}
-
+# The float dtypes of the safetensors format, as torch names them.
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from lora_pin import AdapterLoadError, CapacityError, LoRAManager, LoRARef, SpecError
-from lora_pin.model import loader as loader_module
+from lora_pin.model import read_pool
 from lora_pin.weights import HostTier
 
 TARGETS = ["q_proj", "v_proj"]
@@ -107,7 +107,7 @@ def hung_reads(*names: str, times: int = 1) -> Iterator[HungReads]:
 
 
 class JumpingClock:
-    """The background loader's clock (its ``time.monotonic``), moved forward when a test says: a read's
+    """The read pool's clock (its ``time.monotonic``), moved forward when a test says: a read's
     deadline passes at a point of the test's choosing, never at whatever point a busy machine reaches."""
 
     def __init__(self) -> None:
@@ -121,9 +121,9 @@ class JumpingClock:
 
 
 @pytest.fixture
-def loader_clock(monkeypatch: pytest.MonkeyPatch) -> JumpingClock:
+def pool_clock(monkeypatch: pytest.MonkeyPatch) -> JumpingClock:
     clock = JumpingClock()
-    monkeypatch.setattr(loader_module, "time", clock)
+    monkeypatch.setattr(read_pool, "time", clock)
     return clock
 
 
@@ -198,13 +198,13 @@ def test_a_pin_that_would_leave_an_adapter_no_host_room_is_refused(qv_world: Any
 
 
 def test_a_hung_read_fails_its_requests_at_the_deadline_and_gives_its_place_back(
-    qv_world: Any, loader_clock: JumpingClock
+    qv_world: Any, pool_clock: JumpingClock
 ) -> None:
     """One loader thread, a's read hangs: past ``load_timeout`` a's requests fail naming the adapter,
     its path and the deadline; its host reservation is released; a replacement thread reads d; a later
     request for a reads it again; the hung read's late result is discarded, never installed.
 
-    The loader's clock jumps past a's deadline once a's read has begun: no other read comes near the
+    The read pool's clock jumps past a's deadline once a's read has begun: no other read comes near the
     minute it is given, however slow the machine."""
     _, paths = qv_world
     mgr = evicted_world(qv_world, load_workers=1, load_timeout=60)
@@ -213,7 +213,7 @@ def test_a_hung_read_fails_its_requests_at_the_deadline_and_gives_its_place_back
         assert step(mgr, ["a"]).loading == (0,)
         assert mgr.registry.stats()["host"]["fetching"] == ["a"]
         hung.wait_entered()
-        loader_clock.jump(61)
+        pool_clock.jump(61)
         got = step(mgr, ["a", None])
         assert list(got.failed) == [0] and got.admitted == (1,)
         error = got.failed[0]
@@ -221,7 +221,7 @@ def test_a_hung_read_fails_its_requests_at_the_deadline_and_gives_its_place_back
         assert "'a'" in str(error) and str(paths["a"]) in str(error) and "load_timeout=60" in str(error)
         host = mgr.registry.stats()["host"]
         assert host["fetching"] == [] and host["reserved_bytes"] == 0
-        assert mgr._loads.loader.abandoned == 1
+        assert mgr._loads.pool.abandoned == 1
         # The only worker is stuck in a's read: b is read by the thread that replaced it.
         assert step(mgr, ["b"]).loading == (0,)
         assert mgr.wait_loads(timeout=HANG_GUARD_S)

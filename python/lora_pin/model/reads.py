@@ -1,19 +1,16 @@
-"""The background loader: adapter reads from disk on a small thread pool, off every step's path.
+"""A manager's background reads: adapter reads from disk on a small thread pool, off every step's path.
 
 A step that needs an adapter which is not in host memory does not read it: it defers the requests
-and hands the read to this loader. Reads run on ``workers`` threads; each finished read (or failure)
-waits in a completion queue until the manager's next step installs it, under the residency lock,
-so the host tier and the registry change only at a step's start, never under a running step.
-
-:class:`BackgroundLoader` knows nothing of the registry: it runs the read it is given for a
-:class:`LoadJob` and remembers which jobs are in flight, so one job is never read twice at once.
-:class:`BackgroundLoads` ties it to a manager's registry and tensors.
+and hands the read to :class:`BackgroundReads`. Reads run on the threads of a
+:class:`~lora_pin.model.read_pool.ReadPool`; each finished read (or failure) waits in its completion queue
+until the manager's next step installs it, under the residency lock, so the host tier and the registry
+change only at a step's start, never under a running step.
 
 With tensor parallelism every rank reads its own shards, and its reads end at times of their own; yet
 every rank must install a read at the same step, or their registries (and so their plans) would part.
 The fetches begun are the same on every rank, in the same order (the registry's plans and prefetches are
 deterministic), so each install first agrees over the ranks on every fetch still open
-(:meth:`~lora_pin.parallel.TensorParallelGroup.agree_fetches`): one read on every rank is installed; one
+(:meth:`~lora_pin.parallel.Collective.agree_fetches`): one read on every rank is installed; one
 that failed on any rank fails on all (a rank whose own read succeeded drops its bytes); any other stays
 open. A rank's finished reads wait for that agreement.
 """
@@ -22,27 +19,22 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 
 from lora_pin._core import LoRARef
 from lora_pin.errors import AdapterLoadError, CapacityError, DuplicateAdapterError, LoraPinError, SpecError
+from lora_pin.model.read_pool import Completion, ReadJob, ReadPool
 from lora_pin.model.residency import Residency
-from lora_pin.parallel import Collective, TensorParallelGroup
+from lora_pin.parallel import Collective
 from lora_pin.parallel.collective import READ, RUNNING, Agreement
-from lora_pin.weights.host import HostAdapter
 
 __all__ = [
     "DEFAULT_LOAD_TIMEOUT",
+    "DISCOVERY_ROOM_WAIT_SECONDS",
     "LOADING_MODES",
-    "BackgroundLoader",
-    "BackgroundLoads",
-    "Completion",
-    "LoadJob",
+    "BackgroundReads",
     "checked_load_timeout",
     "loading_mode",
 ]
@@ -61,258 +53,20 @@ DEFAULT_LOAD_TIMEOUT = 300.0
 DISCOVERY_ROOM_WAIT_SECONDS = 60.0
 
 
-@dataclass(frozen=True)
-class LoadJob:
-    """One background read.
-
-    Attributes:
-        name: the adapter.
-        serial: the registration the read is for (a fetch of a registered adapter); None for a
-            discovery (an ``adapter_dir`` adapter not registered yet, registered once read).
-    """
-
-    name: str
-    serial: int | None
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A finished :class:`LoadJob`: the adapter read, or why not (``cancelled``: it never ran)."""
-
-    job: LoadJob
-    adapter: HostAdapter | None
-    error: BaseException | None
-    cancelled: bool = False
-
-
-class _Run:
-    """One submitted read: queued, then running on a worker until it ends or is abandoned."""
-
-    __slots__ = ("abandoned", "job", "path", "read", "started")
-
-    def __init__(self, job: LoadJob, read: Callable[[], HostAdapter], path: str | None) -> None:
-        self.job, self.read, self.path = job, read, path
-        self.started: float | None = None
-        # Set (under the loader's lock) when its completion was queued without it: past its deadline,
-        # or cancelled while running. Its worker was replaced; whatever the read returns is discarded.
-        self.abandoned = False
-
-
-class BackgroundLoader:
-    """Runs adapter reads on ``workers`` threads and queues their completions, in the order they finish.
-
-    A read running longer than ``timeout`` seconds (a hung disk or network mount) is abandoned: it
-    completes at once with an :class:`~lora_pin.errors.AdapterLoadError` naming the adapter, its path and
-    the deadline, another thread takes its worker's place so later reads run, and whatever it returns
-    if it ever ends is discarded. Deadlines are checked whenever the loader is asked anything, and
-    waits wake up for them. The threads are daemons: a read stuck in the kernel never keeps the
-    interpreter from exiting (``concurrent.futures`` joins its workers at exit).
-
-    Args:
-        workers: threads reading at once (at least 1).
-        timeout: seconds a read may run (positive).
-
-    Thread safety: every method may be called from any thread.
-    """
-
-    def __init__(self, workers: int, timeout: float) -> None:
-        self.workers = workers
-        self.timeout = timeout
-        # Guards everything below; waiters are woken on every completion and every submission.
-        self._changed = threading.Condition()
-        self._queued: deque[_Run] = deque()
-        # Every run submitted and not completed (queued or running), by job.
-        self._runs: dict[LoadJob, _Run] = {}
-        self._done: list[Completion] = []
-        # Workers not abandoned: idle, or running a read within its deadline.
-        self._threads = 0
-        self._started_threads = 0
-        # Workers waiting for a read: close() joins them, so none is still ending (and freeing what
-        # its last read held) while the interpreter shuts down, where a daemon thread that frees a
-        # tensor is torn down mid-call and the process aborts.
-        self._idle: set[threading.Thread] = set()
-        self._closed = False
-        self.abandoned = 0
-
-    def submit(self, job: LoadJob, read: Callable[[], HostAdapter], path: str | None) -> bool:
-        """Start ``read`` (of the adapter at ``path``) for ``job`` on a worker, unless the same job is in
-        flight or its completion waits to be taken; returns whether it started.
-
-        Raises:
-            RuntimeError: the loader was closed.
-        """
-        with self._changed:
-            if self._closed:
-                raise RuntimeError("the background loader was closed")
-            self._expire()
-            if job in self._runs or any(c.job == job for c in self._done):
-                return False
-            run = _Run(job, read, path)
-            self._runs[job] = run
-            self._queued.append(run)
-            self._staff()
-            self._changed.notify_all()
-        return True
-
-    def busy(self, name: str) -> bool:
-        """Whether a read of ``name`` is running, queued, or done and not yet taken."""
-        with self._changed:
-            self._expire()
-            return any(j.name == name for j in self._runs) or any(c.job.name == name for c in self._done)
-
-    def running(self) -> list[LoadJob]:
-        """The jobs submitted and not finished yet, in submission order."""
-        with self._changed:
-            self._expire()
-            return list(self._runs)
-
-    def take(self) -> list[Completion]:
-        """Every completion not taken yet, in the order the reads finished (never blocks)."""
-        with self._changed:
-            self._expire()
-            done, self._done = self._done, []
-        return done
-
-    def idle(self) -> bool:
-        """Whether no read is in flight and no completion waits to be taken, so :meth:`take` would
-        return nothing. Read without the lock (each step asks): a read completing meanwhile is as one
-        that ended just after, and a completion is queued in the same locked section that ends its run."""
-        return not self._runs and not self._done
-
-    def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
-        """Block until no read of any of ``names`` (None: of any adapter) is running or queued; returns
-        False on timeout. Completions stay queued for :meth:`take`. Returns by the reads' deadlines at
-        the latest (an abandoned read completes).
-        """
-        wanted = None if names is None else set(names)
-        return self._wait_until(
-            lambda: not any(wanted is None or j.name in wanted for j in self._runs), timeout
-        )
-
-    def wait_any(self, timeout: float | None = None) -> bool:
-        """Block until a completion waits to be taken (one may already), or no read is in flight;
-        False on timeout."""
-        return self._wait_until(lambda: bool(self._done) or not self._runs, timeout)
-
-    def cancel(self, name: str) -> None:
-        """End the reads of ``name`` (its adapter was unloaded): queued ones complete as ``cancelled``;
-        a running one too, abandoned (its worker replaced, its result discarded)."""
-        with self._changed:
-            for run in [r for j, r in self._runs.items() if j.name == name]:
-                if run.started is None:
-                    self._queued.remove(run)
-                else:
-                    self._abandon(run)
-                self._complete(run, Completion(run.job, None, None, cancelled=True))
-
-    def close(self, grace: float = 10.0) -> None:
-        """Cancel every read not started and stop the threads: the idle ones have ended when this
-        returns (waiting at most ``grace`` seconds for them); a running one ends with its read (a stuck
-        one is a daemon and never holds the interpreter)."""
-        with self._changed:
-            self._closed = True
-            while self._queued:
-                run = self._queued.popleft()
-                self._complete(run, Completion(run.job, None, None, cancelled=True))
-            self._changed.notify_all()
-            idle = list(self._idle)
-        end = time.monotonic() + grace
-        for thread in idle:
-            thread.join(max(end - time.monotonic(), 0.0))
-
-    def _wait_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
-        end = None if timeout is None else time.monotonic() + timeout
-        with self._changed:
-            while True:
-                self._expire()
-                if done():
-                    return True
-                now = time.monotonic()
-                if end is not None and now >= end:
-                    return False
-                # Wake up for the next deadline: nothing notifies when a read merely runs too long.
-                deadlines = [r.started + self.timeout for r in self._runs.values() if r.started is not None]
-                wake = [t - now for t in (end, min(deadlines, default=None)) if t is not None]
-                self._changed.wait(max(min(wake), 0.0) if wake else None)
-
-    def _expire(self) -> None:
-        """Abandon every running read past its deadline (under the lock)."""
-        now = time.monotonic()
-        late = [r for r in self._runs.values() if r.started is not None and now - r.started > self.timeout]
-        for run in late:
-            self._abandon(run)
-            error = AdapterLoadError(
-                f"adapter {run.job.name!r}: reading {run.path or 'it'} did not finish within "
-                f"load_timeout={self.timeout:g} s (a hung disk or network mount?); the read was abandoned "
-                "and a later request reads it again"
-            )
-            self._complete(run, Completion(run.job, None, error))
-
-    def _abandon(self, run: _Run) -> None:
-        """Give up on ``run``, which a worker is running: that worker is replaced (under the lock)."""
-        run.abandoned = True
-        self.abandoned += 1
-        self._threads -= 1
-        self._staff()
-
-    def _complete(self, run: _Run, completion: Completion) -> None:
-        if self._runs.get(run.job) is run:
-            del self._runs[run.job]
-        self._done.append(completion)
-        self._changed.notify_all()
-
-    def _staff(self) -> None:
-        """Start workers until there are ``workers``, or one per queued read (under the lock)."""
-        while not self._closed and self._threads < min(self.workers, len(self._queued) + self._busy()):
-            self._threads += 1
-            self._started_threads += 1
-            name = f"lora_pin-load-{self._started_threads}"
-            threading.Thread(target=self._work, name=name, daemon=True).start()
-
-    def _busy(self) -> int:
-        return sum(1 for r in self._runs.values() if r.started is not None and not r.abandoned)
-
-    def _work(self) -> None:
-        me = threading.current_thread()
-        with self._changed:
-            while True:
-                self._idle.add(me)
-                while not self._queued and not self._closed:
-                    self._changed.wait()
-                self._idle.discard(me)
-                if not self._queued:
-                    self._threads -= 1
-                    return
-                run = self._queued.popleft()
-                run.started = time.monotonic()
-                self._changed.notify_all()  # waiters now have a deadline to wake up for
-                self._changed.release()
-                try:
-                    completion = Completion(run.job, run.read(), None)
-                except BaseException as exc:  # handed to the requests waiting on the adapter
-                    completion = Completion(run.job, None, exc)
-                finally:
-                    self._changed.acquire()
-                if run.abandoned:
-                    return  # replaced already; what it read is discarded
-                self._complete(run, completion)
-                # An idle worker holds nothing: what the read held is freed now, by a live interpreter.
-                del run, completion
-
-
-class BackgroundLoads:
-    """One manager's background loading: starts the reads its steps and prefetches ask for, installs what
+class BackgroundReads:
+    """One manager's background reads: starts the reads its steps and prefetches ask for, installs what
     they read into the host tier (:meth:`install`, at a step's start), and keeps each failure for the
     requests waiting on that adapter (:meth:`take_errors`).
 
     Args:
         residency: the manager's tensors and the registry they follow.
-        workers: loader threads.
+        collective: the manager's :class:`~lora_pin.parallel.Collective`. Where the processes' reads end
+            apart (:attr:`~lora_pin.parallel.Collective.reads_end_apart`: over tensor-parallel ranks)
+            installs agree over them first (see the module's doc): fetches then begin, and installs and
+            unloads run, in the same order on every rank, as every collective does, and discoveries are
+            not available. On one process each read is installed as it ends.
+        workers: reading threads.
         timeout: seconds a read may run before it is abandoned (its requests fail).
-        collective: the manager's :class:`~lora_pin.parallel.Collective`. Over tensor-parallel ranks
-            installs agree over the ranks first (see the module's doc): fetches then begin, and installs
-            and unloads run, in the same order on every rank, as every collective does, and discoveries
-            are not available. On one process each read is installed as it ends.
 
     Thread safety: every method may be called from any thread; installs and error records change under
     ``residency.lock``.
@@ -321,18 +75,17 @@ class BackgroundLoads:
     def __init__(
         self,
         residency: Residency,
+        collective: Collective,
         workers: int,
         timeout: float = DEFAULT_LOAD_TIMEOUT,
-        collective: Collective | None = None,
     ) -> None:
         self.residency = residency
-        self.loader = BackgroundLoader(workers, timeout)
-        # Ranks' reads end apart, so their installs wait for an agreement that one process needs not.
-        self._group = collective if isinstance(collective, TensorParallelGroup) else None
+        self.collective = collective
+        self.pool = ReadPool(workers, timeout)
         # With tp: the fetches begun and not agreed over yet, in the order they began (alike on every
         # rank), and this rank's finished reads of them, waiting for that agreement.
-        self._open: dict[LoadJob, None] = {}
-        self._ready: dict[LoadJob, Completion] = {}
+        self._open: dict[ReadJob, None] = {}
+        self._ready: dict[ReadJob, Completion] = {}
         # Why the last background read of an adapter failed, with the registration it was for (None: a
         # discovery), until a step hands it to the requests for that adapter.
         self._errors: dict[str, tuple[int | None, LoraPinError]] = {}
@@ -348,25 +101,25 @@ class BackgroundLoads:
 
     def start_fetches(self, to_fetch: Iterable[tuple[str, int]]) -> list[str]:
         """Read each ``(name, serial)`` the core has begun fetching; returns the names whose reads began
-        (with ``tp``: every name, alike on every rank, whose read began here or was under way already)."""
+        (over ranks: every name, alike on every rank, whose read began here or was under way already)."""
         if not to_fetch:
             return []  # most steps fetch nothing
         read, path = self.residency.read_fetch, self.residency.source_path
-        if self._group is not None:
+        if self.collective.reads_end_apart:
             names = []
             for name, serial in to_fetch:
-                job = LoadJob(name, serial)
+                job = ReadJob(name, serial)
                 with self.residency.lock:
                     self._open[job] = None
                 # Not started when a read of the same registration still runs here (one agreed failed
                 # before it ended): its result serves this fetch.
-                self.loader.submit(job, functools.partial(read, name, serial), path(name))
+                self.pool.submit(job, functools.partial(read, name, serial), path(name))
                 names.append(name)
             return names
         return [
             name
             for name, serial in to_fetch
-            if self.loader.submit(LoadJob(name, serial), functools.partial(read, name, serial), path(name))
+            if self.pool.submit(ReadJob(name, serial), functools.partial(read, name, serial), path(name))
         ]
 
     def start_discovery(self, name: str, folder: Path, root: Path | None) -> bool:
@@ -377,24 +130,24 @@ class BackgroundLoads:
                 return False  # read already, waiting for room
             self._folders[name] = (folder, root)
         read = functools.partial(self.residency.read_new, name, str(folder), root)
-        return self.loader.submit(LoadJob(name, None), read, str(folder))
+        return self.pool.submit(ReadJob(name, None), read, str(folder))
 
     def install(self) -> None:
         """Enter every finished read into the host tier (registering discoveries); record each failure.
 
-        With ``tp``: only the fetches finished on every rank, agreed in one collective (none when no fetch
+        Over ranks: only the fetches finished on every rank, agreed in one collective (none when no fetch
         is open); must then be called by every rank at the same point.
         """
-        if self._group is not None:
-            self._install_agreed(self._group)
+        if self.collective.reads_end_apart:
+            self._install_agreed()
             return
-        if not self._no_room and not self._room_waits and self.loader.idle():
+        if not self._no_room and not self._room_waits and self.pool.idle():
             return  # most steps find nothing to install
         with self.residency.lock:
             for done, _, _ in list(self._room_waits.values()):
                 self._install_discovery(done)
             waiting, self._no_room = self._no_room, []
-            for done in waiting + self.loader.take():
+            for done in waiting + self.pool.take():
                 if done.job.serial is None:
                     self._install_discovery(done)
                 elif not self._install_fetch(done, done.job.serial):
@@ -403,19 +156,19 @@ class BackgroundLoads:
     def wait_any(self, timeout: float | None = None) -> bool:
         """Block until a read finishes (at once if one has since the last install, or none is in
         flight); False on timeout. What it read enters the host tier at the next :meth:`install`."""
-        return self.loader.wait_any(timeout)
+        return self.pool.wait_any(timeout)
 
     def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
         """Block until no read of ``names`` (None: of any adapter) is running or queued; False on timeout.
         Completions then wait for :meth:`install`."""
-        return self.loader.wait(names, timeout)
+        return self.pool.wait(names, timeout)
 
     def busy(self, name: str) -> bool:
         """Whether a read of ``name`` is running, queued, or done and not installed yet."""
         with self.residency.lock:
             if any(done.job.name == name for done in self._no_room):
                 return True
-        return self.loader.busy(name)
+        return self.pool.busy(name)
 
     def failed_names(self) -> list[str]:
         """The adapters whose failure waits to be handed to requests (see :meth:`take_errors`): those
@@ -472,20 +225,20 @@ class BackgroundLoads:
         """Drop everything pending or held for ``name`` once the registry has forgotten it (an unload
         finished): its reads (one running is abandoned, its worker replaced), what they read, its recorded
         failure, and its tensors (:meth:`~lora_pin.model.residency.Residency.forget`)."""
-        self.loader.cancel(name)
+        self.pool.cancel(name)
         with self.residency.lock:
             self._errors.pop(name, None)
             self._no_room = [done for done in self._no_room if done.job.name != name]
         self.residency.forget(name)
 
     def close(self) -> None:
-        """Stop the loader's threads once their running reads end; reads not started are dropped."""
-        self.loader.close()
+        """Stop the pool's threads once their running reads end; reads not started are dropped."""
+        self.pool.close()
 
-    def _install_agreed(self, group: TensorParallelGroup) -> None:
+    def _install_agreed(self) -> None:
         registry = self.residency.registry
         with self.residency.lock:
-            for done in self.loader.take():
+            for done in self.pool.take():
                 # A read of no open fetch (unloaded, or agreed failed before it ended) is dropped.
                 if done.job in self._open:
                     self._ready[done.job] = done
@@ -510,9 +263,9 @@ class BackgroundLoads:
                     outcomes.append(ready.error or AdapterLoadError(f"adapter {job.name!r}: read cancelled"))
         if not jobs:
             return
-        # Outside the lock: the loader's threads take it too, and other ranks may still be reading.
-        agreements = group.agree_fetches(outcomes)
-        finished = self._finish_agreed(group, jobs, agreements)
+        # Outside the lock: the pool's threads take it too, and other ranks may still be reading.
+        agreements = self.collective.agree_fetches(outcomes)
+        finished = self._finish_agreed(jobs, agreements)
         with self.residency.lock:
             for job, agreement in zip(jobs, agreements, strict=True):
                 if agreement is None:
@@ -542,12 +295,12 @@ class BackgroundLoads:
                     self._fail(job.name, job.serial, error)
 
     def _finish_agreed(
-        self, group: TensorParallelGroup, jobs: list[LoadJob], agreements: list[Agreement | None]
-    ) -> dict[LoadJob, Completion | BaseException]:
+        self, jobs: list[ReadJob], agreements: list[Agreement | None]
+    ) -> dict[ReadJob, Completion | BaseException]:
         """Every fetch read on every rank, finished over the ranks
         (:meth:`~lora_pin.parallel.Collective.finish_read`, alike on every rank: the jobs and agreements
         are), or why it cannot be served; outside the lock, as any collective."""
-        finished: dict[LoadJob, Completion | BaseException] = {}
+        finished: dict[ReadJob, Completion | BaseException] = {}
         for job, agreement in zip(jobs, agreements, strict=True):
             if agreement is None or agreement.failed:
                 continue
@@ -556,7 +309,7 @@ class BackgroundLoads:
             if ready is None or ready.adapter is None:
                 continue
             try:
-                finished[job] = Completion(ready.job, group.finish_read(ready.adapter), None)
+                finished[job] = Completion(ready.job, self.collective.finish_read(ready.adapter), None)
             except LoraPinError as exc:
                 finished[job] = exc
         return finished
