@@ -4,7 +4,7 @@
 //! requests, and register/unload of an adapter.
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use lora_pin::{AdapterKey, AdapterSize, Config, LoRARef, Registry, StepOptions};
+use lora_pin::{AdapterKey, AdapterSize, Config, LoRARef, Registry, StepMode, StepRequest};
 
 const ADAPTERS: usize = 64;
 const REQUESTS: usize = 256;
@@ -75,9 +75,9 @@ fn bench_plan(c: &mut Criterion) {
         let name = if fetch { "begin_finish_step_256_fetch_mode" } else { "begin_finish_step_256" };
         group.bench_function(name, |b| {
             b.iter(|| {
-                let options = StepOptions { fetch, ..StepOptions::default() };
-                let (plan, ticket) = reg.begin_step_with(&keyed[i % keyed.len()], &tokens, options).unwrap();
-                let ticket = ticket.unwrap();
+                let mode = if fetch { StepMode::Fetch } else { StepMode::ReadInStep };
+                let request = StepRequest::new(&keyed[i % keyed.len()], &tokens, mode);
+                let (plan, ticket) = reg.begin_step(request).unwrap().begun().unwrap();
                 for index in 0..plan.loads.len() {
                     reg.report_load(ticket, index, true).unwrap();
                 }

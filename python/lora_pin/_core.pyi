@@ -74,6 +74,10 @@ class LoRARef:
     def __hash__(self) -> int: ...
 
 _SpecValue: TypeAlias = str | Mapping[str, str | bool | PathLike[str] | None] | LoRARef
+# How a step brings in adapters outside the host tier (``LoRARegistry.begin_step``'s ``mode``).
+_StepMode: TypeAlias = Literal["read_in_step", "read_first", "fetch"]
+# What ``begin_step`` did: the caller's next move (``StepPlan.action``).
+_StepAction: TypeAlias = Literal["begun", "discover", "read_first", "fetching"]
 
 def parse_lora_paths(
     values: Mapping[str, str] | Iterable[_SpecValue] | None,
@@ -116,11 +120,15 @@ class StepPlan:
     @property
     def loads(self) -> list[tuple[str, str, int, str]]: ...
     @property
+    def action(self) -> _StepAction: ...
+    @property
     def ticket(self) -> int | None: ...
     @property
     def to_read(self) -> list[str]: ...
     @property
     def unknown(self) -> list[str]: ...
+    @property
+    def progress(self) -> bool: ...
     @property
     def reasons(self) -> list[str]: ...
     @property
@@ -128,6 +136,9 @@ class StepPlan:
     @property
     def slots_used(self) -> list[tuple[int, int]]: ...
     def step_arrays(self) -> tuple[bytearray, tuple[int, int, int, int]]: ...
+    def subset(
+        self, requests: Sequence[int], num_tokens: Sequence[int]
+    ) -> tuple[bytearray, tuple[int, int, int, int]]: ...
     @property
     def evictions(self) -> list[tuple[str, str, int]]: ...
     @property
@@ -171,13 +182,12 @@ class LoRARegistry:
         self,
         names: Iterable[str | None],
         num_tokens: int | Iterable[int],
+        mode: _StepMode = "read_in_step",
         *,
-        all_or_nothing: bool = False,
-        read_first: bool = False,
-        fetch: bool = False,
+        whole: bool = False,
         failed: Sequence[str] = ...,
         discovering: Sequence[str] = ...,
-        defer_unknown: bool = False,
+        discover: bool = False,
     ) -> StepPlan: ...
     def prefetch(self, names: Sequence[str | None]) -> FetchPlan: ...
     def fetch_done(self, name: str, serial: int) -> list[str]: ...

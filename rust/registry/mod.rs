@@ -47,7 +47,7 @@ use self::adapter::{Adapter, Identity, Protection, Tenancy, NOT_NAMED};
 pub use self::fetch::{Fetch, FetchPlan};
 pub use self::lifecycle::{Place, Placement};
 pub use self::plan::{Deferral, Hold, Load, StepPlan, StepRequests};
-pub use self::step::{StepOptions, StepTicket};
+pub use self::step::{StepMode, StepRequest, StepStart, StepTicket};
 use self::tiers::{DeviceCandidate, DeviceTier, HostCandidate, HostLedger, Tier, TierCounters};
 pub use self::unload::Unload;
 use crate::error::{Error, Result};

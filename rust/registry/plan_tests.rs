@@ -148,3 +148,44 @@ fn loading_adapters_keep_their_slot_until_done_and_failed_loads_leave() {
     reg.load_failed("a").unwrap();
     assert!(!reg.stats().host.resident.contains(&"a".to_owned()));
 }
+
+/// `subset`'s buffer, decoded: (token_perm, request_slots, seg_indptr, seg_slots).
+fn decoded((bytes, words): (Vec<u8>, [usize; 4])) -> (Vec<i64>, Vec<i32>, Vec<i32>, Vec<i32>) {
+    let perm = bytes[..4 * words[0]].chunks(8).map(|c| i64::from_ne_bytes(c.try_into().unwrap())).collect();
+    let ints: Vec<i32> =
+        bytes[4 * words[0]..].chunks(4).map(|c| i32::from_ne_bytes(c.try_into().unwrap())).collect();
+    let (slots, rest) = ints.split_at(words[1]);
+    let (indptr, seg_slots) = rest.split_at(words[2]);
+    (perm, slots.to_vec(), indptr.to_vec(), seg_slots.to_vec())
+}
+
+#[test]
+fn a_subset_is_segmented_as_a_step_of_those_requests_would_be() {
+    let mut config = Config::new(2);
+    config.chunk_size = Some(2);
+    let mut reg = Registry::new(config).unwrap();
+    for n in ["a", "b", "c"] {
+        reg.register(lora(n), size(4, 100)).unwrap();
+    }
+    // c waits for a slot: request 3 is not admitted.
+    let p = reg.plan_names(&[Some("a"), None, Some("b"), Some("c"), Some("a")], &[1; 5]).unwrap();
+    assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([0, 1, 2, 4].as_slice(), [3].as_slice()));
+    // The whole step again, with its own counts: the plan's own arrays.
+    let whole = decoded(p.subset(&[0, 1, 2, 4], &[1; 4]).unwrap());
+    let perm: Vec<i64> = p.token_perm.iter().map(|&t| i64::from(t)).collect();
+    assert_eq!(whole, (perm, p.request_slots.clone(), p.seg_indptr.clone(), p.seg_slots.clone()));
+    // Requests 4 (a, 3 tokens), 1 (base, 2) and 2 (b, 1), in that order: rows 0..3 are a's (cut at
+    // the chunk size), 3..5 base, 5 b's.
+    let (perm, slots, indptr, seg_slots) = decoded(p.subset(&[4, 1, 2], &[3, 2, 1]).unwrap());
+    let a = p.request_slots[3];
+    let b = p.request_slots[2];
+    assert_eq!(slots, [a, -1, b]);
+    let (first, second) = if a < b { (vec![0, 1, 2], vec![5]) } else { (vec![5], vec![0, 1, 2]) };
+    assert_eq!(perm, [first, second].concat());
+    assert_eq!(indptr, if a < b { vec![0, 2, 3, 4] } else { vec![0, 1, 3, 4] });
+    assert_eq!(seg_slots, if a < b { vec![a, a, b] } else { vec![b, a, a] });
+    // Bad sub-batches are refused by name.
+    for (requests, counts) in [(&[3][..], &[1][..]), (&[0, 0], &[1, 1]), (&[0], &[0]), (&[0, 1], &[1])] {
+        assert!(matches!(p.subset(requests, counts), Err(Error::Usage(_))), "{requests:?} {counts:?}");
+    }
+}

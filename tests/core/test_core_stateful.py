@@ -522,7 +522,7 @@ class RegistryVsModel(RuleBasedStateMachine):
         batch = [n for n, _ in requests]
         tokens = [t for _, t in requests]
         got = same_outcome(
-            lambda: self.reg.begin_step(batch, tokens, fetch=True),
+            lambda: self.reg.begin_step(batch, tokens, "fetch"),
             lambda: self.model.begin_step_fetch(batch, tokens),
         )
         if not got:

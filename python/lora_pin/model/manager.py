@@ -21,7 +21,6 @@ from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, LoRAConfig, lora_config_f
 from lora_pin.errors import LoraPinError, SpecError, StalePlanError, UsageError
 from lora_pin.model.adapter_dir import checked_adapter_dir
 from lora_pin.model.attach import FusedSpec, attach, base_weights, detach, model_targets
-from lora_pin.model.layers import StepSegments
 from lora_pin.model.lifecycle import AdapterIdentity, Lifecycle, Placement
 from lora_pin.model.loader import (
     DEFAULT_LOAD_TIMEOUT,
@@ -30,10 +29,11 @@ from lora_pin.model.loader import (
     checked_load_timeout,
     loading_mode,
 )
-from lora_pin.model.loading import BackgroundLoading, BlockingLoading, Discovery
 from lora_pin.model.residency import Residency
+from lora_pin.model.segments import StepSegments, arrays_on
 from lora_pin.model.step import Step, StepArrays, step_segments
-from lora_pin.ops import CUDA_CHUNK_SIZE, segments_from_slots
+from lora_pin.model.step_begin import BackgroundLoading, BlockingLoading, Discovery
+from lora_pin.ops import CUDA_CHUNK_SIZE
 from lora_pin.parallel import TensorParallel
 from lora_pin.parallel.api import manager_shard_plan
 from lora_pin.unloading import unload_async
@@ -534,7 +534,7 @@ class LoRAManager:
             try:
                 # Releases its requests and ends its adapters' protection as "in the step" now, not at
                 # the next step: a load between steps may evict them from a full host tier.
-                self.registry.finish_step(step._ticket)
+                self.registry.finish_step(step._plan.ticket)
             finally:
                 self._active = None
                 self._step_lock.release()
@@ -728,7 +728,7 @@ class LoRAManager:
             request_slots=request_slots,
             segments=segments,
             num_tokens=plan.num_tokens,
-            _ticket=plan.ticket,
+            _plan=plan,
             _slot_writes=slot_writes,
             failed=self._loading.failures(names, failed) if failed else None,
             loading=loading,
@@ -752,21 +752,10 @@ class LoRAManager:
             UsageError: ``requests`` and ``num_tokens`` differ in length, an index is not among
                 ``step.admitted`` or repeats, or a count is below 1. Nothing changes then.
         """
-        if len(requests) != len(num_tokens):
-            raise UsageError(f"run_subset: {len(requests)} requests but {len(num_tokens)} token counts")
-        position = {r: k for k, r in enumerate(step.admitted)}
-        picked = [position.get(r, -1) for r in requests]
-        if -1 in picked or len(set(picked)) != len(picked):
-            raise UsageError(
-                f"run_subset: requests {list(requests)} must be distinct admitted indices of the "
-                f"step (admitted: {list(step.admitted)})"
-            )
-        if any(n < 1 for n in num_tokens):
-            raise UsageError(f"run_subset: every token count must be at least 1 (got {list(num_tokens)})")
-        slots = step.request_slots.cpu().long()[torch.tensor(picked, dtype=torch.long)]
-        token_slots = torch.repeat_interleave(slots, torch.tensor(list(num_tokens), dtype=torch.long))
-        segments = segments_from_slots(token_slots, self.chunk_size, device=self.device)
+        # The core checks the sub-batch (nothing changes on an error) and segments it.
+        data, words = step._plan.subset(requests, num_tokens)
+        _, segments = arrays_on(data, words, self.device)
         with self.residency.lock:
             if step is not self._active_step:
                 raise LoraPinError("run_subset: that step is not the active one (finished already?)")
-            self._active = StepSegments(segments=segments, any_adapter=segments.perm.numel() > 0)
+            self._active = StepSegments(segments=segments, any_adapter=words[0] > 0)

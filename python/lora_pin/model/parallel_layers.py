@@ -20,9 +20,9 @@ Rows with no adapter are never touched, so after the base layer's all-reduce the
 model's output bit for bit.
 
 On the CPU (eager), a layer's LoRA work is checked and planned once per step and layer group: a plain
-shard's as one fused delta (:meth:`~lora_pin.model.layers.StepSegments.delta_for`), a fully sharded
+shard's as one fused delta (:meth:`~lora_pin.model.segments.StepSegments.delta_for`), a fully sharded
 layer's as a shrink and an expand run apart around the collective
-(:meth:`~lora_pin.model.layers.StepSegments.split_delta_for`, :mod:`lora_pin.ops.split`). A group that
+(:meth:`~lora_pin.model.segments.StepSegments.split_delta_for`, :mod:`lora_pin.ops.split`). A group that
 no row of the step uses is skipped, collective included; for a fully sharded layer that is read from
 the group's full ranks, the same on every process, so every process of the group makes the same
 collective calls (a column layer's chunk may hold none of a slot's rank while another process's holds
@@ -37,7 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lora_pin.model.layers import LoRALinear, StepSegments, rescales_dora
+from lora_pin.model.layers import LoRALinear, rescales_dora
+from lora_pin.model.segments import StepSegments
 from lora_pin.ops import KernelMeta, SegmentBatch, expand, shrink
 from lora_pin.parallel import CollectiveLog, GroupShard, RowCall, ShardPlan, parallel_kind
 from lora_pin.weights.pool import GroupBuffers
@@ -52,7 +53,7 @@ class ParallelLoRALinear(LoRALinear):
         base_layer: the framework's layer, kept as is.
         buffers: this rank's device-pool buffers of the layer's group (shapes in
             :meth:`~lora_pin.parallel.sharding.GroupShard.pool_shape`).
-        active_step: returns the active :class:`~lora_pin.model.layers.StepSegments`, or None.
+        active_step: returns the active :class:`~lora_pin.model.segments.StepSegments`, or None.
         shard: the layer's sharding on this rank.
         row_call: for a row-parallel layer, how to run it in two halves (required then).
         returns_bias: the layer's forward returns ``(out, bias)``.
