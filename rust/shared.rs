@@ -51,6 +51,18 @@ impl SharedRegistry {
         Ok(())
     }
 
+    /// [`SharedRegistry::finish_step`] if no one holds the lock now; `None` (nothing done) otherwise.
+    ///
+    /// Errors: as [`Registry::finish_step`].
+    pub fn try_finish_step(&self, ticket: StepTicket) -> Option<Result<()>> {
+        let drained = self.inner.try_lock()?.finish_step(ticket);
+        Some(drained.map(|drained| {
+            if drained {
+                self.drained.notify_all();
+            }
+        }))
+    }
+
     /// Unregisters `name` and waits up to `wait` for its requests to drain, then forgets it.
     /// Returns [`Unload::Draining`] if requests are still in flight after `wait`; go on with
     /// [`SharedRegistry::continue_unload_for`] and its serial.

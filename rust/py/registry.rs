@@ -27,7 +27,8 @@ use super::{detached, shielded};
 use crate::policy::{AdapterKey, PolicyKind};
 use crate::registry::tiers::TierCounters;
 use crate::registry::{
-    AdapterSize, Config, Registry, StepMode, StepRequest, StepRequests, StepTicket, TierStats, Unload,
+    AdapterSize, Config, Offer, Registry, StepMode, StepRequest, StepRequests, StepTicket, TierStats, Unload,
+    Wants,
 };
 use crate::shared::SharedRegistry;
 
@@ -505,7 +506,50 @@ impl PyLoRARegistry {
     /// Raises:
     ///     UsageError: `ticket` is not the open step (finished already); nothing changes.
     fn finish_step(&self, py: Python<'_>, ticket: u64) -> PyResult<()> {
-        detached(py, || self.shared.finish_step(StepTicket(ticket)))
+        // O(slots): done with the GIL held when the lock is free, which saves releasing and taking
+        // back the GIL every step; waiting for the lock releases it.
+        let ticket = StepTicket(ticket);
+        if let Some(done) = shielded(py, || Ok(self.shared.try_finish_step(ticket)))? {
+            return done.map_err(PyErr::from);
+        }
+        detached(py, || self.shared.finish_step(ticket))
+    }
+
+    /// The order to offer a scheduler's requests to a step in, as indices: running requests first,
+    /// as given; then the waiting ones, ranked: overdue (overtaken in `OVERDUE_AFTER` rounds or
+    /// more), then those of pinned adapters, then those that cost no load (the base model's, an
+    /// adapter's in a device slot), then the rest, each rank in the given (arrival) order.
+    /// `names[i]` is request i's adapter (None: the base model; a name not registered ranks with
+    /// the rest) and `overtaken[i]` None for a running request, else the rounds in which younger
+    /// requests started ahead of it. Changes nothing.
+    ///
+    /// Raises:
+    ///     UsageError: the lengths differ.
+    fn offer_order(
+        &self,
+        py: Python<'_>,
+        names: Vec<Option<PyBackedStr>>,
+        overtaken: Vec<Option<u32>>,
+    ) -> PyResult<Vec<u32>> {
+        if names.len() != overtaken.len() {
+            let msg = format!("offer_order: {} names but {} overtaken counts", names.len(), overtaken.len());
+            return Err(usage(py, msg));
+        }
+        detached(py, || {
+            let reg = self.shared.lock();
+            let offers: Vec<Offer> = names
+                .iter()
+                .zip(&overtaken)
+                .map(|(name, &overtaken)| {
+                    let wants = match name {
+                        None => Wants::Base,
+                        Some(n) => reg.lookup(n, false).map_or(Wants::Unregistered, Wants::Adapter),
+                    };
+                    Offer { wants, overtaken }
+                })
+                .collect();
+            Ok(reg.offer_order(&offers))
+        })
     }
 
     /// Cuts a batch of adapter names (None: the base model) into groups of request indices, in

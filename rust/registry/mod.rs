@@ -33,6 +33,7 @@ mod audit;
 mod fetch;
 mod lifecycle;
 mod moves;
+mod offer;
 mod plan;
 mod step;
 #[cfg(test)]
@@ -46,6 +47,7 @@ pub use self::adapter::AdapterSize;
 use self::adapter::{Adapter, Identity, Protection, Tenancy, NOT_NAMED};
 pub use self::fetch::{Fetch, FetchPlan};
 pub use self::lifecycle::{Place, Placement};
+pub use self::offer::{Offer, Wants};
 pub use self::plan::{Deferral, Hold, Load, StepPlan, StepRequests};
 pub use self::step::{StepMode, StepRequest, StepStart, StepTicket};
 use self::tiers::{DeviceCandidate, DeviceTier, HostCandidate, HostLedger, Tier, TierCounters};

@@ -225,3 +225,21 @@ def test_steps_prefetches_and_reports_from_threads_keep_every_invariant() -> Non
     assert not failures, failures
     reg.audit()
     assert reg.stats()["host"]["reserved_bytes"] == 100 * len({n for n, _ in started})
+
+
+def test_offer_order_ranks_waiting_requests_by_the_cores_rule() -> None:
+    """Running first; then waiting: overdue, pinned, free (base, in a slot), the rest (a name not
+    registered among them), each in the given order."""
+    from lora_pin._core import OVERDUE_AFTER
+
+    reg = make(slots=3, loaded=None)
+    reg.pin("c")
+    plan = reg.begin_step(["b"], 1)
+    for i in range(len(plan.loads)):
+        reg.report_load(plan.ticket, i, True)  # type: ignore[arg-type]
+    reg.finish_step(plan.ticket)  # type: ignore[arg-type]
+    names = ["a", None, "a", "c", "a", "b", "gone", None]
+    overtaken = [0, 0, None, 0, OVERDUE_AFTER, 1, 0, None]
+    assert reg.offer_order(names, overtaken) == [2, 7, 4, 3, 1, 5, 0, 6]
+    with pytest.raises(UsageError, match="overtaken"):
+        reg.offer_order(["a"], [])

@@ -534,7 +534,7 @@ class LoRAManager:
             try:
                 # Releases its requests and ends its adapters' protection as "in the step" now, not at
                 # the next step: a load between steps may evict them from a full host tier.
-                self.registry.finish_step(step._plan.ticket)
+                self.registry.finish_step(step._ticket)
             finally:
                 self._active = None
                 self._step_lock.release()
@@ -564,6 +564,23 @@ class LoRAManager:
             yield step
         finally:
             self.finish(step)
+
+    def offer_order(self, names: Sequence[str | None], overtaken: Sequence[int | None]) -> list[int]:
+        """The order an engine offers its requests to :meth:`prepare_step` in, as indices into ``names``:
+        the core's ranking (``LoRARegistry.offer_order``), the rule admission follows. Running requests
+        first, as given; then the waiting ones: overdue (overtaken by younger ones in ``OVERDUE_AFTER``
+        rounds or more, the core's age bound), pinned adapters', those that cost no load (the base
+        model's, an adapter's in a device slot), then the rest; each rank in the given order.
+
+        Args:
+            names: each request's adapter (None: the base model; a name not registered ranks last).
+            overtaken: per request, None when it is running (its sequence started), else the rounds in
+                which younger requests started ahead of it (the engine counts them).
+
+        Raises:
+            UsageError: the lengths differ.
+        """
+        return self.registry.offer_order(names, overtaken)
 
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
         """Cut a batch into groups of request indices, in order, each of which fits the slots at once.
@@ -695,10 +712,10 @@ class LoRAManager:
                 raise LoraPinError("the manager is detached")
             if not isinstance(names, (list, tuple)):
                 names = _checked_names(names)  # read more than once below; a str is refused
-            plan, loading = self._loading.begin(names, num_tokens, per_sequence)
+            plan = self._loading.begin(names, num_tokens, per_sequence)
             try:
                 slot_writes = self.residency.apply(plan)
-                step = self._activate(names, plan, loading, slot_writes, per_sequence)
+                step = self._activate(names, plan, slot_writes, per_sequence)
             except BaseException as exc:
                 self.registry.finish_step(plan.ticket)
                 if isinstance(exc, StalePlanError):
@@ -714,25 +731,26 @@ class LoRAManager:
         self,
         names: Sequence[str | None],
         plan: Any,
-        loading: tuple[int, ...],
         slot_writes: tuple[tuple[int, int], ...],
         per_sequence: bool,
     ) -> Step:
         request_slots, segments, any_adapter = self._arrays.of(plan)
-        active = step_segments(request_slots, segments, any_adapter, per_sequence, self.chunk_size)
-        deferred = tuple(plan.deferred)
-        failed = plan.failed
+        if per_sequence:
+            active = step_segments(request_slots, segments, any_adapter, self.chunk_size)
+        else:
+            active = StepSegments(segments, None, None, any_adapter)
+        admitted, deferred, reasons, failed, num_tokens = plan.outcome()
         step = Step(
-            admitted=tuple(plan.admitted),
-            deferred=deferred,
-            request_slots=request_slots,
-            segments=segments,
-            num_tokens=plan.num_tokens,
-            _plan=plan,
-            _slot_writes=slot_writes,
-            failed=self._loading.failures(names, failed) if failed else None,
-            loading=loading,
-            reasons=tuple(plan.reasons) if deferred else (),
+            admitted,
+            deferred,
+            request_slots,
+            segments,
+            num_tokens,
+            plan,
+            slot_writes,
+            self._loading.failures(names, failed) if failed else None,
+            self._loading.waiting_for_reads(deferred, reasons) if deferred else (),
+            reasons,
         )
         with self.residency.lock:
             self._active, self._active_step = active, step

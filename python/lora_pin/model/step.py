@@ -17,8 +17,8 @@ __all__ = ["Step", "StepArrays", "step_segments"]
 
 class Step:
     """One planned scheduler step (from :meth:`LoRAManager.prepare_step` or :meth:`LoRAManager.batch`),
-    built by keyword; its attributes are read-only (a plain class with ``__slots__``: building one is
-    part of every step's cost).
+    built by the manager (by position: a keyword call costs more, and every step builds one); its
+    attributes are read-only (a plain class with ``__slots__``).
 
     Attributes:
         admitted: indices (into the step's requests) of the requests that run this step, in batch order.
@@ -47,6 +47,7 @@ class Step:
     __slots__ = (
         "_plan",
         "_slot_writes",
+        "_ticket",
         "admitted",
         "deferred",
         "failed",
@@ -59,7 +60,6 @@ class Step:
 
     def __init__(
         self,
-        *,
         admitted: tuple[int, ...],
         deferred: tuple[int, ...],
         request_slots: torch.Tensor,
@@ -76,8 +76,9 @@ class Step:
         self.request_slots = request_slots
         self.segments = segments
         self.num_tokens = num_tokens
-        # The core's plan (a begun step's: its ticket ends the step, its arrays segment sub-batches).
+        # The core's plan (its arrays segment sub-batches) and its ticket (it ends the step).
         self._plan = _plan
+        self._ticket: int = _plan.ticket
         self._slot_writes = _slot_writes
         self.failed: Mapping[int, LoraPinError] = {} if failed is None else failed
         self.loading = loading
@@ -121,15 +122,10 @@ class StepArrays:
 
 
 def step_segments(
-    request_slots: torch.Tensor,
-    segments: SegmentBatch,
-    any_adapter: bool,
-    per_sequence: bool,
-    chunk_size: int | None,
+    sequence_slots: torch.Tensor, segments: SegmentBatch, any_adapter: bool, chunk_size: int | None
 ) -> StepSegments:
-    """The :class:`StepSegments` of a step's arrays (:meth:`StepArrays.of`)."""
-    if per_sequence:
-        return StepSegments(
-            segments, sequence_slots=request_slots.long(), chunk_size=chunk_size, any_adapter=any_adapter
-        )
-    return StepSegments(segments=segments, any_adapter=any_adapter)
+    """The :class:`StepSegments` of a per-sequence batch's arrays (:meth:`StepArrays.of`): its sequences'
+    slots and the core's one-token segments."""
+    return StepSegments(
+        segments, sequence_slots=sequence_slots.long(), chunk_size=chunk_size, any_adapter=any_adapter
+    )

@@ -173,16 +173,18 @@ class Loading(ABC):
         return self.residency.registry
 
     @abstractmethod
-    def begin(
-        self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool
-    ) -> tuple[Any, tuple[int, ...]]:
-        """One core transaction for the step ``names`` / ``num_tokens`` (:meth:`transaction`). Returns the
-        core's plan and the deferred requests whose adapter is not in host memory
-        (:attr:`~lora_pin.model.Step.loading`).
+    def begin(self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool) -> Any:
+        """One core transaction for the step ``names`` / ``num_tokens`` (:meth:`transaction`), and what the
+        mode does once it has begun; returns the core's begun plan.
 
         Raises:
             As :meth:`transaction`.
         """
+
+    def waiting_for_reads(self, deferred: tuple[int, ...], reasons: tuple[str, ...]) -> tuple[int, ...]:
+        """The requests of ``deferred`` (with the core's ``reasons``) whose adapter is not in host memory
+        (:attr:`~lora_pin.model.Step.loading`): none, but in background loading."""
+        return ()
 
     @abstractmethod
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
@@ -339,11 +341,9 @@ class BlockingLoading(Loading):
     mode = "blocking"
     step_mode: StepMode = "read_first"
 
-    def begin(
-        self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool
-    ) -> tuple[Any, tuple[int, ...]]:
-        """See :meth:`Loading.begin`: nothing waits for a read, since the step read first."""
-        return self.transaction(names, num_tokens, per_sequence), ()
+    def begin(self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool) -> Any:
+        """See :meth:`Loading.begin`."""
+        return self.transaction(names, num_tokens, per_sequence)
 
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
         """Reads the ``adapter_dir`` adapters of ``names`` first (see :meth:`Loading.split`)."""
@@ -381,20 +381,20 @@ class BackgroundLoading(Loading):
         # Adapters of the groups after the first of the last split, prefetched by the next step.
         self._prefetch_next: list[str] = []
 
-    def begin(
-        self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool
-    ) -> tuple[Any, tuple[int, ...]]:
+    def begin(self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool) -> Any:
         """See :meth:`Loading.begin`: a per-sequence batch waits for its reads; a step defers the requests
-        whose adapter is not in host memory and starts their reads (in request order in ``loading``)."""
+        whose adapter is not in host memory and starts their reads, then prefetches the later groups of the
+        last :meth:`split`."""
         plan = self.transaction(names, num_tokens, per_sequence)
         self.loads.start_fetches(plan.to_fetch)
-        loading: tuple[int, ...] = ()
-        deferred = plan.deferred
-        if deferred:
-            reasons = plan.reasons
-            loading = tuple(i for i, why in zip(deferred, reasons, strict=True) if why in _NOT_IN_HOST)
-        self._prefetch_split()
-        return plan, loading
+        if self._prefetch_next:
+            self._prefetch_split()
+        return plan
+
+    def waiting_for_reads(self, deferred: tuple[int, ...], reasons: tuple[str, ...]) -> tuple[int, ...]:
+        """See :meth:`Loading.waiting_for_reads`: those being read, or waiting for host memory to be read
+        into."""
+        return tuple(i for i, why in zip(deferred, reasons, strict=True) if why in _NOT_IN_HOST)
 
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
         """Reads the ``adapter_dir`` adapters of ``names`` on the loader, waiting, and keeps the later
@@ -424,8 +424,6 @@ class BackgroundLoading(Loading):
 
     def _prefetch_split(self) -> None:
         """Prefetch the later groups of the last :meth:`split`, now that a step protects its adapters."""
-        if not self._prefetch_next:
-            return
         with self.residency.lock:
             names, self._prefetch_next = self._prefetch_next, []
         if names:

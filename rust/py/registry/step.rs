@@ -6,7 +6,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyList, PyString};
+use pyo3::types::{PyByteArray, PyBytes, PyList, PyString, PyTuple};
 
 use super::requests::AddressMap;
 use crate::py::shielded;
@@ -244,11 +244,34 @@ impl PyStepPlan {
         Ok((PyByteArray::new(py, &bytes), (a, b, c, d)))
     }
 
-    /// `(slot, generation)` of each slot the admitted requests use, ascending.
+    /// Each slot the admitted requests use, ascending, and its generation: native-endian int64
+    /// pairs `[slot, generation, slot, generation, ...]` as `bytes`, which compare equal exactly when
+    /// two plans use the same slots at the same generations (`memoryview(b).cast("q")` reads them).
     #[getter]
-    fn slots_used(&self) -> Vec<(u32, i64)> {
+    fn slots_used<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         let generations = &self.plan.slot_generations;
-        self.plan.slots_used.iter().map(|&s| (s, generations[s as usize])).collect()
+        let pairs: Vec<i64> =
+            self.plan.slots_used.iter().flat_map(|&s| [i64::from(s), generations[s as usize]]).collect();
+        // SAFETY: i64 has no padding; the byte slice covers exactly `pairs`, which outlives it.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(pairs.as_ptr().cast::<u8>(), std::mem::size_of_val(&*pairs))
+        };
+        PyBytes::new(py, bytes)
+    }
+
+    /// What became of the step's requests, in one call: `(admitted, deferred, reasons, failed,
+    /// num_tokens)`, the first three tuples as the properties of those names give them, `failed`
+    /// as its property, and `num_tokens` the admitted requests' tokens.
+    #[allow(clippy::type_complexity)]
+    fn outcome<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Bound<'py, PyTuple>, Bound<'py, PyTuple>, Bound<'py, PyTuple>, Bound<'py, PyList>, usize)>
+    {
+        let admitted = self.admitted(py)?.to_tuple();
+        let deferred = PyTuple::new(py, &self.plan.deferred)?;
+        let reasons = PyTuple::new(py, self.plan.reasons.iter().map(|r| PyString::intern(py, r.as_str())))?;
+        Ok((admitted, deferred, reasons, self.failed(py)?, self.plan.num_tokens()))
     }
 
     /// Indices of the admitted requests, in batch order.
