@@ -1,7 +1,6 @@
-//! The registry's hot paths: planning a 256-request step over 64 adapters with 16 slots (2 pinned,
-//! zipf-like popularity so steps mix hits and misses, a host tier for 48 so some loads read from
-//! disk), the same as a step transaction (blocking, and in fetch mode), acquire/release of a step's
-//! requests, and register/unload of an adapter.
+//! The registry's hot paths: a step transaction over 256 requests, 64 adapters and 16 slots (2
+//! pinned, zipf-like popularity so steps mix hits and misses, a host tier for 48 so some loads read
+//! from disk), reading in the step and in fetch mode; and register/unload of an adapter.
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use lora_pin::{AdapterKey, AdapterSize, Config, LoRARef, Registry, StepMode, StepRequest};
@@ -57,16 +56,6 @@ fn bench_plan(c: &mut Criterion) {
     let mut group = c.benchmark_group("registry");
     group.throughput(Throughput::Elements(REQUESTS as u64));
     let mut i = 0;
-    group.bench_function("plan_256_requests_64_adapters_16_slots", |b| {
-        b.iter(|| {
-            let plan = reg.plan_names(&steps[i % steps.len()], &tokens).unwrap();
-            for load in &plan.loads {
-                reg.load_done(&load.name).unwrap();
-            }
-            i += 1;
-            plan
-        })
-    });
     // The step transaction over keys (how the live manager steps), blocking and in fetch mode:
     // fetch mode defers the host misses and fetches them, each reported done after the step.
     let keyed: Vec<Vec<Option<AdapterKey>>> =
@@ -90,14 +79,6 @@ fn bench_plan(c: &mut Criterion) {
             })
         });
     }
-    let step: Vec<Option<&str>> = steps[0].clone();
-    group.bench_function("acquire_release_256", |b| {
-        b.iter(|| {
-            let ids = reg.acquire(&step).unwrap();
-            let ids: Vec<Option<&str>> = ids.iter().map(|id| id.as_deref()).collect();
-            reg.release(&ids).unwrap();
-        })
-    });
     group.throughput(Throughput::Elements(1));
     group.bench_function("register_unload", |b| {
         b.iter_batched(

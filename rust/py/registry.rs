@@ -52,7 +52,7 @@ const UNLOAD_SLICE: Duration = Duration::from_millis(50);
 pub struct PyLoRARegistry {
     shared: SharedRegistry,
     names: Mutex<NameCache>,
-    indices: RequestIndices,
+    indices: Arc<RequestIndices>,
     strs: NameStrs,
 }
 
@@ -170,7 +170,7 @@ impl PyLoRARegistry {
             Ok(Self {
                 shared: SharedRegistry::new(Registry::new(config)?),
                 names: Mutex::default(),
-                indices: RequestIndices::new(),
+                indices: Arc::new(RequestIndices::new()),
                 strs: NameStrs::default(),
             })
         })
@@ -423,7 +423,7 @@ impl PyLoRARegistry {
             },
         )?;
         let indices = self.indices.at_least(py, n)?;
-        Ok(PyStepPlan::new(start, indices, self.strs.clone()))
+        Ok(PyStepPlan::new(start, Arc::clone(&self.indices), indices, self.strs.clone()))
     }
 
     /// Enters `name`, whose weights the caller has just read again for registration `serial` (see

@@ -36,7 +36,7 @@ pub fn plan(
         reg.plan(step.adapters, step.num_tokens)
     })?;
     let indices = this.indices.at_least(py, n)?;
-    Ok(PyStepPlan::planned(plan, indices, this.strs.clone()))
+    Ok(PyStepPlan::planned(plan, std::sync::Arc::clone(&this.indices), indices, this.strs.clone()))
 }
 
 /// Counts one more request in flight per adapter name, atomically; None (the base model) passes

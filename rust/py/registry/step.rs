@@ -18,12 +18,29 @@ use crate::registry::{Fetch, FetchPlan, LoadSource, StepPlan, StepStart};
 const DELETE_AT_MOST: usize = 32;
 
 /// The ints `0..len` as one Python list that plans slice their request indices from; it grows
-/// (doubling) to the longest step seen. Never handed out itself, so never mutated.
-pub(super) struct RequestIndices(Mutex<Option<Py<PyList>>>);
+/// (doubling) to the longest step seen. Never handed out itself, so never mutated. Also the tuple
+/// `0..n` of the latest step that admitted all its `n` requests, handed out as is (immutable): a
+/// steady batch's `outcome` builds no tuple.
+pub(super) struct RequestIndices(Mutex<Option<Py<PyList>>>, Mutex<Option<Py<PyTuple>>>);
 
 impl RequestIndices {
     pub(super) fn new() -> Self {
-        Self(Mutex::new(None))
+        Self(Mutex::new(None), Mutex::new(None))
+    }
+
+    /// The tuple `0..n`. `try_lock`: as for [`RequestIndices::at_least`].
+    fn range<'py>(&self, py: Python<'py>, n: usize) -> PyResult<Bound<'py, PyTuple>> {
+        let Some(mut shared) = self.1.try_lock() else {
+            return PyTuple::new(py, 0..n);
+        };
+        if let Some(tuple) = shared.as_ref().filter(|t| t.bind(py).len() == n) {
+            return Ok(tuple.bind(py).clone());
+        }
+        let tuple = PyTuple::new(py, 0..n)?;
+        let old = shared.replace(tuple.clone().unbind());
+        drop(shared);
+        drop(old);
+        Ok(tuple)
     }
 
     /// A list of at least `0..n`. `try_lock`: only a re-entrant call can find it locked, and that
@@ -106,12 +123,19 @@ pub struct PyStepPlan {
     progress: bool,
     /// At least `0..len(admitted) + len(deferred)`, shared with other plans.
     indices: Py<PyList>,
+    /// The registry's request indices, for `outcome`.
+    shared: Arc<RequestIndices>,
     /// The registry's strs for names.
     strs: NameStrs,
 }
 
 impl PyStepPlan {
-    pub(super) fn new(start: StepStart, indices: Py<PyList>, strs: NameStrs) -> Self {
+    pub(super) fn new(
+        start: StepStart,
+        shared: Arc<RequestIndices>,
+        indices: Py<PyList>,
+        strs: NameStrs,
+    ) -> Self {
         let empty = StepPlan::default();
         let (plan, action, ticket, names, progress) = match start {
             StepStart::Begun(plan, ticket) => (plan, Action::Begun, Some(ticket.0), Vec::new(), true),
@@ -119,13 +143,18 @@ impl PyStepPlan {
             StepStart::ReadFirst(names) => (empty, Action::ReadFirst, None, names, true),
             StepStart::Fetching { plan, progress } => (plan, Action::Fetching, None, Vec::new(), progress),
         };
-        Self { plan, action, ticket, names, progress, indices, strs }
+        Self { plan, action, ticket, names, progress, indices, shared, strs }
     }
 
     /// A plan made outside a step transaction (no ticket).
-    pub(super) fn planned(plan: StepPlan, indices: Py<PyList>, strs: NameStrs) -> Self {
+    pub(super) fn planned(
+        plan: StepPlan,
+        shared: Arc<RequestIndices>,
+        indices: Py<PyList>,
+        strs: NameStrs,
+    ) -> Self {
         let names = Vec::new();
-        Self { plan, action: Action::Begun, ticket: None, names, progress: true, indices, strs }
+        Self { plan, action: Action::Begun, ticket: None, names, progress: true, indices, shared, strs }
     }
 
     fn names_if<'py>(&self, py: Python<'py>, action: Action) -> PyResult<Bound<'py, PyList>> {
@@ -268,7 +297,12 @@ impl PyStepPlan {
         py: Python<'py>,
     ) -> PyResult<(Bound<'py, PyTuple>, Bound<'py, PyTuple>, Bound<'py, PyTuple>, Bound<'py, PyList>, usize)>
     {
-        let admitted = self.admitted(py)?.to_tuple();
+        let plan = &self.plan;
+        let admitted = if plan.deferred.is_empty() && plan.failed.is_empty() {
+            self.shared.range(py, plan.admitted.len())?
+        } else {
+            PyTuple::new(py, &plan.admitted)?
+        };
         let deferred = PyTuple::new(py, &self.plan.deferred)?;
         let reasons = PyTuple::new(py, self.plan.reasons.iter().map(|r| PyString::intern(py, r.as_str())))?;
         Ok((admitted, deferred, reasons, self.failed(py)?, self.plan.num_tokens()))
