@@ -34,7 +34,8 @@ impl SharedRegistry {
     /// [`Registry::release`], waking unloads when an adapter being unloaded drained.
     ///
     /// Errors: as [`Registry::release`].
-    pub fn release(&self, ids: &[Option<&str>]) -> Result<()> {
+    #[cfg(test)]
+    pub(crate) fn release(&self, ids: &[Option<&str>]) -> Result<()> {
         if self.inner.lock().release(ids)? {
             self.drained.notify_all();
         }

@@ -17,14 +17,8 @@ __all__ = [
     "StepPlan",
     "Trace",
     "__version__",
-    "_acquire",
     "_checked_names",
-    "_end_step",
-    "_load_done",
-    "_load_failed",
-    "_plan",
     "_read_tensors",
-    "_release",
     "_unload_timeout_error",
     "check_limits",
     "cpu_features",
@@ -214,14 +208,6 @@ class LoRARegistry:
     def __contains__(self, name: str, /) -> bool: ...
     def __len__(self) -> int: ...
 
-def _plan(
-    registry: LoRARegistry, names: Iterable[str | None], num_tokens: int | Iterable[int]
-) -> StepPlan: ...
-def _acquire(registry: LoRARegistry, names: Sequence[str | None]) -> list[str | None]: ...
-def _release(registry: LoRARegistry, ids: Sequence[str | None]) -> None: ...
-def _end_step(registry: LoRARegistry) -> None: ...
-def _load_done(registry: LoRARegistry, name: str) -> None: ...
-def _load_failed(registry: LoRARegistry, name: str) -> None: ...
 def _read_tensors(
     fd: int, reads: Sequence[tuple[str, str, Sequence[int], int, int, int]], *, threads: int = 1
 ) -> tuple[bytes, list[int | None]]: ...

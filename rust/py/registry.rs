@@ -2,7 +2,6 @@
 //! threads never see "Already borrowed"), the GIL released whenever the lock is taken.
 
 mod names;
-mod protocol;
 mod requests;
 mod step;
 
@@ -15,7 +14,6 @@ use pyo3::pybacked::PyBackedStr;
 use pyo3::types::PyDict;
 
 pub use self::names::checked_names;
-pub use self::protocol::{acquire, end_step, load_done, load_failed, plan, release};
 use self::requests::{token_counts, NameCache, Requests, Resolved, Unregistered};
 use self::step::{NameStrs, RequestIndices};
 pub use self::step::{PyFetchPlan, PyStepPlan};

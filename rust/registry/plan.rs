@@ -18,7 +18,6 @@ use super::fetch::{Claim, Fetch};
 use super::tiers::Eviction;
 use super::{LoadSource, Registry};
 use crate::error::{Error, Result};
-use crate::hash::FxHashMap;
 use crate::limits::OVERDUE_AFTER;
 use crate::policy::AdapterKey;
 
@@ -39,7 +38,7 @@ pub struct Load {
     pub source: LoadSource,
 }
 
-/// The outcome of [`Registry::plan`]. Token indices count the admitted requests' tokens only, each
+/// A step's plan ([`Registry::begin_step`]). Token indices count the admitted requests' tokens only, each
 /// request's tokens contiguous, requests in `admitted` order.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepPlan {
@@ -290,8 +289,9 @@ impl Registry {
     ///
     /// Errors: as [`Registry::plan`], and [`Error::AdapterNotFound`] for an unknown name (nothing is
     /// planned then).
-    pub fn plan_names(&mut self, names: &[Option<&str>], num_tokens: &[u32]) -> Result<StepPlan> {
-        let mut seen: FxHashMap<(usize, usize), AdapterKey> = FxHashMap::default();
+    #[cfg(test)]
+    pub(crate) fn plan_names(&mut self, names: &[Option<&str>], num_tokens: &[u32]) -> Result<StepPlan> {
+        let mut seen: crate::hash::FxHashMap<(usize, usize), AdapterKey> = Default::default();
         let mut adapters = Vec::with_capacity(names.len());
         for name in names {
             adapters.push(match name {
@@ -312,31 +312,39 @@ impl Registry {
         self.plan(&adapters, num_tokens)
     }
 
-    /// Plans one step and commits it: the previous step's protection ends, the admitted adapters are
-    /// protected until the next plan (or [`Registry::end_step`]), and the planned loads are marked
-    /// loading until [`Registry::load_done`] / [`Registry::load_failed`].
+    /// Plans one step and commits it, outside a transaction (test support only, with
+    /// [`Registry::end_step`], [`Registry::load_done`] and [`Registry::load_failed`]: the unit tests
+    /// look at a plan's state between those calls): the previous step's protection ends, the admitted
+    /// adapters are protected until the next plan (or `end_step`), and the planned loads are marked
+    /// loading until `load_done` / `load_failed`.
     ///
     /// `adapters[i]` and `num_tokens[i]` describe request `i` (adapters from [`Registry::lookup`];
     /// ones being unloaded are served, their requests are still running).
     ///
     /// Errors: [`Error::Usage`] when the two slices differ in length, the admitted tokens overflow
     /// an `i32`, or a step transaction is open (nothing is planned then).
-    pub fn plan(&mut self, adapters: &[Option<AdapterKey>], num_tokens: &[u32]) -> Result<StepPlan> {
+    #[cfg(test)]
+    pub(crate) fn plan(&mut self, adapters: &[Option<AdapterKey>], num_tokens: &[u32]) -> Result<StepPlan> {
         self.plan_in(StepRequests { adapters, num_tokens, holds: &[] }, false)
     }
 
-    /// [`Registry::plan`], in fetch mode when `fetch`: a request whose adapter is not in the host
-    /// tier is deferred (it takes none of the slot budget), and the adapter's fetch starts unless
-    /// it is fetching already or the host tier cannot make room now, even after adapters admitted
-    /// for younger requests yield theirs; the plan's `to_fetch` lists the fetches started. In
-    /// either mode a fresh adapter (see [`Registry::fetch_done`]) stays fresh only if this plan
-    /// defers it.
+    /// Plans one step over `requests` and commits it (for [`Registry::begin_step`], which acquires
+    /// it): the previous plan's protection ends, the admitted adapters are protected as in the step,
+    /// and the planned loads are marked loading until reported. `adapters[i]` and `num_tokens[i]`
+    /// describe request `i` (adapters from [`Registry::lookup`]).
+    ///
+    /// In fetch mode (`fetch`) a request whose adapter is not in the host tier is deferred (it takes
+    /// none of the slot budget), and the adapter's fetch starts unless it is fetching already or the
+    /// host tier cannot make room now, even after adapters admitted for younger requests yield
+    /// theirs; the plan's `to_fetch` lists the fetches started. In either mode a fresh adapter (see
+    /// [`Registry::fetch_done`]) stays fresh only if this plan defers it.
     ///
     /// The requests' holds (sorted by request, each with no adapter) are neither admitted nor
     /// counted: each is deferred or fails as its [`Hold`] says.
     ///
-    /// Errors: as [`Registry::plan`].
-    pub fn plan_in(&mut self, requests: StepRequests<'_>, fetch: bool) -> Result<StepPlan> {
+    /// Errors: [`Error::Usage`] when the two slices differ in length, the admitted tokens overflow
+    /// an `i32`, or a step transaction is open (nothing is planned then).
+    pub(super) fn plan_in(&mut self, requests: StepRequests<'_>, fetch: bool) -> Result<StepPlan> {
         let StepRequests { adapters, num_tokens, .. } = requests;
         self.refuse_open_step("plan")?;
         let total = check_step_size(adapters.len(), num_tokens)?;

@@ -501,7 +501,8 @@ impl Registry {
     /// callers of [`Registry::plan`]; a step transaction ends with [`Registry::finish_step`].
     ///
     /// Errors: [`Error::Usage`] while a step transaction is open.
-    pub fn end_step(&mut self) -> Result<()> {
+    #[cfg(test)]
+    pub(crate) fn end_step(&mut self) -> Result<()> {
         self.refuse_open_step("end_step")?;
         self.end_protection();
         Ok(())
@@ -533,7 +534,8 @@ impl Registry {
     /// [`Registry::plan`]; a step transaction reports with [`Registry::report_load`].
     ///
     /// Errors: [`Error::AdapterNotFound`]; [`Error::Usage`] when no load of it is pending.
-    pub fn load_done(&mut self, name: &str) -> Result<()> {
+    #[cfg(test)]
+    pub(crate) fn load_done(&mut self, name: &str) -> Result<()> {
         let key = self.pending_load(name)?;
         self.get_mut(key).protection.loading = None;
         self.refresh(key);
@@ -544,7 +546,8 @@ impl Registry {
     /// if the load was to read it from disk. Nothing else changes.
     ///
     /// Errors: [`Error::AdapterNotFound`]; [`Error::Usage`] when no load of it is pending.
-    pub fn load_failed(&mut self, name: &str) -> Result<()> {
+    #[cfg(test)]
+    pub(crate) fn load_failed(&mut self, name: &str) -> Result<()> {
         let key = self.pending_load(name)?;
         self.fail_load(key);
         Ok(())
@@ -561,6 +564,7 @@ impl Registry {
         self.refresh(key);
     }
 
+    #[cfg(test)]
     fn pending_load(&self, name: &str) -> Result<AdapterKey> {
         let key = self.lookup(name, true)?;
         if self.get(key).protection.loading.is_none() {

@@ -146,17 +146,6 @@ impl PyStepPlan {
         Self { plan, action, ticket, names, progress, indices, shared, strs }
     }
 
-    /// A plan made outside a step transaction (no ticket).
-    pub(super) fn planned(
-        plan: StepPlan,
-        shared: Arc<RequestIndices>,
-        indices: Py<PyList>,
-        strs: NameStrs,
-    ) -> Self {
-        let names = Vec::new();
-        Self { plan, action: Action::Begun, ticket: None, names, progress: true, indices, shared, strs }
-    }
-
     fn names_if<'py>(&self, py: Python<'py>, action: Action) -> PyResult<Bound<'py, PyList>> {
         let names: &[Arc<str>] = if self.action == action { &self.names } else { &[] };
         PyList::new(py, names.iter().map(|n| self.strs.get(py, n)))
@@ -194,7 +183,7 @@ impl PyStepPlan {
     }
 
     /// The step transaction's ticket (a begun step), for `report_load` and `finish_step`; None
-    /// for any other answer, and for a plan made outside a transaction.
+    /// for any other answer.
     #[getter]
     fn ticket(&self) -> Option<u64> {
         self.ticket
