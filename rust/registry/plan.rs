@@ -193,6 +193,40 @@ impl StepPlan {
         Ok(arrays_buffer(&token_perm, &[&request_slots, &seg_indptr, &seg_slots]))
     }
 
+    /// The admitted requests a scheduler starts now, in batch order, given which requests were
+    /// waiting (`waiting[i]`: not started in an earlier step): all of them but, after a waiting
+    /// request deferred for a device slot ([`Deferral::DeviceRoom`], or [`Deferral::Fairness`]:
+    /// it gave way), the waiting ones that use an adapter. So a request deferred for want of a slot
+    /// is not overtaken, step after step, by later waiting ones of its rank: the running ones
+    /// finish, their slots free up, and it is admitted. Base-model requests hold no slot and start.
+    ///
+    /// Errors: [`Error::Usage`] when `waiting` is not one flag per request.
+    pub fn startable(&self, waiting: &[bool]) -> Result<Vec<u32>> {
+        let requests = self.admitted.len() + self.deferred.len() + self.failed.len();
+        if waiting.len() != requests {
+            return Err(Error::Usage(format!(
+                "startable: {} waiting flags for a step of {requests} requests",
+                waiting.len()
+            )));
+        }
+        let mut barrier = false;
+        let mut start = Vec::with_capacity(self.admitted.len());
+        let (mut admitted, mut deferred) = (self.admitted.iter().zip(&self.request_slots).peekable(), 0);
+        for (i, &waits) in waiting.iter().enumerate() {
+            let i = i as u32;
+            if self.deferred.get(deferred) == Some(&i) {
+                let why = self.reasons[deferred];
+                barrier |= waits && matches!(why, Deferral::DeviceRoom | Deferral::Fairness);
+                deferred += 1;
+            } else if let Some((_, &slot)) = admitted.next_if(|&(&a, _)| a == i) {
+                if !(barrier && waits && slot >= 0) {
+                    start.push(i);
+                }
+            }
+        }
+        Ok(start)
+    }
+
     /// The step's kernel arrays in one native-endian buffer, for one host-to-device copy: `token_perm`
     /// widened to int64 (8-byte aligned, first), then `request_slots`, `seg_indptr` and `seg_slots`
     /// as int32; with each part's length in int32 words (`2 * N`, `A`, `S + 1`, `S`).

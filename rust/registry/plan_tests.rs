@@ -1,6 +1,6 @@
 use crate::error::Error;
 use crate::registry::tiers::Tier;
-use crate::registry::{Config, LoadSource, Registry};
+use crate::registry::{Config, Deferral, LoadSource, Registry};
 
 use crate::registry::testkit::*;
 
@@ -188,4 +188,19 @@ fn a_subset_is_segmented_as_a_step_of_those_requests_would_be() {
     for (requests, counts) in [(&[3][..], &[1][..]), (&[0, 0], &[1, 1]), (&[0], &[0]), (&[0, 1], &[1])] {
         assert!(matches!(p.subset(requests, counts), Err(Error::Usage(_))), "{requests:?} {counts:?}");
     }
+}
+
+#[test]
+fn no_waiting_request_with_an_adapter_starts_after_one_deferred_for_a_slot() {
+    let mut reg = registry(2, None, "lru", &["a", "b", "c"]);
+    // Two slots: a and b admitted, c deferred for a slot; the base request and a's second admitted.
+    let p = reg.plan_names(&[Some("a"), Some("b"), Some("c"), None, Some("a")], &[1; 5]).unwrap();
+    assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([0, 1, 3, 4].as_slice(), [2].as_slice()));
+    assert_eq!(p.reasons, [Deferral::DeviceRoom]);
+    // Request 0 runs; the rest wait. After c, the base request starts, a's waiting one does not.
+    assert_eq!(p.startable(&[false, true, true, true, true]).unwrap(), [0, 1, 3]);
+    // A running request past the barrier goes on; with c not waiting there is no barrier.
+    assert_eq!(p.startable(&[false, true, true, true, false]).unwrap(), [0, 1, 3, 4]);
+    assert_eq!(p.startable(&[true, true, false, true, true]).unwrap(), [0, 1, 3, 4]);
+    assert!(matches!(p.startable(&[true; 4]), Err(Error::Usage(_))));
 }

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from lora_pin import AdapterNotFoundError, CapacityError, LoRAManager
+from lora_pin import AdapterNotFoundError, CapacityError, LoRAManager, UsageError
 
 TARGETS = ["q_proj", "v_proj"]
 IDS = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(5))
@@ -127,3 +127,21 @@ def test_a_batch_that_can_never_have_its_adapters_in_host_memory_is_refused_not_
     assert len(outcome) == 1 and isinstance(outcome[0], CapacityError), outcome
     assert mgr.registry.in_flight("a") == mgr.registry.in_flight("b") == 0
     mgr.registry.audit()
+
+
+def test_no_waiting_request_with_an_adapter_starts_after_one_deferred_for_a_slot(qv_world: Any) -> None:
+    """The core's rule an engine starts requests by (``LoRAManager.startable``): after a waiting request
+    deferred for want of a slot, later waiting ones that need an adapter wait too; base-model ones and
+    running ones go on."""
+    _, paths = qv_world
+    mgr, _ = manager(qv_world, lora_paths=[f"{n}={paths[n]}" for n in "abc"], max_loras_per_batch=2)
+    step = mgr.prepare_step(["a", "b", "c", None, "a"], 1)
+    try:
+        assert (step.admitted, step.deferred, step.reasons) == ((0, 1, 3, 4), (2,), ("device_room",))
+        assert mgr.startable(step, [False, True, True, True, True]) == [0, 1, 3]
+        assert mgr.startable(step, [False, True, True, True, False]) == [0, 1, 3, 4]
+        assert mgr.startable(step, [True, True, False, True, True]) == [0, 1, 3, 4]
+        with pytest.raises(UsageError, match="waiting flags"):
+            mgr.startable(step, [True])
+    finally:
+        mgr.finish(step)

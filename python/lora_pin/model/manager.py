@@ -582,6 +582,18 @@ class LoRAManager:
         """
         return self.registry.offer_order(names, overtaken)
 
+    def startable(self, step: Step, waiting: Sequence[bool]) -> list[int]:
+        """The admitted requests of ``step`` an engine starts now (indices, in batch order), given which
+        requests were waiting (``waiting[i]``: not started in an earlier step): the core's rule
+        (``StepPlan.startable``). All of them but, after a waiting request deferred for want of a device
+        slot, the waiting ones that use an adapter: so it is not overtaken step after step by later
+        requests of its rank; the running ones finish, their slots free up, and it is admitted.
+
+        Raises:
+            UsageError: ``waiting`` is not one flag per request of the step.
+        """
+        return step._plan.startable(waiting)
+
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
         """Cut a batch into groups of request indices, in order, each of which fits the slots at once.
 

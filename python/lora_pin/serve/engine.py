@@ -382,19 +382,9 @@ class LoRAEngine:
         self._step = step
         for i, error in step.failed.items():
             self._fail(scheduler, kept[i], error, removed)
-        waiting_for_slot = set(step.deferred) - set(step.loading)
-        admitted = set(step.admitted)
-        chosen: list[Any] = []
-        self._index = {}
-        barrier = False
-        for i, state in enumerate(kept):
-            pending = state.status.name == "PENDING"
-            if pending and i in waiting_for_slot:
-                barrier = True
-            if i in admitted and not (barrier and pending and names[i] is not None):
-                chosen.append(state)
-                self._index[state.request_id] = i
-        return chosen
+        start = self.manager.startable(step, [s.status.name == "PENDING" for s in kept])
+        self._index = {kept[i].request_id: i for i in start}
+        return [kept[i] for i in start]
 
     def _run(self, scheduled: list[Any]) -> None:
         """Tell the manager the batch the engine built: its requests in order, with its token counts.

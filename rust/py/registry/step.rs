@@ -262,6 +262,17 @@ impl PyStepPlan {
         Ok((PyByteArray::new(py, &bytes), (a, b, c, d)))
     }
 
+    /// The admitted requests a scheduler starts now (indices, in batch order), given which
+    /// requests were waiting (one flag per request: not started in an earlier step): all but, after
+    /// a waiting request deferred for a device slot ("device_room", or "fairness": it gave way), the
+    /// waiting ones that use an adapter, so it is not overtaken step after step by later ones.
+    ///
+    /// Raises:
+    ///     UsageError: `waiting` is not one flag per request.
+    fn startable(&self, waiting: Vec<bool>) -> PyResult<Vec<u32>> {
+        Ok(self.plan.startable(&waiting)?)
+    }
+
     /// Each slot the admitted requests use, ascending, and its generation: native-endian int64
     /// pairs `[slot, generation, slot, generation, ...]` as `bytes`, which compare equal exactly when
     /// two plans use the same slots at the same generations (`memoryview(b).cast("q")` reads them).
