@@ -1,10 +1,9 @@
-//! The registry's hot paths: planning a 256-request step over 64 adapters with 16 slots (2 pinned,
-//! zipf-like popularity so steps mix hits and misses, a host tier for 48 so some loads read from
-//! disk), the same as a step transaction (blocking, and in fetch mode), acquire/release of a step's
-//! requests, and register/unload of an adapter.
+//! The registry's hot paths: a step transaction over 256 requests, 64 adapters and 16 slots (2
+//! pinned, zipf-like popularity so steps mix hits and misses, a host tier for 48 so some loads read
+//! from disk), reading in the step and in fetch mode; and register/unload of an adapter.
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use lora_pin::{AdapterKey, AdapterSize, Config, LoRARef, Registry, StepOptions};
+use lora_pin::{AdapterKey, AdapterSize, Config, LoRARef, Registry, StepMode, StepRequest};
 
 const ADAPTERS: usize = 64;
 const REQUESTS: usize = 256;
@@ -57,16 +56,6 @@ fn bench_plan(c: &mut Criterion) {
     let mut group = c.benchmark_group("registry");
     group.throughput(Throughput::Elements(REQUESTS as u64));
     let mut i = 0;
-    group.bench_function("plan_256_requests_64_adapters_16_slots", |b| {
-        b.iter(|| {
-            let plan = reg.plan_names(&steps[i % steps.len()], &tokens).unwrap();
-            for load in &plan.loads {
-                reg.load_done(&load.name).unwrap();
-            }
-            i += 1;
-            plan
-        })
-    });
     // The step transaction over keys (how the live manager steps), blocking and in fetch mode:
     // fetch mode defers the host misses and fetches them, each reported done after the step.
     let keyed: Vec<Vec<Option<AdapterKey>>> =
@@ -75,9 +64,9 @@ fn bench_plan(c: &mut Criterion) {
         let name = if fetch { "begin_finish_step_256_fetch_mode" } else { "begin_finish_step_256" };
         group.bench_function(name, |b| {
             b.iter(|| {
-                let options = StepOptions { fetch, ..StepOptions::default() };
-                let (plan, ticket) = reg.begin_step_with(&keyed[i % keyed.len()], &tokens, options).unwrap();
-                let ticket = ticket.unwrap();
+                let mode = if fetch { StepMode::Fetch } else { StepMode::ReadInStep };
+                let request = StepRequest::new(&keyed[i % keyed.len()], &tokens, mode);
+                let (plan, ticket) = reg.begin_step(request).unwrap().begun().unwrap();
                 for index in 0..plan.loads.len() {
                     reg.report_load(ticket, index, true).unwrap();
                 }
@@ -90,14 +79,6 @@ fn bench_plan(c: &mut Criterion) {
             })
         });
     }
-    let step: Vec<Option<&str>> = steps[0].clone();
-    group.bench_function("acquire_release_256", |b| {
-        b.iter(|| {
-            let ids = reg.acquire(&step).unwrap();
-            let ids: Vec<Option<&str>> = ids.iter().map(|id| id.as_deref()).collect();
-            reg.release(&ids).unwrap();
-        })
-    });
     group.throughput(Throughput::Elements(1));
     group.bench_function("register_unload", |b| {
         b.iter_batched(

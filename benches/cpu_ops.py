@@ -52,7 +52,8 @@ import torch
 import torch.nn.functional as F
 
 from lora_pin._testing import StackedLayer, random_layer, request_slots
-from lora_pin.model.layers import LoRAEmbedding, LoRALinear, StepSegments
+from lora_pin.model.layers import LoRAEmbedding, LoRALinear
+from lora_pin.model.segments import StepSegments
 from lora_pin.ops import (
     KernelMeta,
     embedding_delta_,

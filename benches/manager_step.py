@@ -1,8 +1,7 @@
 """What a scheduler step costs in ``LoRAManager`` besides the model: ``prepare_step`` + ``finish`` for a
 decode step, against the registry's own step transaction (``begin_step`` + ``finish_step``) on the same
-names (the part in Rust), so the ratio is the Python layer's share; the separate ``plan`` + ``acquire`` +
-``release`` + ``end_step`` calls a step made before the transaction are timed beside it. All adapters stay
-resident (no loads), as in a steady decode loop; no forward pass runs.
+names (the part in Rust), so the ratio is the Python layer's share. All adapters stay resident (no loads),
+as in a steady decode loop; no forward pass runs.
 
 Run: ``.venv/bin/python benches/manager_step.py`` (``--requests``, ``--adapters``, ``--slots``).
 """
@@ -61,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     from lora_pin import LoRAManager
-    from lora_pin import _testing as protocol
     from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
 
     transformers.logging.set_verbosity_error()
@@ -102,19 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         def transaction_new_names() -> None:
             reg.finish_step(reg.begin_step(next(fresh), 1).ticket)
 
-        def separate_calls() -> None:
-            plan = protocol.plan(reg, names, 1)
-            ids = protocol.acquire(reg, [names[i] for i in plan.admitted])
-            protocol.release(reg, ids)
-            protocol.end_step(reg)
-
         timed = {
             "manager": manager_step,
             "core": transaction,
             "manager, changing": manager_changing,
             "core, changing": transaction_changing,
             "core, new name objects": transaction_new_names,
-            "separate": separate_calls,
         }
         for fn in timed.values():
             fn()  # the first step loads every adapter into a slot
@@ -138,8 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         f"  registry begin_step + finish_step, steady batch in new name objects each step {wall:.1f} / "
         f"{cpu:.1f} ({cpu / core_cpu:.2f}x the same objects' CPU time: what the binding's name cache saves)"
     )
-    wall, cpu = us["separate"]
-    print(f"  plan + acquire + release + end_step (steady batch) {wall:.1f} / {cpu:.1f}")
     return 0
 
 

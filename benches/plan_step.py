@@ -9,11 +9,9 @@ Run: ``.venv/bin/python benches/plan_step.py``
 
 from __future__ import annotations
 
-import functools
 import random
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "core"))
 
 from planner_model import PythonPlanner
 
-from lora_pin import _testing as protocol
 from lora_pin._core import LoRARef, LoRARegistry
 
 
@@ -39,28 +36,29 @@ def workload(seed: int, steps: int, names: list[str]) -> list[list[str | None]]:
 def run(
     planner: PythonPlanner | LoRARegistry, steps: list[list[str | None]], tokens: int | list[int]
 ) -> float:
-    """Seconds per step: plan, read every output the model runner needs, report the loads done."""
-    plan_step: Callable[[list[str | None], int | list[int]], Any]
-    load_done: Callable[[str], None]
-    if isinstance(planner, PythonPlanner):
-        plan_step, load_done = planner.plan, planner.load_done
-    else:
-        plan_step = functools.partial(protocol.plan, planner)
-        load_done = functools.partial(protocol.load_done, planner)
+    """Seconds per step: plan, read every output the model runner needs, report the loads done (for lora_pin
+    one step transaction: ``begin_step``, the loads reported, ``finish_step``)."""
     start = time.perf_counter()
-    for step in steps:
-        plan = plan_step(step, tokens)
-        _ = (
-            plan.admitted,
-            plan.request_slots,
-            plan.token_perm,
-            plan.seg_indptr,
-            plan.seg_slots,
-            plan.evictions,
-        )
-        for load in plan.loads:
-            load_done(load[0])
+    if isinstance(planner, PythonPlanner):
+        for step in steps:
+            plan = planner.plan(step, tokens)
+            _read(plan)
+            for load in plan.loads:
+                planner.load_done(load[0])
+    else:
+        for step in steps:
+            plan = planner.begin_step(step, tokens)
+            _read(plan)
+            ticket = plan.ticket
+            for index in range(len(plan.loads)):
+                planner.report_load(ticket, index, True)
+            planner.finish_step(ticket)
     return (time.perf_counter() - start) / len(steps)
+
+
+def _read(plan: Any) -> None:
+    """Read every output of ``plan`` the model runner needs."""
+    _ = (plan.admitted, plan.request_slots, plan.token_perm, plan.seg_indptr, plan.seg_slots, plan.evictions)
 
 
 def build(kind: str, names: list[str]) -> PythonPlanner | LoRARegistry:

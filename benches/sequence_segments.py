@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from lora_pin.model.layers import StepSegments
+    from lora_pin.model.segments import StepSegments
     from lora_pin.ops import KernelMeta, expand, segments_from_slots, shrink
 
     torch.set_num_threads(1)

@@ -34,7 +34,8 @@ impl SharedRegistry {
     /// [`Registry::release`], waking unloads when an adapter being unloaded drained.
     ///
     /// Errors: as [`Registry::release`].
-    pub fn release(&self, ids: &[Option<&str>]) -> Result<()> {
+    #[cfg(test)]
+    pub(crate) fn release(&self, ids: &[Option<&str>]) -> Result<()> {
         if self.inner.lock().release(ids)? {
             self.drained.notify_all();
         }
@@ -49,6 +50,18 @@ impl SharedRegistry {
             self.drained.notify_all();
         }
         Ok(())
+    }
+
+    /// [`SharedRegistry::finish_step`] if no one holds the lock now; `None` (nothing done) otherwise.
+    ///
+    /// Errors: as [`Registry::finish_step`].
+    pub fn try_finish_step(&self, ticket: StepTicket) -> Option<Result<()>> {
+        let drained = self.inner.try_lock()?.finish_step(ticket);
+        Some(drained.map(|drained| {
+            if drained {
+                self.drained.notify_all();
+            }
+        }))
     }
 
     /// Unregisters `name` and waits up to `wait` for its requests to drain, then forgets it.

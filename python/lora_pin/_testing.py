@@ -3,10 +3,6 @@ slow adapter store (:func:`slow_store`) for background loading.
 
 Private: for lora_pin's own tests and ``benches/`` (which run from the repository), not part of the API.
 
-Also the registry's pre-transaction step protocol (:func:`plan`, :func:`acquire`, :func:`release`,
-:func:`load_done`, :func:`load_failed`, :func:`end_step`), which the package itself never uses (a step is one
-``begin_step`` / ``finish_step`` transaction): the planner's cross-checks and benchmarks drive it.
-
 Punica's and S-LoRA's kernel evaluations use the same families: every request its own adapter
 (``distinct``), adapters drawn uniformly (``uniform``), a power law (``zipf``), one adapter for all
 (``identical``), and ``skewed``: one hot adapter holding most of the batch while every other slot
@@ -24,7 +20,6 @@ from typing import NamedTuple
 
 import torch
 
-from lora_pin import _core
 from lora_pin.ops.segments import KernelMeta, SegmentBatch
 from lora_pin.weights.host import HostAdapter, HostTier
 
@@ -32,29 +27,10 @@ __all__ = [
     "PATTERNS",
     "SlowStore",
     "StackedLayer",
-    "acquire",
-    "end_step",
-    "load_done",
-    "load_failed",
-    "plan",
     "random_layer",
-    "release",
     "request_slots",
     "slow_store",
 ]
-
-#: ``plan(registry, names, num_tokens) -> StepPlan``: plans and commits one step without acquiring it.
-plan = _core._plan
-#: ``acquire(registry, names) -> ids``: one more request in flight per name.
-acquire = _core._acquire
-#: ``release(registry, ids)``: one request less in flight per id.
-release = _core._release
-#: ``end_step(registry)``: ends the latest plan's protection.
-end_step = _core._end_step
-#: ``load_done(registry, name)``: a planned load finished.
-load_done = _core._load_done
-#: ``load_failed(registry, name)``: a planned load failed.
-load_failed = _core._load_failed
 
 PATTERNS = ("distinct", "uniform", "zipf", "identical", "skewed")
 

@@ -27,7 +27,7 @@ pub mod _core {
     #[pymodule_export]
     use super::patterns::PyPatternSet;
     #[pymodule_export]
-    use super::registry::{acquire, checked_names, end_step, load_done, load_failed, plan, release};
+    use super::registry::checked_names;
     #[pymodule_export]
     use super::registry::{PyFetchPlan, PyLoRARegistry, PyStepPlan};
     #[pymodule_export]

@@ -2,7 +2,6 @@
 //! threads never see "Already borrowed"), the GIL released whenever the lock is taken.
 
 mod names;
-mod protocol;
 mod requests;
 mod step;
 
@@ -15,7 +14,6 @@ use pyo3::pybacked::PyBackedStr;
 use pyo3::types::PyDict;
 
 pub use self::names::checked_names;
-pub use self::protocol::{acquire, end_step, load_done, load_failed, plan, release};
 use self::requests::{token_counts, NameCache, Requests, Resolved, Unregistered};
 use self::step::{NameStrs, RequestIndices};
 pub use self::step::{PyFetchPlan, PyStepPlan};
@@ -27,7 +25,8 @@ use super::{detached, shielded};
 use crate::policy::{AdapterKey, PolicyKind};
 use crate::registry::tiers::TierCounters;
 use crate::registry::{
-    AdapterSize, Config, Registry, StepOptions, StepPlan, StepRequests, StepTicket, TierStats, Unload,
+    AdapterSize, Config, Offer, Registry, StepMode, StepRequest, StepRequests, StepTicket, TierStats, Unload,
+    Wants,
 };
 use crate::shared::SharedRegistry;
 
@@ -51,7 +50,7 @@ const UNLOAD_SLICE: Duration = Duration::from_millis(50);
 pub struct PyLoRARegistry {
     shared: SharedRegistry,
     names: Mutex<NameCache>,
-    indices: RequestIndices,
+    indices: Arc<RequestIndices>,
     strs: NameStrs,
 }
 
@@ -169,7 +168,7 @@ impl PyLoRARegistry {
             Ok(Self {
                 shared: SharedRegistry::new(Registry::new(config)?),
                 names: Mutex::default(),
-                indices: RequestIndices::new(),
+                indices: Arc::new(RequestIndices::new()),
                 strs: NameStrs::default(),
             })
         })
@@ -340,74 +339,89 @@ impl PyLoRARegistry {
         }
     }
 
-    /// Begins a step transaction: plans the step as `plan` does and, atomically with it, acquires
-    /// every admitted request, so no unload or re-registration can come between the two. The
-    /// returned plan's `ticket` identifies the step: report each planned load with
-    /// `report_load(ticket, index, ok)` and end the step with `finish_step(ticket)`, which releases
-    /// everything it holds (and fails any load not reported).
+    /// Begins a step transaction, or says what must happen before one can begin. The answer's
+    /// `action` is the caller's next move:
     ///
-    /// With `all_or_nothing`, a step that cannot admit every request raises CapacityError and
-    /// changes nothing (a per-sequence batch must run whole). With `read_first`, a step that would
-    /// read adapters from disk (evicted from the host tier) is not begun: the result has no
-    /// `ticket` and lists them in `to_read`; read each, `enter_host_tier` it, and begin again, so a
-    /// read that fails changes nothing.
+    /// - "begun": the step is planned and, atomically with it, every admitted request acquired, so
+    ///   no unload or re-registration can come between the two. Report each planned load with
+    ///   `report_load(plan.ticket, index, ok)` and end the step with `finish_step(plan.ticket)`,
+    ///   which releases everything it holds (and fails any load not reported).
+    /// - "discover" (only with `discover`): names nobody knows, in `unknown`; nothing was planned.
+    ///   Discover them and begin again.
+    /// - "read_first" (mode "read_first"): the step would read adapters from disk (evicted from
+    ///   the host tier), listed in `to_read`; nothing was planned. Read each, `enter_host_tier`
+    ///   it, and begin again, so a read that fails changes nothing.
+    /// - "fetching" (mode "fetch" and `whole`): the batch's adapters are not all in the host tier.
+    ///   The plan defers every request and lists the fetches it started in `to_fetch` (the batch's
+    ///   resident adapters are not evicted for them); wait for the batch's fetches and begin again.
+    ///   `progress` says whether waiting can change the answer.
     ///
-    /// With `fetch` (background mode), no disk read is ever planned: a request whose adapter is
-    /// not in the host tier is deferred (it does not count against the slot budget), and the
-    /// adapter starts *fetching*: its host room is made now (the host evictions are in
-    /// `evictions`; free those tensors), it is listed once in `to_fetch` as `(name, serial)`, and
-    /// the caller reads it off the step's path and reports `fetch_done(name, serial)` or
-    /// `fetch_failed(name, serial)`. An adapter fetching already is not listed again; one the host
-    /// tier cannot make room for now is not fetched, and its requests are deferred (retried by the
-    /// next step). With `all_or_nothing` too, a batch whose adapters are not all in the host tier
-    /// begins no step: the result has no `ticket`, defers every request and lists the fetches it
-    /// started (the batch's resident adapters are not evicted for them); begin again once the
-    /// fetches are done.
+    /// `mode` says how adapters outside the host tier are brought in: "read_in_step" (the step
+    /// reads them itself: loads with source "disk"), "read_first" (as above), or "fetch"
+    /// (background mode: no disk read is ever planned; a request whose adapter is not in the host
+    /// tier is deferred, taking none of the slot budget, and the adapter starts *fetching*: its
+    /// host room is made now (the host evictions are in `evictions`; free those tensors), it is
+    /// listed once in `to_fetch` as `(name, serial)`, and the caller reads it off the step's path
+    /// and reports `fetch_done(name, serial)` or `fetch_failed(name, serial)`. One fetching already
+    /// is not listed again; one the host tier cannot make room for now is not fetched, and its
+    /// requests are deferred (retried by the next step)).
+    ///
+    /// With `whole`, a step that cannot admit every request raises CapacityError and changes
+    /// nothing (a per-sequence batch must run whole).
     ///
     /// The core sees the whole step: `failed` names adapters whose last read failed (their
     /// requests fail), `discovering` names not registered yet that are being read (their requests
     /// wait), and a name unloaded while its requests waited fails them (so does one being
-    /// unloaded); the plan lists those in `failed` as `(index, why)` and runs the rest. With
-    /// `defer_unknown`, names nobody knows begin no step: the result has no `ticket` and lists them
-    /// in `unknown` (discover them and begin again). Each deferred request's reason is in
-    /// `reasons`.
+    /// unloaded); the plan lists those in `failed` as `(index, why)` and runs the rest. Each
+    /// deferred request's reason is in `reasons`.
     ///
     /// Raises:
-    ///     AdapterNotFoundError: a name is unknown (nothing was planned); with `all_or_nothing`,
-    ///         also one being unloaded or in `failed` (a batch runs whole).
-    ///     CapacityError: `all_or_nothing` and not every request fits (the message has the numbers).
-    ///     UsageError: as `plan`, a step is open already, or both `read_first` and `fetch`.
+    ///     AdapterNotFoundError: a name is unknown and `discover` is not set (nothing was planned);
+    ///         with `whole`, also one being unloaded or in `failed` (a batch runs whole).
+    ///     CapacityError: `whole` and not every request fits (the message has the numbers).
+    ///     UsageError: the lengths differ, a token count is negative or not an int, a name is not
+    ///         a str, `mode` is not a mode, or a step is open already.
     #[pyo3(signature = (
-        names, num_tokens, *, all_or_nothing = false, read_first = false, fetch = false, failed = Vec::new(),
-        discovering = Vec::new(), defer_unknown = false
+        names, num_tokens, mode = "read_in_step", *, whole = false, failed = Vec::new(),
+        discovering = Vec::new(), discover = false
     ))]
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)] // the step's requests, its mode and what the caller holds
     fn begin_step(
         &self,
         py: Python<'_>,
         names: &Bound<'_, PyAny>,
         num_tokens: &Bound<'_, PyAny>,
-        all_or_nothing: bool,
-        read_first: bool,
-        fetch: bool,
+        mode: &str,
+        whole: bool,
         failed: Vec<PyBackedStr>,
         discovering: Vec<PyBackedStr>,
-        defer_unknown: bool,
+        discover: bool,
     ) -> PyResult<PyStepPlan> {
-        let unregistered = Unregistered { failed, discovering, defer: defer_unknown, whole: all_or_nothing };
-        let (begun, n) =
-            self.with_requests(py, names, Some(num_tokens), Some(&unregistered), |reg, step, unknown| {
-                if !unknown.is_empty() {
-                    return Ok((StepPlan { unknown, ..StepPlan::default() }, None));
-                }
+        let mode = match mode {
+            "read_in_step" => StepMode::ReadInStep,
+            "read_first" => StepMode::ReadFirst,
+            "fetch" => StepMode::Fetch,
+            other => {
+                let msg = format!(
+                    "begin_step: mode must be \"read_in_step\", \"read_first\" or \"fetch\" (got {other:?})"
+                );
+                return Err(usage(py, msg));
+            }
+        };
+        let unregistered = Unregistered { failed, discovering, defer: discover, whole };
+        let (start, n) = self.with_requests(
+            py,
+            names,
+            Some(num_tokens),
+            Some(&unregistered),
+            |reg, requests, unknown| {
                 let failed: Vec<AdapterKey> =
                     unregistered.failed.iter().filter_map(|n| reg.lookup(n, true).ok()).collect();
-                let options = StepOptions { all_or_nothing, fetch, read_first };
-                reg.begin_step_held(step, &failed, options)
-            })?;
+                reg.begin_step(StepRequest { requests, failed: &failed, unknown, mode, whole })
+            },
+        )?;
         let indices = self.indices.at_least(py, n)?;
-        let (plan, ticket) = begun;
-        Ok(PyStepPlan::new(plan, ticket.map(|t| t.0), indices, self.strs.clone()))
+        Ok(PyStepPlan::new(start, Arc::clone(&self.indices), indices, self.strs.clone()))
     }
 
     /// Enters `name`, whose weights the caller has just read again for registration `serial` (see
@@ -490,7 +504,50 @@ impl PyLoRARegistry {
     /// Raises:
     ///     UsageError: `ticket` is not the open step (finished already); nothing changes.
     fn finish_step(&self, py: Python<'_>, ticket: u64) -> PyResult<()> {
-        detached(py, || self.shared.finish_step(StepTicket(ticket)))
+        // O(slots): done with the GIL held when the lock is free, which saves releasing and taking
+        // back the GIL every step; waiting for the lock releases it.
+        let ticket = StepTicket(ticket);
+        if let Some(done) = shielded(py, || Ok(self.shared.try_finish_step(ticket)))? {
+            return done.map_err(PyErr::from);
+        }
+        detached(py, || self.shared.finish_step(ticket))
+    }
+
+    /// The order to offer a scheduler's requests to a step in, as indices: running requests first,
+    /// as given; then the waiting ones, ranked: overdue (overtaken in `OVERDUE_AFTER` rounds or
+    /// more), then those of pinned adapters, then those that cost no load (the base model's, an
+    /// adapter's in a device slot), then the rest, each rank in the given (arrival) order.
+    /// `names[i]` is request i's adapter (None: the base model; a name not registered ranks with
+    /// the rest) and `overtaken[i]` None for a running request, else the rounds in which younger
+    /// requests started ahead of it. Changes nothing.
+    ///
+    /// Raises:
+    ///     UsageError: the lengths differ.
+    fn offer_order(
+        &self,
+        py: Python<'_>,
+        names: Vec<Option<PyBackedStr>>,
+        overtaken: Vec<Option<u32>>,
+    ) -> PyResult<Vec<u32>> {
+        if names.len() != overtaken.len() {
+            let msg = format!("offer_order: {} names but {} overtaken counts", names.len(), overtaken.len());
+            return Err(usage(py, msg));
+        }
+        detached(py, || {
+            let reg = self.shared.lock();
+            let offers: Vec<Offer> = names
+                .iter()
+                .zip(&overtaken)
+                .map(|(name, &overtaken)| {
+                    let wants = match name {
+                        None => Wants::Base,
+                        Some(n) => reg.lookup(n, false).map_or(Wants::Unregistered, Wants::Adapter),
+                    };
+                    Offer { wants, overtaken }
+                })
+                .collect();
+            Ok(reg.offer_order(&offers))
+        })
     }
 
     /// Cuts a batch of adapter names (None: the base model) into groups of request indices, in

@@ -5,17 +5,18 @@ use proptest::prelude::*;
 
 use crate::limits::OVERDUE_AFTER;
 use crate::registry::testkit::*;
-use crate::registry::{Deferral, Registry, StepOptions};
+use crate::registry::{Deferral, Registry, StepMode, StepRequest};
 
 /// Begins and finishes one step over `names`; returns the admitted request indices.
 fn run_step(reg: &mut Registry, names: &[Option<&str>], fetch: bool) -> (Vec<u32>, Vec<Deferral>) {
     let keys: Vec<_> = names.iter().map(|n| n.map(|n| reg.lookup(n, false).unwrap())).collect();
-    let options = StepOptions { fetch, ..StepOptions::default() };
-    let (plan, ticket) = reg.begin_step_with(&keys, &vec![1; names.len()], options).unwrap();
+    let mode = if fetch { StepMode::Fetch } else { StepMode::ReadInStep };
+    let tokens = vec![1; names.len()];
+    let (plan, ticket) = reg.begin_step(StepRequest::new(&keys, &tokens, mode)).unwrap().begun().unwrap();
     for (i, _) in plan.loads.iter().enumerate() {
-        reg.report_load(ticket.unwrap(), i, true).unwrap();
+        reg.report_load(ticket, i, true).unwrap();
     }
-    reg.finish_step(ticket.unwrap()).unwrap();
+    reg.finish_step(ticket).unwrap();
     reg.audit().unwrap();
     (plan.admitted, plan.reasons)
 }

@@ -12,9 +12,7 @@ use proptest::prelude::*;
 use crate::error::Error;
 use crate::limits::OVERDUE_AFTER;
 use crate::registry::testkit::*;
-use crate::registry::{Deferral, Registry, StepOptions};
-
-const FETCH: StepOptions = StepOptions { all_or_nothing: false, fetch: true, read_first: false };
+use crate::registry::{Deferral, Registry, StepMode, StepRequest};
 
 /// A request in the model: its adapter and the steps it still runs once admitted.
 #[derive(Debug, Clone)]
@@ -135,8 +133,9 @@ impl World {
         let overdue_before: BTreeSet<usize> =
             offered.iter().map(|r| r.adapter).filter(|&a| self.overdue(a)).collect();
         let resident_before = self.resident();
-        let (plan, ticket) = self.reg.begin_step_with(&keys, &vec![1; keys.len()], FETCH).unwrap();
-        let ticket = ticket.unwrap();
+        let tokens = vec![1; keys.len()];
+        let request = StepRequest::new(&keys, &tokens, StepMode::Fetch);
+        let (plan, ticket) = self.reg.begin_step(request).unwrap().begun().unwrap();
         for i in 0..plan.loads.len() {
             self.reg.report_load(ticket, i, true).unwrap();
         }

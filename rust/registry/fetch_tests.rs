@@ -5,20 +5,25 @@ use crate::limits::OVERDUE_AFTER;
 use crate::policy::AdapterKey;
 use crate::registry::testkit::*;
 use crate::registry::tiers::Tier;
-use crate::registry::{LoadSource, Registry, StepOptions, StepPlan, StepTicket, Unload};
+use crate::registry::{LoadSource, Registry, StepMode, StepPlan, StepRequest, StepTicket, Unload};
 
-const FETCH: StepOptions = StepOptions { all_or_nothing: false, fetch: true, read_first: false };
+/// How a test begins its steps: the mode, and whether the batch runs whole.
+type Options = (StepMode, bool);
+
+const FETCH: Options = (StepMode::Fetch, false);
+const BLOCKING: Options = (StepMode::ReadInStep, false);
+const WHOLE_FETCH: Options = (StepMode::Fetch, true);
 
 fn keys(reg: &Registry, names: &[Option<&str>]) -> Vec<Option<AdapterKey>> {
     names.iter().map(|n| n.map(|n| reg.lookup(n, false).unwrap())).collect()
 }
 
 /// Begins a fetch-mode step over `names`, one token each, and checks the invariants.
-fn begin(reg: &mut Registry, names: &[Option<&str>], options: StepOptions) -> (StepPlan, Option<StepTicket>) {
+fn begin(reg: &mut Registry, names: &[Option<&str>], options: Options) -> (StepPlan, Option<StepTicket>) {
     let keys = keys(reg, names);
-    let begun = reg.begin_step_with(&keys, &vec![1; names.len()], options).unwrap();
-    reg.audit().unwrap();
-    begun
+    let tokens = vec![1; names.len()];
+    let request = StepRequest { whole: options.1, ..StepRequest::new(&keys, &tokens, options.0) };
+    start(reg, request).unwrap()
 }
 
 fn fetches(p: &StepPlan) -> Vec<(&str, u64)> {
@@ -207,7 +212,7 @@ fn a_blocking_read_of_an_adapter_being_fetched_takes_over_its_reservation() {
     let serial = reg.serial("a").unwrap();
     assert_eq!(reg.prefetch(&[Some("a")]).unwrap().to_fetch.len(), 1);
     // A blocking step (fetch off) reads a itself: no second reservation; the room is made now.
-    let (p, ticket) = begin(&mut reg, &[Some("a")], StepOptions::default());
+    let (p, ticket) = begin(&mut reg, &[Some("a")], BLOCKING);
     assert_eq!(p.loads[0].source, LoadSource::Disk);
     assert_eq!(evicted(&p, Tier::Host), ["b"]);
     reg.report_load(ticket.unwrap(), 0, true).unwrap();
@@ -228,22 +233,24 @@ fn a_blocking_read_of_an_adapter_being_fetched_takes_over_its_reservation() {
 fn all_or_nothing_in_fetch_mode_begins_no_step_until_every_adapter_is_in_the_host_tier() {
     let mut reg = with_a_evicted();
     let serial = reg.serial("a").unwrap();
-    let both = StepOptions { all_or_nothing: true, fetch: true, read_first: false };
-    let (p, ticket) = begin(&mut reg, &[Some("b"), Some("a"), None, Some("a")], both);
+    let (p, ticket) = begin(&mut reg, &[Some("b"), Some("a"), None, Some("a")], WHOLE_FETCH);
     assert_eq!((ticket, p.deferred.as_slice()), (None, [0, 1, 2, 3].as_slice()));
     assert!(p.admitted.is_empty() && p.loads.is_empty());
     assert_eq!(fetches(&p), [("a", serial)]);
     assert_eq!(reg.in_flight("b").unwrap(), 0, "nothing acquired");
-    let (p, ticket) = begin(&mut reg, &[Some("b"), Some("a")], both);
+    let (p, ticket) = begin(&mut reg, &[Some("b"), Some("a")], WHOLE_FETCH);
     assert!(ticket.is_none() && p.to_fetch.is_empty(), "still fetching");
     reg.fetch_done("a", serial).unwrap();
-    let (p, ticket) = begin(&mut reg, &[Some("b"), Some("a")], both);
+    let (p, ticket) = begin(&mut reg, &[Some("b"), Some("a")], WHOLE_FETCH);
     assert!(ticket.is_some());
     assert_eq!(p.admitted, [0, 1]);
     // A batch over the budget is refused whole before any fetch starts.
     let mut reg = registry(1, Some(2), "lru", &["a", "b", "c"]);
     let keys = keys(&reg, &[Some("a"), Some("b")]);
-    assert!(matches!(reg.begin_step_with(&keys, &[1, 1], both), Err(Error::Capacity(_))));
+    assert!(matches!(
+        reg.begin_step(StepRequest::new(&keys, &[1, 1], StepMode::Fetch).whole()),
+        Err(Error::Capacity(_))
+    ));
     assert!(reg.stats().host.fetching.is_empty());
 }
 
@@ -254,7 +261,7 @@ fn fetch_mode_plans_exactly_as_blocking_mode_when_every_adapter_is_in_the_host_t
     let mut fetching = registry(2, None, "lru", &["a", "b", "c"]);
     for step in 0..3 {
         let rotated: Vec<Option<&str>> = names.iter().cycle().skip(step).take(names.len()).copied().collect();
-        let (p, t) = begin(&mut blocking, &rotated, StepOptions::default());
+        let (p, t) = begin(&mut blocking, &rotated, BLOCKING);
         let (q, u) = begin(&mut fetching, &rotated, FETCH);
         assert_eq!(p, q);
         blocking.finish_step(t.unwrap()).unwrap();
@@ -300,13 +307,12 @@ fn a_whole_batch_that_cannot_begin_ends_the_freshness_of_adapters_it_leaves_out(
     let p = reg.prefetch(&[Some("a")]).unwrap();
     assert_eq!(p.to_fetch.len(), 1);
     assert_eq!(reg.fetch_done("a", reg.serial("a").unwrap()).unwrap(), [Arc::from("b")]);
-    let whole = StepOptions { all_or_nothing: true, fetch: true, read_first: false };
     // The batch plans no step, yet it leaves a out: a stays through this plan, protected no more after.
-    let (p, t) = begin(&mut reg, &[Some("b")], whole);
+    let (p, t) = begin(&mut reg, &[Some("b")], WHOLE_FETCH);
     assert!(t.is_none() && p.to_fetch.is_empty() && p.evictions.is_empty());
     assert!(reg.fresh.is_empty());
     // So the batch's next plan makes room with it, and b's fetch starts.
-    let (p, t) = begin(&mut reg, &[Some("b")], whole);
+    let (p, t) = begin(&mut reg, &[Some("b")], WHOLE_FETCH);
     assert!(t.is_none());
     assert_eq!(fetches(&p), [("b", reg.serial("b").unwrap())]);
     assert!(p.evictions.is_empty());

@@ -33,6 +33,7 @@ mod audit;
 mod fetch;
 mod lifecycle;
 mod moves;
+mod offer;
 mod plan;
 mod step;
 #[cfg(test)]
@@ -46,8 +47,9 @@ pub use self::adapter::AdapterSize;
 use self::adapter::{Adapter, Identity, Protection, Tenancy, NOT_NAMED};
 pub use self::fetch::{Fetch, FetchPlan};
 pub use self::lifecycle::{Place, Placement};
+pub use self::offer::{Offer, Wants};
 pub use self::plan::{Deferral, Hold, Load, StepPlan, StepRequests};
-pub use self::step::{StepOptions, StepTicket};
+pub use self::step::{StepMode, StepRequest, StepStart, StepTicket};
 use self::tiers::{DeviceCandidate, DeviceTier, HostCandidate, HostLedger, Tier, TierCounters};
 pub use self::unload::Unload;
 use crate::error::{Error, Result};
@@ -545,16 +547,19 @@ impl Registry {
 
     /// Looks up every name and counts one more request in flight for each, atomically: on an error
     /// nothing is counted. `None` (the base model) passes through. Returns the adapters' ids.
-    /// Scheduler steps use [`Registry::begin_step`], which plans and acquires at once.
+    /// Test support only (with [`Registry::release`]: the unit tests' way to hold requests without
+    /// a step); callers step with [`Registry::begin_step`], which plans and acquires at once.
     ///
     /// Errors: [`Error::AdapterNotFound`] for a name not registered (or being unloaded).
-    pub fn acquire(&mut self, names: &[Option<&str>]) -> Result<Vec<Option<Arc<str>>>> {
+    #[cfg(test)]
+    pub(crate) fn acquire(&mut self, names: &[Option<&str>]) -> Result<Vec<Option<Arc<str>>>> {
         let keys =
             names.iter().map(|n| n.map(|n| self.lookup(n, false)).transpose()).collect::<Result<Vec<_>>>()?;
         Ok(keys.into_iter().map(|key| key.map(|key| self.hold(key, 1))).collect())
     }
 
     /// Counts `n` more requests in flight for `key`; returns its id.
+    #[cfg(test)]
     pub(crate) fn hold(&mut self, key: AdapterKey, n: u64) -> Arc<str> {
         let a = self.get_mut(key);
         let was = a.protection.in_flight;
@@ -585,7 +590,8 @@ impl Registry {
     /// Errors: [`Error::AdapterNotFound`] for an unknown id; [`Error::Usage`] when an id is released
     /// more often than [`Registry::acquire`] counted it (the open step's requests are released by
     /// [`Registry::finish_step`] only; nothing is released then).
-    pub fn release(&mut self, ids: &[Option<&str>]) -> Result<bool> {
+    #[cfg(test)]
+    pub(crate) fn release(&mut self, ids: &[Option<&str>]) -> Result<bool> {
         let mut wanted: Vec<(AdapterKey, u64)> = Vec::new();
         for id in ids.iter().flatten() {
             let Some(&key) = self.by_id.get(*id) else {

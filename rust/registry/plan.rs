@@ -18,7 +18,6 @@ use super::fetch::{Claim, Fetch};
 use super::tiers::Eviction;
 use super::{LoadSource, Registry};
 use crate::error::{Error, Result};
-use crate::hash::FxHashMap;
 use crate::limits::OVERDUE_AFTER;
 use crate::policy::AdapterKey;
 
@@ -39,7 +38,7 @@ pub struct Load {
     pub source: LoadSource,
 }
 
-/// The outcome of [`Registry::plan`]. Token indices count the admitted requests' tokens only, each
+/// A step's plan ([`Registry::begin_step`]). Token indices count the admitted requests' tokens only, each
 /// request's tokens contiguous, requests in `admitted` order.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepPlan {
@@ -78,12 +77,8 @@ pub struct StepPlan {
     pub reasons: Vec<Deferral>,
     /// The requests that fail this step (neither admitted nor deferred) and why, in batch order.
     pub failed: Vec<(u32, Hold)>,
-    /// Read-first mode: the adapters to read into the host tier before the step can begin (no
-    /// step began then).
-    pub to_read: Vec<Arc<str>>,
-    /// Names the step's requests use that are neither registered nor held (no step began then):
-    /// with [`super::StepOptions::defer_unknown`], for the caller to discover and begin again.
-    pub unknown: Vec<Arc<str>>,
+    /// The longest segment, in tokens (the registry's `chunk_size`), for [`StepPlan::subset`].
+    pub chunk_size: Option<usize>,
 }
 
 /// Why a deferred request waits.
@@ -151,27 +146,109 @@ impl StepPlan {
         self.token_slots.len()
     }
 
+    /// The kernel arrays of the sub-batch a scheduler built from this step's admitted requests:
+    /// `requests[k]` (a request index, as in `admitted`) runs `num_tokens[k]` tokens, each request's
+    /// tokens contiguous, in `requests` order. Sorted and segmented as the step's own arrays are (one
+    /// segmenter); in [`StepPlan::step_arrays`]' layout, `request_slots` being the sub-batch's.
+    ///
+    /// Errors: [`Error::Usage`] when the lengths differ, a request is not admitted or repeats, a
+    /// count is 0, or the tokens overflow an `i32`.
+    pub fn subset(&self, requests: &[u32], num_tokens: &[u32]) -> Result<(Vec<u8>, [usize; 4])> {
+        if requests.len() != num_tokens.len() {
+            return Err(Error::Usage(format!(
+                "subset: {} requests but {} token counts",
+                requests.len(),
+                num_tokens.len()
+            )));
+        }
+        let mut taken = vec![false; self.admitted.len()];
+        let mut request_slots = Vec::with_capacity(requests.len());
+        for &r in requests {
+            // `admitted` is in batch order, so ascending.
+            match self.admitted.binary_search(&r) {
+                Ok(k) if !std::mem::replace(&mut taken[k], true) => request_slots.push(self.request_slots[k]),
+                _ => {
+                    return Err(Error::Usage(format!(
+                        "subset: requests {requests:?} must be distinct admitted indices of the step \
+                         (admitted: {:?})",
+                        self.admitted
+                    )))
+                }
+            }
+        }
+        if num_tokens.contains(&0) {
+            return Err(Error::Usage(format!(
+                "subset: every token count must be at least 1 (got {num_tokens:?})"
+            )));
+        }
+        let total = check_step_size(requests.len(), num_tokens)?;
+        let mut token_slots = Vec::with_capacity(total);
+        for (&slot, &n) in request_slots.iter().zip(num_tokens) {
+            token_slots.extend(std::iter::repeat_n(slot, n as usize));
+        }
+        let slots = self.slot_ranks.len();
+        let (token_perm, counts) = sort_by_slot(&token_slots, slots);
+        let (mut seg_indptr, mut seg_slots) = (Vec::new(), Vec::new());
+        cut_segments(&counts, slots, self.chunk_size, &mut seg_indptr, &mut seg_slots);
+        Ok(arrays_buffer(&token_perm, &[&request_slots, &seg_indptr, &seg_slots]))
+    }
+
+    /// The admitted requests a scheduler starts now, in batch order, given which requests were
+    /// waiting (`waiting[i]`: not started in an earlier step): all of them but, after a waiting
+    /// request deferred for a device slot ([`Deferral::DeviceRoom`], or [`Deferral::Fairness`]:
+    /// it gave way), the waiting ones that use an adapter. So a request deferred for want of a slot
+    /// is not overtaken, step after step, by later waiting ones of its rank: the running ones
+    /// finish, their slots free up, and it is admitted. Base-model requests hold no slot and start.
+    ///
+    /// Errors: [`Error::Usage`] when `waiting` is not one flag per request.
+    pub fn startable(&self, waiting: &[bool]) -> Result<Vec<u32>> {
+        let requests = self.admitted.len() + self.deferred.len() + self.failed.len();
+        if waiting.len() != requests {
+            return Err(Error::Usage(format!(
+                "startable: {} waiting flags for a step of {requests} requests",
+                waiting.len()
+            )));
+        }
+        let mut barrier = false;
+        let mut start = Vec::with_capacity(self.admitted.len());
+        let (mut admitted, mut deferred) = (self.admitted.iter().zip(&self.request_slots).peekable(), 0);
+        for (i, &waits) in waiting.iter().enumerate() {
+            let i = i as u32;
+            if self.deferred.get(deferred) == Some(&i) {
+                let why = self.reasons[deferred];
+                barrier |= waits && matches!(why, Deferral::DeviceRoom | Deferral::Fairness);
+                deferred += 1;
+            } else if let Some((_, &slot)) = admitted.next_if(|&(&a, _)| a == i) {
+                if !(barrier && waits && slot >= 0) {
+                    start.push(i);
+                }
+            }
+        }
+        Ok(start)
+    }
+
     /// The step's kernel arrays in one native-endian buffer, for one host-to-device copy: `token_perm`
     /// widened to int64 (8-byte aligned, first), then `request_slots`, `seg_indptr` and `seg_slots`
     /// as int32; with each part's length in int32 words (`2 * N`, `A`, `S + 1`, `S`).
     pub fn step_arrays(&self) -> (Vec<u8>, [usize; 4]) {
-        let words = [
-            2 * self.token_perm.len(),
-            self.request_slots.len(),
-            self.seg_indptr.len(),
-            self.seg_slots.len(),
-        ];
-        let mut bytes = Vec::with_capacity(4 * words.iter().sum::<usize>());
-        for &t in &self.token_perm {
-            bytes.extend_from_slice(&i64::from(t).to_ne_bytes());
-        }
-        for part in [&self.request_slots, &self.seg_indptr, &self.seg_slots] {
-            for &v in part {
-                bytes.extend_from_slice(&v.to_ne_bytes());
-            }
-        }
-        (bytes, words)
+        arrays_buffer(&self.token_perm, &[&self.request_slots, &self.seg_indptr, &self.seg_slots])
     }
+}
+
+/// `token_perm` widened to int64, then `parts` as int32, in one native-endian buffer; with each
+/// part's length in int32 words.
+fn arrays_buffer(token_perm: &[i32], parts: &[&[i32]; 3]) -> (Vec<u8>, [usize; 4]) {
+    let words = [2 * token_perm.len(), parts[0].len(), parts[1].len(), parts[2].len()];
+    let mut bytes = Vec::with_capacity(4 * words.iter().sum::<usize>());
+    for &t in token_perm {
+        bytes.extend_from_slice(&i64::from(t).to_ne_bytes());
+    }
+    for part in parts {
+        for &v in *part {
+            bytes.extend_from_slice(&v.to_ne_bytes());
+        }
+    }
+    (bytes, words)
 }
 
 /// A key's mark before admission looks at it.
@@ -246,8 +323,9 @@ impl Registry {
     ///
     /// Errors: as [`Registry::plan`], and [`Error::AdapterNotFound`] for an unknown name (nothing is
     /// planned then).
-    pub fn plan_names(&mut self, names: &[Option<&str>], num_tokens: &[u32]) -> Result<StepPlan> {
-        let mut seen: FxHashMap<(usize, usize), AdapterKey> = FxHashMap::default();
+    #[cfg(test)]
+    pub(crate) fn plan_names(&mut self, names: &[Option<&str>], num_tokens: &[u32]) -> Result<StepPlan> {
+        let mut seen: crate::hash::FxHashMap<(usize, usize), AdapterKey> = Default::default();
         let mut adapters = Vec::with_capacity(names.len());
         for name in names {
             adapters.push(match name {
@@ -268,31 +346,39 @@ impl Registry {
         self.plan(&adapters, num_tokens)
     }
 
-    /// Plans one step and commits it: the previous step's protection ends, the admitted adapters are
-    /// protected until the next plan (or [`Registry::end_step`]), and the planned loads are marked
-    /// loading until [`Registry::load_done`] / [`Registry::load_failed`].
+    /// Plans one step and commits it, outside a transaction (test support only, with
+    /// [`Registry::end_step`], [`Registry::load_done`] and [`Registry::load_failed`]: the unit tests
+    /// look at a plan's state between those calls): the previous step's protection ends, the admitted
+    /// adapters are protected until the next plan (or `end_step`), and the planned loads are marked
+    /// loading until `load_done` / `load_failed`.
     ///
     /// `adapters[i]` and `num_tokens[i]` describe request `i` (adapters from [`Registry::lookup`];
     /// ones being unloaded are served, their requests are still running).
     ///
     /// Errors: [`Error::Usage`] when the two slices differ in length, the admitted tokens overflow
     /// an `i32`, or a step transaction is open (nothing is planned then).
-    pub fn plan(&mut self, adapters: &[Option<AdapterKey>], num_tokens: &[u32]) -> Result<StepPlan> {
+    #[cfg(test)]
+    pub(crate) fn plan(&mut self, adapters: &[Option<AdapterKey>], num_tokens: &[u32]) -> Result<StepPlan> {
         self.plan_in(StepRequests { adapters, num_tokens, holds: &[] }, false)
     }
 
-    /// [`Registry::plan`], in fetch mode when `fetch`: a request whose adapter is not in the host
-    /// tier is deferred (it takes none of the slot budget), and the adapter's fetch starts unless
-    /// it is fetching already or the host tier cannot make room now, even after adapters admitted
-    /// for younger requests yield theirs; the plan's `to_fetch` lists the fetches started. In
-    /// either mode a fresh adapter (see [`Registry::fetch_done`]) stays fresh only if this plan
-    /// defers it.
+    /// Plans one step over `requests` and commits it (for [`Registry::begin_step`], which acquires
+    /// it): the previous plan's protection ends, the admitted adapters are protected as in the step,
+    /// and the planned loads are marked loading until reported. `adapters[i]` and `num_tokens[i]`
+    /// describe request `i` (adapters from [`Registry::lookup`]).
+    ///
+    /// In fetch mode (`fetch`) a request whose adapter is not in the host tier is deferred (it takes
+    /// none of the slot budget), and the adapter's fetch starts unless it is fetching already or the
+    /// host tier cannot make room now, even after adapters admitted for younger requests yield
+    /// theirs; the plan's `to_fetch` lists the fetches started. In either mode a fresh adapter (see
+    /// [`Registry::fetch_done`]) stays fresh only if this plan defers it.
     ///
     /// The requests' holds (sorted by request, each with no adapter) are neither admitted nor
     /// counted: each is deferred or fails as its [`Hold`] says.
     ///
-    /// Errors: as [`Registry::plan`].
-    pub fn plan_in(&mut self, requests: StepRequests<'_>, fetch: bool) -> Result<StepPlan> {
+    /// Errors: [`Error::Usage`] when the two slices differ in length, the admitted tokens overflow
+    /// an `i32`, or a step transaction is open (nothing is planned then).
+    pub(super) fn plan_in(&mut self, requests: StepRequests<'_>, fetch: bool) -> Result<StepPlan> {
         let StepRequests { adapters, num_tokens, .. } = requests;
         self.refuse_open_step("plan")?;
         let total = check_step_size(adapters.len(), num_tokens)?;
@@ -419,9 +505,10 @@ impl Registry {
     }
 
     /// Fresh adapters not among `keys` are fresh no more: [`Registry::end_freshness`] for a plan
-    /// that defers all of `keys` and admits nothing.
-    pub(super) fn end_freshness_outside(&mut self, keys: &[AdapterKey]) {
+    /// that defers all of `keys` and admits nothing. Returns whether any was fresh.
+    pub(super) fn end_freshness_outside(&mut self, keys: &[AdapterKey]) -> bool {
         let mut fresh = std::mem::take(&mut self.fresh);
+        let before = fresh.len();
         fresh.retain(|&key| {
             let keep = keys.contains(&key);
             if !keep {
@@ -430,7 +517,9 @@ impl Registry {
             }
             keep
         });
+        let freed = fresh.len() < before;
         self.fresh = fresh;
+        freed
     }
 
     /// Admission by budget, in batch order: marks each admitted adapter [`ADMITTED`] and puts it in
@@ -700,10 +789,6 @@ impl Registry {
         total: usize,
         plan: &mut StepPlan,
     ) -> Vec<i32> {
-        let slots = self.config.slots;
-        // Buckets: one per slot, then one for base-model tokens, so the per-request and per-token
-        // loops index instead of branching on -1 (base rows are mixed in unpredictably).
-        let bucket = |slot: i32| (slot as u32 as usize).min(slots);
         let all_admitted = plan.admitted.len() == request_slots.len();
         let mut token_slots = Vec::with_capacity(total);
         // One token per request (a decode step): the token slots are the admitted requests' slots.
@@ -721,34 +806,7 @@ impl Registry {
         if single {
             token_slots.extend_from_slice(&request_slots);
         }
-        // Per bucket: its tokens, then where its run starts in `token_perm`, then the next free
-        // place in that run (one allocation for the three).
-        let mut counts = vec![0i32; 3 * (slots + 1)];
-        let (per_bucket, rest) = counts.split_at_mut(slots + 1);
-        let (start, fill) = rest.split_at_mut(slots + 1);
-        // Four interleaved counters per bucket, so runs of one slot do not chain every increment
-        // through one memory cell.
-        let mut lanes = vec![[0i32; 4]; slots + 1];
-        for (t, &slot) in token_slots.iter().enumerate() {
-            lanes[bucket(slot)][t & 3] += 1;
-        }
-        for (count, lane) in per_bucket.iter_mut().zip(&lanes) {
-            *count = lane.iter().sum();
-        }
-        // Counting sort of the tokens by bucket; the base bucket's run, last, is cut off.
-        let mut next = 0;
-        for (b, &count) in per_bucket.iter().enumerate() {
-            start[b] = next;
-            next += count;
-        }
-        fill.copy_from_slice(start);
-        let mut token_perm = vec![0; next as usize];
-        for (t, &slot) in token_slots.iter().enumerate() {
-            let b = bucket(slot);
-            token_perm[fill[b] as usize] = t as i32;
-            fill[b] += 1;
-        }
-        token_perm.truncate(start[slots] as usize);
+        let (token_perm, counts) = sort_by_slot(&token_slots, self.config.slots);
         plan.request_slots = request_slots;
         plan.token_slots = token_slots;
         plan.token_perm = token_perm;
@@ -758,21 +816,8 @@ impl Registry {
     /// The kernels' segments: each slot's run of the permutation (`counts` from [`Self::sort_tokens`]),
     /// cut into chunks of at most `chunk_size` tokens.
     fn fill_segments(&self, counts: &[i32], plan: &mut StepPlan) {
-        let slots = self.config.slots;
-        let (per_slot, start) = (&counts[..slots], &counts[slots + 1..2 * slots + 1]);
-        let chunk = self.config.chunk_size.map_or(i32::MAX, |c| c.min(i32::MAX as usize) as i32);
-        let segments = per_slot.iter().filter(|&&c| c > 0).count();
-        plan.seg_indptr.reserve_exact(segments + 1);
-        plan.seg_slots.reserve_exact(segments);
-        plan.seg_indptr.push(0);
-        for (s, (&begin, &count)) in start.iter().zip(per_slot).enumerate() {
-            let mut at = begin;
-            while at < begin + count {
-                at = (at + chunk.min(begin + count - at)).min(begin + count);
-                plan.seg_indptr.push(at);
-                plan.seg_slots.push(s as i32);
-            }
-        }
+        plan.chunk_size = self.config.chunk_size;
+        cut_segments(counts, self.config.slots, plan.chunk_size, &mut plan.seg_indptr, &mut plan.seg_slots);
     }
 
     /// Per slot its adapter's rank and scaling and its generation, and the slots the step uses.
@@ -844,6 +889,70 @@ impl SlotBudget {
     /// The distinct unpinned adapters counted so far.
     pub(super) fn used(&self) -> usize {
         self.used
+    }
+}
+
+/// The permutation of `token_slots` (each token's slot, -1 for the base model) that groups the
+/// tokens with an adapter by slot, ascending, in token order within a slot (base tokens left out);
+/// and per bucket (each of `slots`, then base) its tokens, where its run starts in the permutation,
+/// and where it ends. The one segmenter: a step's plan and [`StepPlan::subset`] both sort with it.
+fn sort_by_slot(token_slots: &[i32], slots: usize) -> (Vec<i32>, Vec<i32>) {
+    // Buckets: one per slot, then one for base-model tokens, so the per-token loops index instead of
+    // branching on -1 (base rows are mixed in unpredictably).
+    let bucket = |slot: i32| (slot as u32 as usize).min(slots);
+    // Per bucket: its tokens, then where its run starts in `token_perm`, then the next free place in
+    // that run (one allocation for the three).
+    let mut counts = vec![0i32; 3 * (slots + 1)];
+    let (per_bucket, rest) = counts.split_at_mut(slots + 1);
+    let (start, fill) = rest.split_at_mut(slots + 1);
+    // Four interleaved counters per bucket, so runs of one slot do not chain every increment
+    // through one memory cell.
+    let mut lanes = vec![[0i32; 4]; slots + 1];
+    for (t, &slot) in token_slots.iter().enumerate() {
+        lanes[bucket(slot)][t & 3] += 1;
+    }
+    for (count, lane) in per_bucket.iter_mut().zip(&lanes) {
+        *count = lane.iter().sum();
+    }
+    // Counting sort of the tokens by bucket; the base bucket's run, last, is cut off.
+    let mut next = 0;
+    for (b, &count) in per_bucket.iter().enumerate() {
+        start[b] = next;
+        next += count;
+    }
+    fill.copy_from_slice(start);
+    let mut token_perm = vec![0; next as usize];
+    for (t, &slot) in token_slots.iter().enumerate() {
+        let b = bucket(slot);
+        token_perm[fill[b] as usize] = t as i32;
+        fill[b] += 1;
+    }
+    token_perm.truncate(start[slots] as usize);
+    (token_perm, counts)
+}
+
+/// Each slot's run of the permutation (`counts` from [`sort_by_slot`]) as segments of at most
+/// `chunk_size` tokens: `seg_indptr` (from 0) and `seg_slots`, appended.
+fn cut_segments(
+    counts: &[i32],
+    slots: usize,
+    chunk_size: Option<usize>,
+    seg_indptr: &mut Vec<i32>,
+    seg_slots: &mut Vec<i32>,
+) {
+    let (per_slot, start) = (&counts[..slots], &counts[slots + 1..2 * slots + 1]);
+    let chunk = chunk_size.map_or(i32::MAX, |c| c.min(i32::MAX as usize) as i32);
+    let segments = per_slot.iter().filter(|&&c| c > 0).count();
+    seg_indptr.reserve_exact(segments + 1);
+    seg_slots.reserve_exact(segments);
+    seg_indptr.push(0);
+    for (s, (&begin, &count)) in start.iter().zip(per_slot).enumerate() {
+        let mut at = begin;
+        while at < begin + count {
+            at = (at + chunk.min(begin + count - at)).min(begin + count);
+            seg_indptr.push(at);
+            seg_slots.push(s as i32);
+        }
     }
 }
 

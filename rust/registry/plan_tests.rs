@@ -1,6 +1,6 @@
 use crate::error::Error;
 use crate::registry::tiers::Tier;
-use crate::registry::{Config, LoadSource, Registry};
+use crate::registry::{Config, Deferral, LoadSource, Registry};
 
 use crate::registry::testkit::*;
 
@@ -147,4 +147,60 @@ fn loading_adapters_keep_their_slot_until_done_and_failed_loads_leave() {
     assert_eq!(p.loads[0].source, LoadSource::Disk);
     reg.load_failed("a").unwrap();
     assert!(!reg.stats().host.resident.contains(&"a".to_owned()));
+}
+
+/// `subset`'s buffer, decoded: (token_perm, request_slots, seg_indptr, seg_slots).
+fn decoded((bytes, words): (Vec<u8>, [usize; 4])) -> (Vec<i64>, Vec<i32>, Vec<i32>, Vec<i32>) {
+    let perm = bytes[..4 * words[0]].chunks(8).map(|c| i64::from_ne_bytes(c.try_into().unwrap())).collect();
+    let ints: Vec<i32> =
+        bytes[4 * words[0]..].chunks(4).map(|c| i32::from_ne_bytes(c.try_into().unwrap())).collect();
+    let (slots, rest) = ints.split_at(words[1]);
+    let (indptr, seg_slots) = rest.split_at(words[2]);
+    (perm, slots.to_vec(), indptr.to_vec(), seg_slots.to_vec())
+}
+
+#[test]
+fn a_subset_is_segmented_as_a_step_of_those_requests_would_be() {
+    let mut config = Config::new(2);
+    config.chunk_size = Some(2);
+    let mut reg = Registry::new(config).unwrap();
+    for n in ["a", "b", "c"] {
+        reg.register(lora(n), size(4, 100)).unwrap();
+    }
+    // c waits for a slot: request 3 is not admitted.
+    let p = reg.plan_names(&[Some("a"), None, Some("b"), Some("c"), Some("a")], &[1; 5]).unwrap();
+    assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([0, 1, 2, 4].as_slice(), [3].as_slice()));
+    // The whole step again, with its own counts: the plan's own arrays.
+    let whole = decoded(p.subset(&[0, 1, 2, 4], &[1; 4]).unwrap());
+    let perm: Vec<i64> = p.token_perm.iter().map(|&t| i64::from(t)).collect();
+    assert_eq!(whole, (perm, p.request_slots.clone(), p.seg_indptr.clone(), p.seg_slots.clone()));
+    // Requests 4 (a, 3 tokens), 1 (base, 2) and 2 (b, 1), in that order: rows 0..3 are a's (cut at
+    // the chunk size), 3..5 base, 5 b's.
+    let (perm, slots, indptr, seg_slots) = decoded(p.subset(&[4, 1, 2], &[3, 2, 1]).unwrap());
+    let a = p.request_slots[3];
+    let b = p.request_slots[2];
+    assert_eq!(slots, [a, -1, b]);
+    let (first, second) = if a < b { (vec![0, 1, 2], vec![5]) } else { (vec![5], vec![0, 1, 2]) };
+    assert_eq!(perm, [first, second].concat());
+    assert_eq!(indptr, if a < b { vec![0, 2, 3, 4] } else { vec![0, 1, 3, 4] });
+    assert_eq!(seg_slots, if a < b { vec![a, a, b] } else { vec![b, a, a] });
+    // Bad sub-batches are refused by name.
+    for (requests, counts) in [(&[3][..], &[1][..]), (&[0, 0], &[1, 1]), (&[0], &[0]), (&[0, 1], &[1])] {
+        assert!(matches!(p.subset(requests, counts), Err(Error::Usage(_))), "{requests:?} {counts:?}");
+    }
+}
+
+#[test]
+fn no_waiting_request_with_an_adapter_starts_after_one_deferred_for_a_slot() {
+    let mut reg = registry(2, None, "lru", &["a", "b", "c"]);
+    // Two slots: a and b admitted, c deferred for a slot; the base request and a's second admitted.
+    let p = reg.plan_names(&[Some("a"), Some("b"), Some("c"), None, Some("a")], &[1; 5]).unwrap();
+    assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([0, 1, 3, 4].as_slice(), [2].as_slice()));
+    assert_eq!(p.reasons, [Deferral::DeviceRoom]);
+    // Request 0 runs; the rest wait. After c, the base request starts, a's waiting one does not.
+    assert_eq!(p.startable(&[false, true, true, true, true]).unwrap(), [0, 1, 3]);
+    // A running request past the barrier goes on; with c not waiting there is no barrier.
+    assert_eq!(p.startable(&[false, true, true, true, false]).unwrap(), [0, 1, 3, 4]);
+    assert_eq!(p.startable(&[true, true, false, true, true]).unwrap(), [0, 1, 3, 4]);
+    assert!(matches!(p.startable(&[true; 4]), Err(Error::Usage(_))));
 }

@@ -6,7 +6,7 @@ use proptest::prelude::*;
 use crate::error::Error;
 use crate::policy::PolicyKind;
 use crate::registry::tiers::Tier;
-use crate::registry::{AdapterSize, Config, LoadSource, Registry, StepOptions, StepPlan, Unload};
+use crate::registry::{AdapterSize, Config, LoadSource, Registry, StepMode, StepPlan, StepRequest, Unload};
 use crate::spec::LoRARef;
 
 use crate::registry::testkit::*;
@@ -86,7 +86,8 @@ fn a_read_the_protected_adapters_leave_no_room_for_waits_and_changes_nothing() {
     assert_eq!(reg.prefetch(&[Some("a")]).unwrap().to_fetch.len(), 1);
     // A step takes b and c (the whole host tier) before a's read ends.
     let keys: Vec<_> = ["b", "c"].iter().map(|n| Some(reg.lookup(n, false).unwrap())).collect();
-    let (p, ticket) = reg.begin_step(&keys, &[1, 1], false).unwrap();
+    let (p, ticket) =
+        reg.begin_step(StepRequest::new(&keys, &[1, 1], StepMode::ReadInStep)).unwrap().begun().unwrap();
     assert_eq!(p.admitted, [0, 1]);
     let before = (residency(&reg), reg.stats().host);
     assert!(matches!(reg.fetch_done("a", serial), Err(Error::Capacity(_))));
@@ -389,7 +390,8 @@ proptest! {
                         names.iter().map(|n| n.as_deref().map(|n| reg.lookup(n, false)).transpose()).collect();
                     let Ok(keys) = keys else { continue };
                     let tokens: Vec<u32> = req.iter().map(|&(_, t)| t).collect();
-                    match reg.begin_step_with(&keys, &tokens, StepOptions { all_or_nothing: *all, fetch: *fetch, read_first: false }) {
+                    let mode = if *fetch { StepMode::Fetch } else { StepMode::ReadInStep };
+                    match start(&mut reg, StepRequest { whole: *all, ..StepRequest::new(&keys, &tokens, mode) }) {
                         Ok((p, None)) => {
                             // Fetch mode, all or nothing: no step, every request waits.
                             prop_assert!(*fetch && *all && open.is_none());

@@ -17,16 +17,97 @@ use crate::policy::AdapterKey;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct StepTicket(pub u64);
 
-/// How [`Registry::begin_step_with`] plans a step.
+/// How a step treats the adapters it needs that are outside the host tier (evicted from host
+/// memory, or being fetched).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct StepOptions {
-    /// A step that cannot admit every request is not begun.
-    pub all_or_nothing: bool,
-    /// Fetch mode (background reads): see [`Registry::plan_in`].
-    pub fetch: bool,
-    /// Read-first mode (blocking reads): a step that would read adapters from disk is not begun;
-    /// the plan lists them in `to_read` instead (see [`Registry::host_misses`]).
-    pub read_first: bool,
+pub enum StepMode {
+    /// The step reads them itself: each is a planned load from disk ([`LoadSource::Disk`]).
+    ///
+    /// [`LoadSource::Disk`]: super::LoadSource::Disk
+    #[default]
+    ReadInStep,
+    /// A step that would read from disk does not begin: the answer is [`StepStart::ReadFirst`].
+    ReadFirst,
+    /// Their requests wait while they are fetched in the background (see [`Registry::plan_in`]);
+    /// a batch that must run whole waits for all of them ([`StepStart::Fetching`]).
+    Fetch,
+}
+
+/// One step for [`Registry::begin_step`]: its requests and how to begin it.
+#[derive(Debug, Clone)]
+pub struct StepRequest<'a> {
+    /// The requests; `holds` are those the caller could give no adapter key (deferred or failed
+    /// as their [`Hold`] says).
+    pub requests: StepRequests<'a>,
+    /// Adapters whose last read failed: their requests fail (a whole batch: the step is refused).
+    pub failed: &'a [AdapterKey],
+    /// Names the requests use that nobody knows: no step begins while there are any
+    /// ([`StepStart::Discover`]).
+    pub unknown: Vec<Arc<str>>,
+    /// How adapters outside the host tier are brought in.
+    pub mode: StepMode,
+    /// A batch that must run whole (all or nothing): a step that cannot admit every request is
+    /// refused with [`Error::Capacity`] and changes nothing.
+    pub whole: bool,
+}
+
+impl<'a> StepRequest<'a> {
+    /// The requests `adapters` / `num_tokens` (no holds, nothing failed or unknown), begun in `mode`.
+    pub fn new(adapters: &'a [Option<AdapterKey>], num_tokens: &'a [u32], mode: StepMode) -> Self {
+        Self {
+            requests: StepRequests { adapters, num_tokens, holds: &[] },
+            failed: &[],
+            unknown: Vec::new(),
+            mode,
+            whole: false,
+        }
+    }
+
+    /// This request, as a batch that must run whole.
+    pub fn whole(self) -> Self {
+        Self { whole: true, ..self }
+    }
+}
+
+/// What [`Registry::begin_step`] did, and so what the caller does next.
+#[derive(Debug)]
+pub enum StepStart {
+    /// The step began: run it (perform its loads, reporting each) and finish it.
+    Begun(StepPlan, StepTicket),
+    /// No step began: these names are neither registered nor held. Register them (or give up) and
+    /// begin again.
+    Discover(Vec<Arc<str>>),
+    /// No step began ([`StepMode::ReadFirst`]): these adapters, which the step would admit, are
+    /// outside the host tier. Read each, [`Registry::enter_host_tier`] it, and begin again.
+    ReadFirst(Vec<Arc<str>>),
+    /// No step began ([`StepMode::Fetch`], a whole batch): its adapters are not all in the host
+    /// tier. The plan defers every request and lists the fetches it started (`to_fetch`) and the
+    /// host evictions that made their room; wait for the batch's fetches and begin again.
+    Fetching {
+        /// The deferring plan.
+        plan: StepPlan,
+        /// Whether waiting can change the answer: this plan started fetches, fetches are in flight,
+        /// or it lifted the protection of fresh adapters outside the batch (their room is free to
+        /// the next plan). When false the next answer is this one again, unless other callers
+        /// change the registry: read in the step instead, or give up.
+        progress: bool,
+    },
+}
+
+impl StepStart {
+    /// The begun step's plan and ticket: for callers whose mode always begins a step
+    /// ([`StepMode::ReadInStep`], or [`StepMode::Fetch`] not whole, with no unknown names).
+    ///
+    /// Errors: [`Error::Usage`] naming the answer, when no step began.
+    pub fn begun(self) -> Result<(StepPlan, StepTicket)> {
+        let what = match self {
+            Self::Begun(plan, ticket) => return Ok((plan, ticket)),
+            Self::Discover(_) => "names to discover",
+            Self::ReadFirst(_) => "adapters to read first",
+            Self::Fetching { .. } => "a whole batch waiting for its fetches",
+        };
+        Err(Error::Usage(format!("begin_step began no step: it answered {what}")))
+    }
 }
 
 /// What an open step holds.
@@ -40,88 +121,47 @@ pub(super) struct OpenStep {
 }
 
 impl Registry {
-    /// Plans one step and acquires its admitted requests, atomically: the step transaction.
+    /// Begins one step transaction, or says what must happen first: plans the step and acquires its
+    /// admitted requests atomically, under the registry's lock, so no unload or re-registration
+    /// can slip in between.
     ///
-    /// As [`Registry::plan`], and then every admitted request counts as in flight until
+    /// As [`Registry::plan_in`], and then every admitted request counts as in flight until
     /// [`Registry::finish_step`] (so an unload of one of its adapters waits for the step), and each
     /// planned load stays protected until reported with [`Registry::report_load`] (or failed by the
-    /// finish). Adapters being unloaded take no new requests. With `all_or_nothing`, a step that
-    /// cannot admit every request changes nothing and fails with [`Error::Capacity`].
+    /// finish). The requests of an adapter in `failed` fail, as do those of an adapter being
+    /// unloaded ([`Hold::Unloaded`]); the plan lists them in `failed` and runs the rest.
     ///
-    /// Errors: [`Error::Usage`] when a step is open already, or as [`Registry::plan`];
-    /// [`Error::AdapterNotFound`] for an adapter being unloaded; [`Error::Capacity`] as above.
-    pub fn begin_step(
-        &mut self,
-        adapters: &[Option<AdapterKey>],
-        num_tokens: &[u32],
-        all_or_nothing: bool,
-    ) -> Result<(StepPlan, StepTicket)> {
-        let requests = StepRequests { adapters, num_tokens, holds: &[] };
-        let options = StepOptions { all_or_nothing, ..StepOptions::default() };
-        let (plan, ticket) = self.begin_step_held(requests, &[], options)?;
-        // Without fetch or read_first a step that is not refused always begins.
-        let ticket = ticket.ok_or_else(|| Error::Usage("begin_step: no step began".into()))?;
-        Ok((plan, ticket))
-    }
-
-    /// [`Registry::begin_step`] with options. In fetch mode a request whose adapter is not in the
-    /// host tier is deferred and the adapter's fetch starts (see [`Registry::plan_in`]); with
-    /// `all_or_nothing` too, a batch whose adapters are not all in the host tier begins no step
-    /// (the ticket is `None`): the plan defers every request and lists the fetches it started, and
-    /// the caller begins again once they are done.
+    /// The answer ([`StepStart`]) is the caller's next action: [`StepStart::Begun`], or no step
+    /// and what to do before beginning again (discover names, read adapters first, wait for
+    /// fetches).
     ///
-    /// Errors: as [`Registry::begin_step`].
-    pub fn begin_step_with(
-        &mut self,
-        adapters: &[Option<AdapterKey>],
-        num_tokens: &[u32],
-        options: StepOptions,
-    ) -> Result<(StepPlan, Option<StepTicket>)> {
-        self.begin_step_held(StepRequests { adapters, num_tokens, holds: &[] }, &[], options)
-    }
-
-    /// [`Registry::begin_step_with`] over a whole step: `requests.holds` are requests the caller
-    /// could give no adapter key (deferred or failed as their [`Hold`] says), and the requests of
-    /// an adapter in `failed` (its last read failed) fail, as do those of an adapter being
-    /// unloaded ([`Hold::Unloaded`]); the plan lists them in `failed` and runs the rest. With
-    /// `read_first`, a step that would read adapters from disk begins not: the plan lists them in
-    /// `to_read` (read them, [`Registry::enter_host_tier`] them, and begin again).
-    ///
-    /// Errors: as [`Registry::begin_step`]; with `all_or_nothing`, a failed request (a batch must
-    /// run whole) is [`Error::AdapterNotFound`] or [`Error::Capacity`] as before; [`Error::Usage`]
-    /// when a hold names no request, or one with an adapter, or holds are out of order, or both
-    /// `read_first` and `fetch` are set.
-    pub fn begin_step_held(
-        &mut self,
-        requests: StepRequests<'_>,
-        failed: &[AdapterKey],
-        options: StepOptions,
-    ) -> Result<(StepPlan, Option<StepTicket>)> {
-        if options.read_first && options.fetch {
-            return Err(Error::Usage(
-                "begin_step: read_first (read misses first, then begin) and fetch (defer misses and fetch \
-                 them in the background) exclude each other; pass one"
-                    .into(),
-            ));
+    /// Errors: [`Error::Usage`] when a step is open already, the lengths differ, a hold names no
+    /// request without an adapter or holds are out of order; with `whole`, [`Error::Capacity`] when
+    /// not every request fits, and [`Error::AdapterNotFound`] for an adapter being unloaded or in
+    /// `failed`. Nothing changes on an error.
+    pub fn begin_step(&mut self, request: StepRequest<'_>) -> Result<StepStart> {
+        let StepRequest { requests, failed, unknown, mode, whole } = request;
+        if !unknown.is_empty() {
+            return Ok(StepStart::Discover(unknown));
         }
-        let owned = self.check_holds(requests, failed, options.all_or_nothing)?;
+        let owned = self.check_holds(requests, failed, whole)?;
         let requests = match &owned {
             Some((adapters, holds)) => StepRequests { adapters, num_tokens: requests.num_tokens, holds },
             None => requests,
         };
         let adapters = requests.adapters;
         let num_tokens = requests.num_tokens;
-        if options.read_first {
+        if mode == StepMode::ReadFirst {
             // A batch refused whole must not make anyone read (and make host room) first.
-            if let Some(why) = options.all_or_nothing.then(|| self.overflow(adapters)).flatten() {
+            if let Some(why) = whole.then(|| self.overflow(adapters)).flatten() {
                 return Err(Error::Capacity(why));
             }
             let to_read = self.host_misses(adapters);
             if !to_read.is_empty() {
-                return Ok((StepPlan { to_read, ..StepPlan::default() }, None));
+                return Ok(StepStart::ReadFirst(to_read));
             }
         }
-        if options.fetch && options.all_or_nothing {
+        if mode == StepMode::Fetch && whole {
             if let Some(why) = self.overflow(adapters) {
                 return Err(Error::Capacity(why));
             }
@@ -137,13 +177,14 @@ impl Registry {
                 // This plan defers the whole batch: fresh adapters it does not ask for lose their
                 // protection after it, as after a plan that begins a step without them (so the
                 // batch's next plan may make room with them, never this one).
-                self.end_freshness_outside(&keys);
+                let freed = self.end_freshness_outside(&keys);
                 plan.deferred = (0..adapters.len() as u32).collect();
-                return Ok((plan, None));
+                let progress = !plan.to_fetch.is_empty() || self.host.reserved_count > 0 || freed;
+                return Ok(StepStart::Fetching { plan, progress });
             }
         }
-        let (plan, ticket) = self.begin_checked(requests, options)?;
-        Ok((plan, Some(ticket)))
+        let (plan, ticket) = self.begin_checked(requests, mode == StepMode::Fetch, whole)?;
+        Ok(StepStart::Begun(plan, ticket))
     }
 
     /// Refuses a step while one is open, or (`all_or_nothing`) one with an adapter being unloaded.
@@ -233,16 +274,16 @@ impl Registry {
     fn begin_checked(
         &mut self,
         requests: StepRequests<'_>,
-        options: StepOptions,
+        fetch: bool,
+        all_or_nothing: bool,
     ) -> Result<(StepPlan, StepTicket)> {
         let adapters = requests.adapters;
-        let all_or_nothing = options.all_or_nothing;
         if all_or_nothing {
             if let Some(why) = self.overflow(adapters) {
                 return Err(Error::Capacity(why));
             }
         }
-        let plan = self.plan_in(requests, options.fetch)?;
+        let plan = self.plan_in(requests, fetch)?;
         let ticket = StepTicket(self.steps_begun + 1);
         self.steps_begun += 1;
         let held = self.step.iter().map(|&k| (k, self.get(k).identity.serial)).collect();
@@ -460,7 +501,8 @@ impl Registry {
     /// callers of [`Registry::plan`]; a step transaction ends with [`Registry::finish_step`].
     ///
     /// Errors: [`Error::Usage`] while a step transaction is open.
-    pub fn end_step(&mut self) -> Result<()> {
+    #[cfg(test)]
+    pub(crate) fn end_step(&mut self) -> Result<()> {
         self.refuse_open_step("end_step")?;
         self.end_protection();
         Ok(())
@@ -492,7 +534,8 @@ impl Registry {
     /// [`Registry::plan`]; a step transaction reports with [`Registry::report_load`].
     ///
     /// Errors: [`Error::AdapterNotFound`]; [`Error::Usage`] when no load of it is pending.
-    pub fn load_done(&mut self, name: &str) -> Result<()> {
+    #[cfg(test)]
+    pub(crate) fn load_done(&mut self, name: &str) -> Result<()> {
         let key = self.pending_load(name)?;
         self.get_mut(key).protection.loading = None;
         self.refresh(key);
@@ -503,7 +546,8 @@ impl Registry {
     /// if the load was to read it from disk. Nothing else changes.
     ///
     /// Errors: [`Error::AdapterNotFound`]; [`Error::Usage`] when no load of it is pending.
-    pub fn load_failed(&mut self, name: &str) -> Result<()> {
+    #[cfg(test)]
+    pub(crate) fn load_failed(&mut self, name: &str) -> Result<()> {
         let key = self.pending_load(name)?;
         self.fail_load(key);
         Ok(())
@@ -520,6 +564,7 @@ impl Registry {
         self.refresh(key);
     }
 
+    #[cfg(test)]
     fn pending_load(&self, name: &str) -> Result<AdapterKey> {
         let key = self.lookup(name, true)?;
         if self.get(key).protection.loading.is_none() {

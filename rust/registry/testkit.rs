@@ -2,7 +2,7 @@
 
 use crate::policy::PolicyKind;
 use crate::registry::tiers::Tier;
-use crate::registry::{AdapterSize, Config, Registry, StepPlan};
+use crate::registry::{AdapterSize, Config, Registry, StepPlan, StepRequest, StepStart, StepTicket};
 use crate::spec::LoRARef;
 
 pub(super) fn size(rank: u32, bytes: u64) -> AdapterSize {
@@ -41,6 +41,22 @@ pub(super) fn finish_loads(reg: &mut Registry, p: &StepPlan) {
 pub(super) fn step(reg: &mut Registry, names: &[Option<&str>]) {
     let p = plan(reg, names);
     finish_loads(reg, &p);
+}
+
+/// Begins a step as `request` asks and checks the invariants: the plan and its ticket when a step
+/// began, a whole batch's deferring plan and no ticket when it waits for fetches. Panics on the
+/// other answers (a test that expects them matches [`Registry::begin_step`] itself).
+pub(super) fn start(
+    reg: &mut Registry,
+    request: StepRequest<'_>,
+) -> crate::Result<(StepPlan, Option<StepTicket>)> {
+    let begun = match reg.begin_step(request)? {
+        StepStart::Begun(plan, ticket) => (plan, Some(ticket)),
+        StepStart::Fetching { plan, .. } => (plan, None),
+        other => panic!("begin_step answered {other:?}"),
+    };
+    reg.audit().unwrap();
+    Ok(begun)
 }
 
 pub(super) fn evicted(p: &StepPlan, tier: Tier) -> Vec<&str> {

@@ -23,7 +23,9 @@ use std::ops::ControlFlow;
 use crate::error::{Error, Result};
 use crate::limits::MAX_ADAPTER_RANK;
 use crate::policy::{AdapterKey, PolicyKind};
-use crate::registry::{AdapterSize, Config, LoadSource, Registry, StepOptions, StepPlan, TierStats};
+use crate::registry::{
+    AdapterSize, Config, LoadSource, Registry, StepMode, StepPlan, StepRequest, TierStats,
+};
 use crate::sim::belady::{min_misses, Demand};
 use crate::sim::fetches::{FetchReport, Fetches};
 use crate::sim::trace::{Request, SplitMix, Trace};
@@ -311,10 +313,8 @@ impl StepInputs {
             self.keys.push(r.adapter.map(|a| keys[a as usize]));
             self.tokens.push(r.tokens);
         }
-        let options = StepOptions { fetch, ..StepOptions::default() };
-        let (plan, ticket) = reg.begin_step_with(&self.keys, &self.tokens, options)?;
-        let ticket =
-            ticket.ok_or_else(|| Error::Usage("begin_step without all_or_nothing began no step".into()))?;
+        let mode = if fetch { StepMode::Fetch } else { StepMode::ReadInStep };
+        let (plan, ticket) = reg.begin_step(StepRequest::new(&self.keys, &self.tokens, mode))?.begun()?;
         for index in 0..plan.loads.len() {
             reg.report_load(ticket, index, true)?;
         }

@@ -4,7 +4,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::policy::{PolicyKind, POLICY_NAMES};
-use crate::registry::{AdapterSize, Config, Registry, StepPlan};
+use crate::registry::{AdapterSize, Config, Registry, StepMode, StepPlan, StepRequest};
 use crate::shared::SharedRegistry;
 
 /// One request of one token per name, no arrival times; adapters named in first-use order.
@@ -225,7 +225,8 @@ fn live_plans(trace: &Trace, config: &SimConfig) -> Vec<StepPlan> {
         let names: Vec<Option<&str>> = batch.iter().map(|&i| name(i)).collect();
         let tokens: Vec<u32> = batch.iter().map(|&i| trace.requests()[i as usize].tokens).collect();
         let keys: Vec<_> = names.iter().map(|n| n.map(|n| live.lock().lookup(n, false).unwrap())).collect();
-        let (plan, ticket) = live.lock().begin_step(&keys, &tokens, false).unwrap();
+        let request = StepRequest::new(&keys, &tokens, StepMode::ReadInStep);
+        let (plan, ticket) = live.lock().begin_step(request).unwrap().begun().unwrap();
         for index in 0..plan.loads.len() {
             live.lock().report_load(ticket, index, true).unwrap();
         }

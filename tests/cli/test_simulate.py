@@ -253,7 +253,7 @@ def live_background_log(
             reg.fetch_done(name, serial)
         step = list(waiting)
         waiting.clear()
-        plan = reg.begin_step([requests[i][0] for i in step], [requests[i][1] for i in step], fetch=True)
+        plan = reg.begin_step([requests[i][0] for i in step], [requests[i][1] for i in step], "fetch")
         assert plan.ticket is not None
         for index in range(len(plan.loads)):
             reg.report_load(plan.ticket, index, True)

@@ -1,6 +1,6 @@
-"""The registry's fetching state through its Python face: `begin_step(fetch=True)` defers host
+"""The registry's fetching state through its Python face: `begin_step(mode="fetch")` defers host
 misses and starts their fetches, `prefetch` starts them ahead of a step, `fetch_done` /
-`fetch_failed` end them, and an unload cancels one. Background mode is opt-in: without `fetch`
+`fetch_failed` end them, and an unload cancels one. Background mode is opt-in: in another mode
 every call keeps its meaning."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_a_host_miss_is_deferred_and_fetched_and_admitted_after_fetch_done() -> 
     reg = make()
     assert reg.stats()["host"]["resident"] == ["b", "c"]
     serial = reg.serial("a")
-    plan = reg.begin_step(["a", "b", None, "a"], 1, fetch=True)
+    plan = reg.begin_step(["a", "b", None, "a"], 1, "fetch")
     assert plan.ticket is not None
     assert plan.admitted == [1, 2] and plan.deferred == [0, 3]
     assert plan.to_fetch == [("a", serial)]
@@ -46,7 +46,7 @@ def test_a_host_miss_is_deferred_and_fetched_and_admitted_after_fetch_done() -> 
     assert reg.fetch_done("a", serial) == ["c"], "the room is made once the read has succeeded"
     reg.audit()
     assert reg.stats()["host"]["resident"] == ["a", "b"] and reg.stats()["fetching"] == 0
-    plan = reg.begin_step(["a"], 1, fetch=True)
+    plan = reg.begin_step(["a"], 1, "fetch")
     assert plan.admitted == [0] and plan.to_fetch == []
     assert [src for *_, src in plan.loads] == ["host"]
     assert "to_fetch=0" in repr(plan)
@@ -62,7 +62,7 @@ def test_without_fetch_a_host_miss_is_still_read_in_the_step() -> None:
 def test_fetch_reports_for_a_cancelled_or_stale_fetch_are_refused_and_change_nothing() -> None:
     reg = make()
     serial = reg.serial("a")
-    reg.finish_step(reg.begin_step(["a"], 1, fetch=True).ticket)  # type: ignore[arg-type]
+    reg.finish_step(reg.begin_step(["a"], 1, "fetch").ticket)  # type: ignore[arg-type]
     before = reg.stats()
     with pytest.raises(AdapterNotFoundError, match="registration"):
         reg.fetch_done("a", serial + 7)
@@ -116,31 +116,42 @@ def test_an_adapter_being_fetched_may_be_pinned_and_stays_once_fetched() -> None
     assert reg.stats()["host"]["pinned"] == ["a"]
     # Pinned and resident: b (evicted for a) cannot take a's place, nor that of c, which an
     # older request keeps in the step.
-    plan = reg.begin_step(["c", "b"], 1, fetch=True)
+    plan = reg.begin_step(["c", "b"], 1, "fetch")
     assert plan.to_fetch == [] and plan.deferred == [1]
     reg.audit()
 
 
-def test_read_first_and_fetch_exclude_each_other() -> None:
+def test_begin_step_names_each_answer_and_refuses_an_unknown_mode() -> None:
     reg = make()
-    with pytest.raises(UsageError, match="exclude each other"):
-        reg.begin_step(["a"], 1, read_first=True, fetch=True)
-    assert reg.stats()["fetching"] == 0
+    with pytest.raises(UsageError, match="mode must be"):
+        reg.begin_step(["a"], 1, "fetch_first")  # type: ignore[arg-type]
+    plan = reg.begin_step(["a", "x"], 1, "read_first", discover=True)
+    assert (plan.action, plan.unknown, plan.ticket) == ("discover", ["x"], None)
+    plan = reg.begin_step(["b", "a"], 1, "read_first")
+    assert (plan.action, plan.to_read, plan.ticket, plan.admitted) == ("read_first", ["a"], None, [])
+    assert "read_first" in repr(plan)
+    assert reg.stats()["fetching"] == 0 and reg.in_flight("b") == 0, "no step began"
+    plan = reg.begin_step(["b", "a"], 1, "read_in_step")
+    assert (plan.action, plan.to_read, plan.unknown) == ("begun", [], [])
+    assert [src for *_, src in plan.loads] == ["host", "disk"]
+    reg.finish_step(plan.ticket)  # type: ignore[arg-type]
+    reg.audit()
 
 
 def test_all_or_nothing_in_fetch_mode_begins_once_the_batch_is_in_the_host_tier() -> None:
     reg = make()
-    plan = reg.begin_step(["b", "a"], 1, all_or_nothing=True, fetch=True)
+    plan = reg.begin_step(["b", "a"], 1, "fetch", whole=True)
+    assert (plan.action, plan.progress) == ("fetching", True)
     assert plan.ticket is None and plan.deferred == [0, 1] and plan.admitted == []
     assert plan.to_fetch == [("a", reg.serial("a"))]
     # b is in the batch: the room for a comes from c, once a has been read.
     assert plan.evictions == []
     assert reg.fetch_done("a", reg.serial("a")) == ["c"]
-    plan = reg.begin_step(["b", "a"], 1, all_or_nothing=True, fetch=True)
+    plan = reg.begin_step(["b", "a"], 1, "fetch", whole=True)
     assert plan.ticket is not None and plan.admitted == [0, 1]
     reg.finish_step(plan.ticket)
     with pytest.raises(CapacityError):
-        make(slots=1).begin_step(["b", "c"], 1, all_or_nothing=True, fetch=True)
+        make(slots=1).begin_step(["b", "c"], 1, "fetch", whole=True)
 
 
 def test_steps_prefetches_and_reports_from_threads_keep_every_invariant() -> None:
@@ -177,7 +188,7 @@ def test_steps_prefetches_and_reports_from_threads_keep_every_invariant() -> Non
         return run
 
     def serve(rng: random.Random) -> None:
-        plan = reg.begin_step([rng.choice([*names, None]) for _ in range(8)], 1, fetch=True)
+        plan = reg.begin_step([rng.choice([*names, None]) for _ in range(8)], 1, "fetch")
         assert plan.ticket is not None
         for i in range(len(plan.loads)):
             reg.report_load(plan.ticket, i, True)
@@ -214,3 +225,21 @@ def test_steps_prefetches_and_reports_from_threads_keep_every_invariant() -> Non
     assert not failures, failures
     reg.audit()
     assert reg.stats()["host"]["reserved_bytes"] == 100 * len({n for n, _ in started})
+
+
+def test_offer_order_ranks_waiting_requests_by_the_cores_rule() -> None:
+    """Running first; then waiting: overdue, pinned, free (base, in a slot), the rest (a name not
+    registered among them), each in the given order."""
+    from lora_pin._core import OVERDUE_AFTER
+
+    reg = make(slots=3, loaded=None)
+    reg.pin("c")
+    plan = reg.begin_step(["b"], 1)
+    for i in range(len(plan.loads)):
+        reg.report_load(plan.ticket, i, True)  # type: ignore[arg-type]
+    reg.finish_step(plan.ticket)  # type: ignore[arg-type]
+    names = ["a", None, "a", "c", "a", "b", "gone", None]
+    overtaken = [0, 0, None, 0, OVERDUE_AFTER, 1, 0, None]
+    assert reg.offer_order(names, overtaken) == [2, 7, 4, 3, 1, 5, 0, 6]
+    with pytest.raises(UsageError, match="overtaken"):
+        reg.offer_order(["a"], [])

@@ -1,14 +1,14 @@
-"""How `LoRARegistry.plan` reads its arguments: names recognised by identity (a cache that must never
+"""How `LoRARegistry.begin_step` reads its arguments: names recognised by identity (a cache that must never
 map a name to a stale adapter), `num_tokens` as one int or any sequence, and `admitted` built by
 slicing; every result compared with the same step given in the plain form."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
-from lora_pin import _testing as protocol
 from lora_pin._core import LoRARef, LoRARegistry, StepPlan
 from lora_pin.errors import AdapterNotFoundError, SpecError, UsageError
 
@@ -35,6 +35,16 @@ def outputs(plan: StepPlan) -> tuple[object, ...]:
     )
 
 
+def run(reg: LoRARegistry, names: Any, num_tokens: Any) -> StepPlan:
+    """One step transaction over ``names``: begun (reading what it needs in the step), its loads reported
+    done, finished; returns its plan."""
+    plan = reg.begin_step(names, num_tokens)
+    for index in range(len(plan.loads)):
+        reg.report_load(plan.ticket, index, True)  # type: ignore[arg-type]
+    reg.finish_step(plan.ticket)  # type: ignore[arg-type]
+    return plan
+
+
 def fresh(name: str | None) -> str | None:
     """An equal str that is a different object from any earlier one."""
     return None if name is None else "".join(list(name))
@@ -47,23 +57,20 @@ def test_same_objects_fresh_objects_tuples_and_generators_plan_alike() -> None:
     for step in steps:
         tokens = [rng.randint(0, 3) for _ in step]
         plans = [
-            protocol.plan(regs[0], step, tokens),
-            protocol.plan(regs[1], [fresh(n) for n in step], tokens),
-            protocol.plan(regs[2], tuple(step), tuple(tokens)),
-            protocol.plan(regs[3], (n for n in step), iter(tokens)),
+            run(regs[0], step, tokens),
+            run(regs[1], [fresh(n) for n in step], tokens),
+            run(regs[2], tuple(step), tuple(tokens)),
+            run(regs[3], (n for n in step), iter(tokens)),
         ]
         first = outputs(plans[0])
         assert all(outputs(p) == first for p in plans[1:]), step
-        for reg, plan in zip(regs, plans, strict=True):
-            for load in plan.loads:
-                protocol.load_done(reg, load[0])
 
 
 def test_token_counts_from_a_generator_of_fresh_ints_are_each_read() -> None:
     # Each int is freed once read, and the next may be made at the same address: no identity shortcut.
     reg = make()
     counts = [1000 + i for i in range(6)]
-    plan = protocol.plan(reg, ["a"] * 6, (1000 + i for i in range(6)))
+    plan = run(reg, ["a"] * 6, (1000 + i for i in range(6)))
     assert plan.num_tokens == sum(counts)
     assert list(memoryview(plan.seg_indptr).cast("i"))[-1] == sum(counts)
 
@@ -71,9 +78,9 @@ def test_token_counts_from_a_generator_of_fresh_ints_are_each_read() -> None:
 def test_bools_are_not_token_counts() -> None:
     reg = make()
     with pytest.raises(UsageError, match="num_tokens must be an int"):
-        protocol.plan(reg, ["a"], True)
+        run(reg, ["a"], True)
     with pytest.raises(UsageError, match=r"num_tokens\[1\] must be an int, got True"):
-        protocol.plan(reg, ["a", "b"], [1, True])
+        run(reg, ["a", "b"], [1, True])
 
 
 def test_limits_name_their_minimum_and_the_slot_ceiling() -> None:
@@ -90,9 +97,7 @@ def test_limits_name_their_minimum_and_the_slot_ceiling() -> None:
 
     step = ["a", None, "b", "c", "a", "d", "e", None]
     for n in (0, 1, 3):
-        assert outputs(protocol.plan(make(), step, n)) == outputs(
-            protocol.plan(make(), step, [n] * len(step))
-        )
+        assert outputs(run(make(), step, n)) == outputs(run(make(), step, [n] * len(step)))
 
 
 @pytest.mark.parametrize(
@@ -109,19 +114,19 @@ def test_limits_name_their_minimum_and_the_slot_ceiling() -> None:
 )
 def test_bad_token_counts_name_the_value(tokens: object, message: str) -> None:
     with pytest.raises(UsageError, match=message):
-        protocol.plan(make(), ["a", "b"], tokens)  # type: ignore[arg-type]
+        run(make(), ["a", "b"], tokens)  # type: ignore[arg-type]
 
 
 def test_bad_names_name_the_item() -> None:
     reg = make()
     with pytest.raises(UsageError, match=r"names\[1\] must be an adapter name \(str\) or None, got int"):
-        protocol.plan(reg, ["a", 7], 1)  # type: ignore[list-item]
+        run(reg, ["a", 7], 1)  # type: ignore[list-item]
     with pytest.raises(UsageError, match="names must be a sequence of adapter names"):
-        protocol.plan(reg, 5, 1)  # type: ignore[arg-type]
+        run(reg, 5, 1)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="got the str 'ab'"):
-        protocol.plan(reg, "ab", 1)
+        run(reg, "ab", 1)
     with pytest.raises(AdapterNotFoundError, match='"zz"'):
-        protocol.plan(reg, ["a", "zz"], 1)
+        run(reg, ["a", "zz"], 1)
 
 
 def test_a_str_subclass_is_a_name() -> None:
@@ -129,23 +134,24 @@ def test_a_str_subclass_is_a_name() -> None:
         pass
 
     reg = make()
-    plan = protocol.plan(reg, [Name("a"), Name("a"), "b"], 1)
+    plan = run(reg, [Name("a"), Name("a"), "b"], 1)
     assert [load[0] for load in plan.loads] == ["a", "b"]
 
 
 def test_a_cached_name_object_follows_unload_and_register() -> None:
     reg = make(slots=4, names="ab")
     a = fresh("a")
-    assert protocol.plan(reg, [a], 1).loads[0][0] == "a"
-    protocol.load_done(reg, "a")
-    protocol.end_step(reg)
+    assert run(reg, [a], 1).loads[0][0] == "a"
     reg.unload("a")
     # Its key is free now; a new adapter takes it. The cached object must not resolve to it.
     reg.register(LoRARef("c", "/srv/c"), rank=7, host_bytes=10, device_bytes=10)
+    # A step's request for it fails alone (unloaded while it waited); a batch that must run whole is refused.
+    plan = run(reg, [a], 1)
+    assert (plan.failed, plan.loads, plan.admitted) == ([(0, "unloaded")], [], [])
     with pytest.raises(AdapterNotFoundError, match='"a"'):
-        protocol.plan(reg, [a], 1)
+        reg.begin_step([a], 1, whole=True)
     reg.register(LoRARef("a", "/srv/a2"), rank=9, host_bytes=10, device_bytes=10)
-    plan = protocol.plan(reg, [a, "c"], 1)
+    plan = run(reg, [a, "c"], 1)
     assert [(n, i) for n, i, _, _ in plan.loads] == [
         ("a", LoRARef("a", "/srv/a2").lora_id),
         ("c", LoRARef("c", "/srv/c").lora_id),
@@ -157,10 +163,10 @@ def test_a_cached_name_object_follows_unload_and_register() -> None:
 
 def test_a_polled_unload_never_unloads_a_later_adapter_of_the_same_name() -> None:
     reg = make(names="ab")
-    ids = protocol.acquire(reg, ["a"])
+    held = reg.begin_step(["a"], 1)  # an open step holds a's request
     handle = reg.begin_unload("a")
     assert handle is not None and reg.finish_unload(handle) == 1
-    protocol.release(reg, ids)
+    reg.finish_step(held.ticket)  # type: ignore[arg-type]
     assert reg.try_unload("a") is True  # someone else finishes it by name...
     reg.register(LoRARef("a", "/srv/a2"), rank=9, host_bytes=10, device_bytes=10)  # ...and loads anew
     assert reg.finish_unload(handle) == 0  # done: the new "a" is not this unload's
@@ -177,19 +183,6 @@ def test_an_unload_timeout_too_long_for_a_clock_waits_without_failing() -> None:
         reg.unload("never", timeout=1e19)
 
 
-def test_try_unload_of_a_draining_adapter_keeps_planning_its_requests() -> None:
-    reg = make(names="ab")
-    a = fresh("a")
-    protocol.plan(reg, [a], 1)
-    ids = protocol.acquire(reg, ["a"])
-    assert reg.try_unload("a") is False
-    assert protocol.plan(reg, [a, "b"], 1).admitted == [0, 1]
-    protocol.release(reg, ids)
-    assert reg.try_unload("a") is True
-    with pytest.raises(AdapterNotFoundError):
-        protocol.plan(reg, [a], 1)
-
-
 @pytest.mark.parametrize(("distinct", "length"), [(3, 200), (5, 30), (10, 200), (60, 200)])
 def test_admitted_and_deferred_partition_the_requests(distinct: int, length: int) -> None:
     names = [f"n{i}" for i in range(distinct)]
@@ -199,7 +192,7 @@ def test_admitted_and_deferred_partition_the_requests(distinct: int, length: int
     rng = random.Random(distinct)
     for _ in range(10):
         step = [rng.choice(names) if rng.random() > 0.3 else None for _ in range(length)]
-        plan = protocol.plan(reg, step, 1)
+        plan = run(reg, step, 1)
         admitted, deferred = plan.admitted, plan.deferred
         assert sorted(admitted + deferred) == list(range(len(step)))
         assert admitted == sorted(admitted) and deferred == sorted(deferred)
@@ -212,8 +205,6 @@ def test_admitted_and_deferred_partition_the_requests(distinct: int, length: int
         first = plan.admitted
         first.append(-1)  # a fresh list per read, built from a shared one that must stay intact
         assert plan.admitted == admitted
-        for load in plan.loads:
-            protocol.load_done(reg, load[0])
 
 
 def test_many_cached_names_resolve_to_their_own_adapters() -> None:
@@ -226,9 +217,6 @@ def test_many_cached_names_resolve_to_their_own_adapters() -> None:
     rng = random.Random(7)
     for _ in range(5):
         step = rng.sample(names, 300) + rng.sample(names, 300)
-        same, new = protocol.plan(regs[0], step, 1), protocol.plan(regs[1], [fresh(n) for n in step], 1)
+        same, new = run(regs[0], step, 1), run(regs[1], [fresh(n) for n in step], 1)
         assert outputs(same) == outputs(new)
         assert [regs[0].lora_ref(n).lora_id for n, _, _, _ in same.loads] == [i for _, i, _, _ in same.loads]
-        for reg, plan in zip(regs, (same, new), strict=True):
-            for load in plan.loads:
-                protocol.load_done(reg, load[0])

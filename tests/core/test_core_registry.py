@@ -11,7 +11,6 @@ import warnings
 import pytest
 import torch
 
-from lora_pin import _testing as protocol
 from lora_pin._core import LoRARef, LoRARegistry, StepPlan
 from lora_pin.errors import (
     AdapterInUseError,
@@ -35,13 +34,22 @@ def make(slots: int = 2, loaded: int | None = None, names: str = "abc", **kw: ob
     return reg
 
 
+def run(reg: LoRARegistry, names: list[str | None], num_tokens: list[int]) -> StepPlan:
+    """One step transaction: begun, its loads reported done, finished; returns its plan."""
+    plan = reg.begin_step(names, num_tokens)
+    for index in range(len(plan.loads)):
+        reg.report_load(plan.ticket, index, True)  # type: ignore[arg-type]
+    reg.finish_step(plan.ticket)  # type: ignore[arg-type]
+    return plan
+
+
 def tensor(buf: bytearray, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
 
 
 def test_plan_buffers_become_tensors_without_a_warning() -> None:
     reg = make(chunk_size=2)
-    plan = protocol.plan(reg, ["a", None, "b", "a"], [2, 1, 3, 1])
+    plan = run(reg, ["a", None, "b", "a"], [2, 1, 3, 1])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         i32 = {k: tensor(getattr(plan, k), torch.int32).tolist() for k in ("request_slots", "token_perm")}
@@ -60,7 +68,7 @@ def test_plan_buffers_become_tensors_without_a_warning() -> None:
 
 
 def test_an_all_base_step_has_empty_adapter_buffers() -> None:
-    plan = protocol.plan(make(), [None, None], [3, 1])
+    plan = run(make(), [None, None], [3, 1])
     assert plan.admitted == [0, 1] and plan.token_perm == bytearray() and plan.seg_slots == bytearray()
     assert tensor(plan.seg_indptr, torch.int32).tolist() == [0]
 
@@ -70,21 +78,26 @@ def test_errors_are_the_documented_classes_and_name_the_values() -> None:
     with pytest.raises(DuplicateAdapterError, match=r"/srv/a.*/srv/a"):
         reg.register(LoRARef("a", "/srv/a"), rank=8, host_bytes=1, device_bytes=1)
     with pytest.raises(AdapterNotFoundError, match=r'"zz".*registered: "a", "b", "c"') as info:
-        protocol.acquire(reg, ["a", "zz"])
+        reg.begin_step(["a", "zz"], 1)
     assert isinstance(info.value, KeyError) and reg.in_flight("a") == 0
     reg.pin("a")
     with pytest.raises(CapacityError, match="max_loras_per_batch=2 allows at most 1 pinned"):
         reg.pin("b")
-    with pytest.raises(UsageError, match="0 request"):
-        protocol.release(reg, [LoRARef("b", "/srv/b").lora_id])
     with pytest.raises(UsageError, match="2 adapter names but 1 token counts"):
-        protocol.plan(reg, ["a", "b"], [1])
+        reg.begin_step(["a", "b"], [1])
     with pytest.raises(UsageError, match=r"names\[1\] must be an adapter name"):
-        protocol.plan(reg, ["a", 3], [1, 1])  # type: ignore[list-item]
+        reg.begin_step(["a", 3], [1, 1])  # type: ignore[list-item]
     with pytest.raises(UsageError, match=r"num_tokens\[0\] must be in"):
-        protocol.plan(reg, ["a"], [-1])
-    with pytest.raises(UsageError, match="no load"):
-        protocol.load_done(reg, "c")
+        reg.begin_step(["a"], [-1])
+    ticket = reg.begin_step(["a"], 1).ticket
+    assert ticket is not None
+    with pytest.raises(UsageError, match="not pending"):
+        reg.report_load(ticket, 5, True)
+    with pytest.raises(UsageError, match=f"step {ticket} is open"):
+        reg.begin_step(["a"], 1)
+    reg.finish_step(ticket)
+    with pytest.raises(UsageError, match="finished already"):
+        reg.finish_step(ticket)
     with pytest.raises(SpecError, match="rank must be in"):
         reg.register(LoRARef("d", "/d"), rank=0, host_bytes=1, device_bytes=1)
     with pytest.raises(SpecError, match='"lfu" is not an eviction policy'):
@@ -96,7 +109,7 @@ def test_errors_are_the_documented_classes_and_name_the_values() -> None:
 def test_stats_and_repr_show_the_tiers() -> None:
     reg = make(2, 3, names="abcd", eviction_policy="fifo")
     reg.pin("b")
-    protocol.plan(reg, ["b", "c", "d"], [1, 1, 1])
+    run(reg, ["b", "c", "d"], [1, 1, 1])
     s = reg.stats()
     assert s["registered"] == 4 and s["pinned"] == 1
     assert s["host"]["resident"] == ["b", "c", "d"] and s["host"]["evictions"] == 1
@@ -112,17 +125,15 @@ def test_stats_and_repr_show_the_tiers() -> None:
 
 def test_unload_blocks_until_released_then_is_idempotent() -> None:
     reg = make()
-    ids = protocol.acquire(reg, ["a", None, "a"])
+    ticket = reg.begin_step(["a", None, "a"], 1).ticket  # the open step holds a's two requests
     with pytest.raises(UnloadTimeoutError, match=r'"a" timed out.*2 request'):
         reg.unload("a", timeout=0.05)
     assert "a" not in reg and reg.in_flight("a") == 2
-    with pytest.raises(AdapterNotFoundError):
-        protocol.acquire(reg, ["a"])
     with pytest.raises(AdapterInUseError):
         reg.register(LoRARef("a", "/srv/a"), rank=8, host_bytes=1, device_bytes=1)
-    # Released from another thread, most likely while this one waits (before it does, the outcome is the
-    # same); the timeout only guards against a hang: an unload that missed the release fails at it.
-    threading.Timer(0.05, protocol.release, args=(reg, ids)).start()
+    # Finished on another thread, most likely while this one waits (before it does, the outcome is the
+    # same); the timeout only guards against a hang: an unload that missed the finish fails at it.
+    threading.Timer(0.05, reg.finish_step, args=(ticket,)).start()
     reg.unload("a", timeout=HANG_GUARD_S)
     assert reg.stats()["unloading"] == []
     reg.unload("a")
@@ -134,7 +145,7 @@ def test_unload_blocks_until_released_then_is_idempotent() -> None:
 
 def test_asyncio_unload_while_in_use_does_not_block_the_loop() -> None:
     reg = make()
-    ids = protocol.acquire(reg, ["b"])
+    ticket = reg.begin_step(["b"], 1).ticket
 
     async def scenario() -> list[str]:
         events: list[str] = []
@@ -143,7 +154,7 @@ def test_asyncio_unload_while_in_use_does_not_block_the_loop() -> None:
             for _ in range(5):
                 await asyncio.sleep(0.01)
                 events.append("tick")
-            protocol.release(reg, ids)
+            reg.finish_step(ticket)  # type: ignore[arg-type]
             events.append("released")
 
         unload = asyncio.create_task(unload_async(reg, "b", timeout=HANG_GUARD_S))
@@ -153,7 +164,7 @@ def test_asyncio_unload_while_in_use_does_not_block_the_loop() -> None:
         await unload
         events.append("unloaded")
         with pytest.raises(UnloadTimeoutError):
-            protocol.acquire(reg, ["c"])
+            reg.begin_step(["c"], 1)
             await unload_async(reg, "c", timeout=0.02)
         return events
 
@@ -169,7 +180,7 @@ def test_eight_threads_of_random_operations_keep_the_invariants() -> None:
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        held: list[str | None] = []
+        held: list[int] = []  # the ticket of the step this thread holds open, if any
         try:
             for _ in range(400):
                 name = rng.choice(names)
@@ -177,10 +188,11 @@ def test_eight_threads_of_random_operations_keep_the_invariants() -> None:
                 try:
                     if op == 0:
                         reg.register(LoRARef(name, f"/p/{name}"), rank=8, host_bytes=1, device_bytes=1)
-                    elif op == 1:
-                        held += protocol.acquire(reg, [name])
+                    elif op == 1 and not held:
+                        # Held open while this thread goes on: its requests are in flight meanwhile.
+                        held.append(reg.begin_step([name if name in reg else None], 1).ticket)  # type: ignore[arg-type]
                     elif op == 2 and held:
-                        protocol.release(reg, [held.pop()])
+                        reg.finish_step(held.pop())
                     elif op == 3:
                         reg.pin(name)
                     elif op == 4:
@@ -189,12 +201,11 @@ def test_eight_threads_of_random_operations_keep_the_invariants() -> None:
                         reg.try_unload(name)
                     else:
                         batch = [rng.choice([*names, None]) for _ in range(16)]
-                        plan = protocol.plan(reg, [n for n in batch if n is None or n in reg], [1] * 16)
-                        for load in plan.loads:
-                            protocol.load_done(reg, load[0])
+                        run(reg, [n for n in batch if n is None or n in reg], [1] * 16)
                 except expected:
                     pass
-            protocol.release(reg, held)
+            for ticket in held:
+                reg.finish_step(ticket)
         except BaseException as e:  # reported by the main thread
             errors.append(e)
 

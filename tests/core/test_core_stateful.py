@@ -17,7 +17,6 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from lora_pin import _testing as protocol
 from lora_pin import errors
 from lora_pin._core import LoRARef, LoRARegistry
 from lora_pin.errors import LoraPinError
@@ -248,7 +247,7 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
             decided[e.name] = False
         return len(picks)
 
-    def begin_step_fetch(self, names: list[str | None], num_tokens: list[int]) -> Any:
+    def begin_step(self, names: list[str | None], num_tokens: list[int], fetch: bool) -> Any:
         # Requests of an adapter unloaded (or being unloaded) fail: planned as base requests of no
         # tokens, then taken out of the admitted ones.
         failed = []
@@ -262,7 +261,7 @@ class FetchingPlanner(PythonPlanner):  # type: ignore[misc,valid-type]
                 self._lookup(n, False)
         names = [None if i in failed else n for i, n in enumerate(names)]
         num_tokens = [0 if i in failed else t for i, t in enumerate(num_tokens)]
-        plan = self.plan(names, num_tokens, fetch=True)
+        plan = self.plan(names, num_tokens, fetch=fetch)
         kept = [at for at, i in enumerate(plan.admitted) if i not in failed]
         plan.request_slots = [plan.request_slots[at] for at in kept]
         plan.admitted = [plan.admitted[at] for at in kept]
@@ -399,7 +398,9 @@ class RegistryVsModel(RuleBasedStateMachine):
         kw: dict[str, Any] = {"max_host_bytes": max_bytes, "chunk_size": chunk}
         self.reg = LoRARegistry(slots, loaded, eviction_policy=policy, host_eviction_policy=host_policy, **kw)
         self.model = FetchingPlanner(slots, loaded, policy=policy, host_policy=host_policy, **kw)
-        self.ids: dict[str, list[str]] = {}
+        # The step held open (its ticket and its requests' ids in the model), and the last one finished.
+        self.held: tuple[int, list[str | None]] | None = None
+        self.finished = 0
         # Fetches handed out and not reported yet: name -> serial.
         self.fetches: dict[str, int] = {}
 
@@ -453,50 +454,72 @@ class RegistryVsModel(RuleBasedStateMachine):
     def unpin(self, name: str) -> None:
         same_outcome(lambda: self.reg.unpin(name), lambda: self.model.unpin(name))
 
-    @rule(name=names)
-    def acquire(self, name: str) -> None:
+    @precondition(lambda self: self.held is None)
+    @rule(requests=st.lists(st.none() | names, min_size=1, max_size=4))
+    def hold(self, requests: list[str | None]) -> None:
+        """A step begun and held open while other operations run: its admitted requests are in flight
+        (an unload of their adapter waits for the finish), its adapters protected as in the step."""
         got = same_outcome(
-            lambda: protocol.acquire(self.reg, [name, None]), lambda: self.model.acquire([name, None])
+            lambda: self.reg.begin_step(requests, 1),
+            lambda: self.model.begin_step(requests, [1] * len(requests), False),
         )
-        if got:
-            assert got[0] == got[1]
-            self.ids.setdefault(name, []).append(got[0][0])
+        if not got:
+            return
+        expected, plan = got
+        assert (plan.admitted, plan.deferred, plan.failed) == (
+            expected.admitted,
+            expected.deferred,
+            expected.failed,
+        )
+        assert plan.loads == expected.loads and plan.evictions == expected.evictions
+        ids = self.model.acquire([requests[i] for i in expected.admitted])
+        for i, (name, *_) in enumerate(plan.loads):
+            self.reg.report_load(plan.ticket, i, True)  # type: ignore[arg-type]
+            self.model.load_done(name)
+        self.held = (plan.ticket, ids)
 
-    @precondition(lambda self: any(self.ids.values()))
-    @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
-        name = data.draw(st.sampled_from(sorted(n for n, ids in self.ids.items() if ids)))
-        lora_id = self.ids[name].pop()
-        same_outcome(lambda: protocol.release(self.reg, [lora_id]), lambda: self.model.release([lora_id]))
+    @precondition(lambda self: self.held is not None)
+    @rule()
+    def finish_held(self) -> None:
+        ticket, ids = self.held
+        self.reg.finish_step(ticket)
+        self.model.release(ids)
+        self.model.end_step()
+        self.held = None
+        self.finished = ticket
 
-    @rule(name=names)
-    def over_release(self, name: str) -> None:
-        lora_id = LoRARef(name, f"/srv/{name}").lora_id
-        ids = [lora_id] * (len(self.ids.get(name, [])) + 1)
-        same_outcome(lambda: protocol.release(self.reg, ids), lambda: self.model.release(ids))
+    @rule()
+    def finish_again(self) -> None:
+        """Finishing a step that is not open is refused and changes nothing (the audit and the model
+        comparison after every rule see it)."""
+        with pytest.raises(errors.UsageError):
+            self.reg.finish_step(self.finished)
 
     @rule(name=names)
     def unload(self, name: str) -> None:
         got = same_outcome(lambda: self.reg.try_unload(name), lambda: self.model.try_unload(name))
         if got:
             assert got[0] == got[1]
-            if got[0]:
-                self.ids.pop(name, None)
 
+    @precondition(lambda self: self.held is None)
     @rule(
         requests=st.lists(st.tuples(st.none() | names, st.integers(0, 3)), max_size=10),
-        loaded=st.integers(0, 3),
+        fetch=st.booleans(),
+        report=st.booleans(),
     )
-    def plan(self, requests: list[tuple[str | None, int]], loaded: int) -> None:
-        """Plans a step; unless `loaded` is 0, reports its loads done as a serving loop would."""
+    def step(self, requests: list[tuple[str | None, int]], fetch: bool, report: bool) -> None:
+        """A step transaction, reading in the step what it needs or (``fetch``) deferring host misses and
+        fetching them; its loads reported done as a serving loop would, or failed by the finish."""
         batch = [n for n, _ in requests]
         tokens = [t for _, t in requests]
         got = same_outcome(
-            lambda: protocol.plan(self.reg, batch, tokens), lambda: self.model.plan(batch, tokens)
+            lambda: self.reg.begin_step(batch, tokens, "fetch" if fetch else "read_in_step"),
+            lambda: self.model.begin_step(batch, tokens, fetch),
         )
         if not got:
             return
         expected, plan = got
+        assert plan.failed == expected.failed
         assert plan.admitted == expected.admitted
         assert plan.deferred == expected.deferred
         assert ints(plan.request_slots) == expected.request_slots
@@ -506,38 +529,11 @@ class RegistryVsModel(RuleBasedStateMachine):
         assert ints(plan.seg_slots) == expected.seg_slots
         assert plan.loads == expected.loads
         assert plan.evictions == expected.evictions
+        assert plan.to_fetch == expected.to_fetch
         assert ints(plan.slot_ranks) == self.model.slot_ranks()
         assert torch.frombuffer(plan.slot_generations, dtype=torch.int64).tolist() == self.model.generations
-        if loaded:
-            for name, *_ in plan.loads:
-                protocol.load_done(self.reg, name)
-                self.model.load_done(name)
-
-    @rule(
-        requests=st.lists(st.tuples(st.none() | names, st.integers(0, 3)), max_size=10),
-        report=st.booleans(),
-    )
-    def fetch_step(self, requests: list[tuple[str | None, int]], report: bool) -> None:
-        """A step transaction in fetch mode; its loads reported done (or failed by the finish)."""
-        batch = [n for n, _ in requests]
-        tokens = [t for _, t in requests]
-        got = same_outcome(
-            lambda: self.reg.begin_step(batch, tokens, fetch=True),
-            lambda: self.model.begin_step_fetch(batch, tokens),
-        )
-        if not got:
-            return
-        expected, plan = got
-        assert plan.failed == expected.failed
-        assert plan.admitted == expected.admitted
-        assert plan.deferred == expected.deferred
-        assert ints(plan.request_slots) == expected.request_slots
-        assert ints(plan.token_perm) == expected.token_perm
-        assert ints(plan.seg_indptr) == expected.seg_indptr
-        assert plan.loads == expected.loads
-        assert plan.evictions == expected.evictions
-        assert plan.to_fetch == expected.to_fetch
-        assert all(src == "host" for *_, src in plan.loads)
+        if fetch:
+            assert all(src == "host" for *_, src in plan.loads)
         self.fetches.update(plan.to_fetch)
         assert plan.ticket is not None
         for i, (name, *_) in enumerate(plan.loads):
@@ -575,18 +571,6 @@ class RegistryVsModel(RuleBasedStateMachine):
             same_outcome(
                 lambda: self.reg.fetch_failed(name, serial), lambda: self.model.fetch_failed(name, serial)
             )
-
-    @rule(name=names, ok=st.booleans())
-    def finish_load(self, name: str, ok: bool) -> None:
-        if ok:
-            same_outcome(lambda: protocol.load_done(self.reg, name), lambda: self.model.load_done(name))
-        else:
-            same_outcome(lambda: protocol.load_failed(self.reg, name), lambda: self.model.load_failed(name))
-
-    @rule()
-    def end_step(self) -> None:
-        protocol.end_step(self.reg)
-        self.model.end_step()
 
     @invariant()
     def agrees(self) -> None:

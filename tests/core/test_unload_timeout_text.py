@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from lora_pin import LoRARef, LoRARegistry, _testing
+from lora_pin import LoRARef, LoRARegistry
 from lora_pin._core import _unload_timeout_error
 from lora_pin.errors import UnloadTimeoutError, UsageError
 from lora_pin.unloading import unload_async
@@ -21,7 +21,7 @@ def test_unload_async_times_out_with_the_blocking_unloads_message() -> None:
     reg = LoRARegistry(2, None)
     for name in ("a", "b"):
         reg.register(LoRARef(name, f"/srv/{name}"), rank=4, host_bytes=100, device_bytes=50)
-    _testing.acquire(reg, ["a", "a", "b", "b"])
+    reg.begin_step(["a", "a", "b", "b"], 1)  # the open step holds two requests of each
     with pytest.raises(UnloadTimeoutError) as blocking:
         reg.unload("a", timeout=0.01)
     with pytest.raises(UnloadTimeoutError) as polled:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lora_pin import UsageError
-from lora_pin.model.layers import StepSegments
+from lora_pin.model.segments import StepSegments
 
 
 def test_an_input_that_does_not_split_into_the_steps_sequences_is_a_usage_error() -> None:

@@ -17,8 +17,10 @@ from lora_pin.errors import LoraPinError, UsageError
 MODULE = "model.layers.0.self_attn.q_proj"
 
 
-@pytest.fixture
-def setup(tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path) -> tuple[LoRAManager, dict[str, Path]]:
+@pytest.fixture(params=[None, 2], ids=["whole-segments", "chunks-of-2"])
+def setup(
+    tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path, request: pytest.FixtureRequest
+) -> tuple[LoRAManager, dict[str, Path]]:
     from transformers import AutoModelForCausalLM
 
     dirs = make_adapters(
@@ -26,7 +28,8 @@ def setup(tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path) -> tuple[LoR
         {n: {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "seed": i} for i, n in enumerate("ab")},
     )
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
-    return LoRAManager(model, [f"{n}={d}" for n, d in dirs.items()], max_loras_per_batch=2), dirs
+    items = [f"{n}={d}" for n, d in dirs.items()]
+    return LoRAManager(model, items, max_loras_per_batch=2, chunk_size=request.param), dirs
 
 
 def _delta(folder: Path, x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +73,8 @@ def test_bad_subsets_are_refused_and_change_nothing(setup: tuple[LoRAManager, di
     x = torch.randn(2, layer.in_features)
     with torch.no_grad():
         before = layer(x)
-    for requests, counts in (([0, 0], [1, 1]), ([5], [1]), ([0], [0]), ([0, 1], [1])):
+    bad = (([0, 0], [1, 1]), ([5], [1]), ([-1], [1]), ([0], [0]), ([0], [-2]), ([0, 1], [1]))
+    for requests, counts in bad:
         with pytest.raises(UsageError):
             manager.run_subset(step, requests, counts)
     with torch.no_grad():

@@ -5,12 +5,13 @@ adapters wait for host room instead of failing."""
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 import pytest
 import torch
 
-from lora_pin import AdapterNotFoundError, LoRAManager
+from lora_pin import AdapterNotFoundError, CapacityError, LoRAManager, UsageError
 
 TARGETS = ["q_proj", "v_proj"]
 IDS = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(5))
@@ -95,3 +96,52 @@ def test_an_adapter_dir_adapter_waits_for_host_room(qv_world: Any) -> None:
         mgr.finish(step)
     assert step.admitted == (0,)
     torch.testing.assert_close(out, logits_of(qv_world, "e"))
+
+
+@pytest.mark.parametrize("loading", ["background", "blocking"])
+def test_a_batch_that_can_never_have_its_adapters_in_host_memory_is_refused_not_retried(
+    qv_world: Any, loading: str
+) -> None:
+    """Host memory for one and a half adapters: a batch of a and b can never have both there, so no
+    round of reading first or waiting for reads brings it closer. The step path ends, as the core's
+    answers say (a read-first list that does not shrink, a fetching answer without progress), and the
+    batch is refused with nothing of it run. A guard only: the thread ends long before it."""
+    _, paths = qv_world
+    nbytes = manager(qv_world, lora_paths=[f"a={paths['a']}"])[0].host["a"].nbytes
+    mgr, _ = manager(qv_world, max_loras_per_batch=2, max_host_bytes=nbytes * 3 // 2, loading=loading)
+    for name in "ab":
+        mgr.load(name, paths[name])  # b evicts a
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with mgr.batch(["a", "b"]):
+                pass
+        except BaseException as exc:  # handed to the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "beginning the batch never ended"
+    assert len(outcome) == 1 and isinstance(outcome[0], CapacityError), outcome
+    assert mgr.registry.in_flight("a") == mgr.registry.in_flight("b") == 0
+    mgr.registry.audit()
+
+
+def test_no_waiting_request_with_an_adapter_starts_after_one_deferred_for_a_slot(qv_world: Any) -> None:
+    """The core's rule an engine starts requests by (``LoRAManager.startable``): after a waiting request
+    deferred for want of a slot, later waiting ones that need an adapter wait too; base-model ones and
+    running ones go on."""
+    _, paths = qv_world
+    mgr, _ = manager(qv_world, lora_paths=[f"{n}={paths[n]}" for n in "abc"], max_loras_per_batch=2)
+    step = mgr.prepare_step(["a", "b", "c", None, "a"], 1)
+    try:
+        assert (step.admitted, step.deferred, step.reasons) == ((0, 1, 3, 4), (2,), ("device_room",))
+        assert mgr.startable(step, [False, True, True, True, True]) == [0, 1, 3]
+        assert mgr.startable(step, [False, True, True, True, False]) == [0, 1, 3, 4]
+        assert mgr.startable(step, [True, True, False, True, True]) == [0, 1, 3, 4]
+        with pytest.raises(UsageError, match="waiting flags"):
+            mgr.startable(step, [True])
+    finally:
+        mgr.finish(step)

@@ -14,7 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lora_pin._testing import PATTERNS, random_layer, request_slots
-from lora_pin.model.layers import LoRAEmbedding, StepSegments
+from lora_pin.model.layers import LoRAEmbedding
+from lora_pin.model.segments import StepSegments
 from lora_pin.ops import KernelMeta, OpArgumentError, segments_from_slots
 from lora_pin.ops.backends.cpu import CpuEmbeddingDelta
 from lora_pin.ops.embedding import embedding_delta_

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from lora_pin.model.layers import LoRALinear, StepSegments
+from lora_pin.model.layers import LoRALinear
 from lora_pin.model.manager import LoRAManager, Step
+from lora_pin.model.segments import StepSegments
 
 __all__ = ["LoRALinear", "LoRAManager", "Step", "StepSegments"]

@@ -10,8 +10,9 @@ import torch
 
 from lora_pin.errors import SpecError
 from lora_pin.model.experts import ExpertLayout, LoRAExperts, expert_layout
-from lora_pin.model.layers import LoRAEmbedding, LoRALinear, StepSegments
+from lora_pin.model.layers import LoRAEmbedding, LoRALinear
 from lora_pin.model.parallel_layers import wrap_parallel
+from lora_pin.model.segments import StepSegments
 from lora_pin.ops.backends import backend_for
 from lora_pin.weights import FUSED_GROUPS, DevicePool, GroupBuffers, LinearTarget, LoRATargets
 from lora_pin.weights.config import layer_index

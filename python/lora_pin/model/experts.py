@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from lora_pin.errors import OpArgumentError
-from lora_pin.model.layers import BaseLayerWrapper, StepSegments
+from lora_pin.model.layers import BaseLayerWrapper
+from lora_pin.model.segments import StepSegments
 from lora_pin.ops.experts import ExpertMeta, expert_lora_delta_, expert_segments
 from lora_pin.ops.segments import SegmentBatch
 from lora_pin.weights.pool import GroupBuffers
@@ -124,7 +125,7 @@ class LoRAExperts(BaseLayerWrapper):
         layout: its :class:`ExpertLayout`.
         buffers: the device pool's buffers of the served expert weights, by parameter name
             (``gate_up_proj``, ``down_proj``; either may be absent).
-        active_step: returns the active :class:`~lora_pin.model.layers.StepSegments`, or None.
+        active_step: returns the active :class:`~lora_pin.model.segments.StepSegments`, or None.
 
     Attributes the wrapper does not have itself (``gate_up_proj``, ``num_experts`` ...) are the base
     module's.

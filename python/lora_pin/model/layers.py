@@ -15,116 +15,13 @@ from typing import Any
 
 import torch
 
-from lora_pin.errors import SpecError, UsageError
-from lora_pin.ops import OpArgumentError, SegmentBatch, segments_from_slots
+from lora_pin.errors import SpecError
+from lora_pin.model.segments import StepSegments
+from lora_pin.ops import OpArgumentError, SegmentBatch
 from lora_pin.ops.backends import LoRABackend, backend_for
 from lora_pin.weights.pool import GroupBuffers
 
-__all__ = ["BaseLayerWrapper", "LoRAEmbedding", "LoRALinear", "StepSegments"]
-
-
-class StepSegments:
-    """The token grouping of the active step, as the LoRA layers need it.
-
-    Two ways to describe a step:
-
-    - *packed* (``segments`` set): the layers see ``[T, in]`` inputs whose rows are the step's tokens, in
-      the order the planner's segment arrays index; rows past them (padding to a CUDA-graph size, say)
-      get no adapter, so a deferred request's tokens must not be fed;
-    - *per sequence* (``sequence_slots`` set, and the planner's one-token ``segments``): the layers see
-      ``[B, L, in]`` (or ``[B * L, in]``) inputs with one slot per sequence. One-token inputs use the
-      planner's segments; for ``L`` tokens each adapter sequence's ``L`` rows are cut into segments of at
-      most ``chunk_size`` rows by arithmetic on the sequences the step built when it began (no sort and
-      no data-dependent shape in the forward, so ``torch.compile(fullgraph=True)`` traces it).
-
-    ``any_adapter`` is False when every row is base-model only: the layers then skip the ops entirely.
-    What the kernels keep for a step is the backend's (:mod:`lora_pin.ops.backends`), not the step's.
-
-    A plain class with ``__slots__``: every step builds one.
-    """
-
-    __slots__ = (
-        "_adapter_sequences",
-        "_adapter_slots",
-        "_by_length",
-        "any_adapter",
-        "chunk_size",
-        "segments",
-        "sequence_slots",
-    )
-
-    def __init__(
-        self,
-        segments: SegmentBatch | None = None,
-        sequence_slots: torch.Tensor | None = None,
-        chunk_size: int | None = None,
-        any_adapter: bool = True,
-    ) -> None:
-        self.segments = segments
-        self.sequence_slots = sequence_slots
-        self.chunk_size = chunk_size
-        self.any_adapter = any_adapter
-        # Per sequence: segments by rows per sequence, the adapter sequences (int64 [N1], grouped by
-        # slot) and their slots (int32 [N1]).
-        self._by_length: dict[int, SegmentBatch] = {}
-        self._adapter_sequences: torch.Tensor | None = None
-        self._adapter_slots: torch.Tensor | None = None
-        if sequence_slots is not None and segments is not None:
-            # The planner's one-token segments list the adapter sequences grouped by slot.
-            self._adapter_sequences = segments.perm
-            self._adapter_slots = sequence_slots.index_select(0, segments.perm).to(torch.int32)
-            self._by_length[1] = segments
-
-    def __repr__(self) -> str:
-        return (
-            f"StepSegments(segments={self.segments}, sequence_slots={self.sequence_slots}, "
-            f"chunk_size={self.chunk_size}, any_adapter={self.any_adapter})"
-        )
-
-    def for_input(self, x: torch.Tensor) -> SegmentBatch:
-        """The segments for layer input ``x`` (``[T, in]`` packed, ``[B, L, in]`` per sequence).
-
-        Raises:
-            UsageError: ``x`` does not have the step's shape: its rows (or, for ``[B, L, in]``, its batch
-                ``B``) are not a multiple of the step's sequences. A multiple is taken for that many
-                contiguous copies of each sequence, as beam search makes.
-        """
-        if self.sequence_slots is None:
-            assert self.segments is not None
-            return self.segments
-        batch = self.sequence_slots.shape[0]
-        rows = x.numel() // x.shape[-1]
-        if rows % batch or (x.dim() == 3 and x.shape[0] % batch):
-            raise UsageError(
-                f"LoRA step: the layer input {tuple(x.shape)} does not split into the step's {batch} "
-                "sequences (batch() was given one name per sequence of the batch)"
-            )
-        length = rows // batch
-        cached = self._by_length.get(length)
-        if cached is None:
-            cached = self._segments_of_length(length)
-            self._by_length[length] = cached
-        return cached
-
-    def _segments_of_length(self, length: int) -> SegmentBatch:
-        """Segments for ``length`` rows per sequence: each adapter sequence's rows, cut into chunks."""
-        if self._adapter_sequences is None or self._adapter_slots is None:
-            assert self.sequence_slots is not None
-            token_slots = torch.repeat_interleave(self.sequence_slots, length)
-            return segments_from_slots(token_slots, self.chunk_size)
-        sequences, slots = self._adapter_sequences, self._adapter_slots
-        device = sequences.device
-        chunk = length if self.chunk_size is None else min(self.chunk_size, length)
-        per_sequence = -(-length // chunk)
-        rows = torch.arange(length, device=device)
-        perm = (sequences.unsqueeze(1) * length + rows).reshape(-1)
-        starts = torch.arange(per_sequence, device=device, dtype=torch.int32) * chunk
-        firsts = torch.arange(sequences.shape[0], device=device, dtype=torch.int32).unsqueeze(1) * length
-        body = (firsts + starts).reshape(-1)
-        total = torch.full((1,), sequences.shape[0] * length, device=device, dtype=torch.int32)
-        seg_indptr = torch.cat([body, total])
-        seg_slots = slots.repeat_interleave(per_sequence)
-        return SegmentBatch(perm, seg_indptr, seg_slots)
+__all__ = ["BaseLayerWrapper", "LoRAEmbedding", "LoRALinear"]
 
 
 class BaseLayerWrapper(torch.nn.Module):

@@ -21,9 +21,7 @@ from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, LoRAConfig, lora_config_f
 from lora_pin.errors import LoraPinError, SpecError, StalePlanError, UsageError
 from lora_pin.model.adapter_dir import checked_adapter_dir
 from lora_pin.model.attach import FusedSpec, attach, base_weights, detach, model_targets
-from lora_pin.model.layers import StepSegments
 from lora_pin.model.lifecycle import AdapterIdentity, Lifecycle, Placement
-from lora_pin.model.loading import BackgroundLoading, BlockingLoading, Discovery
 from lora_pin.model.reads import (
     DEFAULT_LOAD_TIMEOUT,
     LOADING_MODES,
@@ -32,8 +30,10 @@ from lora_pin.model.reads import (
     loading_mode,
 )
 from lora_pin.model.residency import Residency
+from lora_pin.model.segments import StepSegments, arrays_on
 from lora_pin.model.step import Step, StepArrays, step_segments
-from lora_pin.ops import CUDA_CHUNK_SIZE, segments_from_slots
+from lora_pin.model.step_begin import BackgroundLoading, BlockingLoading, Discovery
+from lora_pin.ops import CUDA_CHUNK_SIZE
 from lora_pin.parallel import TensorParallel
 from lora_pin.parallel.api import manager_shard_plan
 from lora_pin.unloading import unload_async
@@ -571,6 +571,35 @@ class LoRAManager:
         finally:
             self.finish(step)
 
+    def offer_order(self, names: Sequence[str | None], overtaken: Sequence[int | None]) -> list[int]:
+        """The order an engine offers its requests to :meth:`prepare_step` in, as indices into ``names``:
+        the core's ranking (``LoRARegistry.offer_order``), the rule admission follows. Running requests
+        first, as given; then the waiting ones: overdue (overtaken by younger ones in ``OVERDUE_AFTER``
+        rounds or more, the core's age bound), pinned adapters', those that cost no load (the base
+        model's, an adapter's in a device slot), then the rest; each rank in the given order.
+
+        Args:
+            names: each request's adapter (None: the base model; a name not registered ranks last).
+            overtaken: per request, None when it is running (its sequence started), else the rounds in
+                which younger requests started ahead of it (the engine counts them).
+
+        Raises:
+            UsageError: the lengths differ.
+        """
+        return self.registry.offer_order(names, overtaken)
+
+    def startable(self, step: Step, waiting: Sequence[bool]) -> list[int]:
+        """The admitted requests of ``step`` an engine starts now (indices, in batch order), given which
+        requests were waiting (``waiting[i]``: not started in an earlier step): the core's rule
+        (``StepPlan.startable``). All of them but, after a waiting request deferred for want of a device
+        slot, the waiting ones that use an adapter: so it is not overtaken step after step by later
+        requests of its rank; the running ones finish, their slots free up, and it is admitted.
+
+        Raises:
+            UsageError: ``waiting`` is not one flag per request of the step.
+        """
+        return step._plan.startable(waiting)
+
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
         """Cut a batch into groups of request indices, in order, each of which fits the slots at once.
 
@@ -701,10 +730,10 @@ class LoRAManager:
                 raise LoraPinError("the manager is detached")
             if not isinstance(names, (list, tuple)):
                 names = _checked_names(names)  # read more than once below; a str is refused
-            plan, loading = self._loading.begin(names, num_tokens, per_sequence)
+            plan = self._loading.begin(names, num_tokens, per_sequence)
             try:
                 slot_writes = self.residency.apply(plan)
-                step = self._activate(names, plan, loading, slot_writes, per_sequence)
+                step = self._activate(names, plan, slot_writes, per_sequence)
             except BaseException as exc:
                 self.registry.finish_step(plan.ticket)
                 if isinstance(exc, StalePlanError):
@@ -720,25 +749,26 @@ class LoRAManager:
         self,
         names: Sequence[str | None],
         plan: Any,
-        loading: tuple[int, ...],
         slot_writes: tuple[tuple[int, int], ...],
         per_sequence: bool,
     ) -> Step:
         request_slots, segments, any_adapter = self._arrays.of(plan)
-        active = step_segments(request_slots, segments, any_adapter, per_sequence, self.chunk_size)
-        deferred = tuple(plan.deferred)
-        failed = plan.failed
+        if per_sequence:
+            active = step_segments(request_slots, segments, any_adapter, self.chunk_size)
+        else:
+            active = StepSegments(segments, None, None, any_adapter)
+        admitted, deferred, reasons, failed, num_tokens = plan.outcome()
         step = Step(
-            admitted=tuple(plan.admitted),
-            deferred=deferred,
-            request_slots=request_slots,
-            segments=segments,
-            num_tokens=plan.num_tokens,
-            _ticket=plan.ticket,
-            _slot_writes=slot_writes,
-            failed=self._loading.failures(names, failed) if failed else None,
-            loading=loading,
-            reasons=tuple(plan.reasons) if deferred else (),
+            admitted,
+            deferred,
+            request_slots,
+            segments,
+            num_tokens,
+            plan,
+            slot_writes,
+            self._loading.failures(names, failed) if failed else None,
+            self._loading.waiting_for_reads(deferred, reasons) if deferred else (),
+            reasons,
         )
         with self.residency.lock:
             self._active, self._active_step = active, step
@@ -758,21 +788,10 @@ class LoRAManager:
             UsageError: ``requests`` and ``num_tokens`` differ in length, an index is not among
                 ``step.admitted`` or repeats, or a count is below 1. Nothing changes then.
         """
-        if len(requests) != len(num_tokens):
-            raise UsageError(f"run_subset: {len(requests)} requests but {len(num_tokens)} token counts")
-        position = {r: k for k, r in enumerate(step.admitted)}
-        picked = [position.get(r, -1) for r in requests]
-        if -1 in picked or len(set(picked)) != len(picked):
-            raise UsageError(
-                f"run_subset: requests {list(requests)} must be distinct admitted indices of the "
-                f"step (admitted: {list(step.admitted)})"
-            )
-        if any(n < 1 for n in num_tokens):
-            raise UsageError(f"run_subset: every token count must be at least 1 (got {list(num_tokens)})")
-        slots = step.request_slots.cpu().long()[torch.tensor(picked, dtype=torch.long)]
-        token_slots = torch.repeat_interleave(slots, torch.tensor(list(num_tokens), dtype=torch.long))
-        segments = segments_from_slots(token_slots, self.chunk_size, device=self.device)
+        # The core checks the sub-batch (nothing changes on an error) and segments it.
+        data, words = step._plan.subset(requests, num_tokens)
+        _, segments = arrays_on(data, words, self.device)
         with self.residency.lock:
             if step is not self._active_step:
                 raise LoraPinError("run_subset: that step is not the active one (finished already?)")
-            self._active = StepSegments(segments=segments, any_adapter=segments.perm.numel() > 0)
+            self._active = StepSegments(segments=segments, any_adapter=words[0] > 0)

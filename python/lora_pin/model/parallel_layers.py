@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lora_pin.model.layers import LoRALinear, StepSegments
+from lora_pin.model.layers import LoRALinear
+from lora_pin.model.segments import StepSegments
 from lora_pin.ops.backends import LoRABackend
 from lora_pin.parallel import CollectiveLog, GroupShard, RowCall, ShardPlan, parallel_kind
 from lora_pin.weights.pool import GroupBuffers
@@ -51,7 +52,7 @@ class ParallelLoRALinear(LoRALinear):
         base_layer: the framework's layer, kept as is.
         buffers: this rank's device-pool buffers of the layer's group (shapes in
             :meth:`~lora_pin.parallel.sharding.GroupShard.pool_shape`).
-        active_step: returns the active :class:`~lora_pin.model.layers.StepSegments`, or None.
+        active_step: returns the active :class:`~lora_pin.model.segments.StepSegments`, or None.
         shard: the layer's sharding on this rank.
         row_call: for a row-parallel layer, how to run it in two halves (required then).
         returns_bias: the layer's forward returns ``(out, bias)``.

@@ -78,10 +78,10 @@ class Residency:
         self._sources: dict[str, _Source] = {}
         # Per slot: (registry slot generation, pool write count) right after a step filled it.
         self._filled: list[tuple[int, int] | None] = [None] * pool.slots
-        # The last check that passed: the slots it covered with their generations, the pool's write counts
-        # then, and its result. Every change of `_filled` writes its slot (and so changes the counts), so
-        # the same slots and counts pass again.
-        self._passed: tuple[list[tuple[int, int]], tuple[int, ...], tuple[tuple[int, int], ...]] | None = None
+        # The last check that passed: the slots it covered with their generations (``StepPlan.slots_used``'s
+        # bytes), the pool's write counts then, and its result. Every change of `_filled` writes its slot
+        # (and so changes the counts), so the same slots and counts pass again.
+        self._passed: tuple[bytes, tuple[int, ...], tuple[tuple[int, int], ...]] | None = None
         # Reads from disk after start-up and their total seconds (lora_pin.metrics' load-time summary).
         self.reads = 0
         self.read_seconds = 0.0
@@ -366,8 +366,8 @@ class Residency:
                 lists them, for :meth:`LoRARegistry.invalidate_slots` once the step is finished.
             KeyboardInterrupt, SystemExit: as raised, with the same cleanup.
         """
-        ticket = plan.ticket
         loads = plan.loads
+        ticket = plan.ticket if loads else None
         with self.lock:
             for name, tier, _slot in plan.evictions:
                 self.evictions[(name, tier)] += 1
@@ -391,13 +391,15 @@ class Residency:
                 assert generations is not None
                 self._filled[slot] = (generations[slot], self.pool.writes(slot))
                 self.registry.report_load(ticket, index, True)
-            used = plan.slots_used
-            if self._replaced:
-                self._refresh_replaced(used)
-            counts = self.pool.write_counts()
+            # Bytes of (slot, generation) pairs: equal to the last step's means the same check passes.
+            used_bytes = plan.slots_used
             passed = self._passed
-            if passed is not None and passed[0] == used and passed[1] == counts:
+            if self._replaced:
+                self._refresh_replaced(_pairs(used_bytes))
+            counts = self.pool.write_counts()
+            if passed is not None and passed[0] == used_bytes and passed[1] == counts:
                 return passed[2]
+            used = _pairs(used_bytes)
             filled = self._filled
             stale = {s: g for s, g in used if filled[s] != (g, counts[s])}
             if stale:
@@ -408,7 +410,7 @@ class Residency:
                 error.stale_slots = list(stale)
                 raise error
             writes = tuple([(s, counts[s]) for s, _ in used])
-            self._passed = (used, counts, writes)
+            self._passed = (used_bytes, counts, writes)
             return writes
 
     def _refresh_replaced(self, used: Iterable[tuple[int, int]]) -> None:
@@ -523,3 +525,9 @@ class Residency:
     def _drop_host(self, name: str) -> None:
         if name in self.host:
             self.host.drop(name)
+
+
+def _pairs(used: bytes) -> list[tuple[int, int]]:
+    """``StepPlan.slots_used``'s ``(slot, generation)`` pairs."""
+    values = memoryview(used).cast("q")
+    return list(zip(values[::2], values[1::2], strict=True))

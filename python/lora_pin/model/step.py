@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from lora_pin.errors import LoraPinError
-from lora_pin.model.layers import StepSegments
+from lora_pin.model.segments import StepSegments, arrays_on
 from lora_pin.ops import SegmentBatch
 
 __all__ = ["Step", "StepArrays", "step_segments"]
@@ -17,8 +17,8 @@ __all__ = ["Step", "StepArrays", "step_segments"]
 
 class Step:
     """One planned scheduler step (from :meth:`LoRAManager.prepare_step` or :meth:`LoRAManager.batch`),
-    built by keyword; its attributes are read-only (a plain class with ``__slots__``: building one is
-    part of every step's cost).
+    built by the manager (by position: a keyword call costs more, and every step builds one); its
+    attributes are read-only (a plain class with ``__slots__``).
 
     Attributes:
         admitted: indices (into the step's requests) of the requests that run this step, in batch order.
@@ -45,6 +45,7 @@ class Step:
     """
 
     __slots__ = (
+        "_plan",
         "_slot_writes",
         "_ticket",
         "admitted",
@@ -59,13 +60,12 @@ class Step:
 
     def __init__(
         self,
-        *,
         admitted: tuple[int, ...],
         deferred: tuple[int, ...],
         request_slots: torch.Tensor,
         segments: SegmentBatch,
         num_tokens: int,
-        _ticket: int,
+        _plan: Any,
         _slot_writes: tuple[tuple[int, int], ...] = (),
         failed: Mapping[int, LoraPinError] | None = None,
         loading: tuple[int, ...] = (),
@@ -76,7 +76,9 @@ class Step:
         self.request_slots = request_slots
         self.segments = segments
         self.num_tokens = num_tokens
-        self._ticket = _ticket
+        # The core's plan (its arrays segment sub-batches) and its ticket (it ends the step).
+        self._plan = _plan
+        self._ticket: int = _plan.ticket
         self._slot_writes = _slot_writes
         self.failed: Mapping[int, LoraPinError] = {} if failed is None else failed
         self.loading = loading
@@ -114,54 +116,16 @@ class StepArrays:
         tensors = self._tensors
         # Only on CPU: a device copy made on one stream is not ordered before another stream's reads.
         if tensors is None or words != self._words or data != self._data or self.device.type != "cpu":
-            tensors = _tensors(data, words, self.device)
+            tensors = arrays_on(data, words, self.device)
             self._data, self._words, self._tensors = data, words, tensors
         return tensors[0], tensors[1], words[0] > 0
 
 
 def step_segments(
-    request_slots: torch.Tensor,
-    segments: SegmentBatch,
-    any_adapter: bool,
-    per_sequence: bool,
-    chunk_size: int | None,
+    sequence_slots: torch.Tensor, segments: SegmentBatch, any_adapter: bool, chunk_size: int | None
 ) -> StepSegments:
-    """The :class:`StepSegments` of a step's arrays (:meth:`StepArrays.of`)."""
-    if per_sequence:
-        return StepSegments(
-            segments, sequence_slots=request_slots.long(), chunk_size=chunk_size, any_adapter=any_adapter
-        )
-    return StepSegments(segments=segments, any_adapter=any_adapter)
-
-
-def _tensors(
-    data: bytearray, words: tuple[int, int, int, int], device: torch.device
-) -> tuple[torch.Tensor, SegmentBatch]:
-    """``(request_slots, segments)`` from the core's one buffer (``StepPlan.step_arrays``): one tensor,
-    one copy to the device, and views of it."""
-    if device.type == "cpu":
-        # Views of the buffer, each by its own dtype: no copy (the tensors share the fresh bytearray).
-        n_perm, n_requests, n_indptr, n_segments = words
-        perm = _part(data, torch.int64, n_perm // 2, 0)
-        at = 4 * n_perm
-        request_slots = _part(data, torch.int32, n_requests, at)
-        at += 4 * n_requests
-        seg_indptr = _part(data, torch.int32, n_indptr, at)
-        seg_slots = _part(data, torch.int32, n_segments, at + 4 * n_indptr)
-    else:
-        # One copy to the device, then views of it. Never empty: seg_indptr has its leading 0.
-        flat = torch.frombuffer(data, dtype=torch.int32)
-        # From pinned memory a CUDA copy is queued on the stream and the host goes on: a copy from
-        # pageable memory would wait for every kernel already queued. (The caching host allocator keeps
-        # the pinned block until the copy has run.)
-        flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
-        perm32, request_slots, seg_indptr, seg_slots = flat.split_with_sizes(words)
-        perm = perm32.view(torch.int64)
-    return request_slots, SegmentBatch(perm, seg_indptr, seg_slots)
-
-
-def _part(data: bytearray, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
-    """``count`` values of ``dtype`` at byte ``offset`` of ``data``, sharing its memory."""
-    if count == 0:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype, count=count, offset=offset)
+    """The :class:`StepSegments` of a per-sequence batch's arrays (:meth:`StepArrays.of`): its sequences'
+    slots and the core's one-token segments."""
+    return StepSegments(
+        segments, sequence_slots=sequence_slots.long(), chunk_size=chunk_size, any_adapter=any_adapter
+    )

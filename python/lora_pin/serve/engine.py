@@ -61,7 +61,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lora_pin._core import OVERDUE_AFTER
 from lora_pin.errors import AdapterNotFoundError, LoraPinError, StalePlanError
 from lora_pin.serve.params import SamplingParams
 from lora_pin.serve.sampling import RowSampler
@@ -461,31 +460,25 @@ class LoRAEngine:
             log.error("a step's slot was rewritten while it ran: %s", e)
 
     def _offer_order(self, candidates: list[Any], adapters: list[str | None]) -> list[int]:
-        """The order lora_pin offers ``candidates`` in (indices): running ones as given, then waiting
-        ones overdue (overtaken by younger ones in ``OVERDUE_AFTER`` rounds), then pinned adapters', then
-        those that cost no load (an adapter's in a device slot, the base model's), then the rest, each
-        rank in the given (arrival) order."""
+        """The order lora_pin offers ``candidates`` in (indices): the core's ranking
+        (:meth:`LoRAManager.offer_order`) of the running ones and the waiting ones, each waiting one with
+        the rounds in which younger ones overtook it (counted here: the core knows no request ids)."""
         assert self.manager is not None
-        stats = self.manager.registry.stats()
-        pinned = set(stats["pinned_names"])
-        resident = {*stats["device"]["resident"], None}
         counts: dict[str, int] = {}
         waiting: list[str] = []
-        ranked = []
-        for i, (state, name) in enumerate(zip(candidates, adapters, strict=True)):
+        overtaken: list[int | None] = []
+        for state in candidates:
             if state.status.name != "PENDING":
-                ranked.append((0, i))
+                overtaken.append(None)
                 continue
-            overtaken = self._overtaken.get(state.request_id, 0)
-            counts[state.request_id] = overtaken
+            count = self._overtaken.get(state.request_id, 0)
+            counts[state.request_id] = count
             waiting.append(state.request_id)
-            overdue = overtaken >= OVERDUE_AFTER
-            ranked.append((1 if overdue else 2 if name in pinned else 3 if name in resident else 4, i))
+            overtaken.append(count)
         # Started requests (and gone ones) leave the count: only this round's waiting ones stay.
         self._overtaken = counts
         self._waiting = waiting
-        ranked.sort()
-        return [i for _, i in ranked]
+        return self.manager.offer_order(adapters, overtaken)
 
     def _admit(self, scheduler: Any, candidates: list[Any], removed: set[str]) -> list[Any]:
         """The candidates lora_pin admits this step, in the order it offers them (see the module's
@@ -524,19 +517,9 @@ class LoRAEngine:
         self._step = step
         for i, error in step.failed.items():
             self._fail(scheduler, kept[i], error, removed)
-        waiting_for_slot = set(step.deferred) - set(step.loading)
-        admitted = set(step.admitted)
-        chosen: list[Any] = []
-        self._index = {}
-        barrier = False
-        for i, state in enumerate(kept):
-            pending = state.status.name == "PENDING"
-            if pending and i in waiting_for_slot:
-                barrier = True
-            if i in admitted and not (barrier and pending and names[i] is not None):
-                chosen.append(state)
-                self._index[state.request_id] = i
-        return chosen
+        start = self.manager.startable(step, [s.status.name == "PENDING" for s in kept])
+        self._index = {kept[i].request_id: i for i in start}
+        return [kept[i] for i in start]
 
     def _run(self, scheduled: list[Any]) -> None:
         """Tell the manager the batch the engine built: its requests in order, with its token counts.

@@ -6,23 +6,41 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyList, PyString};
+use pyo3::types::{PyByteArray, PyBytes, PyList, PyString, PyTuple};
 
 use super::requests::AddressMap;
+use crate::py::shielded;
 use crate::registry::tiers::Tier;
-use crate::registry::{Fetch, FetchPlan, LoadSource, StepPlan};
+use crate::registry::{Fetch, FetchPlan, LoadSource, StepPlan, StepStart};
 
 /// Past this many deferred requests, `admitted` is built item by item instead of by deleting them
 /// from a slice (each deletion moves the list's tail).
 const DELETE_AT_MOST: usize = 32;
 
 /// The ints `0..len` as one Python list that plans slice their request indices from; it grows
-/// (doubling) to the longest step seen. Never handed out itself, so never mutated.
-pub(super) struct RequestIndices(Mutex<Option<Py<PyList>>>);
+/// (doubling) to the longest step seen. Never handed out itself, so never mutated. Also the tuple
+/// `0..n` of the latest step that admitted all its `n` requests, handed out as is (immutable): a
+/// steady batch's `outcome` builds no tuple.
+pub(super) struct RequestIndices(Mutex<Option<Py<PyList>>>, Mutex<Option<Py<PyTuple>>>);
 
 impl RequestIndices {
     pub(super) fn new() -> Self {
-        Self(Mutex::new(None))
+        Self(Mutex::new(None), Mutex::new(None))
+    }
+
+    /// The tuple `0..n`. `try_lock`: as for [`RequestIndices::at_least`].
+    fn range<'py>(&self, py: Python<'py>, n: usize) -> PyResult<Bound<'py, PyTuple>> {
+        let Some(mut shared) = self.1.try_lock() else {
+            return PyTuple::new(py, 0..n);
+        };
+        if let Some(tuple) = shared.as_ref().filter(|t| t.bind(py).len() == n) {
+            return Ok(tuple.bind(py).clone());
+        }
+        let tuple = PyTuple::new(py, 0..n)?;
+        let old = shared.replace(tuple.clone().unbind());
+        drop(shared);
+        drop(old);
+        Ok(tuple)
     }
 
     /// A list of at least `0..n`. `try_lock`: only a re-entrant call can find it locked, and that
@@ -79,26 +97,63 @@ impl NameStrs {
     }
 }
 
-/// One committed step plan. Token indices count the admitted requests' tokens only (each request's
-/// tokens contiguous, requests in `admitted` order). The array properties are native-endian
-/// `bytearray`s: `torch.frombuffer(plan.seg_indptr, dtype=torch.int32)` (int32 unless noted; an empty
-/// array is an empty `bytearray`, which `torch.frombuffer` rejects: use `torch.empty(0)` then).
+/// What `begin_step` answered: a begun step, or what to do before one can begin.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Begun,
+    Discover,
+    ReadFirst,
+    Fetching,
+}
+
+/// One answer of `begin_step`: its `action`, and for a begun step the committed plan. Token
+/// indices count the admitted requests' tokens only (each request's tokens contiguous, requests in
+/// `admitted` order). The array properties are native-endian `bytearray`s:
+/// `torch.frombuffer(plan.seg_indptr, dtype=torch.int32)` (int32 unless noted; an empty array is an
+/// empty `bytearray`, which `torch.frombuffer` rejects: use `torch.empty(0)` then).
 #[pyclass(frozen, name = "StepPlan", module = "lora_pin")]
 pub struct PyStepPlan {
     plan: StepPlan,
-    /// The step transaction's ticket (`begin_step`), None for a bare `plan`.
+    action: Action,
+    /// The step transaction's ticket (a begun step), None otherwise.
     ticket: Option<u64>,
+    /// The names to discover or read first.
+    names: Vec<Arc<str>>,
+    /// Fetching: whether waiting can change the answer.
+    progress: bool,
     /// At least `0..len(admitted) + len(deferred)`, shared with other plans.
     indices: Py<PyList>,
+    /// The registry's request indices, for `outcome`.
+    shared: Arc<RequestIndices>,
     /// The registry's strs for names.
     strs: NameStrs,
 }
 
 impl PyStepPlan {
-    pub(super) fn new(plan: StepPlan, ticket: Option<u64>, indices: Py<PyList>, strs: NameStrs) -> Self {
-        Self { plan, ticket, indices, strs }
+    pub(super) fn new(
+        start: StepStart,
+        shared: Arc<RequestIndices>,
+        indices: Py<PyList>,
+        strs: NameStrs,
+    ) -> Self {
+        let empty = StepPlan::default();
+        let (plan, action, ticket, names, progress) = match start {
+            StepStart::Begun(plan, ticket) => (plan, Action::Begun, Some(ticket.0), Vec::new(), true),
+            StepStart::Discover(names) => (empty, Action::Discover, None, names, true),
+            StepStart::ReadFirst(names) => (empty, Action::ReadFirst, None, names, true),
+            StepStart::Fetching { plan, progress } => (plan, Action::Fetching, None, Vec::new(), progress),
+        };
+        Self { plan, action, ticket, names, progress, indices, shared, strs }
+    }
+
+    fn names_if<'py>(&self, py: Python<'py>, action: Action) -> PyResult<Bound<'py, PyList>> {
+        let names: &[Arc<str>] = if self.action == action { &self.names } else { &[] };
+        PyList::new(py, names.iter().map(|n| self.strs.get(py, n)))
     }
 }
+
+/// Kernel arrays for Python: one buffer and its parts' lengths in int32 words.
+type Arrays<'py> = (Bound<'py, PyByteArray>, (usize, usize, usize, usize));
 
 /// The raw bytes of a slice of plain numbers.
 fn byte_array<'py, T: Copy>(py: Python<'py>, values: &[T]) -> Bound<'py, PyByteArray> {
@@ -111,25 +166,48 @@ fn byte_array<'py, T: Copy>(py: Python<'py>, values: &[T]) -> Bound<'py, PyByteA
 
 #[pymethods]
 impl PyStepPlan {
-    /// The step transaction's ticket (from `begin_step`), for `report_load` and `finish_step`;
-    /// None for a plan made by `plan`.
+    /// What to do next: "begun" (the step began: run it and finish it), "discover" (register the
+    /// names in `unknown` and begin again), "read_first" (read the adapters in `to_read` into the
+    /// host tier and begin again) or "fetching" (a whole batch waits for the fetches of its
+    /// adapters: wait for them and begin again). Only a begun step has a ticket and plans
+    /// anything, but a fetching answer's `to_fetch`, `evictions` and `deferred`.
+    #[getter]
+    fn action(&self, py: Python<'_>) -> Py<PyString> {
+        let name = match self.action {
+            Action::Begun => intern!(py, "begun"),
+            Action::Discover => intern!(py, "discover"),
+            Action::ReadFirst => intern!(py, "read_first"),
+            Action::Fetching => intern!(py, "fetching"),
+        };
+        name.clone().unbind()
+    }
+
+    /// The step transaction's ticket (a begun step), for `report_load` and `finish_step`; None
+    /// for any other answer.
     #[getter]
     fn ticket(&self) -> Option<u64> {
         self.ticket
     }
 
-    /// Adapters to read from disk before the step can begin (`begin_step(read_first=True)` found
-    /// them outside the host tier; nothing was planned then), else empty.
+    /// Adapters to read from disk before the step can begin (action "read_first"), else empty.
     #[getter]
     fn to_read<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.plan.to_read.iter().map(|n| self.strs.get(py, n)))
+        self.names_if(py, Action::ReadFirst)
     }
 
-    /// Names the step's requests use that nobody knows (`begin_step(defer_unknown=True)`; no step
-    /// began then): discover them and begin again. Else empty.
+    /// Names the step's requests use that nobody knows (action "discover"), else empty.
     #[getter]
     fn unknown<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.plan.unknown.iter().map(|n| self.strs.get(py, n)))
+        self.names_if(py, Action::Discover)
+    }
+
+    /// Action "fetching": whether waiting for fetches can change the answer (this answer started
+    /// fetches, fetches are in flight, or it lifted the protection of fresh adapters outside the
+    /// batch). False: beginning again gives this answer again unless other callers change the
+    /// registry. True for every other action.
+    #[getter]
+    fn progress(&self) -> bool {
+        self.progress
     }
 
     /// Why each deferred request waits, parallel to `deferred`: "device_room" (no slot now),
@@ -152,16 +230,82 @@ impl PyStepPlan {
     /// `token_perm` as int64, then `request_slots`, `seg_indptr` and `seg_slots` as int32, and the
     /// four parts' lengths in int32 words (`2 * N`, `A`, `S + 1`, `S`): one int32 tensor of it,
     /// split by `words`, gives every array (the first viewed as int64) with one copy to a device.
-    fn step_arrays<'py>(&self, py: Python<'py>) -> (Bound<'py, PyByteArray>, (usize, usize, usize, usize)) {
+    fn step_arrays<'py>(&self, py: Python<'py>) -> Arrays<'py> {
         let (bytes, [a, b, c, d]) = self.plan.step_arrays();
         (PyByteArray::new(py, &bytes), (a, b, c, d))
     }
 
-    /// `(slot, generation)` of each slot the admitted requests use, ascending.
+    /// The kernel arrays of the sub-batch a scheduler built from this step's admitted requests:
+    /// `requests[k]` (a request index, as in `admitted`) runs `num_tokens[k]` tokens, each request's
+    /// tokens contiguous, in `requests` order; as `step_arrays`, `request_slots` being the
+    /// sub-batch's. Sorted and segmented by the rule the step's own arrays follow.
+    ///
+    /// Raises:
+    ///     UsageError: the lengths differ, a request is not admitted or repeats, a count is below 1,
+    ///         or the tokens overflow an int32.
+    fn subset<'py>(
+        &self,
+        py: Python<'py>,
+        requests: Vec<i64>,
+        num_tokens: Vec<i64>,
+    ) -> PyResult<Arrays<'py>> {
+        let narrow = |v: &[i64]| v.iter().map(|&x| u32::try_from(x)).collect::<Result<Vec<_>, _>>();
+        let (Ok(requests), Ok(num_tokens)) = (narrow(&requests), narrow(&num_tokens)) else {
+            let msg = format!(
+                "subset: requests {requests:?} must be admitted indices of the step and num_tokens \
+                 {num_tokens:?} counts of at least 1"
+            );
+            return Err(super::usage(py, msg));
+        };
+        let (bytes, [a, b, c, d]) =
+            shielded(py, || Ok::<_, PyErr>(self.plan.subset(&requests, &num_tokens)?))?;
+        Ok((PyByteArray::new(py, &bytes), (a, b, c, d)))
+    }
+
+    /// The admitted requests a scheduler starts now (indices, in batch order), given which
+    /// requests were waiting (one flag per request: not started in an earlier step): all but, after
+    /// a waiting request deferred for a device slot ("device_room", or "fairness": it gave way), the
+    /// waiting ones that use an adapter, so it is not overtaken step after step by later ones.
+    ///
+    /// Raises:
+    ///     UsageError: `waiting` is not one flag per request.
+    fn startable(&self, waiting: Vec<bool>) -> PyResult<Vec<u32>> {
+        Ok(self.plan.startable(&waiting)?)
+    }
+
+    /// Each slot the admitted requests use, ascending, and its generation: native-endian int64
+    /// pairs `[slot, generation, slot, generation, ...]` as `bytes`, which compare equal exactly when
+    /// two plans use the same slots at the same generations (`memoryview(b).cast("q")` reads them).
     #[getter]
-    fn slots_used(&self) -> Vec<(u32, i64)> {
+    fn slots_used<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         let generations = &self.plan.slot_generations;
-        self.plan.slots_used.iter().map(|&s| (s, generations[s as usize])).collect()
+        let pairs: Vec<i64> =
+            self.plan.slots_used.iter().flat_map(|&s| [i64::from(s), generations[s as usize]]).collect();
+        // SAFETY: i64 has no padding; the byte slice covers exactly `pairs`, which outlives it.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(pairs.as_ptr().cast::<u8>(), std::mem::size_of_val(&*pairs))
+        };
+        PyBytes::new(py, bytes)
+    }
+
+    /// What became of the step's requests, in one call: `(admitted, deferred, reasons, failed,
+    /// num_tokens)`, the first three tuples as the properties of those names give them, `failed`
+    /// as its property, and `num_tokens` the admitted requests' tokens.
+    #[allow(clippy::type_complexity)]
+    fn outcome<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Bound<'py, PyTuple>, Bound<'py, PyTuple>, Bound<'py, PyTuple>, Bound<'py, PyList>, usize)>
+    {
+        let plan = &self.plan;
+        let admitted = if plan.deferred.is_empty() && plan.failed.is_empty() {
+            self.shared.range(py, plan.admitted.len())?
+        } else {
+            PyTuple::new(py, &plan.admitted)?
+        };
+        let deferred = PyTuple::new(py, &self.plan.deferred)?;
+        let reasons = PyTuple::new(py, self.plan.reasons.iter().map(|r| PyString::intern(py, r.as_str())))?;
+        Ok((admitted, deferred, reasons, self.failed(py)?, self.plan.num_tokens()))
     }
 
     /// Indices of the admitted requests, in batch order.
@@ -286,6 +430,11 @@ impl PyStepPlan {
     }
 
     fn __repr__(&self) -> String {
+        if matches!(self.action, Action::Discover | Action::ReadFirst) {
+            let names: Vec<&str> = self.names.iter().map(|n| &**n).collect();
+            let what = if self.action == Action::Discover { "discover" } else { "read_first" };
+            return format!("StepPlan(action={what}, names={names:?})");
+        }
         format!(
             "StepPlan(admitted={}, deferred={}, tokens={}, segments={}, loads={}, evictions={}, to_fetch={})",
             self.plan.admitted.len(),

@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora_pin.model
 from lora_pin._testing import random_layer, request_slots
-from lora_pin.model.layers import LoRALinear, StepSegments
+from lora_pin.model.layers import LoRALinear
+from lora_pin.model.segments import StepSegments
 from lora_pin.ops import lora_reference, segments_from_slots
 from lora_pin.ops.backends import CpuBackend, CudaBackend, TorchOpsBackend, backend_for
 

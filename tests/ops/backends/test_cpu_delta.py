@@ -12,7 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lora_pin._testing import PATTERNS, random_layer, request_slots
-from lora_pin.model.layers import LoRALinear, StepSegments
+from lora_pin.model.layers import LoRALinear
+from lora_pin.model.segments import StepSegments
 from lora_pin.ops import OpArgumentError, lora_delta_, lora_reference, segments_from_slots
 from lora_pin.ops.backends import CpuBackend
 from lora_pin.ops.backends.cpu import CpuDelta

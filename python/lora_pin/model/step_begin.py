@@ -17,7 +17,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lora_pin._core import LoRARef, LoRARegistry, _checked_names
 from lora_pin.errors import (
@@ -35,14 +35,8 @@ from lora_pin.parallel import Collective
 
 __all__ = ["BackgroundLoading", "BlockingLoading", "Discovery", "Loading"]
 
-# How often a step reads adapters evicted from host memory before it begins, should other threads evict
-# them again meanwhile; then the step reads them itself.
-_READ_FIRST_ATTEMPTS = 2
-# Rounds for a batch waiting for background reads: one may find the host tier full of adapters being read
-# (prefetched), the next full of those reads, fresh, and only the one after starts the batch's own reads.
-# Each round waits for reads, so a margin past the four a lone caller needs costs nothing (one more round
-# may discover adapter_dir adapters).
-_FETCH_FIRST_ATTEMPTS = 9
+# How a step brings in adapters outside the host tier (``LoRARegistry.begin_step``'s ``mode``).
+StepMode = Literal["read_in_step", "read_first", "fetch"]
 # The core's reasons for a deferred request whose adapter is not in host memory (Step.loading).
 _NOT_IN_HOST = frozenset({"loading", "host_room"})
 
@@ -147,6 +141,13 @@ class Discovery:
 class Loading(ABC):
     """How a manager begins its steps' core transactions (one subclass per ``loading`` mode).
 
+    One loop (:meth:`transaction`) asks the core to begin the step and does what its answer says next
+    (``StepPlan.action``): discover names nobody knows, read adapters first, or wait for a whole batch's
+    fetches, until a step has begun. It ends by construction: names are discovered once, and a round that
+    reads or waits must bring the step closer (the core's answer shrinks, or says waiting helps); a round
+    that does not ends the bringing in first: on one process the step reads what it still lacks itself,
+    over tensor-parallel ranks (where a read inside a step would be one rank's alone) every rank raises.
+
     Args:
         residency, loads: the manager's tensors (with the core they follow) and background loads.
         discovery: the manager's ``adapter_dir`` adapters.
@@ -155,6 +156,8 @@ class Loading(ABC):
 
     #: The mode's name, as ``LoRAManager(loading=...)`` takes it.
     mode: str
+    #: How its steps bring in adapters outside the host tier (``LoRARegistry.begin_step``'s ``mode``).
+    step_mode: StepMode
 
     def __init__(
         self, residency: Residency, loads: BackgroundReads, discovery: Discovery, collective: Collective
@@ -170,21 +173,18 @@ class Loading(ABC):
         return self.residency.registry
 
     @abstractmethod
-    def begin(
-        self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool
-    ) -> tuple[Any, tuple[int, ...]]:
-        """One core transaction for the step ``names`` / ``num_tokens``: admission, slots, loads and the
-        acquisition of every admitted request. ``per_sequence``: a batch that must run whole
-        (:class:`CapacityError`, nothing changed, if it cannot). Returns the core's plan and the deferred
-        requests whose adapter is not in host memory (:attr:`~lora_pin.model.Step.loading`).
+    def begin(self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool) -> Any:
+        """One core transaction for the step ``names`` / ``num_tokens`` (:meth:`transaction`), and what the
+        mode does once it has begun; returns the core's begun plan.
 
         Raises:
-            AdapterNotFoundError, PathNotAllowedError: a name is not registered nor found in
-                ``adapter_dir``; nothing is planned.
-            AdapterLoadError: an adapter the step must read could not be read; nothing is planned.
-            CapacityError: as ``LoRARegistry.begin_step``; or, over tensor-parallel ranks, the step's
-                adapters could not all be brought into host memory before it began.
+            As :meth:`transaction`.
         """
+
+    def waiting_for_reads(self, deferred: tuple[int, ...], reasons: tuple[str, ...]) -> tuple[int, ...]:
+        """The requests of ``deferred`` (with the core's ``reasons``) whose adapter is not in host memory
+        (:attr:`~lora_pin.model.Step.loading`): none, but in background loading."""
+        return ()
 
     @abstractmethod
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
@@ -193,6 +193,62 @@ class Loading(ABC):
     @abstractmethod
     def prefetch(self, names: Iterable[str | None]) -> list[str]:
         """:meth:`~lora_pin.model.LoRAManager.prefetch` under this mode."""
+
+    def transaction(self, names: Sequence[str | None], num_tokens: Sequence[int] | int, whole: bool) -> Any:
+        """One core transaction for the step ``names`` / ``num_tokens``: admission, slots, loads and the
+        acquisition of every admitted request. ``whole``: a batch that must run whole
+        (:class:`CapacityError`, nothing changed, if it cannot). Returns the core's begun plan.
+
+        Raises:
+            AdapterNotFoundError, PathNotAllowedError: a name is not registered nor found in
+                ``adapter_dir``; nothing is planned.
+            AdapterLoadError: an adapter the step must read could not be read; nothing is planned.
+            CapacityError: as ``LoRARegistry.begin_step``; or, over tensor-parallel ranks, the step's
+                adapters could not all be brought into host memory before it began.
+        """
+        registry = self.registry
+        mode: StepMode = self.step_mode
+        discover = self.discovery.adapter_dir is not None
+        discovering: list[str] = []
+        to_read: list[str] | None = None
+        while True:
+            self.loads.install()
+            failed, held = self._holds(whole)
+            plan = registry.begin_step(
+                names,
+                num_tokens,
+                mode,
+                whole=whole,
+                failed=failed,
+                discovering=[*held, *discovering] if discovering else held,
+                discover=discover,
+            )
+            action = plan.action
+            if action == "begun":
+                return plan
+            if action == "discover":
+                discover = False
+                discovering = self._discover(plan.unknown, whole)
+                continue
+            if action == "read_first":
+                # Reading again what was read already (evicted meanwhile) brings the step no closer.
+                progress = to_read is None or len(plan.to_read) < len(to_read)
+                to_read = plan.to_read
+                if progress:
+                    self._read_first(to_read)
+                    continue
+            elif self._wait_for_fetches(plan, names):
+                continue
+            if not self.collective.steps_may_read:
+                raise CapacityError(
+                    "the step's adapters could not all be brought into host memory before it began (each "
+                    "read evicted another it needs, or other threads evicted them again); with tensor "
+                    "parallelism a step never reads from disk itself: retry it, with a larger host tier or "
+                    "fewer adapters"
+                )
+            # A step's own read takes a fetch's place, its reservation included; the fetch's late result
+            # is refused when installed.
+            mode = "read_in_step"
 
     def failures(self, names: Sequence[str | None], failed: list[tuple[int, str]]) -> dict[int, LoraPinError]:
         """Why each request of a plan's ``failed`` (``(index, why)``) cannot run, by request index: its
@@ -213,82 +269,24 @@ class Loading(ABC):
             out[i] = error
         return out
 
-    def _last_round(
-        self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool, fetch: bool
-    ) -> Any:
-        """The step's transaction once reading first has not brought its adapters into host memory: on
-        one process the step reads them itself (a step's own read takes a fetch's place, its reservation
-        included; the fetch's late result is refused when installed). Over ranks a read inside the step
-        would be one rank's alone: one more round that reads nothing, and then, decided alike on every
-        rank as every round before, all ranks raise.
+    def _holds(self, whole: bool) -> tuple[list[str], list[str]]:
+        """The names the core plans by hold: adapters whose last read failed, names being discovered."""
+        return [], []
+
+    @abstractmethod
+    def _discover(self, unknown: list[str], whole: bool) -> list[str]:
+        """Discover ``unknown`` (names nobody knows) in ``adapter_dir``; returns those still being read.
 
         Raises:
-            CapacityError: over ranks, that round could not begin the step either.
+            AdapterNotFoundError, PathNotAllowedError: as :meth:`Discovery.folders`.
+            AdapterLoadError, CapacityError: a read this waits for failed.
         """
-        if self.collective.steps_may_read:
-            return self.registry.begin_step(names, num_tokens, all_or_nothing=per_sequence)
-        if fetch:
-            self.loads.install()
-        plan = self.registry.begin_step(
-            names, num_tokens, all_or_nothing=per_sequence, fetch=fetch, read_first=not fetch
-        )
-        if plan.ticket is not None:
-            return plan
-        if fetch:
-            self.residency.drop_evicted(n for n, tier, _ in plan.evictions if tier == "host")
-            self.loads.start_fetches(plan.to_fetch)
-        raise CapacityError(
-            "the step's adapters could not all be brought into host memory before it began (each read "
-            "evicted another it needs, or other threads evicted them again); with tensor parallelism a "
-            "step never reads from disk itself: retry it, with a larger host tier or fewer adapters"
-        )
-
-
-class BlockingLoading(Loading):
-    """``loading="blocking"``: a step reads the adapters it needs before it begins, on the calling thread
-    (``adapter_dir`` adapters too), and every request waits for that."""
-
-    mode = "blocking"
-
-    def begin(
-        self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool
-    ) -> tuple[Any, tuple[int, ...]]:
-        """See :meth:`Loading.begin`; should other threads evict the adapters read first again before the
-        step begins (each time), the step reads them itself (one process only)."""
-        discovered = self.discovery.adapter_dir is None
-        for _ in range(_READ_FIRST_ATTEMPTS + 1):
-            self.loads.install()
-            plan = self.registry.begin_step(
-                names, num_tokens, all_or_nothing=per_sequence, read_first=True, defer_unknown=not discovered
-            )
-            if plan.unknown:
-                discovered = True
-                self.discovery.read_now(plan.unknown)
-                continue
-            if plan.ticket is not None:
-                return plan, ()
-            self._read_first(plan.to_read)
-        return self._last_round(names, num_tokens, per_sequence, fetch=False), ()
-
-    def split(self, names: Sequence[str | None]) -> list[list[int]]:
-        """Reads the ``adapter_dir`` adapters of ``names`` first (see :meth:`Loading.split`)."""
-        if self.discovery.adapter_dir is not None:
-            self.discovery.read_now(_checked_names(names))
-        return self.registry.split(names)
-
-    def prefetch(self, names: Iterable[str | None]) -> list[str]:
-        """Refused (see :meth:`Loading.prefetch`).
-
-        Raises:
-            UsageError: always.
-        """
-        raise UsageError("prefetch needs loading='background' (this manager loads blocking)")
 
     def _read_first(self, names: list[str]) -> None:
-        """Bring ``names`` (registered, not in host memory) into the host tier before the step begins, on
-        this thread; reads the loader is running already are waited for instead. Every read is checked
-        before any enters the host tier, so one that fails changes nothing; over ranks every rank reads
-        its own shards, and every rank enters them or every rank fails alike.
+        """Bring ``names`` (registered, not in host memory; a ``"read_first"`` answer) into the host tier
+        before the step begins, on this thread; reads the loader is running already are waited for
+        instead. Every read is checked before any enters the host tier, so one that fails changes nothing;
+        over ranks every rank reads its own shards, and every rank enters them or every rank fails alike.
 
         Raises:
             AdapterLoadError: one of them cannot be read (on any rank), or its files changed since it
@@ -311,6 +309,61 @@ class BlockingLoading(Loading):
         for name, read in finished:
             residency.enter_host(name, read)
 
+    def _wait_for_fetches(self, plan: Any, names: Sequence[str | None]) -> bool:
+        """Start the fetches of a whole batch's ``"fetching"`` answer and, when the core says waiting can
+        change its answer (``plan.progress``), wait for them; returns that.
+
+        Raises:
+            AdapterLoadError: a read of one of the batch's adapters failed.
+        """
+        self.residency.drop_evicted(n for n, tier, _ in plan.evictions if tier == "host")
+        self.loads.start_fetches(plan.to_fetch)
+        if not plan.progress:
+            return False
+        wanted = [n for n in dict.fromkeys(names) if n is not None]
+        # With no room for any of its reads, only other reads ending (and installed) make room. With tp
+        # each rank waits for its own reads; the install's agreement then waits for the slowest rank's,
+        # and every answer is agreed, so all ranks run as many rounds.
+        self.loads.wait(wanted if plan.to_fetch else None)
+        # Installed reads stay protected ("fresh") until a plan takes their requests up or leaves them
+        # out: the next answer, which defers this whole batch, leaves out those of other requests, so
+        # their room can go to this batch's reads.
+        self.loads.install()
+        for error in self.loads.take_errors(wanted).values():
+            raise error
+        return True
+
+
+class BlockingLoading(Loading):
+    """``loading="blocking"``: a step reads the adapters it needs before it begins, on the calling thread
+    (``adapter_dir`` adapters too), and every request waits for that."""
+
+    mode = "blocking"
+    step_mode: StepMode = "read_first"
+
+    def begin(self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool) -> Any:
+        """See :meth:`Loading.begin`."""
+        return self.transaction(names, num_tokens, per_sequence)
+
+    def split(self, names: Sequence[str | None]) -> list[list[int]]:
+        """Reads the ``adapter_dir`` adapters of ``names`` first (see :meth:`Loading.split`)."""
+        if self.discovery.adapter_dir is not None:
+            self.discovery.read_now(_checked_names(names))
+        return self.registry.split(names)
+
+    def prefetch(self, names: Iterable[str | None]) -> list[str]:
+        """Refused (see :meth:`Loading.prefetch`).
+
+        Raises:
+            UsageError: always.
+        """
+        raise UsageError("prefetch needs loading='background' (this manager loads blocking)")
+
+    def _discover(self, unknown: list[str], whole: bool) -> list[str]:
+        """Reads them now, on this thread (see :meth:`Discovery.read_now`)."""
+        self.discovery.read_now(unknown)
+        return []
+
 
 class BackgroundLoading(Loading):
     """``loading="background"``: a step never reads from disk. Requests whose adapter is not in host memory
@@ -319,6 +372,7 @@ class BackgroundLoading(Loading):
     adapters."""
 
     mode = "background"
+    step_mode: StepMode = "fetch"
 
     def __init__(
         self, residency: Residency, loads: BackgroundReads, discovery: Discovery, collective: Collective
@@ -327,22 +381,20 @@ class BackgroundLoading(Loading):
         # Adapters of the groups after the first of the last split, prefetched by the next step.
         self._prefetch_next: list[str] = []
 
-    def begin(
-        self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool
-    ) -> tuple[Any, tuple[int, ...]]:
+    def begin(self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool) -> Any:
         """See :meth:`Loading.begin`: a per-sequence batch waits for its reads; a step defers the requests
-        whose adapter is not in host memory and starts their reads."""
-        if per_sequence:
-            plan, loading = self._begin_whole(names, num_tokens), ()
-        else:
-            plan = self._begin_deferring(names, num_tokens)
-            deferred = plan.deferred
-            loading = ()
-            if deferred:
-                reasons = plan.reasons
-                loading = tuple(i for i, why in zip(deferred, reasons, strict=True) if why in _NOT_IN_HOST)
-        self._prefetch_split()
-        return plan, loading
+        whose adapter is not in host memory and starts their reads, then prefetches the later groups of the
+        last :meth:`split`."""
+        plan = self.transaction(names, num_tokens, per_sequence)
+        self.loads.start_fetches(plan.to_fetch)
+        if self._prefetch_next:
+            self._prefetch_split()
+        return plan
+
+    def waiting_for_reads(self, deferred: tuple[int, ...], reasons: tuple[str, ...]) -> tuple[int, ...]:
+        """See :meth:`Loading.waiting_for_reads`: those being read, or waiting for host memory to be read
+        into."""
+        return tuple(i for i, why in zip(deferred, reasons, strict=True) if why in _NOT_IN_HOST)
 
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
         """Reads the ``adapter_dir`` adapters of ``names`` on the loader, waiting, and keeps the later
@@ -372,8 +424,6 @@ class BackgroundLoading(Loading):
 
     def _prefetch_split(self) -> None:
         """Prefetch the later groups of the last :meth:`split`, now that a step protects its adapters."""
-        if not self._prefetch_next:
-            return
         with self.residency.lock:
             names, self._prefetch_next = self._prefetch_next, []
         if names:
@@ -381,64 +431,19 @@ class BackgroundLoading(Loading):
             with contextlib.suppress(LoraPinError):
                 self._fetch(list(dict.fromkeys(names)))
 
-    def _begin_whole(self, names: Sequence[str | None], num_tokens: Sequence[int] | int) -> Any:
-        """The transaction of a batch that must run whole: begins no step unless every adapter is in host
-        memory, fetching what is not and waiting for the reads, round after round."""
-        discovered = self.discovery.adapter_dir is None
-        wanted = [n for n in dict.fromkeys(names) if n is not None]
-        for _ in range(_FETCH_FIRST_ATTEMPTS):
-            self.loads.install()
-            plan = self.registry.begin_step(
-                names, num_tokens, all_or_nothing=True, fetch=True, defer_unknown=not discovered
-            )
-            if plan.unknown:
-                discovered = True
-                self.discovery.read_waiting(plan.unknown)
-                continue
-            if plan.ticket is not None:
-                return plan
-            self.residency.drop_evicted(n for n, tier, _ in plan.evictions if tier == "host")
-            self.loads.start_fetches(plan.to_fetch)
-            # With no room for any of its reads, only other reads ending (and installed) make room.
-            # With tp each rank waits for its own reads; the install's agreement then waits for the
-            # slowest rank's, and every round's outcome is agreed, so all ranks run as many rounds.
-            self.loads.wait(wanted if plan.to_fetch else None)
-            # Installed reads stay protected ("fresh") until a plan takes their requests up or
-            # leaves them out: the next round's plan, which defers this whole batch, leaves out
-            # those of other requests, so their room can go to this batch's reads.
-            self.loads.install()
-            for error in self.loads.take_errors(wanted).values():
-                raise error
-        return self._last_round(names, num_tokens, True, fetch=True)
+    def _holds(self, whole: bool) -> tuple[list[str], list[str]]:
+        """A step (not a whole batch, which fails as a whole) lets the requests of adapters whose read
+        failed fail, and those of adapters being discovered wait."""
+        if whole:
+            return [], []
+        return self.loads.failed_names(), self.loads.discovering()
 
-    def _begin_deferring(self, names: Sequence[str | None], num_tokens: Sequence[int] | int) -> Any:
-        """The step transaction of background loading: reads finished since the last step enter the host
-        tier first; requests whose adapter is not there are deferred, and their reads begin.
-
-        The core sees every request: those whose adapter's last read failed, or that was unloaded while
-        they waited, fail (the plan's ``failed``); those whose ``adapter_dir`` adapter is being read
-        wait. A name nobody knows is looked for in ``adapter_dir`` first (nothing is planned until
-        then), and its read begins.
-
-        Raises:
-            AdapterNotFoundError, PathNotAllowedError: as :meth:`Discovery.folders` (nothing changed).
-        """
-        self.loads.install()
-        failed = self.loads.failed_names()
-        discovering = self.loads.discovering()
-        plan = self.registry.begin_step(
-            names,
-            num_tokens,
-            fetch=True,
-            failed=failed,
-            discovering=discovering,
-            defer_unknown=self.discovery.adapter_dir is not None,
-        )
-        if plan.unknown:
-            new = self.discovery.folders(plan.unknown)
-            self.discovery.start(new)
-            plan = self.registry.begin_step(
-                names, num_tokens, fetch=True, failed=failed, discovering=[*discovering, *new]
-            )
-        self.loads.start_fetches(plan.to_fetch)
-        return plan
+    def _discover(self, unknown: list[str], whole: bool) -> list[str]:
+        """A whole batch waits for the loader to read them (:meth:`Discovery.read_waiting`); a step's
+        requests wait for them while the loader reads them."""
+        if whole:
+            self.discovery.read_waiting(unknown)
+            return []
+        new = self.discovery.folders(unknown)
+        self.discovery.start(new)
+        return list(new)
