@@ -88,11 +88,11 @@ class LoRAManager:
             checked before any tensor is read.
         max_tensors: per-adapter limit on the weight file's tensor count, checked likewise.
         loading: ``"background"`` (the default): a step never reads from disk; a request whose adapter
-            is not in host memory is deferred while a background loader reads it, and is admitted by a
+            is not in host memory is deferred while the read pool reads it, and is admitted by a
             later step (with ``tp``, once every rank has read its shards: the ranks agree at each step's
             start). ``"blocking"``: a step reads what it needs before it begins, and every request waits
             for that. :meth:`batch` waits for its reads in either mode (it must run whole).
-        load_workers: threads of the background loader (reads run at once).
+        load_workers: threads of the read pool (background reads run at once).
         load_timeout: seconds a background read may run (default 300). One still running then (a hung
             disk or network mount) is abandoned: the requests waiting on its adapter fail with an
             :class:`AdapterLoadError` naming the adapter, its path and the deadline (:attr:`Step.failed`,
@@ -107,7 +107,7 @@ class LoRAManager:
             without it.
 
     Thread safety: loads, unloads, pins, unpins and prefetches may run from other threads while a step is
-    active; background reads run on the loader's own threads and enter the host tier only at a step's
+    active; background reads run on the read pool's own threads and enter the host tier only at a step's
     start (or while :meth:`batch` / :meth:`split` wait for them). A step is one core transaction: its
     plan and the acquisition of its requests happen at once, so an unload of one of its adapters waits
     for the step to finish, and the name cannot be registered again meanwhile. Every write into the
@@ -462,7 +462,7 @@ class LoRAManager:
         """Counters per tier (hits, misses, loads, evictions, refusals), resident and pinned sets, the
         pool's size in bytes, requests deferred by steps (``deferred_requests``, once per step deferred),
         reads from disk after start-up (``adapter_reads``, taking ``adapter_read_seconds`` in all), and
-        of those the reads the background loader ran and installed (``background_loads``), failed
+        of those the background reads the read pool ran and installed (``background_loads``), failed
         (``background_load_failures``) and is running now (``loads_in_flight``); each adapter's
         ``identities`` (``{name: {"id", "digest", "generation"}}``, see :meth:`identity`) and the slots
         refreshed with an adapter's replaced weights (``slot_refreshes``). Evictions per adapter
@@ -556,7 +556,7 @@ class LoRAManager:
         Inside the block the model's inputs are ``[B, L]`` with ``B == len(names)`` (any ``L``; prefill then
         decode steps of ``generate`` work). A batch needing more distinct unpinned adapters than free slots is
         refused up front: use :meth:`split` to cut it into batches that fit. The batch waits for the reads
-        of its adapters that are not in host memory (in background loading, the loader's threads read
+        of its adapters that are not in host memory (in background loading, the read pool's threads read
         them; ``adapter_dir`` adapters are read there too).
 
         Raises:
@@ -603,7 +603,7 @@ class LoRAManager:
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
         """Cut a batch into groups of request indices, in order, each of which fits the slots at once.
 
-        In background loading, ``adapter_dir`` adapters not registered yet are read by the loader (this
+        In background loading, ``adapter_dir`` adapters not registered yet are read on the read pool (this
         waits for them), and the next step to begin (the first group's, as a rule) prefetches the
         adapters of the groups after the first, so they are read while it runs. Not before it begins:
         reads set aside host memory, and would evict the first group's adapters from a small host tier.

@@ -23,7 +23,8 @@ class Step:
     Attributes:
         admitted: indices (into the step's requests) of the requests that run this step, in batch order.
         deferred: indices of the requests that must wait for a later step (they hold nothing), in
-            request order: resubmit them first, in this order. In background loading these include the
+            request order (an engine offers its waiting requests in the core's order,
+            :meth:`LoRAManager.offer_order`). In background loading these include the
             requests whose adapter is being read from disk.
         request_slots: int32 ``[len(admitted)]``, the device slot of each admitted request, -1 for base.
         segments: the token grouping the LoRA layers use; tokens are the admitted requests' tokens,

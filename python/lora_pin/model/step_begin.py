@@ -1,7 +1,7 @@
 """How a step begins under the manager's loading mode: one strategy object per mode.
 
 :class:`BackgroundLoading` (the default): reads finished since the last step enter the host tier,
-requests whose adapter is not in host memory are deferred and their reads begin on the loader's threads,
+requests whose adapter is not in host memory are deferred and their reads begin on the read pool's threads,
 and a batch that must run whole waits for its reads. :class:`BlockingLoading`: the adapters a step would
 read are read first, on the calling thread, and then the step begins. Either way a read that fails changes
 nothing else, and with tensor parallelism every read is agreed over the ranks (the manager's
@@ -97,7 +97,7 @@ class Discovery:
         return list(loaded)
 
     def start(self, found: Mapping[str, Path]) -> list[str]:
-        """Begin reading each of ``found`` (from :meth:`folders`) on the loader; the names whose reads
+        """Begin reading each of ``found`` (from :meth:`folders`) on the read pool; the names whose reads
         began."""
         return [
             name
@@ -106,8 +106,8 @@ class Discovery:
         ]
 
     def read_waiting(self, names: Sequence[str | None]) -> None:
-        """Register the adapters of ``names`` not registered yet, read by the loader; waits. All or nothing,
-        as :meth:`read_now`.
+        """Register the adapters of ``names`` not registered yet, read on the read pool; waits. All or
+        nothing, as :meth:`read_now`.
 
         Raises:
             AdapterNotFoundError, PathNotAllowedError: as :meth:`folders`; nothing is read then.
@@ -194,7 +194,9 @@ class Loading(ABC):
     def prefetch(self, names: Iterable[str | None]) -> list[str]:
         """:meth:`~lora_pin.model.LoRAManager.prefetch` under this mode."""
 
-    def transaction(self, names: Sequence[str | None], num_tokens: Sequence[int] | int, whole: bool) -> Any:
+    def transaction(
+        self, names: Sequence[str | None], num_tokens: Sequence[int] | int, *, whole: bool
+    ) -> Any:
         """One core transaction for the step ``names`` / ``num_tokens``: admission, slots, loads and the
         acquisition of every admitted request. ``whole``: a batch that must run whole
         (:class:`CapacityError`, nothing changed, if it cannot). Returns the core's begun plan.
@@ -284,7 +286,7 @@ class Loading(ABC):
 
     def _read_first(self, names: list[str]) -> None:
         """Bring ``names`` (registered, not in host memory; a ``"read_first"`` answer) into the host tier
-        before the step begins, on this thread; reads the loader is running already are waited for
+        before the step begins, on this thread; reads the read pool is running already are waited for
         instead. Every read is checked before any enters the host tier, so one that fails changes nothing;
         over ranks every rank reads its own shards, and every rank enters them or every rank fails alike.
 
@@ -343,7 +345,7 @@ class BlockingLoading(Loading):
 
     def begin(self, names: Sequence[str | None], num_tokens: Sequence[int] | int, per_sequence: bool) -> Any:
         """See :meth:`Loading.begin`."""
-        return self.transaction(names, num_tokens, per_sequence)
+        return self.transaction(names, num_tokens, whole=per_sequence)
 
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
         """Reads the ``adapter_dir`` adapters of ``names`` first (see :meth:`Loading.split`)."""
@@ -367,7 +369,7 @@ class BlockingLoading(Loading):
 
 class BackgroundLoading(Loading):
     """``loading="background"``: a step never reads from disk. Requests whose adapter is not in host memory
-    are deferred while the loader reads it; a batch that must run whole waits for its reads. The groups
+    are deferred while the read pool reads it; a batch that must run whole waits for its reads. The groups
     after the first of the last :meth:`split` are prefetched by the next step, once it protects its own
     adapters."""
 
@@ -385,7 +387,7 @@ class BackgroundLoading(Loading):
         """See :meth:`Loading.begin`: a per-sequence batch waits for its reads; a step defers the requests
         whose adapter is not in host memory and starts their reads, then prefetches the later groups of the
         last :meth:`split`."""
-        plan = self.transaction(names, num_tokens, per_sequence)
+        plan = self.transaction(names, num_tokens, whole=per_sequence)
         self.loads.start_fetches(plan.to_fetch)
         if self._prefetch_next:
             self._prefetch_split()
@@ -397,7 +399,7 @@ class BackgroundLoading(Loading):
         return tuple(i for i, why in zip(deferred, reasons, strict=True) if why in _NOT_IN_HOST)
 
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
-        """Reads the ``adapter_dir`` adapters of ``names`` on the loader, waiting, and keeps the later
+        """Reads the ``adapter_dir`` adapters of ``names`` on the read pool, waiting, and keeps the later
         groups' adapters for the next step to prefetch (see :meth:`Loading.split`)."""
         names = _checked_names(names)
         self.discovery.read_waiting(names)
@@ -439,8 +441,8 @@ class BackgroundLoading(Loading):
         return self.loads.failed_names(), self.loads.discovering()
 
     def _discover(self, unknown: list[str], whole: bool) -> list[str]:
-        """A whole batch waits for the loader to read them (:meth:`Discovery.read_waiting`); a step's
-        requests wait for them while the loader reads them."""
+        """A whole batch waits for the read pool to read them (:meth:`Discovery.read_waiting`); a step's
+        requests wait for them while the read pool reads them."""
         if whole:
             self.discovery.read_waiting(unknown)
             return []
