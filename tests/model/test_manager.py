@@ -220,11 +220,14 @@ def test_unload_reload_and_detach(world: World) -> None:
     mgr = LoRAManager(model, items(world), max_loras_per_batch=3)
     names: list[str | None] = ["pat", "qv2", None]
     ids = tokens(3, 6, 3)
+    assert "pat" in mgr and "qv2" in mgr and "nobody" not in mgr and None not in mgr and 5 not in mgr
     mgr.unload("pat")
+    assert "pat" not in mgr  # what the serve engine asks before it plans a waiting request
     mgr.unload("pat")  # idempotent
     with pytest.raises(AdapterNotFoundError), mgr.batch(names):
         pass
     mgr.load("pat", world.adapters["pat"])
+    assert "pat" in mgr
     with torch.no_grad(), mgr.batch(names):
         got = model(ids).logits
     assert_close(got, oracle(world, ids, names))

@@ -320,6 +320,11 @@ class LoRAManager:
         """
         return self._lifecycle.identity(name)
 
+    def __contains__(self, name: object) -> bool:
+        """Whether an adapter of this name is registered (in any tier, or being read at start-up); what
+        an engine asks before it hands a waiting request's adapter to :meth:`prepare_step`."""
+        return isinstance(name, str) and name in self.registry
+
     def placement(self) -> Placement:
         """Where every adapter is (tier, slot, pin, requests in flight, digest, generation) with the free
         slots and the host tier's bytes, as one consistent snapshot

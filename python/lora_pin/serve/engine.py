@@ -491,11 +491,11 @@ class LoRAEngine:
         order = self._offer_order(candidates, adapters)
         candidates = [candidates[i] for i in order]
         adapters = [adapters[i] for i in order]
-        registry = self.manager.registry
+        manager = self.manager
         kept: list[Any] = []
         names: list[str | None] = []
         for state, name in zip(candidates, adapters, strict=True):
-            if name is not None and name not in registry:
+            if name is not None and name not in manager:
                 self._fail(scheduler, state, AdapterNotFoundError(f"adapter {name!r} was unloaded"), removed)
             else:
                 kept.append(state)
