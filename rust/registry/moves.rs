@@ -137,7 +137,7 @@ impl Registry {
         debug_assert!(self.device.slots[slot as usize].is_none());
         let now = self.tick();
         self.device.slots[slot as usize] = Some(key);
-        self.device.generations[slot as usize] += 1;
+        self.device.epochs[slot as usize] += 1;
         let a = self.get_mut(key);
         a.tenancy.slot = Some(slot);
         a.tenancy.device_since = now;
@@ -170,7 +170,7 @@ impl Registry {
     pub(crate) fn free_slot(&mut self, key: AdapterKey) -> u32 {
         let slot = self.get_mut(key).tenancy.slot.take().expect("the adapter has a slot");
         self.device.slots[slot as usize] = None;
-        self.device.generations[slot as usize] += 1;
+        self.device.epochs[slot as usize] += 1;
         self.device.free.insert(slot);
         self.refresh(key);
         slot

@@ -66,8 +66,8 @@ pub struct StepPlan {
     pub slot_ranks: Vec<i32>,
     /// `[slots]` scaling of each slot's adapter, 0 for an empty slot.
     pub slot_scalings: Vec<f32>,
-    /// `[slots]` each slot's generation, bumped whenever its occupant changes.
-    pub slot_generations: Vec<i64>,
+    /// `[slots]` each slot's epoch, bumped whenever its occupant changes.
+    pub slot_epochs: Vec<i64>,
     /// The slots the admitted requests use, ascending.
     pub slots_used: Vec<u32>,
     /// Fetch mode: the fetches this plan started, in first-request order (their adapters'
@@ -820,12 +820,12 @@ impl Registry {
         cut_segments(counts, self.config.slots, plan.chunk_size, &mut plan.seg_indptr, &mut plan.seg_slots);
     }
 
-    /// Per slot its adapter's rank and scaling and its generation, and the slots the step uses.
+    /// Per slot its adapter's rank and scaling and its epoch, and the slots the step uses.
     fn fill_slot_tables(&self, marks: &[i32], plan: &mut StepPlan) {
         let slots = self.config.slots;
         plan.slot_ranks.reserve_exact(slots);
         plan.slot_scalings.reserve_exact(slots);
-        plan.slot_generations.reserve_exact(slots);
+        plan.slot_epochs.reserve_exact(slots);
         for (s, key) in self.device.slots.iter().enumerate() {
             let (rank, scaling) = key.map_or((0, 0.0), |k| {
                 let a = self.get(k);
@@ -833,7 +833,7 @@ impl Registry {
             });
             plan.slot_ranks.push(rank);
             plan.slot_scalings.push(scaling);
-            plan.slot_generations.push(self.device.generations[s] as i64);
+            plan.slot_epochs.push(self.device.epochs[s] as i64);
         }
         plan.slots_used = self.step.iter().map(|&k| marks[k.index()] as u32).collect();
         plan.slots_used.sort_unstable();

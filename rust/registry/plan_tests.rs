@@ -17,7 +17,7 @@ fn segments_group_tokens_by_slot_and_skip_base_rows() {
     assert_eq!(p.seg_slots, [0, 1]);
     assert_eq!(p.slot_ranks, [4, 5]);
     assert_eq!(p.slot_scalings, [0.5, 0.5]);
-    assert_eq!(p.slot_generations, [1, 1]);
+    assert_eq!(p.slot_epochs, [1, 1]);
     let loads: Vec<_> = p.loads.iter().map(|l| (&*l.name, l.slot, l.source)).collect();
     assert_eq!(loads, [("a", 0, LoadSource::Host), ("b", 1, LoadSource::Host)]);
     assert_eq!(&*p.loads[0].lora_id, &*lora("a").lora_id);

@@ -194,7 +194,7 @@ impl HostLedger {
 pub(crate) struct DeviceTier {
     pub(crate) slots: Vec<Option<AdapterKey>>,
     /// Bumped whenever a slot's occupant changes, so a plan can be checked against later changes.
-    pub(crate) generations: Vec<u64>,
+    pub(crate) epochs: Vec<u64>,
     pub(super) free: BTreeSet<u32>,
     pub(super) idle: Box<dyn EvictionPolicy>,
     pub(super) queued: Box<dyn EvictionPolicy>,
@@ -205,7 +205,7 @@ impl DeviceTier {
     pub(crate) fn new(slots: u32, idle: Box<dyn EvictionPolicy>, queued: Box<dyn EvictionPolicy>) -> Self {
         Self {
             slots: vec![None; slots as usize],
-            generations: vec![0; slots as usize],
+            epochs: vec![0; slots as usize],
             free: (0..slots).collect(),
             idle,
             queued,

@@ -82,7 +82,7 @@ class PythonPlanner:
         self.by_id: dict[str, Entry] = {}
         self.unloaded: set[str] = set()
         self.slot_of: list[Entry | None] = [None] * slots
-        self.generations = [0] * slots
+        self.epochs = [0] * slots
         self.recency: OrderedDict[str, None] = OrderedDict()
         self.host_order: OrderedDict[str, None] = OrderedDict()
         self.device_order: OrderedDict[str, None] = OrderedDict()
@@ -133,7 +133,7 @@ class PythonPlanner:
         slot = e.slot
         assert slot is not None
         self.slot_of[slot] = None
-        self.generations[slot] += 1
+        self.epochs[slot] += 1
         e.slot = None
         del self.device_order[e.name]
         return slot
@@ -404,7 +404,7 @@ class PythonPlanner:
         e.loading = source
         e.slot = slot
         self.slot_of[slot] = e
-        self.generations[slot] += 1
+        self.epochs[slot] += 1
         self.device_order[e.name] = None
         self.device["misses"] += 1
         self.device["loads"] += 1

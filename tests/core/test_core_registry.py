@@ -55,12 +55,12 @@ def test_plan_buffers_become_tensors_without_a_warning() -> None:
         i32 = {k: tensor(getattr(plan, k), torch.int32).tolist() for k in ("request_slots", "token_perm")}
         indptr = torch.frombuffer(plan.seg_indptr, dtype=torch.int32)
         scalings = torch.frombuffer(plan.slot_scalings, dtype=torch.float32)
-        generations = torch.frombuffer(plan.slot_generations, dtype=torch.int64)
+        epochs = torch.frombuffer(plan.slot_epochs, dtype=torch.int64)
     assert i32 == {"request_slots": [0, -1, 1, 0], "token_perm": [0, 1, 6, 3, 4, 5]}
     assert indptr.tolist() == [0, 2, 3, 5, 6]
     assert tensor(plan.seg_slots, torch.int32).tolist() == [0, 0, 1, 1]
     assert tensor(plan.slot_ranks, torch.int32).tolist() == [4, 5]
-    assert scalings.tolist() == [0.5, 0.5] and generations.tolist() == [1, 1]
+    assert scalings.tolist() == [0.5, 0.5] and epochs.tolist() == [1, 1]
     assert plan.num_tokens == 7 and plan.admitted == [0, 1, 2, 3] and plan.deferred == []
     assert [(n, s, src) for n, _, s, src in plan.loads] == [("a", 0, "host"), ("b", 1, "host")]
     assert plan.loads[0][1] == LoRARef("a", "/srv/a").lora_id

@@ -531,7 +531,7 @@ class RegistryVsModel(RuleBasedStateMachine):
         assert plan.evictions == expected.evictions
         assert plan.to_fetch == expected.to_fetch
         assert ints(plan.slot_ranks) == self.model.slot_ranks()
-        assert torch.frombuffer(plan.slot_generations, dtype=torch.int64).tolist() == self.model.generations
+        assert torch.frombuffer(plan.slot_epochs, dtype=torch.int64).tolist() == self.model.epochs
         if fetch:
             assert all(src == "host" for *_, src in plan.loads)
         self.fetches.update(plan.to_fetch)

@@ -435,13 +435,13 @@ def test_stale_plan_is_detected(world: World) -> None:
     mgr, model = manager(world, ["a", "b", "c"], slots=2)
     want = references(mgr, model, ["a", "b", "c"])
     # A plan made behind the manager's back moves adapters between slots without filling them: the pool
-    # no longer holds what the registry's slot generations say.
+    # no longer holds what the registry's slot epochs say.
     assert sorted(mgr.registry.stats()["device"]["resident"]) == ["b", "c"]
     plan = mgr.registry.begin_step(["a"], [1])  # a takes b's slot in the registry; nothing is copied
     for index in range(len(plan.loads)):
         mgr.registry.report_load(plan.ticket, index, True)  # type: ignore[arg-type]
     mgr.registry.finish_step(plan.ticket)  # type: ignore[arg-type]
-    with pytest.raises(StalePlanError, match="slot generation"):
+    with pytest.raises(StalePlanError, match="slot epoch"):
         run_batch(mgr, model, ["a", "c"])
     got = run_batch(mgr, model, ["a", "c"])  # the stale adapter was marked not resident: reloaded
     torch.testing.assert_close(got[0], want["a"], rtol=1e-5, atol=1e-6)

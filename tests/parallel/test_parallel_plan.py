@@ -25,7 +25,7 @@ def _plan_record(plan: object) -> tuple[object, ...]:
         bytes(p.token_perm),  # type: ignore[attr-defined]
         bytes(p.seg_indptr),  # type: ignore[attr-defined]
         bytes(p.seg_slots),  # type: ignore[attr-defined]
-        bytes(p.slot_generations),  # type: ignore[attr-defined]
+        bytes(p.slot_epochs),  # type: ignore[attr-defined]
         tuple((name, slot, source) for name, _id, slot, source in p.loads),  # type: ignore[attr-defined]
         tuple(p.evictions),  # type: ignore[attr-defined]
     )

@@ -113,7 +113,7 @@ class LoRAManager:
     for the step to finish, and the name cannot be registered again meanwhile. Every write into the
     device pool and every host-tier change happens under one lock
     (:class:`~lora_pin.model.residency.Residency`), and each step checks that every slot it uses holds the
-    contents its plan's slot generation names (:class:`StalePlanError` otherwise), both when it starts
+    contents its plan's slot epoch names (:class:`StalePlanError` otherwise), both when it starts
     and when it finishes.
 
     Raises:

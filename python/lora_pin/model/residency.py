@@ -76,9 +76,9 @@ class Residency:
         # Guards the host tier's dict, the pool's writes and the bookkeeping below against other threads.
         self.lock = threading.RLock()
         self._sources: dict[str, _Source] = {}
-        # Per slot: (registry slot generation, pool write count) right after a step filled it.
+        # Per slot: (registry slot epoch, pool write count) right after a step filled it.
         self._filled: list[tuple[int, int] | None] = [None] * pool.slots
-        # The last check that passed: the slots it covered with their generations (``StepPlan.slots_used``'s
+        # The last check that passed: the slots it covered with their epochs (``StepPlan.slots_used``'s
         # bytes), the pool's write counts then, and its result. Every change of `_filled` writes its slot
         # (and so changes the counts), so the same slots and counts pass again.
         self._passed: tuple[bytes, tuple[int, ...], tuple[tuple[int, int], ...]] | None = None
@@ -354,7 +354,7 @@ class Residency:
     def apply(self, plan: Any) -> tuple[tuple[int, int], ...]:
         """Carry out the evictions and loads of step transaction ``plan`` (from ``begin_step``),
         reporting each load to the registry; return ``(slot, pool writes)`` of every slot the step
-        uses, after checking each holds what the plan's slot generation says.
+        uses, after checking each holds what the plan's slot epoch says.
 
         On any failure the step's remaining loads are left unreported (``finish_step`` fails them)
         and the failed load's slot is emptied, so no later step reads a half-written slot.
@@ -373,7 +373,7 @@ class Residency:
                 self.evictions[(name, tier)] += 1
                 if tier == "host":
                     self._drop_host(name)
-            generations = memoryview(plan.slot_generations).cast("q") if loads else None
+            epochs = memoryview(plan.slot_epochs).cast("q") if loads else None
             for index, (name, _lora_id, slot, source) in enumerate(loads):
                 try:
                     if source == "disk" or name not in self.host:
@@ -388,10 +388,10 @@ class Residency:
                     raise AdapterLoadError(
                         f"adapter {name!r}: loading into slot {slot} failed: {exc!r}"
                     ) from exc
-                assert generations is not None
-                self._filled[slot] = (generations[slot], self.pool.writes(slot))
+                assert epochs is not None
+                self._filled[slot] = (epochs[slot], self.pool.writes(slot))
                 self.registry.report_load(ticket, index, True)
-            # Bytes of (slot, generation) pairs: equal to the last step's means the same check passes.
+            # Bytes of (slot, epoch) pairs: equal to the last step's means the same check passes.
             used_bytes = plan.slots_used
             passed = self._passed
             if self._replaced:
@@ -404,8 +404,8 @@ class Residency:
             stale = {s: g for s, g in used if filled[s] != (g, counts[s])}
             if stale:
                 error = StalePlanError(
-                    f"the step's plan names slot generation(s) {stale} but the pool holds "
-                    f"{ {s: filled[s] for s in stale} } (generation, writes) there; no step ran"
+                    f"the step's plan names slot epoch(s) {stale} but the pool holds "
+                    f"{ {s: filled[s] for s in stale} } (epoch, writes) there; no step ran"
                 )
                 error.stale_slots = list(stale)
                 raise error

@@ -120,7 +120,7 @@ class DevicePool:
             ) from None
         self._occupant: list[str | None] = [None] * slots
         # Bumped by every write to a slot (fill or clear), so a caller can tell whether a slot's contents are
-        # still the ones it saw: the manager checks it against the registry's slot generations.
+        # still the ones it saw: the manager checks it against the registry's slot epochs.
         self._writes: list[int] = [0] * slots
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Keeps each slot's host tensors alive until its asynchronous copy has run.

@@ -274,13 +274,13 @@ impl PyStepPlan {
     }
 
     /// Each slot the admitted requests use, ascending, and its generation: native-endian int64
-    /// pairs `[slot, generation, slot, generation, ...]` as `bytes`, which compare equal exactly when
-    /// two plans use the same slots at the same generations (`memoryview(b).cast("q")` reads them).
+    /// pairs `[slot, epoch, slot, epoch, ...]` as `bytes`, which compare equal exactly when
+    /// two plans use the same slots at the same epochs (`memoryview(b).cast("q")` reads them).
     #[getter]
     fn slots_used<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let generations = &self.plan.slot_generations;
+        let epochs = &self.plan.slot_epochs;
         let pairs: Vec<i64> =
-            self.plan.slots_used.iter().flat_map(|&s| [i64::from(s), generations[s as usize]]).collect();
+            self.plan.slots_used.iter().flat_map(|&s| [i64::from(s), epochs[s as usize]]).collect();
         // SAFETY: i64 has no padding; the byte slice covers exactly `pairs`, which outlives it.
         let bytes = unsafe {
             std::slice::from_raw_parts(pairs.as_ptr().cast::<u8>(), std::mem::size_of_val(&*pairs))
@@ -377,10 +377,10 @@ impl PyStepPlan {
         byte_array(py, &self.plan.slot_scalings)
     }
 
-    /// `[slots]` int64: each slot's generation, bumped whenever its occupant changes.
+    /// `[slots]` int64: each slot's epoch, bumped whenever its occupant changes.
     #[getter]
-    fn slot_generations<'py>(&self, py: Python<'py>) -> Bound<'py, PyByteArray> {
-        byte_array(py, &self.plan.slot_generations)
+    fn slot_epochs<'py>(&self, py: Python<'py>) -> Bound<'py, PyByteArray> {
+        byte_array(py, &self.plan.slot_epochs)
     }
 
     /// `T`: the admitted requests' tokens.
