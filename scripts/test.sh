@@ -14,6 +14,7 @@ step "cargo test";                              cargo test --quiet
 step "ruff check";                              ruff check python tests benches
 step "ruff format --check";                     ruff format --check python tests benches
 step "mypy.stubtest lora_pin._core";           python -m mypy.stubtest lora_pin._core
+step "vLLM venv (tests/vllm)";                 bash scripts/vllm_venv.sh >/dev/null || echo "no vLLM venv: tests/vllm skip" >&2
 step "pytest"
 set +e
 python -m pytest "$@"

@@ -1,0 +1,30 @@
+"""``vllm serve`` with the plugin: every completion in batches that mix the base model and adapters
+equals PEFT's greedy tokens (vLLM's own CPU path gets the base rows wrong: test_vllm_alone.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from vllm_harness import Oracle, VllmServer, base_beside_two_adapters, concurrent_mix
+
+SERVER_ARGS = ("--max-loras", "2", "--max-cpu-loras", "4", "--max-lora-rank", "8", "--max-num-seqs", "32")
+
+
+@pytest.fixture(scope="module")
+def server(make_server: Callable[..., VllmServer]) -> VllmServer:
+    return make_server(True, *SERVER_ARGS)
+
+
+def test_the_plugins_punica_wrapper_runs_the_layers(server: VllmServer) -> None:
+    assert "Using LoraPinPunicaWrapper." in server.log.read_text(errors="replace")
+
+
+def test_base_and_seven_adapters_at_once_equal_peft(server: VllmServer, oracle: Oracle) -> None:
+    # 24 requests over the base and 7 adapters (ranks 4 and 8 under --max-lora-rank 8), 2 slots.
+    assert concurrent_mix(server, oracle) == []
+
+
+def test_a_base_request_batched_with_two_adapters_equals_peft(server: VllmServer, oracle: Oracle) -> None:
+    base, want = base_beside_two_adapters(server, oracle, "ad1", "ad2")
+    assert base == want["base"]
