@@ -4,11 +4,15 @@ equals PEFT's greedy tokens (vLLM's own CPU path gets the base rows wrong: test_
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
-from vllm_harness import Oracle, VllmServer, base_beside_two_adapters, concurrent_mix
+from vllm_harness import Oracle, VllmServer, base_beside_two_adapters, concurrent_mix, reload_in_place
 
-SERVER_ARGS = ("--max-loras", "2", "--max-cpu-loras", "4", "--max-lora-rank", "8", "--max-num-seqs", "32")
+SERVER_ARGS = (
+    *("--max-loras", "2", "--max-cpu-loras", "4", "--max-lora-rank", "8", "--max-num-seqs", "32"),
+    *("--block-size", "32"),
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,3 +32,14 @@ def test_base_and_seven_adapters_at_once_equal_peft(server: VllmServer, oracle: 
 def test_a_base_request_batched_with_two_adapters_equals_peft(server: VllmServer, oracle: Oracle) -> None:
     base, want = base_beside_two_adapters(server, oracle, "ad1", "ad2")
     assert base == want["base"]
+
+
+def test_a_reload_in_place_never_reuses_a_block_of_the_old_weights(
+    server: VllmServer, oracle: Oracle, tmp_path: Path
+) -> None:
+    # ad1 and ad7 share rank, alpha and targets: only the weights differ.
+    seen = reload_in_place(server, oracle, tmp_path / "swap", "ad1", "ad7")
+    assert seen["before"] == seen["again"] == seen["want_before"]
+    assert seen["hits_again"] >= 64  # the same weights share the prompt's blocks
+    assert seen["hits_after"] == 0
+    assert seen["after"] == seen["want_after"]

@@ -6,10 +6,11 @@ correctness on CPU (tests/vllm/test_punica.py notices the same at the layer leve
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from test_mixed_batches import SERVER_ARGS
-from vllm_harness import Oracle, VllmServer, base_beside_two_adapters, prompt
+from vllm_harness import Oracle, VllmServer, base_beside_two_adapters, prompt, reload_in_place
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +35,14 @@ def test_a_base_request_batched_with_two_adapters_gets_the_last_slots_adapter(
     assert base != want["base"]
     # Which of the two holds the last slot depends on what the slots held before.
     assert base in (want["ad1"], want["ad2"])
+
+
+def test_a_reload_in_place_reuses_the_old_weights_blocks(
+    server: VllmServer, oracle: Oracle, tmp_path: Path
+) -> None:
+    # vLLM keys a LoRA request's blocks by ("lora", name, path) (vLLM #30931): the reload hits the blocks
+    # the previous weights computed, and the answer is neither adapter's.
+    seen = reload_in_place(server, oracle, tmp_path / "swap", "ad1", "ad7")
+    assert seen["before"] == seen["again"] == seen["want_before"]
+    assert seen["hits_after"] >= 64
+    assert seen["after"] != seen["want_after"]

@@ -109,19 +109,23 @@ class VllmServer:
             VLLM_CPU_KVCACHE_SPACE="1",
             VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
             VLLM_NO_USAGE_STATS="1",
-            VLLM_PLUGINS="lora_pin" if self.plugin else "",
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
         )
+        if not self.plugin:
+            # An empty allowlist: no plugin at all (unset would load every installed one).
+            env["VLLM_PLUGINS"] = ""
         return env
 
     def start(self) -> None:
         modules = [json.dumps({"name": n, "path": str(p)}) for n, p in self.dirs.items()]
+        # With the plugin through the documented switch, `lora-pin vllm-serve`; without, vLLM's own command.
+        if self.plugin:
+            launcher = [str(self.python.parent / "lora-pin"), "vllm-serve"]
+        else:
+            launcher = [str(self.python), "-m", "vllm.entrypoints.cli.main", "serve"]
         command = [
-            str(self.python),
-            "-m",
-            "vllm.entrypoints.cli.main",
-            "serve",
+            *launcher,
             self.model,
             "--host",
             "127.0.0.1",
@@ -288,3 +292,48 @@ def base_beside_two_adapters(server: VllmServer, oracle: Oracle, x: str, y: str)
     assert x_tokens[: len(want_x := oracle.tokens(server.dirs[x], prompt(6), 32))] == want_x
     assert y_tokens[: len(want_y := oracle.tokens(server.dirs[y], prompt(7), 32))] == want_y
     return base, want
+
+
+def prefix_cache_hits(server: VllmServer) -> float:
+    """vLLM's count of prompt tokens served from its prefix cache, from ``/metrics``."""
+    status, text = server.http("/metrics")
+    assert status == 200, text
+    for line in text.splitlines():
+        if line.startswith("vllm:prefix_cache_hits_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no vllm:prefix_cache_hits_total in /metrics")
+
+
+def reload_in_place(
+    server: VllmServer, oracle: Oracle, folder: Path, first: str, second: str
+) -> dict[str, Any]:
+    """Adapter ``swap`` at ``folder`` holds ``first``'s files, then (``load_inplace``, same path)
+    ``second``'s; the same prompt (two full KV blocks of ``--block-size 32``) is asked before, twice, and
+    after. Returns the tokens served and PEFT's, and the prefix-cache hits of the second request and of
+    the one after."""
+    import shutil
+
+    ids = [32 + (k * 11) % 90 for k in range(72)]
+    shutil.copytree(server.dirs[first], folder)
+    load = {"lora_name": "swap", "lora_path": str(folder)}
+    status, body = server.http("/v1/load_lora_adapter", "POST", load)
+    assert status == 200, body
+    before = server.complete("swap", ids, 8)
+    hits = prefix_cache_hits(server)
+    again = server.complete("swap", ids, 8)
+    hits_again = prefix_cache_hits(server) - hits
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(server.dirs[second] / name, folder / name)
+    status, body = server.http("/v1/load_lora_adapter", "POST", {**load, "load_inplace": True})
+    assert status == 200, body
+    hits = prefix_cache_hits(server)
+    after = server.complete("swap", ids, 8)
+    return {
+        "before": before,
+        "again": again,
+        "after": after,
+        "want_before": oracle.tokens(server.dirs[first], ids, 8),
+        "want_after": oracle.tokens(server.dirs[second], ids, 8),
+        "hits_again": hits_again,
+        "hits_after": prefix_cache_hits(server) - hits,
+    }

@@ -1,9 +1,11 @@
 """Every place where the plugin reaches into vLLM, in one file, checked by ``tests/vllm/test_contract.py``.
 
 vLLM offers the seams the plugin needs (a platform's punica wrapper class, general plugins run in every
-process) but not all as public API: the CPU platform names its punica wrapper in a classmethod, and the
-per-slot rank lora_pin uses is known only when vLLM's LoRA model manager activates an adapter into a
-slot. Both are patched here, once per process. :data:`SEAMS` lists what is patched, so that the contract
+process, a request's ``cache_salt``) but not all as public API: the CPU platform names its punica
+wrapper in a classmethod; the per-slot rank lora_pin uses is known only when vLLM's LoRA model manager
+activates an adapter into a slot; a request's salt is set where vLLM builds the engine request, and an
+adapter's digest read where the API server loads it (:mod:`lora_pin.vllm.identity`). All are patched
+here, once per process. :data:`SEAMS` lists what is patched, so that the contract
 test fails loudly, naming the seam, when a vLLM release moves one.
 """
 
@@ -27,6 +29,10 @@ SEAMS = (
     ("vllm.lora.model_manager", "LoRAModelManager.activate_adapter", "(self, lora_id) -> bool"),
     ("vllm.lora.model_manager", "LoRAModelManager.lora_index_to_id", "slot -> adapter id list"),
     ("vllm.lora.model_manager", "LoRAModelManager.punica_wrapper_mapping", "prefix -> punica wrapper"),
+    ("vllm.v1.engine.input_processor", "InputProcessor.process_inputs", "-> EngineCoreRequest"),
+    ("vllm.v1.engine", "EngineCoreRequest.cache_salt", "str | None, mixed into the first block's hash"),
+    ("vllm.v1.core.kv_cache_utils", "generate_block_hash_extra_keys", "keys blocks by cache_salt"),
+    ("vllm.entrypoints.openai.models.serving", "OpenAIServingModels.load_lora_adapter", "async, -> str"),
 )
 
 _installed = False
@@ -48,11 +54,17 @@ def install() -> None:
             f"lora_pin's vLLM plugin is built for vLLM {VLLM_MINOR}.x, this is vLLM {vllm.__version__}: "
             f"install lora_pin[vllm] to get a matching vLLM, or unset VLLM_PLUGINS to run vLLM without it"
         )
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
     from vllm.lora.model_manager import LoRAModelManager
     from vllm.platforms import cpu
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from lora_pin.vllm.identity import digesting_load, salting_process_inputs
 
     cpu.CpuPlatform.get_punica_wrapper = classmethod(lambda cls: PUNICA_WRAPPER)  # type: ignore[method-assign]
     LoRAModelManager.activate_adapter = _recording_ranks(LoRAModelManager.activate_adapter)  # type: ignore[method-assign]
+    InputProcessor.process_inputs = salting_process_inputs(InputProcessor.process_inputs)  # type: ignore[method-assign]
+    OpenAIServingModels.load_lora_adapter = digesting_load(OpenAIServingModels.load_lora_adapter)  # type: ignore[method-assign]
     _installed = True
 
 

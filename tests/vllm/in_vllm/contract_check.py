@@ -47,6 +47,27 @@ from vllm.platforms.cpu import CpuPlatform  # noqa: E402
 
 params = list(inspect.signature(LoRAModelManager.activate_adapter).parameters)
 check("LoRAModelManager.activate_adapter", params == ["self", "lora_id"], f"its parameters are {params}")
+from vllm.entrypoints.openai.models.serving import OpenAIServingModels  # noqa: E402
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys  # noqa: E402
+from vllm.v1.engine.input_processor import InputProcessor  # noqa: E402
+
+check(
+    "generate_block_hash_extra_keys",
+    "request.cache_salt" in inspect.getsource(generate_block_hash_extra_keys),
+    "block hashes no longer read the request's cache_salt",
+)
+check(
+    "InputProcessor.process_inputs",
+    "cache_salt=" in inspect.getsource(InputProcessor.process_inputs)
+    or "cache_salt=" in inspect.getsource(InputProcessor),
+    "the engine request is no longer built with a cache_salt",
+)
+check(
+    "OpenAIServingModels.load_lora_adapter",
+    inspect.iscoroutinefunction(OpenAIServingModels.load_lora_adapter)
+    and "self.lora_requests[lora_name] = lora_request" in inspect.getsource(OpenAIServingModels),
+    "it is no longer a coroutine that records the loaded LoRARequest in self.lora_requests",
+)
 check(
     "LoRAModelManager._registered_adapters",
     "self._registered_adapters" in inspect.getsource(LoRAModelManager),

@@ -1,0 +1,37 @@
+"""``lora-pin vllm-serve``, the one switch: what it adds to ``VLLM_PLUGINS`` and what it runs (no vLLM
+needed; tests/vllm/test_mixed_batches.py starts its servers through it)."""
+
+from __future__ import annotations
+
+import sys
+
+from lora_pin.cli.vllm_cmd import plugin_environment, vllm_serve_command
+
+
+def test_it_names_lora_pin_beside_the_plugins_already_named() -> None:
+    assert plugin_environment({"VLLM_PLUGINS": "a, b"})["VLLM_PLUGINS"] == "a,b,lora_pin"
+    assert plugin_environment({"VLLM_PLUGINS": "lora_pin"})["VLLM_PLUGINS"] == "lora_pin"
+    assert plugin_environment({"VLLM_PLUGINS": ""})["VLLM_PLUGINS"] == "lora_pin"
+
+
+def test_unset_it_keeps_every_installed_general_plugin() -> None:
+    # Unset, vLLM loads every installed general plugin: the switch must not turn the others off.
+    from importlib.metadata import entry_points
+
+    installed = {e.name for e in entry_points(group="vllm.general_plugins")}
+    named = set(plugin_environment({"PATH": "/bin"})["VLLM_PLUGINS"].split(","))
+    assert named == installed | {"lora_pin"}
+
+
+def test_it_runs_vllm_serve_in_this_python_with_the_arguments_as_given() -> None:
+    command = vllm_serve_command(["/models/x", "--enable-lora", "--port", "9"])
+    assert command == [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        "/models/x",
+        "--enable-lora",
+        "--port",
+        "9",
+    ]
