@@ -10,7 +10,7 @@ file starts at most one (``module`` scope).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -56,14 +56,15 @@ def oracle(vllm_world: tuple[Path, dict[str, Path]]) -> Oracle:
 def make_server(
     vllm_python: Path, vllm_world: tuple[Path, dict[str, Path]], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[..., VllmServer]]:
-    """``make(plugin, *args)``: a started ``vllm serve`` of the world's model and adapters, with the
-    plugin on or off and ``args`` added; every server made is stopped when the module ends."""
+    """``make(plugin, *args, pinned=names)``: a started ``vllm serve`` of the world's model and adapters,
+    with the plugin on or off, ``args`` added and ``pinned`` marked so in ``--lora-modules``; every server
+    made is stopped when the module ends."""
     made: list[VllmServer] = []
 
-    def make(plugin: bool, *args: str) -> VllmServer:
+    def make(plugin: bool, *args: str, pinned: Sequence[str] = ()) -> VllmServer:
         base, dirs = vllm_world
         log = tmp_path_factory.mktemp("vllm-log") / "serve.log"
-        server = VllmServer(vllm_python, base, dirs, log, plugin, args)
+        server = VllmServer(vllm_python, base, dirs, log, plugin, args, pinned)
         made.append(server)
         server.start()
         return server

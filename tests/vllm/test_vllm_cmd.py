@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from lora_pin.cli.vllm_cmd import plugin_environment, vllm_serve_command
+from lora_pin.errors import SpecError
 
 
 def test_it_names_lora_pin_beside_the_plugins_already_named() -> None:
@@ -23,15 +26,24 @@ def test_unset_it_keeps_every_installed_general_plugin() -> None:
     assert named == installed | {"lora_pin"}
 
 
-def test_it_runs_vllm_serve_in_this_python_with_the_arguments_as_given() -> None:
-    command = vllm_serve_command(["/models/x", "--enable-lora", "--port", "9"])
-    assert command == [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        "/models/x",
-        "--enable-lora",
-        "--port",
-        "9",
+def test_it_runs_vllm_serve_in_this_python_with_the_scheduler_and_pins_taken_out() -> None:
+    items = [
+        '{"name": "a", "path": "/a", "pinned": true}',
+        "b=/b",
+        '{"name": "c", "path": "/c", "pinned": false}',
     ]
+    command, pinned = vllm_serve_command(["/m", "--lora-modules", *items, "--port", "9"])
+    served = ['{"name": "a", "path": "/a"}', "b=/b", '{"name": "c", "path": "/c"}']
+    assert command == [
+        *(sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "/m", "--lora-modules", *served),
+        *("--port", "9", "--scheduler-cls", "lora_pin.vllm.Scheduler"),
+    ]
+    assert pinned == ["a"]
+    # A scheduler the user names is kept.
+    command, _ = vllm_serve_command(["/m", "--scheduler-cls=x.Y"])
+    assert command[-1] == "--scheduler-cls=x.Y"
+
+
+def test_a_pinned_that_is_not_a_boolean_is_refused() -> None:
+    with pytest.raises(SpecError, match="'pinned' must be true or false"):
+        vllm_serve_command(["/m", "--lora-modules", '{"name": "a", "path": "/a", "pinned": "yes"}'])

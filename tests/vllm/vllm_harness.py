@@ -94,12 +94,20 @@ class VllmServer:
     """
 
     def __init__(
-        self, python: Path, model: Path, dirs: dict[str, Path], log: Path, plugin: bool, args: Sequence[str]
+        self,
+        python: Path,
+        model: Path,
+        dirs: dict[str, Path],
+        log: Path,
+        plugin: bool,
+        args: Sequence[str],
+        pinned: Sequence[str] = (),
     ) -> None:
         self.python, self.model, self.dirs, self.log, self.plugin = python, str(model), dirs, log, plugin
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = list(args)
+        self.pinned = set(pinned)
         self.process: subprocess.Popen[bytes] | None = None
 
     def environment(self) -> dict[str, str]:
@@ -118,7 +126,10 @@ class VllmServer:
         return env
 
     def start(self) -> None:
-        modules = [json.dumps({"name": n, "path": str(p)}) for n, p in self.dirs.items()]
+        modules = [
+            json.dumps({"name": n, "path": str(p), **({"pinned": True} if n in self.pinned else {})})
+            for n, p in self.dirs.items()
+        ]
         # With the plugin through the documented switch, `lora-pin vllm-serve`; without, vLLM's own command.
         if self.plugin:
             launcher = [str(self.python.parent / "lora-pin"), "vllm-serve"]

@@ -1,7 +1,10 @@
 """``lora-pin vllm-serve``: ``vllm serve`` with lora_pin's plugin switched on (``lora_pin.vllm``).
 
-The one switch: it adds ``lora_pin`` to ``VLLM_PLUGINS`` (keeping any plugins already named there) and
-runs ``vllm serve`` with every other argument as given, in this Python (the venv vLLM is installed in).
+The one switch: it adds ``lora_pin`` to ``VLLM_PLUGINS`` (keeping any plugins already named there),
+passes ``--scheduler-cls lora_pin.vllm.Scheduler`` unless another is given, takes ``"pinned": true`` out
+of ``--lora-modules`` JSON items (vLLM's parser refuses the key) and names those adapters in
+``LORA_PIN_VLLM_PINNED`` for the plugin to pin, and runs ``vllm serve`` with every other argument as
+given, in this Python (the venv vLLM is installed in).
 """
 
 from __future__ import annotations
@@ -13,9 +16,19 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["PLUGIN_NAME", "add_parser", "plugin_environment", "run", "vllm_serve_command"]
+__all__ = [
+    "PINNED_ENV",
+    "PLUGIN_NAME",
+    "SCHEDULER",
+    "add_parser",
+    "plugin_environment",
+    "run",
+    "vllm_serve_command",
+]
 
-PLUGIN_NAME = "lora_pin"  # what lora_pin.vllm answers to in VLLM_PLUGINS (not imported: it imports vLLM)
+PLUGIN_NAME = "lora_pin"  # what lora_pin.vllm answers to in VLLM_PLUGINS
+SCHEDULER = "lora_pin.vllm.Scheduler"
+PINNED_ENV = "LORA_PIN_VLLM_PINNED"  # lora_pin.vllm.pins.PINNED_ENV
 
 
 def add_parser(subparsers: Any) -> None:
@@ -45,9 +58,27 @@ def plugin_environment(environ: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def vllm_serve_command(vllm_args: list[str]) -> list[str]:
-    """The command that runs ``vllm serve`` in this Python with ``vllm_args``."""
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *vllm_args]
+def vllm_serve_command(vllm_args: list[str]) -> tuple[list[str], list[str]]:
+    """The command that runs ``vllm serve`` in this Python with ``vllm_args`` (pins taken out of its
+    ``--lora-modules`` items, the scheduler added), and the adapters pinned at start-up.
+
+    Raises:
+        SpecError: a ``--lora-modules`` item's ``"pinned"`` is not a boolean.
+    """
+    from lora_pin.errors import SpecError
+    from lora_pin.vllm.pins import split_pinned_modules
+
+    args, pinned = list(vllm_args), []
+    if "--lora-modules" in args:
+        start = args.index("--lora-modules") + 1
+        end = next((i for i in range(start, len(args)) if args[i].startswith("--")), len(args))
+        try:
+            args[start:end], pinned = split_pinned_modules(args[start:end])
+        except ValueError as e:
+            raise SpecError(str(e)) from None
+    if not any(a == "--scheduler-cls" or a.startswith("--scheduler-cls=") for a in args):
+        args += ["--scheduler-cls", SCHEDULER]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *args], pinned
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,5 +89,7 @@ def run(args: argparse.Namespace) -> int:
     """
     if importlib.util.find_spec("vllm") is None:
         raise ModuleNotFoundError("No module named 'vllm'", name="vllm")
-    command = vllm_serve_command(list(args.vllm_args))
-    os.execve(command[0], command, plugin_environment(dict(os.environ)))
+    command, pinned = vllm_serve_command(list(args.vllm_args))
+    env = plugin_environment(dict(os.environ))
+    env[PINNED_ENV] = ",".join(pinned)
+    os.execve(command[0], command, env)

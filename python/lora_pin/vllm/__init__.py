@@ -5,7 +5,11 @@ Enabled with ``VLLM_PLUGINS=lora_pin`` (or ``lora-pin vllm-serve``, which sets i
 
 - every LoRA layer's math runs on lora_pin's ops (:class:`lora_pin.vllm.punica.LoraPinPunicaWrapper`):
   a base-model row batched with adapter rows stays bit-identical to a base-only run (vLLM's own CPU path
-  gives it the last slot's adapter), and each slot multiplies only its adapter's rank.
+  gives it the last slot's adapter), and each slot multiplies only its adapter's rank;
+- LoRA requests carry the adapter's digest in their ``cache_salt`` (:mod:`lora_pin.vllm.identity`): KV
+  blocks are shared only under the same weights, and a reload in place gets fresh ones;
+- pins (:mod:`lora_pin.vllm.pins`) and admission that counts them (:class:`Scheduler`, given with
+  ``--scheduler-cls lora_pin.vllm.Scheduler``).
 
 Installing lora_pin beside vLLM changes nothing until the plugin is named in ``VLLM_PLUGINS``: vLLM would
 load every installed general plugin when that variable is unset, and a plugin that replaces the LoRA
@@ -17,10 +21,11 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from lora_pin.vllm.seams import VLLM_MINOR, install
 
-__all__ = ["PLUGIN_NAME", "VLLM_MINOR", "register"]
+__all__ = ["PLUGIN_NAME", "VLLM_MINOR", "Scheduler", "register"]
 
 #: The name the plugin is enabled by, in ``VLLM_PLUGINS``.
 PLUGIN_NAME = "lora_pin"
@@ -40,3 +45,13 @@ def register() -> None:
         _log.info("lora_pin is installed but not enabled: set VLLM_PLUGINS=%s to enable it", PLUGIN_NAME)
         return
     install()
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM resolves --scheduler-cls lora_pin.vllm.Scheduler in its engine process, where vLLM is loaded;
+    # importing lora_pin.vllm alone (the entry points) does not import vLLM's scheduler.
+    if name == "Scheduler":
+        from lora_pin.vllm.scheduler import Scheduler
+
+        return Scheduler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,6 +33,13 @@ SEAMS = (
     ("vllm.v1.engine", "EngineCoreRequest.cache_salt", "str | None, mixed into the first block's hash"),
     ("vllm.v1.core.kv_cache_utils", "generate_block_hash_extra_keys", "keys blocks by cache_salt"),
     ("vllm.entrypoints.openai.models.serving", "OpenAIServingModels.load_lora_adapter", "async, -> str"),
+    ("vllm.v1.engine.core", "EngineCore", "utility calls by method name; .scheduler, .model_executor"),
+    ("vllm.v1.worker.worker_base", "WorkerBase", "collective_rpc calls its methods by name"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", "the step; reads self.waiting, self.running"),
+    ("vllm.v1.core.sched.request_queue", "FCFSRequestQueue", "a deque of requests"),
+    ("vllm.entrypoints.openai.models.api_router", "models", "request -> OpenAIServingModels"),
+    ("vllm.utils.cache", "LRUCache._unpin", "(key) -> None; LRUCache.pin and .pinned_items beside it"),
+    ("vllm.utils.cache", "LRUCache.pinned_items", "the pinned keys"),
 )
 
 _installed = False
@@ -57,14 +64,20 @@ def install() -> None:
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
     from vllm.lora.model_manager import LoRAModelManager
     from vllm.platforms import cpu
+    from vllm.v1.engine.core import EngineCore
     from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.worker.worker_base import WorkerBase
 
     from lora_pin.vllm.identity import digesting_load, salting_process_inputs
+    from lora_pin.vllm.pins import set_pin, worker_set_pin
 
     cpu.CpuPlatform.get_punica_wrapper = classmethod(lambda cls: PUNICA_WRAPPER)  # type: ignore[method-assign]
     LoRAModelManager.activate_adapter = _recording_ranks(LoRAModelManager.activate_adapter)  # type: ignore[method-assign]
     InputProcessor.process_inputs = salting_process_inputs(InputProcessor.process_inputs)  # type: ignore[method-assign]
     OpenAIServingModels.load_lora_adapter = digesting_load(OpenAIServingModels.load_lora_adapter)  # type: ignore[method-assign]
+    # New methods, reached by name: the engine core's utility calls and the workers' collective_rpc.
+    EngineCore.lora_pin_set_pin = set_pin  # type: ignore[attr-defined]
+    WorkerBase.lora_pin_set_pin = worker_set_pin  # type: ignore[attr-defined]
     _installed = True
 
 
@@ -77,7 +90,8 @@ def adapter_rank(lora_model: Any) -> int:
 
 def _recording_ranks(activate: Any) -> Any:
     """``activate_adapter`` that also tells lora_pin's punica wrappers the rank of the adapter it put in
-    a slot."""
+    a slot, and pins it there if it is pinned."""
+    from lora_pin.vllm.pins import pin_on_activation
     from lora_pin.vllm.punica import LoraPinPunicaWrapper
 
     @functools.wraps(activate)
@@ -89,6 +103,7 @@ def _recording_ranks(activate: Any) -> Any:
             for wrapper in self.punica_wrapper_mapping.values():
                 if isinstance(wrapper, LoraPinPunicaWrapper):
                     wrapper.set_slot(slot, len(self.lora_index_to_id), rank)
+            pin_on_activation(self, lora_id)
         return bool(activated)
 
     return activate_adapter

@@ -34,7 +34,7 @@ for module_name, qualname, _ in seams.SEAMS:
         continue
     if not owner_name:
         continue
-    if attribute in ("lora_index_to_id", "punica_wrapper_mapping"):
+    if attribute in ("lora_index_to_id", "punica_wrapper_mapping", "pinned_items"):
         # Instance attributes: set in the manager's own methods.
         source = inspect.getsource(owner)
         check(qualname, f"self.{attribute}" in source, f"{owner_name} no longer sets self.{attribute}")
