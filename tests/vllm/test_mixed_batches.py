@@ -7,7 +7,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from vllm_harness import Oracle, VllmServer, base_beside_two_adapters, concurrent_mix, reload_in_place
+from vllm_harness import (
+    Oracle,
+    VllmServer,
+    base_beside_two_adapters,
+    concurrent_mix,
+    long_prompt,
+    prefix_cache_hits,
+    reload_in_place,
+    twin_hits,
+)
 
 SERVER_ARGS = (
     *("--max-loras", "2", "--max-cpu-loras", "4", "--max-lora-rank", "8", "--max-num-seqs", "32"),
@@ -43,3 +52,21 @@ def test_a_reload_in_place_never_reuses_a_block_of_the_old_weights(
     assert seen["hits_again"] >= 64  # the same weights share the prompt's blocks
     assert seen["hits_after"] == 0
     assert seen["after"] == seen["want_after"]
+
+
+def test_a_users_cache_salt_is_kept_beside_the_digest(server: VllmServer, oracle: Oracle) -> None:
+    ids = long_prompt(1)
+    want = oracle.tokens(server.dirs["ad2"], ids, 4)
+    assert server.complete("ad2", ids, 4, cache_salt="u1") == want
+    hits = prefix_cache_hits(server)
+    assert server.complete("ad2", ids, 4, cache_salt="u1") == want
+    assert prefix_cache_hits(server) - hits >= 64
+    hits = prefix_cache_hits(server)
+    assert server.complete("ad2", ids, 4, cache_salt="u2") == want
+    assert prefix_cache_hits(server) - hits == 0
+
+
+def test_two_names_with_the_same_weights_share_blocks(
+    server: VllmServer, oracle: Oracle, tmp_path: Path
+) -> None:
+    assert twin_hits(server, oracle, tmp_path / "twin") >= 64

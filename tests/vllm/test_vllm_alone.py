@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from test_mixed_batches import SERVER_ARGS
-from vllm_harness import Oracle, VllmServer, base_beside_two_adapters, prompt, reload_in_place
+from vllm_harness import Oracle, VllmServer, base_beside_two_adapters, prompt, reload_in_place, twin_hits
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,12 @@ def test_requests_one_at_a_time_equal_peft(server: VllmServer, oracle: Oracle) -
 def test_a_base_request_batched_with_two_adapters_gets_the_last_slots_adapter(
     server: VllmServer, oracle: Oracle
 ) -> None:
-    base, want = base_beside_two_adapters(server, oracle, "ad1", "ad2")
+    # Once in a run on a loaded machine the base request came back right: some step must then have run
+    # it without the adapters' rows. Up to three tries; the first wrong answer is the documented one.
+    for _ in range(3):
+        base, want = base_beside_two_adapters(server, oracle, "ad1", "ad2")
+        if base != want["base"]:
+            break
     assert base != want["base"]
     # Which of the two holds the last slot depends on what the slots held before.
     assert base in (want["ad1"], want["ad2"])
@@ -46,3 +51,10 @@ def test_a_reload_in_place_reuses_the_old_weights_blocks(
     assert seen["before"] == seen["again"] == seen["want_before"]
     assert seen["hits_after"] >= 64
     assert seen["after"] != seen["want_after"]
+
+
+def test_two_names_with_the_same_weights_share_nothing(
+    server: VllmServer, oracle: Oracle, tmp_path: Path
+) -> None:
+    # Blocks keyed by name and path: the plugin keys them by the weights instead (test_mixed_batches).
+    assert twin_hits(server, oracle, tmp_path / "twin") == 0

@@ -348,3 +348,27 @@ def reload_in_place(
         "hits_again": hits_again,
         "hits_after": prefix_cache_hits(server) - hits,
     }
+
+
+def long_prompt(seed: int) -> list[int]:
+    """72 printable ids: two full KV blocks of ``--block-size 32``."""
+    return [32 + (k * 7 + seed * 13) % 90 for k in range(72)]
+
+
+def twin_hits(server: VllmServer, oracle: Oracle, folder: Path) -> float:
+    """Adapter ``twin`` loaded from a copy of ``ad3``'s folder (the same weights, another name and
+    path); the same prompt asked of ``ad3`` then of ``twin``: the prompt tokens the second request found
+    in the prefix cache. Both answers must equal PEFT's."""
+    import shutil
+
+    shutil.copytree(server.dirs["ad3"], folder)
+    status, body = server.http(
+        "/v1/load_lora_adapter", "POST", {"lora_name": "twin", "lora_path": str(folder)}
+    )
+    assert status == 200, body
+    ids = long_prompt(2)
+    want = oracle.tokens(server.dirs["ad3"], ids, 4)
+    assert server.complete("ad3", ids, 4) == want
+    hits = prefix_cache_hits(server)
+    assert server.complete("twin", ids, 4) == want
+    return prefix_cache_hits(server) - hits

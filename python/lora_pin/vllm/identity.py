@@ -4,9 +4,10 @@
 vLLM keys a LoRA request's KV blocks by ``("lora", name, path)``, so an adapter reloaded in place under the
 same path (``load_inplace``) keeps hitting the blocks its previous weights computed (vLLM #30931). vLLM
 mixes a request's ``cache_salt`` into its first block's hash, and every later block chains from it: a
-salt naming the weights served keys every block by them. The digest (:mod:`lora_pin.weights.digest`)
-covers everything that decides an adapter's outputs, so two names with the same weights share blocks and
-a replacement gets fresh ones. A user's own ``cache_salt`` is kept beside it.
+salt naming the weights served keys every block by them, and vLLM's name-and-path keys are then left
+out of the hashes of the requests it salted. The digest (:mod:`lora_pin.weights.digest`) covers
+everything that decides an adapter's outputs, so two names with the same weights share blocks and a
+replacement gets fresh ones. A user's own ``cache_salt`` is kept beside it.
 
 The digest is computed in vLLM's API-server process when an adapter is loaded (at start-up, over HTTP,
 in place) and kept per ``LoRARequest`` object: vLLM makes a new one per load, and a request admitted
@@ -23,7 +24,14 @@ from typing import Any
 from lora_pin.cli.inspect_cmd import _digest as adapter_file_digest
 from lora_pin.weights import open_adapter
 
-__all__ = ["SALT_PREFIX", "digest_of", "digesting_load", "salted", "salting_process_inputs"]
+__all__ = [
+    "SALT_PREFIX",
+    "digest_of",
+    "digesting_load",
+    "lora_keys_unless_salted",
+    "salted",
+    "salting_process_inputs",
+]
 
 #: What a salt made here starts with (then the digest, then ``|`` and the user's salt, if any).
 SALT_PREFIX = "lora_pin:"
@@ -81,5 +89,19 @@ def digesting_load(load_lora_adapter: Any) -> Any:
         if isinstance(result, str) and loaded is not None:
             digest_of(loaded)
         return result
+
+    return wrapper
+
+
+def lora_keys_unless_salted(lora_keys: Any) -> Any:
+    """vLLM's ``_gen_lora_extra_hash_keys`` (the ``("lora", name, path)`` key of every block of a LoRA
+    request) that gives nothing for a request salted here: its salt names the weights, not the name."""
+
+    @functools.wraps(lora_keys)
+    def wrapper(request: Any) -> Any:
+        salt = request.cache_salt
+        if salt is not None and salt.startswith(SALT_PREFIX):
+            return []
+        return lora_keys(request)
 
     return wrapper

@@ -32,6 +32,7 @@ SEAMS = (
     ("vllm.v1.engine.input_processor", "InputProcessor.process_inputs", "-> EngineCoreRequest"),
     ("vllm.v1.engine", "EngineCoreRequest.cache_salt", "str | None, mixed into the first block's hash"),
     ("vllm.v1.core.kv_cache_utils", "generate_block_hash_extra_keys", "keys blocks by cache_salt"),
+    ("vllm.v1.core.kv_cache_utils", "_gen_lora_extra_hash_keys", "(request) -> the ('lora', name, path) key"),
     ("vllm.entrypoints.openai.models.serving", "OpenAIServingModels.load_lora_adapter", "async, -> str"),
     ("vllm.v1.engine.core", "EngineCore", "utility calls by method name; .scheduler, .model_executor"),
     ("vllm.v1.worker.worker_base", "WorkerBase", "collective_rpc calls its methods by name"),
@@ -64,17 +65,21 @@ def install() -> None:
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
     from vllm.lora.model_manager import LoRAModelManager
     from vllm.platforms import cpu
+    from vllm.v1.core import kv_cache_utils
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker.worker_base import WorkerBase
 
-    from lora_pin.vllm.identity import digesting_load, salting_process_inputs
+    from lora_pin.vllm.identity import digesting_load, lora_keys_unless_salted, salting_process_inputs
     from lora_pin.vllm.pins import set_pin, worker_set_pin
 
     cpu.CpuPlatform.get_punica_wrapper = classmethod(lambda cls: PUNICA_WRAPPER)  # type: ignore[method-assign]
     LoRAModelManager.activate_adapter = _recording_ranks(LoRAModelManager.activate_adapter)  # type: ignore[method-assign]
     InputProcessor.process_inputs = salting_process_inputs(InputProcessor.process_inputs)  # type: ignore[method-assign]
     OpenAIServingModels.load_lora_adapter = digesting_load(OpenAIServingModels.load_lora_adapter)  # type: ignore[method-assign]
+    kv_cache_utils._gen_lora_extra_hash_keys = lora_keys_unless_salted(
+        kv_cache_utils._gen_lora_extra_hash_keys
+    )
     # New methods, reached by name: the engine core's utility calls and the workers' collective_rpc.
     EngineCore.lora_pin_set_pin = set_pin  # type: ignore[attr-defined]
     WorkerBase.lora_pin_set_pin = worker_set_pin  # type: ignore[attr-defined]

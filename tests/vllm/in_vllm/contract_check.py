@@ -53,8 +53,9 @@ from vllm.v1.engine.input_processor import InputProcessor  # noqa: E402
 
 check(
     "generate_block_hash_extra_keys",
-    "request.cache_salt" in inspect.getsource(generate_block_hash_extra_keys),
-    "block hashes no longer read the request's cache_salt",
+    "request.cache_salt" in inspect.getsource(generate_block_hash_extra_keys)
+    and "_gen_lora_extra_hash_keys(request)" in inspect.getsource(generate_block_hash_extra_keys),
+    "block hashes no longer read the request's cache_salt, or its LoRA keys from _gen_lora_extra_hash_keys",
 )
 check(
     "InputProcessor.process_inputs",
