@@ -62,21 +62,14 @@ class Scheduler(VllmScheduler):
             if held:
                 self.waiting.prepend_requests(held)
 
-    def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
-        """vLLM's, forgetting how long the finished requests waited."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for request_id in ids:
-            self._first_step.pop(request_id, None)
-        return super().finish_requests(ids, finished_status)
-
     def _hold_back(self) -> list[Any]:
         """Reorders the waiting queue as admission offers it and takes out the requests whose adapter
         finds no slot this step; returns them in order."""
         if self.lora_config is None or not self.waiting:
             return []
         waiting = list(self.waiting)
-        for request in waiting:
-            self._first_step.setdefault(request.request_id, self._step)
+        # Only waiting requests are remembered: a request scheduled (or finished) leaves the table.
+        self._first_step = {r.request_id: self._first_step.get(r.request_id, self._step) for r in waiting}
         running = {lora_id(r) for r in self.running} - {0}
         pinned = self.pinned_loras
         free = self.lora_config.max_loras - len(pinned) - len(running - pinned)
