@@ -41,23 +41,36 @@ from packaging.utils import canonicalize_name
 
 skip = re.compile(sys.argv[1])
 installed = {canonicalize_name(d.metadata["Name"]) for d in distributions()}
-lines = [line for d in distributions() for line in d.requires or []]
+# (owner, requirement): owner None for the wheels given (whose extras are never asked for).
+lines = [(canonicalize_name(d.metadata["Name"]), Requirement(r)) for d in distributions() for r in d.requires or []]
 for wheel_path in sys.argv[2:]:
     with zipfile.ZipFile(wheel_path) as wheel:
         name = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
-        lines += Parser().parsestr(wheel.read(name).decode()).get_all("Requires-Dist") or []
+        lines += [(None, Requirement(r)) for r in Parser().parsestr(wheel.read(name).decode()).get_all("Requires-Dist") or []]
+# The extras asked of each distribution (fastapi[standard] asks for uvloop), to a fixed point.
+extras: dict = {}
+
+def holds(owner, req):
+    if req.marker is None:
+        return True
+    return any(req.marker.evaluate({"extra": e}) for e in ["", *extras.get(owner, ())])
+
+while True:
+    before = {k: set(v) for k, v in extras.items()}
+    for owner, req in lines:
+        if holds(owner, req) and req.extras:
+            extras.setdefault(canonicalize_name(req.name), set()).update(req.extras)
+    if before == extras:
+        break
 wanted = {}
-for line in lines:
-    req = Requirement(line)
+for owner, req in lines:
     name = canonicalize_name(req.name)
-    if name in installed or skip.match(name):
-        continue
-    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+    if name in installed or skip.match(name) or not holds(owner, req):
         continue
     req.marker = None
-    wanted.setdefault(name, []).append(str(req))
-for reqs in wanted.values():
-    print(reqs[0])
+    wanted.setdefault(name, str(req))
+for line in wanted.values():
+    print(line)
 ' "$@"
 }
 
@@ -70,7 +83,6 @@ install_requirements() {
         missing_requirements "$skip_names" "$@" >"$base/missing.txt"
         [ -s "$base/missing.txt" ] || return 0
         "${pip[@]}" --no-deps -c "$base/constraints.txt" -r "$base/missing.txt"
-        set --
     done
     log "requirements still missing after 10 rounds: $(tr '\n' ' ' <"$base/missing.txt")"
     return 1
