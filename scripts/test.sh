@@ -16,6 +16,7 @@ step "ruff check";                              ruff check python tests benches
 step "ruff format --check";                     ruff format --check python tests benches
 step "mypy.stubtest lora_pin._core";           python -m mypy.stubtest lora_pin._core
 step "mkdocs build --strict (the docs site)";  NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet
+step "vLLM venv (tests/vllm)";                 bash scripts/vllm_venv.sh >/dev/null
 step "pytest"
 set +e
 python -m pytest "$@"

@@ -243,5 +243,5 @@ def test_every_option_of_every_command_has_help_text() -> None:
         for a in parser._actions
         if not isinstance(a, argparse._SubParsersAction) and not (a.help or "").strip()
     ]
-    assert len(parsers()) == 6
+    assert len(parsers()) == 7
     assert missing == []

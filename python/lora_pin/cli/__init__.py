@@ -13,12 +13,12 @@ import sys
 from collections.abc import Sequence
 
 from lora_pin import __version__
-from lora_pin.cli import demo_cmd, inspect_cmd, parse_cmd, serve_cmd, simulate_cmd
+from lora_pin.cli import demo_cmd, inspect_cmd, parse_cmd, serve_cmd, simulate_cmd, vllm_cmd
 from lora_pin.errors import LoraPinError, SpecError
 
 __all__ = ["build_parser", "main"]
 
-_SUBCOMMANDS = (demo_cmd, parse_cmd, inspect_cmd, simulate_cmd, serve_cmd)
+_SUBCOMMANDS = (demo_cmd, parse_cmd, inspect_cmd, simulate_cmd, serve_cmd, vllm_cmd)
 
 # Optional dependencies by top-level module name, and the extra that installs them.
 _EXTRAS = {
@@ -27,6 +27,7 @@ _EXTRAS = {
     "prometheus_client": "metrics",
     "fastapi": "serve",
     "uvicorn": "serve",
+    "vllm": "vllm",
 }
 
 # Conventional shell statuses: 128 + SIGINT, 128 + SIGPIPE.

@@ -1,0 +1,262 @@
+"""vLLM's LoRA math done by lora_pin's ops: :class:`LoraPinPunicaWrapper`.
+
+vLLM runs every LoRA layer's math through one "punica wrapper" object per model, the class its platform
+names in ``get_punica_wrapper()``. This one reads vLLM's own stacked buffers (``lora_a_stacked[i]``
+``[slots, 1, R, in]``, ``lora_b_stacked[i]`` ``[slots, 1, out_i, R]``, scaling already folded into B
+by vLLM) and runs lora_pin's CPU backend (:class:`~lora_pin.ops.backends.cpu.CpuDelta`: the native
+kernels or grouped GEMMs) over segments built from vLLM's per-token slot indices:
+
+- rows without an adapter (slot ``-1``) are never touched, so base rows are bit-identical to a base-only
+  run of the same batch (vLLM's CPU ops gather ``lora_b_weights[-1]``, the last slot, for them);
+- each slot multiplies only its adapter's rank, not ``--max-lora-rank`` (the rank is recorded when vLLM
+  activates the adapter into the slot: :meth:`LoraPinPunicaWrapper.set_slot`).
+
+The segments are built once per step (:meth:`update_metadata`) and each layer group's checks and plan
+once per step too (``CpuDelta.prepare``). Fused layers (q/k/v, gate/up) keep one slice per projection in
+vLLM; the op takes them side by side, so a concatenated copy of each fused layer's
+buffers is kept and refreshed only when vLLM writes into them (torch's version counter of the buffers).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+from lora_pin.ops import (
+    KernelMeta,
+    SegmentBatch,
+    expand,
+    segments_from_slots,
+    shrink,
+)
+from lora_pin.ops.backends.cpu import CpuDelta
+
+if TYPE_CHECKING:
+    from vllm.lora.layers import LoRAMapping
+
+__all__ = ["LoraPinPunicaWrapper"]
+
+
+class LoraPinPunicaWrapper(PunicaWrapperCPU):
+    """A punica wrapper whose layers run lora_pin's ops (see the module).
+
+    vLLM builds it through ``current_platform.get_punica_wrapper()``, with the arguments of
+    ``PunicaWrapperBase``; the plugin (:func:`lora_pin.vllm.register`) makes the CPU platform name it.
+    It keeps vLLM's own metadata (``token_lora_indices``, ``sampler_indices``; vLLM's embedding layer
+    reads them) and adds lora_pin's segments.
+    """
+
+    def __init__(
+        self, max_num_batched_tokens: int, max_batches: int, device: torch.device | str, **kwargs: Any
+    ) -> None:
+        super().__init__(max_num_batched_tokens, max_batches, device, **kwargs)
+        self._slot_ranks: list[int] = []
+        # Per-slot rank and scaling tables by number of slices, rebuilt when a slot changes.
+        self._tables: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._token_segments = SegmentBatch(*(torch.empty(0, dtype=t) for t in _SEGMENT_DTYPES))
+        self._sampler_segments = self._token_segments
+        # The step's prepared deltas by the id of the layer's A buffer, the last one made (to share its
+        # plan with the next layer group) and the concatenated copies of fused layers' buffers.
+        self._prepared: dict[int, CpuDelta] = {}
+        self._last_prepared: CpuDelta | None = None
+        self._buffers_of: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
+
+    def set_slot(self, slot: int, n_slots: int, rank: int) -> None:
+        """Records that the adapter vLLM activated into ``slot`` (of ``n_slots``) has ``rank`` (its
+        largest rank over modules; ``rank_pattern`` may vary it): only that many columns of the slot's
+        buffers are multiplied."""
+        if len(self._slot_ranks) != n_slots:
+            self._slot_ranks = [0] * n_slots
+        self._slot_ranks[slot] = rank
+        self._tables.clear()
+
+    def update_metadata(
+        self,
+        mapping: LoRAMapping,
+        lora_index_to_id: list[int | None],
+        max_loras: int,
+        vocab_size: int,
+        **kwargs: Any,
+    ) -> None:
+        """vLLM's metadata for the step, then lora_pin's segments of its tokens and of its sampled rows."""
+        super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
+        if len(self._slot_ranks) != len(lora_index_to_id):
+            self._slot_ranks = [0] * len(lora_index_to_id)
+            self._tables.clear()
+        self._token_segments = segments_from_slots(self.token_lora_indices)
+        self._sampler_segments = segments_from_slots(self.sampler_indices)
+        self._prepared.clear()
+        self._last_prepared = None
+
+    def _table(self, n_slices: int, scale: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slot_ranks int32 [slots, n_slices], slot_scalings float32 [slots, n_slices])``."""
+        key = (n_slices, scale)
+        table = self._tables.get(key)
+        if table is None:
+            ranks = torch.tensor(self._slot_ranks, dtype=torch.int32, device=device)
+            table = (
+                ranks[:, None].expand(-1, n_slices).contiguous(),
+                torch.full((len(self._slot_ranks), n_slices), scale, dtype=torch.float32, device=device),
+            )
+            self._tables[key] = table
+        return table
+
+    def _buffers(
+        self, lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's buffers as the op takes them: ``a [slots, n*R, in]``, ``b [slots, out_total, R]``:
+        views of vLLM's for one slice, kept for good (the step's prepared delta is found by them); for
+        several, a copy, refreshed when vLLM has written into its buffers since."""
+        key = id(lora_a_stacked[0])
+        cached = self._buffers_of.get(key)
+        if len(lora_a_stacked) == 1:
+            if cached is None:
+                cached = ((), lora_a_stacked[0].flatten(1, 2), lora_b_stacked[0].flatten(1, 2))
+                self._buffers_of[key] = cached
+            return cached[1], cached[2]
+        versions = tuple(t._version for t in (*lora_a_stacked, *lora_b_stacked))
+        if cached is None or cached[0] != versions:
+            a = torch.cat([t.flatten(1, 2) for t in lora_a_stacked], dim=1)
+            b = torch.cat([t.flatten(1, 2) for t in lora_b_stacked], dim=1)
+            cached = (versions, a, b)
+            self._buffers_of[key] = cached
+        return cached[1], cached[2]
+
+    def _delta(
+        self,
+        segments: SegmentBatch,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        offsets: tuple[int, ...],
+        scale: float,
+        n_tokens: int,
+    ) -> CpuDelta:
+        """The step's prepared delta over ``a`` and ``b`` (made on the first layer call of the step)."""
+        key = id(a)
+        prepared = self._prepared.get(key)
+        if prepared is None or prepared.a is not a or prepared.n_tokens != n_tokens:
+            ranks, scalings = self._table(len(offsets) - 1, scale, a.device)
+            meta = KernelMeta.for_layer(segments, ranks, scalings, offsets)
+            prepared = CpuDelta.prepare(meta, a, b, n_tokens, like=self._last_prepared)
+            self._prepared[key] = prepared
+            self._last_prepared = prepared
+        return prepared
+
+    def add_lora_linear(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        scale: float,
+        output_slices: tuple[int, ...],
+        *,
+        buffer: tuple[torch.Tensor, ...] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``y[t, slice i] += scale * x[t] @ A_i[slot(t)]ᵀ @ B_i[slot(t)]ᵀ`` for rows with an adapter;
+        ``y`` ``[T, sum(output_slices)]``, ``x`` ``[T, in]``. Rows without one are left untouched."""
+        if not kwargs.get("add_inputs", True):
+            y.zero_()
+        if self._token_segments.perm.numel() == 0:
+            return
+        y2 = y.view(-1, y.shape[-1])
+        x2 = x.view(-1, x.shape[-1])
+        a, b = self._buffers(lora_a_stacked, lora_b_stacked)
+        offsets = (0, *itertools.accumulate(output_slices))
+        prepared = self._delta(self._token_segments, a, b, offsets, scale, x2.shape[0])
+        if not prepared.empty:
+            prepared.apply(y2, x2)
+
+    def add_shrink(
+        self,
+        y: tuple[torch.Tensor, ...] | torch.Tensor,
+        x: torch.Tensor,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        scale: float,
+        **kwargs: Any,
+    ) -> None:
+        """``y[i][t, :R] = scale * x[t] @ A_i[slot(t)]ᵀ`` (rows without an adapter: 0); the shrink half
+        that vLLM's fully sharded layers run before a collective."""
+        x2 = x.view(-1, x.shape[-1])
+        for i, a_stacked in enumerate(lora_a_stacked):
+            a = a_stacked.flatten(1, 2)
+            ranks, _ = self._table(1, 1.0, a.device)
+            meta = KernelMeta(*self._token_segments, slot_ranks=ranks, n_slices=1)
+            v = shrink(x2.to(a.dtype), a, meta)
+            y[i][:, : v.shape[1]] = v * scale
+
+    def add_expand(
+        self,
+        y: torch.Tensor,
+        x: tuple[torch.Tensor, ...] | torch.Tensor,
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        output_slices: tuple[int, ...],
+        offset_start: int = 0,
+        add_inputs: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        """``y[t, offset_i : offset_i + out_i] += x[i][t] @ B_i[slot(t)]ᵀ`` for rows with an adapter; the
+        expand half of vLLM's fully sharded layers."""
+        y2 = y.view(-1, y.shape[-1])
+        if not add_inputs:
+            y2.zero_()
+        offset = offset_start
+        for i, b_stacked in enumerate(lora_b_stacked):
+            b = b_stacked.flatten(1, 2)
+            ranks, scalings = self._table(1, 1.0, b.device)
+            meta = KernelMeta.for_layer(self._token_segments, ranks, scalings, (0, output_slices[i]))
+            part = torch.zeros((y2.shape[0], output_slices[i]), dtype=b.dtype, device=b.device)
+            expand(part, x[i].to(b.dtype).contiguous(), b, meta)
+            y2[:, offset : offset + output_slices[i]] += part.to(y2.dtype)
+            offset += output_slices[i]
+
+    def add_lora_embedding(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_b_stacked: torch.Tensor,
+        add_inputs: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        """``y[t] += x[t] @ B[slot(t)]ᵀ`` for rows with an adapter: an embedding's LoRA, whose shrink is
+        the lookup vLLM's layer has done (``x`` ``[T, R]``, ``y`` ``[T, dim]``)."""
+        if not add_inputs:
+            y.zero_()
+        b = lora_b_stacked.flatten(1, 2)
+        ranks, scalings = self._table(1, 1.0, b.device)
+        meta = KernelMeta.for_layer(self._token_segments, ranks, scalings, (0, b.shape[1]))
+        expand(y, x.to(b.dtype).contiguous(), b, meta)
+
+    def add_lora_logits(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a_stacked: torch.Tensor,
+        lora_b_stacked: torch.Tensor,
+        scale: float,
+        *,
+        buffer: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``y[s, :V] += scale * x[s] @ A[slot(s)]ᵀ @ B[slot(s)]ᵀ`` for sampled rows with an adapter
+        (``lm_head`` LoRA; ``y`` ``[S, V']`` logits, ``V' >= V`` with vLLM's padding)."""
+        if self._sampler_segments.perm.numel() == 0:
+            return
+        y2 = y.view(-1, y.shape[-1])
+        x2 = x.view(-1, x.shape[-1])
+        a = lora_a_stacked.flatten(1, 2)
+        b = lora_b_stacked.flatten(1, 2)
+        vocab = b.shape[1]
+        out = y2[:, :vocab].contiguous() if y2.shape[1] != vocab else y2
+        prepared = self._delta(self._sampler_segments, a, b, (0, vocab), scale, x2.shape[0])
+        if not prepared.empty:
+            prepared.apply(out, x2.to(a.dtype))
+        if out is not y2:
+            y2[:, :vocab] = out
+
+
+_SEGMENT_DTYPES = (torch.int64, torch.int32, torch.int32)

@@ -1,0 +1,114 @@
+"""Every place where the plugin reaches into vLLM, in one file, checked by ``tests/vllm/test_contract.py``.
+
+vLLM offers the seams the plugin needs (a platform's punica wrapper class, general plugins run in every
+process, a request's ``cache_salt``) but not all as public API: the CPU platform names its punica
+wrapper in a classmethod; the per-slot rank lora_pin uses is known only when vLLM's LoRA model manager
+activates an adapter into a slot; a request's salt is set where vLLM builds the engine request, and an
+adapter's digest read where the API server loads it (:mod:`lora_pin.vllm.identity`). All are patched
+here, once per process. :data:`SEAMS` lists what is patched, so that the contract
+test fails loudly, naming the seam, when a vLLM release moves one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+__all__ = ["PUNICA_WRAPPER", "SEAMS", "VLLM_MINOR", "adapter_rank", "install"]
+
+#: The vLLM minor version the plugin is built against (the ``vllm`` extra pins the same).
+VLLM_MINOR = "0.32"
+
+#: The punica wrapper the CPU platform is made to name.
+PUNICA_WRAPPER = "lora_pin.vllm.punica.LoraPinPunicaWrapper"
+
+#: ``(module, qualified name, what the plugin relies on)`` for every vLLM object it patches or calls.
+SEAMS = (
+    ("vllm.platforms.cpu", "CpuPlatform.get_punica_wrapper", "classmethod returning a qualified name"),
+    ("vllm.lora.punica_wrapper.punica_cpu", "PunicaWrapperCPU", "the base class of lora_pin's wrapper"),
+    ("vllm.lora.model_manager", "LoRAModelManager.activate_adapter", "(self, lora_id) -> bool"),
+    ("vllm.lora.model_manager", "LoRAModelManager.lora_index_to_id", "slot -> adapter id list"),
+    ("vllm.lora.model_manager", "LoRAModelManager.punica_wrapper_mapping", "prefix -> punica wrapper"),
+    ("vllm.v1.engine.input_processor", "InputProcessor.process_inputs", "-> EngineCoreRequest"),
+    ("vllm.v1.engine", "EngineCoreRequest.cache_salt", "str | None, mixed into the first block's hash"),
+    ("vllm.v1.core.kv_cache_utils", "generate_block_hash_extra_keys", "keys blocks by cache_salt"),
+    ("vllm.v1.core.kv_cache_utils", "_gen_lora_extra_hash_keys", "(request) -> the ('lora', name, path) key"),
+    ("vllm.entrypoints.openai.models.serving", "OpenAIServingModels.load_lora_adapter", "async, -> str"),
+    ("vllm.v1.engine.core", "EngineCore", "utility calls by method name; .scheduler, .model_executor"),
+    ("vllm.v1.worker.worker_base", "WorkerBase", "collective_rpc calls its methods by name"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", "the step; reads self.waiting, self.running"),
+    ("vllm.v1.core.sched.request_queue", "FCFSRequestQueue", "a deque of requests"),
+    ("vllm.entrypoints.openai.models.api_router", "models", "request -> OpenAIServingModels"),
+    ("vllm.utils.cache", "LRUCache._unpin", "(key) -> None; LRUCache.pin and .pinned_items beside it"),
+    ("vllm.utils.cache", "LRUCache.pinned_items", "the pinned keys"),
+)
+
+_installed = False
+
+
+def install() -> None:
+    """Patches vLLM's seams in this process (a second call does nothing).
+
+    Raises:
+        RuntimeError: vLLM is not of minor version :data:`VLLM_MINOR`.
+    """
+    global _installed
+    if _installed:
+        return
+    import vllm
+
+    if not vllm.__version__.startswith(VLLM_MINOR + "."):
+        raise RuntimeError(
+            f"lora_pin's vLLM plugin is built for vLLM {VLLM_MINOR}.x, this is vLLM {vllm.__version__}: "
+            f"install lora_pin[vllm] to get a matching vLLM, or unset VLLM_PLUGINS to run vLLM without it"
+        )
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.lora.model_manager import LoRAModelManager
+    from vllm.platforms import cpu
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from lora_pin.vllm.identity import digesting_load, lora_keys_unless_salted, salting_process_inputs
+    from lora_pin.vllm.pins import set_pin, worker_set_pin
+
+    cpu.CpuPlatform.get_punica_wrapper = classmethod(lambda cls: PUNICA_WRAPPER)  # type: ignore[method-assign]
+    LoRAModelManager.activate_adapter = _recording_ranks(LoRAModelManager.activate_adapter)  # type: ignore[method-assign]
+    InputProcessor.process_inputs = salting_process_inputs(InputProcessor.process_inputs)  # type: ignore[method-assign]
+    OpenAIServingModels.load_lora_adapter = digesting_load(OpenAIServingModels.load_lora_adapter)  # type: ignore[method-assign]
+    kv_cache_utils._gen_lora_extra_hash_keys = lora_keys_unless_salted(
+        kv_cache_utils._gen_lora_extra_hash_keys
+    )
+    # New methods, reached by name: the engine core's utility calls and the workers' collective_rpc.
+    EngineCore.lora_pin_set_pin = set_pin  # type: ignore[attr-defined]
+    WorkerBase.lora_pin_set_pin = worker_set_pin  # type: ignore[attr-defined]
+    _installed = True
+
+
+def adapter_rank(lora_model: Any) -> int:
+    """The largest rank over an adapter's modules (``rank_pattern`` gives modules their own): the columns
+    of its slot that hold anything."""
+    ranks = [int(weights.rank) for weights in lora_model.loras.values()]
+    return max(ranks, default=int(lora_model.rank))
+
+
+def _recording_ranks(activate: Any) -> Any:
+    """``activate_adapter`` that also tells lora_pin's punica wrappers the rank of the adapter it put in
+    a slot, and pins it there if it is pinned."""
+    from lora_pin.vllm.pins import pin_on_activation
+    from lora_pin.vllm.punica import LoraPinPunicaWrapper
+
+    @functools.wraps(activate)
+    def activate_adapter(self: Any, lora_id: int) -> bool:
+        activated = activate(self, lora_id)
+        if activated:
+            slot = self.lora_index_to_id.index(lora_id)
+            rank = adapter_rank(self._registered_adapters[lora_id])
+            for wrapper in self.punica_wrapper_mapping.values():
+                if isinstance(wrapper, LoraPinPunicaWrapper):
+                    wrapper.set_slot(slot, len(self.lora_index_to_id), rank)
+            pin_on_activation(self, lora_id)
+        return bool(activated)
+
+    return activate_adapter

@@ -1,0 +1,112 @@
+"""Run by tests/vllm/test_contract.py in the vLLM venv: every vLLM seam the plugin relies on
+(``lora_pin.vllm.seams.SEAMS``) is where it was and looks as it did, and vLLM's plugin loader runs the
+plugin only when ``VLLM_PLUGINS`` names it. Prints one JSON object: ``{"broken": [seam: why, ...],
+"loaded": bool}``; argv[1] is ``"on"`` or ``"off"`` (whether this process has VLLM_PLUGINS=lora_pin).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import sys
+
+import vllm
+
+from lora_pin.vllm import seams
+
+broken: list[str] = []
+
+
+def check(seam: str, ok: bool, why: str) -> None:
+    if not ok:
+        broken.append(f"{seam}: {why}")
+
+
+check("vllm version", vllm.__version__.startswith(seams.VLLM_MINOR + "."), f"vLLM is {vllm.__version__}")
+
+for module_name, qualname, _ in seams.SEAMS:
+    module = importlib.import_module(module_name)
+    owner_name, _, attribute = qualname.rpartition(".")
+    owner = getattr(module, owner_name or attribute, None)
+    if owner is None:
+        check(qualname, False, f"{owner_name or attribute} is gone from {module_name}")
+        continue
+    if not owner_name:
+        continue
+    if attribute in ("lora_index_to_id", "punica_wrapper_mapping", "pinned_items"):
+        # Instance attributes: set in the manager's own methods.
+        source = inspect.getsource(owner)
+        check(qualname, f"self.{attribute}" in source, f"{owner_name} no longer sets self.{attribute}")
+    else:
+        check(qualname, hasattr(owner, attribute), f"{owner_name}.{attribute} is gone")
+
+from vllm.lora.model_manager import LoRAModelManager  # noqa: E402
+from vllm.lora.punica_wrapper.punica_base import PunicaWrapperABC  # noqa: E402
+from vllm.platforms.cpu import CpuPlatform  # noqa: E402
+
+params = list(inspect.signature(LoRAModelManager.activate_adapter).parameters)
+check("LoRAModelManager.activate_adapter", params == ["self", "lora_id"], f"its parameters are {params}")
+from vllm.entrypoints.openai.models.serving import OpenAIServingModels  # noqa: E402
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys  # noqa: E402
+from vllm.v1.engine.input_processor import InputProcessor  # noqa: E402
+
+check(
+    "generate_block_hash_extra_keys",
+    "request.cache_salt" in inspect.getsource(generate_block_hash_extra_keys)
+    and "_gen_lora_extra_hash_keys(request)" in inspect.getsource(generate_block_hash_extra_keys),
+    "block hashes no longer read the request's cache_salt, or its LoRA keys from _gen_lora_extra_hash_keys",
+)
+check(
+    "InputProcessor.process_inputs",
+    "cache_salt=" in inspect.getsource(InputProcessor.process_inputs)
+    or "cache_salt=" in inspect.getsource(InputProcessor),
+    "the engine request is no longer built with a cache_salt",
+)
+check(
+    "OpenAIServingModels.load_lora_adapter",
+    inspect.iscoroutinefunction(OpenAIServingModels.load_lora_adapter)
+    and "self.lora_requests[lora_name] = lora_request" in inspect.getsource(OpenAIServingModels),
+    "it is no longer a coroutine that records the loaded LoRARequest in self.lora_requests",
+)
+check(
+    "LoRAModelManager._registered_adapters",
+    "self._registered_adapters" in inspect.getsource(LoRAModelManager),
+    "the manager no longer keeps _registered_adapters",
+)
+# The methods vLLM's LoRA layers call on a punica wrapper: a new one is math the plugin does not do yet.
+abstract = sorted(PunicaWrapperABC.__abstractmethods__)
+known = [
+    "add_expand",
+    "add_lora_embedding",
+    "add_lora_linear",
+    "add_lora_logits",
+    "add_shrink",
+    "apply_lora_full_linear",
+    "update_metadata",
+]
+check("PunicaWrapperABC", abstract == known, f"its abstract methods are {abstract}")
+
+if sys.argv[1] == "off":
+    check(
+        "CpuPlatform.get_punica_wrapper",
+        CpuPlatform.get_punica_wrapper().endswith("PunicaWrapperCPU"),
+        f"it names {CpuPlatform.get_punica_wrapper()}",
+    )
+
+from vllm.plugins import load_general_plugins  # noqa: E402
+
+load_general_plugins()
+loaded = CpuPlatform.get_punica_wrapper() == seams.PUNICA_WRAPPER
+if loaded:
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from lora_pin.vllm.punica import LoraPinPunicaWrapper
+
+    check(
+        "punica wrapper qualname",
+        resolve_obj_by_qualname(seams.PUNICA_WRAPPER) is LoraPinPunicaWrapper,
+        "it does not resolve to LoraPinPunicaWrapper",
+    )
+    check("activate_adapter patch", LoRAModelManager.activate_adapter.__wrapped__ is not None, "not patched")
+print(json.dumps({"broken": broken, "loaded": loaded}))
