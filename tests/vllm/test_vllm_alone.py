@@ -1,7 +1,12 @@
-"""``vllm serve`` without the plugin (``VLLM_PLUGINS=""``), documenting what vLLM 0.32 does on CPU: base-only
-and adapter-only requests are right, a base request batched with adapters gets the adapter in the last
-slot. When an upstream release fixes that, the last test fails: then the plugin is no longer needed for
-correctness on CPU (tests/vllm/test_punica.py notices the same at the layer level)."""
+"""``vllm serve`` without the plugin (``VLLM_PLUGINS=""``), documenting what vLLM 0.32 does on CPU: requests
+one at a time are right; its prefix cache keys blocks by name and path (a reload in place reuses the old
+weights' blocks; two names with the same weights share nothing).
+
+vLLM's wrong base rows in mixed batches are asserted at the layer level, where they are deterministic
+(tests/vllm/test_punica.py: its CPU wrapper gives base rows the last slot's adapter in all five methods).
+Through the server they are not: whether a base request's steps run its rows beside adapter rows in the
+way that picks slot -1 depends on how vLLM's scheduler happens to batch them, and on a quiet machine three
+tries in a row came back right, so a server-level assertion of the bug would be a race."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from test_mixed_batches import SERVER_ARGS
-from vllm_harness import Oracle, VllmServer, base_beside_two_adapters, prompt, reload_in_place, twin_hits
+from vllm_harness import Oracle, VllmServer, prompt, reload_in_place, twin_hits
 
 
 @pytest.fixture(scope="module")
@@ -26,20 +31,6 @@ def test_requests_one_at_a_time_equal_peft(server: VllmServer, oracle: Oracle) -
     for name in [None, "ad1", "ad4"]:
         folder = None if name is None else server.dirs[name]
         assert server.complete(name or server.model, prompt(2), 8) == oracle.tokens(folder, prompt(2), 8)
-
-
-def test_a_base_request_batched_with_two_adapters_gets_the_last_slots_adapter(
-    server: VllmServer, oracle: Oracle
-) -> None:
-    # Once in a run on a loaded machine the base request came back right: some step must then have run
-    # it without the adapters' rows. Up to three tries; the first wrong answer is the documented one.
-    for _ in range(3):
-        base, want = base_beside_two_adapters(server, oracle, "ad1", "ad2")
-        if base != want["base"]:
-            break
-    assert base != want["base"]
-    # Which of the two holds the last slot depends on what the slots held before.
-    assert base in (want["ad1"], want["ad2"])
 
 
 def test_a_reload_in_place_reuses_the_old_weights_blocks(
