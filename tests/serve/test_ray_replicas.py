@@ -40,6 +40,16 @@ def test_one_adapters_requests_stay_on_one_replica_until_it_spills(deployment: D
     assert len(served_by) == 1, served_by
     assert deployment.adapters()[served_by.pop()]["ad2"]["tier"] == "device"
 
+    # The router must see every replica as it is now before ad3 is routed: a report older than the ad2
+    # requests could show ad3 absent where a slot still holds it, and two replicas would then hold ad3.
+    now = {name: int(report["at"]) for name, report in deployment.reports().items()}
+    deployment.wait_for(
+        "the router's reports as new as the replicas' after the ad2 requests",
+        lambda: all(
+            int((deployment.ingress("routing")[name]["report"] or {}).get("at", 0)) >= at
+            for name, at in now.items()
+        ),
+    )
     _, holder = deployment.complete("ad3", deployment.prompt(0))
     other = next(n for n in deployment.names() if n != holder)
     deployment.wait_for(
@@ -48,6 +58,8 @@ def test_one_adapters_requests_stay_on_one_replica_until_it_spills(deployment: D
             (deployment.ingress("routing")[holder]["report"] or {}).get("holding", {}).get("ad3") == "device"
         ),
     )
+    seen_on_other = (deployment.ingress("routing")[other]["report"] or {}).get("holding", {}).get("ad3")
+    assert seen_on_other != "device", "both replicas hold ad3: the router would share it by load"
     want = {i: deployment.peft("ad3", deployment.prompt(i)) for i in range(deployment.QUEUE_BOUND + 1)}
     # The holder frozen finishes nothing, so the router's count of its requests in flight stays where
     # the requests put it: the gate that holds its queue at the bound, whatever the machine's speed.
