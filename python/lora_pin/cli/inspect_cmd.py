@@ -120,22 +120,6 @@ def _expert_pair_keys(file: AdapterFile) -> set[str]:
     return {k for k in file.pairs if not file.config.targets(k)}
 
 
-def _digest(file: AdapterFile) -> str:
-    """The digest a manager gives the adapter (:mod:`lora_pin.weights.digest`), without a model: every pair
-    serves the module it names, at its tensors' rank (what a load checks against the model)."""
-    from lora_pin.weights.digest import ServedModule, adapter_digest
-
-    served = []
-    for key, pair in file.pairs.items():
-        for name in (pair.a_name, pair.b_name, pair.magnitude_name):
-            if name is not None:
-                file.tensor(name, record=True)
-        rank = pair.a_shape[0]
-        scaling = file.config.scaling_for(key, rank)
-        served.append(ServedModule(key, rank, scaling, pair.a_name, pair.b_name, pair.magnitude_name))
-    return adapter_digest(file.digests.result(), served)
-
-
 def _model_targets(model_dir: str, file: AdapterFile) -> tuple[LoRATargets, torch.dtype]:
     """The targets a manager serving ``file`` would wrap in the model at ``model_dir`` (every linear layer
     and MoE expert weight, and the output layer and embeddings the adapter names), and the model's dtype.
@@ -353,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
         )
         lines.insert(-1, f"base copies:    {', '.join(sorted(copies))} (PEFT's; {checked})")
     if digest is None and not experts:
-        digest = _digest(file)
+        digest = file.standalone_digest()
     lines.append(f"digest:         {digest or 'needs --model (MoE expert weights)'}")
     if args.model is not None:
         lines.append(f"model:          {args.model} (validated)")

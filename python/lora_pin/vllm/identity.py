@@ -20,8 +20,6 @@ import functools
 import threading
 from typing import Any
 
-# The digest `lora-pin inspect` prints: the one a manager gives the adapter, computed without a model.
-from lora_pin.cli.inspect_cmd import _digest as adapter_file_digest
 from lora_pin.weights import open_adapter
 
 __all__ = [
@@ -53,7 +51,7 @@ def digest_of(lora_request: Any) -> str:
     if known is not None and known[0] is lora_request:
         return known[1]
     with open_adapter(lora_request.lora_name, lora_request.lora_path) as file:
-        digest = adapter_file_digest(file)
+        digest = file.standalone_digest()
     with _lock:
         _digests[id(lora_request)] = (lora_request, digest)
     return digest

@@ -201,6 +201,22 @@ class AdapterFile:
             _pread_into(self, raw.numpy().data, stored.begin)
         return raw.view(_SAFETENSORS_DTYPES[stored.dtype]).view(stored.shape)
 
+    def standalone_digest(self) -> str:
+        """The digest a manager gives this adapter (:mod:`lora_pin.weights.digest`), without a model: every
+        pair serves the module it names, at its tensors' rank (what a load checks against the model).
+        Reads (and hashes) every LoRA tensor not read yet."""
+        from lora_pin.weights.digest import ServedModule, adapter_digest
+
+        served = []
+        for key, pair in self.pairs.items():
+            for name in (pair.a_name, pair.b_name, pair.magnitude_name):
+                if name is not None:
+                    self.tensor(name, record=True)
+            rank = pair.a_shape[0]
+            scaling = self.config.scaling_for(key, rank)
+            served.append(ServedModule(key, rank, scaling, pair.a_name, pair.b_name, pair.magnitude_name))
+        return adapter_digest(self.digests.result(), served)
+
     def _record(self, tensor_name: str, tensor: torch.Tensor) -> None:
         self.digests.add(
             tensor_name, stored_dtype_name(tensor.dtype), tuple(tensor.shape), tensor_bytes(tensor)
