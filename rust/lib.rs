@@ -5,6 +5,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod admission;
 pub mod digests;
 pub mod error;
 pub mod hash;

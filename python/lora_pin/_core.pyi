@@ -22,6 +22,7 @@ __all__ = [
     "_lora_pairs",
     "_read_tensors",
     "_unload_timeout_error",
+    "admit_waiting",
     "check_limits",
     "cpu_features",
     "dora_scale_rows",
@@ -263,6 +264,15 @@ def rank_replicas(
     pinned: bool = False,
     homes: int = 1,
 ) -> list[int]: ...
+def admit_waiting(
+    adapters: Sequence[int | None],
+    waited: Sequence[int],
+    *,
+    running: Sequence[int],
+    pinned: Sequence[int],
+    slots: int,
+    age_bound: int,
+) -> tuple[list[int], list[int]]: ...
 def replication_factor(share: float, replicas: int) -> int: ...
 def home_replicas(adapter: str, replicas: Sequence[str], homes: int) -> list[int]: ...
 def simulate_replicas(

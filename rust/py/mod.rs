@@ -1,6 +1,7 @@
 //! The PyO3 bindings: the private module `lora_pin._core`. Only classes, conversions, the exception
 //! mapping and GIL release live here; every decision is made by the core.
 
+mod admission;
 mod errors;
 mod header;
 mod patterns;
@@ -20,6 +21,8 @@ use pyo3::prelude::*;
 pub mod _core {
     use pyo3::prelude::*;
 
+    #[pymodule_export]
+    use super::admission::admit_waiting;
     #[pymodule_export]
     use super::errors::unload_timeout_error;
     #[pymodule_export]

@@ -3,6 +3,7 @@
 //! same rules the core admits by, instead of keeping a copy of them.
 
 use super::Registry;
+use crate::admission::{rank, Need};
 use crate::limits::OVERDUE_AFTER;
 use crate::policy::AdapterKey;
 
@@ -34,17 +35,17 @@ impl Registry {
     /// (the base model's, an adapter's in a device slot), then the rest; each rank in the given
     /// (arrival) order. Changes nothing.
     pub fn offer_order(&self, requests: &[Offer]) -> Vec<u32> {
+        // Running requests before every waiting one; the waiting ones by the rank admission shares
+        // with schedulers that keep their own slots (`crate::admission`).
         let rank = |offer: &Offer| -> u8 {
             let Some(overtaken) = offer.overtaken else { return 0 };
-            if overtaken >= OVERDUE_AFTER {
-                return 1;
-            }
-            match offer.wants {
-                Wants::Base => 3,
-                Wants::Adapter(key) if self.get(key).protection.pinned => 2,
-                Wants::Adapter(key) if self.get(key).tenancy.slot.is_some() => 3,
-                Wants::Adapter(_) | Wants::Unregistered => 4,
-            }
+            let need = match offer.wants {
+                Wants::Base => Need::Free,
+                Wants::Adapter(key) if self.get(key).protection.pinned => Need::Pinned,
+                Wants::Adapter(key) if self.get(key).tenancy.slot.is_some() => Need::Free,
+                Wants::Adapter(_) | Wants::Unregistered => Need::Slot,
+            };
+            1 + rank(overtaken >= OVERDUE_AFTER, need)
         };
         let mut order: Vec<u32> = (0..requests.len() as u32).collect();
         // Stable: equal ranks keep the given order.

@@ -6,10 +6,14 @@ adapters per step, without counting pinned adapters: with pins holding slots, a 
 slots than the worker has. This subclass decides, before each step, which waiting requests' adapters fit:
 every slot a pin holds is reserved for it, the adapters of running requests keep theirs, and the rest of
 the slots go to new adapters. Waiting requests are offered in the order: requests waiting longer than the
-age bound (oldest first), then the base model's and pinned adapters' requests (no new slot needed), then
-those of adapters already running, then the rest. While an aged request's adapter finds no slot, no new
-request of another unpinned adapter is admitted, so the running ones drain and free one: nobody waits
-forever. vLLM's own token and KV budgets then decide among the requests offered.
+age bound (oldest first), then pinned adapters' requests, then those needing no new slot (the base
+model's, those of adapters already running), then the rest: the ranking lora_pin's own engine admits by.
+While an aged request's adapter finds no slot, no request of another unpinned adapter is admitted (a
+running one's neither, aged or not), so the running ones drain and free one: nobody waits forever.
+vLLM's own token and KV budgets then decide among the requests offered.
+
+The rule is lora_pin's core (``admit_waiting``, ``rust/admission.rs``), not a copy of it here: this class
+only tells it, each step, what vLLM holds.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Any
 
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+from lora_pin._core import admit_waiting
 
 __all__ = ["AGE_BOUND_ENV", "DEFAULT_AGE_BOUND", "Scheduler"]
 
@@ -64,46 +70,24 @@ class Scheduler(VllmScheduler):
 
     def _hold_back(self) -> list[Any]:
         """Reorders the waiting queue as admission offers it and takes out the requests whose adapter
-        finds no slot this step; returns them in order."""
+        finds no slot this step; returns them in order. The decision is the core's
+        (``lora_pin._core.admit_waiting``); this keeps each request's first step, to count its wait."""
         if self.lora_config is None or not self.waiting:
             return []
         waiting = list(self.waiting)
         # Only waiting requests are remembered: a request scheduled (or finished) leaves the table.
         self._first_step = {r.request_id: self._first_step.get(r.request_id, self._step) for r in waiting}
-        running = {lora_id(r) for r in self.running} - {0}
-        pinned = self.pinned_loras
-        free = self.lora_config.max_loras - len(pinned) - len(running - pinned)
-
-        def rank(item: tuple[int, Any]) -> tuple[int, int, int]:
-            index, request = item
-            waited = self._step - self._first_step[request.request_id]
-            if waited >= self.age_bound:
-                return (0, -waited, index)
-            adapter = lora_id(request)
-            order = 1 if adapter == 0 or adapter in pinned else 2 if adapter in running else 3
-            return (order, 0, index)
-
-        offered, held, new = [], [], set()
-        draining = False
-        for _, request in sorted(enumerate(waiting), key=rank):
-            adapter = lora_id(request)
-            aged = self._step - self._first_step[request.request_id] >= self.age_bound
-            if (
-                adapter == 0
-                or adapter in pinned
-                or adapter in new
-                or (adapter in running and (aged or not draining))
-            ):
-                offered.append(request)
-            elif len(new) < free and not (draining and not aged):
-                new.add(adapter)
-                offered.append(request)
-            else:
-                held.append(request)
-                draining = draining or aged
+        offered, held = admit_waiting(
+            [lora_id(r) or None for r in waiting],
+            [self._step - self._first_step[r.request_id] for r in waiting],
+            running=[adapter for adapter in map(lora_id, self.running) if adapter],
+            pinned=list(self.pinned_loras),
+            slots=self.lora_config.max_loras,
+            age_bound=self.age_bound,
+        )
         self.waiting.clear()
-        self.waiting.extend(offered)
-        return held
+        self.waiting.extend(waiting[i] for i in offered)
+        return [waiting[i] for i in held]
 
 
 def lora_id(request: Any) -> int:
