@@ -72,8 +72,16 @@ def outputs(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             block, folder / "lora_swap", 4, r=2, lora_alpha=2, target_modules=everything
         ),
     }
+    broken = break_copies(dirs["dora_all"], folder)
     x = torch.randn(len(SLOTS), IN)
-    spec = {"weights": block.state_dict(), "x": x, "slots": SLOTS, "adapters": ADAPTERS, "swap": "lora_swap"}
+    spec = {
+        "weights": block.state_dict(),
+        "x": x,
+        "slots": SLOTS,
+        "adapters": ADAPTERS,
+        "swap": "lora_swap",
+        "broken": broken,
+    }
     torch.save(spec, folder / "block.pt")
     done = subprocess.run(
         [str(vllm_python), str(CHECK), str(folder)], capture_output=True, text=True, timeout=600
@@ -85,6 +93,36 @@ def outputs(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         for name, path in dirs.items():
             peft[name] = PeftModel.from_pretrained(copy.deepcopy(block), str(path)).eval()(x)
     return {"vllm": torch.load(folder / "out.pt"), "peft": peft}
+
+
+MAGNITUDE = "base_model.model.{}.lora_magnitude_vector"
+
+
+def break_copies(good: Path, folder: Path) -> list[str]:
+    """Copies of the DoRA adapter at ``good``, each broken one way; returns their folder names."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(good / "adapter_model.safetensors"))
+    config = json.loads((good / "adapter_config.json").read_text())
+    nan = dict(tensors)
+    nan[MAGNITUDE.format("v_proj")] = nan[MAGNITUDE.format("v_proj")].clone()
+    nan[MAGNITUDE.format("v_proj")][3] = float("nan")
+    short = dict(tensors)
+    short[MAGNITUDE.format("k_proj")] = short[MAGNITUDE.format("k_proj")][:-1].clone()
+    variants = {
+        "no_magnitude": ({k: v for k, v in tensors.items() if k != MAGNITUDE.format("q_proj")}, config),
+        "nan_magnitude": (nan, config),
+        "short_magnitude": (short, config),
+        "magnitude_without_dora": (tensors, {**config, "use_dora": False}),
+    }
+    for name, (weights, cfg) in variants.items():
+        shutil.copytree(good, folder / name)
+        save_file(weights, str(folder / name / "adapter_model.safetensors"))
+        (folder / name / "adapter_config.json").write_text(json.dumps(cfg))
+    return list(variants)
 
 
 def rows_of(slot: int) -> list[int]:
@@ -122,3 +160,19 @@ def test_dora_rows_differ_from_plain_lora(outputs: dict) -> None:
     rows = rows_of(0) + rows_of(2)
     for got, without in zip(outputs["vllm"]["dora"], outputs["vllm"]["plain"], strict=True):
         assert float((got[rows] - without[rows]).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("no_magnitude", ["adapter 'no_magnitude'", "module 'q_proj' has no lora_magnitude_vector"]),
+        ("nan_magnitude", ["adapter 'nan_magnitude'", "module 'v_proj'", "NaN/Inf"]),
+        ("short_magnitude", ["adapter 'short_magnitude'", "module 'k_proj'", "shape [7], expected [8]"]),
+        ("magnitude_without_dora", ["is a DoRA magnitude", "no use_dora: true"]),
+    ],
+)
+def test_a_broken_dora_adapter_is_refused_naming_what(outputs: dict, name: str, words: list[str]) -> None:
+    refused = outputs["vllm"]["refused"][name]
+    assert refused is not None and refused.startswith("AdapterLoadError: "), refused
+    for word in words:
+        assert word in refused, (word, refused)

@@ -170,10 +170,14 @@ def _with_factors(load: Any) -> Any:
 
     @functools.wraps(load)
     def _load_adapter(self: Any, lora_request: Any) -> Any:
-        model = load(self, lora_request)
+        where = f"adapter {lora_request.lora_name!r} ({lora_request.lora_path})"
+        try:
+            model = load(self, lora_request)
+        except AdapterLoadError as e:
+            # Raised by _keeping_magnitudes, which does not know the adapter's name.
+            raise AdapterLoadError(f"{where}: {e}") from e
         magnitudes = getattr(model, "lora_pin_magnitudes", None)
         if magnitudes is not None:
-            where = f"adapter {lora_request.lora_name!r} ({lora_request.lora_path})"
             model.lora_pin_factors = dora_factors(where, self._adapter_manager, model.loras, magnitudes)
             del model.lora_pin_magnitudes
         return model

@@ -9,7 +9,8 @@ adapters are read by vLLM's own loader (``LoRAModel.from_local_checkpoint``, wit
 and their DoRA factors computed by :func:`lora_pin.vllm.dora.dora_factors`, then put into the slots as
 vLLM's manager does. Writes ``out.pt`` there: ``{name: (qkv [T, 40], o [T, 16])}`` for the runs
 ``dora`` (the mapping above), ``plain`` (the same slots with no DoRA factors given: DoRA adapters served
-as plain LoRA), ``base`` (every row -1) and ``swap`` (the second step, slot 0 reassigned).
+as plain LoRA), ``base`` (every row -1) and ``swap`` (the second step, slot 0 reassigned), and
+``refused``: per adapter folder of ``broken``, what its load raised (``"Type: message"``, or None).
 """
 
 from __future__ import annotations
@@ -123,5 +124,13 @@ with set_current_vllm_config(VllmConfig()):
         if run == "dora":
             put(manager, wrapper, 0, load(spec["swap"], 1, manager), True)
             out["swap"] = step(manager, wrapper, slots)
+            # Broken adapters: what each load raises (type and message).
+            out["refused"] = {}
+            for name in spec["broken"]:
+                try:
+                    load(name, 9, manager)
+                    out["refused"][name] = None
+                except Exception as e:  # the refusal's type and message are what the test reads
+                    out["refused"][name] = f"{type(e).__name__}: {e}"
 torch.save(out, folder / "out.pt")
 print("done")
