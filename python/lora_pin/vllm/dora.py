@@ -308,11 +308,6 @@ class DoraSlots:
         self._segments: SegmentBatch | None = None
         self._rows: dict[frozenset[int], tuple[torch.Tensor, torch.Tensor] | None] = {}
 
-    @property
-    def active(self) -> bool:
-        """Whether any layer has a slot holding a DoRA adapter."""
-        return any(layer.slots for layer in self._layers.values())
-
     def set_slot(self, layer: Any, slot: int, factor: torch.Tensor | None) -> None:
         """Puts ``factor`` (float32 ``[out_total]``, None: the adapter in ``slot`` has no DoRA here) into
         the table of vLLM's linear LoRA ``layer``."""
