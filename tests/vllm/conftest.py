@@ -13,11 +13,12 @@ import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
-from vllm_harness import ADAPTER_SPECS, MAX_MODEL_LEN, OVERLAY_PYTHON, Oracle, VllmServer
+from vllm_harness import ADAPTER_SPECS, ALL_LINEARS, MAX_MODEL_LEN, OVERLAY_PYTHON, Oracle, VllmServer
 
-from lora_pin.fixtures import make_peft_adapter, make_tiny_llama, save_char_tokenizer
+from lora_pin.fixtures import make_peft_adapter, make_tiny_llama, save_char_tokenizer, save_peft_adapter
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +54,31 @@ def vllm_world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
 
 
 @pytest.fixture(scope="session")
+def dora_dirs(
+    vllm_world: tuple[Path, dict[str, Path]], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """PEFT DoRA adapters (``use_dora=True``) over the world's model, magnitudes spread so that every
+    factor is far from 1 (:func:`save_peft_adapter`): ``dora1`` every linear, ``down_proj`` at its own
+    rank; ``dora2`` rsLoRA on ``q_proj``, ``v_proj`` and ``gate_proj`` (one slice of each fused layer
+    left out); ``dora3`` ``k_proj``, ``o_proj`` and ``up_proj``; ``dora_embed``: also ``embed_tokens``
+    (DoRA on an embedding, which lora_pin refuses)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("vllm-dora")
+    model = AutoModelForCausalLM.from_pretrained(vllm_world[0])
+    specs: dict[str, dict[str, Any]] = {
+        "dora1": dict(r=8, lora_alpha=16, target_modules=ALL_LINEARS, rank_pattern={"down_proj": 4}),
+        "dora2": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], use_rslora=True),
+        "dora3": dict(r=8, lora_alpha=8, target_modules=["k_proj", "o_proj", "up_proj"]),
+        "dora_embed": dict(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"]),
+    }
+    return {
+        name: save_peft_adapter(model, root / name, 30 + i, use_dora=True, **spec)
+        for i, (name, spec) in enumerate(specs.items())
+    }
+
+
+@pytest.fixture(scope="session")
 def oracle(vllm_world: tuple[Path, dict[str, Path]]) -> Oracle:
     return Oracle(vllm_world[0])
 
@@ -61,15 +87,23 @@ def oracle(vllm_world: tuple[Path, dict[str, Path]]) -> Oracle:
 def make_server(
     vllm_python: Path, vllm_world: tuple[Path, dict[str, Path]], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[..., VllmServer]]:
-    """``make(plugin, *args, pinned=names)``: a started ``vllm serve`` of the world's model and adapters,
-    with the plugin on or off, ``args`` added and ``pinned`` marked so in ``--lora-modules``; every server
-    made is stopped when the module ends."""
+    """``make(plugin, *args, pinned=names, dirs=None, env=None)``: a started ``vllm serve`` of the world's
+    model and adapters (or those of ``dirs``, name -> folder), with the plugin on or off, ``args`` added,
+    ``pinned`` marked so in ``--lora-modules`` and ``env`` set; every server made is stopped when the
+    module ends."""
     made: list[VllmServer] = []
 
-    def make(plugin: bool, *args: str, pinned: Sequence[str] = ()) -> VllmServer:
-        base, dirs = vllm_world
+    def make(
+        plugin: bool,
+        *args: str,
+        pinned: Sequence[str] = (),
+        dirs: dict[str, Path] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> VllmServer:
+        base, world_dirs = vllm_world
+        dirs = world_dirs if dirs is None else dirs
         log = tmp_path_factory.mktemp("vllm-log") / "serve.log"
-        server = VllmServer(vllm_python, base, dirs, log, plugin, args, pinned)
+        server = VllmServer(vllm_python, base, dirs, log, plugin, args, pinned, env)
         made.append(server)
         server.start()
         return server

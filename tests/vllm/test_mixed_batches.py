@@ -18,6 +18,8 @@ from vllm_harness import (
     twin_hits,
 )
 
+from lora_pin.vllm.dora import KEEP_WEIGHTS_ENV
+
 SERVER_ARGS = (
     *("--max-loras", "2", "--max-cpu-loras", "4", "--max-lora-rank", "8", "--max-num-seqs", "32"),
     *("--block-size", "32"),
@@ -70,3 +72,18 @@ def test_two_names_with_the_same_weights_share_blocks(
     server: VllmServer, oracle: Oracle, tmp_path: Path
 ) -> None:
     assert twin_hits(server, oracle, tmp_path / "twin") >= 64
+
+
+def test_dora_without_the_kept_base_weights_is_refused_saying_how(
+    server: VllmServer, dora_dirs: dict[str, Path]
+) -> None:
+    # vLLM's CPU path drops each linear layer's plain weight once packed; DoRA's norms need it, kept
+    # only with LORA_PIN_VLLM_DORA=1 (test_dora_serve.py), which this server was not given.
+    load = {"lora_name": "dora1", "lora_path": str(dora_dirs["dora1"])}
+    status, body = server.http("/v1/load_lora_adapter", "POST", load)
+    assert status == 500, body
+    assert "adapter 'dora1'" in str(body)
+    assert f"start vLLM with {KEEP_WEIGHTS_ENV}=1" in str(body)
+    status, models = server.http("/v1/models")
+    assert status == 200
+    assert "dora1" not in {m["id"] for m in models["data"]}

@@ -1,6 +1,6 @@
 """``vllm serve`` without the plugin (``VLLM_PLUGINS=""``), documenting what vLLM 0.32 does on CPU: requests
 one at a time are right; its prefix cache keys blocks by name and path (a reload in place reuses the old
-weights' blocks; two names with the same weights share nothing).
+weights' blocks; two names with the same weights share nothing); it refuses DoRA adapters at load.
 
 vLLM's wrong base rows in mixed batches are asserted at the layer level, where they are deterministic
 (tests/vllm/test_punica.py: its CPU wrapper gives base rows the last slot's adapter in all five methods).
@@ -49,3 +49,12 @@ def test_two_names_with_the_same_weights_share_nothing(
 ) -> None:
     # Blocks keyed by name and path: the plugin keys them by the weights instead (test_mixed_batches).
     assert twin_hits(server, oracle, tmp_path / "twin") == 0
+
+
+def test_vllm_refuses_a_dora_adapter(server: VllmServer, dora_dirs: dict[str, Path]) -> None:
+    # vLLM 0.32 refuses use_dora at load (the plugin lifts that: test_dora_serve.py). When an upstream
+    # release serves DoRA itself, this fails.
+    load = {"lora_name": "dora1", "lora_path": str(dora_dirs["dora1"])}
+    status, body = server.http("/v1/load_lora_adapter", "POST", load)
+    assert status == 500, body
+    assert "vLLM does not yet support DoRA" in str(body)

@@ -87,6 +87,8 @@ class VllmServer:
     """One ``vllm serve`` process: started by :meth:`start`, stopped by :meth:`stop`; its output goes to
     ``log`` (printed when it fails to start).
 
+    ``env``: variables set for the server beside the harness's own.
+
     Attributes:
         url: ``http://127.0.0.1:PORT``.
         model: the served base model's name (its folder).
@@ -102,8 +104,10 @@ class VllmServer:
         plugin: bool,
         args: Sequence[str],
         pinned: Sequence[str] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.python, self.model, self.dirs, self.log, self.plugin = python, str(model), dirs, log, plugin
+        self.env = dict(env or {})
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = list(args)
@@ -123,6 +127,7 @@ class VllmServer:
         if not self.plugin:
             # An empty allowlist: no plugin at all (unset would load every installed one).
             env["VLLM_PLUGINS"] = ""
+        env.update(self.env)
         return env
 
     def start(self) -> None:

@@ -33,6 +33,7 @@ from lora_pin.ops import (
     shrink,
 )
 from lora_pin.ops.backends.cpu import CpuDelta
+from lora_pin.vllm.dora import DoraSlots
 
 if TYPE_CHECKING:
     from vllm.lora.layers import LoRAMapping
@@ -63,6 +64,8 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         self._prepared: dict[int, CpuDelta] = {}
         self._last_prepared: CpuDelta | None = None
         self._buffers_of: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
+        # DoRA adapters' factors per linear layer and slot (lora_pin.vllm.dora).
+        self.dora = DoraSlots()
 
     def set_slot(self, slot: int, n_slots: int, rank: int) -> None:
         """Records that the adapter vLLM activated into ``slot`` (of ``n_slots``) has ``rank`` (its
@@ -88,6 +91,7 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
             self._tables.clear()
         self._token_segments = segments_from_slots(self.token_lora_indices)
         self._sampler_segments = segments_from_slots(self.sampler_indices)
+        self.dora.new_step(self._token_segments)
         self._prepared.clear()
         self._last_prepared = None
 
@@ -170,6 +174,7 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         prepared = self._delta(self._token_segments, a, b, offsets, scale, x2.shape[0])
         if not prepared.empty:
             prepared.apply(y2, x2)
+        self.dora.rescale(y2, lora_a_stacked[0], kwargs.get("add_inputs", True))
 
     def add_shrink(
         self,

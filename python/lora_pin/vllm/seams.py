@@ -2,11 +2,12 @@
 
 vLLM offers the seams the plugin needs (a platform's punica wrapper class, general plugins run in every
 process, a request's ``cache_salt``) but not all as public API: the CPU platform names its punica
-wrapper in a classmethod; the per-slot rank lora_pin uses is known only when vLLM's LoRA model manager
-activates an adapter into a slot; a request's salt is set where vLLM builds the engine request, and an
-adapter's digest read where the API server loads it (:mod:`lora_pin.vllm.identity`). All are patched
-here, once per process. :data:`SEAMS` lists what is patched, so that the contract
-test fails loudly, naming the seam, when a vLLM release moves one.
+wrapper in a classmethod; the per-slot rank lora_pin uses (and a DoRA adapter's factors) is known only
+when vLLM's LoRA model manager activates an adapter into a slot; DoRA adapters are read where vLLM's
+worker loads an adapter (:mod:`lora_pin.vllm.dora`); a request's salt is set where vLLM builds the
+engine request, and an adapter's digest read where the API server loads it
+(:mod:`lora_pin.vllm.identity`). All are patched here, once per process. :data:`SEAMS` lists what is
+patched, so that the contract test fails loudly, naming the seam, when a vLLM release moves one.
 """
 
 from __future__ import annotations
@@ -41,6 +42,19 @@ SEAMS = (
     ("vllm.entrypoints.openai.models.api_router", "models", "request -> OpenAIServingModels"),
     ("vllm.utils.cache", "LRUCache._unpin", "(key) -> None; LRUCache.pin and .pinned_items beside it"),
     ("vllm.utils.cache", "LRUCache.pinned_items", "the pinned keys"),
+    # DoRA (lora_pin.vllm.dora): vLLM's refusal lifted, the magnitudes read, the factors computed at load.
+    ("vllm.lora.peft_helper", "PEFTHelper._validate_features", "(self) -> messages; refuses use_dora"),
+    ("vllm.lora.lora_model", "parse_fine_tuned_lora_name", "(name, weights_mapper) -> (module, is_lora_a)"),
+    (
+        "vllm.lora.lora_model",
+        "LoRAModel.from_lora_tensors",
+        "classmethod (tensors, peft_helper, weights_mapper)",
+    ),
+    ("vllm.lora.worker_manager", "WorkerLoRAManager._load_adapter", "(self, lora_request) -> LoRAModel"),
+    ("vllm.lora.model_manager", "LoRAModelManager.packed_modules", "fused layer -> its modules' names"),
+    ("vllm.lora.model_manager", "LoRAModelManager.modules", "layer name -> its LoRA layer"),
+    ("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", "(layer, remove_weight) drops it"),
+    ("vllm.lora.layers.base_linear", "BaseLinearLayerWithLoRA.apply", "base(x, bias), add_lora_linear"),
 )
 
 _installed = False
@@ -70,6 +84,7 @@ def install() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker.worker_base import WorkerBase
 
+    from lora_pin.vllm import dora
     from lora_pin.vllm.identity import digesting_load, lora_keys_unless_salted, salting_process_inputs
     from lora_pin.vllm.pins import set_pin, worker_set_pin
 
@@ -83,6 +98,7 @@ def install() -> None:
     # New methods, reached by name: the engine core's utility calls and the workers' collective_rpc.
     EngineCore.lora_pin_set_pin = set_pin  # type: ignore[attr-defined]
     WorkerBase.lora_pin_set_pin = worker_set_pin  # type: ignore[attr-defined]
+    dora.install()
     _installed = True
 
 
@@ -95,7 +111,8 @@ def adapter_rank(lora_model: Any) -> int:
 
 def _recording_ranks(activate: Any) -> Any:
     """``activate_adapter`` that also tells lora_pin's punica wrappers the rank of the adapter it put in
-    a slot, and pins it there if it is pinned."""
+    a slot, gives its DoRA factors to the slot's layers, and pins it there if it is pinned."""
+    from lora_pin.vllm.dora import activate as activate_dora
     from lora_pin.vllm.pins import pin_on_activation
     from lora_pin.vllm.punica import LoraPinPunicaWrapper
 
@@ -108,6 +125,7 @@ def _recording_ranks(activate: Any) -> Any:
             for wrapper in self.punica_wrapper_mapping.values():
                 if isinstance(wrapper, LoraPinPunicaWrapper):
                     wrapper.set_slot(slot, len(self.lora_index_to_id), rank)
+            activate_dora(self, slot, self._registered_adapters[lora_id])
             pin_on_activation(self, lora_id)
         return bool(activated)
 

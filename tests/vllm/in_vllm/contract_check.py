@@ -34,7 +34,13 @@ for module_name, qualname, _ in seams.SEAMS:
         continue
     if not owner_name:
         continue
-    if attribute in ("lora_index_to_id", "punica_wrapper_mapping", "pinned_items"):
+    if attribute in (
+        "lora_index_to_id",
+        "punica_wrapper_mapping",
+        "pinned_items",
+        "packed_modules",
+        "modules",
+    ):
         # Instance attributes: set in the manager's own methods.
         source = inspect.getsource(owner)
         check(qualname, f"self.{attribute}" in source, f"{owner_name} no longer sets self.{attribute}")
@@ -94,6 +100,26 @@ if sys.argv[1] == "off":
         f"it names {CpuPlatform.get_punica_wrapper()}",
     )
 
+from vllm.lora.peft_helper import PEFTHelper  # noqa: E402
+
+
+def dora_refused() -> bool:
+    """Whether vLLM's PEFT config check refuses ``use_dora`` (the plugin lifts exactly that refusal)."""
+    helper = PEFTHelper(r=1, lora_alpha=1, target_modules=["q_proj"], use_dora=True)
+    return any("DoRA" in message for message in helper._validate_features())
+
+
+if sys.argv[1] == "off":
+    check("PEFTHelper._validate_features", dora_refused(), "vLLM no longer refuses use_dora")
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod  # noqa: E402
+
+check(
+    "dispatch_cpu_unquantized_gemm",
+    "from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm"
+    in inspect.getsource(UnquantizedLinearMethod.process_weights_after_loading),
+    "the CPU weight packing no longer looks dispatch_cpu_unquantized_gemm up in its module when called",
+)
+
 from vllm.plugins import load_general_plugins  # noqa: E402
 
 load_general_plugins()
@@ -109,4 +135,5 @@ if loaded:
         "it does not resolve to LoraPinPunicaWrapper",
     )
     check("activate_adapter patch", LoRAModelManager.activate_adapter.__wrapped__ is not None, "not patched")
+    check("DoRA refusal lifted", not dora_refused(), "vLLM still refuses use_dora with the plugin")
 print(json.dumps({"broken": broken, "loaded": loaded}))

@@ -15,7 +15,7 @@ arrays on the host here would break the graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -33,10 +33,10 @@ from lora_pin.ops.custom_ops import expand_args
 from lora_pin.ops.dora import scale_rows_
 from lora_pin.ops.embedding import check_embedding_args, lookup_expand, used_rows
 from lora_pin.ops.grouped import CpuOpPlan, delta_planned, expand_planned, kernel_ok, plan_for, shrink_planned
-from lora_pin.ops.segments import KernelMeta, same_segments
+from lora_pin.ops.segments import KernelMeta, SegmentBatch, same_segments
 from lora_pin.weights.pool import GroupBuffers
 
-__all__ = ["CpuBackend", "CpuStepKernels"]
+__all__ = ["CpuBackend", "CpuStepKernels", "rows_in_slots"]
 
 
 class CpuBackend(LoRABackend):
@@ -224,14 +224,19 @@ class CpuStepKernels:
         key = (frozenset(dora_slots), x.shape[:-1])
         if key in self._dora_rows:
             return self._dora_rows[key]
-        seg = self.step.for_input(x)
-        counts = (seg.seg_indptr[1:] - seg.seg_indptr[:-1]).long()
-        row_slots = torch.repeat_interleave(seg.seg_slots, counts, output_size=seg.perm.shape[0])
-        chosen = torch.isin(row_slots, torch.tensor(sorted(dora_slots), dtype=row_slots.dtype))
-        # int64 slots: what the rescale indexes with, converted once a step.
-        rows = (seg.perm[chosen], row_slots[chosen].long()) if bool(chosen.any()) else None
+        rows = rows_in_slots(self.step.for_input(x), dora_slots)
         self._dora_rows[key] = rows
         return rows
+
+
+def rows_in_slots(seg: SegmentBatch, slots: Collection[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows of ``seg`` whose slot is one of ``slots`` and those slots, int64 ``[N]`` each (what
+    :func:`lora_pin.ops.dora.scale_rows_` takes: a step's DoRA rows); None when there are none."""
+    counts = (seg.seg_indptr[1:] - seg.seg_indptr[:-1]).long()
+    row_slots = torch.repeat_interleave(seg.seg_slots, counts, output_size=seg.perm.shape[0])
+    chosen = torch.isin(row_slots, torch.tensor(sorted(slots), dtype=row_slots.dtype))
+    # int64 slots: what the rescale indexes with, converted once a step.
+    return (seg.perm[chosen], row_slots[chosen].long()) if bool(chosen.any()) else None
 
 
 def _like(t: torch.Tensor, rows: int, columns: int) -> torch.Tensor:

@@ -1,0 +1,51 @@
+"""``vllm serve`` with the plugin serves DoRA adapters (vLLM 0.32 refuses them: test_vllm_alone.py): every
+completion, DoRA adapters mixed concurrently with base and plain LoRA requests over more adapters than
+slots, equals PEFT's greedy tokens; DoRA on an embedding is refused at load, naming the adapter and the
+module, and the server serves on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from test_mixed_batches import SERVER_ARGS
+from vllm_harness import Oracle, VllmServer, concurrent_mix, prompt
+
+from lora_pin.vllm.dora import KEEP_WEIGHTS_ENV
+
+
+@pytest.fixture(scope="module")
+def server(
+    make_server: Callable[..., VllmServer],
+    vllm_world: tuple[Path, dict[str, Path]],
+    dora_dirs: dict[str, Path],
+) -> VllmServer:
+    # Three DoRA adapters and two plain ones over --max-loras 2 and --max-cpu-loras 4: slots are reused
+    # between DoRA and plain adapters, and adapters are evicted and read again.
+    dirs = {name: dora_dirs[name] for name in ("dora1", "dora2", "dora3")}
+    dirs.update(ad1=vllm_world[1]["ad1"], ad4=vllm_world[1]["ad4"])
+    return make_server(True, *SERVER_ARGS, dirs=dirs, env={KEEP_WEIGHTS_ENV: "1"})
+
+
+def test_dora_base_and_lora_requests_at_once_equal_peft(server: VllmServer, oracle: Oracle) -> None:
+    # 18 requests over the base model, 3 DoRA and 2 plain LoRA adapters, all sent at once.
+    assert concurrent_mix(server, oracle) == []
+
+
+def test_dora_on_an_embedding_is_refused_naming_the_adapter_and_module(
+    server: VllmServer, oracle: Oracle, dora_dirs: dict[str, Path]
+) -> None:
+    load = {"lora_name": "dora_embed", "lora_path": str(dora_dirs["dora_embed"])}
+    status, body = server.http("/v1/load_lora_adapter", "POST", load)
+    assert status == 500, body
+    message = str(body)
+    assert "adapter 'dora_embed'" in message
+    assert "module 'model.embed_tokens'" in message
+    assert "linear layers only" in message
+    # Nothing changed: the name is not served, and the DoRA adapters still are.
+    status, models = server.http("/v1/models")
+    assert status == 200
+    assert "dora_embed" not in {m["id"] for m in models["data"]}
+    want = oracle.tokens(server.dirs["dora1"], prompt(4), 8)
+    assert server.complete("dora1", prompt(4), 8) == want
