@@ -265,6 +265,8 @@ def simulate(
     progress: Callable[[int], object] | None = None,
     ranks: Sequence[tuple[int, float]] = ...,
     max_host_bytes: int | None = None,
+    page_rank: int | None = None,
+    max_lora_memory: int | None = None,
 ) -> dict[str, Any]: ...
 def rank_replicas(
     adapter: str | None,
