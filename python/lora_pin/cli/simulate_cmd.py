@@ -339,7 +339,7 @@ def _memory_rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]
     # Without --ranks every adapter is rank 16 of adapter_bytes (the core's default).
     largest = max((r for r, _ in sizes["ranks"]), default=16)
     page_bytes = max(1, adapter_bytes * page_rank // largest)
-    pools = []
+    pools: list[tuple[float, str, dict[str, Any]]] = []
     for gib in memories:
         memory = int(gib * (1 << 30))
         slots, pages = memory // adapter_bytes, min(memory // page_bytes, MAX_SLOTS)
