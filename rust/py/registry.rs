@@ -49,8 +49,9 @@ const UNLOAD_SLICE: Duration = Duration::from_millis(50);
 ///     max_lora_memory: device pages (paged mode, with `page_rank`), 1 to 65536.
 ///     max_loaded_loras: host-tier capacity in adapters (>= max_loras_per_batch); None is unbounded.
 ///     max_host_bytes: host-tier capacity in bytes; None is unbounded.
-///     eviction_policy: the device tier's policy, "lru", "fifo", "reuse" or "hybrid".
-///     host_eviction_policy: the host tier's policy, "lru", "fifo", "reuse" or "hybrid".
+///     eviction_policy: the device tier's policy, "lru", "fifo", "reuse", "hybrid" or "size"
+///         (hybrid weighing bytes, for paged mode).
+///     host_eviction_policy: the host tier's policy, "lru", "fifo", "reuse", "hybrid" or "size".
 ///     chunk_size: longest segment, in tokens, in a plan's segment arrays; None leaves them whole.
 ///
 /// Raises:
