@@ -20,7 +20,19 @@ fn model_pages(rank: u32) -> usize {
 /// A paged registry of `pages` pages of [`PAGE_RANK`] and `slots` adapters a step, with `ranks`
 /// registered as `a0`, `a1`, ...
 fn paged(pages: usize, slots: usize, policy: &str, ranks: &[u32]) -> Registry {
+    paged_host(pages, slots, None, policy, ranks)
+}
+
+/// [`paged`] with a host tier of `max_loaded` adapters.
+fn paged_host(
+    pages: usize,
+    slots: usize,
+    max_loaded: Option<usize>,
+    policy: &str,
+    ranks: &[u32],
+) -> Registry {
     let mut config = Config::new(slots);
+    config.max_loaded = max_loaded;
     config.paging = Some(Paging { page_rank: PAGE_RANK, pages });
     config.device_policy = crate::policy::PolicyKind::parse("policy", policy).unwrap();
     let mut reg = Registry::new(config).unwrap();
@@ -46,6 +58,10 @@ fn run(reg: &mut Registry, names: &[usize], mode: StepMode) -> StepPlan {
         reg.report_load(ticket, i, true).unwrap();
     }
     reg.finish_step(ticket).unwrap();
+    // Fetches finish between steps (one that finds no room yet stays in flight: refused, no change).
+    for f in &plan.to_fetch {
+        let _ = reg.fetch_done(&f.name, f.serial);
+    }
     reg.audit().unwrap();
     plan
 }
@@ -190,10 +206,14 @@ proptest! {
         ranks in prop::collection::vec(1u32..=64, 3..10),
         pins in prop::collection::vec(any::<prop::sample::Index>(), 0..3),
         fetch in any::<bool>(),
+        host_bound in any::<bool>(),
+        policy in prop::sample::select(vec!["lru", "hybrid", "size"]),
         steps in prop::collection::vec(prop::collection::vec(any::<prop::sample::Index>(), 1..8), 1..25),
     ) {
         let ranks: Vec<u32> = ranks.into_iter().map(|r| r.min(8 * pages as u32 / 2)).collect();
-        let mut reg = paged(pages, slots, "lru", &ranks);
+        // A host tier smaller than the adapters makes steps read (or fetch) evicted ones again.
+        let max_loaded = host_bound.then_some(slots.max(ranks.len() - 1));
+        let mut reg = paged_host(pages, slots, max_loaded, policy, &ranks);
         let n = ranks.len();
         // Pins, each checked against the model's rule.
         let mut pinned: BTreeSet<usize> = BTreeSet::new();
