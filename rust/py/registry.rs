@@ -672,7 +672,8 @@ impl PyLoRARegistry {
     /// Where every adapter is, at one instant: a dict with `adapters`, a list sorted by name of
     /// `(name, id, serial, tier, slot, pinned, in_flight, draining, host_bytes)` (`tier` is
     /// "device", "host", "fetching" or "disk"; `slot` None outside the device tier), and the tiers'
-    /// room: `slots`, `free_slots`, `host_bytes`, `reserved_bytes`, `max_host_bytes`.
+    /// room: `slots`, `free_slots` (pages and free pages, in paged mode), `host_bytes`, `reserved_bytes`,
+    /// `max_host_bytes`.
     fn placement<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let p = detached(py, || Ok(self.shared.lock().placement()))?;
         let adapters = p

@@ -51,9 +51,9 @@ pub struct Place {
 pub struct Placement {
     /// Every registered adapter (and every one being unloaded), sorted by name.
     pub adapters: Vec<Place>,
-    /// Device slots in all.
+    /// Device slots in all (pages, in paged mode).
     pub slots: usize,
-    /// Device slots holding no adapter.
+    /// Device slots holding no adapter (free pages, in paged mode).
     pub free_slots: usize,
     /// Bytes of the adapters in the host tier.
     pub host_bytes: u64,
@@ -211,8 +211,8 @@ impl Registry {
         adapters.sort_unstable_by(|x, y| x.name.cmp(&y.name));
         Placement {
             adapters,
-            slots: self.config.slots,
-            free_slots: self.device.slots.iter().filter(|s| s.is_none()).count(),
+            slots: self.total_pages(),
+            free_slots: self.device.pages.free_count(),
             host_bytes: self.host.bytes - self.host.reserved_bytes,
             reserved_bytes: self.host.reserved_bytes,
             max_host_bytes: self.host.max_bytes,

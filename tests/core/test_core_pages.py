@@ -56,6 +56,8 @@ def test_the_plan_gives_each_adapter_its_page_table() -> None:
     assert ints(plan.slot_ranks) == [8, 24, 0, 0, 9, 0, 0, 0]
     device = reg.stats()["device"]
     assert (device["pages"], device["max_pages"]) == (6, 8)
+    place = reg.placement()
+    assert (place["slots"], place["free_slots"]) == (8, 2)
 
 
 def test_slot_mode_is_one_page_per_slot() -> None:
