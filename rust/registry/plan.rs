@@ -3,7 +3,8 @@
 //!
 //! Admission walks the requests in batch order and decides per adapter at its first request:
 //! a pinned adapter is admitted; an unpinned one while fewer than `slots - pinned` distinct unpinned
-//! adapters are admitted. Then every admitted adapter not in a slot gets one (and a host-tier place
+//! adapters are admitted and its pages fit in those the pinned adapters leave (see `pages`; in slot
+//! mode the two rules are one). Then every admitted adapter not in a slot gets one (its pages) (and a host-tier place
 //! first when it was evicted from host memory), evicting only adapters outside the step. An adapter
 //! whose tier cannot make room is deferred with all its requests, so every admitted request has a
 //! slot and a plan never fails half-way.
@@ -94,7 +95,8 @@ pub struct StepPlan {
 #[repr(u8)]
 pub enum Deferral {
     /// Its adapter needs a device slot and none can be had now: more distinct unpinned adapters
-    /// than the slots left by the pinned ones, or every slot holds a protected adapter.
+    /// than the slots left by the pinned ones (or more pages than they leave), or every slot holds
+    /// a protected adapter.
     DeviceRoom,
     /// Its adapter is outside the host tier and its read does not start now: the tier cannot make
     /// room for it (full of pinned, in-flight or fetching adapters, or of those other requests
