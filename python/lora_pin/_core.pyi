@@ -113,6 +113,10 @@ class StepPlan:
     @property
     def slot_epochs(self) -> bytearray: ...
     @property
+    def page_indptr(self) -> bytearray: ...
+    @property
+    def page_table(self) -> bytearray: ...
+    @property
     def num_tokens(self) -> int: ...
     @property
     def loads(self) -> list[tuple[str, str, int, str]]: ...
@@ -156,16 +160,22 @@ class FetchPlan:
 class LoRARegistry:
     def __new__(
         cls,
-        max_loras_per_batch: int,
+        max_loras_per_batch: int | None,
         max_loaded_loras: int | None = None,
         *,
         max_host_bytes: int | None = None,
         eviction_policy: str = "lru",
         host_eviction_policy: str = "lru",
         chunk_size: int | None = None,
+        page_rank: int | None = None,
+        max_lora_memory: int | None = None,
     ) -> LoRARegistry: ...
     @property
     def max_loras_per_batch(self) -> int: ...
+    @property
+    def page_rank(self) -> int | None: ...
+    @property
+    def max_lora_memory(self) -> int | None: ...
     @property
     def max_loaded_loras(self) -> int | None: ...
     @property
@@ -256,6 +266,8 @@ def simulate(
     progress: Callable[[int], object] | None = None,
     ranks: Sequence[tuple[int, float]] = ...,
     max_host_bytes: int | None = None,
+    page_rank: int | None = None,
+    max_lora_memory: int | None = None,
 ) -> dict[str, Any]: ...
 def rank_replicas(
     adapter: str | None,

@@ -23,7 +23,7 @@
 //! `recency - WEIGHT * F` is the oldest use among the candidates of one count, so one ordered set per
 //! count (`CAP + 1` of them).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::reuse::class;
 use super::{AdapterKey, EvictionPolicy, Usage};
@@ -32,6 +32,9 @@ use super::{AdapterKey, EvictionPolicy, Usage};
 const UNKNOWN: i64 = 1 << 40;
 /// Classes (quarter octaves) one counted use is worth.
 const WEIGHT: i64 = 8;
+/// Classes one octave of bytes is worth (the `size` policy): one octave of distance, so the rank
+/// orders the product of distance and bytes.
+const SIZE_WEIGHT: i64 = 4;
 /// Uses counted at most.
 const CAP: u64 = 4;
 /// A newcomer's return is quick below this class (a distance of 64 ticks).
@@ -48,8 +51,10 @@ struct History {
     /// When it entered the tier, and its use count just before the use that loaded it.
     entered: u64,
     uses_before: u64,
-    /// `min(F, CAP)` and the rank's static part, as inserted.
+    /// `min(F, CAP)`, the octave of its bytes (0 unless sized) and the rank's static part, as
+    /// inserted.
     count: usize,
+    octave: u32,
     score: i64,
     candidate: bool,
 }
@@ -59,13 +64,34 @@ struct History {
 pub struct Hybrid {
     history: Vec<Option<History>>,
     by_score: BTreeSet<(i64, u64, AdapterKey)>,
-    by_recency: [BTreeSet<(u64, AdapterKey)>; CAP as usize + 1],
+    /// Per (count, octave of bytes), the candidates by last use.
+    by_recency: BTreeMap<(usize, u32), BTreeSet<(u64, AdapterKey)>>,
     protect_newcomers: u32,
+    /// Weighs bytes (the `size` policy): see [`Hybrid::sized`].
+    sized: bool,
     now: u64,
     len: usize,
 }
 
 impl Hybrid {
+    /// The `size` policy: this ranking with each candidate's distance multiplied by its bytes
+    /// (`SIZE_WEIGHT` classes, one octave of distance, per octave of bytes), so the victim is the
+    /// one whose bytes would sit idle longest: one big cold adapter goes before several small warm
+    /// ones. The space-time product of GreedyDual-Size (P. Cao and S. Irani, USITS 1997), for a
+    /// device tier in rank pages, where a big adapter's pages make room for several small ones.
+    pub fn sized() -> Self {
+        Self { sized: true, ..Self::default() }
+    }
+
+    /// The octave of `bytes` when sized, else 0 (every candidate one size).
+    fn octave(&self, bytes: u64) -> u32 {
+        if self.sized {
+            63 - bytes.max(1).leading_zeros()
+        } else {
+            0
+        }
+    }
+
     /// Learns from an adapter that left the tier as a newcomer and is back with a new use.
     fn observe_return(&mut self, old: &History, usage: &Usage) {
         let left_as_newcomer = !old.candidate && old.count <= 1 && old.entered != usage.inserted_at;
@@ -81,7 +107,11 @@ impl Hybrid {
 
 impl EvictionPolicy for Hybrid {
     fn name(&self) -> &'static str {
-        "hybrid"
+        if self.sized {
+            "size"
+        } else {
+            "hybrid"
+        }
     }
 
     fn insert(&mut self, key: AdapterKey, usage: &Usage) {
@@ -108,7 +138,8 @@ impl EvictionPolicy for Hybrid {
         let in_tier = usage.uses - uses_before;
         let count = in_tier.min(CAP) as usize;
         let distance = if in_tier <= 1 && self.protect_newcomers > 0 { 0 } else { irr };
-        let score = distance - WEIGHT * count as i64;
+        let octave = self.octave(usage.bytes);
+        let score = distance - WEIGHT * count as i64 + SIZE_WEIGHT * i64::from(octave);
         let h = History {
             uses: usage.uses,
             last_used: usage.last_used,
@@ -116,13 +147,14 @@ impl EvictionPolicy for Hybrid {
             entered,
             uses_before,
             count,
+            octave,
             score,
             candidate: true,
         };
         self.history[key.index()] = Some(h);
         self.now = self.now.max(usage.last_used).max(usage.inserted_at);
         self.by_score.insert((score, h.last_used, key));
-        self.by_recency[count].insert((h.last_used, key));
+        self.by_recency.entry((count, octave)).or_default().insert((h.last_used, key));
         self.len += 1;
     }
 
@@ -130,16 +162,21 @@ impl EvictionPolicy for Hybrid {
         let h = self.history.get(key.index()).copied().flatten().filter(|h| h.candidate);
         let h = h.unwrap_or_else(|| panic!("{key:?} is not a candidate"));
         self.by_score.remove(&(h.score, h.last_used, key));
-        self.by_recency[h.count].remove(&(h.last_used, key));
+        let bucket = self.by_recency.get_mut(&(h.count, h.octave)).expect("its bucket");
+        bucket.remove(&(h.last_used, key));
+        if bucket.is_empty() {
+            self.by_recency.remove(&(h.count, h.octave));
+        }
         self.history[key.index()] = Some(History { candidate: false, ..h });
         self.len -= 1;
     }
 
     fn victim(&self) -> Option<AdapterKey> {
         let &(mut best, _, mut victim) = self.by_score.last()?;
-        for (count, set) in self.by_recency.iter().enumerate() {
+        for (&(count, octave), set) in &self.by_recency {
             if let Some(&(last_used, key)) = set.first() {
-                let rank = i64::from(class(self.now.saturating_sub(last_used))) - WEIGHT * count as i64;
+                let rank = i64::from(class(self.now.saturating_sub(last_used))) - WEIGHT * count as i64
+                    + SIZE_WEIGHT * i64::from(octave);
                 if rank > best {
                     (best, victim) = (rank, key);
                 }

@@ -141,3 +141,49 @@ proptest::proptest! {
         }
     }
 }
+
+/// `at` with `bytes`.
+fn sized_at(inserted_at: u64, last_used: u64, uses: u64, bytes: u64) -> Usage {
+    Usage { bytes, ..at(inserted_at, last_used, uses) }
+}
+
+#[test]
+fn sized_evicts_one_big_cold_adapter_before_several_small_warm_ones() {
+    // Big (8x the bytes: 3 octaves) used at 40 and 60; four small ones used at 20 and 48..=51;
+    // now is 100. The oldest small one's recency (52 ticks, class 22) is just past the big one's
+    // (40, class 21), so hybrid evicts it; sized, the big one's bytes (12 classes) outweigh that.
+    for (policy, expected) in [(Hybrid::default(), AdapterKey(1)), (Hybrid::sized(), AdapterKey(0))] {
+        let mut p = policy;
+        p.insert(AdapterKey(0), &sized_at(40, 40, 1, 8 << 20));
+        p.remove(AdapterKey(0));
+        p.insert(AdapterKey(0), &sized_at(40, 60, 2, 8 << 20));
+        for k in 1..=4u32 {
+            p.insert(AdapterKey(k), &sized_at(20, 20, 1, 1 << 20));
+            p.remove(AdapterKey(k));
+            p.insert(AdapterKey(k), &sized_at(20, 47 + u64::from(k), 2, 1 << 20));
+        }
+        // Time passes to 100 (a newcomer's unknown distance would make it the victim: it is used).
+        p.insert(AdapterKey(5), &sized_at(100, 100, 1, 1 << 20));
+        p.remove(AdapterKey(5));
+        assert_eq!(p.victim(), Some(expected), "{}", p.name());
+    }
+}
+
+#[test]
+fn sized_with_one_size_ranks_as_hybrid() {
+    // The same uses, every adapter one size: the sized ranking is hybrid's, shifted by a constant.
+    let (mut a, mut b) = (Hybrid::default(), Hybrid::sized());
+    let mut seed = 7u64;
+    for t in 0..400u64 {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let key = AdapterKey((seed >> 33) as u32 % 12);
+        for p in [&mut a, &mut b] {
+            if p.history.get(key.index()).copied().flatten().is_some_and(|h| h.candidate) {
+                p.remove(key);
+            }
+            let uses = p.history.get(key.index()).copied().flatten().map_or(1, |h| h.uses + 1);
+            p.insert(key, &sized_at(0, t, uses, 4 << 20));
+        }
+        assert_eq!(a.victim(), b.victim(), "step {t}");
+    }
+}

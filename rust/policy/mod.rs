@@ -79,12 +79,15 @@ pub enum PolicyKind {
     Reuse,
     /// Reuse distance tempered by a capped use count ([`Hybrid`]).
     Hybrid,
+    /// [`Hybrid`] weighing each candidate by its bytes ([`Hybrid::sized`]): for a device tier in
+    /// rank pages.
+    Size,
 }
 
 impl PolicyKind {
     /// Every kind, in the order [`POLICY_NAMES`] lists their names.
-    pub const ALL: [PolicyKind; 4] =
-        [PolicyKind::Lru, PolicyKind::Fifo, PolicyKind::Reuse, PolicyKind::Hybrid];
+    pub const ALL: [PolicyKind; 5] =
+        [PolicyKind::Lru, PolicyKind::Fifo, PolicyKind::Reuse, PolicyKind::Hybrid, PolicyKind::Size];
 
     /// The kind's name: what [`PolicyKind::parse`] accepts.
     pub const fn name(self) -> &'static str {
@@ -93,6 +96,7 @@ impl PolicyKind {
             PolicyKind::Fifo => "fifo",
             PolicyKind::Reuse => "reuse",
             PolicyKind::Hybrid => "hybrid",
+            PolicyKind::Size => "size",
         }
     }
 
@@ -115,6 +119,7 @@ impl PolicyKind {
             PolicyKind::Fifo => Box::new(Fifo::default()),
             PolicyKind::Reuse => Box::new(ReuseDistance::default()),
             PolicyKind::Hybrid => Box::new(Hybrid::default()),
+            PolicyKind::Size => Box::new(Hybrid::sized()),
         }
     }
 }

@@ -25,8 +25,8 @@ use super::{detached, shielded};
 use crate::policy::{AdapterKey, PolicyKind};
 use crate::registry::tiers::TierCounters;
 use crate::registry::{
-    AdapterSize, Config, Offer, Registry, StepMode, StepRequest, StepRequests, StepTicket, TierStats, Unload,
-    Wants,
+    AdapterSize, Config, Offer, Paging, Registry, StepMode, StepRequest, StepRequests, StepTicket, TierStats,
+    Unload, Wants,
 };
 use crate::shared::SharedRegistry;
 
@@ -34,18 +34,29 @@ use crate::shared::SharedRegistry;
 const UNLOAD_SLICE: Duration = Duration::from_millis(50);
 
 /// Names, ids, in-flight counts and pins of LoRA adapters, the two tiers they live in (host memory
-/// and device slots), and the per-step planner. Thread-safe.
+/// and device slots, or device pages), and the per-step planner. Thread-safe.
+///
+/// Two device layouts: slot mode (`max_loras_per_batch` max-rank slots), or paged mode
+/// (`page_rank` and `max_lora_memory` given): the device pool is `max_lora_memory` pages of
+/// `page_rank` ranks of every targeted module, an adapter of rank `r` takes `ceil(r / page_rank)`
+/// pages (not contiguous: each has a page table, see `StepPlan.page_table`), and a step admits
+/// adapters while their pages fit beside those of the pinned adapters.
 ///
 /// Args:
-///     max_loras_per_batch: device slots (adapters one step can use), at least 1.
+///     max_loras_per_batch: device slots (adapters one step can use), at least 1; in paged mode the
+///         most distinct adapters one step holds, None for no bound but the pages.
+///     page_rank: ranks per device page (paged mode, with `max_lora_memory`), at least 1.
+///     max_lora_memory: device pages (paged mode, with `page_rank`), 1 to 65536.
 ///     max_loaded_loras: host-tier capacity in adapters (>= max_loras_per_batch); None is unbounded.
 ///     max_host_bytes: host-tier capacity in bytes; None is unbounded.
-///     eviction_policy: the device tier's policy, "lru", "fifo", "reuse" or "hybrid".
-///     host_eviction_policy: the host tier's policy, "lru", "fifo", "reuse" or "hybrid".
+///     eviction_policy: the device tier's policy, "lru", "fifo", "reuse", "hybrid" or "size"
+///         (hybrid weighing bytes, for paged mode).
+///     host_eviction_policy: the host tier's policy, "lru", "fifo", "reuse", "hybrid" or "size".
 ///     chunk_size: longest segment, in tokens, in a plan's segment arrays; None leaves them whole.
 ///
 /// Raises:
-///     SpecError: a limit is out of range or inconsistent, or a policy is unknown.
+///     SpecError: a limit is out of range or inconsistent, a policy is unknown, only one of
+///         `page_rank` and `max_lora_memory` is given, or `max_loras_per_batch` is None without them.
 #[pyclass(frozen, name = "LoRARegistry", module = "lora_pin")]
 pub struct PyLoRARegistry {
     shared: SharedRegistry,
@@ -139,20 +150,49 @@ impl PyLoRARegistry {
     #[new]
     #[pyo3(signature = (
         max_loras_per_batch, max_loaded_loras = None, *, max_host_bytes = None, eviction_policy = "lru",
-        host_eviction_policy = "lru", chunk_size = None
+        host_eviction_policy = "lru", chunk_size = None, page_rank = None, max_lora_memory = None
     ))]
+    #[allow(clippy::too_many_arguments)]
     fn py_new(
         py: Python<'_>,
-        max_loras_per_batch: &Bound<'_, PyAny>,
+        max_loras_per_batch: Option<&Bound<'_, PyAny>>,
         max_loaded_loras: Option<&Bound<'_, PyAny>>,
         max_host_bytes: Option<&Bound<'_, PyAny>>,
         eviction_policy: &str,
         host_eviction_policy: &str,
         chunk_size: Option<&Bound<'_, PyAny>>,
+        page_rank: Option<&Bound<'_, PyAny>>,
+        max_lora_memory: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         shielded(py, || {
+            let page_rank = page_rank.map(|v| limit(py, "page_rank", v, 1)).transpose()?;
+            let pages = max_lora_memory.map(|v| limit(py, "max_lora_memory", v, 1)).transpose()?;
+            let paging = match (page_rank, pages) {
+                (None, None) => None,
+                (Some(page_rank), Some(pages)) => Some(Paging {
+                    page_rank: u32::try_from(page_rank).unwrap_or(u32::MAX),
+                    pages: usize::try_from(pages).unwrap_or(usize::MAX),
+                }),
+                _ => {
+                    let msg = format!(
+                        "page_rank and max_lora_memory go together (got page_rank={page_rank:?}, \
+                         max_lora_memory={pages:?})"
+                    );
+                    return Err(new_error(py, "SpecError", msg));
+                }
+            };
+            let slots = match (max_loras_per_batch, paging) {
+                (Some(v), _) => limit(py, "max_loras_per_batch", v, 1)? as usize,
+                // Paged, unbounded by count: every adapter takes a page at least.
+                (None, Some(p)) => p.pages,
+                (None, None) => {
+                    let msg = "max_loras_per_batch is required without page_rank and max_lora_memory";
+                    return Err(new_error(py, "SpecError", msg.to_owned()));
+                }
+            };
             let config = Config {
-                slots: limit(py, "max_loras_per_batch", max_loras_per_batch, 1)? as usize,
+                slots,
+                paging,
                 max_loaded: max_loaded_loras
                     .map(|v| limit(py, "max_loaded_loras", v, 1))
                     .transpose()?
@@ -174,10 +214,22 @@ impl PyLoRARegistry {
         })
     }
 
-    /// Device slots.
+    /// Device slots: in paged mode, the most distinct adapters one step holds.
     #[getter]
     fn max_loras_per_batch(&self, py: Python<'_>) -> PyResult<usize> {
         detached(py, || Ok(self.shared.lock().config().slots))
+    }
+
+    /// Ranks per device page, None in slot mode.
+    #[getter]
+    fn page_rank(&self, py: Python<'_>) -> PyResult<Option<u32>> {
+        detached(py, || Ok(self.shared.lock().config().paging.map(|p| p.page_rank)))
+    }
+
+    /// Device pages (the plan's slot arrays have one entry per page), None in slot mode.
+    #[getter]
+    fn max_lora_memory(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        detached(py, || Ok(self.shared.lock().config().paging.map(|p| p.pages)))
     }
 
     /// Host-tier capacity in adapters, None if unbounded.
@@ -620,7 +672,8 @@ impl PyLoRARegistry {
     /// Where every adapter is, at one instant: a dict with `adapters`, a list sorted by name of
     /// `(name, id, serial, tier, slot, pinned, in_flight, draining, host_bytes)` (`tier` is
     /// "device", "host", "fetching" or "disk"; `slot` None outside the device tier), and the tiers'
-    /// room: `slots`, `free_slots`, `host_bytes`, `reserved_bytes`, `max_host_bytes`.
+    /// room: `slots`, `free_slots` (pages and free pages, in paged mode), `host_bytes`, `reserved_bytes`,
+    /// `max_host_bytes`.
     fn placement<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let p = detached(py, || Ok(self.shared.lock().placement()))?;
         let adapters = p
@@ -743,5 +796,7 @@ fn tier_dict<'py>(py: Python<'py>, t: &TierStats) -> PyResult<Bound<'py, PyDict>
     d.set_item("bytes", t.bytes)?;
     d.set_item("reserved_bytes", t.reserved_bytes)?;
     d.set_item("max_bytes", t.max_bytes)?;
+    d.set_item("pages", t.pages)?;
+    d.set_item("max_pages", t.max_pages)?;
     Ok(d)
 }

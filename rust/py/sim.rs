@@ -9,7 +9,7 @@ use pyo3::types::{PyDict, PyList};
 
 use super::errors::new_error;
 use super::{detached, shielded};
-use crate::registry::StepPlan;
+use crate::registry::{Paging, StepPlan};
 use crate::sim::{
     simulate_replicas as replicas_run, simulate_until, FetchReport, Router, SimConfig, SimReport, TierReport,
     Trace, Workload,
@@ -189,18 +189,24 @@ const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 /// every 0.1 s of a long replay and once at the end (`served == len(trace)`). Pending signals are
 /// checked as often, so Ctrl-C stops a long replay. The results do not depend on either.
 ///
+/// With `page_rank` and `max_lora_memory` the device tier is a pool of `max_lora_memory` pages of
+/// `page_rank` ranks (see `LoRARegistry`): an adapter of rank r takes ceil(r / page_rank) pages and
+/// `slots` bounds the distinct adapters a step; the device `belady_misses` is then None (the bound
+/// counts equal slots).
+///
 /// Raises:
 ///     SpecError: slots or batch_size of 0, max_loaded_loras below slots, an unknown policy, a pin the
 ///         trace never names or beyond the pin limit, a negative step or load time, a rank outside
 ///         1..=MAX_ADAPTER_RANK or a weight not above 0, max_host_bytes of 0 or below a pinned
-///         adapter's bytes.
+///         adapter's bytes, only one of page_rank and max_lora_memory, either of them 0, or an
+///         adapter whose pages could never fit beside the pinned ones.
 ///     KeyboardInterrupt (or what a signal handler raises), or what `progress` raises: the replay
 ///         stops there.
 #[pyfunction]
 #[pyo3(signature = (
     trace, *, slots, max_loaded_loras = None, policy = "lru", pins = Vec::new(), batch_size = 4,
     step_seconds = 0.02, adapter_bytes = 33554432, load_ms = 0.0, record = false, progress = None,
-    ranks = Vec::new(), max_host_bytes = None
+    ranks = Vec::new(), max_host_bytes = None, page_rank = None, max_lora_memory = None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn simulate<'py>(
@@ -218,8 +224,18 @@ pub fn simulate<'py>(
     progress: Option<Py<PyAny>>,
     ranks: Vec<(u32, f64)>,
     max_host_bytes: Option<u64>,
+    page_rank: Option<u32>,
+    max_lora_memory: Option<usize>,
 ) -> PyResult<Bound<'py, PyDict>> {
     shielded(py, || {
+        let paging = match (page_rank, max_lora_memory) {
+            (None, None) => None,
+            (Some(page_rank), Some(pages)) => Some(Paging { page_rank, pages }),
+            _ => {
+                let msg = "page_rank and max_lora_memory go together (give both or neither)";
+                return Err(new_error(py, "SpecError", msg.to_owned()));
+            }
+        };
         let config = SimConfig {
             slots: non_negative(py, "slots", slots)?,
             max_loaded: max_loaded_loras.map(|v| non_negative(py, "max_loaded_loras", v)).transpose()?,
@@ -231,6 +247,7 @@ pub fn simulate<'py>(
             ranks,
             max_host_bytes,
             load_ms,
+            paging,
         };
         let trace = &trace.get().0;
         let progress = progress.as_ref();
@@ -342,6 +359,7 @@ pub fn simulate_replicas<'py>(
             ranks,
             max_host_bytes,
             load_ms: 0.0,
+            paging: None,
         };
         let replicas = non_negative(py, "replicas", replicas)?;
         let queue_bound = non_negative(py, "queue_bound", queue_bound)?;

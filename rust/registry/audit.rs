@@ -121,22 +121,39 @@ impl Registry {
         Ok(())
     }
 
-    /// The slot table agrees with its occupants, and free and occupied slots add up.
+    /// The slot table agrees with its occupants, each occupant holds the pages it needs (none shared,
+    /// none leaked: see `pages::PagePool::check`), and the candidates' and pinned pages add up.
     fn audit_slots(&self) -> Audit {
+        let mut occupied = Vec::new();
+        let (mut candidate_pages, mut pinned_pages) = (0, 0);
         for (slot, key) in self.device.slots.iter().enumerate() {
-            let occupied_ok = match key {
-                Some(k) => {
-                    self.adapters.get(k.index()).and_then(Option::as_ref).and_then(|a| a.tenancy.slot)
-                        == Some(slot as u32)
+            if let Some(k) = key {
+                let a = self.adapters.get(k.index()).and_then(Option::as_ref);
+                if a.and_then(|a| a.tenancy.slot) != Some(slot as u32) {
+                    return Err(format!("slot {slot} and its adapter disagree"));
                 }
-                None => self.device.free.contains(&(slot as u32)),
-            };
-            if !occupied_ok {
-                return Err(format!("slot {slot} and its adapter disagree"));
+                occupied.push((slot as u32, self.key_pages(*k)));
             }
         }
-        if self.device.free.len() + self.device.slots.iter().flatten().count() != self.device.slots.len() {
-            return Err("free slots and occupied slots do not add up".into());
+        self.device.pages.check(occupied.into_iter())?;
+        for a in self.adapters.iter().flatten() {
+            let pages = self.pages_of(a.identity.size);
+            if a.tenancy.device_candidate != DeviceCandidate::No {
+                candidate_pages += pages;
+            }
+            if a.protection.pinned {
+                pinned_pages += pages;
+            }
+        }
+        if (candidate_pages, pinned_pages) != (self.device.candidate_pages, self.device.pinned_pages) {
+            return Err(format!(
+                "device candidates and pinned adapters take {candidate_pages} and {pinned_pages} pages, the \
+                 tier says {} and {}",
+                self.device.candidate_pages, self.device.pinned_pages
+            ));
+        }
+        if pinned_pages > 0 && pinned_pages >= self.total_pages() {
+            return Err(format!("pinned adapters take {pinned_pages} of {} pages", self.total_pages()));
         }
         Ok(())
     }

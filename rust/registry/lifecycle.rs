@@ -11,7 +11,8 @@
 //! - neither (evicted): it enters the host tier, room made as for a registration.
 //!
 //! A slot it holds stays its own: the caller refreshes the slot's contents before the next step that
-//! uses it (a step open now keeps reading the old contents).
+//! uses it (a step open now keeps reading the old contents). In paged mode a rank that changes its
+//! page count gives the slot up instead: the adapter is loaded into new pages on its next use.
 
 use std::sync::Arc;
 
@@ -50,9 +51,9 @@ pub struct Place {
 pub struct Placement {
     /// Every registered adapter (and every one being unloaded), sorted by name.
     pub adapters: Vec<Place>,
-    /// Device slots in all.
+    /// Device slots in all (pages, in paged mode).
     pub slots: usize,
-    /// Device slots holding no adapter.
+    /// Device slots holding no adapter (free pages, in paged mode).
     pub free_slots: usize,
     /// Bytes of the adapters in the host tier.
     pub host_bytes: u64,
@@ -103,6 +104,14 @@ impl Registry {
         } else {
             self.check_pin_room(what, pinned_bytes, Some((name, size.host_bytes)), Some(key))?;
         }
+        let (old_pages, pages) = (self.pages_of(old), self.pages_of(size));
+        let pinned_pages = self.device.pinned_pages - if pinned { old_pages } else { 0 };
+        if pinned {
+            self.check_pin_pages(name, pages, pinned_pages + pages, Some(key))?;
+        } else {
+            let what = || format!("replace adapter {name:?} by rank {}", size.rank);
+            self.check_unpinned_pages(what, pages, pinned_pages)?;
+        }
         let a = self.get(key);
         let (was_host, was_fetching) = (a.tenancy.host_since.is_some(), a.tenancy.fetching);
         // Out of the candidate sets while the room is made (it must not evict itself), and its old
@@ -126,6 +135,12 @@ impl Registry {
         self.bytes_registered = totals;
         if pinned {
             self.pinned_host_bytes = pinned_bytes + size.host_bytes;
+            self.device.pinned_pages = pinned_pages + pages;
+        }
+        if pages != old_pages && self.get(key).tenancy.slot.is_some() {
+            // Its page table no longer fits its rank: it is loaded again, into new pages, on its next
+            // use (a step open now keeps reading the old pages, which no plan hands out before it ends).
+            self.free_slot(key);
         }
         self.host.count += 1;
         self.host.bytes += size.host_bytes;
@@ -196,8 +211,8 @@ impl Registry {
         adapters.sort_unstable_by(|x, y| x.name.cmp(&y.name));
         Placement {
             adapters,
-            slots: self.config.slots,
-            free_slots: self.device.slots.iter().filter(|s| s.is_none()).count(),
+            slots: self.total_pages(),
+            free_slots: self.device.pages.free_count(),
             host_bytes: self.host.bytes - self.host.reserved_bytes,
             reserved_bytes: self.host.reserved_bytes,
             max_host_bytes: self.host.max_bytes,

@@ -3,6 +3,7 @@
 //!
 //! - `adapter`: one adapter's identity, protections and tenancy (where it is, its use history);
 //! - `tiers`: the host ledger and the device slot table (counts, bytes, candidate sets);
+//! - `pages`: the device tier's memory in rank pages (the page allocator, the page budget's rules);
 //! - `moves`: moving adapters between tiers, keeping each tier's eviction candidates exact;
 //! - `fetch`: background reads (the fetching state: host bytes reserved, read in flight);
 //! - `lifecycle`: weights replaced in place under a name, and where every adapter is;
@@ -34,6 +35,7 @@ mod fetch;
 mod lifecycle;
 mod moves;
 mod offer;
+mod pages;
 mod plan;
 mod step;
 #[cfg(test)]
@@ -48,6 +50,7 @@ use self::adapter::{Adapter, Identity, Protection, Tenancy, NOT_NAMED};
 pub use self::fetch::{Fetch, FetchPlan};
 pub use self::lifecycle::{Place, Placement};
 pub use self::offer::{Offer, Wants};
+pub use self::pages::Paging;
 pub use self::plan::{Deferral, Hold, Load, StepPlan, StepRequests};
 pub use self::step::{StepMode, StepRequest, StepStart, StepTicket};
 use self::tiers::{DeviceCandidate, DeviceTier, HostCandidate, HostLedger, Tier, TierCounters};
@@ -61,8 +64,12 @@ use crate::spec::{self, Limits, LoRARef};
 /// How the registry is sized and which policies it uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
-    /// Device slots (`max_loras_per_batch`), at least 1.
+    /// Device slots (`max_loras_per_batch`), at least 1: with `paging`, the most distinct adapters
+    /// one step holds (a bound beside the pages).
     pub slots: usize,
+    /// The device tier in rank pages (`page_rank`, `max_lora_memory`); `None` is slot mode, where
+    /// every adapter takes one of `slots` max-rank slots.
+    pub paging: Option<Paging>,
     /// Host-tier capacity in adapters (`max_loaded_loras`); `None` is unbounded.
     pub max_loaded: Option<usize>,
     /// Host-tier capacity in bytes; `None` is unbounded.
@@ -80,6 +87,7 @@ impl Config {
     pub fn new(slots: usize) -> Self {
         Self {
             slots,
+            paging: None,
             max_loaded: None,
             max_host_bytes: None,
             device_policy: PolicyKind::Lru,
@@ -150,8 +158,12 @@ impl Registry {
     /// An empty registry.
     ///
     /// Errors: [`Error::Spec`] when `slots` is 0 or above [`MAX_SLOTS`], `max_loaded < slots`,
-    /// `max_host_bytes` or `chunk_size` is 0.
+    /// `max_host_bytes` or `chunk_size` is 0, or the paging has a `page_rank` of 0 or pages outside
+    /// 1 to [`MAX_SLOTS`].
     pub fn new(config: Config) -> Result<Self> {
+        if let Some(paging) = config.paging {
+            paging.check()?;
+        }
         spec::check_limits(
             0,
             0,
@@ -163,14 +175,14 @@ impl Registry {
         if config.chunk_size == Some(0) {
             return Err(Error::Spec("chunk_size must be at least 1 (got 0)".into()));
         }
-        let slots = config.slots as u32;
+        let pages = config.paging.map_or(config.slots, |p| p.pages) as u32;
         let host = HostLedger::new(
             config.max_loaded,
             config.max_host_bytes,
             config.host_policy.build(),
             config.host_policy.build(),
         );
-        let device = DeviceTier::new(slots, config.device_policy.build(), config.device_policy.build());
+        let device = DeviceTier::new(pages, config.device_policy.build(), config.device_policy.build());
         Ok(Self {
             config,
             adapters: Vec::new(),
@@ -301,8 +313,10 @@ impl Registry {
         self.check_name_free(&r)?;
         let totals = self.registered_totals_with(&r, size)?;
         if r.pinned {
-            self.check_pin(&r.lora_name, size.host_bytes, None)?;
+            self.check_pin(&r.lora_name, size, None)?;
         } else {
+            let what = || format!("register {}", describe(&r));
+            self.check_unpinned_pages(what, self.pages_of(size), self.device.pinned_pages)?;
             let what = || format!("register {} ({} host bytes)", describe(&r), size.host_bytes);
             self.check_pin_room(what, self.pinned_host_bytes, Some((&r.lora_name, size.host_bytes)), None)?;
         }
@@ -389,6 +403,7 @@ impl Registry {
         if pinned {
             self.pinned += 1;
             self.pinned_host_bytes += size.host_bytes;
+            self.device.pinned_pages += self.pages_of(size);
         }
         self.unloaded.forget_name(&r.lora_name);
         self.names_epoch += 1;
@@ -433,8 +448,8 @@ impl Registry {
     /// Whether `name` (`key` when registered) of `host_bytes` may be pinned: one slot stays for
     /// unpinned adapters, and every other registered adapter still fits in the host tier beside the
     /// pinned ones (else its requests would wait forever).
-    fn check_pin(&mut self, name: &str, host_bytes: u64, key: Option<AdapterKey>) -> Result<()> {
-        let slots = self.config.slots;
+    fn check_pin(&mut self, name: &str, size: AdapterSize, key: Option<AdapterKey>) -> Result<()> {
+        let (slots, host_bytes) = (self.config.slots, size.host_bytes);
         if self.pinned + 1 > slots - 1 {
             self.device.counters.refusals += 1;
             return Err(Error::Capacity(format!(
@@ -453,6 +468,8 @@ impl Registry {
                 )));
             }
         }
+        let pages = self.pages_of(size);
+        self.check_pin_pages(name, pages, self.device.pinned_pages + pages, key)?;
         let what = || format!("pin adapter {name:?} ({host_bytes} host bytes)");
         self.check_pin_room(what, self.pinned_host_bytes + host_bytes, None, key)
     }
@@ -516,10 +533,11 @@ impl Registry {
         if a.protection.pinned {
             return Ok(());
         }
-        let bytes = a.identity.size.host_bytes;
-        self.check_pin(name, bytes, Some(key))?;
+        let size = a.identity.size;
+        self.check_pin(name, size, Some(key))?;
         self.pinned += 1;
-        self.pinned_host_bytes += bytes;
+        self.pinned_host_bytes += size.host_bytes;
+        self.device.pinned_pages += self.pages_of(size);
         self.get_mut(key).protection.pinned = true;
         self.refresh(key);
         Ok(())
@@ -538,9 +556,10 @@ impl Registry {
         let a = self.get_mut(key);
         if a.protection.pinned {
             a.protection.pinned = false;
-            let bytes = a.identity.size.host_bytes;
+            let size = a.identity.size;
             self.pinned -= 1;
-            self.pinned_host_bytes -= bytes;
+            self.pinned_host_bytes -= size.host_bytes;
+            self.device.pinned_pages -= self.pages_of(size);
             self.refresh(key);
         }
     }
@@ -683,6 +702,8 @@ impl Registry {
             .filter(|a| a.tenancy.slot.is_some())
             .map(|a| a.identity.size.device_bytes)
             .sum();
+        device.pages = self.total_pages() - self.device.pages.free_count();
+        device.max_pages = Some(self.total_pages());
         Stats { registered, pinned: self.pinned, pinned_names: pinned, unloading, host, device }
     }
 }
@@ -723,6 +744,10 @@ pub struct TierStats {
     pub reserved_bytes: u64,
     /// Capacity in bytes; `None` is unbounded.
     pub max_bytes: Option<u64>,
+    /// Pages resident (device tier only; slots in slot mode, where a page is a slot).
+    pub pages: usize,
+    /// Capacity in pages (device tier only); `None` for the host tier.
+    pub max_pages: Option<usize>,
 }
 
 /// [`Registry::stats`]: both tiers plus the registry's own numbers.

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use super::adapter::NOT_NAMED;
+use super::pages::pages_for;
 use super::tiers::{DeviceCandidate, Eviction, HostCandidate, Tier};
 use super::Registry;
 use crate::policy::{AdapterKey, Usage};
@@ -13,6 +14,7 @@ use crate::policy::{AdapterKey, Usage};
 impl Registry {
     /// Puts `key` into exactly the candidate sets its tenancy and protections call for.
     pub(crate) fn refresh(&mut self, key: AdapterKey) {
+        let paging = self.config.paging;
         let a = self.adapters[key.index()].as_mut().expect("a live adapter key");
         let protected = a.protection.shields();
         let host_wanted = match a.tenancy.named_at {
@@ -62,16 +64,17 @@ impl Registry {
             a.tenancy.host_candidate = host_wanted;
         }
         if a.tenancy.device_candidate != device_wanted {
+            let pages = pages_for(paging, a.identity.size.rank);
             match a.tenancy.device_candidate {
                 DeviceCandidate::Idle => self.device.idle.remove(key),
                 DeviceCandidate::Queued => self.device.queued.remove(key),
-                DeviceCandidate::No => {}
+                DeviceCandidate::No => self.device.candidate_pages += pages,
             }
             let u = usage(a.tenancy.device_since, a.identity.size.device_bytes);
             match device_wanted {
                 DeviceCandidate::Idle => self.device.idle.insert(key, &u),
                 DeviceCandidate::Queued => self.device.queued.insert(key, &u),
-                DeviceCandidate::No => {}
+                DeviceCandidate::No => self.device.candidate_pages -= pages,
             }
             a.tenancy.device_candidate = device_wanted;
         }
@@ -120,19 +123,18 @@ impl Registry {
         evicted.push(Eviction { name, tier: Tier::Host, slot: None });
     }
 
-    /// A free slot, evicting a device candidate (idle ones first) when none is free. The caller has
-    /// checked [`DeviceTier::slot_possible`].
-    pub(crate) fn take_slot(&mut self, evicted: &mut Vec<Eviction>) -> u32 {
-        if let Some(slot) = self.device.free.pop_first() {
-            return slot;
+    /// A slot holding `pages` free pages (the adapter's page table), evicting device candidates (idle
+    /// ones first, each in policy order) until that many are free. The caller has checked
+    /// [`super::tiers::DeviceTier::pages_possible`].
+    pub(crate) fn take_pages(&mut self, pages: usize, evicted: &mut Vec<Eviction>) -> u32 {
+        while self.device.pages.free_count() < pages {
+            let victim = self.device.idle.victim().or_else(|| self.device.queued.victim());
+            self.evict_device(victim.expect("pages_possible promised a device victim"), evicted);
         }
-        let victim = self.device.idle.victim().or_else(|| self.device.queued.victim());
-        let slot = self.evict_device(victim.expect("slot_possible promised a device victim"), evicted);
-        self.device.free.remove(&slot);
-        slot
+        self.device.pages.alloc(pages).expect("the pages were made free")
     }
 
-    /// Puts `key` into `slot` (free, taken with [`Registry::take_slot`]).
+    /// Puts `key` into `slot` (its pages taken with [`Registry::take_pages`]).
     pub(crate) fn occupy_slot(&mut self, key: AdapterKey, slot: u32) {
         debug_assert!(self.device.slots[slot as usize].is_none());
         let now = self.tick();
@@ -166,12 +168,12 @@ impl Registry {
         slot
     }
 
-    /// Takes `key` out of its slot (which becomes free) and returns the slot.
+    /// Takes `key` out of its slot (its pages become free) and returns the slot.
     pub(crate) fn free_slot(&mut self, key: AdapterKey) -> u32 {
         let slot = self.get_mut(key).tenancy.slot.take().expect("the adapter has a slot");
         self.device.slots[slot as usize] = None;
         self.device.epochs[slot as usize] += 1;
-        self.device.free.insert(slot);
+        self.device.pages.release(slot);
         self.refresh(key);
         slot
     }

@@ -3,7 +3,8 @@
 //!
 //! Admission walks the requests in batch order and decides per adapter at its first request:
 //! a pinned adapter is admitted; an unpinned one while fewer than `slots - pinned` distinct unpinned
-//! adapters are admitted. Then every admitted adapter not in a slot gets one (and a host-tier place
+//! adapters are admitted and its pages fit in those the pinned adapters leave (see `pages`; in slot
+//! mode the two rules are one). Then every admitted adapter not in a slot gets one (its pages) (and a host-tier place
 //! first when it was evicted from host memory), evicting only adapters outside the step. An adapter
 //! whose tier cannot make room is deferred with all its requests, so every admitted request has a
 //! slot and a plan never fails half-way.
@@ -15,6 +16,7 @@
 use std::sync::Arc;
 
 use super::fetch::{Claim, Fetch};
+use super::pages::pages_for;
 use super::tiers::Eviction;
 use super::{LoadSource, Registry};
 use crate::error::{Error, Result};
@@ -68,6 +70,13 @@ pub struct StepPlan {
     pub slot_scalings: Vec<f32>,
     /// `[slots]` each slot's epoch, bumped whenever its occupant changes.
     pub slot_epochs: Vec<i64>,
+    /// `[slots + 1]` the page table of slot `s`'s adapter is `page_table[page_indptr[s]..page_indptr[s +
+    /// 1]]` (empty for an empty slot). `slots` is the device pool's pages (a slot is an adapter's first
+    /// page); in slot mode slot `s` holds page `s` alone.
+    pub page_indptr: Vec<i32>,
+    /// `[P]` the page indices of every slot's adapter, its rank blocks in order (rows
+    /// `k * page_rank .. (k + 1) * page_rank` of the adapter are in page `page_table[page_indptr[s] + k]`).
+    pub page_table: Vec<i32>,
     /// The slots the admitted requests use, ascending.
     pub slots_used: Vec<u32>,
     /// Fetch mode: the fetches this plan started, in first-request order (their adapters'
@@ -86,7 +95,8 @@ pub struct StepPlan {
 #[repr(u8)]
 pub enum Deferral {
     /// Its adapter needs a device slot and none can be had now: more distinct unpinned adapters
-    /// than the slots left by the pinned ones, or every slot holds a protected adapter.
+    /// than the slots left by the pinned ones (or more pages than they leave), or every slot holds
+    /// a protected adapter.
     DeviceRoom,
     /// Its adapter is outside the host tier and its read does not start now: the tier cannot make
     /// room for it (full of pinned, in-flight or fetching adapters, or of those other requests
@@ -295,6 +305,8 @@ struct Waiting {
     /// The adapters admission deferred although they are in the host tier (all unpinned): the
     /// next steps can take them without a read.
     ready: usize,
+    /// Their pages.
+    ready_pages: usize,
 }
 
 /// One step's requests: request `i` uses `adapters[i]` (None: the base model, or a held request)
@@ -414,13 +426,16 @@ impl Registry {
     /// theirs if that is enough ([`Registry::yield_room`]), so no request waits forever behind
     /// adapters that later requests keep in the host tier.
     fn start_waiting_fetches(&mut self, waiting: &mut Waiting, marks: &mut [i32], plan: &mut StepPlan) {
-        let limit = self.slot_budget().limit();
+        let budget = self.slot_budget();
+        let (limit, page_limit) = (budget.limit(), budget.page_limit());
         let fetching_unpinned = |reg: &Self, key: AdapterKey| {
             let a = reg.get(key);
             a.tenancy.fetching && !a.protection.pinned
         };
-        let mut ready =
-            waiting.ready + waiting.keys.iter().filter(|&&(key, _)| fetching_unpinned(self, key)).count();
+        let fetching = waiting.keys.iter().filter(|&&(key, _)| fetching_unpinned(self, key));
+        let mut ready = waiting.ready + fetching.clone().count();
+        let mut ready_pages =
+            waiting.ready_pages + fetching.map(|&(key, _)| self.key_pages(key)).sum::<usize>();
         for &(key, first) in &waiting.keys {
             let a = self.get(key);
             if a.tenancy.fetching {
@@ -429,7 +444,7 @@ impl Registry {
             }
             let overdue = a.tenancy.deferred_plans >= OVERDUE_AFTER;
             let pinned = a.protection.pinned;
-            if !overdue && !pinned && ready >= limit {
+            if !overdue && !pinned && (ready >= limit || ready_pages >= page_limit) {
                 continue;
             }
             let bytes = a.identity.size.host_bytes;
@@ -438,6 +453,7 @@ impl Registry {
             }
             if self.start_fetch(key) {
                 ready += usize::from(!pinned);
+                ready_pages += if pinned { 0 } else { self.key_pages(key) };
                 marks[key.index()] = DEFER_LOADING;
                 let a = self.get(key);
                 plan.to_fetch.push(Fetch { name: Arc::clone(&a.identity.name), serial: a.identity.serial });
@@ -537,12 +553,13 @@ impl Registry {
         let spare = std::mem::take(&mut self.spare_step);
         let mut previous = std::mem::replace(&mut self.step, spare);
         let mut budget = self.slot_budget();
-        let overdue = if self.overdue > 0 {
+        let (overdue, overdue_pages) = if self.overdue > 0 {
             self.admit_overdue(adapters, marks, &mut budget, waiting.as_deref_mut())
         } else {
-            0
+            (0, 0)
         };
         let base_mark = marks.len() - 1;
+        let paging = self.config.paging;
         for (i, &request) in adapters.iter().enumerate() {
             // Base-model requests read the base mark (never UNSEEN) instead of branching on None,
             // which base rows mixed in at random would mispredict.
@@ -559,12 +576,15 @@ impl Registry {
                     continue;
                 }
             }
-            if !budget.take(a.protection.pinned) {
+            let pages = pages_for(paging, a.identity.size.rank);
+            if !budget.take(a.protection.pinned, pages) {
                 // Refused only because overdue adapters went first: it gave way.
-                *mark = if budget.used() - overdue < budget.limit() { DEFER_FAIRNESS } else { DEFER_DEVICE };
+                let gave_way = budget.fits_without(overdue, overdue_pages, pages);
+                *mark = if gave_way { DEFER_FAIRNESS } else { DEFER_DEVICE };
                 self.device.counters.refusals += 1;
                 if let Some(waiting) = waiting.as_deref_mut() {
                     waiting.ready += 1;
+                    waiting.ready_pages += pages;
                 }
                 continue;
             }
@@ -588,8 +608,9 @@ impl Registry {
         self.spare_step = previous;
     }
 
-    /// Admits the overdue adapters the requests name before anything else, oldest first, up to
-    /// `budget`; returns how many it admitted (all unpinned). In fetch mode (`waiting`) one outside
+    /// Admits the overdue adapters the requests name before anything else, oldest first, those
+    /// `budget` has room for (the oldest always fits: no adapter needs more pages than the pinned
+    /// ones leave); returns how many it admitted (all unpinned) and their pages. In fetch mode (`waiting`) one outside
     /// the host tier is left to the fetch path, and the admitted ones count as the oldest requests.
     fn admit_overdue(
         &mut self,
@@ -597,7 +618,7 @@ impl Registry {
         marks: &mut [i32],
         budget: &mut SlotBudget,
         mut waiting: Option<&mut Waiting>,
-    ) -> usize {
+    ) -> (usize, usize) {
         // (plans deferred, first request, key); the mark ADMITTED here only dedupes, and the distinct
         // keys seen are UNSEEN again after.
         let mut overdue: Vec<(u32, u32, AdapterKey)> = Vec::new();
@@ -619,9 +640,12 @@ impl Registry {
             marks[key.index()] = UNSEEN;
         }
         overdue.sort_unstable_by_key(|&(plans, first, _)| (std::cmp::Reverse(plans), first));
-        overdue.truncate(budget.limit());
+        let (before, pages_before) = (budget.used(), budget.pages_used());
         for &(_, _, key) in &overdue {
-            budget.take(false);
+            if !budget.take(false, self.key_pages(key)) {
+                // Left UNSEEN: admission proper defers it (a younger overdue one may still fit).
+                continue;
+            }
             marks[key.index()] = ADMITTED;
             self.step.push(key);
             if let Some(waiting) = waiting.as_deref_mut() {
@@ -631,12 +655,18 @@ impl Registry {
                 self.refresh(key);
             }
         }
-        overdue.len()
+        (budget.used() - before, budget.pages_used() - pages_before)
     }
 
     /// This step's [`SlotBudget`], nothing counted yet.
     pub(super) fn slot_budget(&self) -> SlotBudget {
-        SlotBudget { limit: self.config.slots - self.pinned, used: 0, counted: Vec::new() }
+        SlotBudget {
+            limit: self.config.slots - self.pinned,
+            used: 0,
+            page_limit: self.total_pages() - self.device.pinned_pages,
+            pages_used: 0,
+            counted: Vec::new(),
+        }
     }
 
     /// Counts, per adapter the requests name, one more plan deferring it for room, or none since it
@@ -706,7 +736,8 @@ impl Registry {
         if source == LoadSource::Disk && !host_room {
             return Err(Refusal::Host);
         }
-        if !self.device.slot_possible() {
+        let pages = self.pages_of(a.identity.size);
+        if !self.device.pages_possible(pages) {
             return Err(Refusal::Device);
         }
         match source {
@@ -719,7 +750,7 @@ impl Registry {
             }
             LoadSource::Host => self.host.counters.hits += 1,
         }
-        let slot = self.take_slot(&mut plan.evictions);
+        let slot = self.take_pages(pages, &mut plan.evictions);
         self.get_mut(key).protection.loading = Some(source);
         self.occupy_slot(key, slot);
         self.device.counters.misses += 1;
@@ -806,7 +837,7 @@ impl Registry {
         if single {
             token_slots.extend_from_slice(&request_slots);
         }
-        let (token_perm, counts) = sort_by_slot(&token_slots, self.config.slots);
+        let (token_perm, counts) = sort_by_slot(&token_slots, self.total_pages());
         plan.request_slots = request_slots;
         plan.token_slots = token_slots;
         plan.token_perm = token_perm;
@@ -817,12 +848,14 @@ impl Registry {
     /// cut into chunks of at most `chunk_size` tokens.
     fn fill_segments(&self, counts: &[i32], plan: &mut StepPlan) {
         plan.chunk_size = self.config.chunk_size;
-        cut_segments(counts, self.config.slots, plan.chunk_size, &mut plan.seg_indptr, &mut plan.seg_slots);
+        cut_segments(counts, self.total_pages(), plan.chunk_size, &mut plan.seg_indptr, &mut plan.seg_slots);
     }
 
-    /// Per slot its adapter's rank and scaling and its epoch, and the slots the step uses.
+    /// Per slot its adapter's rank, scaling, epoch and page table, and the slots the step uses.
     fn fill_slot_tables(&self, marks: &[i32], plan: &mut StepPlan) {
-        let slots = self.config.slots;
+        let slots = self.total_pages();
+        plan.page_indptr.reserve_exact(slots + 1);
+        plan.page_indptr.push(0);
         plan.slot_ranks.reserve_exact(slots);
         plan.slot_scalings.reserve_exact(slots);
         plan.slot_epochs.reserve_exact(slots);
@@ -834,30 +867,36 @@ impl Registry {
             plan.slot_ranks.push(rank);
             plan.slot_scalings.push(scaling);
             plan.slot_epochs.push(self.device.epochs[s] as i64);
+            plan.page_table.extend(self.device.pages.table(s as u32).iter().map(|&p| p as i32));
+            plan.page_indptr.push(plan.page_table.len() as i32);
         }
         plan.slots_used = self.step.iter().map(|&k| marks[k.index()] as u32).collect();
         plan.slots_used.sort_unstable();
     }
 }
 
-/// The slot budget of one step: at most `slots - pinned` distinct unpinned adapters, pinned ones
-/// always fitting. The rule's one statement: admission, `split`, `overflow` and `host_misses` count
-/// with it, in batch order.
+/// The slot budget of one step: at most `slots - pinned` distinct unpinned adapters, and their pages
+/// within the pages the pinned adapters leave, pinned ones always fitting (their pages are set aside
+/// whether they are resident or not). In slot mode every adapter takes one page of `slots`, so the
+/// two bounds are one. The rule's one statement: admission, `split`, `overflow` and `host_misses`
+/// count with it, in batch order.
 pub(super) struct SlotBudget {
     limit: usize,
     used: usize,
+    page_limit: usize,
+    pages_used: usize,
     /// The distinct unpinned adapters counted, for [`SlotBudget::admits`].
     counted: Vec<AdapterKey>,
 }
 
 impl SlotBudget {
-    /// Whether a request for `key` (`pinned` or not) fits with the requests counted before it;
-    /// counts `key` when it is a new unpinned adapter that fits.
-    pub(super) fn admits(&mut self, key: AdapterKey, pinned: bool) -> bool {
+    /// Whether a request for `key` (`pinned` or not, taking `pages`) fits with the requests counted
+    /// before it; counts `key` when it is a new unpinned adapter that fits.
+    pub(super) fn admits(&mut self, key: AdapterKey, pinned: bool, pages: usize) -> bool {
         if pinned || self.counted.contains(&key) {
             return true;
         }
-        let fits = self.take(false);
+        let fits = self.take(false, pages);
         if fits {
             self.counted.push(key);
         }
@@ -865,19 +904,32 @@ impl SlotBudget {
     }
 
     /// [`SlotBudget::admits`] for a caller that sees each adapter once (admission, through its marks):
-    /// whether one more adapter fits, counting it.
-    pub(super) fn take(&mut self, pinned: bool) -> bool {
+    /// whether one more adapter of `pages` fits, counting it.
+    pub(super) fn take(&mut self, pinned: bool, pages: usize) -> bool {
         if pinned {
             return true;
         }
-        let fits = self.used < self.limit;
+        let fits = self.fits(pages);
         self.used += usize::from(fits);
+        self.pages_used += if fits { pages } else { 0 };
         fits
+    }
+
+    /// Whether one more adapter of `pages` fits, counting nothing.
+    fn fits(&self, pages: usize) -> bool {
+        self.used < self.limit && self.pages_used + pages <= self.page_limit
+    }
+
+    /// Whether one more adapter of `pages` would fit had the `adapters` adapters of `pages_of_them`
+    /// pages not been counted (they went first for their age: the one refused gave way to them).
+    fn fits_without(&self, adapters: usize, pages_of_them: usize, pages: usize) -> bool {
+        self.used - adapters < self.limit && self.pages_used - pages_of_them + pages <= self.page_limit
     }
 
     /// Starts counting afresh (the next group of a split).
     pub(super) fn restart(&mut self) {
         self.used = 0;
+        self.pages_used = 0;
         self.counted.clear();
     }
 
@@ -886,9 +938,19 @@ impl SlotBudget {
         self.limit
     }
 
+    /// The pages the unpinned adapters of one step may take.
+    pub(super) fn page_limit(&self) -> usize {
+        self.page_limit
+    }
+
     /// The distinct unpinned adapters counted so far.
     pub(super) fn used(&self) -> usize {
         self.used
+    }
+
+    /// The pages counted so far.
+    pub(super) fn pages_used(&self) -> usize {
+        self.pages_used
     }
 }
 

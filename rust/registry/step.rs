@@ -320,7 +320,7 @@ impl Registry {
         let mut misses: Vec<Arc<str>> = Vec::new();
         for &key in adapters.iter().flatten() {
             let a = self.get(key);
-            if !budget.admits(key, a.protection.pinned) {
+            if !budget.admits(key, a.protection.pinned, self.pages_of(a.identity.size)) {
                 continue;
             }
             if a.tenancy.host_since.is_none() && !misses.contains(&a.identity.name) {
@@ -436,7 +436,8 @@ impl Registry {
     }
 
     /// Cuts a batch into groups of request indices, in order, each of which fits the device slots
-    /// at once: at most `slots - pinned` distinct unpinned adapters a group (pinned ones always fit).
+    /// at once: at most `slots - pinned` distinct unpinned adapters a group, and their pages within
+    /// those the pinned adapters leave (pinned ones always fit).
     pub fn split(&self, adapters: &[Option<AdapterKey>]) -> Vec<Vec<u32>> {
         let mut budget = self.slot_budget();
         let mut groups = Vec::new();
@@ -444,10 +445,11 @@ impl Registry {
         for (i, request) in adapters.iter().enumerate() {
             if let Some(key) = *request {
                 let pinned = self.get(key).protection.pinned;
-                if !budget.admits(key, pinned) {
+                let pages = self.key_pages(key);
+                if !budget.admits(key, pinned, pages) {
                     groups.push(std::mem::take(&mut current));
                     budget.restart();
-                    budget.admits(key, pinned);
+                    budget.admits(key, pinned, pages);
                 }
             }
             current.push(i as u32);
@@ -459,16 +461,37 @@ impl Registry {
     }
 
     /// Why a batch cannot run in one step (more distinct unpinned adapters than the slots left
-    /// by the pinned ones), with the numbers; `None` when it fits.
+    /// by the pinned ones, or more pages than they leave), with the numbers; `None` when it fits.
     pub fn overflow(&self, adapters: &[Option<AdapterKey>]) -> Option<String> {
         let mut budget = self.slot_budget();
         let mut over: Vec<AdapterKey> = Vec::new();
         for &key in adapters.iter().flatten() {
-            if !budget.admits(key, self.get(key).protection.pinned) && !over.contains(&key) {
+            if !budget.admits(key, self.get(key).protection.pinned, self.key_pages(key))
+                && !over.contains(&key)
+            {
                 over.push(key);
             }
         }
         (!over.is_empty()).then(|| {
+            if let Some(paging) = self.config.paging {
+                let pages: usize = over.iter().map(|&k| self.key_pages(k)).sum();
+                return format!(
+                    "a batch of {} sequences uses {} distinct unpinned adapters of {} pages (page_rank={}) \
+                     but max_lora_memory={} pages minus {} pinned leave {} pages and max_loras_per_batch={} \
+                     minus {} pinned leave room for {} adapters; use LoRAManager.split(names) to cut it into \
+                     batches that fit",
+                    adapters.len(),
+                    budget.used() + over.len(),
+                    budget.pages_used() + pages,
+                    paging.page_rank,
+                    self.total_pages(),
+                    self.device.pinned_pages,
+                    budget.page_limit(),
+                    self.config.slots,
+                    self.pinned,
+                    budget.limit()
+                );
+            }
             format!(
                 "a batch of {} sequences uses {} distinct unpinned adapters but {} slots minus {} pinned \
                  leave room for {}; use LoRAManager.split(names) to cut it into batches that fit",

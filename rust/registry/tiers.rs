@@ -2,9 +2,9 @@
 //! count and bytes) and the device slot table, each with its eviction candidates. They know keys,
 //! not adapters: moving adapters between them is `moves`'s job.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use super::pages::PagePool;
 use crate::policy::{AdapterKey, EvictionPolicy};
 
 /// A tier's running counters.
@@ -189,32 +189,40 @@ impl HostLedger {
     }
 }
 
-/// Device slots.
+/// Device slots: one per page (see `pages`; in slot mode a page is a slot), an adapter's slot
+/// being its first page.
 #[derive(Debug)]
 pub(crate) struct DeviceTier {
     pub(crate) slots: Vec<Option<AdapterKey>>,
     /// Bumped whenever a slot's occupant changes, so a plan can be checked against later changes.
     pub(crate) epochs: Vec<u64>,
-    pub(super) free: BTreeSet<u32>,
+    /// Free pages and each resident adapter's page table.
+    pub(crate) pages: PagePool,
     pub(super) idle: Box<dyn EvictionPolicy>,
     pub(super) queued: Box<dyn EvictionPolicy>,
+    /// The pages of the idle and queued candidates: what evictions can free.
+    pub(super) candidate_pages: usize,
+    /// The pages every pinned adapter takes, resident or not: set aside from each step's budget.
+    pub(crate) pinned_pages: usize,
     pub(crate) counters: TierCounters,
 }
 
 impl DeviceTier {
-    pub(crate) fn new(slots: u32, idle: Box<dyn EvictionPolicy>, queued: Box<dyn EvictionPolicy>) -> Self {
+    pub(crate) fn new(pages: u32, idle: Box<dyn EvictionPolicy>, queued: Box<dyn EvictionPolicy>) -> Self {
         Self {
-            slots: vec![None; slots as usize],
-            epochs: vec![0; slots as usize],
-            free: (0..slots).collect(),
+            slots: vec![None; pages as usize],
+            epochs: vec![0; pages as usize],
+            pages: PagePool::new(pages),
             idle,
             queued,
+            candidate_pages: 0,
+            pinned_pages: 0,
             counters: TierCounters::default(),
         }
     }
 
-    /// Whether a slot is free or can be freed by an eviction.
-    pub(crate) fn slot_possible(&self) -> bool {
-        !self.free.is_empty() || !self.idle.is_empty() || !self.queued.is_empty()
+    /// Whether `pages` pages are free or can be freed by evictions.
+    pub(crate) fn pages_possible(&self, pages: usize) -> bool {
+        self.pages.free_count() + self.candidate_pages >= pages
     }
 }

@@ -23,3 +23,7 @@ mod tests;
 #[cfg(test)]
 #[path = "sizes_tests.rs"]
 mod sizes_tests;
+
+#[cfg(test)]
+#[path = "pages_sim_tests.rs"]
+mod pages_sim_tests;

@@ -18,7 +18,7 @@ from lora_pin._core import LoRARef, LoRARegistry, Trace, simulate
 from lora_pin.args import EVICTION_POLICIES
 from lora_pin.cli import main
 
-POLICIES = ("lru", "fifo", "reuse", "hybrid")
+POLICIES = ("lru", "fifo", "reuse", "hybrid", "size")
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -1,11 +1,12 @@
 """``lora-pin simulate --plot``: loads and hit rates against slots, host tier and replicas, one line per
-router, drawn with matplotlib (the ``plot`` extra)."""
+router; or against device memory, slot pool beside page pool. Drawn with matplotlib (the ``plot``
+extra)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MISSING", "draw"]
+__all__ = ["MISSING", "draw", "draw_memory"]
 
 MISSING = "--plot needs matplotlib: install the plot extra (pip install 'lora_pin[plot]')"
 
@@ -59,6 +60,41 @@ def draw(rows: list[dict[str, Any]], path: str) -> None:
     axes[1][0].set_ylabel("device hit rate (%)")
     axes[0][0].legend()
     fig.suptitle(f"lora-pin simulate: {first['policy']}, queue bound {first['queue_bound']}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def draw_memory(rows: list[dict[str, Any]], path: str) -> None:
+    """Writes a 1 x 2 figure to ``path``: device loads and device hit rate against device memory
+    (GiB), one line per pool and policy (``--memory-gib`` rows).
+
+    Raises:
+        ImportError: matplotlib is not installed (the caller reports :data:`MISSING`).
+        OSError: ``path`` cannot be written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
+    for pool, policy in dict.fromkeys((r["pool"], r["policy"]) for r in rows):
+        points = sorted(
+            (r["memory_gib"], r["device"]["misses"], r["device"]["hit_rate"])
+            for r in rows
+            if (r["pool"], r["policy"]) == (pool, policy)
+        )
+        xs = [p[0] for p in points]
+        label = f"{pool} pool, {policy}"
+        axes[0][0].plot(xs, [p[1] for p in points], marker="o", label=label)
+        axes[0][1].plot(xs, [100 * p[2] for p in points], marker="o", label=label)
+    axes[0][0].set_ylabel("device loads")
+    axes[0][1].set_ylabel("device hit rate (%)")
+    for ax in axes[0]:
+        ax.set_xlabel("device memory (GiB)")
+    axes[0][0].legend()
+    fig.suptitle("lora-pin simulate: slot pool vs page pool at equal bytes")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

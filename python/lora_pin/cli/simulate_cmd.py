@@ -18,7 +18,7 @@ from lora_pin._core import (
     simulate_replicas,
 )
 from lora_pin.args import EVICTION_POLICIES
-from lora_pin.cli._plot import MISSING, draw
+from lora_pin.cli._plot import MISSING, draw, draw_memory
 from lora_pin.errors import SpecError
 
 __all__ = ["add_parser", "run"]
@@ -150,11 +150,27 @@ def add_parser(subparsers: Any) -> None:
         ),
     )
     p.add_argument(
+        "--memory-gib",
+        default=None,
+        metavar="X[,X...]",
+        help=(
+            "compare a slot pool and a page pool of the same device memory X GiB (a list sweeps): "
+            "X / (the largest rank's adapter size) max-rank slots, against X / (page size) pages of "
+            "--page-rank ranks, each adapter taking ceil(rank / page rank) pages; replaces --slots"
+        ),
+    )
+    p.add_argument(
+        "--page-rank",
+        default="8",
+        help="ranks per page with --memory-gib (default %(default)s, as S-LoRA and SGLang)",
+    )
+    p.add_argument(
         "--plot",
         metavar="FILE",
         help=(
-            "with --replicas: draw loads and hit rates against slots, host tier and replicas per router "
-            "into FILE (.png, .svg, ...; needs the plot extra)"
+            "with --replicas: draw loads and hit rates against slots, host tier and replicas per router; "
+            "with --memory-gib: loads and hit rate against memory, slot pool beside page pool; into FILE "
+            "(.png, .svg, ...; needs the plot extra)"
         ),
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -294,6 +310,105 @@ def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
                     }
                     rows.append({**row, **report})
     return rows
+
+
+def _memory_rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
+    """Per ``--memory-gib`` value and policy, a slot pool and a page pool of those bytes.
+
+    Raises:
+        SpecError: a memory that holds no max-rank slot, a bad ``--page-rank``, or ``--host`` /
+            ``--slots`` lists (the pools are sized by memory, the host tier by ``--host`` alone).
+    """
+    memories = [_number("--memory-gib", m, most=2**33) for m in _list("--memory-gib", args.memory_gib)]
+    page_rank = _int("--page-rank", args.page_rank, least=1, most=MAX_ADAPTER_RANK)
+    hosts = [None if h == "none" else _int("--host", h, least=1) for h in _list("--host", args.host)]
+    if len(hosts) != 1:
+        raise SpecError("--memory-gib: give one --host value (the sweep is over memory)")
+    policies = _list("--policy", args.policy)
+    for policy in policies:
+        if policy not in EVICTION_POLICIES:
+            raise SpecError(
+                f"--policy: {policy!r} is not an eviction policy; choose from {', '.join(EVICTION_POLICIES)}"
+            )
+    pins = list(args.pin) or trace.most_requested(_int("--pin-top", args.pin_top, least=0))
+    batch = _int("--batch-size", args.batch_size, least=1)
+    step_seconds = _number("--step-ms", args.step_ms) / 1000
+    adapter_bytes = _adapter_bytes(args)
+    sizes = _sizes(args)
+    load_ms = _number("--load-ms", args.load_ms)
+    # Without --ranks every adapter is rank 16 of adapter_bytes (the core's default).
+    largest = max((r for r, _ in sizes["ranks"]), default=16)
+    page_bytes = max(1, adapter_bytes * page_rank // largest)
+    pools: list[tuple[float, str, dict[str, Any]]] = []
+    for gib in memories:
+        memory = int(gib * (1 << 30))
+        slots, pages = memory // adapter_bytes, min(memory // page_bytes, MAX_SLOTS)
+        if slots < 1:
+            raise SpecError(
+                f"--memory-gib: {gib:g} GiB holds no max-rank slot of {adapter_bytes / (1 << 20):g} MiB; "
+                "give more memory"
+            )
+        slots = min(slots, MAX_SLOTS)
+        pools.append((gib, "slots", {"slots": slots}))
+        pools.append((gib, "pages", {"slots": pages, "page_rank": page_rank, "max_lora_memory": pages}))
+    rows = []
+    with _Progress(len(trace) * len(pools) * len(policies)) as progress:
+        for gib, pool, shape in pools:
+            for policy in policies:
+                report = simulate(
+                    trace,
+                    max_loaded_loras=hosts[0],
+                    policy=policy,
+                    pins=pins,
+                    batch_size=batch,
+                    step_seconds=step_seconds,
+                    adapter_bytes=adapter_bytes,
+                    load_ms=load_ms,
+                    progress=progress.served,
+                    **shape,
+                    **sizes,
+                )
+                progress.next_run(len(trace))
+                steps = report["steps"]
+                rows.append(
+                    {
+                        "memory_gib": gib,
+                        "pool": pool,
+                        "slots": shape["slots"],
+                        "pages": shape.get("max_lora_memory"),
+                        "page_rank": shape.get("page_rank"),
+                        "max_loaded_loras": hosts[0],
+                        "pins": pins,
+                        "policy": policy,
+                        "load_ms": load_ms,
+                        **sizes,
+                        **report,
+                        "adapters_per_step": report["uses"] / steps if steps else 0.0,
+                    }
+                )
+    return rows
+
+
+def _memory_table(rows: list[dict[str, Any]]) -> str:
+    out: list[str] = []
+    header = (
+        f"{'pool':<6} {'size':>12} {'policy':<7} {'hit rate':>9} {'loads':>9} {'evictions':>9} "
+        f"{'GiB moved':>10} {'deferred':>9} {'worst wait':>10} {'steps':>8} {'adapters/step':>13}"
+    )
+    current = None
+    for r in rows:
+        if r["memory_gib"] != current:
+            current = r["memory_gib"]
+            pins = ", ".join(r["pins"]) or "none"
+            out += ["", f"device memory={r['memory_gib']:g} GiB  pinned={pins}", header]
+        d, h = r["device"], r["host"]
+        size = f"{r['slots']} slots" if r["pool"] == "slots" else f"{r['pages']} x r{r['page_rank']}"
+        out.append(
+            f"{r['pool']:<6} {size:>12} {r['policy']:<7} {_pct(d['hit_rate']):>9} {d['misses']:>9} "
+            f"{d['evictions']:>9} {_gib(d['bytes_moved'] + h['bytes_moved']):>10} {r['deferrals']:>9} "
+            f"{r['worst_wait']:>10} {r['steps']:>8} {r['adapters_per_step']:>13.2f}"
+        )
+    return "\n".join(out[1:]) + "\n"
 
 
 class _Progress:
@@ -509,9 +624,11 @@ def run(args: argparse.Namespace) -> int:
             the trace never names or beyond max_loras_per_batch - 1) or an unreadable or malformed trace;
             the CLI prints the message on one line and exits 2.
     """
+    if args.memory_gib is not None and args.replicas is not None:
+        raise SpecError("--memory-gib: compares one replica's pools; leave out --replicas")
     if args.plot is not None:
-        if args.replicas is None:
-            raise SpecError("--plot: draws the replica sweep; give --replicas N too")
+        if args.replicas is None and args.memory_gib is None:
+            raise SpecError("--plot: draws the replica or memory sweep; give --replicas N or --memory-gib X")
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -521,12 +638,15 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         rows = _cluster_rows(args, trace, about)
         table = _cluster_table
+    elif args.memory_gib is not None:
+        rows = _memory_rows(args, trace)
+        table = _memory_table
     else:
         rows = _rows(args, trace)
         table = _table
     if args.plot is not None:
         try:
-            draw(rows, args.plot)
+            (draw_memory if args.memory_gib is not None else draw)(rows, args.plot)
         except OSError as e:
             raise SpecError(f"--plot: cannot write {args.plot!r}: {e}") from e
     if args.json:

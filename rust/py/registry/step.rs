@@ -383,6 +383,22 @@ impl PyStepPlan {
         byte_array(py, &self.plan.slot_epochs)
     }
 
+    /// `[slots + 1]` int32: slot `s`'s adapter's page table is `page_table[page_indptr[s]:page_indptr[s
+    /// + 1]]` (empty for an empty slot). A slot is its adapter's first page, so `slots` is the
+    /// device pool's pages; in slot mode slot `s` holds page `s` alone.
+    #[getter]
+    fn page_indptr<'py>(&self, py: Python<'py>) -> Bound<'py, PyByteArray> {
+        byte_array(py, &self.plan.page_indptr)
+    }
+
+    /// `[P]` int32: every slot's page indices, each adapter's rank blocks in order (ranks
+    /// `k * page_rank` to `(k + 1) * page_rank - 1` of slot `s`'s adapter are in page
+    /// `page_table[page_indptr[s] + k]`).
+    #[getter]
+    fn page_table<'py>(&self, py: Python<'py>) -> Bound<'py, PyByteArray> {
+        byte_array(py, &self.plan.page_table)
+    }
+
     /// `T`: the admitted requests' tokens.
     #[getter]
     fn num_tokens(&self) -> usize {
