@@ -182,3 +182,43 @@ def test_the_check_sees_a_module_named_in_a_string_annotation() -> None:
     assert imported(tree) == []
     assert imported(tree, type_level=True) == [(1, "lora_pin.parallel.sharding")]
     assert layer_of("lora_pin.parallel.sharding") > layer_of("lora_pin.weights.building")
+
+
+# The manager's parts a server must not reach past it for (its own public methods say what it may do).
+_MANAGER_INSIDES = {"registry", "residency", "host", "pool"}
+
+
+def reaches_past_the_manager(tree: ast.Module) -> list[tuple[int, str]]:
+    """``(line, expression)`` of every read of a manager's insides in ``tree``: ``<x>.registry``,
+    ``.residency``, ``.host``, ``.pool`` or a private attribute of an expression naming a manager (a name
+    or attribute ending in ``manager`` or ``_lora``), and any ``.residency`` at all."""
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = ast.unparse(node.value)
+        on_manager = owner.endswith(("manager", "_lora"))
+        private = node.attr.startswith("_") and not node.attr.startswith("__")
+        if node.attr == "residency" or (on_manager and (node.attr in _MANAGER_INSIDES or private)):
+            out.append((node.lineno, ast.unparse(node)))
+    return sorted(out)
+
+
+def test_serve_goes_through_the_managers_public_api() -> None:
+    wrong = []
+    for path in sorted((PACKAGE / "serve").rglob("*.py")):
+        for line, expr in reaches_past_the_manager(ast.parse(path.read_text(), str(path))):
+            wrong.append(f"{module_name(path)}:{line} reads {expr}")
+    assert not wrong, "serve/ reaches past the manager:\n" + "\n".join(wrong)
+
+
+def test_the_check_sees_a_server_reaching_past_the_manager() -> None:
+    tree = ast.parse(
+        "self.manager.registry.unload(n)\nmanager.residency.lock\nself._lora._loads\n"
+        "self.registry = CollectorRegistry()\nmanager.placement()\n"
+    )
+    assert reaches_past_the_manager(tree) == [
+        (1, "self.manager.registry"),
+        (2, "manager.residency"),
+        (3, "self._lora._loads"),
+    ]
