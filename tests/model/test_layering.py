@@ -222,3 +222,48 @@ def test_the_check_sees_a_server_reaching_past_the_manager() -> None:
         (2, "manager.residency"),
         (3, "self._lora._loads"),
     ]
+
+
+# The LoRA layers and what they may take from ops/: the backends, the segments' type and errors, and the
+# experts' row grouping (routing, not a kernel). Every delta runs through the model's backend.
+_LAYER_MODULES = ("lora_pin.model.layers", "lora_pin.model.parallel_layers", "lora_pin.model.experts")
+_LAYER_MAY_TAKE = {
+    "lora_pin.ops": {"OpArgumentError", "SegmentBatch"},
+    "lora_pin.ops.backends": {"LoRABackend", "backend_for"},
+    "lora_pin.ops.experts": {"expert_segments"},
+}
+
+
+def ops_taken(tree: ast.Module) -> list[tuple[int, str]]:
+    """``(line, "module.name")`` of every name ``tree`` imports from ``lora_pin.ops`` and its modules
+    (``import lora_pin.ops...`` as ``module.*``)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lora_pin.ops"):
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, f"{a.name}.*") for a in node.names if a.name.startswith("lora_pin.ops")]
+    return out
+
+
+def test_the_lora_layers_run_every_delta_through_the_backend() -> None:
+    wrong = []
+    for module in _LAYER_MODULES:
+        path = PACKAGE.joinpath(*module.split(".")[1:]).with_suffix(".py")
+        source = path.read_text()
+        for line, taken in ops_taken(ast.parse(source, str(path))):
+            owner, _, name = taken.rpartition(".")
+            if name not in _LAYER_MAY_TAKE.get(owner, set()):
+                wrong.append(f"{module}:{line} takes {taken}")
+        for word in ("device.type", "is_compiling"):
+            if word in source:
+                wrong.append(f"{module}: {word} (a layer never branches on the device)")
+    assert not wrong, "a LoRA layer reaches past its backend:\n" + "\n".join(wrong)
+
+
+def test_the_check_sees_a_layer_calling_an_op() -> None:
+    tree = ast.parse("from lora_pin.ops.experts import expert_lora_delta_\nimport lora_pin.ops.custom_ops\n")
+    assert sorted(ops_taken(tree)) == [
+        (1, "lora_pin.ops.experts.expert_lora_delta_"),
+        (2, "lora_pin.ops.custom_ops.*"),
+    ]
