@@ -228,7 +228,7 @@ def test_the_check_sees_a_server_reaching_past_the_manager() -> None:
 # experts' row grouping (routing, not a kernel). Every delta runs through the model's backend.
 _LAYER_MODULES = ("lora_pin.model.layers", "lora_pin.model.parallel_layers", "lora_pin.model.experts")
 _LAYER_MAY_TAKE = {
-    "lora_pin.ops": {"OpArgumentError", "SegmentBatch"},
+    "lora_pin.ops": {"OpArgumentError", "KernelMeta"},
     "lora_pin.ops.backends": {"LoRABackend", "backend_for"},
     "lora_pin.ops.experts": {"expert_segments"},
 }

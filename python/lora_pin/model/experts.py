@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from lora_pin.errors import OpArgumentError
 from lora_pin.model.layers import BaseLayerWrapper
 from lora_pin.model.segments import StepSegments
-from lora_pin.ops import SegmentBatch
+from lora_pin.ops import KernelMeta
 from lora_pin.ops.backends import LoRABackend, backend_for
 from lora_pin.ops.experts import expert_segments
 from lora_pin.weights.pool import GroupBuffers
@@ -209,7 +209,7 @@ class LoRAExperts(BaseLayerWrapper):
         result.view(n_experts, n_tokens, width).index_copy_(1, tokens, out.to(result.dtype))
         return result
 
-    def _adapter_tokens(self, seg: SegmentBatch, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _adapter_tokens(self, seg: KernelMeta, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens (int64 ``[N]``) whose adapter has expert LoRA here, and their slots (``[N]``)."""
         counts = (seg.seg_indptr[1:] - seg.seg_indptr[:-1]).long()
         in_order = torch.repeat_interleave(seg.seg_slots.long(), counts, output_size=seg.perm.shape[0])
@@ -282,7 +282,7 @@ class LoRAExperts(BaseLayerWrapper):
         x: torch.Tensor,  # [R, in]
         name: str,
         groups: list[tuple[int, torch.Tensor]],
-        segments: SegmentBatch,
+        segments: KernelMeta,
     ) -> torch.Tensor:
         """``x`` ``[R, in]`` through each row's expert's ``name`` weight, plus the row's expert LoRA
         delta: ``[R, out]``."""

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from lora_pin.ops.experts import ExpertMeta, expert_lora_delta_
-from lora_pin.ops.segments import SegmentBatch
+from lora_pin.ops.segments import KernelMeta
 from lora_pin.weights.pool import GroupBuffers
 
 __all__ = ["LoRABackend", "SplitDelta", "StepRows"]
@@ -23,7 +23,7 @@ __all__ = ["LoRABackend", "SplitDelta", "StepRows"]
 class StepRows(Protocol):
     """What a backend reads of the active step (``lora_pin.model.StepSegments``)."""
 
-    def for_input(self, x: torch.Tensor) -> SegmentBatch:
+    def for_input(self, x: torch.Tensor) -> KernelMeta:
         """The segments of layer input ``x`` (``[..., in]``; raises ``UsageError`` for a wrong shape)."""
         ...
 
@@ -103,7 +103,7 @@ class LoRABackend(ABC):
         """
 
     def add_expert_lora(
-        self, buffers: GroupBuffers, out: torch.Tensor, x: torch.Tensor, segments: SegmentBatch
+        self, buffers: GroupBuffers, out: torch.Tensor, x: torch.Tensor, segments: KernelMeta
     ) -> None:
         """``out [R, out] += scaling * B[slot, e] (A[slot, e] x)`` in place for each routed row of ``x
         [R, in]`` whose segment's flat slot is ``slot * E + e``, over an experts group's buffers (``a``
