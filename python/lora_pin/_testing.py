@@ -21,7 +21,8 @@ from typing import NamedTuple
 import torch
 
 from lora_pin.ops.segments import KernelMeta
-from lora_pin.weights.host import HostAdapter, HostTier
+from lora_pin.weights.host_adapter import HostAdapter
+from lora_pin.weights.host_tier import HostTier
 
 __all__ = [
     "PATTERNS",

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import lora_pin.weights.host as host
+import lora_pin.weights.host_tier as host
 from lora_pin.errors import AdapterLoadError
 from lora_pin.fixtures import make_peft_adapter
 from lora_pin.weights import HostAdapter, LoRATargets, load_adapter

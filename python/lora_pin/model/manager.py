@@ -46,7 +46,7 @@ from lora_pin.weights import (
     DevicePool,
     HostTier,
 )
-from lora_pin.weights.host import HostAdapter
+from lora_pin.weights.host_adapter import HostAdapter
 from lora_pin.weights.reader import read_contained_config
 from lora_pin.weights.targets import ModuleSelection
 

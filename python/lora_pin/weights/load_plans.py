@@ -13,7 +13,7 @@ import torch
 
 from lora_pin.weights.building import _non_finite
 from lora_pin.weights.digest import ServedModule, adapter_digest
-from lora_pin.weights.hosted import HostAdapter, HostModule
+from lora_pin.weights.host_adapter import HostAdapter, HostModule
 from lora_pin.weights.reader import AdapterFile, LoraTensorPair
 from lora_pin.weights.targets import LoRATargets, TargetGroup
 
@@ -126,7 +126,7 @@ class _LoadPlan:
         return cls(at, pin, tuple(reads), modules, tuple(served), len(reads), at * size)
 
     def load(self, file: AdapterFile, targets: LoRATargets, dtype: torch.dtype) -> HostAdapter:
-        """:func:`~lora_pin.weights.host.load_opened` of ``file`` by this plan: one read of every tensor,
+        """:func:`~lora_pin.weights.host_tier.load_opened` of ``file`` by this plan: one read of every tensor,
         then the views.
 
         Raises:

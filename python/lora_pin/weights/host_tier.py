@@ -1,7 +1,7 @@
 """The host tier: adapters validated against the model and normalised into CPU tensors per target group.
 
 :func:`load_adapter` (and :func:`load_opened`, for an adapter already opened) reads one adapter into a
-:class:`~lora_pin.weights.hosted.HostAdapter`: the checks against the model
+:class:`~lora_pin.weights.host_adapter.HostAdapter`: the checks against the model
 (:mod:`lora_pin.weights.model_checks`), then, for a plain adapter, a plan decided from its header and kept
 for the next adapter trained alike (:mod:`lora_pin.weights.load_plans`): one read of every tensor into its
 place; for any other, its host modules built one by one (:mod:`lora_pin.weights.building`).
@@ -27,7 +27,7 @@ from lora_pin.weights.building import (
 )
 from lora_pin.weights.digest import adapter_digest
 from lora_pin.weights.dora import BaseWeights
-from lora_pin.weights.hosted import HostAdapter, HostModule, _Slab, _whole_dora_nbytes
+from lora_pin.weights.host_adapter import HostAdapter, HostModule, _Slab, _whole_dora_nbytes
 from lora_pin.weights.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TENSORS
 from lora_pin.weights.load_plans import _LoadPlan, _plans
 from lora_pin.weights.model_checks import _check_against_model, _listing
