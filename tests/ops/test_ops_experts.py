@@ -3,7 +3,7 @@
 Routed rows are drawn like a MoE layer's: each request's tokens carry its adapter's slot (or none),
 each token ``k`` experts; the segments group the rows by (slot, expert). The CPU path runs the registered
 ops; the Triton kernels run under the interpreter on tiny shapes (fp32 and fp16), as in
-``test_ops_triton.py``.
+``test_triton_sgmv.py``.
 """
 
 from __future__ import annotations
