@@ -15,7 +15,7 @@ second copy the floor does not make. Also timed: hashing every adapter's tensors
 (``reader.READ_THREADS = 1``, patched in here), to show what the core's other reading threads bring;
 and the host tier with nothing decided before (``cold``): the adapters here are alike (one config, one
 header), so after the first every load reuses the first one's checks and layout (the reader's header
-index and the load plan of ``weights/load_plans.py``); ``cold`` drops both before each adapter, and the
+index and the read recipe of ``weights/read_recipes.py``); ``cold`` drops both before each adapter, and the
 rank and scaling tensors kept by value, as a load of adapters of eight different recipes (of different
 ranks or alphas) would find them.
 
@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import load_file
 
 from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
-from lora_pin.weights import DevicePool, LoRATargets, load_adapter, load_plans, reader
+from lora_pin.weights import DevicePool, LoRATargets, load_adapter, read_recipes, reader
 from lora_pin.weights.digest import tensor_digest
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -113,9 +113,9 @@ def main() -> None:
 
         def forget_decisions() -> None:
             # Private on purpose: the caches have no public switch, a benchmark of their absence needs one.
-            targets.__dict__.pop("_load_plans", None)
+            targets.__dict__.pop("_read_recipes", None)
             reader._INDEXED = reader._IndexCache(32)
-            load_plans._group_tensors.cache_clear()
+            read_recipes._group_tensors.cache_clear()
 
         def cold_load() -> None:
             for i, path in enumerate(paths):
