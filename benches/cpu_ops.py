@@ -123,7 +123,7 @@ def vllm_sgmv(
 ) -> None:
     """vLLM's CPU SGMV as described: per-token adapter indices from the segments, then per slice a
     per-token weight gather and batched products (shrink scaled into ``v``, expand added into ``out``)."""
-    perm, seg_indptr, seg_slots = segments
+    perm, seg_indptr, seg_slots = segments[:3]
     max_rank = layer.b.shape[2]
     token_slots = torch.repeat_interleave(seg_slots.long(), (seg_indptr[1:] - seg_indptr[:-1]).long())
     rows, slots = perm, token_slots
@@ -259,7 +259,7 @@ def run_case(
     methods: dict[str, Callable[[torch.Tensor], object]] = {
         "peft": lambda o: peft_mixed_batch(o, x, adapter_names, layer),
         "gather-bmm": lambda o: gather_bmm(o, x, token_slots, layer),
-        "vllm": lambda o: vllm_sgmv(o, x, tuple(segments), layer),
+        "vllm": lambda o: vllm_sgmv(o, x, tuple(segments[:3]), layer),
         "sglang": lambda o: sglang_segments(o, x, slot_list, case.tokens_per_request, layer),
         "lora_pin": lambda o: delta.apply(o, x),
     }

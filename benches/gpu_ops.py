@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from lora_pin._testing import PATTERNS, StackedLayer, random_layer, request_slots
-from lora_pin.ops import CUDA_CHUNK_SIZE, SegmentBatch, lora_delta_, lora_reference, segments_from_slots
+from lora_pin.ops import CUDA_CHUNK_SIZE, KernelMeta, lora_delta_, lora_reference, segments_from_slots
 from lora_pin.ops.grouped import expand_grouped, shrink_grouped
 from lora_pin.ops.triton_sgmv import expand_launch, shrink_launch, shrink_split_k
 
@@ -95,7 +95,7 @@ def make_inputs(case: Case, dtype: torch.dtype, device: str, gen: torch.Generato
     return layer, token_slots, segments_from_slots(token_slots, CUDA_CHUNK_SIZE), x, out
 
 
-def grouped_path(out: torch.Tensor, x: torch.Tensor, layer: StackedLayer, batch: SegmentBatch) -> None:
+def grouped_path(out: torch.Tensor, x: torch.Tensor, layer: StackedLayer, batch: KernelMeta) -> None:
     """The grouped torch path (what CPU tensors run), here on the GPU: the baseline."""
     meta = layer.meta(batch)
     expand_grouped(out, shrink_grouped(x, layer.a, meta), layer.b, meta)
@@ -239,9 +239,7 @@ def print_rows(rows: list[dict]) -> tuple[bool, bool]:
     return bandwidth_ok, speedup_ok
 
 
-def case_launches(
-    layer: StackedLayer, batch: SegmentBatch, x: torch.Tensor, out: torch.Tensor, sm_count: int
-):
+def case_launches(layer: StackedLayer, batch: KernelMeta, x: torch.Tensor, out: torch.Tensor, sm_count: int):
     """The shrink and expand launches the CUDA ops would make for these inputs on a GPU with
     ``sm_count`` multiprocessors (built from shapes and strides; the tensors may be on the CPU)."""
     n_slices = len(layer.slice_offsets) - 1

@@ -15,7 +15,7 @@ second copy the floor does not make. Also timed: hashing every adapter's tensors
 (``reader.READ_THREADS = 1``, patched in here), to show what the core's other reading threads bring;
 and the host tier with nothing decided before (``cold``): the adapters here are alike (one config, one
 header), so after the first every load reuses the first one's checks and layout (the reader's header
-index and the load plan of ``weights/load_plans.py``); ``cold`` drops both before each adapter, and the
+index and the read recipe of ``weights/read_recipes.py``); ``cold`` drops both before each adapter, and the
 rank and scaling tensors kept by value, as a load of adapters of eight different recipes (of different
 ranks or alphas) would find them.
 
@@ -39,21 +39,26 @@ import torch
 from safetensors.torch import load_file
 
 from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
-from lora_pin.weights import DevicePool, LoRATargets, load_adapter, load_plans, reader
+from lora_pin.weights import DevicePool, LoRATargets, load_adapter, read_recipes, reader
 from lora_pin.weights.digest import tensor_digest
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+# The clock every loader is timed by: the wall clock, or this thread's CPU time (``--cpu-time``).
+CLOCK = time.perf_counter
+
+
 def median_seconds(fn: Callable[[], None], repeats: int, reset: Callable[[], None] | None = None) -> float:
-    """The median wall time of ``fn`` over ``repeats`` runs (``reset`` runs untimed before each)."""
+    """The median time of ``fn`` by :data:`CLOCK` over ``repeats`` runs (``reset`` runs untimed before
+    each)."""
     times = []
     for _ in range(repeats):
         if reset is not None:
             reset()
-        start = time.perf_counter()
+        start = CLOCK()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(CLOCK() - start)
     return statistics.median(times)
 
 
@@ -68,7 +73,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by this thread's CPU time with every read on it (reader.READ_THREADS = 1): on a machine "
+        "loaded by other jobs, where the wall clock swings between runs",
+    )
     args = parser.parse_args()
+    global CLOCK
+    if args.cpu_time:
+        CLOCK = time.thread_time
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -113,9 +127,9 @@ def main() -> None:
 
         def forget_decisions() -> None:
             # Private on purpose: the caches have no public switch, a benchmark of their absence needs one.
-            targets.__dict__.pop("_load_plans", None)
+            targets.__dict__.pop("_read_recipes", None)
             reader._INDEXED = reader._IndexCache(32)
-            load_plans._group_tensors.cache_clear()
+            read_recipes._group_tensors.cache_clear()
 
         def cold_load() -> None:
             for i, path in enumerate(paths):
@@ -156,6 +170,9 @@ def main() -> None:
             fn()  # warm the page cache and allocators
         peft_reset()
         peft_load()
+        if args.cpu_time:
+            # Reads on other threads would escape this thread's CPU time.
+            reader.READ_THREADS = 1
         threads = reader.READ_THREADS
         keys = ("ours", "host", "one_thread", "cold", "floor", "peft", "hash")
         rounds: dict[str, list[float]] = {k: [] for k in keys}

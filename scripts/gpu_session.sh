@@ -25,8 +25,8 @@ python3 -c "import torch, triton, lora_pin._core; print('torch', torch.__version
 # The CUDA-only tests (skipped on CPU machines), with the image's own package versions: warnings are
 # not promoted to errors here, as the project's pinned versions are not those.
 timeout 120 python3 -m pytest -q -p no:cacheprovider -o filterwarnings= -k cuda \
-    tests/ops/test_ops_triton.py tests/model/test_manager.py tests/weights/test_pool.py tests/weights/test_weights.py \
-    tests/serve/test_serve_engine.py 2>&1 \
+    tests/ops/test_triton_sgmv.py tests/model/test_manager.py tests/weights/test_pool.py tests/weights/test_weights.py \
+    tests/serve/test_engine.py 2>&1 \
     | tee "$out/cuda_tests.log"
 tests=${PIPESTATUS[0]}
 

@@ -27,6 +27,7 @@ from lora_pin.args import (
     lora_config_from_vllm_args,
 )
 from lora_pin.errors import (
+    AdapterBusyError,
     AdapterInUseError,
     AdapterLoadError,
     AdapterNotFoundError,
@@ -73,6 +74,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AdapterBusyError",
     "AdapterConfig",
     "AdapterInUseError",
     "AdapterLoadError",

@@ -20,8 +20,9 @@ from typing import NamedTuple
 
 import torch
 
-from lora_pin.ops.segments import KernelMeta, SegmentBatch
-from lora_pin.weights.host import HostAdapter, HostTier
+from lora_pin.ops.segments import KernelMeta
+from lora_pin.weights.host_adapter import HostAdapter
+from lora_pin.weights.host_tier import HostTier
 
 __all__ = [
     "PATTERNS",
@@ -94,7 +95,7 @@ class StackedLayer(NamedTuple):
     slot_scalings: torch.Tensor  # float32 [slots, n_slices]
     slice_offsets: list[int]  # n_slices + 1
 
-    def meta(self, segments: SegmentBatch) -> KernelMeta:
+    def meta(self, segments: KernelMeta) -> KernelMeta:
         """What the ops read to run ``segments`` through this layer."""
         return KernelMeta.for_layer(segments, self.slot_ranks, self.slot_scalings, self.slice_offsets)
 

@@ -10,6 +10,7 @@ a bad spec is a ``ValueError``, an unknown adapter a ``KeyError``, an unload tha
 from __future__ import annotations
 
 __all__ = [
+    "AdapterBusyError",
     "AdapterInUseError",
     "AdapterLoadError",
     "AdapterNotFoundError",
@@ -53,6 +54,11 @@ class CapacityError(LoraPinError):
 
 class AdapterInUseError(LoraPinError):
     """The operation needs an adapter that no request is using (for example re-registering it)."""
+
+
+class AdapterBusyError(LoraPinError):
+    """An unload or replacement of an adapter whose leased requests did not end in time; nothing changed
+    (the adapter serves on, on its old weights)."""
 
 
 class UnloadTimeoutError(LoraPinError, TimeoutError):

@@ -182,3 +182,88 @@ def test_the_check_sees_a_module_named_in_a_string_annotation() -> None:
     assert imported(tree) == []
     assert imported(tree, type_level=True) == [(1, "lora_pin.parallel.sharding")]
     assert layer_of("lora_pin.parallel.sharding") > layer_of("lora_pin.weights.building")
+
+
+# The manager's parts a server must not reach past it for (its own public methods say what it may do).
+_MANAGER_INSIDES = {"registry", "residency", "host", "pool"}
+
+
+def reaches_past_the_manager(tree: ast.Module) -> list[tuple[int, str]]:
+    """``(line, expression)`` of every read of a manager's insides in ``tree``: ``<x>.registry``,
+    ``.residency``, ``.host``, ``.pool`` or a private attribute of an expression naming a manager (a name
+    or attribute ending in ``manager`` or ``_lora``), and any ``.residency`` at all."""
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = ast.unparse(node.value)
+        on_manager = owner.endswith(("manager", "_lora"))
+        private = node.attr.startswith("_") and not node.attr.startswith("__")
+        if node.attr == "residency" or (on_manager and (node.attr in _MANAGER_INSIDES or private)):
+            out.append((node.lineno, ast.unparse(node)))
+    return sorted(out)
+
+
+def test_serve_goes_through_the_managers_public_api() -> None:
+    wrong = []
+    for path in sorted((PACKAGE / "serve").rglob("*.py")):
+        for line, expr in reaches_past_the_manager(ast.parse(path.read_text(), str(path))):
+            wrong.append(f"{module_name(path)}:{line} reads {expr}")
+    assert not wrong, "serve/ reaches past the manager:\n" + "\n".join(wrong)
+
+
+def test_the_check_sees_a_server_reaching_past_the_manager() -> None:
+    tree = ast.parse(
+        "self.manager.registry.unload(n)\nmanager.residency.lock\nself._lora._loads\n"
+        "self.registry = CollectorRegistry()\nmanager.placement()\n"
+    )
+    assert reaches_past_the_manager(tree) == [
+        (1, "self.manager.registry"),
+        (2, "manager.residency"),
+        (3, "self._lora._loads"),
+    ]
+
+
+# The LoRA layers and what they may take from ops/: the backends, the segments' type and errors, and the
+# experts' row grouping (routing, not a kernel). Every delta runs through the model's backend.
+_LAYER_MODULES = ("lora_pin.model.layers", "lora_pin.model.parallel_layers", "lora_pin.model.experts")
+_LAYER_MAY_TAKE = {
+    "lora_pin.ops": {"OpArgumentError", "KernelMeta"},
+    "lora_pin.ops.backends": {"LoRABackend", "backend_for"},
+    "lora_pin.ops.experts": {"expert_segments"},
+}
+
+
+def ops_taken(tree: ast.Module) -> list[tuple[int, str]]:
+    """``(line, "module.name")`` of every name ``tree`` imports from ``lora_pin.ops`` and its modules
+    (``import lora_pin.ops...`` as ``module.*``)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lora_pin.ops"):
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, f"{a.name}.*") for a in node.names if a.name.startswith("lora_pin.ops")]
+    return out
+
+
+def test_the_lora_layers_run_every_delta_through_the_backend() -> None:
+    wrong = []
+    for module in _LAYER_MODULES:
+        path = PACKAGE.joinpath(*module.split(".")[1:]).with_suffix(".py")
+        source = path.read_text()
+        for line, taken in ops_taken(ast.parse(source, str(path))):
+            owner, _, name = taken.rpartition(".")
+            if name not in _LAYER_MAY_TAKE.get(owner, set()):
+                wrong.append(f"{module}:{line} takes {taken}")
+        for word in ("device.type", "is_compiling"):
+            if word in source:
+                wrong.append(f"{module}: {word} (a layer never branches on the device)")
+    assert not wrong, "a LoRA layer reaches past its backend:\n" + "\n".join(wrong)
+
+
+def test_the_check_sees_a_layer_calling_an_op() -> None:
+    tree = ast.parse("from lora_pin.ops.experts import expert_lora_delta_\nimport lora_pin.ops.custom_ops\n")
+    assert sorted(ops_taken(tree)) == [
+        (1, "lora_pin.ops.experts.expert_lora_delta_"),
+        (2, "lora_pin.ops.custom_ops.*"),
+    ]

@@ -370,7 +370,7 @@ def test_threads_discovering_one_adapter_load_it_once(
 ) -> None:
     model, mgr = discovering(world, adapter_folder(world, tmp_path, "a8"))
     # Both threads are made to be inside the (real) file read at once: the race, every time.
-    import lora_pin.weights.host as host_module
+    import lora_pin.weights.host_tier as host_module
 
     real_load, both_reading = host_module.load_adapter, threading.Barrier(2, timeout=HANG_GUARD_S)
 

@@ -501,9 +501,9 @@ def test_load_unload_cycles_do_not_leak_memory_or_counters(world: World) -> None
     want = references(mgr, model, ["a", "c"])
     mgr.unload("c")
     loads_before = mgr.registry.stats()["host"]["loads"]
-    # Resident memory settles only after ~1,000 cycles since loads reuse their plans (weights/load_plans.py;
-    # measured: +2.2 MiB over the first 1,000 cycles, then +132 KiB over the next 3,000), so the growth is
-    # taken over CYCLES cycles after that many.
+    # Resident memory settles only after ~1,000 cycles since loads reuse their recipes
+    # (weights/read_recipes.py; measured: +2.2 MiB over the first 1,000 cycles, then +132 KiB over the
+    # next 3,000), so the growth is taken over CYCLES cycles after that many.
     warmup = 1_000
     started = time.monotonic()
     rss_after_warmup = 0

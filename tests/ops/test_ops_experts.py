@@ -3,7 +3,7 @@
 Routed rows are drawn like a MoE layer's: each request's tokens carry its adapter's slot (or none),
 each token ``k`` experts; the segments group the rows by (slot, expert). The CPU path runs the registered
 ops; the Triton kernels run under the interpreter on tiny shapes (fp32 and fp16), as in
-``test_ops_triton.py``.
+``test_triton_sgmv.py``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_the_cpu_path_matches_the_per_row_reference(pattern: str, chunk_size: in
 def test_segments_group_rows_by_slot_then_expert_and_skip_foreign_experts() -> None:
     row_slots = torch.tensor([1, 0, -1, 1, 0, 1])
     row_experts = torch.tensor([2, 4, 1, 0, 4, EXPERTS])  # the last: an expert this rank does not hold
-    perm, seg_indptr, seg_slots = expert_segments(row_slots, row_experts, EXPERTS)
+    perm, seg_indptr, seg_slots = expert_segments(row_slots, row_experts, EXPERTS)[:3]
     assert perm.tolist() == [1, 4, 3, 0]
     assert seg_indptr.tolist() == [0, 2, 3, 4]
     assert seg_slots.tolist() == [0 * EXPERTS + 4, 1 * EXPERTS + 0, 1 * EXPERTS + 2]

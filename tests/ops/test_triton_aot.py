@@ -1,6 +1,6 @@
 """The Triton kernels built for an H100/H200 (sm_90) on this machine, with no GPU.
 
-The interpreter tests (``test_ops_triton.py``) check what the kernels compute; these check that every
+The interpreter tests (``test_triton_sgmv.py``) check what the kernels compute; these check that every
 specialization the launchers pick compiles through Triton's real pipeline down to a cubin (``ptxas``
 included), with no register spills and shared memory within the chip's limit: the failures that would
 otherwise first show on a GPU. bf16 is covered here, which the interpreter cannot run.
@@ -96,7 +96,7 @@ def test_every_launch_builds_for_sm90_without_spills(shape):
 
 @pytest.mark.parametrize("shape", INTERPRETED, ids=_id)
 def test_the_sm90_launches_equal_the_reference_under_the_interpreter(shape):
-    # The interpreter tests in test_ops_triton.py use small tiles; these run the GPU's own tile sizes,
+    # The interpreter tests in test_triton_sgmv.py use small tiles; these run the GPU's own tile sizes,
     # split-K and row tiles, as built above, on the same inputs.
     layer, token_slots, batch, x, out = _inputs(*shape)
     shrink = _shrink(layer, batch, x)

@@ -20,7 +20,7 @@ import torch
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from test_serve_http import HANG_GUARD_S, Server  # noqa: E402
+from test_app import HANG_GUARD_S, Server  # noqa: E402
 
 from lora_pin._testing import PeftOracle  # noqa: E402
 from lora_pin.fixtures import make_peft_adapter, make_tiny_llama, save_char_tokenizer  # noqa: E402

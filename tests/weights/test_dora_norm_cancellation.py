@@ -22,7 +22,7 @@ from lora_pin import LoRAManager
 from lora_pin.errors import AdapterLoadError
 from lora_pin.fixtures import CANCEL_MODULE, CANCEL_RATIOS, ZERO_FEATURE, make_cancelling_dora
 from lora_pin.model.attach import base_weights, model_targets
-from lora_pin.weights.host import load_adapter
+from lora_pin.weights.host_tier import load_adapter
 
 DTYPES = [torch.float32, torch.bfloat16]
 IDS = ["fp32", "bf16"]

@@ -431,7 +431,7 @@ def test_real_dora_adapter_read_with_its_magnitudes(world: World, tmp_path: Path
     adapter = load_adapter("dora", d, world.targets, max_rank=MAX_RANK, dtype=torch.float32)
     assert adapter.dora
     module = next(iter(adapter.modules.values()))
-    # Without the model's base weights the factors are not computed (see tests/weights/test_dora_reading.py).
+    # Without the model's base weights the factors are not computed (see tests/weights/test_dora.py).
     assert module.magnitude is not None and module.factor is None
     assert module.magnitude.shape == (module.b.shape[0],) and bool(module.magnitude[:64].gt(0).all())
 

@@ -94,7 +94,7 @@ def _check_standalone(file: AdapterFile) -> None:
 
 def _check_magnitude(file: AdapterFile, key: str, pair: LoraTensorPair) -> None:
     """A DoRA adapter has a ``lora_magnitude_vector`` ``[out]`` beside each linear pair; a plain one none
-    (what a load checks against the model, see :mod:`lora_pin.weights.host`)."""
+    (what a load checks against the model, see :mod:`lora_pin.weights.host_tier`)."""
     where = f"adapter {file.name!r} ({file.weights_path})"
     if not file.config.use_dora:
         if pair.magnitude_name is not None:
@@ -265,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from lora_pin.weights.config import layer_index
-    from lora_pin.weights.host import load_adapter
+    from lora_pin.weights.host_tier import load_adapter
     from lora_pin.weights.reader import open_adapter
 
     file = open_adapter(args.path, args.path, allowed_roots=args.allowed_root, allow_pickle=args.allow_pickle)

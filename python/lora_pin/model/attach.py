@@ -298,7 +298,7 @@ def attach(
         original = model.get_submodule(key)
         layout = expert_layout(original)
         assert isinstance(layout, ExpertLayout), "model_targets made targets of an unservable experts module"
-        _set(model, key, LoRAExperts(original, layout, by_name, active_step))
+        _set(model, key, LoRAExperts(original, layout, by_name, active_step, backend))
         originals[key] = original
     return originals
 

@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from lora_pin.errors import OpArgumentError
 from lora_pin.model.layers import BaseLayerWrapper
 from lora_pin.model.segments import StepSegments
-from lora_pin.ops.experts import ExpertMeta, expert_lora_delta_, expert_segments
-from lora_pin.ops.segments import SegmentBatch
+from lora_pin.ops import KernelMeta
+from lora_pin.ops.backends import LoRABackend, backend_for
+from lora_pin.ops.experts import expert_segments
 from lora_pin.weights.pool import GroupBuffers
 
 __all__ = ["EXPERT_PARAMETERS", "ExpertLayout", "LoRAExperts", "expert_layout"]
@@ -126,6 +127,8 @@ class LoRAExperts(BaseLayerWrapper):
         buffers: the device pool's buffers of the served expert weights, by parameter name
             (``gate_up_proj``, ``down_proj``; either may be absent).
         active_step: returns the active :class:`~lora_pin.model.segments.StepSegments`, or None.
+        backend: runs the expert LoRA deltas; the model's layers share one (default: a new one for the
+            device of the buffers, :func:`lora_pin.ops.backends.backend_for`).
 
     Attributes the wrapper does not have itself (``gate_up_proj``, ``num_experts`` ...) are the base
     module's.
@@ -137,12 +140,15 @@ class LoRAExperts(BaseLayerWrapper):
         layout: ExpertLayout,
         buffers: Mapping[str, GroupBuffers],
         active_step: Callable[[], StepSegments | None],
+        backend: LoRABackend | None = None,
     ) -> None:
         super().__init__()
         self.base_layer = base_layer
         self._layout = layout
         self._pool_buffers = dict(buffers)
         self._active_step = active_step
+        device = next(iter(self._pool_buffers.values())).a.device
+        self._backend = backend_for(device) if backend is None else backend
 
     def forward(self, hidden_states: torch.Tensor, *routing: torch.Tensor) -> torch.Tensor:
         """``hidden_states [T, H]``, ``top_k_index [T, k]``, ``top_k_weights [T, k]`` -> ``[T, H]``: the
@@ -203,7 +209,7 @@ class LoRAExperts(BaseLayerWrapper):
         result.view(n_experts, n_tokens, width).index_copy_(1, tokens, out.to(result.dtype))
         return result
 
-    def _adapter_tokens(self, seg: SegmentBatch, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _adapter_tokens(self, seg: KernelMeta, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens (int64 ``[N]``) whose adapter has expert LoRA here, and their slots (``[N]``)."""
         counts = (seg.seg_indptr[1:] - seg.seg_indptr[:-1]).long()
         in_order = torch.repeat_interleave(seg.seg_slots.long(), counts, output_size=seg.perm.shape[0])
@@ -220,16 +226,7 @@ class LoRAExperts(BaseLayerWrapper):
         buffers = self._pool_buffers.get(name)
         if buffers is None:
             return 0.0
-        n_experts, out_features = self._layout.num_experts, self._layout.features[name][1]
-        delta = x.new_zeros((n_experts, x.shape[1], out_features))
-        for slot in torch.unique(slots).tolist():
-            rows = (slots == slot).nonzero().squeeze(1)
-            a = buffers.a[slot].view(n_experts, -1, x.shape[-1])  # [E, R, in]
-            b = buffers.b[slot].view(n_experts, out_features, -1)  # [E, out, R]
-            scaling = buffers.scalings[slot].to(x.dtype).view(n_experts, 1, 1)
-            shrunk = torch.bmm(x.index_select(1, rows), a.transpose(1, 2))
-            delta.index_copy_(1, rows, torch.bmm(shrunk, b.transpose(1, 2)) * scaling)
-        return delta
+        return self._backend.dense_expert_lora(buffers, x, slots, self._layout.features[name][1])
 
     def _check_input_dtype(self, hidden_states: torch.Tensor) -> None:
         """Raises OpArgumentError when ``hidden_states`` is not in the pool's dtype."""
@@ -285,7 +282,7 @@ class LoRAExperts(BaseLayerWrapper):
         x: torch.Tensor,  # [R, in]
         name: str,
         groups: list[tuple[int, torch.Tensor]],
-        segments: SegmentBatch,
+        segments: KernelMeta,
     ) -> torch.Tensor:
         """``x`` ``[R, in]`` through each row's expert's ``name`` weight, plus the row's expert LoRA
         delta: ``[R, out]``."""
@@ -297,10 +294,7 @@ class LoRAExperts(BaseLayerWrapper):
             out.index_copy_(0, rows, rows_x @ w if self._layout.transposed else F.linear(rows_x, w))
         buffers = self._pool_buffers.get(name)
         if buffers is not None:
-            meta = ExpertMeta.for_group(
-                segments, buffers.ranks, buffers.scalings, buffers.group.members[0].out_features
-            )
-            expert_lora_delta_(out, x, buffers.a, buffers.b, meta)
+            self._backend.add_expert_lora(buffers, out, x, segments)
         return out
 
     def extra_repr(self) -> str:

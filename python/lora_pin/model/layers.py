@@ -17,7 +17,7 @@ import torch
 
 from lora_pin.errors import SpecError
 from lora_pin.model.segments import StepSegments
-from lora_pin.ops import OpArgumentError, SegmentBatch
+from lora_pin.ops import KernelMeta, OpArgumentError
 from lora_pin.ops.backends import LoRABackend, backend_for
 from lora_pin.weights.pool import GroupBuffers
 
@@ -115,7 +115,7 @@ class LoRALinear(BaseLayerWrapper):
         bias = None if self._returns_bias else getattr(self.base_layer, "bias", None)
         return None if bias is None else bias.detach()
 
-    def _untouched(self, result: Any, seg: SegmentBatch) -> Any:
+    def _untouched(self, result: Any, seg: KernelMeta) -> Any:
         """The output of a base layer that returns no tensor (a linear subclass computing its own forward:
         a router's tuple), returned as is when no adapter of the step has weights on this layer (their
         deltas are zero, so that is their exact output).

@@ -35,7 +35,7 @@ from lora_pin._core import LoRARef, LoRARegistry
 from lora_pin.errors import DuplicateAdapterError
 from lora_pin.model.residency import Residency
 from lora_pin.parallel import Collective, SingleProcess
-from lora_pin.weights.host import HostAdapter
+from lora_pin.weights.host_adapter import HostAdapter
 from lora_pin.weights.tensors import WHERE, AdapterTensors, adapter_tensors
 
 __all__ = ["TIERS", "AdapterIdentity", "AdapterPlacement", "Lifecycle", "Placement"]

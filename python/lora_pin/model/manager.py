@@ -8,6 +8,7 @@ tier and the device pool hold the tensors; the model's target linears are wrappe
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import threading
@@ -18,9 +19,10 @@ import torch
 
 from lora_pin._core import LoRARef, LoRARegistry, _checked_names, parse_lora_paths
 from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, LoRAConfig, lora_config_from_args
-from lora_pin.errors import LoraPinError, SpecError, StalePlanError, UsageError
+from lora_pin.errors import AdapterNotFoundError, LoraPinError, SpecError, StalePlanError, UsageError
 from lora_pin.model.adapter_dir import checked_adapter_dir
 from lora_pin.model.attach import FusedSpec, attach, base_weights, detach, model_targets
+from lora_pin.model.leases import RequestLeases
 from lora_pin.model.lifecycle import AdapterIdentity, Lifecycle, Placement
 from lora_pin.model.reads import (
     DEFAULT_LOAD_TIMEOUT,
@@ -44,7 +46,7 @@ from lora_pin.weights import (
     DevicePool,
     HostTier,
 )
-from lora_pin.weights.host import HostAdapter
+from lora_pin.weights.host_adapter import HostAdapter
 from lora_pin.weights.reader import read_contained_config
 from lora_pin.weights.targets import ModuleSelection
 
@@ -192,6 +194,9 @@ class LoRAManager:
         )
         self.residency = Residency(self.registry, host, self.pool)
         self._lifecycle = Lifecycle(self.residency, self._collective)
+        #: A server's requests per adapter, from acceptance to their last output: what
+        #: :meth:`unload_async` and :meth:`load_async` drain (:mod:`lora_pin.model.leases`).
+        self.leases = RequestLeases(self._digest_of)
         self._loads = BackgroundReads(self.residency, self._collective, load_workers, load_timeout)
         self._discovery = Discovery(self.residency, self._loads, self.adapter_dir)
         strategy = BackgroundLoading if self.loading == "background" else BlockingLoading
@@ -398,18 +403,70 @@ class LoRAManager:
         self._collective.agreed(f"unload of {name!r}", unload)
 
     async def unload_async(self, name: str, timeout: float | None = None) -> None:
-        """:meth:`unload` for asyncio code: polls without blocking the event loop or tying up a thread.
+        """:meth:`unload` for asyncio code, after ``name``'s leased requests (:attr:`leases`) have ended.
+
+        One drain, in two parts under one ``timeout``: ``name`` first stops taking leases (a server's
+        new requests for it are refused) and this waits for its leased requests (queued and running) to
+        end, with the adapter still registered, so none of them fails; then the core unregisters it and
+        this waits for the step that ran their last tokens, polling without blocking the event loop or
+        tying up a thread. Without leases (a library's own loop) only the second part waits.
 
         Raises:
-            AdapterNotFoundError, UnloadTimeoutError: as :meth:`unload`.
+            AdapterNotFoundError: ``name`` was never registered, or another unload of it is waiting for
+                its leases.
+            AdapterBusyError: leased requests remain after ``timeout`` seconds; nothing changed (it serves
+                on).
+            UnloadTimeoutError: as :meth:`unload`, for the time left after the leases ended.
             UsageError: with ``tp`` (an unload must agree over the ranks: use :meth:`unload`).
         """
         if self.tp is not None:
             raise UsageError(
                 "unload_async is not collective: with tensor parallelism, call unload on each rank"
             )
-        await unload_async(self.registry, name, timeout)
-        self._loads.forget(name)
+        if not self.leases.close(name):
+            if self._digest_of(name) is not None:
+                raise AdapterNotFoundError(f"adapter {name!r} is being unloaded")
+            await unload_async(self.registry, name, timeout)
+            return
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            await self.leases.drained(name, timeout, "unload")
+            left = None if timeout is None else max(timeout - (loop.time() - started), 0.0)
+            await unload_async(self.registry, name, left)
+            self._loads.forget(name)
+        finally:
+            self.leases.reopen(name)
+
+    async def load_async(
+        self,
+        name: str,
+        path: str | os.PathLike[str],
+        *,
+        pinned: bool = False,
+        replace: bool = False,
+        timeout: float | None = None,
+    ) -> LoRARef:
+        """:meth:`load` for asyncio code, read on a worker thread. A replacement of a registered ``name``
+        first holds its new leases (:attr:`leases`) back and waits for its leased requests to end, so
+        every request runs on one version's weights; the held requests then get the new ones.
+
+        Raises:
+            AdapterBusyError: a replacement whose leased requests did not end within ``timeout`` seconds
+                (None: no limit); nothing changed, the old weights serve on.
+            AdapterLoadError, DuplicateAdapterError, CapacityError, ...: as :meth:`load`.
+        """
+        if not (replace and self._digest_of(name) is not None):
+            return await asyncio.to_thread(self.load, name, path, pinned=pinned)
+        async with self.leases.replacing(name, timeout):
+            return await asyncio.to_thread(self.load, name, path, replace=True)
+
+    def _digest_of(self, name: str) -> str | None:
+        """``name``'s content digest; None if it is not registered."""
+        try:
+            return self._lifecycle.identity(name).digest
+        except AdapterNotFoundError:
+            return None
 
     def prefetch(self, names: Iterable[str | None]) -> list[str]:
         """Start reading in the background every adapter of ``names`` that is not in host memory, so that

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from lora_pin.errors import AdapterLoadError
-from lora_pin.weights.host import HostAdapter
+from lora_pin.weights.host_adapter import HostAdapter
 
 __all__ = ["Completion", "ReadJob", "ReadPool"]
 

@@ -38,7 +38,7 @@ from lora_pin.errors import (
 )
 from lora_pin.model.eviction_counts import TopEvictions
 from lora_pin.weights import DevicePool, HostTier
-from lora_pin.weights.host import HostAdapter
+from lora_pin.weights.host_adapter import HostAdapter
 from lora_pin.weights.tensors import AdapterTensors
 
 __all__ = ["Residency"]

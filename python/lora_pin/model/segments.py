@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from lora_pin.errors import UsageError
-from lora_pin.ops import SegmentBatch, segments_from_slots
+from lora_pin.ops import KernelMeta, segments_from_slots
 
 __all__ = ["StepSegments", "arrays_on"]
 
@@ -49,7 +49,7 @@ class StepSegments:
 
     def __init__(
         self,
-        segments: SegmentBatch | None = None,
+        segments: KernelMeta | None = None,
         sequence_slots: torch.Tensor | None = None,
         chunk_size: int | None = None,
         any_adapter: bool = True,
@@ -60,7 +60,7 @@ class StepSegments:
         self.any_adapter = any_adapter
         # Per sequence: segments by rows per sequence, the adapter sequences (int64 [N1], grouped by
         # slot) and their slots (int32 [N1]).
-        self._by_length: dict[int, SegmentBatch] = {}
+        self._by_length: dict[int, KernelMeta] = {}
         self._adapter_sequences: torch.Tensor | None = None
         self._adapter_slots: torch.Tensor | None = None
         if sequence_slots is not None and segments is not None:
@@ -75,7 +75,7 @@ class StepSegments:
             f"chunk_size={self.chunk_size}, any_adapter={self.any_adapter})"
         )
 
-    def for_input(self, x: torch.Tensor) -> SegmentBatch:
+    def for_input(self, x: torch.Tensor) -> KernelMeta:
         """The segments for layer input ``x`` (``[T, in]`` packed, ``[B, L, in]`` per sequence).
 
         Raises:
@@ -100,7 +100,7 @@ class StepSegments:
             self._by_length[length] = cached
         return cached
 
-    def _segments_of_length(self, length: int) -> SegmentBatch:
+    def _segments_of_length(self, length: int) -> KernelMeta:
         """Segments for ``length`` rows per sequence: each adapter sequence's rows, cut into chunks."""
         if self._adapter_sequences is None or self._adapter_slots is None:
             assert self.sequence_slots is not None
@@ -118,12 +118,12 @@ class StepSegments:
         total = torch.full((1,), sequences.shape[0] * length, device=device, dtype=torch.int32)
         seg_indptr = torch.cat([body, total])
         seg_slots = slots.repeat_interleave(per_sequence)
-        return SegmentBatch(perm, seg_indptr, seg_slots)
+        return KernelMeta(perm, seg_indptr, seg_slots)
 
 
 def arrays_on(
     data: bytearray, words: tuple[int, int, int, int], device: torch.device
-) -> tuple[torch.Tensor, SegmentBatch]:
+) -> tuple[torch.Tensor, KernelMeta]:
     """``(request_slots, segments)`` from the core's one buffer (``StepPlan.step_arrays`` or
     ``StepPlan.subset``; ``words``: its parts' lengths in int32 words): one tensor, one copy to the device,
     and views of it. On CPU the tensors share the buffer's memory (never write into them)."""
@@ -145,7 +145,7 @@ def arrays_on(
         flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
         perm32, request_slots, seg_indptr, seg_slots = flat.split_with_sizes(words)
         perm = perm32.view(torch.int64)
-    return request_slots, SegmentBatch(perm, seg_indptr, seg_slots)
+    return request_slots, KernelMeta(perm, seg_indptr, seg_slots)
 
 
 def _part(data: bytearray, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:

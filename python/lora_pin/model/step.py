@@ -10,7 +10,7 @@ import torch
 
 from lora_pin.errors import LoraPinError
 from lora_pin.model.segments import StepSegments, arrays_on
-from lora_pin.ops import SegmentBatch
+from lora_pin.ops import KernelMeta
 
 __all__ = ["Step", "StepArrays", "step_segments"]
 
@@ -64,7 +64,7 @@ class Step:
         admitted: tuple[int, ...],
         deferred: tuple[int, ...],
         request_slots: torch.Tensor,
-        segments: SegmentBatch,
+        segments: KernelMeta,
         num_tokens: int,
         _plan: Any,
         _slot_writes: tuple[tuple[int, int], ...] = (),
@@ -108,9 +108,9 @@ class StepArrays:
         self.device = device
         self._data: bytearray | None = None
         self._words: tuple[int, int, int, int] | None = None
-        self._tensors: tuple[torch.Tensor, SegmentBatch] | None = None
+        self._tensors: tuple[torch.Tensor, KernelMeta] | None = None
 
-    def of(self, plan: Any) -> tuple[torch.Tensor, SegmentBatch, bool]:
+    def of(self, plan: Any) -> tuple[torch.Tensor, KernelMeta, bool]:
         """The arrays of ``plan`` (a ``StepPlan``) on the device: each admitted request's slot (int32
         ``[len(admitted)]``, -1 for base), the token segments, and whether any token uses an adapter."""
         data, words = plan.step_arrays()
@@ -123,7 +123,7 @@ class StepArrays:
 
 
 def step_segments(
-    sequence_slots: torch.Tensor, segments: SegmentBatch, any_adapter: bool, chunk_size: int | None
+    sequence_slots: torch.Tensor, segments: KernelMeta, any_adapter: bool, chunk_size: int | None
 ) -> StepSegments:
     """The :class:`StepSegments` of a per-sequence batch's arrays (:meth:`StepArrays.of`): its sequences'
     slots and the core's one-token segments."""

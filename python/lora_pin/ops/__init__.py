@@ -1,9 +1,9 @@
 """Multi-adapter LoRA GEMM as torch custom ops: ``torch.ops.lora_pin.shrink`` and ``.expand``.
 
-Every token of a batch may use a different adapter (or none). The ops are driven by segment arrays
-(:class:`SegmentBatch`, made by the Rust planner or :func:`segments_from_slots`), which a
-:class:`KernelMeta` joins with a layer group's per-slot ranks, scalings and slice layout; they read
-the adapters from the device pool's stacked ``A`` / ``B`` buffers. CUDA tensors run Triton SGMV
+Every token of a batch may use a different adapter (or none). The ops are driven by one
+:class:`KernelMeta`: a step's segment arrays (made by the Rust planner or :func:`segments_from_slots`)
+joined with a layer group's per-slot ranks, scalings and slice layout (:meth:`KernelMeta.for_layer`);
+they read the adapters from the device pool's stacked ``A`` / ``B`` buffers. CUDA tensors run Triton SGMV
 kernels (CUDA-graph capturable: no host-device synchronisation); CPU tensors run grouped torch GEMMs
 and the native kernels. Every op is registered from one table (:mod:`lora_pin.ops.library`).
 LoRA on MoE experts (:mod:`lora_pin.ops.experts`) runs the same two ops over ``(adapter, expert)``
@@ -27,14 +27,13 @@ from lora_pin.ops.experts import (
     flat_expert_buffers,
 )
 from lora_pin.ops.reference import expand_reference, lora_reference, shrink_reference
-from lora_pin.ops.segments import CUDA_CHUNK_SIZE, KernelMeta, SegmentBatch, segments_from_slots
+from lora_pin.ops.segments import CUDA_CHUNK_SIZE, KernelMeta, segments_from_slots
 
 __all__ = [
     "CUDA_CHUNK_SIZE",
     "ExpertMeta",
     "KernelMeta",
     "OpArgumentError",
-    "SegmentBatch",
     "dora_scale_",
     "dora_scale_reference",
     "embedding_delta_",

@@ -126,7 +126,7 @@ def check_shrink_args(
         lambda: f"a must be {x.dtype} [slots, n_slices * R, in={x.shape[1]}], got {_shape(a)} {a.dtype}",
     )
     _require(a.device == x.device, lambda: f"a is on {a.device} but x is on {x.device}")
-    n_slices, slot_ranks = meta.n_slices, meta.slot_ranks
+    n_slices, slot_ranks = meta.n_slices, meta.ranks()
     _require(1 <= n_slices <= MAX_SLICES, lambda: f"n_slices must be in [1, {MAX_SLICES}], got {n_slices}")
     _require(
         a.shape[1] % n_slices == 0,
@@ -187,7 +187,7 @@ def check_expand_args(
             f"got {_shape(v)} {v.dtype}"
         ),
     )
-    slot_ranks = meta.slot_ranks
+    slot_ranks = meta.ranks()
     _require(
         slot_ranks.shape[0] == b.shape[0],
         lambda: f"slot_ranks has {slot_ranks.shape[0]} slots, b has {b.shape[0]}",

@@ -110,7 +110,7 @@ def shrink(x: torch.Tensor, a: torch.Tensor, meta: KernelMeta) -> torch.Tensor:
             tensor contents) a rank, slot or index out of range.
     """
     return torch.ops.lora_pin.shrink(
-        x, a, meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks, meta.n_slices
+        x, a, meta.perm, meta.seg_indptr, meta.seg_slots, meta.ranks(), meta.n_slices
     )
 
 
@@ -158,7 +158,7 @@ def expand_args(
         raise OpArgumentError(
             f"n_slices={meta.n_slices} but slice_offsets {offsets} hold {len(offsets) - 1} slices"
         )
-    return meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks, slot_scalings, offsets
+    return meta.perm, meta.seg_indptr, meta.seg_slots, meta.ranks(), slot_scalings, offsets
 
 
 def lora_delta_(

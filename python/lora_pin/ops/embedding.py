@@ -61,7 +61,7 @@ def used_rows(meta: KernelMeta) -> tuple[torch.Tensor, torch.Tensor]:
     counts = (meta.seg_indptr[1:] - meta.seg_indptr[:-1]).long()
     row_slots = torch.repeat_interleave(meta.seg_slots.long(), counts, output_size=meta.perm.shape[0])
     # A rank of 0 appended, which slot -1 (a segment without adapter) reads.
-    ranks = torch.cat([meta.slot_ranks[:, 0], meta.slot_ranks.new_zeros(1)])
+    ranks = torch.cat([meta.ranks()[:, 0], meta.ranks().new_zeros(1)])
     used = ranks[row_slots] > 0
     return meta.perm[used], row_slots[used]
 

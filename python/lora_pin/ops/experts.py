@@ -20,7 +20,7 @@ import torch
 
 from lora_pin.errors import OpArgumentError
 from lora_pin.ops.custom_ops import expand, shrink
-from lora_pin.ops.segments import KernelMeta, SegmentBatch, segments_from_slots
+from lora_pin.ops.segments import KernelMeta, segments_from_slots
 
 __all__ = [
     "ExpertMeta",
@@ -33,7 +33,7 @@ __all__ = [
 
 def expert_segments(
     row_slots: torch.Tensor, row_experts: torch.Tensor, num_experts: int, chunk_size: int | None = None
-) -> SegmentBatch:
+) -> KernelMeta:
     """The segments of one MoE layer's routed rows, grouped by ``(slot, expert)``.
 
     Args:
@@ -45,7 +45,7 @@ def expert_segments(
         chunk_size: the longest segment, as :func:`segments_from_slots` takes it.
 
     Returns:
-        A :class:`SegmentBatch` over the ``R`` rows whose ``seg_slots`` are flat indices
+        A :class:`KernelMeta` over the ``R`` rows whose ``seg_slots`` are flat indices
         ``slot * E + expert`` (see :func:`flat_expert_buffers`). Its shapes depend on the data.
 
     Raises:
@@ -79,13 +79,13 @@ class ExpertMeta(NamedTuple):
 
     @classmethod
     def for_group(
-        cls, segments: SegmentBatch, slot_ranks: torch.Tensor, slot_scalings: torch.Tensor, out_features: int
+        cls, segments: KernelMeta, slot_ranks: torch.Tensor, slot_scalings: torch.Tensor, out_features: int
     ) -> ExpertMeta:
         """The meta of ``segments`` (from :func:`expert_segments`) in an experts group whose pool holds
         ``slot_ranks`` (int32 ``[slots, E]``) and ``slot_scalings`` (float32 ``[slots, E]``), each expert's
         output ``out_features`` wide. Nothing is copied: the flat ranks and scalings are views."""
         num_experts = slot_ranks.shape[1]
-        perm, seg_indptr, seg_slots = segments
+        perm, seg_indptr, seg_slots = segments[:3]
         kernel = KernelMeta(
             perm,
             seg_indptr,

@@ -167,7 +167,7 @@ class PlanCache:
             max_rank,
             max_padding,
             kernel_tokens,
-            *(_content(t) for t in (meta.perm, meta.seg_indptr, meta.seg_slots, meta.slot_ranks)),
+            *(_content(t) for t in (meta.perm, meta.seg_indptr, meta.seg_slots, meta.ranks())),
         )
         with self._lock:
             plan = self._plans.get(key)
@@ -249,7 +249,7 @@ def build_plan(
     max_padding = _DENSE_MAX_PADDING if dtype == torch.float32 else _DENSE_MAX_PADDING_REDUCED
     kernel_tokens = _KERNEL_MAX_TOKENS[dtype] if kernel else 0
     perm = meta.perm
-    indptr, seg_slot_list, ranks = meta.seg_indptr.tolist(), meta.seg_slots.tolist(), meta.slot_ranks.tolist()
+    indptr, seg_slot_list, ranks = meta.seg_indptr.tolist(), meta.seg_slots.tolist(), meta.ranks().tolist()
     check_segment_contents(perm, indptr, seg_slot_list, ranks, n_tokens, max_rank)
     n_rows = perm.shape[0]
 

@@ -34,7 +34,7 @@ def shrink_reference(x: torch.Tensor, a: torch.Tensor, meta: KernelMeta) -> torc
     """
     n_slices = meta.n_slices
     max_rank = a.shape[1] // n_slices
-    ranks = meta.slot_ranks.tolist()
+    ranks = meta.ranks().tolist()
     v = torch.zeros(x.shape[0], n_slices * max_rank, dtype=torch.float64, device=x.device)
     for token, slot in _segments(meta):
         for s in range(n_slices):
@@ -53,7 +53,7 @@ def expand_reference(out: torch.Tensor, v: torch.Tensor, b: torch.Tensor, meta: 
     slot_scalings, slice_offsets = meta.expand_layout()
     n_slices = len(slice_offsets) - 1
     max_rank = b.shape[2]
-    ranks, scalings = meta.slot_ranks.tolist(), slot_scalings.tolist()
+    ranks, scalings = meta.ranks().tolist(), slot_scalings.tolist()
     new = out.clone()
     for token, slot in _segments(meta):
         for s in range(n_slices):

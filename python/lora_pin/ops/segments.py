@@ -1,9 +1,11 @@
-"""Segment arrays: which tokens use which device slot, grouped so each group is one small GEMM.
+"""The kernels' one state object: :class:`KernelMeta`, a step's segment arrays (which tokens use which
+device slot, grouped so each group is one small GEMM) and, for one layer group, that group's ranks,
+scalings and slice layout.
 
-The Rust planner produces these arrays for every scheduler step; :func:`segments_from_slots` builds the
-same arrays in pure torch for tests, benchmarks and callers that run without the planner.
-:class:`KernelMeta` joins them with one layer group's per-slot ranks, scalings and slice layout: the one
-object the ops take.
+The Rust planner produces the arrays for every scheduler step; :func:`segments_from_slots` builds the
+same arrays in pure torch for tests, benchmarks and callers that run without the planner. As vLLM keeps
+one ``LoRAKernelMeta`` per step, a step's segments are one :class:`KernelMeta` (the layer fields unset);
+:meth:`KernelMeta.for_layer` adds a layer group's fields to it without a copy, and the ops take it whole.
 """
 
 from __future__ import annotations
@@ -15,74 +17,80 @@ import torch
 
 from lora_pin.errors import OpArgumentError
 
-__all__ = ["CUDA_CHUNK_SIZE", "KernelMeta", "SegmentBatch", "segments_from_slots"]
+__all__ = ["CUDA_CHUNK_SIZE", "KernelMeta", "segments_from_slots"]
 
 # Segment length for the CUDA kernels: their largest row tile, so a long segment (a prefill) is spread
 # over many programs, one chunk each, instead of being looped over by one.
 CUDA_CHUNK_SIZE = 64
 
 
-class SegmentBatch(NamedTuple):
-    """The token grouping the ``lora_pin`` ops are driven by.
+class KernelMeta(NamedTuple):
+    """Everything the shrink and expand kernels read about one step: its token grouping and, for one
+    layer group, each slot's rank and scaling per slice and the slices' layout.
 
     - ``perm``: int64 ``[N]``, token indices (into the ``T`` rows of the layer input) of the rows that
       use an adapter, grouped by segment; within a segment in ascending token order.
     - ``seg_indptr``: int32 ``[S + 1]``; segment ``s`` is ``perm[seg_indptr[s]:seg_indptr[s + 1]]``.
     - ``seg_slots``: int32 ``[S]``, the device slot of each segment (``-1``: no adapter, skipped).
-    """
-
-    perm: torch.Tensor
-    seg_indptr: torch.Tensor
-    seg_slots: torch.Tensor
-
-
-class KernelMeta(NamedTuple):
-    """Everything the shrink and expand kernels read about one step in one layer group.
-
-    The step's token grouping (the fields of :class:`SegmentBatch`), each slot's rank and scaling per
-    slice, and the slices' layout. :meth:`for_layer` builds one from a step's segments and a layer
-    group's pool buffers; the ``lora_pin`` ops and everything behind them take it whole. The fields are
-    spelled out one by one only at the ``torch.library`` boundary (the registered ops' schemas).
-
-    - ``perm``, ``seg_indptr``, ``seg_slots``: as in :class:`SegmentBatch`.
-    - ``slot_ranks``: int32 ``[slots, n_slices]``, each slot's real rank per slice (0: no work).
+    - ``slot_ranks``: int32 ``[slots, n_slices]``, each slot's real rank per slice (0: no work); None for
+      a step's segments alone (:meth:`segments`), which no op takes.
     - ``n_slices``: 1 for a plain layer, 3 for fused q/k/v, 2 for gate/up.
     - ``slot_scalings``: float32 ``[slots, n_slices]``, read by expand only.
     - ``slice_offsets``: ``n_slices + 1`` column offsets into expand's ``out``, from 0 to its width,
       read by expand only.
 
-    A meta made for shrink alone (the registered shrink op's, which is given neither) leaves the last
-    two ``None``.
+    A step's segments (the planner's arrays, :func:`segments_from_slots`) leave the last four unset;
+    :meth:`for_layer` gives a layer group's meta from them, and the ``lora_pin`` ops and everything behind
+    them take that whole. A meta made for shrink alone (the registered shrink op's, which is given
+    neither) leaves the last two ``None``. The fields are spelled out one by one only at the
+    ``torch.library`` boundary (the registered ops' schemas).
     """
 
     perm: torch.Tensor  # int64 [N]
     seg_indptr: torch.Tensor  # int32 [S + 1]
     seg_slots: torch.Tensor  # int32 [S]
-    slot_ranks: torch.Tensor  # int32 [slots, n_slices]
-    n_slices: int
+    slot_ranks: torch.Tensor | None = None  # int32 [slots, n_slices]
+    n_slices: int = 1
     slot_scalings: torch.Tensor | None = None  # float32 [slots, n_slices]
     slice_offsets: tuple[int, ...] | None = None  # n_slices + 1 ints
 
-    @classmethod
     def for_layer(
-        cls,
-        segments: SegmentBatch,
+        self,
         slot_ranks: torch.Tensor,
         slot_scalings: torch.Tensor,
         slice_offsets: Sequence[int],
     ) -> KernelMeta:
-        """The meta of ``segments`` in a layer group whose pool holds ``slot_ranks`` (int32
-        ``[slots, n_slices]``) and ``slot_scalings`` (float32 ``[slots, n_slices]``) and whose output is
-        cut at ``slice_offsets`` (``n_slices + 1`` ints). Nothing is checked here: the ops check it."""
-        perm, seg_indptr, seg_slots = segments
+        """These segments in a layer group whose pool holds ``slot_ranks`` (int32 ``[slots, n_slices]``)
+        and ``slot_scalings`` (float32 ``[slots, n_slices]``) and whose output is cut at
+        ``slice_offsets`` (``n_slices + 1`` ints). Nothing is copied or checked here: the ops check it."""
         offsets = tuple(slice_offsets)
-        return cls(perm, seg_indptr, seg_slots, slot_ranks, len(offsets) - 1, slot_scalings, offsets)
+        return KernelMeta(
+            self.perm, self.seg_indptr, self.seg_slots, slot_ranks, len(offsets) - 1, slot_scalings, offsets
+        )
+
+    def segments(self) -> KernelMeta:
+        """The step's segments alone (the layer fields dropped)."""
+        return KernelMeta(self.perm, self.seg_indptr, self.seg_slots)
+
+    def ranks(self) -> torch.Tensor:
+        """``slot_ranks``, for an op.
+
+        Raises:
+            OpArgumentError: this meta holds a step's segments alone (:meth:`for_layer` gives a layer's).
+        """
+        if self.slot_ranks is None:
+            raise OpArgumentError(
+                "this KernelMeta holds a step's segments alone: the ops take a layer group's "
+                "(KernelMeta.for_layer)"
+            )
+        return self.slot_ranks
 
     def expand_layout(self) -> tuple[torch.Tensor, tuple[int, ...]]:
         """``(slot_scalings, slice_offsets)``, the part only expand reads.
 
         Raises:
-            OpArgumentError: this meta was made for shrink alone (either is ``None``).
+            OpArgumentError: this meta was made for shrink alone, or holds segments alone (either is
+                ``None``).
         """
         if self.slot_scalings is None or self.slice_offsets is None:
             raise OpArgumentError(
@@ -95,7 +103,7 @@ def segments_from_slots(
     token_slots: torch.Tensor,
     chunk_size: int | None = None,
     device: torch.device | str | None = None,
-) -> SegmentBatch:
+) -> KernelMeta:
     """Groups tokens by slot: a stable sort by slot, rows of slot ``-1`` dropped, runs cut into chunks.
 
     Args:
@@ -105,8 +113,8 @@ def segments_from_slots(
         device: where the arrays are put; defaults to ``token_slots.device``.
 
     Returns:
-        A :class:`SegmentBatch`; segments appear in ascending slot order. Its shapes depend on the
-        data, so this is not for use inside a CUDA graph (the planner's arrays are).
+        A :class:`KernelMeta` of the segments alone; segments appear in ascending slot order. Its
+        shapes depend on the data, so this is not for use inside a CUDA graph (the planner's arrays are).
 
     Raises:
         ValueError: ``token_slots`` is not a 1-D integer tensor, holds a value below ``-1``, or
@@ -144,7 +152,7 @@ def segments_from_slots(
 
     seg_indptr = torch.zeros(seg_sizes.numel() + 1, dtype=torch.int64, device=slots.device)
     torch.cumsum(seg_sizes, 0, out=seg_indptr[1:])
-    return SegmentBatch(
+    return KernelMeta(
         perm=perm.to(device=device, dtype=torch.int64),
         seg_indptr=seg_indptr.to(device=device, dtype=torch.int32),
         seg_slots=seg_slots.to(device=device, dtype=torch.int32),
@@ -159,8 +167,11 @@ def same_segments(meta: KernelMeta, other: KernelMeta) -> bool:
         and meta.seg_indptr is other.seg_indptr
         and meta.seg_slots is other.seg_slots
         and meta.n_slices == other.n_slices
-        and meta.slot_ranks.shape == other.slot_ranks.shape
-        and meta.slot_ranks.dtype is other.slot_ranks.dtype
-        and meta.slot_ranks.device == other.slot_ranks.device
-        and torch.equal(meta.slot_ranks, other.slot_ranks)
+        and _same_ranks(meta.slot_ranks, other.slot_ranks)
     )
+
+
+def _same_ranks(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and a.dtype is b.dtype and a.device == b.device and torch.equal(a, b)

@@ -27,7 +27,7 @@ from lora_pin.parallel.collective import (
 from lora_pin.parallel.identity import agree_identity
 from lora_pin.parallel.sharding import TensorParallel
 from lora_pin.weights.dora import finish_factors
-from lora_pin.weights.host import HostAdapter
+from lora_pin.weights.host_adapter import HostAdapter
 
 __all__ = ["Collective", "SingleProcess", "TensorParallelGroup"]
 

@@ -27,7 +27,6 @@ from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
 from lora_pin.ops import (
     KernelMeta,
-    SegmentBatch,
     expand,
     segments_from_slots,
     shrink,
@@ -57,7 +56,7 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         self._slot_ranks: list[int] = []
         # Per-slot rank and scaling tables by number of slices, rebuilt when a slot changes.
         self._tables: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._token_segments = SegmentBatch(*(torch.empty(0, dtype=t) for t in _SEGMENT_DTYPES))
+        self._token_segments = KernelMeta(*(torch.empty(0, dtype=t) for t in _SEGMENT_DTYPES))
         self._sampler_segments = self._token_segments
         # The step's prepared deltas by the id of the layer's A buffer, the last one made (to share its
         # plan with the next layer group) and the concatenated copies of fused layers' buffers.
@@ -131,7 +130,7 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
 
     def _delta(
         self,
-        segments: SegmentBatch,
+        segments: KernelMeta,
         a: torch.Tensor,
         b: torch.Tensor,
         offsets: tuple[int, ...],
@@ -190,7 +189,7 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         for i, a_stacked in enumerate(lora_a_stacked):
             a = a_stacked.flatten(1, 2)
             ranks, _ = self._table(1, 1.0, a.device)
-            meta = KernelMeta(*self._token_segments, slot_ranks=ranks, n_slices=1)
+            meta = KernelMeta(*self._token_segments[:3], slot_ranks=ranks, n_slices=1)
             v = shrink(x2.to(a.dtype), a, meta)
             y[i][:, : v.shape[1]] = v * scale
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from lora_pin.weights.config import AdapterConfig
-from lora_pin.weights.host import HostAdapter, HostModule, HostTier, load_adapter
+from lora_pin.weights.host_adapter import HostAdapter, HostModule
+from lora_pin.weights.host_tier import HostTier, load_adapter
 from lora_pin.weights.limits import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_TENSORS,

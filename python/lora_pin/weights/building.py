@@ -18,7 +18,7 @@ import torch
 from lora_pin.errors import AdapterLoadError
 from lora_pin.weights.digest import ServedModule
 from lora_pin.weights.dora import BaseWeights, checked_factor, dora_norm_parts, module_slices
-from lora_pin.weights.hosted import HostModule, _Slab
+from lora_pin.weights.host_adapter import HostModule, _Slab
 from lora_pin.weights.reader import AdapterFile, LoraTensorPair
 from lora_pin.weights.shards import GroupCut, ShardPlan
 from lora_pin.weights.targets import TargetGroup

@@ -16,7 +16,7 @@ host tier and in the device slot beside A and B.
 Under tensor parallelism a column-parallel rank holds whole rows of ``W`` (its output features) and the
 whole A, so its factors are its own. A row-parallel rank holds only its input columns of ``W`` and of A:
 the squared norm of a row is the sum of the ranks' squared norms over their columns, so each rank's read
-keeps its part (:attr:`~lora_pin.weights.hosted.HostModule.norm_parts`) and :func:`finish_factors`
+keeps its part (:attr:`~lora_pin.weights.host_adapter.HostModule.norm_parts`) and :func:`finish_factors`
 completes them with an all-reduce once every rank's read is agreed (a collective inside a read could wait
 forever for a rank whose read failed).
 
@@ -35,7 +35,7 @@ import torch
 from lora_pin.errors import AdapterLoadError
 
 if TYPE_CHECKING:
-    from lora_pin.weights.hosted import HostAdapter, HostModule
+    from lora_pin.weights.host_adapter import HostAdapter, HostModule
     from lora_pin.weights.targets import TargetGroup
 
 __all__ = [

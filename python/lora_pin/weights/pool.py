@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from lora_pin.errors import PoolError
-from lora_pin.weights.host import HostAdapter, HostModule
+from lora_pin.weights.host_adapter import HostAdapter, HostModule
 from lora_pin.weights.shards import WHOLE, GroupCut, ShardPlan
 from lora_pin.weights.targets import LoRATargets, TargetGroup
 

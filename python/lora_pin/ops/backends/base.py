@@ -13,7 +13,8 @@ from typing import Protocol
 
 import torch
 
-from lora_pin.ops.segments import SegmentBatch
+from lora_pin.ops.experts import ExpertMeta, expert_lora_delta_
+from lora_pin.ops.segments import KernelMeta
 from lora_pin.weights.pool import GroupBuffers
 
 __all__ = ["LoRABackend", "SplitDelta", "StepRows"]
@@ -22,7 +23,7 @@ __all__ = ["LoRABackend", "SplitDelta", "StepRows"]
 class StepRows(Protocol):
     """What a backend reads of the active step (``lora_pin.model.StepSegments``)."""
 
-    def for_input(self, x: torch.Tensor) -> SegmentBatch:
+    def for_input(self, x: torch.Tensor) -> KernelMeta:
         """The segments of layer input ``x`` (``[..., in]``; raises ``UsageError`` for a wrong shape)."""
         ...
 
@@ -100,6 +101,43 @@ class LoRABackend(ABC):
             shrink_ranks: returns the int32 ``[slots, n_slices]`` ranks of ``buffers.a``'s rows when they
                 are not the group's (a fully sharded column layer's chunk of each slot's rank).
         """
+
+    def add_expert_lora(
+        self, buffers: GroupBuffers, out: torch.Tensor, x: torch.Tensor, segments: KernelMeta
+    ) -> None:
+        """``out [R, out] += scaling * B[slot, e] (A[slot, e] x)`` in place for each routed row of ``x
+        [R, in]`` whose segment's flat slot is ``slot * E + e``, over an experts group's buffers (``a``
+        ``[slots, E * R_max, in]``, ``b`` ``[slots, E * out, R_max]``, ranks and scalings ``[slots, E]``).
+
+        ``segments``: the rows grouped by ``(slot, expert)``
+        (:func:`lora_pin.ops.experts.expert_segments`). Every backend runs it as the registered
+        ``lora_pin::shrink`` and ``::expand`` over the ``slots * E`` one-slice view of the buffers (their
+        CPU and CUDA bodies pick the kernels).
+
+        Raises:
+            OpArgumentError: as :func:`lora_pin.ops.experts.expert_lora_delta_`.
+        """
+        width = buffers.group.members[0].out_features
+        meta = ExpertMeta.for_group(segments, buffers.ranks, buffers.scalings, width)
+        expert_lora_delta_(out, x, buffers.a, buffers.b, meta)
+
+    def dense_expert_lora(
+        self, buffers: GroupBuffers, x: torch.Tensor, slots: torch.Tensor, out_features: int
+    ) -> torch.Tensor:
+        """The expert LoRA delta ``[E, N, out]`` of ``x [E, N, in]`` (a dense experts module's rows: every
+        token once per expert), token ``n`` with the adapter in ``slots[n]`` (int64 ``[N]``, each a
+        slot), over an experts group's buffers (as :meth:`add_expert_lora`). One batched GEMM pair per
+        slot: a dense module sends every token through every expert."""
+        n_experts = buffers.ranks.shape[1]
+        delta = x.new_zeros((n_experts, x.shape[1], out_features))
+        for slot in torch.unique(slots).tolist():
+            rows = (slots == slot).nonzero().squeeze(1)
+            a = buffers.a[slot].view(n_experts, -1, x.shape[-1])  # [E, R, in]
+            b = buffers.b[slot].view(n_experts, out_features, -1)  # [E, out, R]
+            scaling = buffers.scalings[slot].to(x.dtype).view(n_experts, 1, 1)
+            shrunk = torch.bmm(x.index_select(1, rows), a.transpose(1, 2))
+            delta.index_copy_(1, rows, torch.bmm(shrunk, b.transpose(1, 2)) * scaling)
+        return delta
 
 
 def embed_scale_tensor(embed_scale: object, like: torch.Tensor) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ import torch
 
 from lora_pin.ops.backends.base import SplitDelta, StepRows
 from lora_pin.ops.backends.fallback import TorchOpsBackend
-from lora_pin.ops.segments import SegmentBatch
+from lora_pin.ops.segments import KernelMeta
 from lora_pin.weights.pool import GroupBuffers
 
 __all__ = ["CudaBackend"]
@@ -44,7 +44,7 @@ class CudaBackend(TorchOpsBackend):
         return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
     def dora_rows(
-        self, step: StepRows, buffers: GroupBuffers, x: torch.Tensor, seg: SegmentBatch
+        self, step: StepRows, buffers: GroupBuffers, x: torch.Tensor, seg: KernelMeta
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.compiler.is_compiling():
             return super().dora_rows(step, buffers, x, seg)

@@ -15,7 +15,7 @@ import torch
 from lora_pin.ops.backends.base import LoRABackend, SplitDelta, StepRows, embed_scale_tensor
 from lora_pin.ops.custom_ops import expand, shrink
 from lora_pin.ops.dora import dora_scale_
-from lora_pin.ops.segments import KernelMeta, SegmentBatch
+from lora_pin.ops.segments import KernelMeta
 from lora_pin.weights.pool import GroupBuffers
 
 __all__ = ["TorchOpsBackend"]
@@ -79,7 +79,7 @@ class TorchOpsBackend(LoRABackend):
         return _OpsSplit(buffers.a, buffers.b, local, meta)
 
     def meta(
-        self, step: StepRows, buffers: GroupBuffers, seg: SegmentBatch, slice_offsets: Sequence[int]
+        self, step: StepRows, buffers: GroupBuffers, seg: KernelMeta, slice_offsets: Sequence[int]
     ) -> KernelMeta:
         """The kernel meta of ``seg`` (the step's segments for a layer's input) in ``buffers``' group."""
         return KernelMeta.for_layer(seg, buffers.ranks, buffers.scalings, slice_offsets)
@@ -91,7 +91,7 @@ class TorchOpsBackend(LoRABackend):
         return buffers.dora_slots is not None and (bool(buffers.dora_slots) or torch.compiler.is_compiling())
 
     def dora_rows(
-        self, step: StepRows, buffers: GroupBuffers, x: torch.Tensor, seg: SegmentBatch
+        self, step: StepRows, buffers: GroupBuffers, x: torch.Tensor, seg: KernelMeta
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every adapter row of ``seg`` (int64 ``[N]``) and its slot (int32 ``[N]``): the rows
         ``lora_pin::dora_scale_`` considers, keeping those of DoRA slots by their flags (no read of the

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import lora_pin.weights.host as host
+import lora_pin.weights.host_tier as host
 from lora_pin.errors import AdapterLoadError
 from lora_pin.fixtures import make_peft_adapter
 from lora_pin.weights import HostAdapter, LoRATargets, load_adapter
@@ -183,7 +183,7 @@ def test_a_first_load_by_the_plan_it_decides_equals_a_load_built_module_by_modul
 ) -> None:
     targets = LoRATargets.from_model(tiny_llama)
     first = load("a", alike[0], targets)
-    assert len(host._plans(targets)._held) == 1, "a plain first load decides a plan"
+    assert len(host._recipes(targets)._held) == 1, "a plain first load decides a plan"
     assert_same(first, built("a", alike[0], LoRATargets.from_model(tiny_llama)))
     # A rank pattern pads v_proj's slice of the fused qkv group: no plan, built, and still PEFT's tensors.
     padded = tmp_path / "pattern"
@@ -192,7 +192,7 @@ def test_a_first_load_by_the_plan_it_decides_equals_a_load_built_module_by_modul
     )
     fresh = LoRATargets.from_model(tiny_llama)
     pattern = load("pattern", made, fresh)
-    assert len(host._plans(fresh)._held) == 0
+    assert len(host._recipes(fresh)._held) == 0
     assert_same(pattern, built("pattern", made, LoRATargets.from_model(tiny_llama)))
     stored = load_file(made / "adapter_model.safetensors")
     assert torch.equal(pattern.modules["model.layers.1.self_attn.qkv_proj"].a[8:10], stored[KEY])

@@ -17,7 +17,6 @@ from lora_pin.errors import LoraPinError
 from lora_pin.ops import (
     KernelMeta,
     OpArgumentError,
-    SegmentBatch,
     expand,
     expand_reference,
     grouped,
@@ -201,7 +200,7 @@ def test_base_segments_in_perm_are_skipped_and_untouched():
     layer = random_layer(2, 16, [24], [8], torch.float32, gen)
     x, out = torch.randn(6, 16, generator=gen), torch.randn(6, 24, generator=gen)
     # A planner may keep base-model rows in perm under slot -1.
-    batch = SegmentBatch(
+    batch = KernelMeta(
         perm=torch.tensor([4, 1, 5, 0, 2]),
         seg_indptr=torch.tensor([0, 2, 3, 5], dtype=torch.int32),
         seg_slots=torch.tensor([1, -1, 0], dtype=torch.int32),
@@ -279,7 +278,7 @@ def test_decode_slots_go_to_the_native_kernels_and_long_ones_stay_on_torch(cpu_p
     batch = segments_from_slots(token_slots, 4)
     ranks = torch.full((3, 3), 8, dtype=torch.int32)
     plan = _PLANS.get(
-        KernelMeta(*batch, ranks, 3), token_slots.shape[0], 8, torch.float32, grouped.use_cpu_kernels
+        KernelMeta(*batch[:3], ranks, 3), token_slots.shape[0], 8, torch.float32, grouped.use_cpu_kernels
     )
     if cpu_path == "native":
         assert plan.kernel is not None and plan.kernel.n_rows == 4
@@ -390,7 +389,7 @@ def test_plans_are_cached_by_content_so_a_buffer_refilled_in_place_is_replanned(
     _assert_close(got, lora_reference(out, x, *layer[:2], first, *layer[2:]))
     # The planner's next step reuses the same tensors; numpy writes do not bump torch's version counter.
     refilled = segments_from_slots(second)
-    for old, new in zip(batch, refilled, strict=True):
+    for old, new in zip(batch[:3], refilled[:3], strict=True):
         assert old.shape == new.shape
         old.numpy()[:] = new.numpy()
     got = out.clone()
@@ -412,10 +411,10 @@ def _small_case(dtype=torch.float32):
 
 def test_ops_are_registered_in_the_lora_pin_namespace():
     layer, batch, x, out = _small_case()
-    v = torch.ops.lora_pin.shrink(x, layer.a, *batch, layer.slot_ranks, 3)
+    v = torch.ops.lora_pin.shrink(x, layer.a, *batch[:3], layer.slot_ranks, 3)
     assert torch.equal(v, shrink(x, layer.a, layer.meta(batch)))
     via_op, via_python = out.clone(), out.clone()
-    torch.ops.lora_pin.expand(via_op, v, layer.b, *batch, *layer[2:])
+    torch.ops.lora_pin.expand(via_op, v, layer.b, *batch[:3], *layer[2:])
     expand(via_python, v, layer.b, layer.meta(batch))
     assert torch.equal(via_op, via_python) and not torch.equal(via_op, out)
 
@@ -423,9 +422,9 @@ def test_ops_are_registered_in_the_lora_pin_namespace():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_opcheck(dtype):
     layer, batch, x, out = _small_case(dtype)
-    torch.library.opcheck(torch.ops.lora_pin.shrink.default, (x, layer.a, *batch, layer.slot_ranks, 3))
+    torch.library.opcheck(torch.ops.lora_pin.shrink.default, (x, layer.a, *batch[:3], layer.slot_ranks, 3))
     v = shrink(x, layer.a, layer.meta(batch))
-    torch.library.opcheck(torch.ops.lora_pin.expand.default, (out, v, layer.b, *batch, *layer[2:]))
+    torch.library.opcheck(torch.ops.lora_pin.expand.default, (out, v, layer.b, *batch[:3], *layer[2:]))
 
 
 class _LoRALinear(torch.nn.Module):
@@ -442,7 +441,7 @@ class _LoRALinear(torch.nn.Module):
 
     def forward(self, x, perm, seg_indptr, seg_slots):
         y = self.base(x)
-        segments = SegmentBatch(perm, seg_indptr, seg_slots)
+        segments = KernelMeta(perm, seg_indptr, seg_slots)
         meta = KernelMeta.for_layer(segments, self.slot_ranks, self.slot_scalings, self.slice_offsets)
         expand(y, shrink(x, self.a, meta), self.b, meta)
         return torch.nn.functional.silu(y)
@@ -455,7 +454,7 @@ def _check_compiled(backend):
     other = segments_from_slots(torch.tensor([0, 0, 1, -1, 2, 1, 0, 2]), 3)
     with torch.no_grad():
         for segments in (batch, other):
-            torch.testing.assert_close(compiled(x, *segments), module(x, *segments))
+            torch.testing.assert_close(compiled(x, *segments[:3]), module(x, *segments[:3]))
 
 
 def test_torch_compile_fullgraph():
@@ -489,9 +488,13 @@ def test_bad_arguments_are_named():
     _expect_error(lambda: expand(out, v[:, :8], b, meta), "v must be")
     too_many = KernelMeta.for_layer(batch, ranks, scalings, [0, *[1] * 9, 20])
     _expect_error(lambda: expand(out, v, b, too_many), "slice_offsets must hold")
-    shrink_only = KernelMeta(*batch, ranks, 3)
+    shrink_only = KernelMeta(*batch[:3], ranks, 3)
     _expect_error(lambda: expand(out, v, b, shrink_only), "expand needs slot_scalings and slice_offsets")
     _expect_error(lambda: expand(out, v, b, meta._replace(n_slices=2)), "n_slices=2 but slice_offsets")
+    # A step's segments alone are one KernelMeta too, but no op takes them without a layer's fields.
+    _expect_error(lambda: shrink(x, a, batch), "segments alone")
+    _expect_error(lambda: expand(out, v, b, batch), "expand needs slot_scalings")
+    assert meta.segments().perm is batch.perm and meta.segments().slot_ranks is None
 
 
 def test_expand_refuses_to_drop_a_gradient_silently():

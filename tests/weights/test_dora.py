@@ -24,7 +24,7 @@ from lora_pin.errors import AdapterLoadError
 from lora_pin.fixtures import save_peft_adapter
 from lora_pin.model.attach import base_weights, model_targets
 from lora_pin.weights.config import AdapterConfig
-from lora_pin.weights.host import HostTier, load_adapter
+from lora_pin.weights.host_tier import HostTier, load_adapter
 from lora_pin.weights.reader import PEFT_PREFIX
 
 Q0 = "model.layers.0.self_attn.q_proj"

@@ -1,5 +1,5 @@
-"""Load plans: what a load of an adapter decides from its config, its weight file's header and the model
-before it reads a tensor (see :class:`_LoadPlan`), then kept per model so that a later load of an adapter
+"""Read recipes: what a load of an adapter decides from its config, its weight file's header and the model
+before it reads a tensor (see :class:`_ReadRecipe`), then kept per model so that a later load of an adapter
 trained alike (the same config and header) only reads and hashes its tensors.
 """
 
@@ -13,17 +13,17 @@ import torch
 
 from lora_pin.weights.building import _non_finite
 from lora_pin.weights.digest import ServedModule, adapter_digest
-from lora_pin.weights.hosted import HostAdapter, HostModule
+from lora_pin.weights.host_adapter import HostAdapter, HostModule
 from lora_pin.weights.reader import AdapterFile, LoraTensorPair
 from lora_pin.weights.targets import LoRATargets, TargetGroup
 
 # The stored dtypes whose NaN/Inf the core counts as it reads (lora_pin.weights.reader.AdapterFile.read_many).
 _SEARCHED = frozenset(("F64", "F32", "F16", "BF16"))
-# One read of a plan: tensor name, stored dtype, shape, file offset, byte offset in the slab, bytes.
-_PlannedRead = tuple[str, str, tuple[int, ...], int, int, int]
-# One group of a plan: the group, A's and B's element offset in the slab and shape, per slice rank and
+# One read of a recipe: tensor name, stored dtype, shape, file offset, byte offset in the slab, bytes.
+_RecipeRead = tuple[str, str, tuple[int, ...], int, int, int]
+# One group of a recipe: the group, A's and B's element offset in the slab and shape, per slice rank and
 # scaling, and the rank and scaling tensors (shared by every load: see _group_tensors).
-_PlannedModule = tuple[
+_RecipeModule = tuple[
     TargetGroup,
     int,
     tuple[int, int],
@@ -37,7 +37,7 @@ _PlannedModule = tuple[
 
 
 @dataclass(frozen=True)
-class _LoadPlan:
+class _ReadRecipe:
     """What a load of one adapter decides from its config, its weight file's header and the model
     (every check passed, the slab's layout, what each tensor's bytes go where, the ranks and scalings,
     the modules its digest covers; :meth:`decide`), before any tensor is read: the load itself is then
@@ -47,7 +47,7 @@ class _LoadPlan:
     memory pinning, only reads and hashes the tensors: adapters trained alike share all of it, and
     deciding it again costs more than reading them.
 
-    Only plain loads have a plan: a safetensors file with no unused tensor (PEFT's copies of base weights
+    Only plain loads have a recipe: a safetensors file with no unused tensor (PEFT's copies of base weights
     are compared by value on every load), no DoRA magnitudes, no expert weights, unsharded, every tensor
     read straight into its place in the serving dtype and those places covering the whole slab (no
     padding to zero, and the core's NaN/Inf search covers every element).
@@ -55,8 +55,8 @@ class _LoadPlan:
 
     numel: int
     pin: bool
-    reads: tuple[_PlannedRead, ...]
-    modules: tuple[_PlannedModule, ...]
+    reads: tuple[_RecipeRead, ...]
+    modules: tuple[_RecipeModule, ...]
     served: tuple[ServedModule, ...]
     tensors: int
     whole_nbytes: int
@@ -70,11 +70,11 @@ class _LoadPlan:
         pairs: dict[str, LoraTensorPair],
         dtype: torch.dtype,
         pin: bool,
-    ) -> _LoadPlan | None:
-        """The plan of loading ``file``, decided from its header and its checked ``ranks`` and ``pairs``
+    ) -> _ReadRecipe | None:
+        """The recipe of loading ``file``, decided from its header and its checked ``ranks`` and ``pairs``
         (:func:`~lora_pin.weights.model_checks._check_against_model`) before any tensor is read; None when
         the load is not a plain one (see the class): the host modules are then built one by one
-        (:mod:`lora_pin.weights.building`). A plan lays the slab out as that building does: per touched
+        (:mod:`lora_pin.weights.building`). A recipe lays the slab out as that building does: per touched
         group in the targets' order, A ``[n_slices * rank, in]`` then B ``[out_total, rank]``, with slice
         s's tensors at A's rows ``[s * rank, (s + 1) * rank)`` and B's rows ``[off_s, off_{s+1})``."""
         if file.layout_key is None or file.unused or file.config.use_dora or file.dtype != dtype:
@@ -82,7 +82,7 @@ class _LoadPlan:
         size = dtype.itemsize
         config = file.config
         at = 0
-        reads: list[_PlannedRead] = []
+        reads: list[_RecipeRead] = []
         built: list[tuple[TargetGroup, int, tuple[int, int], int, tuple[int, int], tuple[int, ...]]] = []
         scalings: list[tuple[float, ...]] = []
         served: list[ServedModule] = []
@@ -126,8 +126,8 @@ class _LoadPlan:
         return cls(at, pin, tuple(reads), modules, tuple(served), len(reads), at * size)
 
     def load(self, file: AdapterFile, targets: LoRATargets, dtype: torch.dtype) -> HostAdapter:
-        """:func:`~lora_pin.weights.host.load_opened` of ``file`` by this plan: one read of every tensor,
-        then the views.
+        """:func:`~lora_pin.weights.host_tier.load_opened` of ``file`` by this recipe: one read of every
+        tensor, then the views.
 
         Raises:
             AdapterLoadError: a tensor could not be read, holds a NaN/Inf, or the file changed.
@@ -174,41 +174,41 @@ def _group_tensors(
     return rank_tensor, scaling_tensor
 
 
-class _PlanCache:
-    """The last few :class:`_LoadPlan` of one model's targets, by layout key and load settings."""
+class _RecipeCache:
+    """The last few :class:`_ReadRecipe` of one model's targets, by layout key and load settings."""
 
     def __init__(self, entries: int) -> None:
         self._entries = entries
-        self._held: dict[tuple[object, ...], _LoadPlan] = {}
+        self._held: dict[tuple[object, ...], _ReadRecipe] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[object, ...]) -> _LoadPlan | None:
+    def get(self, key: tuple[object, ...]) -> _ReadRecipe | None:
         with self._lock:
             found = self._held.pop(key, None)
             if found is not None:
                 self._held[key] = found
             return found
 
-    def put(self, key: tuple[object, ...], plan: _LoadPlan | None) -> None:
-        if plan is None:
+    def put(self, key: tuple[object, ...], recipe: _ReadRecipe | None) -> None:
+        if recipe is None:
             return
         with self._lock:
-            self._held[key] = plan
+            self._held[key] = recipe
             while len(self._held) > self._entries:
                 del self._held[next(iter(self._held))]
 
 
-def _plans(targets: LoRATargets) -> _PlanCache:
-    """``targets``' plan cache (held by the targets, so a plan never outlives the model it checked)."""
-    cache = targets.__dict__.get("_load_plans")
+def _recipes(targets: LoRATargets) -> _RecipeCache:
+    """``targets``' recipe cache (held by the targets, so a recipe never outlives the model it checked)."""
+    cache = targets.__dict__.get("_read_recipes")
     if cache is None:
-        with _PLANS_LOCK:
-            cache = targets.__dict__.get("_load_plans")
+        with _RECIPES_LOCK:
+            cache = targets.__dict__.get("_read_recipes")
             if cache is None:
-                cache = _PlanCache(_PLANS_PER_MODEL)
-                object.__setattr__(targets, "_load_plans", cache)
+                cache = _RecipeCache(_RECIPES_PER_MODEL)
+                object.__setattr__(targets, "_read_recipes", cache)
     return cache
 
 
-_PLANS_PER_MODEL = 32
-_PLANS_LOCK = threading.Lock()
+_RECIPES_PER_MODEL = 32
+_RECIPES_LOCK = threading.Lock()

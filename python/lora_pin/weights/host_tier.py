@@ -1,9 +1,9 @@
 """The host tier: adapters validated against the model and normalised into CPU tensors per target group.
 
 :func:`load_adapter` (and :func:`load_opened`, for an adapter already opened) reads one adapter into a
-:class:`~lora_pin.weights.hosted.HostAdapter`: the checks against the model
-(:mod:`lora_pin.weights.model_checks`), then, for a plain adapter, a plan decided from its header and kept
-for the next adapter trained alike (:mod:`lora_pin.weights.load_plans`): one read of every tensor into its
+:class:`~lora_pin.weights.host_adapter.HostAdapter`: the checks against the model
+(:mod:`lora_pin.weights.model_checks`), then, for a plain adapter, a recipe decided from its header and kept
+for the next adapter trained alike (:mod:`lora_pin.weights.read_recipes`): one read of every tensor into its
 place; for any other, its host modules built one by one (:mod:`lora_pin.weights.building`).
 :class:`HostTier` holds the adapters loaded, by name.
 """
@@ -27,10 +27,10 @@ from lora_pin.weights.building import (
 )
 from lora_pin.weights.digest import adapter_digest
 from lora_pin.weights.dora import BaseWeights
-from lora_pin.weights.hosted import HostAdapter, HostModule, _Slab, _whole_dora_nbytes
+from lora_pin.weights.host_adapter import HostAdapter, HostModule, _Slab, _whole_dora_nbytes
 from lora_pin.weights.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TENSORS
-from lora_pin.weights.load_plans import _LoadPlan, _plans
 from lora_pin.weights.model_checks import _check_against_model, _listing
+from lora_pin.weights.read_recipes import _ReadRecipe, _recipes
 from lora_pin.weights.reader import AdapterFile, LoraTensorPair, open_adapter
 from lora_pin.weights.shards import WHOLE, GroupCut, ShardPlan
 from lora_pin.weights.targets import LoRATargets
@@ -121,18 +121,18 @@ def load_opened(
     if not dtype.is_floating_point:
         raise AdapterLoadError(f"adapter {name!r}: serving dtype must be floating point, got {dtype}")
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-    plans = _plans(targets)
-    plan_key = (
+    recipes = _recipes(targets)
+    recipe_key = (
         None if file.layout_key is None or shards.parallel else (*file.layout_key, max_rank, dtype, pin)
     )
-    plan = None if plan_key is None else plans.get(plan_key)
-    if plan is None:
+    recipe = None if recipe_key is None else recipes.get(recipe_key)
+    if recipe is None:
         ranks, pairs = _check_against_model(file, targets, max_rank, shards)
-        plan = None if plan_key is None else _LoadPlan.decide(file, targets, ranks, pairs, dtype, pin)
-        if plan is None:
+        recipe = None if recipe_key is None else _ReadRecipe.decide(file, targets, ranks, pairs, dtype, pin)
+        if recipe is None:
             return _build(file, targets, ranks, pairs, dtype, pin, shards, base_weights)
-        plans.put(plan_key, plan)
-    return plan.load(file, targets, dtype)
+        recipes.put(recipe_key, recipe)
+    return recipe.load(file, targets, dtype)
 
 
 def _build(
@@ -146,7 +146,7 @@ def _build(
     base_weights: BaseWeights | None,
 ) -> HostAdapter:
     """The :class:`HostAdapter` of ``file``, whose checks against the model gave ``ranks`` and ``pairs``,
-    built module by module (:mod:`lora_pin.weights.building`): a load no plan covers (zero padding,
+    built module by module (:mod:`lora_pin.weights.building`): a load no recipe covers (zero padding,
     another stored dtype, DoRA, expert weights, a tensor-parallel rank's part, tensors in memory)."""
     touched = [g for g in targets.groups if any(m.key in ranks for m in g.members)]
     slab = _Slab(sum(_group_numel(g, ranks, shards) for g in touched), dtype, pin)
@@ -171,7 +171,7 @@ class HostTier:
 
     Which adapters stay is decided by the Rust core; this class only holds their tensors. ``max_file_bytes``
     and ``max_tensors`` are the per-adapter limits of :func:`load_adapter`; with ``shards`` (a
-    tensor-parallel rank's plan) it reads and holds only this rank's part of each adapter. With
+    tensor-parallel rank's shard plan) it reads and holds only this rank's part of each adapter. With
     ``base_weights`` (the model's, see :func:`load_adapter`) the DoRA adapters it reads get their factors.
     """
 
