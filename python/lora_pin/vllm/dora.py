@@ -39,7 +39,7 @@ import torch
 from lora_pin.errors import AdapterLoadError
 from lora_pin.ops.backends.cpu import rows_in_slots
 from lora_pin.ops.dora import scale_rows_
-from lora_pin.ops.segments import SegmentBatch
+from lora_pin.ops.segments import KernelMeta
 from lora_pin.weights.dora import checked_factor, dora_norm_parts
 from lora_pin.weights.targets import LinearTarget, TargetGroup
 
@@ -305,7 +305,7 @@ class DoraSlots:
 
     def __init__(self) -> None:
         self._layers: dict[int, _Layer] = {}
-        self._segments: SegmentBatch | None = None
+        self._segments: KernelMeta | None = None
         self._rows: dict[frozenset[int], tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def set_slot(self, layer: Any, slot: int, factor: torch.Tensor | None) -> None:
@@ -325,7 +325,7 @@ class DoraSlots:
         state.factors[slot].copy_(factor)
         state.slots.add(slot)
 
-    def new_step(self, segments: SegmentBatch) -> None:
+    def new_step(self, segments: KernelMeta) -> None:
         """The step's token segments (the wrapper's, made in its ``update_metadata``)."""
         self._segments = segments
         self._rows.clear()

@@ -33,7 +33,7 @@ from lora_pin.ops.custom_ops import expand_args
 from lora_pin.ops.dora import scale_rows_
 from lora_pin.ops.embedding import check_embedding_args, lookup_expand, used_rows
 from lora_pin.ops.grouped import CpuOpPlan, delta_planned, expand_planned, kernel_ok, plan_for, shrink_planned
-from lora_pin.ops.segments import KernelMeta, SegmentBatch, same_segments
+from lora_pin.ops.segments import KernelMeta, same_segments
 from lora_pin.weights.pool import GroupBuffers
 
 __all__ = ["CpuBackend", "CpuStepKernels", "rows_in_slots"]
@@ -229,7 +229,7 @@ class CpuStepKernels:
         return rows
 
 
-def rows_in_slots(seg: SegmentBatch, slots: Collection[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def rows_in_slots(seg: KernelMeta, slots: Collection[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The rows of ``seg`` whose slot is one of ``slots`` and those slots, int64 ``[N]`` each (what
     :func:`lora_pin.ops.dora.scale_rows_` takes: a step's DoRA rows); None when there are none."""
     counts = (seg.seg_indptr[1:] - seg.seg_indptr[:-1]).long()
