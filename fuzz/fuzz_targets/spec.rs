@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use lora_pin::spec::{format_ref, parse_items, Limits, SpecItem};
+use lora_pin_core::spec::{format_ref, parse_items, Limits, SpecItem};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else { return };

@@ -4,7 +4,7 @@ Every error lora_pin raises is a :class:`LoraPinError`. Where a standard excepti
 kind of failure it is, the class also derives from it, so callers' existing ``except`` clauses work:
 a bad spec is a ``ValueError``, an unknown adapter a ``KeyError``, an unload that timed out a
 ``TimeoutError``. The Rust core's error enum maps onto these classes in one exhaustive ``match``
-(``rust/py/errors.rs``).
+(``rust/py/src/errors.rs``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from lora_pin import errors
 from lora_pin._core import LoRARef
 
-# The core's rule (rust/limits.rs OVERDUE_AFTER): an adapter deferred for room by this many consecutive
-# plans that name it is admitted first by the next plans, oldest first.
+# The core's rule (rust/core/src/limits.rs OVERDUE_AFTER): an adapter deferred for room by this many
+# consecutive plans that name it is admitted first by the next plans, oldest first.
 OVERDUE_AFTER = 4
 
 

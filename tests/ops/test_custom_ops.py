@@ -1,7 +1,7 @@
 """The lora_pin custom ops on CPU: correctness, contract, opcheck, torch.compile.
 
-Every test runs twice: with the native CPU kernels (``rust/sgmv``, decode-sized slots) and with the
-grouped torch path alone (``LORA_PIN_CPU_KERNELS=0``).
+Every test runs twice: with the native CPU kernels (``rust/kernels/src/sgmv``, decode-sized slots) and with
+the grouped torch path alone (``LORA_PIN_CPU_KERNELS=0``).
 """
 
 from __future__ import annotations

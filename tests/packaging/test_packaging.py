@@ -1,7 +1,8 @@
 """The wheel and the sdist as a pip user gets them: a portable manylinux tag, the licence inside, the
-metadata, the wheel installed into a clean virtual environment of another Python minor version (where
-``lora-pin parse`` and ``lora-pin simulate`` run, and a manager serves a mixed batch equal to PEFT), and
-every module of the package compiled by every supported CPython present.
+metadata, the sdist built by pip into a wheel with the extension (the whole cargo workspace ships), the
+wheel installed into a clean virtual environment of another Python minor version (where ``lora-pin parse``
+and ``lora-pin simulate`` run, and a manager serves a mixed batch equal to PEFT), and every module of the
+package compiled by every supported CPython present.
 
 The wheel is built here with maturin's zig linker (``ziglang`` from requirements/dev.txt), once for the
 module; it takes a minute or two on a cold cargo cache.
@@ -91,6 +92,31 @@ def test_the_sdist_ships_the_licence_and_the_documents_the_readme_names(sdist: P
         assert member is not None
         assert member.read().decode() == (ROOT / "LICENSE").read_text()
     assert {"LICENSE", "README.md", "SECURITY.md", "BENCHMARKS.md", "pyproject.toml"} <= files
+
+
+def test_pip_builds_the_sdist_into_a_wheel_with_the_extension(sdist: Path, tmp_path: Path) -> None:
+    # The sdist holds a cargo workspace: its root manifest and all three crates (rust/core, rust/kernels,
+    # rust/py) must be in it for the bindings to build. Built as pip builds it (PEP 517, maturin) with this
+    # environment's maturin (no build isolation: no download) and the repository's cargo target directory,
+    # so the compiled dependencies are reused while lora_pin's own crates compile from the sdist's sources.
+    bin_dir = Path(sys.executable).parent
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "CARGO_TARGET_DIR": str(ROOT / "target"),
+    }
+    pip = [sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check"]
+    built = tmp_path / "built"
+    subprocess.run(
+        [*pip, "--no-build-isolation", "--no-deps", str(sdist), "-w", str(built)],
+        env=env,
+        check=True,
+        timeout=1200,
+    )
+    (wheel,) = built.glob("lora_pin-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    assert {"lora_pin/_core.abi3.so", "lora_pin/_core.pyi", "lora_pin/__init__.py"} <= names
 
 
 def other_python() -> str | None:

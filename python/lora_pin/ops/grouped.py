@@ -16,8 +16,8 @@ weight is gathered and nothing past the shared rank is read; idle slots inside t
 within a padding budget) are computed on zero rows and discarded.
 
 On an x86-64 CPU with AVX-512, slots with few tokens (decode) run in the native kernels instead
-(``lora_pin._core.CpuSgmvPlan``, ``rust/sgmv/``): one call per op streams each slot's weights once with
-all its tokens in registers, where BLAS would run one matrix-vector product per slot and slice well
+(``lora_pin._core.CpuSgmvPlan``, ``rust/kernels/src/sgmv/``): one call per op streams each slot's weights once
+with all its tokens in registers, where BLAS would run one matrix-vector product per slot and slice well
 below the memory bandwidth. Set ``LORA_PIN_CPU_KERNELS=0`` to keep everything on the torch path.
 
 The plan (groups, gathered rows) is derived from the segment arrays on the host and cached by their
@@ -324,8 +324,8 @@ def build_plan(
 def _runs_expand_plan(runs: list[_Run], ranks: list[list[int]], n_tokens: int, max_rank: int) -> CpuSgmvPlan:
     """The native kernels' plan for the expand of ``runs``, one group per run.
 
-    A group of many tokens takes the kernels' panel expand (``rust/sgmv/avx512.rs``): each block of
-    16 rows of the slot's B is transposed once and every token's row of ``out`` streams through the
+    A group of many tokens takes the kernels' panel expand (``rust/kernels/src/sgmv/avx512.rs``): each block
+    of 16 rows of the slot's B is transposed once and every token's row of ``out`` streams through the
     blocks, where BLAS's GEMM of inner dimension ``rank`` ran well below the speed of reading and
     writing ``out`` (8 runs of 128 rows, 4096 wide, rank 16: 2.7 against 4.6 ms fp32, 2.8 against
     4.1 ms bf16 on one thread; 2.2 against 6.8 and 1.9 against 3.7 ms on two; BENCHMARKS.md, CPU ops)."""

@@ -12,8 +12,8 @@ While an aged request's adapter finds no slot, no request of another unpinned ad
 running one's neither, aged or not), so the running ones drain and free one: nobody waits forever.
 vLLM's own token and KV budgets then decide among the requests offered.
 
-The rule is lora_pin's core (``admit_waiting``, ``rust/admission.rs``), not a copy of it here: this class
-only tells it, each step, what vLLM holds.
+The rule is lora_pin's core (``admit_waiting``, ``rust/core/src/admission.rs``), not a copy of it here: this
+class only tells it, each step, what vLLM holds.
 """
 
 from __future__ import annotations

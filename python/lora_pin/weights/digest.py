@@ -16,10 +16,10 @@ equal to the model's. So the same weights give one digest from two folders, from
 safetensors, from a load of tensors in memory, on every tensor-parallel rank and in every process.
 
 The hash is BLAKE3 (256-bit, keyed by nothing): each tensor is hashed as its bytes are read into the host
-tier, piece by piece while they are in cache (by the core, ``rust/weights.rs``, in the layout of
-:func:`tensor_digest`), and the per-tensor digests are combined in name order. BLAKE3 rather than SHA-256
-because every served byte is hashed on every load: SHA-256 ran at 1.6 GB/s against BLAKE3's 3.0 GB/s on this
-project's 2-core runner, and the load path must stay near the cost of reading the file.
+tier, piece by piece while they are in cache (by the native kernels, ``rust/kernels/src/weights.rs``, in the
+layout of :func:`tensor_digest`), and the per-tensor digests are combined in name order. BLAKE3 rather than
+SHA-256 because every served byte is hashed on every load: SHA-256 ran at 1.6 GB/s against BLAKE3's 3.0 GB/s
+on this project's 2-core runner, and the load path must stay near the cost of reading the file.
 """
 
 from __future__ import annotations

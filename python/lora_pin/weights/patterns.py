@@ -7,7 +7,7 @@ with Python's own parser (it accepts what PEFT accepts, no more), then has the R
 patterns once into a :class:`~lora_pin._core.PatternSet`: automata that never backtrack, so a module key
 costs time linear in its length whatever the patterns, and one pass over it finds every pattern it
 matches. Python syntax that engine lacks or would read differently (look-around, back-references,
-possessive quantifiers, ...) is refused, naming the construct; the rules are in ``rust/patterns.rs``.
+possessive quantifiers, ...) is refused, naming the construct; the rules are in ``rust/core/src/patterns.rs``.
 
 Limits, each named in its error: a pattern has at most :data:`MAX_PATTERN_CHARS` characters, and a config
 at most :data:`MAX_PATTERN_ENTRIES` entries in its pattern fields and lists together.
