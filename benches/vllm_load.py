@@ -261,7 +261,7 @@ def main() -> int:
         key = f"{server} #{round_ + 1}" if args.rounds > 1 else server
         results[key] = {}
         for with_lora in (False, True):
-            label = f"{server} {'lora' if with_lora else 'base'}"
+            label = f"{key} {'lora' if with_lora else 'base'}"
             log = root / f"{label.replace(' ', '-')}.log"
             if server == "lora-pin":
                 engine = [
