@@ -182,7 +182,7 @@ def main() -> int:
             mode == "plugin", model + (lora if names else []), args, root / f"{i}.log"
         )
         try:
-            workload = vllm_load._workload(args, len(names), names)
+            workload = vllm_load._workload(args, len(names), [d.name for d in dirs])
             asyncio.run(vllm_load._closed_loop(server.url, workload[:8], 8, set()))
             time.sleep(1.5)  # two dumps: every process's totals are on disk
             before = _totals(folder)
