@@ -203,6 +203,29 @@ def _workload(
     return out
 
 
+async def _stream(client: Any, name: str | None, prompt: list[int], n: int) -> list[float]:
+    """One streamed greedy completion of ``n`` tokens (``ignore_eos``) on adapter ``name`` (None: the
+    base model) through the ``openai`` client: when each output token arrived (``perf_counter``)."""
+    stamps: list[float] = []
+    stream = await client.completions.create(
+        model=name or "base",
+        prompt=prompt,
+        max_tokens=n,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].token_ids:
+            stamps.extend([time.perf_counter()] * len(chunk.choices[0].token_ids))
+    return stamps
+
+
+def _pct(xs: list[float], q: int) -> float:
+    """The ``q``-th percentile of ``xs`` (NaN when empty)."""
+    return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))
+
+
 async def _drive(server: _Server, workload: list[Any], pinned: set[str]) -> dict[str, Any]:
     import openai
 
@@ -216,18 +239,7 @@ async def _drive(server: _Server, workload: list[Any], pinned: set[str]) -> dict
         nonlocal tokens
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         sent = time.perf_counter()
-        stamps = []
-        stream = await client.completions.create(
-            model=name or "base",
-            prompt=prompt,
-            max_tokens=n,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].token_ids:
-                stamps.extend([time.perf_counter()] * len(chunk.choices[0].token_ids))
+        stamps = await _stream(client, name, prompt, n)
         tokens += len(stamps)
         ttft.append(stamps[0] - sent)
         if name in pinned:
@@ -243,17 +255,14 @@ async def _drive(server: _Server, workload: list[Any], pinned: set[str]) -> dict
     after = server.counters()
     await client.close()
 
-    def pct(xs: list[float], q: float) -> float:
-        return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))
-
     return {
         "req/s": len(workload) / wall,
         "tok/s": tokens / wall,
-        "ttft p50": pct(ttft, 50),
-        "ttft p99": pct(ttft, 99),
-        "tpot p50": pct(tpot, 50),
-        "tpot p99": pct(tpot, 99),
-        "pinned ttft p99": pct(pinned_ttft, 99),
+        "ttft p50": _pct(ttft, 50),
+        "ttft p99": _pct(ttft, 99),
+        "tpot p50": _pct(tpot, 50),
+        "tpot p99": _pct(tpot, 99),
+        "pinned ttft p99": _pct(pinned_ttft, 99),
         **{k: after[k] - before[k] for k in after},
         "host reads / adapter": (after["host loads"] - before["host loads"]) / max(1, len(named)),
     }

@@ -13,8 +13,14 @@ flight, greedy with ``ignore_eos`` (a fixed output length):
 - ``vllm+lora_pin``: ``lora-pin vllm-serve`` (the plugin on), LoRA off likewise;
 - ``lora-pin``: ``lora-pin serve`` on transformers' engine (LoRA off: no adapters registered).
 
-Printed per server and configuration: output tokens/s, TTFT p50/p99, and tok/s against that server's
-LoRA off. The workload and the ``lora-pin serve`` client code come from ``benches/serve_load.py``.
+``--pinned N`` pins the N most popular adapters (Zipf's first) at start-up in ``vllm+lora_pin``
+(``"pinned": true`` in ``--lora-modules``) and ``lora-pin``; vLLM alone has no start-up pins, so its row
+shows the same adapters unpinned. ``--rounds N`` runs the servers in turn N times (the shared machine's
+drift then falls on each).
+
+Printed per server and configuration: output tokens/s, TTFT p50/p99, tok/s against that server's LoRA
+off, the pinned adapters' TTFT p50/p99, and their TTFT p99 at the most adapters over that at the fewest.
+The workload and the ``lora-pin serve`` client code come from ``benches/serve_load.py``.
 
 Run: ``.venv/bin/python benches/vllm_load.py`` after ``bash scripts/vllm_venv.sh`` (vLLM runs from its
 venv). Defaults are sized for a busy 2-core CPU; ``--hidden 1024 --layers 8 --requests 256`` is
@@ -25,9 +31,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,6 +64,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=8, help="device slots (vLLM --max-loras)")
     p.add_argument("--host", type=int, default=32, help="host-tier adapters (vLLM --max-cpu-loras)")
     p.add_argument("--servers", default="vllm,vllm+lora_pin,lora-pin")
+    p.add_argument("--pinned", type=int, default=2, help="the most popular adapters pinned at start-up")
+    p.add_argument("--rounds", type=int, default=1, help="servers run in turn this many times")
     p.add_argument("--threads-bind", default="0-1", help="vLLM's VLLM_CPU_OMP_THREADS_BIND")
     p.add_argument("--threads", type=int, default=2, help="lora-pin serve's torch threads")
     p.add_argument("--seed", type=int, default=0)
@@ -164,41 +172,41 @@ class _VllmServer:
         self._log.close()
 
 
-async def _closed_loop(url: str, workload: list[Any], concurrency: int) -> dict[str, float]:
+async def _closed_loop(url: str, workload: list[Any], concurrency: int, pinned: set[str]) -> dict[str, float]:
     """Serves ``workload`` (serve_load's tuples; arrival times ignored) with ``concurrency`` requests in
-    flight: output tok/s and TTFT p50/p99 (s)."""
+    flight: output tok/s, TTFT p50/p99 (s), and those of the requests of the ``pinned`` adapters."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800)
     gate = asyncio.Semaphore(concurrency)
     ttft: list[float] = []
+    pinned_ttft: list[float] = []
     tokens = 0
 
     async def one(name: str | None, prompt: list[int], n: int) -> None:
         nonlocal tokens
         async with gate:
             sent = time.perf_counter()
-            first = None
-            stream = await client.completions.create(
-                model=name or "base",
-                prompt=prompt,
-                max_tokens=n,
-                temperature=0,
-                stream=True,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            )
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].token_ids:
-                    first = first or time.perf_counter()
-                    tokens += len(chunk.choices[0].token_ids)
-            ttft.append((first or time.perf_counter()) - sent)
+            stamps = await serve_load._stream(client, name, prompt, n)
+            tokens += len(stamps)
+            first = (stamps[0] if stamps else time.perf_counter()) - sent
+            ttft.append(first)
+            if name in pinned:
+                pinned_ttft.append(first)
 
     start = time.perf_counter()
     await asyncio.gather(*(one(name, prompt, n) for _, name, prompt, n in workload))
     wall = time.perf_counter() - start
     await client.close()
-    q = statistics.quantiles(ttft, n=100)
-    return {"tok/s": tokens / wall, "ttft p50": q[49], "ttft p99": q[98]}
+    pct = serve_load._pct
+    return {
+        "tok/s": tokens / wall,
+        "ttft p50": pct(ttft, 50),
+        "ttft p99": pct(ttft, 99),
+        "pinned ttft p50": pct(pinned_ttft, 50),
+        "pinned ttft p99": pct(pinned_ttft, 99),
+        "pinned requests": len(pinned_ttft),
+    }
 
 
 def _workload(args: argparse.Namespace, count: int, names: list[str]) -> list[Any]:
@@ -212,10 +220,12 @@ def _workload(args: argparse.Namespace, count: int, names: list[str]) -> list[An
 def _serve_all(url: str, args: argparse.Namespace, counts: list[int], names: list[str], lora: bool) -> dict:
     """A warm-up, then LoRA off (``lora`` False) or each adapter count: configuration -> result."""
     results = {}
-    asyncio.run(_closed_loop(url, _workload(args, counts[0] if lora else 0, names)[:8], 8))
+    pinned = set(names[: args.pinned])
+    asyncio.run(_closed_loop(url, _workload(args, counts[0] if lora else 0, names)[:8], 8, pinned))
     for count in counts if lora else [0]:
         label = f"{count} adapters" if count else "LoRA off"
-        results[label] = asyncio.run(_closed_loop(url, _workload(args, count, names), args.concurrency))
+        workload = _workload(args, count, names)
+        results[label] = asyncio.run(_closed_loop(url, workload, args.concurrency, pinned))
     return results
 
 
@@ -241,13 +251,17 @@ def main() -> int:
         "--max-lora-rank",
         "16",
         "--lora-modules",
-        *(json.dumps({"name": n, "path": str(d)}) for n, d in zip(names, dirs, strict=True)),
     ]
+    # vLLM's parser refuses "pinned": only lora-pin vllm-serve (the plugin) takes it out and pins.
+    modules = [{"name": n, "path": str(d)} for n, d in zip(names, dirs, strict=True)]
+    plain = [json.dumps(m) for m in modules]
+    with_pins = [json.dumps({**m, "pinned": True} if i < args.pinned else m) for i, m in enumerate(modules)]
     results: dict[str, dict[str, dict[str, float]]] = {}
-    for server in servers:
-        results[server] = {}
+    for round_, server in itertools.product(range(args.rounds), servers):
+        key = f"{server} #{round_ + 1}" if args.rounds > 1 else server
+        results[key] = {}
         for with_lora in (False, True):
-            label = f"{server} {'lora' if with_lora else 'base'}"
+            label = f"{key} {'lora' if with_lora else 'base'}"
             log = root / f"{label.replace(' ', '-')}.log"
             if server == "lora-pin":
                 engine = [
@@ -260,10 +274,11 @@ def main() -> int:
                     "--dtype",
                     "bfloat16",
                 ]
-                # As serve_load does: half the host tier at start-up, the rest loaded over HTTP.
+                # As serve_load does: half the host tier at start-up (the pins among them), the rest
+                # loaded over HTTP.
                 startup = [
-                    json.dumps({"lora_name": n, "lora_path": str(d)})
-                    for n, d in zip(names, dirs, strict=True)
+                    json.dumps({"lora_name": n, "lora_path": str(d), "pinned": i < args.pinned})
+                    for i, (n, d) in enumerate(zip(names, dirs, strict=True))
                 ]
                 lp_lora = [
                     "--lora-paths",
@@ -289,27 +304,43 @@ def main() -> int:
                         proc.post("/load_lora_adapter", {"lora_name": n, "lora_path": str(d)})
                 url, stop = proc.url, proc.stop
             else:
-                vproc = _VllmServer(server != "vllm", model + (lora if with_lora else []), args, log)
+                mods = plain if server == "vllm" else with_pins
+                flags = model + (lora + mods if with_lora else [])
+                vproc = _VllmServer(server != "vllm", flags, args, log)
                 url, stop = vproc.url, vproc.stop
                 print(f"# {label}: started in {vproc.startup:.0f} s", flush=True)
             try:
-                results[server].update(_serve_all(url, args, counts, names, with_lora))
+                results[key].update(_serve_all(url, args, counts, names, with_lora))
             finally:
                 stop()
-            print(f"# {label}: {json.dumps(results[server])}", flush=True)
-    print("| server | configuration | tok/s | TTFT p50 s | TTFT p99 s | tok/s vs its LoRA off |")
-    print("| --- | --- | --- | --- | --- | --- |")
+            print(f"# {label}: {json.dumps(results[key])} load {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        "| server | configuration | tok/s | TTFT p50 s | TTFT p99 s | tok/s vs its LoRA off "
+        f"| {args.pinned} top adapters' TTFT p50 / p99 s |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for server, rows in results.items():
         off = rows["LoRA off"]["tok/s"]
         for label, r in rows.items():
+            top = f"{r['pinned ttft p50']:.3f} / {r['pinned ttft p99']:.3f}" if label != "LoRA off" else ""
             print(
                 f"| {server} | {label} | {r['tok/s']:.1f} | {r['ttft p50']:.3f} | {r['ttft p99']:.3f} | "
-                f"{r['tok/s'] / off:.2f} |"
+                f"{r['tok/s'] / off:.2f} | {top} |"
+            )
+    lo, hi = f"{min(counts)} adapters", f"{max(counts)} adapters"
+    for server, rows in results.items():
+        alone = server.split(" #")[0] == "vllm"
+        if lo in rows and hi in rows and lo != hi:
+            print(
+                f"# {server}: the {args.pinned} top adapters' TTFT p99 at {hi} / at {lo}: "
+                f"{rows[hi]['pinned ttft p99'] / rows[lo]['pinned ttft p99']:.2f}"
+                + (" (not pinned: vLLM alone has no start-up pins)" if alone else "")
             )
     print(
         f"# {args.requests} requests per configuration, {args.concurrency} in flight, {args.popularity}, "
         f"prompt {args.prompt}, output {args.output}; {args.slots} slots, host {args.host}; "
-        f"total {time.perf_counter() - t0:.0f} s"
+        f"{args.pinned} top adapters pinned (vllm+lora_pin, lora-pin); load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; total {time.perf_counter() - t0:.0f} s"
     )
     return 0
 

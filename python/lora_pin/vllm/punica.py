@@ -9,7 +9,11 @@ kernels or grouped GEMMs) over segments built from vLLM's per-token slot indices
 - rows without an adapter (slot ``-1``) are never touched, so base rows are bit-identical to a base-only
   run of the same batch (vLLM's CPU ops gather ``lora_b_weights[-1]``, the last slot, for them);
 - each slot multiplies only its adapter's rank, not ``--max-lora-rank`` (the rank is recorded when vLLM
-  activates the adapter into the slot: :meth:`LoraPinPunicaWrapper.set_slot`).
+  activates the adapter into the slot: :meth:`LoraPinPunicaWrapper.set_slot`);
+- a slot multiplies nothing in a layer its adapter has no weights for (vLLM zeroes the slot there), and a
+  layer none of the step's adapters has weights for is skipped whole: vLLM gives every linear layer of
+  the model LoRA buffers (the MLP's too, for adapters on q/k/v/o only) and its CPU path multiplies them
+  all, zeros included.
 
 The segments are built once per step (:meth:`update_metadata`) and each layer group's checks and plan
 once per step too (``CpuDelta.prepare``). Fused layers (q/k/v, gate/up) keep one slice per projection in
@@ -20,6 +24,7 @@ buffers is kept and refreshed only when vLLM writes into them (torch's version c
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,8 +59,13 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
     ) -> None:
         super().__init__(max_num_batched_tokens, max_batches, device, **kwargs)
         self._slot_ranks: list[int] = []
-        # Per-slot rank and scaling tables by number of slices, rebuilt when a slot changes.
-        self._tables: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Per slot: the ids of the layers (their first A buffer) its adapter has no weights for.
+        self._slot_without: list[frozenset[int]] = []
+        # The layers no adapter of the step's slots has weights for (skipped whole).
+        self._silent: frozenset[int] = frozenset()
+        # Rank and scaling tables by (layer id or None, number of slices, scale), rebuilt when a slot
+        # changes.
+        self._tables: dict[tuple[int | None, int, float], tuple[torch.Tensor, torch.Tensor]] = {}
         self._token_segments = KernelMeta(*(torch.empty(0, dtype=t) for t in _SEGMENT_DTYPES))
         self._sampler_segments = self._token_segments
         # The step's prepared deltas by the id of the layer's A buffer, the last one made (to share its
@@ -66,14 +76,19 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         # DoRA adapters' factors per linear layer and slot (lora_pin.vllm.dora).
         self.dora = DoraSlots()
 
-    def set_slot(self, slot: int, n_slots: int, rank: int) -> None:
+    def set_slot(self, slot: int, n_slots: int, rank: int, without: Iterable[torch.Tensor] = ()) -> None:
         """Records that the adapter vLLM activated into ``slot`` (of ``n_slots``) has ``rank`` (its
         largest rank over modules; ``rank_pattern`` may vary it): only that many columns of the slot's
-        buffers are multiplied."""
+        buffers are multiplied. ``without``: the first A buffer (``lora_a_stacked[0]``) of each linear
+        layer the adapter has no weights for, where the slot's rows are not multiplied at all."""
         if len(self._slot_ranks) != n_slots:
             self._slot_ranks = [0] * n_slots
+            self._slot_without = [frozenset()] * n_slots
         self._slot_ranks[slot] = rank
+        self._slot_without[slot] = frozenset(id(a) for a in without)
         self._tables.clear()
+        # Until the next step's update_metadata says which slots are held, no layer is skipped whole.
+        self._silent = frozenset()
 
     def update_metadata(
         self,
@@ -87,19 +102,32 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
         if len(self._slot_ranks) != len(lora_index_to_id):
             self._slot_ranks = [0] * len(lora_index_to_id)
+            self._slot_without = [frozenset()] * len(lora_index_to_id)
             self._tables.clear()
+        held = zip(self._slot_without, lora_index_to_id, strict=True)
+        used = [without for without, adapter in held if adapter is not None]
+        self._silent = frozenset.intersection(*used) if used else frozenset()
         self._token_segments = segments_from_slots(self.token_lora_indices)
         self._sampler_segments = segments_from_slots(self.sampler_indices)
         self.dora.new_step(self._token_segments)
         self._prepared.clear()
         self._last_prepared = None
 
-    def _table(self, n_slices: int, scale: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(slot_ranks int32 [slots, n_slices], slot_scalings float32 [slots, n_slices])``."""
-        key = (n_slices, scale)
+    def _table(
+        self, n_slices: int, scale: float, device: torch.device, layer: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slot_ranks int32 [slots, n_slices], slot_scalings float32 [slots, n_slices])``; for
+        ``layer`` (the id of its first A buffer), rank 0 in the slots whose adapter has no weights there."""
+        key = (layer, n_slices, scale)
         table = self._tables.get(key)
         if table is None:
-            ranks = torch.tensor(self._slot_ranks, dtype=torch.int32, device=device)
+            slot_ranks = self._slot_ranks
+            if layer is not None and any(layer in without for without in self._slot_without):
+                slot_ranks = [
+                    0 if layer in without else rank
+                    for rank, without in zip(slot_ranks, self._slot_without, strict=True)
+                ]
+            ranks = torch.tensor(slot_ranks, dtype=torch.int32, device=device)
             table = (
                 ranks[:, None].expand(-1, n_slices).contiguous(),
                 torch.full((len(self._slot_ranks), n_slices), scale, dtype=torch.float32, device=device),
@@ -136,12 +164,14 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         offsets: tuple[int, ...],
         scale: float,
         n_tokens: int,
+        layer: int | None = None,
     ) -> CpuDelta:
-        """The step's prepared delta over ``a`` and ``b`` (made on the first layer call of the step)."""
+        """The step's prepared delta over ``a`` and ``b`` (made on the first layer call of the step);
+        ``layer`` as :meth:`_table` takes it."""
         key = id(a)
         prepared = self._prepared.get(key)
         if prepared is None or prepared.a is not a or prepared.n_tokens != n_tokens:
-            ranks, scalings = self._table(len(offsets) - 1, scale, a.device)
+            ranks, scalings = self._table(len(offsets) - 1, scale, a.device, layer)
             meta = KernelMeta.for_layer(segments, ranks, scalings, offsets)
             prepared = CpuDelta.prepare(meta, a, b, n_tokens, like=self._last_prepared)
             self._prepared[key] = prepared
@@ -164,13 +194,14 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         ``y`` ``[T, sum(output_slices)]``, ``x`` ``[T, in]``. Rows without one are left untouched."""
         if not kwargs.get("add_inputs", True):
             y.zero_()
-        if self._token_segments.perm.numel() == 0:
+        layer = id(lora_a_stacked[0])
+        if self._token_segments.perm.numel() == 0 or layer in self._silent:
             return
         y2 = y.view(-1, y.shape[-1])
         x2 = x.view(-1, x.shape[-1])
         a, b = self._buffers(lora_a_stacked, lora_b_stacked)
         offsets = (0, *itertools.accumulate(output_slices))
-        prepared = self._delta(self._token_segments, a, b, offsets, scale, x2.shape[0])
+        prepared = self._delta(self._token_segments, a, b, offsets, scale, x2.shape[0], layer)
         if not prepared.empty:
             prepared.apply(y2, x2)
         self.dora.rescale(y2, lora_a_stacked[0], kwargs.get("add_inputs", True))

@@ -30,6 +30,8 @@ SEAMS = (
     ("vllm.lora.model_manager", "LoRAModelManager.activate_adapter", "(self, lora_id) -> bool"),
     ("vllm.lora.model_manager", "LoRAModelManager.lora_index_to_id", "slot -> adapter id list"),
     ("vllm.lora.model_manager", "LoRAModelManager.punica_wrapper_mapping", "prefix -> punica wrapper"),
+    ("vllm.lora.model_manager", "LoRAModelManager.modules", "name -> LoRA layer (.lora_a_stacked)"),
+    ("vllm.lora.model_manager", "LoRAModelManager._get_lora_layer_weights", "(model, name) -> weights|None"),
     ("vllm.v1.engine.input_processor", "InputProcessor.process_inputs", "-> EngineCoreRequest"),
     ("vllm.v1.engine", "EngineCoreRequest.cache_salt", "str | None, mixed into the first block's hash"),
     ("vllm.v1.core.kv_cache_utils", "generate_block_hash_extra_keys", "keys blocks by cache_salt"),
@@ -111,7 +113,8 @@ def adapter_rank(lora_model: Any) -> int:
 
 def _recording_ranks(activate: Any) -> Any:
     """``activate_adapter`` that also tells lora_pin's punica wrappers the rank of the adapter it put in
-    a slot, gives its DoRA factors to the slot's layers, and pins it there if it is pinned."""
+    a slot and the linear layers it has no weights for (vLLM zeroes the slot there: ``reset_lora``),
+    gives its DoRA factors to the slot's layers, and pins it there if it is pinned."""
     from lora_pin.vllm.dora import activate as activate_dora
     from lora_pin.vllm.pins import pin_on_activation
     from lora_pin.vllm.punica import LoraPinPunicaWrapper
@@ -121,11 +124,18 @@ def _recording_ranks(activate: Any) -> Any:
         activated = activate(self, lora_id)
         if activated:
             slot = self.lora_index_to_id.index(lora_id)
-            rank = adapter_rank(self._registered_adapters[lora_id])
+            lora_model = self._registered_adapters[lora_id]
+            rank = adapter_rank(lora_model)
+            without = [
+                module.lora_a_stacked[0]
+                for name, module in self.modules.items()
+                if isinstance(getattr(module, "lora_a_stacked", None), tuple)
+                and not self._get_lora_layer_weights(lora_model, name)
+            ]
             for wrapper in self.punica_wrapper_mapping.values():
                 if isinstance(wrapper, LoraPinPunicaWrapper):
-                    wrapper.set_slot(slot, len(self.lora_index_to_id), rank)
-            activate_dora(self, slot, self._registered_adapters[lora_id])
+                    wrapper.set_slot(slot, len(self.lora_index_to_id), rank, without)
+            activate_dora(self, slot, lora_model)
             pin_on_activation(self, lora_id)
         return bool(activated)
 

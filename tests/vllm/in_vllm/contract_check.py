@@ -75,6 +75,16 @@ check(
     and "self.lora_requests[lora_name] = lora_request" in inspect.getsource(OpenAIServingModels),
     "it is no longer a coroutine that records the loaded LoRARequest in self.lora_requests",
 )
+# The punica wrapper skips a slot in the linear layers its adapter has no weights for: right only while
+# activation zeroes the slot there (reset_lora) and fills it from _get_lora_layer_weights otherwise.
+activate = inspect.getsource(LoRAModelManager.activate_adapter)
+check(
+    "LoRAModelManager.activate_adapter",
+    "self._get_lora_layer_weights(lora_model, module_name)" in activate
+    and "module.reset_lora(index)" in activate
+    and "module.set_lora(" in activate,
+    "activation no longer zeroes a slot in the layers its adapter has no weights for (reset_lora)",
+)
 check(
     "LoRAModelManager._registered_adapters",
     "self._registered_adapters" in inspect.getsource(LoRAModelManager),

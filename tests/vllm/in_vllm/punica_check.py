@@ -1,6 +1,7 @@
 """Run by tests/vllm/test_punica.py in the vLLM venv (no pytest there): lora_pin's punica wrapper against
 an fp64 reference, on a mixed batch (base rows, three adapters of ranks 2, 4 and 8 in a pool of max rank
-8, tokens interleaved), for every method vLLM's layers call. Prints one JSON object:
+8, tokens interleaved), for every method vLLM's layers call, and for layers some or all adapters have no
+weights for. Prints one JSON object:
 ``{"errors": {method: max abs error}, "base_rows_touched": {method: bool}, "vllm_base_rows_touched": ...}``
 (the last: vLLM's own CPU wrapper on the same inputs, which gives base rows the last slot's adapter).
 """
@@ -148,4 +149,16 @@ for cls, key in ((LoraPinPunicaWrapper, "base_rows_touched"), (PunicaWrapperCPU,
         want = reference(y[:, :16], x, la, lb, 0.5, TOKENS)
         err = (got[:, :16].double() - want).abs().max()
         result["errors"]["logits"] = float(max(err, (got[:, 16:] - y[:, 16:]).abs().max()))
+# Layers an adapter has no weights for (vLLM zeroes its slot there; here the buffers hold values, so a
+# slot multiplied there shows): slot 1 has none in the fused layer, no slot has any in the plain one.
+w = LoraPinPunicaWrapper(64, 16, "cpu")
+for slot, rank in enumerate(RANKS):
+    w.set_slot(slot, SLOTS, rank, without=[a[0]] * (slot == 1) + [a1[0]])
+w.update_metadata(LoRAMapping(TOKENS, TOKENS, is_prefill=True), list(IDS), SLOTS + 1, VOCAB)
+skipped = tuple(0 if token == IDS[1] else token for token in TOKENS)
+for name, (aa, bb), rows in (("linear_without", (a, b), skipped), ("linear_silent", (a1, b1), (0,) * T)):
+    y = torch.randn(T, sum(s.shape[2] for s in bb))
+    got = y.clone()
+    w.add_lora_linear(got, x, aa, bb, 0.5, tuple(s.shape[2] for s in bb))
+    result["errors"][name] = float((got.double() - reference(y, x, aa, bb, 0.5, rows)).abs().max())
 print(json.dumps(result))
