@@ -15,8 +15,8 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -31,7 +31,10 @@ __all__ = [
     "random_layer",
     "request_slots",
     "slow_store",
+    "wait_for",
 ]
+
+_T = TypeVar("_T")
 
 PATTERNS = ("distinct", "uniform", "zipf", "identical", "skewed")
 
@@ -286,3 +289,16 @@ class PeftOracle:
             assert key is not None  # the base model is always there
             self._models[key] = PeftModel.from_pretrained(copy.deepcopy(self.base), key).eval()
         return self._models[key]
+
+
+def wait_for(what: str, check: Callable[[], _T | None], patience: float, every: float = 0.2) -> _T:
+    """Polls ``check()`` every ``every`` s until it returns something other than None (or False), and
+    returns it; fails (AssertionError) naming ``what`` when ``patience`` seconds pass first. The tests
+    that drive servers decide from what the servers report, polled this way, never from a sleep."""
+    deadline = time.monotonic() + patience
+    while True:
+        result = check()
+        if result is not None and result is not False:
+            return result
+        assert time.monotonic() < deadline, f"{what}: not within {patience:g} s"
+        time.sleep(every)

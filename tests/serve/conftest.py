@@ -17,7 +17,6 @@ import shlex
 import signal
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+
+from lora_pin import _testing
 
 EOS = 2  # the char tokenizer's </s>
 ADAPTERS = ["pin0", "pin1", "ad1", "ad2", "ad3"]
@@ -43,15 +44,8 @@ T = TypeVar("T")
 
 
 def wait_for(what: str, check: Callable[[], T | None], patience: float = PATIENCE_S, every: float = 0.2) -> T:
-    """Polls ``check()`` every ``every`` s until it returns something other than None (or False), and
-    returns it; fails naming ``what`` when ``patience`` seconds pass first."""
-    deadline = time.monotonic() + patience
-    while True:
-        result = check()
-        if result is not None and result is not False:
-            return result
-        assert time.monotonic() < deadline, f"{what}: not within {patience:g} s"
-        time.sleep(every)
+    """:func:`lora_pin._testing.wait_for` with this module's patience."""
+    return _testing.wait_for(what, check, patience, every)
 
 
 def prompt(i: int) -> list[int]:

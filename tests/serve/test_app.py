@@ -25,6 +25,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from lora_pin import _testing  # noqa: E402
 from lora_pin._testing import PeftOracle  # noqa: E402
 from lora_pin.fixtures import make_peft_adapter, make_tiny_llama, save_char_tokenizer  # noqa: E402
 
@@ -230,10 +231,7 @@ async def _complete(
 
 def _wait_for(condition: Callable[[], bool]) -> None:
     """Poll what the server reports until ``condition`` holds; only a hang ends it otherwise."""
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not condition():
-        assert time.monotonic() < deadline, "hung: the server never got there"
-        time.sleep(0.05)
+    _testing.wait_for("the server", condition, HANG_GUARD_S, every=0.05)
 
 
 async def _until(condition: Callable[[], bool]) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from lora_pin import LoRAManager
+from lora_pin import LoRAManager, _testing
 from lora_pin.serve.engine import EngineConfig, EngineStats, LoRAEngine
 
 POISON = 127
@@ -23,10 +23,7 @@ HANG_GUARD_S = 120
 
 def _wait_for(condition: Callable[[], bool]) -> None:
     """Poll what the engine reports until ``condition`` holds; only a hang ends it otherwise."""
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not condition():
-        assert time.monotonic() < deadline, "hung: the engine never got there"
-        time.sleep(0.01)
+    _testing.wait_for("the engine", condition, HANG_GUARD_S, every=0.01)
 
 
 def _submit_together(eng: LoRAEngine, requests: list[tuple[str, list[int], str | None, int]]) -> None:

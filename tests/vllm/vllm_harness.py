@@ -13,12 +13,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+
+from lora_pin import _testing
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAY_PYTHON = ROOT / "target" / "vllm-venv" / "bin" / "python"
@@ -45,15 +46,8 @@ T = TypeVar("T")
 
 
 def wait_for(what: str, check: Callable[[], T | None], patience: float = CALL_S, every: float = 0.5) -> T:
-    """Polls ``check()`` until it returns something other than None or False, and returns it; fails
-    naming ``what`` after ``patience`` seconds."""
-    deadline = time.monotonic() + patience
-    while True:
-        result = check()
-        if result is not None and result is not False:
-            return result
-        assert time.monotonic() < deadline, f"{what}: not within {patience:g} s"
-        time.sleep(every)
+    """:func:`lora_pin._testing.wait_for` with this module's patience."""
+    return _testing.wait_for(what, check, patience, every)
 
 
 def prompt(i: int) -> list[int]:
