@@ -136,7 +136,8 @@ def pages_from_slots(
     in_features, out_total = a.shape[2], b.shape[1]
     a_pages = a.new_full((num_pages, n_slices * page_rank, in_features), float("nan"))
     b_pages = b.new_full((num_pages, out_total, page_rank), float("nan"))
-    indptr, table = [0], []
+    indptr: list[int] = [0]
+    table: list[int] = []
     for slot in range(slots):
         for j in range(counts[slot]):
             page = order[len(table)]
