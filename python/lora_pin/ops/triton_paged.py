@@ -23,8 +23,12 @@ import triton
 import triton.language as tl
 
 from lora_pin.ops._checks import MAX_SLICES, OpArgumentError, check_segment_contents
-from lora_pin.ops._checks import _check_segments as check_segments
-from lora_pin.ops.paged import PageTable, check_page_contents, check_page_tables
+from lora_pin.ops.paged import (
+    PageTable,
+    check_page_contents,
+    check_paged_expand_args,
+    check_paged_shrink_args,
+)
 from lora_pin.ops.segments import KernelMeta
 from lora_pin.ops.triton_sgmv import (
     KernelLaunch,
@@ -36,8 +40,6 @@ from lora_pin.ops.triton_sgmv import (
 )
 
 __all__ = ["paged_expand", "paged_expand_launch", "paged_shrink", "paged_shrink_launch"]
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _paged_shrink_kernel(
@@ -237,17 +239,6 @@ def _paged_expand_kernel(
         tl.store(out_ptrs, (base.to(tl.float32) + scaling * acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise OpArgumentError(message)
-
-
-def _check_pool(pool: torch.Tensor, name: str, dtype: torch.dtype, device: torch.device) -> None:
-    _require(pool.dim() == 3, f"{name} must be 3-D, got {tuple(pool.shape)}")
-    _require(pool.dtype == dtype, f"{name} is {pool.dtype} but the activations are {dtype}")
-    _require(pool.device == device, f"{name} is on {pool.device} but the activations are on {device}")
-
-
 def _interpret(device: torch.device, interpret: bool | None, dtype: torch.dtype) -> bool:
     if interpret is None:
         interpret = device.type != "cuda"
@@ -295,22 +286,8 @@ def paged_shrink(
             above what the slot's pages hold), or bf16.
         ValueError: ``interpret=False`` with CPU tensors.
     """
-    meta.ranks()  # a meta of segments alone is refused by name before anything reads it
+    check_paged_shrink_args(x, a_pages, pages, meta, max_rank)
     n_slices = meta.n_slices
-    _require(
-        x.dim() == 2 and x.dtype in _FLOAT_DTYPES,
-        f"x must be fp16/bf16/fp32 [T, in], got {tuple(x.shape)} {x.dtype}",
-    )
-    _check_pool(a_pages, "a_pages", x.dtype, x.device)
-    _require(1 <= n_slices <= MAX_SLICES, f"n_slices must be in [1, {MAX_SLICES}], got {n_slices}")
-    _require(
-        a_pages.shape[1] == n_slices * pages.page_rank and a_pages.shape[2] == x.shape[1],
-        f"a_pages must be [num_pages, n_slices * page_rank = {n_slices * pages.page_rank}, "
-        f"in = {x.shape[1]}], got {tuple(a_pages.shape)}",
-    )
-    _require(max_rank >= 0, f"max_rank must be >= 0, got {max_rank}")
-    check_segments(x.device, meta, x.shape[0])
-    check_page_tables(pages, meta, x.device)
     interpret = _interpret(x.device, interpret, x.dtype)
     if interpret:
         _check_contents(meta, pages, x.shape[0], max_rank, a_pages.shape[0])
@@ -398,44 +375,8 @@ def paged_expand(
             slice offsets do not rise from 0 to ``out_total``.
         ValueError: ``interpret=False`` with CPU tensors.
     """
-    slot_scalings, slice_offsets = meta.expand_layout()
-    n_slices, slot_ranks = len(slice_offsets) - 1, meta.ranks()
-    _require(
-        out.dim() == 2 and out.dtype in _FLOAT_DTYPES,
-        f"out must be fp16/bf16/fp32 [T, out_total], got {tuple(out.shape)} {out.dtype}",
-    )
-    _require(
-        1 <= n_slices <= MAX_SLICES and meta.n_slices == n_slices,
-        f"slice_offsets {list(slice_offsets)} must hold n_slices + 1 = {meta.n_slices + 1} ints, "
-        f"with 1 <= n_slices <= {MAX_SLICES}",
-    )
-    _require(
-        slice_offsets[0] == 0
-        and slice_offsets[-1] == out.shape[1]
-        and all(lo <= hi for lo, hi in itertools.pairwise(slice_offsets)),
-        f"slice_offsets must rise from 0 to out_total={out.shape[1]}, got {list(slice_offsets)}",
-    )
-    _check_pool(b_pages, "b_pages", out.dtype, out.device)
-    _require(
-        b_pages.shape[1] == out.shape[1] and b_pages.shape[2] == pages.page_rank,
-        f"b_pages must be [num_pages, out_total = {out.shape[1]}, page_rank = {pages.page_rank}], "
-        f"got {tuple(b_pages.shape)}",
-    )
-    _require(
-        v.dim() == 2 and v.dtype == out.dtype and v.shape[0] == out.shape[0] and v.shape[1] % n_slices == 0,
-        f"v must be {out.dtype} [T = {out.shape[0]}, n_slices * R], got {tuple(v.shape)} {v.dtype}",
-    )
-    _require(v.device == out.device, f"v is on {v.device} but out is on {out.device}")
-    _require(
-        slot_scalings.dtype == torch.float32
-        and tuple(slot_scalings.shape) == (slot_ranks.shape[0], n_slices)
-        and slot_scalings.device == out.device,
-        f"slot_scalings must be float32 [slots = {slot_ranks.shape[0]}, n_slices = {n_slices}] on "
-        f"{out.device}, got {tuple(slot_scalings.shape)} {slot_scalings.dtype} on {slot_scalings.device}",
-    )
-    check_segments(out.device, meta, out.shape[0])
-    check_page_tables(pages, meta, out.device)
-    max_rank = v.shape[1] // n_slices
+    max_rank = check_paged_expand_args(out, v, b_pages, pages, meta)
+    _, slice_offsets = meta.expand_layout()
     interpret = _interpret(out.device, interpret, out.dtype)
     if interpret:
         _check_contents(meta, pages, out.shape[0], max_rank, b_pages.shape[0])
