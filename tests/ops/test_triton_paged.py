@@ -73,10 +73,17 @@ def test_paged_shrink_and_expand_match_the_reference(page_rank, dtype):
     assert torch.equal(_bits(got[untouched]), _bits(out[untouched])), "rows without work must be untouched"
 
 
-def test_long_segments_loop_over_row_blocks():
-    layer, token_slots, x, out, a_pages, b_pages, pages = _case(torch.float32, 8, 3, pattern="zipf", tokens=7)
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_k_and_long_segments(split_k, dtype):
+    # Unchunked segments longer than BLOCK_M loop over row blocks; split-K accumulates with atomics.
+    layer, token_slots, x, out, a_pages, b_pages, pages = _case(dtype, 8, 3, pattern="zipf", tokens=7)
     meta = layer.meta(segments_from_slots(token_slots, None))
-    _, got = _run(a_pages, b_pages, pages, meta, x, out, layer.a.shape[1] // 3)
+    max_rank = layer.a.shape[1] // 3
+    v = triton_paged.paged_shrink(x, a_pages, pages, meta, max_rank, split_k=split_k)
+    _assert_close(v, paged_shrink_reference(x, a_pages, pages, meta, max_rank))
+    got = out.clone()
+    triton_paged.paged_expand(got, v, b_pages, pages, meta)
     _assert_close(got, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
 
 

@@ -6,8 +6,10 @@ base pointer (``page_table[page_indptr[slot] + r // page_rank]``) plus its row i
 the slot's base plus ``r``. Each row of a rank block looks its page up (a small int32 gather, shared by
 every ``in`` / ``out`` tile of the block), so the rank block ``BLOCK_R`` stays what the slot kernels
 use (16, 32 or 64: ``tl.dot`` needs at least 16, and S-LoRA's and SGLang's page of 8 ranks is smaller)
-and may span pages. Per-slot rank skipping is kept: a program exits for slot ``-1``, a rank of 0 or a
-block past the rank, and the rank bounds every weight load, so a rank-8 adapter reads one page of 8.
+and may span pages. Shrink splits ``in`` across programs (fp32 atomics) when segments alone would
+leave the GPU idle, as the slot kernel does. Per-slot rank skipping is kept: a program exits for slot
+``-1``, a rank of 0 or a block past the rank, and the rank bounds every weight load, so a rank-8
+adapter reads one page of 8.
 The rank is also capped by the ranks the slot's pages hold, so no program reads past its page table.
 The launchers read shapes only, never tensor contents (a CUDA graph can capture them); under the
 interpreter (CPU tensors) the segment and page contents are checked first, as the interpreter indexes
@@ -37,6 +39,8 @@ from lora_pin.ops.triton_sgmv import (
     _dot_precision,
     _expand_block_n,
     _shrink_block_k,
+    _sm_count,
+    shrink_split_k,
 )
 
 __all__ = ["paged_expand", "paged_expand_launch", "paged_shrink", "paged_shrink_launch"]
@@ -45,7 +49,7 @@ __all__ = ["paged_expand", "paged_expand_launch", "paged_shrink", "paged_shrink_
 def _paged_shrink_kernel(
     x_ptr,  # [T, in]
     a_ptr,  # [num_pages, n_slices * PAGE_RANK, in]
-    v_ptr,  # [T, n_slices * R]
+    v_ptr,  # [T, n_slices * R]: v's dtype, or fp32 when SPLIT_K > 1 (atomics)
     perm_ptr,  # int64 [N]
     seg_indptr_ptr,  # int32 [S + 1]
     seg_slots_ptr,  # int32 [S]
@@ -64,6 +68,7 @@ def _paged_shrink_kernel(
     N_SLICES: tl.constexpr,
     PAGE_RANK: tl.constexpr,
     RANK_BLOCKS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -83,6 +88,9 @@ def _paged_shrink_kernel(
     seg_lo = tl.load(seg_indptr_ptr + seg)
     seg_hi = tl.load(seg_indptr_ptr + seg + 1)
 
+    k_per_split = ((in_features + SPLIT_K * BLOCK_K - 1) // (SPLIT_K * BLOCK_K)) * BLOCK_K
+    k_lo = tl.program_id(2) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, in_features)
     offs_r = r_start + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     pages = tl.load(page_table_ptr + page_lo + offs_r // PAGE_RANK, mask=r_mask, other=0)
@@ -97,9 +105,9 @@ def _paged_shrink_kernel(
         tokens = tl.load(perm_ptr + offs_m, mask=m_mask, other=0)
         x_rows = x_ptr + tokens[:, None] * stride_xt  # [BLOCK_M, 1]
         acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)
-        for k in range(0, in_features, BLOCK_K):
+        for k in range(k_lo, k_hi, BLOCK_K):
             ks = k + offs_k
-            k_mask = ks < in_features
+            k_mask = ks < k_hi
             x_tile = tl.load(
                 x_rows + ks[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0
             )
@@ -108,7 +116,11 @@ def _paged_shrink_kernel(
             )
             acc += tl.dot(x_tile, tl.trans(a_tile), input_precision=DOT_PRECISION)
         v_ptrs = v_ptr + tokens[:, None] * stride_vt + cols[None, :] * stride_vr
-        tl.store(v_ptrs, acc.to(v_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
+        mask = m_mask[:, None] & r_mask[None, :]
+        if SPLIT_K == 1:
+            tl.store(v_ptrs, acc.to(v_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(v_ptrs, acc, mask=mask)
 
 
 def _paged_expand_kernel(
@@ -264,6 +276,7 @@ def paged_shrink(
     meta: KernelMeta,
     max_rank: int,
     *,
+    split_k: int | None = None,
     interpret: bool | None = None,
 ) -> torch.Tensor:
     """:func:`lora_pin.ops.shrink` on a paged pool: ``v[t, s*R : s*R + rank] = x[t] @ A_sᵀ``.
@@ -274,6 +287,8 @@ def paged_shrink(
         pages: the slots' page tables (:class:`lora_pin.ops.paged.PageTable`).
         meta: a layer group's (:meth:`KernelMeta.for_layer`); ``slot_ranks`` bounds each slot's work.
         max_rank: ``R``, each slice's block width in ``v`` (the largest rank a slot may have).
+        split_k: programs per segment along ``in`` (fp32 atomics); ``None`` picks from the shapes, as
+            :func:`lora_pin.ops.triton_sgmv.sgmv_shrink` does.
         interpret: run under the Triton interpreter (CPU tensors); ``None`` means "unless on CUDA".
 
     Returns:
@@ -284,7 +299,7 @@ def paged_shrink(
         OpArgumentError: a shape, dtype or device mismatch naming the argument; under the interpreter
             also bad segment or page contents (a page outside the pool, a rank above ``max_rank`` or
             above what the slot's pages hold), or bf16.
-        ValueError: ``interpret=False`` with CPU tensors.
+        ValueError: ``interpret=False`` with CPU tensors, or ``split_k < 1``.
     """
     check_paged_shrink_args(x, a_pages, pages, meta, max_rank)
     n_slices = meta.n_slices
@@ -292,12 +307,22 @@ def paged_shrink(
     if interpret:
         _check_contents(meta, pages, x.shape[0], max_rank, a_pages.shape[0])
 
-    n_tokens = x.shape[0]
-    v = x.new_zeros(n_tokens, n_slices * max_rank)
-    if meta.seg_slots.shape[0] == 0 or n_tokens == 0 or max_rank == 0:
-        return v
-    paged_shrink_launch(x, a_pages, v, pages, meta, max_rank, interpret=interpret).run(interpret=interpret)
-    return v
+    n_tokens, in_features = x.shape
+    n_segments = meta.seg_slots.shape[0]
+    if split_k is None:
+        # Two waves of programs over the GPU's multiprocessors; a few under the interpreter.
+        target = 4 if interpret else 2 * _sm_count(x.device.index or 0)
+        split_k = shrink_split_k(
+            in_features, n_segments, n_slices, max_rank, x.dtype, target, interpret=interpret
+        )
+    if split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    v = x.new_zeros(n_tokens, n_slices * max_rank, dtype=torch.float32 if split_k > 1 else x.dtype)
+    if n_segments == 0 or n_tokens == 0 or max_rank == 0:
+        return v.to(x.dtype)
+    launch = paged_shrink_launch(x, a_pages, v, pages, meta, max_rank, split_k, interpret=interpret)
+    launch.run(interpret=interpret)
+    return v.to(x.dtype)
 
 
 def paged_shrink_launch(
@@ -307,16 +332,18 @@ def paged_shrink_launch(
     pages: PageTable,
     meta: KernelMeta,
     max_rank: int,
+    split_k: int,
     *,
     interpret: bool,
 ) -> KernelLaunch:
-    """The paged shrink kernel's launch writing ``v``; arguments already checked (shapes only read)."""
+    """The paged shrink kernel's launch writing ``v`` (fp32 when ``split_k > 1``); arguments already
+    checked (shapes only read)."""
     n_slices, n_segments = meta.n_slices, meta.seg_slots.shape[0]
     block_r = _block_r(max_rank)
     rank_blocks = triton.cdiv(max_rank, block_r)
     return KernelLaunch(
         _paged_shrink_kernel,
-        (n_segments, n_slices * rank_blocks, 1),
+        (n_segments, n_slices * rank_blocks, split_k),
         (
             x,
             a_pages,
@@ -341,6 +368,7 @@ def paged_shrink_launch(
             "N_SLICES": n_slices,
             "PAGE_RANK": pages.page_rank,
             "RANK_BLOCKS": rank_blocks,
+            "SPLIT_K": split_k,
             "BLOCK_M": 16 if interpret else _block_m(meta.perm.shape[0], n_segments),
             "BLOCK_R": block_r,
             "BLOCK_K": _shrink_block_k(x.dtype, block_r, interpret),
