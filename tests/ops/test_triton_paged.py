@@ -146,3 +146,55 @@ def test_bad_arguments_are_refused_and_change_nothing():
     with pytest.raises(OpArgumentError, match="has ranks"):
         triton_paged.paged_expand(got, v, b_pages, PageTable(short, pages.page_table[:-1], 16), meta)
     assert torch.equal(_bits(got), _bits(out)), "a refused call must leave out as it was"
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _on_device(dtype, seed, device="cuda"):
+    # Built on CPU in fp32 (pages_from_slots, the tables), then moved: the pool and tables a GPU holds.
+    layer, token_slots, x, out, a_pages, b_pages, pages = _case(torch.float32, 8, seed, pattern="zipf")
+    layer = layer._replace(
+        a=layer.a.to(device, dtype),
+        b=layer.b.to(device, dtype),
+        slot_ranks=layer.slot_ranks.to(device),
+        slot_scalings=layer.slot_scalings.to(device),
+    )
+    pages = PageTable(pages.page_indptr.to(device), pages.page_table.to(device), pages.page_rank)
+    moved = (t.to(device, dtype) for t in (x, out, a_pages, b_pages))
+    return layer, token_slots.to(device), *moved, pages
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_cuda_paged_kernels_match_the_reference(dtype):
+    layer, token_slots, x, out, a_pages, b_pages, pages = _on_device(dtype, 21)
+    meta = layer.meta(segments_from_slots(token_slots, 16))
+    _, got = _run(a_pages, b_pages, pages, meta, x, out, layer.a.shape[1] // 3)
+    tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+    want = lora_reference(out, x, *layer[:2], token_slots, *layer[2:])
+    torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=tol)
+    base = token_slots < 0
+    assert torch.equal(_bits(got[base]), _bits(out[base]))
+
+
+@cuda
+def test_cuda_paged_kernels_never_synchronise_and_replay_in_a_cuda_graph():
+    layer, token_slots, x, out, a_pages, b_pages, pages = _on_device(torch.float16, 22)
+    meta = layer.meta(segments_from_slots(token_slots, 16))
+    max_rank = layer.a.shape[1] // 3
+    work = out.clone()
+    _run(a_pages, b_pages, pages, meta, x, work, max_rank)  # compile outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            v = triton_paged.paged_shrink(x, a_pages, pages, meta, max_rank)
+            triton_paged.paged_expand(work, v, b_pages, pages, meta)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    work.copy_(out)
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_close(work, lora_reference(out, x, *layer[:2], token_slots, *layer[2:]))
