@@ -10,9 +10,17 @@ from collections.abc import Sequence
 
 import torch
 
+from lora_pin.errors import OpArgumentError
+from lora_pin.ops.paged import PageTable, check_page_contents
 from lora_pin.ops.segments import KernelMeta
 
-__all__ = ["expand_reference", "lora_reference", "shrink_reference"]
+__all__ = [
+    "expand_reference",
+    "lora_reference",
+    "paged_expand_reference",
+    "paged_shrink_reference",
+    "shrink_reference",
+]
 
 
 def _segments(meta: KernelMeta) -> list[tuple[int, int]]:
@@ -103,5 +111,88 @@ def lora_reference(
             a_s = a[slot, s * max_rank : s * max_rank + rank].double()
             lo, hi = slice_offsets[s], slice_offsets[s + 1]
             delta = b[slot, lo:hi, :rank].double() @ (a_s @ x[token].double())
+            new[token, lo:hi] = (out[token, lo:hi].double() + scalings[slot][s] * delta).to(out.dtype)
+    return new
+
+
+def _slot_ranks_block(
+    pool: torch.Tensor, pages: PageTable, slot: int, rows: slice, rank: int
+) -> torch.Tensor:
+    """Ranks ``[0, rank)`` of one slot, its pages read in table order and joined along the rank axis:
+    ``pool[page, rows]`` for A (``[rank, in]``), ``pool[page, rows].T`` for B (``[rank, out]``)."""
+    lo, hi = pages.page_indptr[slot].item(), pages.page_indptr[slot + 1].item()
+    blocks = [pool[page][rows].double() for page in pages.page_table[lo:hi].tolist()]
+    return torch.cat(blocks)[:rank]
+
+
+def paged_shrink_reference(
+    x: torch.Tensor, a_pages: torch.Tensor, pages: PageTable, meta: KernelMeta, max_rank: int
+) -> torch.Tensor:
+    """:func:`shrink_reference` on a paged pool (:mod:`lora_pin.ops.paged`).
+
+    Args:
+        x: ``[T, in]``.
+        a_pages: ``[num_pages, n_slices * page_rank, in]``.
+        pages: the slots' page tables.
+        meta: a layer group's (``slot_ranks`` bounds each slot's work).
+        max_rank: ``R``, the width of each slice's block of ``v``.
+
+    Returns:
+        ``[T, n_slices * R]`` in ``x.dtype``, zero where no segment with a slot covers the row and past
+        each slice's rank.
+
+    Raises:
+        OpArgumentError: a page table that does not cover its slot's rank or names a page outside the
+            pool, or a rank above ``max_rank``.
+    """
+    n_slices, page_rank = meta.n_slices, pages.page_rank
+    ranks = meta.ranks().tolist()
+    check_page_contents(pages, ranks, a_pages.shape[0])
+    if any(r > max_rank for row in ranks for r in row):
+        raise OpArgumentError(f"slot_ranks {ranks} exceed max_rank={max_rank}")
+    v = torch.zeros(x.shape[0], n_slices * max_rank, dtype=torch.float64, device=x.device)
+    for token, slot in _segments(meta):
+        for s in range(n_slices):
+            rank = ranks[slot][s]
+            if rank == 0:
+                continue
+            a_s = _slot_ranks_block(a_pages, pages, slot, slice(s * page_rank, (s + 1) * page_rank), rank)
+            v[token, s * max_rank : s * max_rank + rank] = a_s @ x[token].double()
+    return v.to(x.dtype)
+
+
+def paged_expand_reference(
+    out: torch.Tensor, v: torch.Tensor, b_pages: torch.Tensor, pages: PageTable, meta: KernelMeta
+) -> torch.Tensor:
+    """:func:`expand_reference` on a paged pool: what the paged expand leaves in ``out``, as a new
+    tensor (``out`` is not changed).
+
+    Args:
+        out: ``[T, out_total]``.
+        v: ``[T, n_slices * R]``, as the paged shrink returns it.
+        b_pages: ``[num_pages, out_total, page_rank]``.
+        pages: the slots' page tables.
+        meta: a layer group's, with scalings and slice offsets.
+
+    Raises:
+        OpArgumentError: as :func:`paged_shrink_reference`.
+    """
+    slot_scalings, slice_offsets = meta.expand_layout()
+    n_slices = len(slice_offsets) - 1
+    max_rank = v.shape[1] // n_slices
+    ranks, scalings = meta.ranks().tolist(), slot_scalings.tolist()
+    check_page_contents(pages, ranks, b_pages.shape[0])
+    if any(r > max_rank for row in ranks for r in row):
+        raise OpArgumentError(f"slot_ranks {ranks} exceed v's rank {max_rank}")
+    b_t = b_pages.transpose(1, 2)  # [num_pages, page_rank, out_total]: ranks first, as A's
+    new = out.clone()
+    for token, slot in _segments(meta):
+        for s in range(n_slices):
+            rank = ranks[slot][s]
+            if rank == 0:
+                continue
+            lo, hi = slice_offsets[s], slice_offsets[s + 1]
+            b_s = _slot_ranks_block(b_t, pages, slot, slice(None), rank)[:, lo:hi]  # [rank, out_s]
+            delta = b_s.T @ v[token, s * max_rank : s * max_rank + rank].double()
             new[token, lo:hi] = (out[token, lo:hi].double() + scalings[slot][s] * delta).to(out.dtype)
     return new
