@@ -264,17 +264,31 @@ def _sizes(args: argparse.Namespace) -> dict[str, Any]:
     return {"ranks": ranks, "max_host_bytes": host_bytes}
 
 
-def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
-    slots = [_int("--slots", s, least=1, most=MAX_SLOTS) for s in _list("--slots", args.slots)]
-    hosts = [None if h == "none" else _int("--host", h, least=1) for h in _list("--host", args.host)]
+def _policies(args: argparse.Namespace) -> list[str]:
+    """``--policy``'s eviction policies, each checked.
+
+    Raises:
+        SpecError: a name that is not an eviction policy.
+    """
     policies = _list("--policy", args.policy)
     for policy in policies:
         if policy not in EVICTION_POLICIES:
             raise SpecError(
                 f"--policy: {policy!r} is not an eviction policy; choose from {', '.join(EVICTION_POLICIES)}"
             )
-    pin_top = _int("--pin-top", args.pin_top, least=0)
-    pins = list(args.pin) or trace.most_requested(pin_top)
+    return policies
+
+
+def _pins(args: argparse.Namespace, trace: Trace) -> list[str]:
+    """The adapters to pin: ``--pin`` as given, else the ``--pin-top`` most requested of ``trace``."""
+    return list(args.pin) or trace.most_requested(_int("--pin-top", args.pin_top, least=0))
+
+
+def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
+    slots = [_int("--slots", s, least=1, most=MAX_SLOTS) for s in _list("--slots", args.slots)]
+    hosts = [None if h == "none" else _int("--host", h, least=1) for h in _list("--host", args.host)]
+    policies = _policies(args)
+    pins = _pins(args, trace)
     batch = _int("--batch-size", args.batch_size, least=1)
     step_seconds = _number("--step-ms", args.step_ms) / 1000
     adapter_bytes = _adapter_bytes(args)
@@ -324,13 +338,8 @@ def _memory_rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]
     hosts = [None if h == "none" else _int("--host", h, least=1) for h in _list("--host", args.host)]
     if len(hosts) != 1:
         raise SpecError("--memory-gib: give one --host value (the sweep is over memory)")
-    policies = _list("--policy", args.policy)
-    for policy in policies:
-        if policy not in EVICTION_POLICIES:
-            raise SpecError(
-                f"--policy: {policy!r} is not an eviction policy; choose from {', '.join(EVICTION_POLICIES)}"
-            )
-    pins = list(args.pin) or trace.most_requested(_int("--pin-top", args.pin_top, least=0))
+    policies = _policies(args)
+    pins = _pins(args, trace)
     batch = _int("--batch-size", args.batch_size, least=1)
     step_seconds = _number("--step-ms", args.step_ms) / 1000
     adapter_bytes = _adapter_bytes(args)
@@ -500,13 +509,8 @@ def _cluster_rows(args: argparse.Namespace, trace: Trace, about: dict[str, Any])
             raise SpecError(f"--router: {router!r} is not a router; choose from {', '.join(ROUTERS)}")
     slots = [_int("--slots", s, least=1, most=MAX_SLOTS) for s in _list("--slots", args.slots)]
     hosts = [None if h == "none" else _int("--host", h, least=1) for h in _list("--host", args.host)]
-    policies = _list("--policy", args.policy)
-    for policy in policies:
-        if policy not in EVICTION_POLICIES:
-            raise SpecError(
-                f"--policy: {policy!r} is not an eviction policy; choose from {', '.join(EVICTION_POLICIES)}"
-            )
-    pins = list(args.pin) or trace.most_requested(_int("--pin-top", args.pin_top, least=0))
+    policies = _policies(args)
+    pins = _pins(args, trace)
     batch = _int("--batch-size", args.batch_size, least=1)
     step_seconds = _number("--step-ms", args.step_ms) / 1000
     adapter_bytes = _adapter_bytes(args)
