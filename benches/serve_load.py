@@ -74,13 +74,10 @@ def _args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _make_model(root: Path, args: argparse.Namespace, count: int) -> tuple[Path, list[Path]]:
-    """The base model with its tokenizer, and ``count`` random rank-``--rank`` PEFT adapters on q/v
-    (one made by PEFT, the others its files with other random tensors)."""
-    import safetensors.torch
-    import torch
-
-    from lora_pin.fixtures import make_peft_adapter, make_tiny_llama, save_char_tokenizer
+def make_base(root: Path, args: argparse.Namespace) -> Path:
+    """The generated Llama of ``--hidden`` and ``--layers`` (heads of 64) with the char tokenizer, in
+    ``root / "base"`` (``benches/vllm_load.py`` serves the same model)."""
+    from lora_pin.fixtures import make_tiny_llama, save_char_tokenizer
 
     heads = max(1, args.hidden // 64)
     base = make_tiny_llama(
@@ -92,6 +89,18 @@ def _make_model(root: Path, args: argparse.Namespace, count: int) -> tuple[Path,
         kv_heads=heads,
     )
     save_char_tokenizer(base)
+    return base
+
+
+def _make_model(root: Path, args: argparse.Namespace, count: int) -> tuple[Path, list[Path]]:
+    """The base model with its tokenizer, and ``count`` random rank-``--rank`` PEFT adapters on q/v
+    (one made by PEFT, the others its files with other random tensors)."""
+    import safetensors.torch
+    import torch
+
+    from lora_pin.fixtures import make_peft_adapter
+
+    base = make_base(root, args)
     first = make_peft_adapter(
         base,
         root / "adapters" / "a0000",

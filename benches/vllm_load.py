@@ -81,18 +81,9 @@ def _make_model(root: Path, args: argparse.Namespace, count: int) -> tuple[Path,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lora_pin.fixtures import make_peft_adapter, make_tiny_llama, save_char_tokenizer
+    from lora_pin.fixtures import make_peft_adapter
 
-    heads = max(1, args.hidden // 64)
-    base = make_tiny_llama(
-        root / "base",
-        hidden=args.hidden,
-        intermediate=args.hidden * 11 // 4,
-        layers=args.layers,
-        heads=heads,
-        kv_heads=heads,
-    )
-    save_char_tokenizer(base)
+    base = serve_load.make_base(root, args)
     model = AutoModelForCausalLM.from_pretrained(base)
     model.to(torch.bfloat16).save_pretrained(base)
     templates = []
