@@ -50,7 +50,9 @@ def test_equal_bytes_give_max_rank_slots_and_rank_pages(capsys: pytest.CaptureFi
         assert pages["adapters_per_step"] > 2 * slots["adapters_per_step"]
         assert pages["deferrals"] * 3 < slots["deferrals"]
         assert slots["adapters_per_step"] <= slots["slots"]
-        assert pages["device"]["belady_hit_rate"] is None
+        # Belady over the pages counted as rank-8 places: a lower bound no policy beats.
+        assert 0 < pages["device"]["belady_misses"] <= pages["device"]["misses"]
+        assert slots["device"]["belady_misses"] <= slots["device"]["misses"]
         assert pages["requests"] == slots["requests"] == 6000
 
 
@@ -59,6 +61,7 @@ def test_the_table_names_both_pools(capsys: pytest.CaptureFixture[str]) -> None:
     assert (code, err) == (0, "")
     assert "device memory=0.25 GiB" in out
     assert "8 slots" in out and "32 x r16" in out
+    assert "fewest" in out and ">=" in out
 
 
 @pytest.mark.parametrize(

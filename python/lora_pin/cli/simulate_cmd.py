@@ -401,7 +401,7 @@ def _memory_rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]
 def _memory_table(rows: list[dict[str, Any]]) -> str:
     out: list[str] = []
     header = (
-        f"{'pool':<6} {'size':>12} {'policy':<7} {'hit rate':>9} {'loads':>9} {'evictions':>9} "
+        f"{'pool':<6} {'size':>12} {'policy':<7} {'hit rate':>9} {'loads':>9} {'fewest':>9} {'evictions':>9} "
         f"{'GiB moved':>10} {'deferred':>9} {'worst wait':>10} {'steps':>8} {'adapters/step':>13}"
     )
     current = None
@@ -412,10 +412,12 @@ def _memory_table(rows: list[dict[str, Any]]) -> str:
             out += ["", f"device memory={r['memory_gib']:g} GiB  pinned={pins}", header]
         d, h = r["device"], r["host"]
         size = f"{r['slots']} slots" if r["pool"] == "slots" else f"{r['pages']} x r{r['page_rank']}"
+        # Belady's fewest loads: exact for slots, a lower bound for pages (adapters of mixed sizes).
+        fewest = f"{'' if r['pool'] == 'slots' else '>='}{d['belady_misses']}"
         out.append(
             f"{r['pool']:<6} {size:>12} {r['policy']:<7} {_pct(d['hit_rate']):>9} {d['misses']:>9} "
-            f"{d['evictions']:>9} {_gib(d['bytes_moved'] + h['bytes_moved']):>10} {r['deferrals']:>9} "
-            f"{r['worst_wait']:>10} {r['steps']:>8} {r['adapters_per_step']:>13.2f}"
+            f"{fewest:>9} {d['evictions']:>9} {_gib(d['bytes_moved'] + h['bytes_moved']):>10} "
+            f"{r['deferrals']:>9} {r['worst_wait']:>10} {r['steps']:>8} {r['adapters_per_step']:>13.2f}"
         )
     return "\n".join(out[1:]) + "\n"
 

@@ -191,8 +191,9 @@ const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 ///
 /// With `page_rank` and `max_lora_memory` the device tier is a pool of `max_lora_memory` pages of
 /// `page_rank` ranks (see `LoRARegistry`): an adapter of rank r takes ceil(r / page_rank) pages and
-/// `slots` bounds the distinct adapters a step; the device `belady_misses` is then None (the bound
-/// counts equal slots).
+/// `slots` bounds the distinct adapters a step; the device `belady_misses` is then a lower bound
+/// (Belady's MIN over as many places as the pages hold of the smallest adapter), not the optimum,
+/// which is NP-hard to find for adapters of mixed sizes.
 ///
 /// Raises:
 ///     SpecError: slots or batch_size of 0, max_loaded_loras below slots, an unknown policy, a pin the

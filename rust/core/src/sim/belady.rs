@@ -127,6 +127,26 @@ pub fn min_misses(
     Ok(misses)
 }
 
+/// A lower bound on the misses of any policy on `demand` with a pool of `pages` pages, where adapter
+/// `a` takes `pages_of(a)` pages (at least 1) and `pinned(a)` says whether it is pinned.
+///
+/// The fewest misses with adapters of mixed sizes is NP-hard to find (general caching), but at no
+/// moment can the pool hold more adapters than `pages` over the smallest adapter's pages, so every
+/// paged schedule is also a schedule of that many equal places, and MIN over them ([`min_misses`])
+/// misses no more than it. Exact when every adapter takes the same pages. Only adapters the demand
+/// uses count, as only they are ever resident in a schedule that loads on demand.
+///
+/// Errors: as [`min_misses`], when a step's adapters cannot fit in those places.
+pub fn min_misses_paged(
+    demand: &Demand,
+    pages: usize,
+    pages_of: impl Fn(u32) -> usize,
+    pinned: impl Fn(u32) -> bool,
+) -> Result<u64> {
+    let smallest = demand.items.iter().map(|&a| pages_of(a).max(1)).min().unwrap_or(1);
+    min_misses(demand, pages / smallest, pinned, &[])
+}
+
 #[cfg(test)]
 #[path = "belady_tests.rs"]
 mod tests;

@@ -8,6 +8,18 @@ use super::*;
 /// the step's adapters and the pinned ones already resident, drawn from what was resident plus the
 /// step's adapters (no prefetching, but any evictions, lazy or not), of size at most `capacity`.
 fn brute_force(steps: &[Vec<u32>], capacity: usize, pinned: u32, initial: u32) -> Option<u64> {
+    brute_force_sized(steps, capacity, &[1; 32], pinned, initial)
+}
+
+/// [`brute_force`] where adapter `a` takes `sizes[a]` of the `capacity` places (a page pool).
+fn brute_force_sized(
+    steps: &[Vec<u32>],
+    capacity: usize,
+    sizes: &[usize],
+    pinned: u32,
+    initial: u32,
+) -> Option<u64> {
+    let held = |set: u32| (0..32).filter(|a| set & (1 << a) != 0).map(|a| sizes[a]).sum::<usize>();
     let mut best: HashMap<u32, u64> = HashMap::from([(initial, 0)]);
     for step in steps {
         let need: u32 = step.iter().map(|&a| 1 << a).sum();
@@ -18,7 +30,7 @@ fn brute_force(steps: &[Vec<u32>], capacity: usize, pinned: u32, initial: u32) -
             let keep = need | (state & pinned);
             let mut subset = pool;
             loop {
-                if subset & keep == keep && subset.count_ones() as usize <= capacity {
+                if subset & keep == keep && held(subset) <= capacity {
                     let c = next.entry(subset).or_insert(u64::MAX);
                     *c = (*c).min(cost + misses);
                 }
@@ -93,5 +105,42 @@ proptest! {
         let expected = brute_force(&steps, capacity, pinned, initial);
         let got = min_misses(&demand(&steps), capacity, |a| pinned & (1 << a) != 0, &init).ok();
         prop_assert_eq!(got, expected, "steps {:?} capacity {} pinned {:b} initial {:?}", steps, capacity, pinned, init);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    /// The paged bound never exceeds the fewest misses found by exhaustive search over every
+    /// schedule of the page pool, and equals it when every adapter takes the same pages.
+    #[test]
+    fn the_paged_bound_is_below_the_optimum_of_the_page_pool(
+        pages in 1usize..9,
+        sizes in prop::collection::vec(1usize..4, 6),
+        raw in prop::collection::vec(prop::collection::btree_set(0u32..6, 1..4), 1..10),
+        pinned in 0u32..4,
+        same in any::<bool>(),
+    ) {
+        let sizes: Vec<usize> = if same { vec![sizes[0]; 6] } else { sizes };
+        let size_of = |set: u32| (0..6).filter(|a| set & (1 << a) != 0).map(|a| sizes[a]).sum::<usize>();
+        // Keep the steps that fit beside the pinned adapters already used, as admission does.
+        let pinned = if size_of(pinned) < pages { pinned } else { 0 };
+        let mut steps = Vec::new();
+        let mut pinned_seen = 0u32;
+        for s in raw {
+            let set: u32 = s.iter().map(|&a| 1 << a).sum();
+            if size_of(set | pinned_seen) <= pages && size_of(set & !pinned) + size_of(pinned) <= pages {
+                pinned_seen |= set & pinned;
+                steps.push(s.into_iter().collect::<Vec<u32>>());
+            }
+        }
+        prop_assume!(!steps.is_empty());
+        let optimum = brute_force_sized(&steps, pages, &sizes, pinned, 0).unwrap();
+        let bound = min_misses_paged(&demand(&steps), pages, |a| sizes[a as usize], |a| pinned & (1 << a) != 0)
+            .unwrap();
+        prop_assert!(bound <= optimum, "bound {} optimum {} steps {:?} sizes {:?}", bound, optimum, steps, sizes);
+        if same {
+            prop_assert_eq!(bound, optimum, "steps {:?} sizes {:?}", steps, sizes);
+        }
     }
 }

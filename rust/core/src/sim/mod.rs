@@ -8,7 +8,7 @@ pub mod replay;
 pub mod replicas;
 pub mod trace;
 
-pub use belady::{min_misses, Demand};
+pub use belady::{min_misses, min_misses_paged, Demand};
 pub use fetches::FetchReport;
 pub use replay::{
     adapter_sizes, sim_ref, simulate, simulate_until, simulate_with, SimConfig, SimReport, TierReport,

@@ -43,7 +43,8 @@ fn every_paged_step_holds_its_pages_and_every_request_is_served() {
     .unwrap();
     assert_eq!(report.requests, 8000);
     assert_eq!(report.steps, steps);
-    assert_eq!(report.device.belady_misses, None);
+    let bound = report.device.belady_misses.unwrap();
+    assert!(0 < bound && bound <= report.device.misses, "{bound} vs {}", report.device.misses);
 }
 
 #[test]

@@ -26,7 +26,7 @@ use crate::policy::{AdapterKey, PolicyKind};
 use crate::registry::{
     AdapterSize, Config, LoadSource, Paging, Registry, StepMode, StepPlan, StepRequest, TierStats,
 };
-use crate::sim::belady::{min_misses, Demand};
+use crate::sim::belady::{min_misses, min_misses_paged, Demand};
 use crate::sim::fetches::{FetchReport, Fetches};
 use crate::sim::trace::{Request, SplitMix, Trace};
 use crate::spec::LoRARef;
@@ -59,7 +59,8 @@ pub struct SimConfig {
     /// blocking mode); more runs the loop in background mode (see the module docs).
     pub load_ms: f64,
     /// The device tier in rank pages (`slots` is then the bound on distinct adapters a step);
-    /// `None` is slot mode. Belady's device bound counts slots, so it is left out in paged mode.
+    /// `None` is slot mode. Belady's device bound then counts the pages over the smallest adapter's
+    /// as places: a lower bound, not the optimum (see [`TierReport::belady_misses`]).
     pub paging: Option<Paging>,
 }
 
@@ -95,7 +96,9 @@ pub struct TierReport {
     /// Bytes brought into the tier (the sizes of the adapters missed; held at `u64::MAX` past it).
     pub bytes_moved: u64,
     /// Belady's fewest misses for the same demand and capacity; `None` when the tier is unbounded
-    /// (host only: then the fewest disk reads are zero and no bound is worth printing).
+    /// (host only: then the fewest disk reads are zero and no bound is worth printing). For a page
+    /// pool (device tier, paged mode) a lower bound: MIN over as many places as the pool's pages
+    /// hold of the smallest adapter, which no policy on adapters of mixed sizes can beat.
     pub belady_misses: Option<u64>,
 }
 
@@ -252,11 +255,13 @@ pub fn simulate_until<B>(
     }
 
     let end = reg.stats();
-    // Belady's bound is for equal-sized slots; a page pool holds adapters of different sizes.
-    let device_bound = match config.paging {
-        None => Some(min_misses(&demand, config.slots, |a| pinned[a as usize], &[])?),
-        Some(_) => None,
-    };
+    // Belady's MIN is optimal for places of one size; for a page pool it gives a lower bound.
+    let device_bound = Some(match config.paging {
+        None => min_misses(&demand, config.slots, |a| pinned[a as usize], &[])?,
+        Some(p) => {
+            min_misses_paged(&demand, p.pages, |a| reg.key_pages(keys[a as usize]), |a| pinned[a as usize])?
+        }
+    });
     report.device = tier_report(&end.device, &start.device, report.device.bytes_moved, device_bound);
     let host_bound = config
         .max_loaded
