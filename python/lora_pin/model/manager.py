@@ -63,7 +63,7 @@ class LoRAManager:
         model: a Hugging Face-style causal LM (Llama, Mistral, Qwen2 ...) whose target linears get wrapped.
         lora_paths: start-up adapters, in any form :func:`lora_pin.parse_lora_paths` takes.
         max_loras_per_batch: device slots (distinct adapters one step can use); None: 8 with slots, and
-            with pages no bound but the pages.
+            with pages no bound but the pages (and ``max_loaded_loras``).
         max_loaded_loras: host-tier capacity in adapters (None: unbounded).
         max_lora_rank: the slot pool's rank; None takes the largest start-up adapter's, once each is
             read and checked (tensors included: a config's claimed rank alone never sizes the pool).
@@ -228,6 +228,9 @@ class LoRAManager:
                     f"of the pool's rank {rank} needs {needs}: raise max_lora_memory to at least "
                     f"{needs * page_bytes} bytes"
                 )
+            if max_loras_per_batch is None and max_loaded_loras is not None:
+                # A step's adapters are in host memory too: no more of them than the host tier holds.
+                max_loras_per_batch = min(pages, max_loaded_loras)
             # The core checks the page count (and the rest) before anything is allocated.
             self.registry = LoRARegistry(
                 max_loras_per_batch,
@@ -298,10 +301,12 @@ class LoRAManager:
                     f"lora_dtype={config.lora_dtype!r} but the model is {dtype}: lora_pin computes adapters "
                     "in the model's dtype (adapters of another dtype are converted on load); use 'auto'"
                 )
+        # A paged manager may take its own bound on adapters per step (None: the pages'), not the config's.
+        slots = kwargs.pop("max_loras_per_batch", config.max_loras_per_batch)
         return cls(
             model,
             list(config.refs),
-            max_loras_per_batch=config.max_loras_per_batch,
+            max_loras_per_batch=slots,
             max_loaded_loras=config.max_loaded_loras,
             max_lora_rank=config.max_lora_rank,
             lora_target_modules=config.target_modules,
