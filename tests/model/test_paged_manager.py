@@ -113,12 +113,17 @@ def page_bytes(world: World, dtype: torch.dtype) -> int:
 
 
 def serve_rounds(
-    world: World, dtype: torch.dtype, rounds: list[list[str | None]] = ROUNDS, pages: int = 12
+    world: World,
+    dtype: torch.dtype,
+    rounds: list[list[str | None]] = ROUNDS,
+    pages: int = 12,
+    device: str = "cpu",
 ) -> tuple[LoRAManager, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str | None]]]]:
     """Serve ``rounds`` on a fresh model over ``pages`` pages with "a8" pinned; per round the manager's
     logits, PEFT's (in ``dtype``) and the base model's."""
-    base = copy.deepcopy(world.base).to(dtype)
-    peft = copy.deepcopy(world.peft).to(dtype) if dtype != torch.float32 else world.peft
+    base = copy.deepcopy(world.base).to(device, dtype)
+    moved = dtype != torch.float32 or device != "cpu"
+    peft = copy.deepcopy(world.peft).to(device, dtype) if moved else world.peft
     model = copy.deepcopy(base)
     mgr = LoRAManager(
         model,
@@ -130,7 +135,7 @@ def serve_rounds(
     assert mgr.pool.pages == pages and mgr.registry.max_lora_memory == pages
     results = []
     for seed, names in enumerate(rounds):
-        ids = tokens(len(names), 5, seed)
+        ids = tokens(len(names), 5, seed).to(device)
         with torch.no_grad():
             with mgr.batch(names):
                 got = model(ids).logits
@@ -171,6 +176,16 @@ def test_mixed_ranks_with_a_pin_and_churn_equal_peft(world: World, dtype: torch.
             assert mgr.pool.occupant(slot) == name and len(pages) == -(-ADAPTERS[name]["r"] // PAGE_RANK)
             held += pages
     assert len(held) == len(set(held)) == device["pages"] and placement["free_slots"] == 12 - len(held)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_pages_equal_peft(world: World) -> None:
+    """The CUDA backend's Triton paged kernels, the pool's side-stream copies into pages and the page
+    tables uploaded per step, through the same churn."""
+    mgr, results = serve_rounds(world, torch.bfloat16, device="cuda")
+    assert mgr.pool.device.type == "cuda"
+    for got, want, plain, names in results:
+        assert_rows(got, want, plain, names)
 
 
 @pytest.mark.parametrize("backend", ["torch_ops", pytest.param("triton", marks=pytest.mark.triton)])
