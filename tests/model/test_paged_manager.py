@@ -286,3 +286,36 @@ def test_slots_the_core_freed_without_reuse_read_as_empty(world: World) -> None:
         assert_rows(got, want, plain, names)
     resident = {slot for _, _, _, tier, slot, *_ in mgr.registry.placement()["adapters"] if tier == "device"}
     assert mgr.pool.live_slots() == resident
+
+
+def test_replacing_with_another_rank_and_unloading_keep_pages_right(world: World) -> None:
+    """A replacement whose rank needs more pages moves the adapter to new pages; an unload frees its
+    pages: each later step still equals PEFT and the pool holds exactly the core's resident slots."""
+    model = copy.deepcopy(world.base)
+    mgr = LoRAManager(
+        model,
+        [f"z={world.adapters['a4']}", f"b8={world.adapters['b8']}"],
+        page_rank=PAGE_RANK,
+        max_lora_memory=12 * page_bytes(world, torch.float32),
+        max_lora_rank=64,
+    )
+    ids = tokens(3, 4, 7)
+
+    def check(names: list[str | None], as_peft: list[str | None]) -> None:
+        with torch.no_grad():
+            with mgr.batch(names):
+                got = model(ids).logits
+            want = peft_logits(world.peft, ids, as_peft)
+            plain = world.base(ids).logits
+        assert_rows(got, want, plain, as_peft)
+        resident = {
+            slot for _, _, _, tier, slot, *_ in mgr.registry.placement()["adapters"] if tier == "device"
+        }
+        assert mgr.pool.live_slots() == resident
+
+    check(["z", None, "b8"], ["a4", None, "b8"])
+    mgr.load("z", world.adapters["a16"], replace=True)
+    check(["z", "b8", None], ["a16", "b8", None])
+    mgr.unload("b8")
+    mgr.load("b8", world.adapters["a64"])
+    check(["b8", "z", None], ["a64", "a16", None])
