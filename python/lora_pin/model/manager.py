@@ -857,11 +857,14 @@ class LoRAManager:
                 names = _checked_names(names)  # read more than once below; a str is refused
             plan = self._loading.begin(names, num_tokens, per_sequence)
             try:
-                tables = None if self._device_pages is None else (plan.page_indptr, plan.page_table)
-                slot_writes = self.residency.apply(plan, tables)
-                pages = (
-                    None if tables is None or self._device_pages is None else self._device_pages.of(*tables)
-                )
+                device_pages = self._device_pages
+                if device_pages is None:
+                    slot_writes = self.residency.apply(plan)
+                    pages = None
+                else:
+                    tables = (plan.page_indptr, plan.page_table)
+                    slot_writes = self.residency.apply(plan, tables)
+                    pages = device_pages.of(*tables)
                 step = self._activate(names, plan, slot_writes, per_sequence, pages)
             except BaseException as exc:
                 self.registry.finish_step(plan.ticket)
