@@ -319,3 +319,33 @@ def test_replacing_with_another_rank_and_unloading_keep_pages_right(world: World
     mgr.unload("b8")
     mgr.load("b8", world.adapters["a64"])
     check(["b8", "z", None], ["a64", "a16", None])
+
+
+def test_lm_head_pages_like_a_linear(world: World, tmp_path: Path) -> None:
+    """The output layer is a linear target: its adapters page and equal PEFT (only embeddings are
+    refused)."""
+    from peft import PeftModel
+
+    from lora_pin.fixtures import make_peft_adapter
+
+    adapters = {
+        n: make_peft_adapter(
+            world.base, tmp_path / n, r=r, lora_alpha=8, target_modules=["lm_head", "q_proj"], seed=r
+        )
+        for n, r in (("h4", 4), ("h12", 12))
+    }
+    peft = PeftModel.from_pretrained(copy.deepcopy(world.base), adapters["h4"], adapter_name="h4")
+    peft.load_adapter(adapters["h12"], adapter_name="h12")
+    model = copy.deepcopy(world.base)
+    mgr = LoRAManager(
+        model, [f"{n}={p}" for n, p in adapters.items()], page_rank=PAGE_RANK, max_lora_memory="1MiB"
+    )
+    assert "lm_head" in mgr.targets.module_names
+    names: list[str | None] = ["h4", None, "h12"]
+    ids = tokens(3, 5, 3)
+    with torch.no_grad():
+        with mgr.batch(names):
+            got = model(ids).logits
+        want = peft.eval()(ids, adapter_names=[n or "__base__" for n in names]).logits
+        plain = world.base(ids).logits
+    assert_rows(got, want, plain, names)
