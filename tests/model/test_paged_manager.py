@@ -260,6 +260,8 @@ def test_the_budget_and_the_paging_arguments_are_checked(world: World) -> None:
         make(page_rank=0, max_lora_memory="1GiB")
     with pytest.raises(SpecError, match=r"max_lora_memory must be bytes: .* \(got '12 parsecs'\)"):
         make(page_rank=PAGE_RANK, max_lora_memory="12 parsecs")
+    with pytest.raises(SpecError, match=r"holds 65537 pages of \d+ bytes, past the 65536 a pool may have"):
+        make(page_rank=PAGE_RANK, max_lora_memory=65537 * size)
     exact = make(page_rank=PAGE_RANK, max_lora_memory=8 * size)
     assert exact.pool.pages == 8 and exact.registry.max_loras_per_batch == 8
     text = make(page_rank=PAGE_RANK, max_lora_memory="4MiB", max_loras_per_batch=3)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lora_pin._core import LoRARef, LoRARegistry, _checked_names, parse_lora_paths
+from lora_pin._core import MAX_SLOTS, LoRARef, LoRARegistry, _checked_names, parse_lora_paths
 from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, LoRAConfig, lora_config_from_args, parse_bytes
 from lora_pin.errors import AdapterNotFoundError, LoraPinError, SpecError, StalePlanError, UsageError
 from lora_pin.model.adapter_dir import checked_adapter_dir
@@ -227,6 +227,12 @@ class LoRAManager:
                     f"(page_rank={page_rank} over {len(self.targets.groups)} target groups), but an adapter "
                     f"of the pool's rank {rank} needs {needs}: raise max_lora_memory to at least "
                     f"{needs * page_bytes} bytes"
+                )
+            if pages > MAX_SLOTS:
+                raise SpecError(
+                    f"max_lora_memory={memory} bytes holds {pages} pages of {page_bytes} bytes, past the "
+                    f"{MAX_SLOTS} a pool may have: give at most {MAX_SLOTS * page_bytes} bytes, or a larger "
+                    "page_rank"
                 )
             if max_loras_per_batch is None and max_loaded_loras is not None:
                 # A step's adapters are in host memory too: no more of them than the host tier holds.
