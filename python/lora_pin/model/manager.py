@@ -294,7 +294,9 @@ class LoRAManager:
     @classmethod
     def from_config(cls, model: torch.nn.Module, config: LoRAConfig, **kwargs: Any) -> LoRAManager:
         """A manager configured by ``config`` (from :func:`lora_pin.lora_config_from_args` or
-        :func:`lora_pin.lora_config_from_vllm_args`); ``kwargs`` go to the constructor.
+        :func:`lora_pin.lora_config_from_vllm_args`); ``kwargs`` go to the constructor (a
+        ``max_loras_per_batch`` there replaces the config's: ``None`` for a paged pool bounded by its pages,
+        with ``page_rank`` and ``max_lora_memory``).
 
         Raises:
             SpecError: ``config.lora_dtype`` is neither ``"auto"`` nor the model's dtype.
