@@ -11,8 +11,8 @@ use super::errors::{new_error, py_err};
 use super::{detached, shielded};
 use lora_pin_core::registry::{Paging, StepPlan};
 use lora_pin_core::sim::{
-    simulate_replicas as replicas_run, simulate_until, FetchReport, Router, SimConfig, SimReport, TierReport,
-    Trace, Workload,
+    adapter_sizes, simulate_replicas as replicas_run, simulate_until, FetchReport, Router, SimConfig,
+    SimReport, TierReport, Trace, Workload,
 };
 
 /// A request trace: adapter names and requests (adapter or None, tokens, optional arrival time).
@@ -386,4 +386,16 @@ pub fn simulate_replicas<'py>(
         d.set_item("replicas", list)?;
         Ok(d)
     })
+}
+
+/// The rank `simulate` gives each of `names` under the mix `ranks` (`(rank, weight)` pairs): drawn by
+/// the weights from a hash of the name, so the same name gets the same rank in every run. A benchmark
+/// that gives its adapters these ranks replays in `simulate` with the same sizes. Empty `ranks`: 16.
+///
+/// Raises:
+///     SpecError: a rank outside 1..=MAX_ADAPTER_RANK or a weight that is not a finite number above 0.
+#[pyfunction]
+pub fn ranks_by_name(py: Python<'_>, names: Vec<String>, ranks: Vec<(u32, f64)>) -> PyResult<Vec<u32>> {
+    let config = SimConfig { ranks, ..SimConfig::new(1, "lru") };
+    detached(py, || Ok(adapter_sizes(&config, &names)?.iter().map(|s| s.rank).collect()))
 }
