@@ -39,7 +39,10 @@ slots,pages`` serves the workload from one LoRA server per pool: ``slots`` is ``
 K``; ``pages`` is ``--page-rank P --max-lora-memory K x (bytes of one max-rank adapter)``, with
 ``--max-loras-per-batch`` raised to what those pages could hold (no more than the host tier), so the
 bytes, not a count, bound a step. Each configuration also prints the engine steps and the adapters per
-step (distinct adapters a step used, from ``/metrics``) and the load average after each server.
+step (distinct adapters a step used, from ``/metrics``) and the load average after each server; with
+``--predict``, ``lora_pin._core.simulate``'s prediction of the same trace (names, arrival order, ranks)
+on the same pool beside the measurement, with its relative error (``_prediction`` says how a simulated
+step is calibrated to the engine's).
 """
 
 from __future__ import annotations
@@ -101,6 +104,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pools", default="slots", help="device pools served in turn: slots, pages (needs --memory-slots)"
     )
     p.add_argument("--no-lora-off", action="store_true", help="skip the LoRA-off baseline server")
+    p.add_argument(
+        "--predict", action="store_true", help="print the simulator's prediction beside each measurement"
+    )
     return p.parse_args(argv)
 
 
@@ -201,6 +207,11 @@ def adapter_bytes(folder: Path) -> int:
 
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def _pages(args: argparse.Namespace, max_rank: int, slot_bytes: int) -> int:
+    """The pages the page pool's ``--max-lora-memory`` holds."""
+    return args.memory_slots * -(-max_rank // args.page_rank) if args.memory_slots else 0
 
 
 def pool_flags(args: argparse.Namespace, pool: str, max_rank: int, slot_bytes: int) -> list[str]:
@@ -377,6 +388,7 @@ async def _drive(server: _Server, workload: list[Any], pinned: set[str]) -> dict
     await client.close()
 
     return {
+        "wall": wall,
         "req/s": len(workload) / wall,
         "tok/s": tokens / wall,
         "ttft p50": _pct(ttft, 50),
@@ -514,6 +526,11 @@ def main(argv: list[str] | None = None) -> int:
                     label = f"{pool}: {label}"
                 results[label] = asyncio.run(_drive(lora, _workload(args, count, names), set(pinned)))
                 runs.setdefault((pool, count), []).append(results[label]["tok/s"])
+                if args.predict:
+                    results[label]["predicted"] = _prediction(
+                        args, pool, _workload(args, count, names), pinned, max_rank, slot_bytes,
+                        _pages(args, max_rank, slot_bytes), results[label],
+                    )  # fmt: skip
         finally:
             lora.stop()
         _print_load(pool)
@@ -525,6 +542,84 @@ def main(argv: list[str] | None = None) -> int:
         f"total {time.perf_counter() - t0:.0f} s"
     )
     return 0
+
+
+def simulated_trace(workload: list[tuple[float, str | None, list[int], int]]) -> Any:
+    """``workload`` as the simulator's ``Trace``: per request, in arrival order, its adapter (None: the
+    base model), its prompt and output tokens, and its arrival time."""
+    from lora_pin._core import Trace
+
+    lines = [
+        json.dumps({"adapter": name, "tokens": len(prompt) + n, "arrival": at})
+        for at, name, prompt, n in workload
+    ]
+    return Trace.from_jsonl("\n".join(lines), "serve_load")
+
+
+def _prediction(
+    args: argparse.Namespace,
+    pool: str,
+    workload: list[tuple[float, str | None, list[int], int]],
+    pinned: list[str],
+    max_rank: int,
+    slot_bytes: int,
+    pages: int,
+    measured: dict[str, Any],
+) -> dict[str, float]:
+    """What ``lora_pin._core.simulate`` predicts for ``workload`` (the same names in the same arrival
+    order, the same ranks: the simulator draws them by the rule :func:`adapter_ranks` used) on ``pool``
+    at the server's memory (``pages``: what the page pool's memory holds), pins and host tier: device
+    loads, deferrals and adapters per step.
+
+    The simulator's step serves a request whole; the engine's step runs one token of each running
+    request, so a request lives ``1 + output`` engine steps there (its prefill and its decode steps).
+    Calibrated from the measured run, a simulated step stands for one mean life: its batch is as many
+    requests as the engine ran at once (request-steps / steps measured), its clock that many measured
+    steps (``wall / steps`` each), and each simulated deferral counts that many engine steps. What this
+    cannot model: a request holding its adapter across steps while others come and go.
+    """
+    from lora_pin._core import simulate
+
+    trace = simulated_trace(workload)
+    life = 1 + statistics.mean(n for _, _, _, n in workload)
+    steps = max(1.0, measured["steps"])
+    running = sum(1 + n for _, _, _, n in workload) / steps
+    flags = pool_flags(args, pool, max_rank, slot_bytes)
+    shape: dict[str, Any] = {"slots": int(flags[flags.index("--max-loras-per-batch") + 1])}
+    if pool == "pages":
+        shape.update(page_rank=args.page_rank, max_lora_memory=pages)
+    report = simulate(
+        trace,
+        max_loaded_loras=args.host,
+        policy="lru",
+        pins=[p for p in pinned if p in trace.names],
+        batch_size=max(1, round(running)),
+        step_seconds=life * measured["wall"] / steps,
+        adapter_bytes=slot_bytes,
+        ranks=rank_mix(args),
+        **shape,
+    )
+    return {
+        "deferred": report["deferrals"] * life,
+        "device loads": report["device"]["misses"],
+        "adapters / step": report["uses"] / max(1, report["steps"]),
+    }
+
+
+def _print_predictions(results: dict[str, dict[str, Any]]) -> None:
+    """Measured beside predicted, with the relative error of the prediction."""
+    cols = ("deferred", "device loads", "adapters / step")
+    print("| configuration | " + " | ".join(f"{c}: measured, simulated, error" for c in cols) + " |")
+    print("| --- " * (len(cols) + 1) + "|")
+    for name, r in results.items():
+        if "predicted" not in r:
+            continue
+        cells = []
+        for c in cols:
+            m, p = r[c], r["predicted"][c]
+            error = f"{(p - m) / m:+.0%}" if m else "—"
+            cells.append(f"{m:.1f}, {p:.1f}, {error}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 def _print_load(after: str) -> None:
@@ -539,8 +634,8 @@ def _report(
     runs: dict[tuple[str, int], list[float]],
     counts: list[int],
 ) -> None:
-    """The table of every configuration, the paired throughput ratios and, with both pools, their
-    deferrals side by side."""
+    """The table of every configuration, the paired throughput ratios, with both pools their deferrals
+    side by side, and with ``--predict`` the simulator's predictions beside the measurements."""
     off = results["LoRA off"]["tok/s"] if "LoRA off" in results else None
     cols = [
         "req/s",
@@ -585,6 +680,8 @@ def _report(
                 f"# {count} adapters: deferrals median slots {slot:.0f}, pages {page:.0f}: "
                 f"{slot / max(page, 1):.1f}x fewer with pages"
             )
+    if args.predict:
+        _print_predictions(results)
 
 
 if __name__ == "__main__":

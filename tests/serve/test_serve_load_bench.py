@@ -98,3 +98,15 @@ def test_ranks_by_name_refuses_a_bad_mix_by_its_value() -> None:
         ranks_by_name(["a"], [(0, 1.0)])
     with pytest.raises(SpecError, match="weight -1 is not a finite number above 0"):
         ranks_by_name(["a"], [(8, -1.0)])
+
+
+def test_the_simulated_trace_is_the_served_workload_in_arrival_order(bench: ModuleType) -> None:
+    args = bench._args(["--requests", "40", "--base-share", "0.3"])
+    names = [f"a{i:04d}" for i in range(16)]
+    workload = bench._workload(args, 16, names)
+    trace = bench.simulated_trace(workload)
+    got = trace.requests()
+    assert [(name, tokens) for name, tokens, _ in got] == [(name, len(p) + n) for _, name, p, n in workload]
+    # The trace's JSON parser may round the last bit of a time differently.
+    assert [at for _, _, at in got] == pytest.approx([at for at, _, _, _ in workload], rel=1e-15)
+    assert None in [name for _, name, _, _ in workload]
