@@ -10,6 +10,7 @@ A serving framework adds our flags in one line::
 from __future__ import annotations
 
 import argparse
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ __all__ = [
     "add_vllm_lora_args",
     "lora_config_from_args",
     "lora_config_from_vllm_args",
+    "parse_bytes",
 ]
 
 DEFAULT_MAX_LORAS_PER_BATCH = 8
@@ -137,6 +139,46 @@ def add_lora_args(
         help="Device-tier eviction policy (default %(default)s).",
     )
     return parser
+
+
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(what: str, value: int | str) -> int:
+    """``value`` in bytes: an int, or a string of a number and an optional unit (``512MiB``, ``2GB``,
+    ``1.5GiB``, ``4096``; B, KB/MB/GB/TB powers of 1000, KiB/MiB/GiB/TiB powers of 1024, any case).
+
+    Raises:
+        SpecError: not a positive number of bytes (``what`` names the argument).
+    """
+    if isinstance(value, bool):
+        raise SpecError(f"{what} must be a number of bytes (got {value!r})")
+    if isinstance(value, int):
+        count = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", value)
+        unit = _BYTE_UNITS.get(match.group(2).lower()) if match else None
+        if match is None or unit is None:
+            raise SpecError(
+                f"{what} must be bytes: a number with an optional unit, such as 512MiB or 2GB (got {value!r})"
+            )
+        count = int(float(match.group(1)) * unit)
+    else:
+        raise SpecError(f"{what} must be a number of bytes (got {value!r})")
+    if count < 1:
+        raise SpecError(f"{what} must be at least 1 byte (got {value!r})")
+    return count
 
 
 def _dest(prefix: str, flag: str) -> str:

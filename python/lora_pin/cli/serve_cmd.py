@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lora_pin.args import add_lora_args, lora_config_from_args
+from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, add_lora_args, lora_config_from_args
 from lora_pin.cli._model_dir import local_model_dir
 from lora_pin.errors import SpecError
 from lora_pin.serve import DEFAULT_MAX_QUEUED_REQUESTS
@@ -203,7 +203,33 @@ def add_parser(subparsers: Any) -> None:
         help="seconds a replica may leave Ray Serve's health check unanswered before it is replaced "
         "(default %(default)s)",
     )
+    paging = p.add_argument_group("adapter memory in rank pages (issue 37)")
+    paging.add_argument(
+        "--page-rank",
+        type=int,
+        default=None,
+        metavar="N",
+        help="hold adapters in device pages of N ranks (with --max-lora-memory; 8 is S-LoRA's and "
+        "SGLang's choice): an adapter of rank r takes ceil(r / N) pages instead of a --max-lora-rank slot, "
+        "so a step holds as many adapters as their pages fit; --max-loras-per-batch then bounds the "
+        "adapters of a step only when given",
+    )
+    paging.add_argument(
+        "--max-lora-memory",
+        default=None,
+        metavar="BYTES",
+        help="the paged adapter pool's device memory (with --page-rank): bytes, or a number with a unit "
+        "(512MiB, 2GiB, 1.5GB); it must hold one adapter of --max-lora-rank",
+    )
     add_lora_args(p)
+    # Paged, the adapters per step are bounded by the pages unless this is given (slots: 8 as before).
+    p.set_defaults(max_loras_per_batch=None)
+    for action in p._actions:
+        if action.dest == "max_loras_per_batch":
+            action.help = (
+                f"Device slots: distinct adapters one step can use (default {DEFAULT_MAX_LORAS_PER_BATCH}; "
+                "with --page-rank, no bound but the pages)."
+            )
     p.set_defaults(run=run)
 
 
@@ -240,7 +266,22 @@ def build_server(args: argparse.Namespace) -> Any:
     # Start-up adapters past the host tier are registered too (as vLLM's --lora-modules past
     # --max-cpu-loras): the tier's first ones at start, the rest loaded after (idle adapters leave the
     # host tier for them, read again on first use).
-    config = lora_config_from_args(argparse.Namespace(**{**vars(args), "max_loaded_loras": None}))
+    paged = args.page_rank is not None or args.max_lora_memory is not None
+    if paged and (args.page_rank is None or args.max_lora_memory is None):
+        raise SpecError(
+            f"--page-rank and --max-lora-memory go together (got --page-rank={args.page_rank}, "
+            f"--max-lora-memory={args.max_lora_memory})"
+        )
+    slots = args.max_loras_per_batch
+    config = lora_config_from_args(
+        argparse.Namespace(
+            **{
+                **vars(args),
+                "max_loaded_loras": None,
+                "max_loras_per_batch": DEFAULT_MAX_LORAS_PER_BATCH if slots is None else slots,
+            }
+        )
+    )
     later: list[Any] = []
     if config is not None and args.max_loaded_loras is not None:
         first, later = _split_startup(config.refs, args.max_loaded_loras)
@@ -263,8 +304,13 @@ def build_server(args: argparse.Namespace) -> Any:
         raise SpecError(f"--tokenizer: cannot load a tokenizer from {tokenizer_dir!r}: {e}") from e
     manager = None
     if config is not None:
+        paging: dict[str, Any] = {}
+        if paged:
+            paging = dict(
+                page_rank=args.page_rank, max_lora_memory=args.max_lora_memory, max_loras_per_batch=slots
+            )
         manager = LoRAManager.from_config(
-            model, config, allowed_roots=args.lora_root, loading=args.lora_loading
+            model, config, allowed_roots=args.lora_root, loading=args.lora_loading, **paging
         )
     startup = () if config is None else config.refs
     log = logging.getLogger("lora_pin.serve")

@@ -14,7 +14,14 @@ from lora_pin.model.layers import LoRAEmbedding, LoRALinear
 from lora_pin.model.parallel_layers import wrap_parallel
 from lora_pin.model.segments import StepSegments
 from lora_pin.ops.backends import backend_for
-from lora_pin.weights import FUSED_GROUPS, DevicePool, GroupBuffers, LinearTarget, LoRATargets
+from lora_pin.weights import (
+    FUSED_GROUPS,
+    DevicePool,
+    GroupBuffers,
+    LinearTarget,
+    LoRATargets,
+    PagedDevicePool,
+)
 from lora_pin.weights.config import layer_index
 from lora_pin.weights.shards import WHOLE, ShardPlan
 from lora_pin.weights.targets import (
@@ -260,7 +267,7 @@ def attach(
     model: torch.nn.Module,
     targets: LoRATargets,
     module_of: Mapping[str, str],
-    pool: DevicePool,
+    pool: DevicePool | PagedDevicePool,
     active_step: Callable[[], StepSegments | None],
     shards: ShardPlan[GroupShard] = WHOLE,
     log: CollectiveLog | None = None,

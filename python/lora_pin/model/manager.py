@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from lora_pin._core import LoRARef, LoRARegistry, _checked_names, parse_lora_paths
-from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, LoRAConfig, lora_config_from_args
+from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, LoRAConfig, lora_config_from_args, parse_bytes
 from lora_pin.errors import AdapterNotFoundError, LoraPinError, SpecError, StalePlanError, UsageError
 from lora_pin.model.adapter_dir import checked_adapter_dir
 from lora_pin.model.attach import FusedSpec, attach, base_weights, detach, model_targets
@@ -32,10 +32,11 @@ from lora_pin.model.reads import (
     loading_mode,
 )
 from lora_pin.model.residency import Residency
-from lora_pin.model.segments import StepSegments, arrays_on
+from lora_pin.model.segments import DevicePages, StepSegments, arrays_on
 from lora_pin.model.step import Step, StepArrays, step_segments
 from lora_pin.model.step_begin import BackgroundLoading, BlockingLoading, Discovery
 from lora_pin.ops import CUDA_CHUNK_SIZE
+from lora_pin.ops.paged import PageTable
 from lora_pin.parallel import TensorParallel
 from lora_pin.parallel.api import manager_shard_plan
 from lora_pin.unloading import unload_async
@@ -45,8 +46,10 @@ from lora_pin.weights import (
     MAX_ADAPTER_RANK,
     DevicePool,
     HostTier,
+    PagedDevicePool,
 )
 from lora_pin.weights.host_adapter import HostAdapter
+from lora_pin.weights.paged_pool import pages_for
 from lora_pin.weights.reader import read_contained_config
 from lora_pin.weights.targets import ModuleSelection
 
@@ -59,7 +62,8 @@ class LoRAManager:
     Args:
         model: a Hugging Face-style causal LM (Llama, Mistral, Qwen2 ...) whose target linears get wrapped.
         lora_paths: start-up adapters, in any form :func:`lora_pin.parse_lora_paths` takes.
-        max_loras_per_batch: device slots (distinct adapters one step can use).
+        max_loras_per_batch: device slots (distinct adapters one step can use); None: 8 with slots, and
+            with pages no bound but the pages (and ``max_loaded_loras``).
         max_loaded_loras: host-tier capacity in adapters (None: unbounded).
         max_lora_rank: the slot pool's rank; None takes the largest start-up adapter's, once each is
             read and checked (tensors included: a config's claimed rank alone never sizes the pool).
@@ -100,6 +104,14 @@ class LoRAManager:
             :class:`AdapterLoadError` naming the adapter, its path and the deadline (:attr:`Step.failed`,
             or raised by :meth:`batch`), its host memory is given back, a new thread takes its
             worker's place, and whatever it reads, should it ever end, is discarded.
+        page_rank: ranks per device page, with ``max_lora_memory``: the device pool is then rank pages
+            (:class:`~lora_pin.weights.PagedDevicePool`): an adapter of rank r takes ``ceil(r / page_rank)``
+            pages instead of a max-rank slot, so a step holds as many adapters as their pages fit. Not for
+            embeddings, MoE expert weights or a fully sharded ``tp`` (refused by name).
+        max_lora_memory: the paged pool's device bytes (an int, or a string with a unit: ``"512MiB"``,
+            ``"2GB"``), with ``page_rank``; it holds ``max_lora_memory // page_bytes`` pages (one page:
+            ``page_rank`` ranks of every target group's A and B and its per-slot entries; see
+            ``stats()["page_bytes"]``), and must hold at least one adapter of ``max_lora_rank``.
         tp: this process's place in a tensor-parallel group (:class:`lora_pin.parallel.TensorParallel`),
             for a model whose linears are a framework's parallel layers
             (:func:`lora_pin.parallel.register_parallel_linear`): each rank reads and holds only its shard
@@ -121,10 +133,12 @@ class LoRAManager:
     Raises:
         SpecError: the specs or limits are invalid, the rank/target modules cannot be determined,
             ``adapter_dir`` is not a folder (or lies outside ``allowed_roots``), ``loading`` is not a mode,
-            ``load_workers`` is below 1 or ``load_timeout`` is not a number of seconds above 0.
+            ``load_workers`` is below 1 or ``load_timeout`` is not a number of seconds above 0; only one of
+            ``page_rank`` and ``max_lora_memory`` is given, or ``max_lora_memory`` holds no adapter of the
+            pool's rank.
         AdapterLoadError: a start-up adapter cannot be served (the message names it and why); nothing is
             attached then.
-        PoolError: the device pool cannot be allocated.
+        PoolError: the device pool cannot be allocated, or a target cannot be paged (named).
     """
 
     def __init__(
@@ -132,7 +146,7 @@ class LoRAManager:
         model: torch.nn.Module,
         lora_paths: Any = None,
         *,
-        max_loras_per_batch: int = DEFAULT_MAX_LORAS_PER_BATCH,
+        max_loras_per_batch: int | None = None,
         max_loaded_loras: int | None = None,
         max_lora_rank: int | None = None,
         lora_target_modules: Sequence[str] | str | None = None,
@@ -149,10 +163,15 @@ class LoRAManager:
         load_workers: int = 2,
         load_timeout: float = DEFAULT_LOAD_TIMEOUT,
         tp: TensorParallel | None = None,
+        page_rank: int | None = None,
+        max_lora_memory: int | str | None = None,
     ) -> None:
         if isinstance(load_workers, bool) or not isinstance(load_workers, int) or load_workers < 1:
             raise SpecError(f"load_workers must be an int of at least 1 (got {load_workers!r})")
         load_timeout = checked_load_timeout(load_timeout)
+        memory = _paging(page_rank, max_lora_memory)
+        if memory is None and max_loras_per_batch is None:
+            max_loras_per_batch = DEFAULT_MAX_LORAS_PER_BATCH
         refs = parse_lora_paths(
             lora_paths, max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras
         )
@@ -181,17 +200,51 @@ class LoRAManager:
             rank = max(a.max_rank for a in startup)
             host.max_rank = rank
         self.max_rank = rank
-        self.pool = DevicePool(
-            self.targets, max_loras_per_batch, rank, self.dtype, self.device, shards=shards
-        )
         self.host = host
-        self.registry = LoRARegistry(
-            max_loras_per_batch,
-            max_loaded_loras,
-            max_host_bytes=max_host_bytes,
-            eviction_policy=eviction_policy,
-            chunk_size=self.chunk_size,
-        )
+        self.pool: DevicePool | PagedDevicePool
+        #: The step's page tables on the device (paged pool only).
+        self._device_pages: DevicePages | None = None
+        if memory is None:
+            assert max_loras_per_batch is not None
+            self.pool = DevicePool(
+                self.targets, max_loras_per_batch, rank, self.dtype, self.device, shards=shards
+            )
+            self.registry = LoRARegistry(
+                max_loras_per_batch,
+                max_loaded_loras,
+                max_host_bytes=max_host_bytes,
+                eviction_policy=eviction_policy,
+                chunk_size=self.chunk_size,
+            )
+        else:
+            assert page_rank is not None
+            page_bytes = PagedDevicePool.page_bytes(self.targets, page_rank, self.dtype, shards)
+            pages = memory // page_bytes
+            needs = pages_for(rank, page_rank)
+            if pages < needs:
+                raise SpecError(
+                    f"max_lora_memory={memory} bytes holds {pages} page(s) of {page_bytes} bytes "
+                    f"(page_rank={page_rank} over {len(self.targets.groups)} target groups), but an adapter "
+                    f"of the pool's rank {rank} needs {needs}: raise max_lora_memory to at least "
+                    f"{needs * page_bytes} bytes"
+                )
+            if max_loras_per_batch is None and max_loaded_loras is not None:
+                # A step's adapters are in host memory too: no more of them than the host tier holds.
+                max_loras_per_batch = min(pages, max_loaded_loras)
+            # The core checks the page count (and the rest) before anything is allocated.
+            self.registry = LoRARegistry(
+                max_loras_per_batch,
+                max_loaded_loras,
+                max_host_bytes=max_host_bytes,
+                eviction_policy=eviction_policy,
+                chunk_size=self.chunk_size,
+                page_rank=page_rank,
+                max_lora_memory=pages,
+            )
+            self.pool = PagedDevicePool(
+                self.targets, pages, page_rank, rank, self.dtype, self.device, shards=shards
+            )
+            self._device_pages = DevicePages(page_rank, self.device)
         self.residency = Residency(self.registry, host, self.pool)
         self._lifecycle = Lifecycle(self.residency, self._collective)
         #: A server's requests per adapter, from acceptance to their last output: what
@@ -249,10 +302,12 @@ class LoRAManager:
                     f"lora_dtype={config.lora_dtype!r} but the model is {dtype}: lora_pin computes adapters "
                     "in the model's dtype (adapters of another dtype are converted on load); use 'auto'"
                 )
+        # A paged manager may take its own bound on adapters per step (None: the pages'), not the config's.
+        slots = kwargs.pop("max_loras_per_batch", config.max_loras_per_batch)
         return cls(
             model,
             list(config.refs),
-            max_loras_per_batch=config.max_loras_per_batch,
+            max_loras_per_batch=slots,
             max_loaded_loras=config.max_loaded_loras,
             max_lora_rank=config.max_lora_rank,
             lora_target_modules=config.target_modules,
@@ -532,9 +587,13 @@ class LoRAManager:
         ``identities`` (``{name: {"id", "digest", "generation"}}``, see :meth:`identity`) and the slots
         refreshed with an adapter's replaced weights (``slot_refreshes``). Evictions per adapter
         (``evictions_by_adapter``, keyed ``"name/tier"``) list the 256 adapter/tier pairs evicted most;
-        ``evictions_by_adapter_others`` counts the rest, so endless adapter names stay bounded."""
+        ``evictions_by_adapter_others`` counts the rest, so endless adapter names stay bounded. A paged
+        pool adds ``page_bytes``, one page's device bytes (the device tier's ``pages`` and ``max_pages``
+        count them)."""
         stats = dict(self.registry.stats())
         stats["pool_bytes"] = self.pool.nbytes
+        if isinstance(self.pool, PagedDevicePool):
+            stats["page_bytes"] = self.pool.page_nbytes
         evictions = sorted(self.residency.evictions.items())
         stats["evictions_by_adapter"] = {f"{n}/{tier}": c for (n, tier), c in evictions}
         stats["evictions_by_adapter_others"] = self.residency.evictions.others
@@ -696,7 +755,11 @@ class LoRAManager:
             self._step_lock.release()
 
     def __repr__(self) -> str:
-        return f"LoRAManager(slots={self.pool.slots}, max_rank={self.max_rank}, {self.registry!r})"
+        if isinstance(self.pool, PagedDevicePool):
+            layout = f"pages={self.pool.pages}, page_rank={self.pool.page_rank}"
+        else:
+            layout = f"slots={self.pool.slots}"
+        return f"LoRAManager({layout}, max_rank={self.max_rank}, {self.registry!r})"
 
     # ---- internals ------------------------------------------------------------------------------
 
@@ -798,8 +861,12 @@ class LoRAManager:
                 names = _checked_names(names)  # read more than once below; a str is refused
             plan = self._loading.begin(names, num_tokens, per_sequence)
             try:
-                slot_writes = self.residency.apply(plan)
-                step = self._activate(names, plan, slot_writes, per_sequence)
+                tables = None if self._device_pages is None else (plan.page_indptr, plan.page_table)
+                slot_writes = self.residency.apply(plan, tables)
+                pages = (
+                    None if tables is None or self._device_pages is None else self._device_pages.of(*tables)
+                )
+                step = self._activate(names, plan, slot_writes, per_sequence, pages)
             except BaseException as exc:
                 self.registry.finish_step(plan.ticket)
                 if isinstance(exc, StalePlanError):
@@ -817,12 +884,13 @@ class LoRAManager:
         plan: Any,
         slot_writes: tuple[tuple[int, int], ...],
         per_sequence: bool,
+        pages: PageTable | None,
     ) -> Step:
         request_slots, segments, any_adapter = self._arrays.of(plan)
         if per_sequence:
-            active = step_segments(request_slots, segments, any_adapter, self.chunk_size)
+            active = step_segments(request_slots, segments, any_adapter, self.chunk_size, pages)
         else:
-            active = StepSegments(segments, None, None, any_adapter)
+            active = StepSegments(segments, None, None, any_adapter, pages)
         admitted, deferred, reasons, failed, num_tokens = plan.outcome()
         step = Step(
             admitted,
@@ -861,4 +929,24 @@ class LoRAManager:
         with self.residency.lock:
             if step is not self._active_step:
                 raise LoraPinError("run_subset: that step is not the active one (finished already?)")
-            self._active = StepSegments(segments=segments, any_adapter=words[0] > 0)
+            pages = None if self._active is None else self._active.pages
+            self._active = StepSegments(segments=segments, any_adapter=words[0] > 0, pages=pages)
+
+
+def _paging(page_rank: int | None, max_lora_memory: int | str | None) -> int | None:
+    """The paged pool's bytes, or None for slots.
+
+    Raises:
+        SpecError: only one of the two is given, ``page_rank`` is not an int of at least 1, or
+            ``max_lora_memory`` is not a positive number of bytes.
+    """
+    if page_rank is None and max_lora_memory is None:
+        return None
+    if page_rank is None or max_lora_memory is None:
+        raise SpecError(
+            f"page_rank and max_lora_memory go together (got page_rank={page_rank!r}, "
+            f"max_lora_memory={max_lora_memory!r})"
+        )
+    if isinstance(page_rank, bool) or not isinstance(page_rank, int) or page_rank < 1:
+        raise SpecError(f"page_rank must be an int of at least 1 (got {page_rank!r})")
+    return parse_bytes("max_lora_memory", max_lora_memory)

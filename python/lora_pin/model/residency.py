@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from lora_pin.errors import (
     UsageError,
 )
 from lora_pin.model.eviction_counts import TopEvictions
-from lora_pin.weights import DevicePool, HostTier
+from lora_pin.weights import DevicePool, HostTier, PagedDevicePool
 from lora_pin.weights.host_adapter import HostAdapter
 from lora_pin.weights.tensors import AdapterTensors
 
@@ -65,10 +65,11 @@ class Residency:
     Args:
         registry: the core whose decisions this object carries out.
         host: the host tier's tensors.
-        pool: the device slots' tensors (``registry.max_loras_per_batch`` slots).
+        pool: the device slots' tensors (``registry.max_loras_per_batch`` slots), or a paged pool's
+            (``registry.max_lora_memory`` pages; a slot is an adapter's first page).
     """
 
-    def __init__(self, registry: LoRARegistry, host: HostTier, pool: DevicePool) -> None:
+    def __init__(self, registry: LoRARegistry, host: HostTier, pool: DevicePool | PagedDevicePool) -> None:
         self.registry = registry
         self.host = host
         self.pool = pool
@@ -103,6 +104,8 @@ class Residency:
         self._fill_stream = torch.cuda.Stream(pool.device) if cuda else None
         # Per slot: recorded on the compute stream after the last work that read or cleared the slot.
         self._released: list[torch.cuda.Event | None] = [None] * pool.slots
+        # A paged pool: the page_indptr of the last plan its slots were matched against.
+        self._matched_indptr: bytes | None = None
 
     def add(
         self,
@@ -132,7 +135,7 @@ class Residency:
                 ref,
                 rank=adapter.max_rank,
                 host_bytes=adapter.whole_nbytes,
-                device_bytes=self.pool.slot_nbytes,
+                device_bytes=self.pool.device_nbytes(adapter.max_rank),
             )
             # Weights still held under the name belong to a registration an unload has just forgotten
             # (its forget has not run yet): stale, replaced.
@@ -176,7 +179,7 @@ class Residency:
                 source.serial,
                 rank=adapter.max_rank,
                 host_bytes=adapter.whole_nbytes,
-                device_bytes=self.pool.slot_nbytes,
+                device_bytes=self.pool.device_nbytes(adapter.max_rank),
             )
             self._drop_host(name)
             self.host.add(adapter)
@@ -351,10 +354,14 @@ class Residency:
                 if self.pool.occupant(slot) == name:
                     self._clear(slot)
 
-    def apply(self, plan: Any) -> tuple[tuple[int, int], ...]:
+    def apply(self, plan: Any, pages: tuple[bytes, bytes] | None = None) -> tuple[tuple[int, int], ...]:
         """Carry out the evictions and loads of step transaction ``plan`` (from ``begin_step``),
         reporting each load to the registry; return ``(slot, pool writes)`` of every slot the step
         uses, after checking each holds what the plan's slot epoch says.
+
+        ``pages``: a paged pool's ``(plan.page_indptr, plan.page_table)``: each load goes into its
+        adapter's pages, and a slot the pool still holds whose pages the core freed is released (its
+        entries read as rank 0, as the page tables say).
 
         On any failure the step's remaining loads are left unreported (``finish_step`` fails them)
         and the failed load's slot is emptied, so no later step reads a half-written slot.
@@ -374,11 +381,18 @@ class Residency:
                 if tier == "host":
                     self._drop_host(name)
             epochs = memoryview(plan.slot_epochs).cast("q") if loads else None
+            tables = None
+            if pages is not None:
+                tables = (memoryview(pages[0]).cast("i"), memoryview(pages[1]).cast("i"))
             for index, (name, _lora_id, slot, source) in enumerate(loads):
                 try:
                     if source == "disk" or name not in self.host:
                         self._read_again(name)
-                    self._fill(slot, self.host[name])
+                    slot_pages = None
+                    if tables is not None:
+                        indptr, table = tables
+                        slot_pages = tuple(table[indptr[slot] : indptr[slot + 1]])
+                    self._fill(slot, self.host[name], slot_pages)
                 except BaseException as exc:
                     # The slot may be half written: empty it, so no later step can read the remains.
                     self._clear(slot)
@@ -391,6 +405,8 @@ class Residency:
                 assert epochs is not None
                 self._filled[slot] = (epochs[slot], self.pool.writes(slot))
                 self.registry.report_load(ticket, index, True)
+            if pages is not None and pages[0] != self._matched_indptr:
+                self._release_freed(pages[0])
             # Bytes of (slot, epoch) pairs: equal to the last step's means the same check passes.
             used_bytes = plan.slots_used
             passed = self._passed
@@ -412,6 +428,19 @@ class Residency:
             writes = tuple([(s, counts[s]) for s, _ in used])
             self._passed = (used_bytes, counts, writes)
             return writes
+
+    def _release_freed(self, indptr_bytes: bytes) -> None:
+        """Release every slot the paged pool holds whose pages the core has freed (``page_indptr``: it
+        owns none now), so no slot reads as an adapter's but those the page tables give pages."""
+        pool = self.pool
+        assert isinstance(pool, PagedDevicePool)
+        indptr = memoryview(indptr_bytes).cast("i")
+        for slot in sorted(pool.live_slots()):
+            if indptr[slot + 1] == indptr[slot]:
+                self._filled[slot] = None
+                self._versions[slot] = None
+                self._on_compute(slot, pool.release)
+        self._matched_indptr = bytes(indptr_bytes)
 
     def _refresh_replaced(self, used: Iterable[tuple[int, int]]) -> None:
         """Copy the current weights into each slot of ``used`` (``(slot, generation)`` pairs of the step
@@ -489,13 +518,18 @@ class Residency:
             self.read_seconds += time.perf_counter() - start
         return adapter
 
-    def _fill(self, slot: int, adapter: HostAdapter) -> None:
-        """Copy ``adapter`` into ``slot``; on CUDA the current stream waits for that copy only, and the copy
-        waits only for the slot's earlier readers."""
+    def _fill(self, slot: int, adapter: HostAdapter, pages: tuple[int, ...] | None = None) -> None:
+        """Copy ``adapter`` into ``slot`` (a paged pool: into ``pages``, None for the slot's own); on CUDA
+        the current stream waits for that copy only, and the copy waits only for the slot's earlier
+        readers."""
         source = self._sources.get(adapter.name)
         self._versions[slot] = None if source is None else (adapter.name, source.generation)
+        pool = self.pool
         if self._fill_stream is None:
-            self.pool.fill(slot, adapter)
+            if isinstance(pool, PagedDevicePool):
+                pool.fill(slot, adapter, pages)
+            else:
+                pool.fill(slot, adapter)
             return
         compute = torch.cuda.current_stream(self.pool.device)
         released = self._released[slot]
@@ -503,7 +537,11 @@ class Residency:
             if released is not None:
                 self._fill_stream.wait_event(released)
             # The pool orders its copy after the "current" stream, here the fill stream.
-            done = self.pool.fill(slot, adapter)
+            done = (
+                pool.fill(slot, adapter, pages)
+                if isinstance(pool, PagedDevicePool)
+                else pool.fill(slot, adapter)
+            )
         if done is not None:
             compute.wait_event(done)
 
@@ -511,13 +549,18 @@ class Residency:
         """Empty ``slot`` on the current stream, after any copy into it, and record that for the next one."""
         self._filled[slot] = None
         self._versions[slot] = None
+        self._on_compute(slot, self.pool.clear)
+
+    def _on_compute(self, slot: int, write: Callable[[int], None]) -> None:
+        """Run ``write(slot)`` (a clear or release) on the current stream, after any copy into it, and record
+        that for the next one."""
         if self._fill_stream is None:
-            self.pool.clear(slot)
+            write(slot)
             return
         compute = torch.cuda.current_stream(self.pool.device)
         # A copy into the slot that is still queued must not land after the zeros.
         compute.wait_stream(self._fill_stream)
-        self.pool.clear(slot)
+        write(slot)
         released = torch.cuda.Event()
         released.record(compute)
         self._released[slot] = released

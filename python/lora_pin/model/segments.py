@@ -13,8 +13,9 @@ import torch
 
 from lora_pin.errors import UsageError
 from lora_pin.ops import KernelMeta, segments_from_slots
+from lora_pin.ops.paged import PageTable
 
-__all__ = ["StepSegments", "arrays_on"]
+__all__ = ["DevicePages", "StepSegments", "arrays_on"]
 
 
 class StepSegments:
@@ -32,6 +33,7 @@ class StepSegments:
       no data-dependent shape in the forward, so ``torch.compile(fullgraph=True)`` traces it).
 
     ``any_adapter`` is False when every row is base-model only: the layers then skip the ops entirely.
+    ``pages``: a paged pool's page tables for the step (:class:`DevicePages`), None with slots.
     What the kernels keep for a step is the backend's (:mod:`lora_pin.ops.backends`), not the step's.
 
     A plain class with ``__slots__``: every step builds one.
@@ -43,6 +45,7 @@ class StepSegments:
         "_by_length",
         "any_adapter",
         "chunk_size",
+        "pages",
         "segments",
         "sequence_slots",
     )
@@ -53,8 +56,10 @@ class StepSegments:
         sequence_slots: torch.Tensor | None = None,
         chunk_size: int | None = None,
         any_adapter: bool = True,
+        pages: PageTable | None = None,
     ) -> None:
         self.segments = segments
+        self.pages = pages
         self.sequence_slots = sequence_slots
         self.chunk_size = chunk_size
         self.any_adapter = any_adapter
@@ -72,7 +77,7 @@ class StepSegments:
     def __repr__(self) -> str:
         return (
             f"StepSegments(segments={self.segments}, sequence_slots={self.sequence_slots}, "
-            f"chunk_size={self.chunk_size}, any_adapter={self.any_adapter})"
+            f"chunk_size={self.chunk_size}, any_adapter={self.any_adapter}, pages={self.pages})"
         )
 
     def for_input(self, x: torch.Tensor) -> KernelMeta:
@@ -153,3 +158,33 @@ def _part(data: bytearray, dtype: torch.dtype, count: int, offset: int) -> torch
     if count == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(data, dtype=dtype, count=count, offset=offset)
+
+
+class DevicePages:
+    """A paged pool's page tables on the device, step after step (``StepPlan.page_indptr`` and
+    ``StepPlan.page_table``): one copy of both when they change, views of it, and the same
+    :class:`~lora_pin.ops.paged.PageTable` as the last step's when they have not (they change only when
+    adapters enter or leave the device tier), so most steps copy nothing.
+
+    Args:
+        page_rank: the pool's ranks per page.
+        device: the pool's device.
+    """
+
+    def __init__(self, page_rank: int, device: torch.device) -> None:
+        self.page_rank = page_rank
+        self.device = device
+        self._last: tuple[bytes, bytes, PageTable] | None = None
+
+    def of(self, indptr: bytes, table: bytes) -> PageTable:
+        """The tables of int32 bytes ``indptr`` (``[slots + 1]``) and ``table`` (``[P]``) on the device."""
+        last = self._last
+        if last is not None and last[0] == indptr and last[1] == table:
+            return last[2]
+        both = torch.frombuffer(bytearray(indptr) + bytearray(table), dtype=torch.int32)
+        # From pinned memory a CUDA copy is queued and the host goes on (as arrays_on does).
+        both = both.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else both
+        n_indptr = len(indptr) // 4
+        pages = PageTable(both[:n_indptr], both[n_indptr:], self.page_rank)
+        self._last = (bytes(indptr), bytes(table), pages)
+        return pages

@@ -11,6 +11,7 @@ import torch
 from lora_pin.errors import LoraPinError
 from lora_pin.model.segments import StepSegments, arrays_on
 from lora_pin.ops import KernelMeta
+from lora_pin.ops.paged import PageTable
 
 __all__ = ["Step", "StepArrays", "step_segments"]
 
@@ -123,10 +124,18 @@ class StepArrays:
 
 
 def step_segments(
-    sequence_slots: torch.Tensor, segments: KernelMeta, any_adapter: bool, chunk_size: int | None
+    sequence_slots: torch.Tensor,
+    segments: KernelMeta,
+    any_adapter: bool,
+    chunk_size: int | None,
+    pages: PageTable | None = None,
 ) -> StepSegments:
     """The :class:`StepSegments` of a per-sequence batch's arrays (:meth:`StepArrays.of`): its sequences'
-    slots and the core's one-token segments."""
+    slots and the core's one-token segments (and a paged pool's page tables)."""
     return StepSegments(
-        segments, sequence_slots=sequence_slots.long(), chunk_size=chunk_size, any_adapter=any_adapter
+        segments,
+        sequence_slots=sequence_slots.long(),
+        chunk_size=chunk_size,
+        any_adapter=any_adapter,
+        pages=pages,
     )

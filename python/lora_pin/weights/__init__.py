@@ -1,4 +1,4 @@
-"""Adapter weights: reading PEFT adapters, the host tier and the device slot pool."""
+"""Adapter weights: reading PEFT adapters, the host tier and the device pools (slots or rank pages)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from lora_pin.weights.limits import (
     MAX_ADAPTER_RANK,
     MAX_CONFIG_BYTES,
 )
+from lora_pin.weights.paged_pool import PagedDevicePool
 from lora_pin.weights.pool import DevicePool, GroupBuffers
 from lora_pin.weights.reader import (
     AdapterFile,
@@ -45,6 +46,7 @@ __all__ = [
     "LinearTarget",
     "LoRATargets",
     "LoraTensorPair",
+    "PagedDevicePool",
     "TargetGroup",
     "adapter_dir_for_name",
     "load_adapter",

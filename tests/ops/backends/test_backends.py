@@ -60,6 +60,7 @@ def test_the_torch_ops_backend_runs_a_layer_through_the_registered_ops(dtype: to
         scalings=layer.slot_scalings,
         slice_offsets=layer.slice_offsets,
         dora_slots=None,
+        page_rank=None,
     )
     step = StepSegments(segments=segments_from_slots(token_slots), any_adapter=True)
     module = LoRALinear(_Output(got := out.clone()), buffers, lambda: step, backend=TorchOpsBackend())  # type: ignore[arg-type]

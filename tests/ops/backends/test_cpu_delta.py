@@ -154,6 +154,7 @@ def _layer(layer, ranks, token_slots, out, backend=None, active=None):
         scalings=layer.slot_scalings,
         slice_offsets=layer.slice_offsets,
         dora_slots=None,
+        page_rank=None,
     )
     step = StepSegments(segments=segments_from_slots(token_slots), any_adapter=True)
     return LoRALinear(_Output(out), buffers, active or (lambda: step), backend=backend)

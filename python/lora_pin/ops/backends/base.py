@@ -21,7 +21,9 @@ __all__ = ["LoRABackend", "SplitDelta", "StepRows"]
 
 
 class StepRows(Protocol):
-    """What a backend reads of the active step (``lora_pin.model.StepSegments``)."""
+    """What a backend reads of the active step (``lora_pin.model.StepSegments``): its segments, and for a
+    paged pool (``GroupBuffers.page_rank`` set) its ``pages`` attribute, the step's page tables
+    (:class:`lora_pin.ops.paged.PageTable`), read only for paged groups."""
 
     def for_input(self, x: torch.Tensor) -> KernelMeta:
         """The segments of layer input ``x`` (``[..., in]``; raises ``UsageError`` for a wrong shape)."""
@@ -47,8 +49,9 @@ class LoRABackend(ABC):
 
     Every method takes the active step and the layer's pool group buffers (``a``
     ``[slots, n_slices * R, in]``, ``b`` ``[slots, out_total, R]``, ranks and scalings
-    ``[slots, n_slices]``), and tensors with any leading shape (``[T, ...]`` packed, ``[B, L, ...]`` per
-    sequence), of the pool's dtype (the layers check it).
+    ``[slots, n_slices]``; a paged group's ``a_pages`` and ``b_pages``, run through
+    :mod:`lora_pin.ops.backends.paged` over the step's page tables), and tensors with any leading shape
+    (``[T, ...]`` packed, ``[B, L, ...]`` per sequence), of the pool's dtype (the layers check it).
 
     Raises (every method):
         UsageError: the input does not have the step's shape (:meth:`StepRows.for_input`).

@@ -29,6 +29,7 @@ from lora_pin.ops._checks import (
 )
 from lora_pin.ops.backends.base import LoRABackend, SplitDelta, StepRows, embed_scale_tensor
 from lora_pin.ops.backends.fallback import TorchOpsBackend
+from lora_pin.ops.backends.paged import CPU_PAGED_OPS, paged_linear, paged_split
 from lora_pin.ops.custom_ops import expand_args
 from lora_pin.ops.dora import scale_rows_
 from lora_pin.ops.embedding import check_embedding_args, lookup_expand, used_rows
@@ -68,9 +69,12 @@ class CpuBackend(LoRABackend):
             self._traced.add_lora_linear(step, buffers, out, x, slice_offsets, dora_bias)
             return
         kernels = self.kernels(step)
-        delta = kernels.delta(buffers, x, slice_offsets)
-        if not delta.empty:
-            delta.apply(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]))
+        if buffers.page_rank is not None:
+            paged_linear(CPU_PAGED_OPS, step, buffers, out, x, slice_offsets)
+        else:
+            delta = kernels.delta(buffers, x, slice_offsets)
+            if not delta.empty:
+                delta.apply(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]))
         if buffers.dora_slots:
             rows = kernels.dora_rows(buffers, x)
             if rows is not None:
@@ -98,6 +102,8 @@ class CpuBackend(LoRABackend):
     ) -> SplitDelta | None:
         if torch.compiler.is_compiling():
             return self._traced.split_delta(step, buffers, x, slice_offsets, shrink_ranks)
+        if buffers.page_rank is not None:
+            return paged_split(CPU_PAGED_OPS, step, buffers, x, slice_offsets, shrink_ranks)
         split = self.kernels(step).split_delta(buffers, x, slice_offsets, shrink_ranks)
         return None if split.expand_work.empty else split
 

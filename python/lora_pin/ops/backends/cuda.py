@@ -16,6 +16,7 @@ import torch
 
 from lora_pin.ops.backends.base import SplitDelta, StepRows
 from lora_pin.ops.backends.fallback import TorchOpsBackend
+from lora_pin.ops.backends.paged import PagedOps, triton_paged_ops
 from lora_pin.ops.segments import KernelMeta
 from lora_pin.weights.pool import GroupBuffers
 
@@ -31,6 +32,14 @@ class CudaBackend(TorchOpsBackend):
         self._step: StepRows | None = None
         self._dora_rows: dict[torch.Size, tuple[torch.Tensor, torch.Tensor]] = {}
         self._splits: dict[tuple[int, torch.Size], SplitDelta] = {}
+        self._paged_ops: PagedOps | None = None
+
+    @property
+    def paged_ops(self) -> PagedOps:
+        """The Triton paged kernels (:mod:`lora_pin.ops.triton_paged`)."""
+        if self._paged_ops is None:
+            self._paged_ops = triton_paged_ops()
+        return self._paged_ops
 
     def _of_step(self, step: StepRows) -> None:
         if step is not self._step:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lora_pin.ops.backends.base import LoRABackend, SplitDelta, StepRows, embed_scale_tensor
+from lora_pin.ops.backends.paged import CPU_PAGED_OPS, PagedOps, paged_linear, paged_split
 from lora_pin.ops.custom_ops import expand, shrink
 from lora_pin.ops.dora import dora_scale_
 from lora_pin.ops.segments import KernelMeta
@@ -22,7 +23,13 @@ __all__ = ["TorchOpsBackend"]
 
 
 class TorchOpsBackend(LoRABackend):
-    """Every layer's work as calls of ``lora_pin::shrink``, ``::expand`` and ``::dora_scale_``."""
+    """Every layer's work as calls of ``lora_pin::shrink``, ``::expand`` and ``::dora_scale_`` (a paged
+    group's as :attr:`paged_ops`)."""
+
+    @property
+    def paged_ops(self) -> PagedOps:
+        """The paged shrink and expand this backend runs (the torch ones, on any device)."""
+        return CPU_PAGED_OPS
 
     def add_lora_linear(
         self,
@@ -34,9 +41,12 @@ class TorchOpsBackend(LoRABackend):
         dora_bias: Callable[[], torch.Tensor | None],
     ) -> None:
         seg = step.for_input(x)
-        meta = self.meta(step, buffers, seg, slice_offsets)
         flat_out = out.view(-1, out.shape[-1])
-        expand(flat_out, shrink(x.reshape(-1, x.shape[-1]), buffers.a, meta), buffers.b, meta)
+        if buffers.page_rank is not None:
+            paged_linear(self.paged_ops, step, buffers, out, x, slice_offsets)
+        else:
+            meta = self.meta(step, buffers, seg, slice_offsets)
+            expand(flat_out, shrink(x.reshape(-1, x.shape[-1]), buffers.a, meta), buffers.b, meta)
         if self.rescales_dora(buffers, x):
             rows = self.dora_rows(step, buffers, x, seg)
             assert buffers.factors is not None and buffers.dora is not None
@@ -74,6 +84,8 @@ class TorchOpsBackend(LoRABackend):
         slice_offsets: Sequence[int],
         shrink_ranks: Callable[[], torch.Tensor] | None,
     ) -> SplitDelta:
+        if buffers.page_rank is not None:
+            return paged_split(self.paged_ops, step, buffers, x, slice_offsets, shrink_ranks)
         meta = self.meta(step, buffers, step.for_input(x), slice_offsets)
         local = meta if shrink_ranks is None else meta._replace(slot_ranks=shrink_ranks())
         return _OpsSplit(buffers.a, buffers.b, local, meta)
