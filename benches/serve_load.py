@@ -209,14 +209,31 @@ def adapter_bytes(folder: Path) -> int:
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
 
-def _pages(args: argparse.Namespace, max_rank: int, slot_bytes: int) -> int:
-    """The pages the page pool's ``--max-lora-memory`` holds."""
-    return args.memory_slots * -(-max_rank // args.page_rank) if args.memory_slots else 0
+def pool_pages(args: argparse.Namespace, base: Path, folder: Path, max_rank: int, slot_bytes: int) -> int:
+    """The pages the page pool of ``--memory-slots`` max-rank slots' bytes holds on ``base``, as the
+    server counts them (a manager over ``base`` with the max-rank adapter at ``folder``; a page is
+    ``--page-rank`` ranks of every target's A and B and a few bytes of per-page entries)."""
+    import transformers
+
+    from lora_pin import LoRAManager
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    manager = LoRAManager(
+        model,
+        [f"{folder.name}={folder}"],
+        page_rank=args.page_rank,
+        max_lora_memory=args.memory_slots * slot_bytes,
+        max_lora_rank=max_rank,
+    )
+    pages: int = manager.stats()["device"]["max_pages"]
+    manager.detach()
+    return pages
 
 
 def pool_flags(args: argparse.Namespace, pool: str, max_rank: int, slot_bytes: int) -> list[str]:
     """The device-tier flags of ``lora-pin serve`` for ``pool`` (``slots`` or ``pages``) at the memory of
-    ``--memory-slots`` slots of ``max_rank`` (``slot_bytes`` each; ``--slots`` slots without it).
+    ``--memory-slots`` slots of ``max_rank`` (``slot_bytes`` each; ``--slots`` slots without it). The
+    page pool's steps are bounded by its pages and the host tier only, as the server does by default.
 
     Raises:
         SystemExit: an unknown pool, or ``pages`` without ``--memory-slots``.
@@ -229,18 +246,9 @@ def pool_flags(args: argparse.Namespace, pool: str, max_rank: int, slot_bytes: i
         raise SystemExit(f"--pools: slots or pages, not {pool!r}")
     if args.memory_slots is None:
         raise SystemExit("--pools pages: give --memory-slots K (the pool's memory in max-rank slots)")
-    # A step may hold as many adapters as the pages could (one page each), but no more than the host
-    # tier, which must hold what a step uses.
-    pages = args.memory_slots * -(-max_rank // args.page_rank)
-    return [
-        *rank,
-        "--page-rank",
-        str(args.page_rank),
-        "--max-lora-memory",
-        str(args.memory_slots * slot_bytes),
-        "--max-loras-per-batch",
-        str(min(pages, args.host)),
-    ]
+    # No --max-loras-per-batch: a step holds what the pages fit, up to the host tier (the server's rule).
+    memory = str(args.memory_slots * slot_bytes)
+    return [*rank, "--page-rank", str(args.page_rank), "--max-lora-memory", memory]
 
 
 class _Server:
@@ -463,10 +471,13 @@ def main(argv: list[str] | None = None) -> int:
     max_rank = max(ranks)
     slot_bytes = adapter_bytes(dirs[ranks.index(max_rank)])
     pool_args = {pool: pool_flags(args, pool, max_rank, slot_bytes) for pool in pools}
+    folder = dirs[ranks.index(max_rank)]
+    pages = pool_pages(args, base, folder, max_rank, slot_bytes) if "pages" in pools else 0
     mix = ", ".join(f"{r}: {ranks.count(r)}" for r in sorted(set(ranks)))
     print(
         f"# model hidden {args.hidden}, {args.layers} layers; {len(dirs)} adapters (rank: count {mix}), "
-        f"a rank-{max_rank} one {slot_bytes / (1 << 20):.2f} MiB; made in {time.perf_counter() - t0:.0f} s",
+        f"a rank-{max_rank} one {slot_bytes / (1 << 20):.2f} MiB ({pages} pages of rank {args.page_rank} in "
+        f"the memory of {args.memory_slots} such slots); made in {time.perf_counter() - t0:.0f} s",
         flush=True,
     )
     engine = [
@@ -529,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.predict:
                     results[label]["predicted"] = _prediction(
                         args, pool, _workload(args, count, names), pinned, max_rank, slot_bytes,
-                        _pages(args, max_rank, slot_bytes), results[label],
+                        pages, results[label],
                     )  # fmt: skip
         finally:
             lora.stop()
@@ -584,10 +595,12 @@ def _prediction(
     life = 1 + statistics.mean(n for _, _, _, n in workload)
     steps = max(1.0, measured["steps"])
     running = sum(1 + n for _, _, _, n in workload) / steps
-    flags = pool_flags(args, pool, max_rank, slot_bytes)
-    shape: dict[str, Any] = {"slots": int(flags[flags.index("--max-loras-per-batch") + 1])}
     if pool == "pages":
-        shape.update(page_rank=args.page_rank, max_lora_memory=pages)
+        # The server's bound on a step's adapters without --max-loras-per-batch.
+        shape: dict[str, Any] = {"slots": min(pages, args.host), "page_rank": args.page_rank}
+        shape["max_lora_memory"] = pages
+    else:
+        shape = {"slots": args.slots if args.memory_slots is None else args.memory_slots}
     report = simulate(
         trace,
         max_loaded_loras=args.host,
