@@ -301,6 +301,8 @@ class _Server:
             "steps": r"^lora_pin_steps_total (\S+)",
             "device hits": r'^lora_pin_hits_total\{tier="device"\} (\S+)',
             "device misses": r'^lora_pin_misses_total\{tier="device"\} (\S+)',
+            "reads": r"^lora_pin_adapter_load_seconds_count (\S+)",
+            "read seconds": r"^lora_pin_adapter_load_seconds_sum (\S+)",
         }
         found = {k: re.search(rx, text, re.M) for k, rx in wanted.items()}
         return {k: float(m.group(1)) if m else 0.0 for k, m in found.items()}
@@ -556,14 +558,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def simulated_trace(workload: list[tuple[float, str | None, list[int], int]]) -> Any:
-    """``workload`` as the simulator's ``Trace``: per request, in arrival order, its adapter (None: the
-    base model), its prompt and output tokens, and its arrival time."""
+    """``workload`` as the simulator's ``Trace`` in decode mode: per request, in arrival order, its
+    adapter (None: the base model), the engine steps it runs (one per output token, the first with its
+    prefill) and its arrival time."""
     from lora_pin._core import Trace
 
-    lines = [
-        json.dumps({"adapter": name, "tokens": len(prompt) + n, "arrival": at})
-        for at, name, prompt, n in workload
-    ]
+    lines = [json.dumps({"adapter": name, "tokens": n, "arrival": at}) for at, name, _, n in workload]
     return Trace.from_jsonl("\n".join(lines), "serve_load")
 
 
@@ -582,19 +582,17 @@ def _prediction(
     at the server's memory (``pages``: what the page pool's memory holds), pins and host tier: device
     loads, deferrals and adapters per step.
 
-    The simulator's step serves a request whole; the engine's step runs one token of each running
-    request, so a request lives ``1 + output`` engine steps there (its prefill and its decode steps).
-    Calibrated from the measured run, a simulated step stands for one mean life: its batch is as many
-    requests as the engine ran at once (request-steps / steps measured), its clock that many measured
-    steps (``wall / steps`` each), and each simulated deferral counts that many engine steps. What this
-    cannot model: a request holding its adapter across steps while others come and go.
+    The simulator runs in decode mode, as the engine does: a request runs one step per output token,
+    every running request is offered in every step ahead of the waiting ones (the engine offers all
+    of them: the batch is the whole workload), and the core defers a running request like a waiting
+    one. Calibrated from the measured run: the step clock is its mean step (``wall / steps``), and
+    reads from disk take its mean read (``lora_pin_adapter_load_seconds``), off the steps' path as the
+    server's background loading does them. Not modelled: the engine's token budget, its order of the
+    waiting requests (pinned first, then those that need no load) and the deferral barrier.
     """
     from lora_pin._core import simulate
 
     trace = simulated_trace(workload)
-    life = 1 + statistics.mean(n for _, _, _, n in workload)
-    steps = max(1.0, measured["steps"])
-    running = sum(1 + n for _, _, _, n in workload) / steps
     if pool == "pages":
         # The server's bound on a step's adapters without --max-loras-per-batch.
         shape: dict[str, Any] = {"slots": min(pages, args.host), "page_rank": args.page_rank}
@@ -606,14 +604,16 @@ def _prediction(
         max_loaded_loras=args.host,
         policy="lru",
         pins=[p for p in pinned if p in trace.names],
-        batch_size=max(1, round(running)),
-        step_seconds=life * measured["wall"] / steps,
+        batch_size=len(workload),
+        step_seconds=measured["wall"] / max(1.0, measured["steps"]),
+        load_ms=1000 * measured["read seconds"] / measured["reads"] if measured["reads"] else 0.0,
+        decode=True,
         adapter_bytes=slot_bytes,
         ranks=rank_mix(args),
         **shape,
     )
     return {
-        "deferred": report["deferrals"] * life,
+        "deferred": report["deferrals"],
         "device loads": report["device"]["misses"],
         "adapters / step": report["uses"] / max(1, report["steps"]),
     }

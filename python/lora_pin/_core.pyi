@@ -269,6 +269,7 @@ def simulate(
     max_host_bytes: int | None = None,
     page_rank: int | None = None,
     max_lora_memory: int | None = None,
+    decode: bool = False,
 ) -> dict[str, Any]: ...
 def ranks_by_name(names: Sequence[str], ranks: Sequence[tuple[int, float]]) -> list[int]: ...
 def rank_replicas(

@@ -100,7 +100,15 @@ def test_the_simulated_trace_is_the_served_workload_in_arrival_order(bench: Modu
     workload = bench._workload(args, 16, names)
     trace = bench.simulated_trace(workload)
     got = trace.requests()
-    assert [(name, tokens) for name, tokens, _ in got] == [(name, len(p) + n) for _, name, p, n in workload]
+    assert [(name, tokens) for name, tokens, _ in got] == [(name, n) for _, name, _, n in workload]
     # The trace's JSON parser may round the last bit of a time differently.
     assert [at for _, _, at in got] == pytest.approx([at for at, _, _, _ in workload], rel=1e-15)
     assert None in [name for _, name, _, _ in workload]
+
+
+def test_simulate_decode_holds_a_running_requests_adapter_for_its_tokens() -> None:
+    trace = Trace.from_jsonl('{"adapter": "a", "tokens": 3}\n{"adapter": "b", "tokens": 2}')
+    decoded = simulate(trace, slots=1, batch_size=8, decode=True)
+    assert (decoded["steps"], decoded["deferrals"], decoded["tokens"]) == (5, 3, 5)
+    whole = simulate(trace, slots=1, batch_size=8)
+    assert (whole["steps"], whole["deferrals"], whole["tokens"]) == (2, 1, 5)

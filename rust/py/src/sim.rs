@@ -194,6 +194,11 @@ const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 /// `slots` bounds the distinct adapters a step; the device `belady_misses` is then None (the bound
 /// counts equal slots).
 ///
+/// With `decode=True` each request runs `tokens` steps, one token a step, as an engine's decoding
+/// requests do: offered in every step ahead of the waiting ones (`batch_size` bounds them together),
+/// holding its adapter while it runs, and deferred like a waiting one when the step has no room for
+/// it (no progress that step); `tokens` in the report is then one per request a step ran.
+///
 /// Raises:
 ///     SpecError: slots or batch_size of 0, max_loaded_loras below slots, an unknown policy, a pin the
 ///         trace never names or beyond the pin limit, a negative step or load time, a rank outside
@@ -206,7 +211,7 @@ const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 #[pyo3(signature = (
     trace, *, slots, max_loaded_loras = None, policy = "lru", pins = Vec::new(), batch_size = 4,
     step_seconds = 0.02, adapter_bytes = 33554432, load_ms = 0.0, record = false, progress = None,
-    ranks = Vec::new(), max_host_bytes = None, page_rank = None, max_lora_memory = None
+    ranks = Vec::new(), max_host_bytes = None, page_rank = None, max_lora_memory = None, decode = false
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn simulate<'py>(
@@ -226,6 +231,7 @@ pub fn simulate<'py>(
     max_host_bytes: Option<u64>,
     page_rank: Option<u32>,
     max_lora_memory: Option<usize>,
+    decode: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     shielded(py, || {
         let paging = match (page_rank, max_lora_memory) {
@@ -248,6 +254,7 @@ pub fn simulate<'py>(
             max_host_bytes,
             load_ms,
             paging,
+            decode,
         };
         let trace = &trace.get().0;
         let progress = progress.as_ref();
@@ -360,6 +367,7 @@ pub fn simulate_replicas<'py>(
             max_host_bytes,
             load_ms: 0.0,
             paging: None,
+            decode: false,
         };
         let replicas = non_negative(py, "replicas", replicas)?;
         let queue_bound = non_negative(py, "queue_bound", queue_bound)?;
