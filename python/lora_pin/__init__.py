@@ -47,7 +47,15 @@ from lora_pin.unloading import unload_async
 
 if TYPE_CHECKING:
     from lora_pin.model import LoRAManager, Step
-    from lora_pin.weights import AdapterConfig, DevicePool, HostAdapter, HostTier, LoRATargets, load_adapter
+    from lora_pin.weights import (
+        AdapterConfig,
+        DevicePool,
+        HostAdapter,
+        HostTier,
+        LoRATargets,
+        PagedDevicePool,
+        load_adapter,
+    )
     from lora_pin.weights.targets import register_linear
 
 # Names whose modules import torch load on first use: `import lora_pin` and `lora-pin parse` stay fast.
@@ -59,6 +67,7 @@ _LAZY = {
     "HostAdapter": "lora_pin.weights",
     "HostTier": "lora_pin.weights",
     "LoRATargets": "lora_pin.weights",
+    "PagedDevicePool": "lora_pin.weights",
     "load_adapter": "lora_pin.weights",
     "register_linear": "lora_pin.weights.targets",
 }
@@ -91,6 +100,7 @@ __all__ = [
     "LoRATargets",
     "LoraPinError",
     "OpArgumentError",
+    "PagedDevicePool",
     "PathNotAllowedError",
     "PoolError",
     "SpecError",

@@ -258,3 +258,18 @@ def test_a_framework_store_true_enable_lora_with_lora_paths_alone_warns_and_serv
         cfg = lora_pin.lora_config_from_args(parser.parse_args(["--lora-paths", "a=/a"]))
     assert cfg is not None and [r.lora_name for r in cfg.refs] == ["a"]
     assert lora_pin.lora_config_from_args(parser.parse_args([])) is None
+
+
+def test_parse_bytes_takes_ints_and_numbers_with_units() -> None:
+    from lora_pin.args import parse_bytes
+
+    cases = {"512MiB": 512 << 20, "2GB": 2 * 10**9, "1.5GiB": 3 << 29, "4096": 4096, " 8 kib ": 8192, "3b": 3}
+    for text, want in cases.items():
+        assert parse_bytes("x", text) == want, text
+    assert parse_bytes("x", 7) == 7
+    for bad in ("", "MiB", "-1MiB", "2 parsecs", "0", "1e9"):
+        with pytest.raises(SpecError, match=r"x must be"):
+            parse_bytes("x", bad)
+    for bad_value in (True, 0, -3, 1.5):
+        with pytest.raises(SpecError, match=r"x must be"):
+            parse_bytes("x", bad_value)  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lora_pin import LoRAManager
-from lora_pin.errors import AdapterLoadError, SpecError
+from lora_pin.errors import AdapterLoadError, PoolError, SpecError
 from lora_pin.fixtures import save_peft_adapter
 from lora_pin.model.experts import LoRAExperts
 
@@ -233,6 +233,19 @@ def test_an_expert_weight_named_in_lora_target_modules_is_served(world: Any) -> 
     with torch.no_grad(), mgr.batch(["down", "down"]):
         got = model(input_ids=tokens).logits
     torch.testing.assert_close(got, peft_rows(base, adapters["down"], tokens), rtol=1e-4, atol=1e-5)
+
+
+def test_expert_weights_cannot_be_paged_and_are_refused_by_name(world: Any) -> None:
+    """A slot holds every expert's ranks of an experts group: a paged pool refuses the group by name."""
+    base, _ = world
+    with pytest.raises(PoolError, match=r"target '.*experts.down_proj' cannot be paged: MoE expert weights"):
+        LoRAManager(
+            copy.deepcopy(base),
+            max_lora_rank=4,
+            lora_target_modules=["experts.down_proj"],
+            page_rank=4,
+            max_lora_memory="64MiB",
+        )
 
 
 def _copy_adapter(source: Path, folder: Path, edit_config: Any = None, edit_tensors: Any = None) -> Path:

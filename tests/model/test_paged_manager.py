@@ -113,12 +113,17 @@ def page_bytes(world: World, dtype: torch.dtype) -> int:
 
 
 def serve_rounds(
-    world: World, dtype: torch.dtype, rounds: list[list[str | None]] = ROUNDS, pages: int = 12
+    world: World,
+    dtype: torch.dtype,
+    rounds: list[list[str | None]] = ROUNDS,
+    pages: int = 12,
+    device: str = "cpu",
 ) -> tuple[LoRAManager, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str | None]]]]:
     """Serve ``rounds`` on a fresh model over ``pages`` pages with "a8" pinned; per round the manager's
     logits, PEFT's (in ``dtype``) and the base model's."""
-    base = copy.deepcopy(world.base).to(dtype)
-    peft = copy.deepcopy(world.peft).to(dtype) if dtype != torch.float32 else world.peft
+    base = copy.deepcopy(world.base).to(device, dtype)
+    moved = dtype != torch.float32 or device != "cpu"
+    peft = copy.deepcopy(world.peft).to(device, dtype) if moved else world.peft
     model = copy.deepcopy(base)
     mgr = LoRAManager(
         model,
@@ -130,7 +135,7 @@ def serve_rounds(
     assert mgr.pool.pages == pages and mgr.registry.max_lora_memory == pages
     results = []
     for seed, names in enumerate(rounds):
-        ids = tokens(len(names), 5, seed)
+        ids = tokens(len(names), 5, seed).to(device)
         with torch.no_grad():
             with mgr.batch(names):
                 got = model(ids).logits
@@ -171,6 +176,16 @@ def test_mixed_ranks_with_a_pin_and_churn_equal_peft(world: World, dtype: torch.
             assert mgr.pool.occupant(slot) == name and len(pages) == -(-ADAPTERS[name]["r"] // PAGE_RANK)
             held += pages
     assert len(held) == len(set(held)) == device["pages"] and placement["free_slots"] == 12 - len(held)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_pages_equal_peft(world: World) -> None:
+    """The CUDA backend's Triton paged kernels, the pool's side-stream copies into pages and the page
+    tables uploaded per step, through the same churn."""
+    mgr, results = serve_rounds(world, torch.bfloat16, device="cuda")
+    assert mgr.pool.device.type == "cuda"
+    for got, want, plain, names in results:
+        assert_rows(got, want, plain, names)
 
 
 @pytest.mark.parametrize("backend", ["torch_ops", pytest.param("triton", marks=pytest.mark.triton)])
@@ -245,6 +260,8 @@ def test_the_budget_and_the_paging_arguments_are_checked(world: World) -> None:
         make(page_rank=0, max_lora_memory="1GiB")
     with pytest.raises(SpecError, match=r"max_lora_memory must be bytes: .* \(got '12 parsecs'\)"):
         make(page_rank=PAGE_RANK, max_lora_memory="12 parsecs")
+    with pytest.raises(SpecError, match=r"holds 65537 pages of \d+ bytes, past the 65536 a pool may have"):
+        make(page_rank=PAGE_RANK, max_lora_memory=65537 * size)
     exact = make(page_rank=PAGE_RANK, max_lora_memory=8 * size)
     assert exact.pool.pages == 8 and exact.registry.max_loras_per_batch == 8
     text = make(page_rank=PAGE_RANK, max_lora_memory="4MiB", max_loras_per_batch=3)
@@ -271,3 +288,66 @@ def test_slots_the_core_freed_without_reuse_read_as_empty(world: World) -> None:
         assert_rows(got, want, plain, names)
     resident = {slot for _, _, _, tier, slot, *_ in mgr.registry.placement()["adapters"] if tier == "device"}
     assert mgr.pool.live_slots() == resident
+
+
+def test_replacing_with_another_rank_and_unloading_keep_pages_right(world: World) -> None:
+    """A replacement whose rank needs more pages moves the adapter to new pages; an unload frees its
+    pages: each later step still equals PEFT and the pool holds exactly the core's resident slots."""
+    model = copy.deepcopy(world.base)
+    mgr = LoRAManager(
+        model,
+        [f"z={world.adapters['a4']}", f"b8={world.adapters['b8']}"],
+        page_rank=PAGE_RANK,
+        max_lora_memory=12 * page_bytes(world, torch.float32),
+        max_lora_rank=64,
+    )
+    ids = tokens(3, 4, 7)
+
+    def check(names: list[str | None], as_peft: list[str | None]) -> None:
+        with torch.no_grad():
+            with mgr.batch(names):
+                got = model(ids).logits
+            want = peft_logits(world.peft, ids, as_peft)
+            plain = world.base(ids).logits
+        assert_rows(got, want, plain, as_peft)
+        resident = {
+            slot for _, _, _, tier, slot, *_ in mgr.registry.placement()["adapters"] if tier == "device"
+        }
+        assert mgr.pool.live_slots() == resident
+
+    check(["z", None, "b8"], ["a4", None, "b8"])
+    mgr.load("z", world.adapters["a16"], replace=True)
+    check(["z", "b8", None], ["a16", "b8", None])
+    mgr.unload("b8")
+    mgr.load("b8", world.adapters["a64"])
+    check(["b8", "z", None], ["a64", "a16", None])
+
+
+def test_lm_head_pages_like_a_linear(world: World, tmp_path: Path) -> None:
+    """The output layer is a linear target: its adapters page and equal PEFT (only embeddings are
+    refused)."""
+    from peft import PeftModel
+
+    from lora_pin.fixtures import make_peft_adapter
+
+    adapters = {
+        n: make_peft_adapter(
+            world.base, tmp_path / n, r=r, lora_alpha=8, target_modules=["lm_head", "q_proj"], seed=r
+        )
+        for n, r in (("h4", 4), ("h12", 12))
+    }
+    peft = PeftModel.from_pretrained(copy.deepcopy(world.base), adapters["h4"], adapter_name="h4")
+    peft.load_adapter(adapters["h12"], adapter_name="h12")
+    model = copy.deepcopy(world.base)
+    mgr = LoRAManager(
+        model, [f"{n}={p}" for n, p in adapters.items()], page_rank=PAGE_RANK, max_lora_memory="1MiB"
+    )
+    assert "lm_head" in mgr.targets.module_names
+    names: list[str | None] = ["h4", None, "h12"]
+    ids = tokens(3, 5, 3)
+    with torch.no_grad():
+        with mgr.batch(names):
+            got = model(ids).logits
+        want = peft.eval()(ids, adapter_names=[n or "__base__" for n in names]).logits
+        plain = world.base(ids).logits
+    assert_rows(got, want, plain, names)

@@ -175,6 +175,41 @@ def _checks(rank: int, size: int, group: Any, root: Path) -> None:
         mgr.detach()
         _check_reread_failing_on_one_rank(model, root, tp)
         _check_fused_layers(root, tp)
+    _check_pages(rank, size, group, root)
+
+
+def _check_pages(rank: int, size: int, group: Any, root: Path) -> None:
+    """A paged pool holds each rank's shard of every group in its pages: the same logits as PEFT, base
+    rows untouched; a fully sharded pool, whose rank is cut, is refused by name on every rank."""
+    from lora_pin.errors import PoolError
+    from lora_pin.parallel_fixtures import shard_llama
+
+    ids = _inputs()
+    lora_paths = [f"{n}={root / n}" for n in ADAPTERS]
+    want_peft = torch.load(root / "references.pt")["peft"]
+    tp = TensorParallel(rank, size, group)
+    model = shard_llama(_load(root), tp)
+    with torch.inference_mode():
+        base = model(ids).logits.clone()
+    mgr = LoRAManager(model, lora_paths, max_lora_rank=8, tp=tp, page_rank=4, max_lora_memory="16MiB")
+    assert mgr.pool.page_rank == 4 and mgr.registry.max_lora_memory == mgr.pool.pages
+    with torch.inference_mode(), mgr.batch(NAMES):
+        got = model(ids).logits
+    assert _relative(got, want_peft) < 1e-5, _relative(got, want_peft)
+    for i, name in enumerate(NAMES):
+        if name is None:
+            assert torch.equal(got[i], base[i]), i
+    # "a" (rank 8) takes two pages of 4 on every rank; "b" (3) and "c" (2) one each.
+    assert mgr.stats()["device"]["pages"] == 4
+    mgr.detach()
+    fully = TensorParallel(rank, size, group, fully_sharded=True)
+    with pytest.raises(
+        PoolError, match=r"cannot be paged: its adapters' rank is cut over the tensor-parallel"
+    ):
+        LoRAManager(
+            shard_llama(_load(root), fully), lora_paths, max_lora_rank=8, tp=fully, page_rank=4,
+            max_lora_memory="16MiB",
+        )  # fmt: skip
 
 
 def _check_host_shards(mgr: LoRAManager, root: Path, tp: TensorParallel) -> None:

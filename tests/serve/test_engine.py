@@ -246,3 +246,60 @@ def test_cuda_mixed_batches_match_peft(tiny_llama_dir: Path, make_adapters: Any,
             for _ in range(8):
                 ids.append(int(peft(torch.tensor([ids], device="cuda")).logits[0, -1].argmax()))
         assert done[rid].generated_tokens == ids[len(prompt) :], rid
+
+
+def test_a_paged_pool_serves_the_engines_steps_as_peft(
+    tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path
+) -> None:
+    """The engine's steps (prepare_step, then run_subset on the requests it schedules) over a paged
+    pool of ranks 4 to 64, fewer pages than the adapters need together: each request's greedy tokens
+    are PEFT's."""
+    import copy
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ranks = {"a": 4, "b": 8, "c": 16, "d": 64}
+    dirs = make_adapters(
+        tmp_path,
+        {
+            n: {"r": r, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "seed": r}
+            for n, r in ranks.items()
+        },
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    reference = copy.deepcopy(model)
+    items = [f"{n}={d}" for n, d in dirs.items()]
+    probe = LoRAManager(copy.deepcopy(model), items, page_rank=8, max_lora_memory="64MiB")
+    page_bytes = probe.stats()["page_bytes"]
+    probe.detach()
+    # 10 pages: "d" (8 pages) never fits beside all of the others (1 + 1 + 2).
+    manager = LoRAManager(model, items, page_rank=8, max_lora_memory=10 * page_bytes)
+    eng = LoRAEngine(model, manager, EngineConfig(num_blocks=64, page_size=16, max_batch_tokens=64))
+    jobs = {
+        f"r{i}": ([5 + i, 40 + i, 60, 70 + i, 9] * (1 + i % 3), [None, "a", "b", "c", "d"][i % 5])
+        for i in range(10)
+    }
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    eng.start()
+    try:
+        for rid, (prompt, adapter) in jobs.items():
+            eng.submit(rid, prompt, adapter, max_new_tokens=6, streaming=False)
+        done = _results(eng, list(jobs))
+    finally:
+        eng.stop()
+        manager.detach()
+        torch.set_num_threads(threads)
+    assert manager.stats()["device"]["evictions"] > 0
+    for rid, (prompt, adapter) in jobs.items():
+        peft = (
+            reference
+            if adapter is None
+            else PeftModel.from_pretrained(copy.deepcopy(reference), str(dirs[adapter]))
+        )
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(6):
+                ids.append(int(peft(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert done[rid].generated_tokens == ids[len(prompt) :], rid

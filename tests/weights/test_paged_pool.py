@@ -195,3 +195,30 @@ def test_bytes_and_construction_refusals(setup: Setup) -> None:
         PagedDevicePool(setup.targets, pages=0, page_rank=PAGE_RANK, max_rank=MAX_RANK, dtype=torch.float16)
     with pytest.raises(PoolError, match="must be floating point"):
         PagedDevicePool(setup.targets, pages=2, page_rank=PAGE_RANK, max_rank=MAX_RANK, dtype=torch.int32)
+
+
+def test_a_fill_that_fails_half_way_is_cleared_whole(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy that raises after some groups were written (a device error, here injected) leaves entries
+    set; the clear that follows (what the manager does) must zero all of them."""
+    import lora_pin.weights.paged_pool as paged_pool
+
+    pool = PagedDevicePool(
+        setup.targets, pages=3, page_rank=PAGE_RANK, max_rank=MAX_RANK, dtype=torch.float32
+    )
+    real, calls = paged_pool.set_slot_meta, []
+
+    def failing(*args: object, **kwargs: object) -> None:
+        calls.append(args)
+        if len(calls) == 3:
+            raise RuntimeError("injected device error")
+        real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(paged_pool, "set_slot_meta", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.fill(1, setup.adapters["r4"], (1,))
+    assert any(pool.group_buffers(g.key).ranks[1].any() for g in pool.targets.groups)
+    pool.clear(1)
+    for g in pool.targets.groups:
+        buf = pool.group_buffers(g.key)
+        assert not buf.ranks[1].any() and not buf.scalings[1].any() and not buf.a[1].any(), g.key
+    assert pool.live_slots() == frozenset() and pool.occupant(1) is None

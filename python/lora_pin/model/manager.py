@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lora_pin._core import LoRARef, LoRARegistry, _checked_names, parse_lora_paths
+from lora_pin._core import MAX_SLOTS, LoRARef, LoRARegistry, _checked_names, parse_lora_paths
 from lora_pin.args import DEFAULT_MAX_LORAS_PER_BATCH, LoRAConfig, lora_config_from_args, parse_bytes
 from lora_pin.errors import AdapterNotFoundError, LoraPinError, SpecError, StalePlanError, UsageError
 from lora_pin.model.adapter_dir import checked_adapter_dir
@@ -228,6 +228,12 @@ class LoRAManager:
                     f"of the pool's rank {rank} needs {needs}: raise max_lora_memory to at least "
                     f"{needs * page_bytes} bytes"
                 )
+            if pages > MAX_SLOTS:
+                raise SpecError(
+                    f"max_lora_memory={memory} bytes holds {pages} pages of {page_bytes} bytes, past the "
+                    f"{MAX_SLOTS} a pool may have: give at most {MAX_SLOTS * page_bytes} bytes, or a larger "
+                    "page_rank"
+                )
             if max_loras_per_batch is None and max_loaded_loras is not None:
                 # A step's adapters are in host memory too: no more of them than the host tier holds.
                 max_loras_per_batch = min(pages, max_loaded_loras)
@@ -289,7 +295,9 @@ class LoRAManager:
     @classmethod
     def from_config(cls, model: torch.nn.Module, config: LoRAConfig, **kwargs: Any) -> LoRAManager:
         """A manager configured by ``config`` (from :func:`lora_pin.lora_config_from_args` or
-        :func:`lora_pin.lora_config_from_vllm_args`); ``kwargs`` go to the constructor.
+        :func:`lora_pin.lora_config_from_vllm_args`); ``kwargs`` go to the constructor (a
+        ``max_loras_per_batch`` there replaces the config's: ``None`` for a paged pool bounded by its pages,
+        with ``page_rank`` and ``max_lora_memory``).
 
         Raises:
             SpecError: ``config.lora_dtype`` is neither ``"auto"`` nor the model's dtype.
@@ -861,11 +869,14 @@ class LoRAManager:
                 names = _checked_names(names)  # read more than once below; a str is refused
             plan = self._loading.begin(names, num_tokens, per_sequence)
             try:
-                tables = None if self._device_pages is None else (plan.page_indptr, plan.page_table)
-                slot_writes = self.residency.apply(plan, tables)
-                pages = (
-                    None if tables is None or self._device_pages is None else self._device_pages.of(*tables)
-                )
+                device_pages = self._device_pages
+                if device_pages is None:
+                    slot_writes = self.residency.apply(plan)
+                    pages = None
+                else:
+                    tables = (plan.page_indptr, plan.page_table)
+                    slot_writes = self.residency.apply(plan, tables)
+                    pages = device_pages.of(*tables)
                 step = self._activate(names, plan, slot_writes, per_sequence, pages)
             except BaseException as exc:
                 self.registry.finish_step(plan.ticket)

@@ -10,8 +10,9 @@ Background reads (:mod:`lora_pin.model.reads`) use :meth:`Residency.read_fetch` 
 which changes nothing; what they read enters the host tier with :meth:`Residency.install_fetch`.
 
 On CUDA, a slot's copy from host memory waits only for the steps that read that slot before (an event
-recorded when each step finishes), not for all work queued on the compute stream, and a step waits only
-for the copies into its own slots: a copy into a slot the previous step did not read runs while that
+recorded when each step finishes; for a paged slot, the steps that read any of its pages, under whichever
+slot held them), not for all work queued on the compute stream, and a step waits only for the copies
+into its own slots: a copy into a slot the previous step did not read runs while that
 step's kernels do. (The pool has one copy stream, so a step's copies still run in order: one that waits
 for its slot's readers holds back the copies queued after it.)
 """
@@ -102,7 +103,8 @@ class Residency:
         # Carries each slot copy's dependencies (the slot's earlier readers) to the pool's copy stream,
         # instead of the compute stream with everything queued on it.
         self._fill_stream = torch.cuda.Stream(pool.device) if cuda else None
-        # Per slot: recorded on the compute stream after the last work that read or cleared the slot.
+        # Per slot (a paged pool: per page): recorded on the compute stream after the last work that read
+        # or cleared it.
         self._released: list[torch.cuda.Event | None] = [None] * pool.slots
         # A paged pool: the page_indptr of the last plan its slots were matched against.
         self._matched_indptr: bytes | None = None
@@ -473,7 +475,8 @@ class Residency:
                 released = torch.cuda.Event()
                 released.record(torch.cuda.current_stream(self.pool.device))
                 for slot, _ in slot_writes:
-                    self._released[slot] = released
+                    for page in self._memory_of(slot):
+                        self._released[page] = released
             passed = self._passed
         if passed is not None and passed[1] == counts:
             return []  # no slot written since the last step's check passed (counts only grow)
@@ -532,9 +535,11 @@ class Residency:
                 pool.fill(slot, adapter)
             return
         compute = torch.cuda.current_stream(self.pool.device)
-        released = self._released[slot]
+        # A paged slot's pages may have been other (evicted) slots' pages, read by earlier steps.
+        memory = {slot} if pages is None else {slot, *pages}
+        waits = {id(e): e for p in memory if (e := self._released[p]) is not None}
         with torch.cuda.stream(self._fill_stream):
-            if released is not None:
+            for released in waits.values():
                 self._fill_stream.wait_event(released)
             # The pool orders its copy after the "current" stream, here the fill stream.
             done = (
@@ -558,12 +563,19 @@ class Residency:
             write(slot)
             return
         compute = torch.cuda.current_stream(self.pool.device)
+        memory = self._memory_of(slot)
         # A copy into the slot that is still queued must not land after the zeros.
         compute.wait_stream(self._fill_stream)
         write(slot)
         released = torch.cuda.Event()
         released.record(compute)
-        self._released[slot] = released
+        for page in memory:
+            self._released[page] = released
+
+    def _memory_of(self, slot: int) -> tuple[int, ...]:
+        """The pool entries ``slot``'s weights live in: the slot, and a paged slot's pages."""
+        pool = self.pool
+        return (slot, *pool.pages_of(slot)) if isinstance(pool, PagedDevicePool) else (slot,)
 
     def _drop_host(self, name: str) -> None:
         if name in self.host:

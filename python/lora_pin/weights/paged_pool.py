@@ -95,7 +95,7 @@ class PagedDevicePool(SlotWrites):
         self._init_slots(targets, pages, max_rank, dtype, device)
         self.page_rank = page_rank
         shapes = {g.key: shards.pool_shape(g, page_rank) for g in targets.groups}
-        self.page_nbytes = self.page_bytes(targets, page_rank, dtype, shards)
+        self.page_nbytes = unit_nbytes(targets, shapes, dtype)
         try:
             self._buffers = {
                 g.key: allocate_group(g, pages, shapes[g.key], dtype, self.device, page_rank, max_rank)
@@ -245,6 +245,8 @@ class PagedDevicePool(SlotWrites):
 
     def _write(self, slot: int, adapter: HostAdapter, table: tuple[int, ...], non_blocking: bool) -> None:
         page_rank, count = self.page_rank, len(table)
+        # Live before any entry is written: a write that fails half-way leaves entries a clear must zero.
+        self._live.add(slot)
         index = torch.tensor(table, dtype=torch.long)
         index = (
             index.pin_memory().to(self.device, non_blocking=True) if non_blocking else index.to(self.device)
@@ -269,4 +271,3 @@ class PagedDevicePool(SlotWrites):
             b[:, :b_rank].copy_(module.b, non_blocking=non_blocking)
             buf.b.index_copy_(0, index, b.view(b.shape[0], count, page_rank).transpose(0, 1).contiguous())
             set_slot_meta(buf, slot, module, non_blocking=non_blocking)
-        self._live.add(slot)

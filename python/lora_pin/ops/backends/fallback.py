@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lora_pin.ops.backends.base import LoRABackend, SplitDelta, StepRows, embed_scale_tensor
-from lora_pin.ops.backends.paged import CPU_PAGED_OPS, PagedOps, paged_linear, paged_split
+from lora_pin.ops.backends.paged import REGISTERED_PAGED_OPS, PagedOps, paged_linear, paged_split
 from lora_pin.ops.custom_ops import expand, shrink
 from lora_pin.ops.dora import dora_scale_
 from lora_pin.ops.segments import KernelMeta
@@ -28,8 +28,8 @@ class TorchOpsBackend(LoRABackend):
 
     @property
     def paged_ops(self) -> PagedOps:
-        """The paged shrink and expand this backend runs (the torch ones, on any device)."""
-        return CPU_PAGED_OPS
+        """The paged shrink and expand this backend runs (:data:`REGISTERED_PAGED_OPS`)."""
+        return REGISTERED_PAGED_OPS
 
     def add_lora_linear(
         self,

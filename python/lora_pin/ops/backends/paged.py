@@ -1,8 +1,11 @@
 """A paged pool's LoRA work (:class:`~lora_pin.weights.PagedDevicePool`), shared by every backend: the
 shrink and expand read A and B through the step's page tables (:attr:`StepRows.pages`).
 
-Each backend names the paged ops it runs in one place (:class:`PagedOps`): the CPU ones
-(:data:`CPU_PAGED_OPS`, plain torch for now), the Triton ones on CUDA (:func:`triton_paged_ops`).
+The paged ops a backend runs are named here and nowhere else (:class:`PagedOps`): the CPU backend's
+(:data:`CPU_PAGED_OPS`, plain torch until native kernels replace them), the registered-ops backend's
+(:data:`REGISTERED_PAGED_OPS`, the same until ``lora_pin::paged_shrink`` / ``::paged_expand`` exist) and the
+Triton kernels on CUDA (:func:`triton_paged_ops`). The torch ones read the segment and page arrays on the
+host, so a paged pool is not yet traceable by ``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,15 @@ from lora_pin.ops.paged_torch import paged_expand_torch, paged_shrink_torch
 from lora_pin.ops.segments import KernelMeta
 from lora_pin.weights.pool import GroupBuffers
 
-__all__ = ["CPU_PAGED_OPS", "PagedOps", "PagedSplit", "paged_linear", "paged_split", "triton_paged_ops"]
+__all__ = [
+    "CPU_PAGED_OPS",
+    "REGISTERED_PAGED_OPS",
+    "PagedOps",
+    "PagedSplit",
+    "paged_linear",
+    "paged_split",
+    "triton_paged_ops",
+]
 
 
 class PagedOps(NamedTuple):
@@ -34,8 +45,10 @@ class PagedOps(NamedTuple):
     expand: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PageTable, KernelMeta], None]
 
 
-#: The CPU's paged ops (and any device's without its own).
+#: The CPU backend's paged ops.
 CPU_PAGED_OPS = PagedOps(paged_shrink_torch, paged_expand_torch)
+#: The registered-ops backend's (what torch.compile traces and devices without a backend run).
+REGISTERED_PAGED_OPS = PagedOps(paged_shrink_torch, paged_expand_torch)
 
 
 def triton_paged_ops() -> PagedOps:
