@@ -36,13 +36,13 @@ name, ``lora_pin._core.ranks_by_name``), so ``lora-pin simulate --ranks`` and th
 adapter's rank; the first adapter of each rank is made by PEFT, the rest are its files with other random
 tensors. ``--memory-slots K`` sizes the device tier as the memory of K max-rank slots, and ``--pools
 slots,pages`` serves the workload from one LoRA server per pool: ``slots`` is ``--max-loras-per-batch
-K``; ``pages`` is ``--page-rank P --max-lora-memory K x (bytes of one max-rank adapter)``, with
-``--max-loras-per-batch`` raised to what those pages could hold (no more than the host tier), so the
-bytes, not a count, bound a step. Each configuration also prints the engine steps and the adapters per
+K``; ``pages`` is ``--page-rank P --max-lora-memory K x (bytes of one max-rank adapter)`` and no
+``--max-loras-per-batch``, so the pages (and the host tier, which holds a step's adapters) bound a step,
+not a count. Each configuration also prints the engine steps and the adapters per
 step (distinct adapters a step used, from ``/metrics``) and the load average after each server; with
 ``--predict``, ``lora_pin._core.simulate``'s prediction of the same trace (names, arrival order, ranks)
-on the same pool beside the measurement, with its relative error (``_prediction`` says how a simulated
-step is calibrated to the engine's).
+on the same pool beside the measurement, with its relative error (in decode mode, calibrated by the
+measured step and read times: ``_prediction``).
 """
 
 from __future__ import annotations
