@@ -29,6 +29,20 @@ one system prompt of TOKENS tokens and a short user part of its own, over ``--sh
 off (``--no-prefix-caching``). Blocks are shared only among requests with the same adapter weights, so
 the hits come from each adapter's repeats. Printed: TTFT and TPOT p50/p99, output tokens/s, the prompt
 tokens the cache gave (``/metrics``), and caching's TTFT p50 speed-up.
+
+Mixed ranks and pools at equal memory (issue 37): ``--ranks 8:4,16:2,64:1`` gives each adapter one of
+those ranks, drawn by the weights (rank:weight) by the simulator's own rule (a hash of the adapter's
+name, ``lora_pin._core.ranks_by_name``), so ``lora-pin simulate --ranks`` and this bench agree on every
+adapter's rank; the first adapter of each rank is made by PEFT, the rest are its files with other random
+tensors. ``--memory-slots K`` sizes the device tier as the memory of K max-rank slots, and ``--pools
+slots,pages`` serves the workload from one LoRA server per pool: ``slots`` is ``--max-loras-per-batch
+K``; ``pages`` is ``--page-rank P --max-lora-memory K x (bytes of one max-rank adapter)`` and no
+``--max-loras-per-batch``, so the pages (and the host tier, which holds a step's adapters) bound a step,
+not a count. Each configuration also prints the engine steps and the adapters per
+step (distinct adapters a step used, from ``/metrics``) and the load average after each server; with
+``--predict``, ``lora_pin._core.simulate``'s prediction of the same trace (names, arrival order, ranks)
+on the same pool beside the measurement, with its relative error (in decode mode, calibrated by the
+measured step and read times: ``_prediction``).
 """
 
 from __future__ import annotations
@@ -51,7 +65,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 
-def _args() -> argparse.Namespace:
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
@@ -71,7 +85,29 @@ def _args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shared-prefix", type=int, default=0, help="run the shared-system-prompt workload")
     p.add_argument("--shared-adapters", type=int, default=64, help="adapters of that workload")
-    return p.parse_args()
+    p.add_argument(
+        "--ranks",
+        default=None,
+        metavar="R:W,...",
+        help="mixed ranks drawn by the weights from a hash of each adapter's name, as `lora-pin simulate "
+        "--ranks` draws them, e.g. 8:4,16:2,64:1 (default: every adapter --rank)",
+    )
+    p.add_argument(
+        "--memory-slots",
+        type=int,
+        default=None,
+        metavar="K",
+        help="device memory of K max-rank slots for every pool (default: --slots slots)",
+    )
+    p.add_argument("--page-rank", type=int, default=8, help="ranks per page of the pages pool")
+    p.add_argument(
+        "--pools", default="slots", help="device pools served in turn: slots, pages (needs --memory-slots)"
+    )
+    p.add_argument("--no-lora-off", action="store_true", help="skip the LoRA-off baseline server")
+    p.add_argument(
+        "--predict", action="store_true", help="print the simulator's prediction beside each measurement"
+    )
+    return p.parse_args(argv)
 
 
 def make_base(root: Path, args: argparse.Namespace) -> Path:
@@ -92,35 +128,127 @@ def make_base(root: Path, args: argparse.Namespace) -> Path:
     return base
 
 
-def _make_model(root: Path, args: argparse.Namespace, count: int) -> tuple[Path, list[Path]]:
-    """The base model with its tokenizer, and ``count`` random rank-``--rank`` PEFT adapters on q/v
-    (one made by PEFT, the others its files with other random tensors)."""
+def rank_mix(args: argparse.Namespace) -> list[tuple[int, float]]:
+    """``--ranks`` as ``(rank, weight)`` pairs, checked as ``lora-pin simulate --ranks`` checks them
+    (``[(--rank, 1.0)]`` when not given).
+
+    Raises:
+        SpecError: an item that is not ``RANK`` or ``RANK:WEIGHT`` in range, or a weight of 0.
+    """
+    if args.ranks is None:
+        return [(args.rank, 1.0)]
+    from lora_pin.cli.simulate_cmd import _sizes
+
+    mix: list[tuple[int, float]] = _sizes(argparse.Namespace(ranks=args.ranks, host_gib=None))["ranks"]
+    return mix
+
+
+def adapter_ranks(args: argparse.Namespace, names: list[str]) -> list[int]:
+    """Each adapter's rank: drawn from ``--ranks`` by the simulator's rule (a hash of the name, so the
+    same names get the same ranks in ``lora-pin simulate``), or ``--rank`` for all."""
+    from lora_pin._core import ranks_by_name
+
+    return ranks_by_name(names, rank_mix(args))
+
+
+def _make_model(root: Path, args: argparse.Namespace, count: int) -> tuple[Path, list[Path], list[int]]:
+    """The base model with its tokenizer, ``count`` random PEFT adapters on q/v and their ranks
+    (:func:`adapter_ranks`; the first adapter of each rank made by PEFT, the others its files with
+    other random tensors)."""
     import safetensors.torch
     import torch
 
     from lora_pin.fixtures import make_peft_adapter
 
     base = make_base(root, args)
-    first = make_peft_adapter(
-        base,
-        root / "adapters" / "a0000",
-        r=args.rank,
-        lora_alpha=2 * args.rank,
-        target_modules=["q_proj", "v_proj"],
-        seed=1,
-    )
-    tensors = safetensors.torch.load_file(first / "adapter_model.safetensors")
-    config = (first / "adapter_config.json").read_text()
+    names = [f"a{i:04d}" for i in range(count)]
+    ranks = adapter_ranks(args, names)
     generator = torch.Generator().manual_seed(args.seed)
-    dirs = [first]
-    for i in range(1, count):
-        folder = root / "adapters" / f"a{i:04d}"
-        folder.mkdir(parents=True)
-        (folder / "adapter_config.json").write_text(config)
-        fresh = {k: torch.randn(v.shape, generator=generator) * 0.02 for k, v in tensors.items()}
-        safetensors.torch.save_file(fresh, folder / "adapter_model.safetensors")
+    # Per rank: the PEFT adapter's tensors and config, the template of that rank's copies.
+    templates: dict[int, tuple[dict[str, Any], str]] = {}
+    dirs = []
+    for i, (name, rank) in enumerate(zip(names, ranks, strict=True)):
+        folder = root / "adapters" / name
+        if rank not in templates:
+            made = make_peft_adapter(
+                base,
+                folder,
+                r=rank,
+                lora_alpha=2 * rank,
+                target_modules=["q_proj", "v_proj"],
+                seed=1 + i,
+            )
+            tensors = safetensors.torch.load_file(made / "adapter_model.safetensors")
+            templates[rank] = (tensors, (made / "adapter_config.json").read_text())
+        else:
+            tensors, config = templates[rank]
+            folder.mkdir(parents=True)
+            (folder / "adapter_config.json").write_text(config)
+            fresh = {k: torch.randn(v.shape, generator=generator) * 0.02 for k, v in tensors.items()}
+            safetensors.torch.save_file(fresh, folder / "adapter_model.safetensors")
         dirs.append(folder)
-    return base, dirs
+    return base, dirs, ranks
+
+
+def adapter_bytes(folder: Path) -> int:
+    """The bytes of the adapter's tensors in ``folder`` (what one slot of its rank holds)."""
+    import safetensors
+
+    total = 0
+    with safetensors.safe_open(folder / "adapter_model.safetensors", "pt") as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            t = f.get_slice(key)
+            shape = t.get_shape()
+            numel = 1
+            for n in shape:
+                numel *= n
+            total += numel * _DTYPE_BYTES[t.get_dtype()]
+    return total
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def pool_pages(args: argparse.Namespace, base: Path, folder: Path, max_rank: int, slot_bytes: int) -> int:
+    """The pages the page pool of ``--memory-slots`` max-rank slots' bytes holds on ``base``, as the
+    server counts them (a manager over ``base`` with the max-rank adapter at ``folder``; a page is
+    ``--page-rank`` ranks of every target's A and B and a few bytes of per-page entries)."""
+    import transformers
+
+    from lora_pin import LoRAManager
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    manager = LoRAManager(
+        model,
+        [f"{folder.name}={folder}"],
+        page_rank=args.page_rank,
+        max_lora_memory=args.memory_slots * slot_bytes,
+        max_lora_rank=max_rank,
+    )
+    pages: int = manager.stats()["device"]["max_pages"]
+    manager.detach()
+    return pages
+
+
+def pool_flags(args: argparse.Namespace, pool: str, max_rank: int, slot_bytes: int) -> list[str]:
+    """The device-tier flags of ``lora-pin serve`` for ``pool`` (``slots`` or ``pages``) at the memory of
+    ``--memory-slots`` slots of ``max_rank`` (``slot_bytes`` each; ``--slots`` slots without it). The
+    page pool's steps are bounded by its pages and the host tier only, as the server does by default.
+
+    Raises:
+        SystemExit: an unknown pool, or ``pages`` without ``--memory-slots``.
+    """
+    rank = ["--max-lora-rank", str(max_rank)]
+    if pool == "slots":
+        slots = args.slots if args.memory_slots is None else args.memory_slots
+        return [*rank, "--max-loras-per-batch", str(slots)]
+    if pool != "pages":
+        raise SystemExit(f"--pools: slots or pages, not {pool!r}")
+    if args.memory_slots is None:
+        raise SystemExit("--pools pages: give --memory-slots K (the pool's memory in max-rank slots)")
+    # No --max-loras-per-batch: a step holds what the pages fit, up to the host tier (the server's rule).
+    memory = str(args.memory_slots * slot_bytes)
+    return [*rank, "--page-rank", str(args.page_rank), "--max-lora-memory", memory]
 
 
 class _Server:
@@ -170,6 +298,11 @@ class _Server:
             "device loads": r'^lora_pin_loads_total\{tier="device"\} (\S+)',
             "host loads": r'^lora_pin_loads_total\{tier="host"\} (\S+)',
             "cached tokens": r"^lora_pin_serve_prefix_cache_hit_tokens_total (\S+)",
+            "steps": r"^lora_pin_steps_total (\S+)",
+            "device hits": r'^lora_pin_hits_total\{tier="device"\} (\S+)',
+            "device misses": r'^lora_pin_misses_total\{tier="device"\} (\S+)',
+            "reads": r"^lora_pin_adapter_load_seconds_count (\S+)",
+            "read seconds": r"^lora_pin_adapter_load_seconds_sum (\S+)",
         }
         found = {k: re.search(rx, text, re.M) for k, rx in wanted.items()}
         return {k: float(m.group(1)) if m else 0.0 for k, m in found.items()}
@@ -265,6 +398,7 @@ async def _drive(server: _Server, workload: list[Any], pinned: set[str]) -> dict
     await client.close()
 
     return {
+        "wall": wall,
         "req/s": len(workload) / wall,
         "tok/s": tokens / wall,
         "ttft p50": _pct(ttft, 50),
@@ -274,6 +408,9 @@ async def _drive(server: _Server, workload: list[Any], pinned: set[str]) -> dict
         "pinned ttft p99": _pct(pinned_ttft, 99),
         **{k: after[k] - before[k] for k in after},
         "host reads / adapter": (after["host loads"] - before["host loads"]) / max(1, len(named)),
+        # A use is one adapter in one step: the device tier counts each as a hit or a miss.
+        "adapters / step": sum(after[k] - before[k] for k in ("device hits", "device misses"))
+        / max(1.0, after["steps"] - before["steps"]),
     }
 
 
@@ -281,7 +418,7 @@ def _shared_prefix(args: argparse.Namespace) -> int:
     """The shared-system-prompt workload, prefix caching on and off (module docs)."""
     root = Path(tempfile.mkdtemp(prefix="serve_load-prefix-"))
     t0 = time.perf_counter()
-    base, dirs = _make_model(root, args, args.shared_adapters)
+    base, dirs, _ = _make_model(root, args, args.shared_adapters)
     names = [d.name for d in dirs]
     system = [random.Random(args.seed + 1).randrange(32, 127) for _ in range(args.shared_prefix)]
     workload = [
@@ -323,19 +460,26 @@ def _shared_prefix(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
-    args = _args()
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
     if args.shared_prefix:
         return _shared_prefix(args)
     counts = [int(c) for c in args.adapter_counts.split(",")]
+    pools = [p.strip() for p in args.pools.split(",")]
     root = Path(tempfile.mkdtemp(prefix="serve_load-"))
     t0 = time.perf_counter()
-    base, dirs = _make_model(root, args, max(counts))
+    base, dirs, ranks = _make_model(root, args, max(counts))
     names = [d.name for d in dirs]
+    max_rank = max(ranks)
+    slot_bytes = adapter_bytes(dirs[ranks.index(max_rank)])
+    pool_args = {pool: pool_flags(args, pool, max_rank, slot_bytes) for pool in pools}
+    folder = dirs[ranks.index(max_rank)]
+    pages = pool_pages(args, base, folder, max_rank, slot_bytes) if "pages" in pools else 0
+    mix = ", ".join(f"{r}: {ranks.count(r)}" for r in sorted(set(ranks)))
     print(
-        f"# model hidden {args.hidden}, {args.layers} layers; {len(dirs)} adapters of rank {args.rank} "
-        f"made in "
-        f"{time.perf_counter() - t0:.0f} s",
+        f"# model hidden {args.hidden}, {args.layers} layers; {len(dirs)} adapters (rank: count {mix}), "
+        f"a rank-{max_rank} one {slot_bytes / (1 << 20):.2f} MiB ({pages} pages of rank {args.page_rank} in "
+        f"the memory of {args.memory_slots} such slots); made in {time.perf_counter() - t0:.0f} s",
         flush=True,
     )
     engine = [
@@ -357,45 +501,155 @@ def main() -> int:
         json.dumps({"lora_name": n, "lora_path": str(d), "pinned": n in pinned})
         for n, d in zip(names, dirs, strict=True)
     ]
-    lora_flags = [
-        *engine,
-        "--lora-paths",
-        *startup[: args.host // 2],
-        "--max-loras-per-batch",
-        str(args.slots),
-        "--max-loaded-loras",
-        str(args.host),
-        "--max-lora-rank",
-        str(args.rank),
-        "--lora-target-modules",
-        "q_proj",
-        "v_proj",
-        "--allow-runtime-lora-updating",
-        "--lora-root",
-        str(root / "adapters"),
-    ]
     results: dict[str, dict[str, Any]] = {}
-    # tok/s of each adapter count's runs, in order.
-    runs: dict[int, list[float]] = {}
-    plain = _Server(engine, args.threads, root / "plain.log")
-    try:
-        warm = _workload(args, 0, names)[:8]
-        asyncio.run(_drive(plain, warm, set()))
-        results["LoRA off"] = asyncio.run(_drive(plain, _workload(args, 0, names), set()))
-    finally:
-        plain.stop()
-    lora = _Server(lora_flags, args.threads, root / "lora.log")
-    try:
-        for n, d in list(zip(names, dirs, strict=True))[args.host // 2 :]:
-            lora.post("/load_lora_adapter", {"lora_name": n, "lora_path": str(d)})
-        asyncio.run(_drive(lora, _workload(args, 1, names)[:8], set(pinned)))
-        for run, count in enumerate(counts):
-            label = f"{count} adapters" if counts.count(count) == 1 else f"{count} adapters (run {run + 1})"
-            results[label] = asyncio.run(_drive(lora, _workload(args, count, names), set(pinned)))
-            runs.setdefault(count, []).append(results[label]["tok/s"])
-    finally:
-        lora.stop()
-    off = results["LoRA off"]["tok/s"]
+    # tok/s of each (pool, adapter count)'s runs, in order.
+    runs: dict[tuple[str, int], list[float]] = {}
+    if not args.no_lora_off:
+        plain = _Server(engine, args.threads, root / "plain.log")
+        try:
+            warm = _workload(args, 0, names)[:8]
+            asyncio.run(_drive(plain, warm, set()))
+            results["LoRA off"] = asyncio.run(_drive(plain, _workload(args, 0, names), set()))
+        finally:
+            plain.stop()
+        _print_load("LoRA off")
+    for pool in pools:
+        lora_flags = [
+            *engine,
+            "--lora-paths",
+            *startup[: args.host // 2],
+            *pool_args[pool],
+            "--max-loaded-loras",
+            str(args.host),
+            "--lora-target-modules",
+            "q_proj",
+            "v_proj",
+            "--allow-runtime-lora-updating",
+            "--lora-root",
+            str(root / "adapters"),
+        ]
+        lora = _Server(lora_flags, args.threads, root / f"lora-{pool}.log")
+        try:
+            for n, d in list(zip(names, dirs, strict=True))[args.host // 2 :]:
+                lora.post("/load_lora_adapter", {"lora_name": n, "lora_path": str(d)})
+            asyncio.run(_drive(lora, _workload(args, 1, names)[:8], set(pinned)))
+            for run, count in enumerate(counts):
+                label = f"{count} adapters" + ("" if counts.count(count) == 1 else f" (run {run + 1})")
+                if len(pools) > 1:
+                    label = f"{pool}: {label}"
+                results[label] = asyncio.run(_drive(lora, _workload(args, count, names), set(pinned)))
+                runs.setdefault((pool, count), []).append(results[label]["tok/s"])
+                if args.predict:
+                    results[label]["predicted"] = _prediction(
+                        args, pool, _workload(args, count, names), pinned, max_rank, slot_bytes,
+                        pages, results[label],
+                    )  # fmt: skip
+        finally:
+            lora.stop()
+        _print_load(pool)
+    _report(args, results, runs, counts)
+    print(
+        f"# {args.requests} requests each, {args.rate}/s Gamma(cv={args.cv}) arrivals, {args.popularity}, "
+        f"base share {args.base_share}, prompt {args.prompt}, output {args.output}; pools "
+        f"{'; '.join(p + ': ' + ' '.join(f) for p, f in pool_args.items())}; host tier {args.host}; "
+        f"total {time.perf_counter() - t0:.0f} s"
+    )
+    return 0
+
+
+def simulated_trace(workload: list[tuple[float, str | None, list[int], int]]) -> Any:
+    """``workload`` as the simulator's ``Trace`` in decode mode: per request, in arrival order, its
+    adapter (None: the base model), the engine steps it runs (one per output token, the first with its
+    prefill) and its arrival time."""
+    from lora_pin._core import Trace
+
+    lines = [json.dumps({"adapter": name, "tokens": n, "arrival": at}) for at, name, _, n in workload]
+    return Trace.from_jsonl("\n".join(lines), "serve_load")
+
+
+def _prediction(
+    args: argparse.Namespace,
+    pool: str,
+    workload: list[tuple[float, str | None, list[int], int]],
+    pinned: list[str],
+    max_rank: int,
+    slot_bytes: int,
+    pages: int,
+    measured: dict[str, Any],
+) -> dict[str, float]:
+    """What ``lora_pin._core.simulate`` predicts for ``workload`` (the same names in the same arrival
+    order, the same ranks: the simulator draws them by the rule :func:`adapter_ranks` used) on ``pool``
+    at the server's memory (``pages``: what the page pool's memory holds), pins and host tier: device
+    loads, deferrals and adapters per step.
+
+    The simulator runs in decode mode, as the engine does: a request runs one step per output token,
+    every running request is offered in every step ahead of the waiting ones (the engine offers all
+    of them: the batch is the whole workload), and the core defers a running request like a waiting
+    one. Calibrated from the measured run: the step clock is its mean step (``wall / steps``), and
+    reads from disk take its mean read (``lora_pin_adapter_load_seconds``), off the steps' path as the
+    server's background loading does them. Not modelled: the engine's token budget, its order of the
+    waiting requests (pinned first, then those that need no load) and the deferral barrier.
+    """
+    from lora_pin._core import simulate
+
+    trace = simulated_trace(workload)
+    if pool == "pages":
+        # The server's bound on a step's adapters without --max-loras-per-batch.
+        shape: dict[str, Any] = {"slots": min(pages, args.host), "page_rank": args.page_rank}
+        shape["max_lora_memory"] = pages
+    else:
+        shape = {"slots": args.slots if args.memory_slots is None else args.memory_slots}
+    report = simulate(
+        trace,
+        max_loaded_loras=args.host,
+        policy="lru",
+        pins=[p for p in pinned if p in trace.names],
+        batch_size=len(workload),
+        step_seconds=measured["wall"] / max(1.0, measured["steps"]),
+        load_ms=1000 * measured["read seconds"] / measured["reads"] if measured["reads"] else 0.0,
+        decode=True,
+        adapter_bytes=slot_bytes,
+        ranks=rank_mix(args),
+        **shape,
+    )
+    return {
+        "deferred": report["deferrals"],
+        "device loads": report["device"]["misses"],
+        "adapters / step": report["uses"] / max(1, report["steps"]),
+    }
+
+
+def _print_predictions(results: dict[str, dict[str, Any]]) -> None:
+    """Measured beside predicted, with the relative error of the prediction."""
+    cols = ("deferred", "device loads", "adapters / step")
+    print("| configuration | " + " | ".join(f"{c}: measured, simulated, error" for c in cols) + " |")
+    print("| --- " * (len(cols) + 1) + "|")
+    for name, r in results.items():
+        if "predicted" not in r:
+            continue
+        cells = []
+        for c in cols:
+            m, p = r[c], r["predicted"][c]
+            error = f"{(p - m) / m:+.0%}" if m else "—"
+            cells.append(f"{m:.1f}, {p:.1f}, {error}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def _print_load(after: str) -> None:
+    """The machine's load average, printed beside the figures (the box is shared)."""
+    one, five, fifteen = os.getloadavg()
+    print(f"# load average after {after}: {one:.1f} {five:.1f} {fifteen:.1f}", flush=True)
+
+
+def _report(
+    args: argparse.Namespace,
+    results: dict[str, dict[str, Any]],
+    runs: dict[tuple[str, int], list[float]],
+    counts: list[int],
+) -> None:
+    """The table of every configuration, the paired throughput ratios, with both pools their deferrals
+    side by side, and with ``--predict`` the simulator's predictions beside the measurements."""
+    off = results["LoRA off"]["tok/s"] if "LoRA off" in results else None
     cols = [
         "req/s",
         "tok/s",
@@ -408,28 +662,39 @@ def main() -> int:
         "device loads",
         "host loads",
         "host reads / adapter",
+        "steps",
+        "adapters / step",
     ]
     print("| configuration | " + " | ".join(cols) + " | tok/s vs LoRA off |")
     print("| --- " * (len(cols) + 2) + "|")
     for name, r in results.items():
-        precise = ("ttft", "tpot", "/ adapter")
+        precise = ("ttft", "tpot", "/ adapter", "/ step")
         cells = [f"{r[c]:.3f}" if any(p in c for p in precise) else f"{r[c]:.1f}" for c in cols]
-        print(f"| {name} | " + " | ".join(cells) + f" | {r['tok/s'] / off:.2f}x |")
+        ratio = "—" if off is None else f"{r['tok/s'] / off:.2f}x"
+        print(f"| {name} | " + " | ".join(cells) + f" | {ratio} |")
     first = counts[0]
-    for count, toks in runs.items():
+    for (pool, count), toks in runs.items():
         if count == first:
             continue
-        pairs = [t / f for t, f in zip(toks, runs[first], strict=False)]
+        pairs = [t / f for t, f in zip(toks, runs[(pool, first)], strict=False)]
         print(
-            f"# {count} vs {first} adapters: tok/s ratio median {statistics.median(pairs):.2f}x over "
-            f"{len(pairs)} pair(s) ({', '.join(f'{p:.2f}' for p in pairs)})"
+            f"# {pool}: {count} vs {first} adapters: tok/s ratio median {statistics.median(pairs):.2f}x "
+            f"over {len(pairs)} pair(s) ({', '.join(f'{p:.2f}' for p in pairs)})"
         )
-    print(
-        f"# {args.requests} requests each, {args.rate}/s Gamma(cv={args.cv}) arrivals, {args.popularity}, "
-        f"base share {args.base_share}, prompt {args.prompt}, output {args.output}; {args.slots} slots, "
-        f"host tier {args.host}; total {time.perf_counter() - t0:.0f} s"
-    )
-    return 0
+    pools = sorted({pool for pool, _ in runs})
+    if "slots" in pools and "pages" in pools:
+        for count in dict.fromkeys(counts):
+            deferred = {
+                pool: [r["deferred"] for k, r in results.items() if k.startswith(f"{pool}: {count} adapters")]
+                for pool in ("slots", "pages")
+            }
+            slot, page = statistics.median(deferred["slots"]), statistics.median(deferred["pages"])
+            print(
+                f"# {count} adapters: deferrals median slots {slot:.0f}, pages {page:.0f}: "
+                f"{slot / max(page, 1):.1f}x fewer with pages"
+            )
+    if args.predict:
+        _print_predictions(results)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ __all__ = [
     "home_replicas",
     "parse_lora_paths",
     "rank_replicas",
+    "ranks_by_name",
     "replication_factor",
     "sgmv_cpu_available",
     "simulate",
@@ -268,7 +269,9 @@ def simulate(
     max_host_bytes: int | None = None,
     page_rank: int | None = None,
     max_lora_memory: int | None = None,
+    decode: bool = False,
 ) -> dict[str, Any]: ...
+def ranks_by_name(names: Sequence[str], ranks: Sequence[tuple[int, float]]) -> list[int]: ...
 def rank_replicas(
     adapter: str | None,
     replicas: Sequence[tuple[str, str, int, int, int]],

@@ -28,6 +28,8 @@ Metrics (``tier`` is ``device`` or ``host``; a slot is one device-tier place):
 - ``lora_pin_hits_total{tier}``, ``_misses_total``, ``_loads_total``, ``_evictions_total``,
   ``_refusals_total``: the tier counters of :meth:`LoRAManager.stats`.
 - ``lora_pin_deferred_requests_total``: requests a step deferred to a later step (once per step deferred).
+- ``lora_pin_steps_total``: steps planned; ``lora_pin_hits_total{tier="device"}`` plus ``_misses_total``
+  over it is the mean number of distinct adapters a step used.
 - ``lora_pin_adapter_load_seconds`` (summary: ``_count``, ``_sum``): reading an adapter from disk into host
   memory after start-up (loads, discovery, reads again after a host-tier eviction).
 - ``lora_pin_background_loads_total``, ``lora_pin_background_load_failures_total``: reads the background
@@ -211,6 +213,7 @@ class LoRAMetricsCollector:
             "Requests deferred to a later step, counted once per step that deferred them.",
             lambda s: s["deferred_requests"],
         )
+        yield family(counter_family, "lora_pin_steps", "Steps planned.", lambda s: s["steps"])
         yield family(
             counter_family,
             "lora_pin_background_loads",

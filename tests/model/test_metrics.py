@@ -88,6 +88,7 @@ def test_a_scrape_reports_what_stats_says(tiny_llama: torch.nn.Module, adapters:
     # The steps did evict from both tiers and defer requests: the numbers checked are not all zero.
     assert dev["evictions"] > 0 and host["evictions"] > 0
     assert value("lora_pin_deferred_requests_total") == stats["deferred_requests"] > 0
+    assert value("lora_pin_steps_total") == stats["steps"] == 9
     # a2 and a3 were read at load time, and at least one was read again after a host eviction.
     assert value("lora_pin_adapter_load_seconds_count") == stats["adapter_reads"] >= 3
     assert value("lora_pin_adapter_load_seconds_sum") == pytest.approx(stats["adapter_read_seconds"])
@@ -126,7 +127,11 @@ def test_deferred_requests_count_once_per_step(
         step = mgr.prepare_step(["a0", "a1", "a2", "a2", "a3"], 1)
         mgr.finish(step)
         assert len(step.deferred) == 3
-    assert mgr.stats()["deferred_requests"] == 9
+    stats = mgr.stats()
+    assert stats["deferred_requests"] == 9
+    # Two adapters in each of three steps: the uses per step that serve_load reports.
+    assert stats["steps"] == 3
+    assert stats["device"]["hits"] + stats["device"]["misses"] == 2 * 3
 
 
 def test_per_adapter_series_are_capped_pinned_first(

@@ -265,6 +265,7 @@ class LoRAManager:
         self._active_step: Step | None = None
         self._arrays = StepArrays(self.device)
         self._deferred_requests = 0
+        self._steps = 0
         self._wrapped: dict[str, torch.nn.Module] = {}
         for r, adapter in zip(refs, startup, strict=True):
             self.residency.add(r, adapter=adapter)
@@ -585,7 +586,9 @@ class LoRAManager:
 
     def stats(self) -> dict[str, Any]:
         """Counters per tier (hits, misses, loads, evictions, refusals), resident and pinned sets, the
-        pool's size in bytes, requests deferred by steps (``deferred_requests``, once per step deferred),
+        pool's size in bytes, steps planned (``steps``: :meth:`prepare_step` and its per-sequence form;
+        device hits + misses over it are the adapters a step uses), requests deferred by steps
+        (``deferred_requests``, once per step deferred),
         reads from disk after start-up (``adapter_reads``, taking ``adapter_read_seconds`` in all), and
         of those the background reads the read pool ran and installed (``background_loads``), failed
         (``background_load_failures``) and is running now (``loads_in_flight``); each adapter's
@@ -604,6 +607,7 @@ class LoRAManager:
         stats["evictions_by_adapter_others"] = self.residency.evictions.others
         stats["host_bytes"] = self.residency.host_bytes
         stats["deferred_requests"] = self._deferred_requests
+        stats["steps"] = self._steps
         stats["adapter_reads"] = self.residency.reads
         stats["adapter_read_seconds"] = self.residency.read_seconds
         stats["background_loads"] = self.residency.background_loads
@@ -914,6 +918,7 @@ class LoRAManager:
         with self.residency.lock:
             self._active, self._active_step = active, step
             self._deferred_requests += len(deferred)
+            self._steps += 1
         return step
 
     def run_subset(self, step: Step, requests: Sequence[int], num_tokens: Sequence[int]) -> None:

@@ -39,7 +39,7 @@ pub mod _core {
     #[pymodule_export]
     use super::sgmv::{cpu_features, dora_scale_rows, sgmv_cpu_available, PyCpuSgmvPlan};
     #[pymodule_export]
-    use super::sim::{simulate, simulate_replicas, PyTrace};
+    use super::sim::{ranks_by_name, simulate, simulate_replicas, PyTrace};
     #[pymodule_export]
     use super::spec::{check_limits, parse_lora_paths, PyLoRARef};
     #[cfg(unix)]

@@ -11,8 +11,8 @@ use super::errors::{new_error, py_err};
 use super::{detached, shielded};
 use lora_pin_core::registry::{Paging, StepPlan};
 use lora_pin_core::sim::{
-    simulate_replicas as replicas_run, simulate_until, FetchReport, Router, SimConfig, SimReport, TierReport,
-    Trace, Workload,
+    adapter_sizes, simulate_replicas as replicas_run, simulate_until, FetchReport, Router, SimConfig,
+    SimReport, TierReport, Trace, Workload,
 };
 
 /// A request trace: adapter names and requests (adapter or None, tokens, optional arrival time).
@@ -195,6 +195,11 @@ const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 /// (Belady's MIN over as many places as the pages hold of the smallest adapter), not the optimum,
 /// which is NP-hard to find for adapters of mixed sizes.
 ///
+/// With `decode=True` each request runs `tokens` steps, one token a step, as an engine's decoding
+/// requests do: offered in every step ahead of the waiting ones (`batch_size` bounds them together),
+/// holding its adapter while it runs, and deferred like a waiting one when the step has no room for
+/// it (no progress that step); `tokens` in the report is then one per request a step ran.
+///
 /// Raises:
 ///     SpecError: slots or batch_size of 0, max_loaded_loras below slots, an unknown policy, a pin the
 ///         trace never names or beyond the pin limit, a negative step or load time, a rank outside
@@ -207,7 +212,7 @@ const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 #[pyo3(signature = (
     trace, *, slots, max_loaded_loras = None, policy = "lru", pins = Vec::new(), batch_size = 4,
     step_seconds = 0.02, adapter_bytes = 33554432, load_ms = 0.0, record = false, progress = None,
-    ranks = Vec::new(), max_host_bytes = None, page_rank = None, max_lora_memory = None
+    ranks = Vec::new(), max_host_bytes = None, page_rank = None, max_lora_memory = None, decode = false
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn simulate<'py>(
@@ -227,6 +232,7 @@ pub fn simulate<'py>(
     max_host_bytes: Option<u64>,
     page_rank: Option<u32>,
     max_lora_memory: Option<usize>,
+    decode: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     shielded(py, || {
         let paging = match (page_rank, max_lora_memory) {
@@ -249,6 +255,7 @@ pub fn simulate<'py>(
             max_host_bytes,
             load_ms,
             paging,
+            decode,
         };
         let trace = &trace.get().0;
         let progress = progress.as_ref();
@@ -361,6 +368,7 @@ pub fn simulate_replicas<'py>(
             max_host_bytes,
             load_ms: 0.0,
             paging: None,
+            decode: false,
         };
         let replicas = non_negative(py, "replicas", replicas)?;
         let queue_bound = non_negative(py, "queue_bound", queue_bound)?;
@@ -387,4 +395,16 @@ pub fn simulate_replicas<'py>(
         d.set_item("replicas", list)?;
         Ok(d)
     })
+}
+
+/// The rank `simulate` gives each of `names` under the mix `ranks` (`(rank, weight)` pairs): drawn by
+/// the weights from a hash of the name, so the same name gets the same rank in every run. A benchmark
+/// that gives its adapters these ranks replays in `simulate` with the same sizes. Empty `ranks`: 16.
+///
+/// Raises:
+///     SpecError: a rank outside 1..=MAX_ADAPTER_RANK or a weight that is not a finite number above 0.
+#[pyfunction]
+pub fn ranks_by_name(py: Python<'_>, names: Vec<String>, ranks: Vec<(u32, f64)>) -> PyResult<Vec<u32>> {
+    let config = SimConfig { ranks, ..SimConfig::new(1, "lru") };
+    detached(py, || Ok(adapter_sizes(&config, &names)?.iter().map(|s| s.rank).collect()))
 }

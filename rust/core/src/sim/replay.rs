@@ -7,6 +7,10 @@
 //! [`Registry::begin_step`] plans and acquires the admitted ones at once), performs the planned
 //! loads (reporting each done), runs, and finishes the step, releasing them. Deferred
 //! requests stay at the front of the queue for the next step. A request is served by one step.
+//! With [`SimConfig::decode`] a request runs `tokens` steps instead, one token a step as an
+//! engine's decoding requests do: offered in every step ahead of the waiting ones, holding its
+//! adapter while it runs, and deferred like a waiting one when the step has no room for it (it
+//! then makes no progress that step).
 //! With arrival times the step clock advances `step_seconds` per step and jumps ahead to the next
 //! arrival when nothing waits; a request without one arrives with the request before it.
 //!
@@ -62,6 +66,10 @@ pub struct SimConfig {
     /// `None` is slot mode. Belady's device bound then counts the pages over the smallest adapter's
     /// as places: a lower bound, not the optimum (see [`TierReport::belady_misses`]).
     pub paging: Option<Paging>,
+    /// Requests run `tokens` steps, one token a step, ahead of the waiting ones in every step (see
+    /// the module docs); `tokens` then counts steps, and the report's tokens one per request a
+    /// step ran. False: a step serves a request whole.
+    pub decode: bool,
 }
 
 impl SimConfig {
@@ -79,6 +87,7 @@ impl SimConfig {
             max_host_bytes: None,
             load_ms: 0.0,
             paging: None,
+            decode: false,
         }
     }
 }
@@ -210,15 +219,22 @@ pub fn simulate_until<B>(
     let mut step = StepInputs::default();
     let background = config.load_ms > 0.0;
     let mut fetches = Fetches::new(config.load_ms, if background { requests.len() } else { 0 });
-    while next < requests.len() || !queue.is_empty() {
-        if queue.is_empty() {
+    // Decode mode: the requests running, in the order they started, with the steps each has left.
+    let mut running: Vec<(u32, u32)> = Vec::new();
+    let mut admitted = Vec::new();
+    while next < requests.len() || !queue.is_empty() || !running.is_empty() {
+        if queue.is_empty() && running.is_empty() {
             clock = clock.max(arrivals[next]);
         }
-        while queue.len() < config.batch_size && next < requests.len() && arrivals[next] <= clock {
+        while queue.len() + running.len() < config.batch_size
+            && next < requests.len()
+            && arrivals[next] <= clock
+        {
             queue.push_back(next as u32);
             next += 1;
         }
         batch.clear();
+        batch.extend(running.iter().map(|&(i, _)| i));
         batch.extend(queue.iter().copied());
         fetches.complete(&mut reg, clock)?;
         let plan = step.serve(&mut reg, trace, &keys, &batch, background)?;
@@ -229,7 +245,8 @@ pub fn simulate_until<B>(
         if plan.admitted.is_empty() {
             // Background mode: nothing could run, so wait for the next fetch, or for a request
             // that can join the batch. (A blocking step that admits nothing never will.)
-            let joins = background && queue.len() < config.batch_size && next < requests.len();
+            let joins =
+                background && queue.len() + running.len() < config.batch_size && next < requests.len();
             let joins = joins.then(|| arrivals[next]);
             let Some(wake) = fetches.next_due().into_iter().chain(joins).reduce(f64::min) else {
                 return Err(Error::Usage(format!(
@@ -241,7 +258,8 @@ pub fn simulate_until<B>(
             clock = clock.max(wake);
             continue;
         }
-        count_step(&mut report, &mut demand, requests, &batch, &plan);
+        let started = running.len();
+        count_step(&mut report, &mut demand, requests, &batch, &plan, config.decode.then_some(started));
         for &d in &plan.deferred {
             let waited = &mut waits[batch[d as usize] as usize];
             *waited += 1;
@@ -250,7 +268,28 @@ pub fn simulate_until<B>(
         if let ControlFlow::Break(b) = on_step(&batch, &plan) {
             return Ok(ControlFlow::Break(b));
         }
-        keep_deferred(&mut queue, &batch, &plan.deferred);
+        if config.decode {
+            admitted.clear();
+            admitted.resize(batch.len(), false);
+            for &a in &plan.admitted {
+                admitted[a as usize] = true;
+            }
+            let mut pos = 0;
+            running.retain_mut(|(_, left)| {
+                *left -= u32::from(admitted[pos]);
+                pos += 1;
+                *left > 0
+            });
+            for (pos, &i) in batch.iter().enumerate().skip(started) {
+                let tokens = requests[i as usize].tokens;
+                if admitted[pos] && tokens > 1 {
+                    running.push((i, tokens - 1));
+                }
+            }
+        }
+        let waiting_deferred: Vec<u32> =
+            plan.deferred.iter().filter(|&&d| d as usize >= started).map(|&d| d - started as u32).collect();
+        keep_deferred(&mut queue, &batch[started..], &waiting_deferred);
         clock += config.step_seconds;
     }
 
@@ -355,20 +394,25 @@ pub(super) fn count_bytes(report: &mut SimReport, plan: &StepPlan, sizes: &Sizes
 }
 
 /// Adds one step's admitted requests to `report` (tokens, adapter requests, uses, deferrals, the step)
-/// and its distinct adapters, in first-use order, to `demand`.
+/// and its distinct adapters, in first-use order, to `demand`. `decode`: the step ran one token of
+/// each admitted request and its first `decode` requests were running before it (their adapter
+/// requests are counted once, when they started); `None`: it served each admitted request whole.
 pub(super) fn count_step(
     report: &mut SimReport,
     demand: &mut Demand,
     requests: &[Request],
     batch: &[u32],
     plan: &StepPlan,
+    decode: Option<usize>,
 ) {
     let mut used: Vec<u32> = Vec::new();
     for &i in &plan.admitted {
         let r = &requests[batch[i as usize] as usize];
-        report.tokens += u64::from(r.tokens);
+        report.tokens += decode.map_or(u64::from(r.tokens), |_| 1);
         if let Some(a) = r.adapter {
-            report.adapter_requests += 1;
+            if decode.is_none_or(|running| i as usize >= running) {
+                report.adapter_requests += 1;
+            }
             if !used.contains(&a) {
                 used.push(a);
             }

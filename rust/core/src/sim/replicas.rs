@@ -222,7 +222,7 @@ pub fn simulate_replicas(
             }
             busy[i] += 1;
             count_bytes(&mut reports[i].sim, &plan, &sizes);
-            count_step(&mut reports[i].sim, &mut demands[i], requests, &batch, &plan);
+            count_step(&mut reports[i].sim, &mut demands[i], requests, &batch, &plan, None);
             let mut admitted = plan.admitted.iter().map(|&p| p as usize).peekable();
             let mut pos = 0usize;
             queues[i].retain(|_| {

@@ -338,3 +338,77 @@ fn gamma_arrivals_have_the_asked_rate_and_coefficient_of_variation() {
     let t = Trace::generate(Workload::Uniform, 4, 10, 2).unwrap();
     assert!(t.with_gamma_arrivals(0.0, 1.0, 0).is_err());
 }
+
+/// Requests `(adapter, tokens)`, none with an arrival time.
+fn decode_trace(requests: &[(&str, u32)]) -> Trace {
+    let mut names: Vec<String> = Vec::new();
+    for (n, _) in requests {
+        if !names.iter().any(|a| a == n) {
+            names.push((*n).to_owned());
+        }
+    }
+    let requests = requests
+        .iter()
+        .map(|(n, tokens)| Request {
+            adapter: names.iter().position(|a| a == n).map(|i| i as u32),
+            tokens: *tokens,
+            arrival: None,
+        })
+        .collect();
+    Trace::new(names, requests).unwrap()
+}
+
+#[test]
+fn decoding_requests_hold_their_adapter_for_their_steps() {
+    // One slot: a runs its 3 steps while b waits (deferred 3 times), then b runs its 2.
+    let trace = decode_trace(&[("a", 3), ("b", 2)]);
+    let config = SimConfig { batch_size: 8, decode: true, ..SimConfig::new(1, "lru") };
+    let r = simulate(&trace, &config).unwrap();
+    assert_eq!((r.steps, r.deferrals, r.worst_wait, r.tokens), (5, 3, 3, 5));
+    assert_eq!((r.device.misses, r.device.hits, r.uses, r.adapter_requests), (2, 3, 5, 2));
+    // Served whole, each takes one step: b waits one.
+    let whole = simulate(&trace, &SimConfig { decode: false, ..config }).unwrap();
+    assert_eq!((whole.steps, whole.deferrals, whole.tokens), (2, 1, 5));
+}
+
+#[test]
+fn running_requests_come_first_and_the_batch_bounds_them_with_the_waiting() {
+    // Two slots, batches of 2: a and b start together; c joins only when one of them ends.
+    let trace = decode_trace(&[("a", 2), ("b", 4), ("c", 1)]);
+    let config = SimConfig { batch_size: 2, decode: true, ..SimConfig::new(2, "lru") };
+    let mut batches = Vec::new();
+    let r = simulate_with(&trace, &config, |batch, _| batches.push(batch.to_vec())).unwrap();
+    assert_eq!(batches, vec![vec![0, 1], vec![0, 1], vec![1, 2], vec![1]]);
+    assert_eq!((r.steps, r.deferrals, r.tokens, r.adapter_requests), (4, 0, 7, 3));
+}
+
+#[test]
+fn decode_mode_with_one_token_requests_is_the_whole_request_replay() {
+    let trace = Trace::generate(Workload::parse("zipf:1.0").unwrap(), 30, 800, 3).unwrap();
+    for (slots, batch) in [(4, 6), (8, 16)] {
+        let whole = SimConfig { batch_size: batch, max_loaded: Some(12), ..SimConfig::new(slots, "lru") };
+        let decode = SimConfig { decode: true, ..whole.clone() };
+        assert_eq!(simulate(&trace, &whole).unwrap(), simulate(&trace, &decode).unwrap());
+    }
+}
+
+#[test]
+fn an_overdue_adapter_takes_the_slot_of_a_running_request_which_then_waits() {
+    // One slot. b waits 4 plans behind a, turns overdue and goes first; then a, ahead of b in the
+    // batch, takes the slot back and b, running, waits 4 plans again: running requests make no
+    // progress while deferred, and each turn loads an adapter again (the engine's rotation, issue 37).
+    let trace = decode_trace(&[("a", 10), ("b", 2)]);
+    let config = SimConfig { batch_size: 8, decode: true, ..SimConfig::new(1, "lru") };
+    let mut deferred = Vec::new();
+    let r = simulate_with(&trace, &config, |batch, plan| {
+        deferred.push(plan.deferred.iter().map(|&d| batch[d as usize]).collect::<Vec<_>>());
+    })
+    .unwrap();
+    let (a, b, none) = (vec![0u32], vec![1u32], Vec::new());
+    let mut expected = vec![b.clone(); crate::limits::OVERDUE_AFTER as usize];
+    expected.push(a.clone());
+    expected.extend(vec![b; crate::limits::OVERDUE_AFTER as usize]);
+    expected.extend([a, none.clone(), none]);
+    assert_eq!(deferred, expected);
+    assert_eq!((r.steps, r.deferrals, r.device.misses, r.tokens), (12, 10, 5, 12));
+}
