@@ -51,7 +51,8 @@ from lora_pin.weights import (
 from lora_pin.weights.host_adapter import HostAdapter
 from lora_pin.weights.paged_pool import pages_for
 from lora_pin.weights.reader import read_contained_config
-from lora_pin.weights.targets import ModuleSelection
+from lora_pin.weights.shards import GroupCut, ShardPlan
+from lora_pin.weights.targets import LoRATargets, ModuleSelection
 
 __all__ = ["LOADING_MODES", "LoRAManager", "Step"]
 
@@ -204,51 +205,40 @@ class LoRAManager:
         self.pool: DevicePool | PagedDevicePool
         #: The step's page tables on the device (paged pool only).
         self._device_pages: DevicePages | None = None
+        paging: dict[str, int] = {}
+        if memory is None:
+            assert max_loras_per_batch is not None
+        else:
+            assert page_rank is not None
+            pages = _page_count(memory, page_rank, rank, self.targets, self.dtype, shards)
+            if max_loras_per_batch is None and max_loaded_loras is not None:
+                # A step's adapters are in host memory too: no more of them than the host tier holds.
+                max_loras_per_batch = min(pages, max_loaded_loras)
+            paging = {"page_rank": page_rank, "max_lora_memory": pages}
+        # The core checks the slot or page count (and the rest) before anything is allocated.
+        self.registry = LoRARegistry(
+            max_loras_per_batch,
+            max_loaded_loras,
+            max_host_bytes=max_host_bytes,
+            eviction_policy=eviction_policy,
+            chunk_size=self.chunk_size,
+            **paging,
+        )
         if memory is None:
             assert max_loras_per_batch is not None
             self.pool = DevicePool(
                 self.targets, max_loras_per_batch, rank, self.dtype, self.device, shards=shards
             )
-            self.registry = LoRARegistry(
-                max_loras_per_batch,
-                max_loaded_loras,
-                max_host_bytes=max_host_bytes,
-                eviction_policy=eviction_policy,
-                chunk_size=self.chunk_size,
-            )
         else:
             assert page_rank is not None
-            page_bytes = PagedDevicePool.page_bytes(self.targets, page_rank, self.dtype, shards)
-            pages = memory // page_bytes
-            needs = pages_for(rank, page_rank)
-            if pages < needs:
-                raise SpecError(
-                    f"max_lora_memory={memory} bytes holds {pages} page(s) of {page_bytes} bytes "
-                    f"(page_rank={page_rank} over {len(self.targets.groups)} target groups), but an adapter "
-                    f"of the pool's rank {rank} needs {needs}: raise max_lora_memory to at least "
-                    f"{needs * page_bytes} bytes"
-                )
-            if pages > MAX_SLOTS:
-                raise SpecError(
-                    f"max_lora_memory={memory} bytes holds {pages} pages of {page_bytes} bytes, past the "
-                    f"{MAX_SLOTS} a pool may have: give at most {MAX_SLOTS * page_bytes} bytes, or a larger "
-                    "page_rank"
-                )
-            if max_loras_per_batch is None and max_loaded_loras is not None:
-                # A step's adapters are in host memory too: no more of them than the host tier holds.
-                max_loras_per_batch = min(pages, max_loaded_loras)
-            # The core checks the page count (and the rest) before anything is allocated.
-            self.registry = LoRARegistry(
-                max_loras_per_batch,
-                max_loaded_loras,
-                max_host_bytes=max_host_bytes,
-                eviction_policy=eviction_policy,
-                chunk_size=self.chunk_size,
-                page_rank=page_rank,
-                max_lora_memory=pages,
-            )
             self.pool = PagedDevicePool(
-                self.targets, pages, page_rank, rank, self.dtype, self.device, shards=shards
+                self.targets,
+                paging["max_lora_memory"],
+                page_rank,
+                rank,
+                self.dtype,
+                self.device,
+                shards=shards,
             )
             self._device_pages = DevicePages(page_rank, self.device)
         self.residency = Residency(self.registry, host, self.pool)
@@ -961,3 +951,35 @@ def _paging(page_rank: int | None, max_lora_memory: int | str | None) -> int | N
     if isinstance(page_rank, bool) or not isinstance(page_rank, int) or page_rank < 1:
         raise SpecError(f"page_rank must be an int of at least 1 (got {page_rank!r})")
     return parse_bytes("max_lora_memory", max_lora_memory)
+
+
+def _page_count(
+    memory: int,
+    page_rank: int,
+    rank: int,
+    targets: LoRATargets,
+    dtype: torch.dtype,
+    shards: ShardPlan[GroupCut],
+) -> int:
+    """The pages ``memory`` bytes hold for a paged pool over ``targets`` (this rank's ``shards``).
+
+    Raises:
+        SpecError: they hold no adapter of the pool's ``rank``, or more pages than a pool may have.
+    """
+    page_bytes = PagedDevicePool.page_bytes(targets, page_rank, dtype, shards)
+    pages = memory // page_bytes
+    needs = pages_for(rank, page_rank)
+    if pages < needs:
+        raise SpecError(
+            f"max_lora_memory={memory} bytes holds {pages} page(s) of {page_bytes} bytes "
+            f"(page_rank={page_rank} over {len(targets.groups)} target groups), but an adapter "
+            f"of the pool's rank {rank} needs {needs}: raise max_lora_memory to at least "
+            f"{needs * page_bytes} bytes"
+        )
+    if pages > MAX_SLOTS:
+        raise SpecError(
+            f"max_lora_memory={memory} bytes holds {pages} pages of {page_bytes} bytes, past the "
+            f"{MAX_SLOTS} a pool may have: give at most {MAX_SLOTS * page_bytes} bytes, or a larger "
+            "page_rank"
+        )
+    return pages
