@@ -196,10 +196,10 @@ def paged_expand_native(
     """
     max_rank = check_paged_expand_args(out, v, b_pages, pages, meta)
     slot_scalings, slice_offsets = meta.expand_layout()
+    check_expand_memory(out, v=v, b_pages=b_pages, slot_scalings=slot_scalings)
     if not _native(out.dtype, meta, pages, out, b_pages, slot_scalings):
         paged_expand_torch(out, v, b_pages, pages, meta)
         return
-    check_expand_memory(out, v=v, b_pages=b_pages, slot_scalings=slot_scalings)
     plan = _PLANS.get(meta, pages, out.shape[0], max_rank, b_pages.shape[0])
     if plan.expand is not None:
         vc = v.contiguous()
