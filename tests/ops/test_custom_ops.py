@@ -231,7 +231,7 @@ def test_long_runs_and_gathered_spans_match_the_reference(slice_widths, dtype):
     # Slot 0 in long runs (views; the native kernels' panel expand where out is contiguous), slots 1
     # and 2 interleaved token by token (80 rows each, gathered), slot 3 decode-sized in fp32; ranks 16
     # and 8 (one GEMM per slot) and per-slice ranks (one per slice), beside base rows. In bf16 the
-    # shrink of at most 32 columns over 64 rows or more runs as A @ x^T (grouped._shrink_mm).
+    # shrink of at most 32 columns over 64 rows or more runs as A @ x^T (grouped.shrink_mm).
     token_slots = torch.tensor([0] * 70 + [1, 2] * 80 + [-1] * 5 + [0] * 130 + [3] * 64)
     gen = torch.Generator().manual_seed(11)
     ranks = [16, 8, (16, 0, 4)[: len(slice_widths)], 32]

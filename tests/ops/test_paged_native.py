@@ -49,8 +49,13 @@ def _case(dtype, page_rank, seed, layer_kind="qkv", phase="decode", chunk_size=3
     ranks = [r if isinstance(r, int) or len(widths) == 3 else r[0] for r in RANKS]
     layer = random_layer(len(ranks), 48, widths, ranks, dtype, gen)
     slots = request_slots("uniform", 14, len(ranks), gen, base_fraction=0.2)
-    # Decode: one token per request; prefill: 40 tokens per request (past a shrink group's 32 rows).
-    token_slots = torch.repeat_interleave(slots, 1 if phase == "decode" else 40)
+    # Decode: one token per request; prefill: 40 tokens per request (past a shrink group's 32 rows, and
+    # past the native kernels' bf16 limit: GEMMs on views); interleaved: the requests' tokens in turn
+    # (bf16: GEMMs on gathered rows).
+    if phase == "interleaved":
+        token_slots = slots.repeat(40)
+    else:
+        token_slots = torch.repeat_interleave(slots, 1 if phase == "decode" else 40)
     x = torch.randn(token_slots.shape[0], 48, generator=gen).to(dtype)
     out = torch.randn(token_slots.shape[0], layer.slice_offsets[-1], generator=gen).to(dtype)
     a_pages, b_pages, pages = pages_from_slots(
@@ -63,7 +68,7 @@ def _case(dtype, page_rank, seed, layer_kind="qkv", phase="decode", chunk_size=3
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("page_rank", [4, 8, 16])
 @pytest.mark.parametrize("layer_kind", ["plain", "qkv"])
-@pytest.mark.parametrize("phase", ["decode", "prefill"])
+@pytest.mark.parametrize("phase", ["decode", "prefill", "interleaved"])
 def test_paged_native_matches_the_references(phase, layer_kind, page_rank, dtype):
     layer, token_slots, meta, x, out, a_pages, b_pages, pages = _case(
         dtype, page_rank, page_rank, layer_kind, phase
@@ -80,6 +85,16 @@ def test_paged_native_matches_the_references(phase, layer_kind, page_rank, dtype
     untouched = (token_slots == -1) | (token_slots == RANKS.index(0))
     assert untouched.any()
     assert torch.equal(_bits(got[untouched]), _bits(out[untouched])), "rows without work must be untouched"
+
+
+def test_busy_bf16_slots_run_as_gemms_on_views_and_gathered_rows():
+    """The plan the reference tests above run through in bf16: every busy slot's ops as GEMMs."""
+    for phase, gathered in (("prefill", False), ("interleaved", True)):
+        layer, _, meta, x, _, a_pages, _, pages = _case(torch.bfloat16, 8, 0, phase=phase)
+        plan = paged_native.build_paged_plan(
+            meta, pages, x.shape[0], layer.a.shape[1] // 3, a_pages.shape[0], torch.bfloat16
+        )
+        assert plan.blas_shrink and all((busy.rows is not None) == gathered for busy in plan.blas_shrink)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

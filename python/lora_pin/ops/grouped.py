@@ -43,6 +43,7 @@ from lora_pin.ops.segments import KernelMeta
 
 __all__ = [
     "CpuOpPlan",
+    "blas_runs",
     "build_plan",
     "delta_planned",
     "expand_grouped",
@@ -50,6 +51,7 @@ __all__ = [
     "kernel_ok",
     "plan_for",
     "shrink_grouped",
+    "shrink_mm",
     "shrink_planned",
 ]
 
@@ -73,7 +75,7 @@ _RUN_SHRINK_ROWS = 32
 # A bf16/fp16 expand of at most this many rows multiplies in fp32 (see expand_grouped).
 _FP32_PRODUCT_MAX_ROWS = 12
 # A bf16 shrink of at most this many columns over at least max(64, 4 x columns) rows runs as
-# ``A @ x^T`` (see _shrink_mm): 1.16-1.83x faster than ``x @ A^T`` at 8-16 columns and 64-512 rows,
+# ``A @ x^T`` (see shrink_mm): 1.16-1.83x faster than ``x @ A^T`` at 8-16 columns and 64-512 rows,
 # 1.04-1.15x at 32 columns from 128 rows, 4096 wide, 1 and 2 threads; below those rows, and at 48-64
 # columns, oneDNN picks as good a kernel either way (0.5-1.0x) (BENCHMARKS.md, CPU ops).
 _BF16_TRANSPOSED_SHRINK_MAX_COLUMNS = 32
@@ -408,6 +410,17 @@ def _raw(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.numel()
 
 
+def blas_runs(dtype: torch.dtype, n_rows: int) -> tuple[bool, bool]:
+    """Whether one slot's ``n_rows`` rows (long runs of consecutive tokens) shrink and expand faster in
+    BLAS than in the native kernels: ``(shrink, expand)``. This path's rule for bf16, which the paged
+    path (:mod:`lora_pin.ops.paged_native`) follows too: a slot past the kernels' token limit shrinks in
+    oneDNN (AVX512-BF16 dot products), and expands there where the CPU has AMX; fp32 and fp16 stay in
+    the kernels."""
+    if dtype != torch.bfloat16 or n_rows <= _KERNEL_MAX_TOKENS[dtype]:
+        return False, False
+    return True, not _BF16_RUNS_NATIVE_EXPAND
+
+
 def kernel_ok(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
     """Whether this call may run the native kernels: a CPU that has them, a dtype they take, and CPU
     tensors they can read in place (contiguous)."""
@@ -519,12 +532,12 @@ def shrink_planned(
     def shrink_rows(xs: torch.Tensor, vs: torch.Tensor, slot: int) -> None:
         ranks = plan.ranks[slot]
         if all(r == max_rank for r in ranks):
-            _shrink_mm(xs, a[slot], out=vs)
+            shrink_mm(xs, a[slot], out=vs)
             return
         for s, rank in enumerate(ranks):
             if rank:
                 cols = slice(s * max_rank, s * max_rank + rank)
-                _shrink_mm(xs, a[slot, cols], out=vs[:, cols])
+                shrink_mm(xs, a[slot, cols], out=vs[:, cols])
 
     for run in plan.runs:
         rows = slice(run.start, run.start + run.size)
@@ -747,16 +760,16 @@ def _run_shrink_blas(
     max_rank = a.shape[1] // n_slices
     xs = x[run.start : run.start + run.size]
     if all(r == max_rank for r in ranks):
-        return _shrink_mm(xs, a[run.slot], out=out)
+        return shrink_mm(xs, a[run.slot], out=out)
     vs = x.new_zeros(run.size, n_slices * max_rank) if out is None else out
     for s, rank in enumerate(ranks):
         if rank:
             cols = slice(s * max_rank, s * max_rank + rank)
-            _shrink_mm(xs, a[run.slot, cols], out=vs[:, cols])
+            shrink_mm(xs, a[run.slot, cols], out=vs[:, cols])
     return vs
 
 
-def _shrink_mm(xs: torch.Tensor, a_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def shrink_mm(xs: torch.Tensor, a_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``xs @ a_rows^T``: ``[rows, in]`` by ``[columns, in]`` to ``[rows, columns]``, written to ``out``
     when given.
 

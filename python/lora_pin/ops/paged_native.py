@@ -2,12 +2,14 @@
 (``lora_pin._core.CpuSgmvPlan.paged_shrink`` / ``paged_expand``, ``rust/kernels/src/sgmv/paged.rs``):
 the slot layout's AVX-512 kernels, reading each slot's rank blocks through its page table.
 
-Every slot with work runs in one native call per op, whatever its token count: a slot's ranks are
-spread over pages, so the slot path's BLAS GEMMs on views of one slot's weights have no counterpart
-here, and the kernels were measured against them on the same weights (``benches/cpu_ops.py --layout
-pages``; BENCHMARKS.md, CPU ops). The shrink's groups are cut at ``_SHRINK_GROUP_ROWS`` tokens so a
-group's rows of ``x`` stay in cache while the slot's A streams past them; the expand takes a slot's
-rows whole (its panel path streams ``out`` row by row).
+Every slot with work runs in one native call per op (the shrink's groups cut at
+``_SHRINK_GROUP_ROWS`` tokens, so a group's rows of ``x`` stay in cache while the slot's A streams past
+them; the expand takes a slot's rows whole, its panel path streaming ``out`` row by row), except where
+the slot path itself prefers BLAS for a busy slot (:func:`lora_pin.ops.grouped.blas_runs`: bf16 past
+the kernels' token limit). Such a slot's pages are gathered into one contiguous block of its ranks per
+call (a copy of ``rank`` rows, small beside a GEMM of that many tokens) and its rows run as GEMMs, on
+views of ``x`` / ``v`` / ``out`` where they are long runs of consecutive tokens. Measured against the
+slot layout on the same weights: ``benches/cpu_ops.py --layout pages`` (BENCHMARKS.md, CPU ops).
 
 Where the native kernels do not apply (a CPU without AVX-512, ``LORA_PIN_CPU_KERNELS=0``, a device
 other than the CPU, non-contiguous pools), the torch versions (:mod:`lora_pin.ops.paged_torch`) run
@@ -19,14 +21,14 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 import torch
 
 from lora_pin._core import CpuPageTable, CpuSgmvPlan
 from lora_pin.ops._checks import check_expand_memory, check_segment_contents
-from lora_pin.ops.grouped import kernel_ok
+from lora_pin.ops.grouped import blas_runs, kernel_ok, shrink_mm
 from lora_pin.ops.paged import (
     PageTable,
     check_page_contents,
@@ -42,30 +44,78 @@ __all__ = ["paged_expand_native", "paged_shrink_native"]
 # (grouped._RUN_SHRINK_ROWS), for the same reason (x's rows stay in cache while A streams past).
 _SHRINK_GROUP_ROWS = 32
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# A busy slot's rows taken as views when its runs of consecutive tokens are this long on average, else
+# gathered (grouped._MIN_RUN's rule).
+_MIN_RUN = 16
 # Distinct plans kept: one per (step, layer group with its own ranks or pages).
 _PLAN_CACHE_SIZE = 16
 
 
+class BlasSlot(NamedTuple):
+    """A busy slot whose op runs as GEMMs on its gathered pages."""
+
+    slot: int
+    # int64 [n_pages]: its pages, in rank order.
+    pages: torch.Tensor
+    # int64 [Σ ranks]: the rows of a_pages viewed as [num_pages * n_slices * page_rank, in] that hold
+    # its A, slice by slice, each slice's ranks in order.
+    a_rows: torch.Tensor
+    # (first column, rank) in v of each slice with a rank: the shrink's product in that order.
+    columns: list[tuple[int, int]]
+    # (first token, count) of each run of consecutive tokens, when the rows are taken as views.
+    runs: list[tuple[int, int]]
+    # int64 [N]: its tokens, when they are gathered instead (runs too short); None otherwise.
+    rows: torch.Tensor | None
+
+
 class PagedPlan(NamedTuple):
-    """One step's native calls for one layer group: the validated tables and the groups per op."""
+    """One step's calls for one layer group: the validated tables, and per op the native kernels' groups
+    and the slots that run as GEMMs instead."""
 
     pages: CpuPageTable
-    # Every slot with work, its tokens cut into groups of at most _SHRINK_GROUP_ROWS; None: no work.
+    # The native slots' tokens, cut into groups of at most _SHRINK_GROUP_ROWS; None: none.
     shrink: CpuSgmvPlan | None
-    # Every slot with work, its tokens in one group (the shrink's plan where no slot was cut).
+    # The native slots' tokens, one group per slot; None: none.
     expand: CpuSgmvPlan | None
+    blas_shrink: list[BlasSlot]
+    blas_expand: list[BlasSlot]
 
 
-def _key(meta: KernelMeta, pages: PageTable, n_tokens: int, max_rank: int, num_pages: int) -> Hashable:
+def _key(
+    meta: KernelMeta, pages: PageTable, n_tokens: int, max_rank: int, num_pages: int, dtype: torch.dtype
+) -> Hashable:
     tensors = (meta.perm, meta.seg_indptr, meta.seg_slots, meta.ranks(), pages.page_indptr, pages.page_table)
     contents = tuple((str(t.dtype), tuple(t.shape), t.contiguous().numpy().tobytes()) for t in tensors)
-    return (n_tokens, max_rank, num_pages, pages.page_rank, contents)
+    return (n_tokens, max_rank, num_pages, pages.page_rank, str(dtype), contents)
+
+
+def _blas_slot(slot: int, rows: list[int], pages: PageTable, ranks: list[int], max_rank: int) -> BlasSlot:
+    lo, hi = int(pages.page_indptr[slot]), int(pages.page_indptr[slot + 1])
+    slot_pages = pages.page_table[lo:hi].long()
+    page_list, page_rank, n_slices = slot_pages.tolist(), pages.page_rank, len(ranks)
+    a_rows = [
+        (page_list[j // page_rank] * n_slices + s) * page_rank + j % page_rank
+        for s, rank in enumerate(ranks)
+        for j in range(rank)
+    ]
+    columns = [(s * max_rank, rank) for s, rank in enumerate(ranks) if rank]
+    a_index = torch.tensor(a_rows, dtype=torch.int64)
+    runs: list[tuple[int, int]] = []
+    for token in rows:
+        if runs and runs[-1][0] + runs[-1][1] == token:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((token, 1))
+    if len(rows) >= _MIN_RUN * len(runs):
+        return BlasSlot(slot, slot_pages, a_index, columns, runs, None)
+    return BlasSlot(slot, slot_pages, a_index, columns, [], torch.tensor(rows, dtype=torch.int64))
 
 
 def build_paged_plan(
-    meta: KernelMeta, pages: PageTable, n_tokens: int, max_rank: int, num_pages: int
+    meta: KernelMeta, pages: PageTable, n_tokens: int, max_rank: int, num_pages: int, dtype: torch.dtype
 ) -> PagedPlan:
-    """Reads the segment and page arrays once, checking their contents, and groups every slot's tokens.
+    """Reads the segment and page arrays once, checking their contents, and decides per slot and op:
+    the native kernels, or GEMMs on the slot's gathered pages (:func:`lora_pin.ops.grouped.blas_runs`).
 
     Raises:
         OpArgumentError: as :func:`lora_pin.ops.paged_torch.paged_shrink_torch` for bad contents.
@@ -82,27 +132,39 @@ def build_paged_plan(
     for seg, slot in enumerate(seg_slots):
         if slot >= 0 and any(ranks[slot]) and indptr[seg + 1] > indptr[seg]:
             spans.setdefault(slot, []).append(meta.perm[indptr[seg] : indptr[seg + 1]])
-    if not spans:
-        return PagedPlan(tables, None, None)
     rows = {slot: torch.cat(parts).tolist() for slot, parts in spans.items()}
+    blas = {slot: blas_runs(dtype, len(slot_rows)) for slot, slot_rows in rows.items()}
     flat_ranks = [r for row in ranks for r in row]
 
-    def plan(cut: int | None) -> CpuSgmvPlan:
+    def plan(op: int, cut: int | None) -> CpuSgmvPlan | None:
         tokens: list[int] = []
         group_indptr, group_slots = [0], []
         for slot, slot_rows in rows.items():
+            if blas[slot][op]:
+                continue
             step = cut or len(slot_rows)
             for lo in range(0, len(slot_rows), step):
                 tokens.extend(slot_rows[lo : lo + step])
                 group_indptr.append(len(tokens))
                 group_slots.append(slot)
+        if not group_slots:
+            return None
         return CpuSgmvPlan(
             n_tokens, tokens, group_indptr, group_slots, flat_ranks, n_slices=meta.n_slices, max_rank=max_rank
         )
 
-    expand = plan(None)
-    cut = any(len(slot_rows) > _SHRINK_GROUP_ROWS for slot_rows in rows.values())
-    return PagedPlan(tables, plan(_SHRINK_GROUP_ROWS) if cut else expand, expand)
+    blas_slots = {
+        slot: _blas_slot(slot, slot_rows, pages, ranks[slot], max_rank)
+        for slot, slot_rows in rows.items()
+        if any(blas[slot])
+    }
+    return PagedPlan(
+        tables,
+        plan(0, _SHRINK_GROUP_ROWS),
+        plan(1, None),
+        [blas_slots[slot] for slot in rows if blas[slot][0]],
+        [blas_slots[slot] for slot in rows if blas[slot][1]],
+    )
 
 
 class _PlanCache:
@@ -115,15 +177,21 @@ class _PlanCache:
         self._lock = threading.Lock()
 
     def get(
-        self, meta: KernelMeta, pages: PageTable, n_tokens: int, max_rank: int, num_pages: int
+        self,
+        meta: KernelMeta,
+        pages: PageTable,
+        n_tokens: int,
+        max_rank: int,
+        num_pages: int,
+        dtype: torch.dtype,
     ) -> PagedPlan:
-        key = _key(meta, pages, n_tokens, max_rank, num_pages)
+        key = _key(meta, pages, n_tokens, max_rank, num_pages, dtype)
         with self._lock:
             plan = self._plans.get(key)
             if plan is not None:
                 self._plans.move_to_end(key)
                 return plan
-        plan = build_paged_plan(meta, pages, n_tokens, max_rank, num_pages)
+        plan = build_paged_plan(meta, pages, n_tokens, max_rank, num_pages, dtype)
         with self._lock:
             self._plans[key] = plan
             while len(self._plans) > self._size:
@@ -162,7 +230,7 @@ def paged_shrink_native(
     check_paged_shrink_args(x, a_pages, pages, meta, max_rank)
     if not _native(x.dtype, meta, pages, a_pages):
         return paged_shrink_torch(x, a_pages, pages, meta, max_rank)
-    plan = _PLANS.get(meta, pages, x.shape[0], max_rank, a_pages.shape[0])
+    plan = _PLANS.get(meta, pages, x.shape[0], max_rank, a_pages.shape[0], x.dtype)
     v = x.new_zeros(x.shape[0], meta.n_slices * max_rank)
     if plan.shrink is not None:
         xc = x.contiguous()
@@ -175,6 +243,9 @@ def paged_shrink_native(
             _raw(v),
             threads=torch.get_num_threads(),
         )
+    if plan.blas_shrink:
+        for busy in plan.blas_shrink:
+            _shrink_blas(x, a_pages, v, busy)
     return v
 
 
@@ -200,7 +271,7 @@ def paged_expand_native(
     if not _native(out.dtype, meta, pages, out, b_pages, slot_scalings):
         paged_expand_torch(out, v, b_pages, pages, meta)
         return
-    plan = _PLANS.get(meta, pages, out.shape[0], max_rank, b_pages.shape[0])
+    plan = _PLANS.get(meta, pages, out.shape[0], max_rank, b_pages.shape[0], out.dtype)
     if plan.expand is not None:
         vc = v.contiguous()
         plan.expand.paged_expand(
@@ -213,3 +284,67 @@ def paged_expand_native(
             list(slice_offsets),
             threads=torch.get_num_threads(),
         )
+    if plan.blas_expand:
+        ranks, scalings = meta.ranks().tolist(), slot_scalings.tolist()
+        for busy in plan.blas_expand:
+            _expand_blas(
+                out, v, b_pages, busy, ranks[busy.slot], scalings[busy.slot], slice_offsets, max_rank
+            )
+
+
+def _shrink_blas(
+    x: torch.Tensor,  # [T, in]
+    a_pages: torch.Tensor,  # [num_pages, n_slices * page_rank, in]
+    v: torch.Tensor,  # [T, n_slices * R], zero where written
+    busy: BlasSlot,
+) -> None:
+    """One busy slot's shrink as one GEMM per block of rows over all its slices: its A rows gathered
+    from the pages (only the ranks it has), one copy per call, and the product's columns put in place.
+    One GEMM for all slices rather than one per slice: the GEMM packs the rows of ``x`` once."""
+    a_slot = a_pages.view(-1, a_pages.shape[2]).index_select(0, busy.a_rows)  # [Σ ranks, in]
+    if busy.rows is None:
+        blocks = [(x[start : start + n], v[start : start + n]) for start, n in busy.runs]
+    else:
+        gathered = x.new_zeros(busy.rows.shape[0], v.shape[1])
+        blocks = [(x.index_select(0, busy.rows), gathered)]
+    for xs, vs in blocks:
+        if len(busy.columns) == 1:
+            col, rank = busy.columns[0]
+            shrink_mm(xs, a_slot, out=vs[:, col : col + rank])
+            continue
+        product = shrink_mm(xs, a_slot)  # [rows, Σ ranks]
+        at = 0
+        for col, rank in busy.columns:
+            vs[:, col : col + rank] = product[:, at : at + rank]
+            at += rank
+    if busy.rows is not None:
+        v.index_copy_(0, busy.rows, gathered)
+
+
+def _expand_blas(
+    out: torch.Tensor,  # [T, out_total], updated in place
+    v: torch.Tensor,  # [T, n_slices * R]
+    b_pages: torch.Tensor,  # [num_pages, out_total, page_rank]
+    busy: BlasSlot,
+    ranks: list[int],  # the slot's rank per slice
+    scalings: list[float],  # the slot's scaling per slice
+    slice_offsets: Sequence[int],
+    max_rank: int,
+) -> None:
+    """One busy slot's expand as GEMMs accumulating into ``out`` (fp32 accumulation, one rounding): its
+    pages gathered into ``[out_total, ranks]``."""
+    # [pages, out_total, page_rank] -> [out_total, pages * page_rank]: the slot's ranks in order.
+    b_slot = b_pages.index_select(0, busy.pages).permute(1, 0, 2).reshape(out.shape[1], -1)
+    if busy.rows is None:
+        blocks = [(out[start : start + n], v[start : start + n]) for start, n in busy.runs]
+    else:
+        gathered = out.index_select(0, busy.rows)
+        blocks = [(gathered, v.index_select(0, busy.rows))]
+    for outs, vs in blocks:
+        for s, rank in enumerate(ranks):
+            lo, hi = slice_offsets[s], slice_offsets[s + 1]
+            if rank and hi > lo:
+                v_s = vs[:, s * max_rank : s * max_rank + rank]
+                outs[:, lo:hi].addmm_(v_s, b_slot[lo:hi, :rank].T, alpha=scalings[s])
+    if busy.rows is not None:
+        out.index_copy_(0, busy.rows, gathered)
