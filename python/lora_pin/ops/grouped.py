@@ -84,6 +84,11 @@ _BF16_TRANSPOSED_SHRINK_MAX_COLUMNS = 32
 # fp32 BLAS does. torch's fp16 matmul on CPUs without AVX512-FP16 is far slower than the kernels even
 # for prefill, so fp16 always takes them.
 _KERNEL_MAX_TOKENS = {torch.float32: 64, torch.bfloat16: 32, torch.float16: sys.maxsize}
+# A paged bf16 slot with at most this many tokens stays in the native kernels: BLAS would first gather
+# its pages. One slot of 64 bf16 decode tokens, 4096 wide, 1 thread, AMX, cold (min of 15): rank 8, native
+# 0.75 ms against 1.36 gathered for BLAS; rank 64, 1.31-1.42 against 1.44-1.52. At 8 x 128 prefill
+# tokens BLAS wins (the shrink 2.5 against 6.5 ms).
+_PAGED_BF16_KERNEL_MAX_TOKENS = 64
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Whether the native kernels run at all: the CPU must have them, and LORA_PIN_CPU_KERNELS=0 turns them off.
 use_cpu_kernels = sgmv_cpu_available() and os.environ.get("LORA_PIN_CPU_KERNELS", "1") != "0"
@@ -410,13 +415,15 @@ def _raw(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.numel()
 
 
-def blas_runs(dtype: torch.dtype, n_rows: int) -> tuple[bool, bool]:
+def blas_runs(dtype: torch.dtype, n_rows: int, *, paged: bool = False) -> tuple[bool, bool]:
     """Whether one slot's ``n_rows`` rows (long runs of consecutive tokens) shrink and expand faster in
-    BLAS than in the native kernels: ``(shrink, expand)``. This path's rule for bf16, which the paged
-    path (:mod:`lora_pin.ops.paged_native`) follows too: a slot past the kernels' token limit shrinks in
+    BLAS than in the native kernels: ``(shrink, expand)``. The rule for bf16, on this path and the paged
+    one (``paged``, :mod:`lora_pin.ops.paged_native`): a slot past the kernels' token limit shrinks in
     oneDNN (AVX512-BF16 dot products), and expands there where the CPU has AMX; fp32 and fp16 stay in
-    the kernels."""
-    if dtype != torch.bfloat16 or n_rows <= _KERNEL_MAX_TOKENS[dtype]:
+    the kernels. A paged slot must first gather its pages for BLAS, so its limit is higher
+    (``_PAGED_BF16_KERNEL_MAX_TOKENS``)."""
+    limit = _PAGED_BF16_KERNEL_MAX_TOKENS if paged else _KERNEL_MAX_TOKENS[dtype]
+    if dtype != torch.bfloat16 or n_rows <= limit:
         return False, False
     return True, not _BF16_RUNS_NATIVE_EXPAND
 

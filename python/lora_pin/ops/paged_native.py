@@ -55,8 +55,8 @@ class BlasSlot(NamedTuple):
     """A busy slot whose op runs as GEMMs on its gathered pages."""
 
     slot: int
-    # int64 [n_pages]: its pages, in rank order.
-    pages: torch.Tensor
+    # Its pages, in rank order.
+    pages: list[int]
     # int64 [Σ ranks]: the rows of a_pages viewed as [num_pages * n_slices * page_rank, in] that hold
     # its A, slice by slice, each slice's ranks in order.
     a_rows: torch.Tensor
@@ -91,8 +91,7 @@ def _key(
 
 def _blas_slot(slot: int, rows: list[int], pages: PageTable, ranks: list[int], max_rank: int) -> BlasSlot:
     lo, hi = int(pages.page_indptr[slot]), int(pages.page_indptr[slot + 1])
-    slot_pages = pages.page_table[lo:hi].long()
-    page_list, page_rank, n_slices = slot_pages.tolist(), pages.page_rank, len(ranks)
+    page_list, page_rank, n_slices = pages.page_table[lo:hi].tolist(), pages.page_rank, len(ranks)
     a_rows = [
         (page_list[j // page_rank] * n_slices + s) * page_rank + j % page_rank
         for s, rank in enumerate(ranks)
@@ -107,8 +106,8 @@ def _blas_slot(slot: int, rows: list[int], pages: PageTable, ranks: list[int], m
         else:
             runs.append((token, 1))
     if len(rows) >= _MIN_RUN * len(runs):
-        return BlasSlot(slot, slot_pages, a_index, columns, runs, None)
-    return BlasSlot(slot, slot_pages, a_index, columns, [], torch.tensor(rows, dtype=torch.int64))
+        return BlasSlot(slot, page_list, a_index, columns, runs, None)
+    return BlasSlot(slot, page_list, a_index, columns, [], torch.tensor(rows, dtype=torch.int64))
 
 
 def build_paged_plan(
@@ -133,7 +132,7 @@ def build_paged_plan(
         if slot >= 0 and any(ranks[slot]) and indptr[seg + 1] > indptr[seg]:
             spans.setdefault(slot, []).append(meta.perm[indptr[seg] : indptr[seg + 1]])
     rows = {slot: torch.cat(parts).tolist() for slot, parts in spans.items()}
-    blas = {slot: blas_runs(dtype, len(slot_rows)) for slot, slot_rows in rows.items()}
+    blas = {slot: blas_runs(dtype, len(slot_rows), paged=True) for slot, slot_rows in rows.items()}
     flat_ranks = [r for row in ranks for r in row]
 
     def plan(op: int, cut: int | None) -> CpuSgmvPlan | None:
@@ -333,8 +332,9 @@ def _expand_blas(
 ) -> None:
     """One busy slot's expand as GEMMs accumulating into ``out`` (fp32 accumulation, one rounding): its
     pages gathered into ``[out_total, ranks]``."""
-    # [pages, out_total, page_rank] -> [out_total, pages * page_rank]: the slot's ranks in order.
-    b_slot = b_pages.index_select(0, busy.pages).permute(1, 0, 2).reshape(out.shape[1], -1)
+    # [out_total, pages * page_rank]: the slot's ranks in order, in one copy (a gather then a permuted
+    # reshape copied twice: 0.28-0.31 against 0.16-0.18 ms for 4 bf16 pages of 4096 x 16, cold).
+    b_slot = torch.cat([b_pages[page] for page in busy.pages], dim=1)
     if busy.rows is None:
         blocks = [(out[start : start + n], v[start : start + n]) for start, n in busy.runs]
     else:
