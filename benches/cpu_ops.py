@@ -32,8 +32,8 @@ fit: a small model, or a layer called twice). Every case runs at each thread cou
 weights: per case, the slot layout's ``shrink`` + ``expand`` ops against ``paged_shrink`` +
 ``paged_expand`` on the same adapters copied into pages of ``--page-rank`` (scattered, as a pool's
 pages are), both checked against the fp64 reference; the ratio is slots / pages (the goal: >= 0.97x
-in every case). Mixed ranks (``--ranks 8,8,8,8,16,16,64``) pad every slot to the largest rank in the
-slot layout, not in pages.
+in every case); ``--stat min`` compares the fastest round of each instead of the median. Mixed ranks
+(``--ranks 8,8,8,8,16,16,64``) pad every slot to the largest rank in the slot layout, not in pages.
 
 The fixed costs of a layer call are printed first, with their breakdown (see :func:`fixed_costs`), and
 an embedding's (:func:`embedding_fixed_costs`).
@@ -205,12 +205,13 @@ def time_rounds(
     rounds: int,
     flush: torch.Tensor | None,
     slow_s: float = 0.3,
+    stat: Callable[[list[float]], float] = statistics.median,
 ) -> dict[str, float]:
-    """Median seconds of one call of each, over interleaved rounds with the order rotating every round and
-    ``flush`` written before every call (each call starts with cold caches), or, with ``flush`` None, the
-    call run once untimed right before (it starts with its own inputs and weights in cache, as far as they
-    fit). A method whose warm-up call took over ``slow_s`` (a baseline gathering every token's weights in
-    prefill) runs in 3 rounds only."""
+    """Median (or ``stat``) seconds of one call of each, over interleaved rounds with the order rotating
+    every round and ``flush`` written before every call (each call starts with cold caches), or, with
+    ``flush`` None, the call run once untimed right before (it starts with its own inputs and weights in
+    cache, as far as they fit). A method whose warm-up call took over ``slow_s`` (a baseline gathering
+    every token's weights in prefill) runs in 3 rounds only."""
     slow = set()
     for name, fn in fns.items():
         start = time.perf_counter()
@@ -231,7 +232,7 @@ def time_rounds(
             start = time.perf_counter()
             fns[name]()
             samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) for name, times in samples.items()}
+    return {name: stat(times) for name, times in samples.items()}
 
 
 def cases(args: argparse.Namespace) -> list[Case]:
@@ -303,6 +304,7 @@ def run_case(
     return row
 
 
+_STATS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min}
 #: The paged layout's goal against the slot layout, per case (issue 37): no slower beyond noise.
 PAGES_GOAL = 0.97
 
@@ -349,14 +351,15 @@ def run_pages_case(
             raise AssertionError(f"{case}: {name} is off the fp64 reference by {err}")
     scratch = {name: out0.clone() for name in methods}
     timed = {name: (lambda fn=fn, o=scratch[name]: fn(o)) for name, fn in methods.items()}
-    row.update(time_rounds(timed, args.rounds, args.flush if args.cache == "cold" else None))
+    flush = args.flush if args.cache == "cold" else None
+    row.update(time_rounds(timed, args.rounds, flush, stat=_STATS[args.stat]))
     return row
 
 
-def pages_header(threads: int, dtype: str, cache: str, page_rank: int) -> None:
+def pages_header(threads: int, dtype: str, cache: str, page_rank: int, stat: str) -> None:
     print(
         f"\n{dtype}, {threads} thread{'s' if threads > 1 else ''}, {cache} caches, page_rank {page_rank} "
-        "(median ms; ratio = slots / pages)"
+        f"({stat} ms; ratio = slots / pages)"
     )
     header = (
         f"{'layer':5} {'slots':>5} {'phase':7} {'pattern':9} {'tok':>4} {'ad':>3} "
@@ -630,6 +633,13 @@ def main(argv: list[str] | None = None) -> int:
         help="slots: lora_pin against the peers' baselines; pages: the paged pool against the slot layout",
     )
     parser.add_argument("--page-rank", type=int, default=16, help="ranks per page (--layout pages)")
+    parser.add_argument(
+        "--stat",
+        choices=tuple(_STATS),
+        default="median",
+        help="--layout pages: each method's figure over the rounds; min leaves out what neighbours add on a "
+        "shared machine",
+    )
     args = parser.parse_args(argv)
     for name in args.dtype:
         if name not in _DTYPES:
@@ -662,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
             for dtype_name in args.dtype:
                 gen = torch.Generator().manual_seed(args.seed)
                 if args.layout == "pages":
-                    pages_header(threads, dtype_name, args.cache, args.page_rank)
+                    pages_header(threads, dtype_name, args.cache, args.page_rank, args.stat)
                 else:
                     table_header(threads, dtype_name, args.cache)
                 for case in cases(args):

@@ -19,6 +19,7 @@ host and cached by their contents, so every layer of a step's layer group plans 
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -58,10 +59,11 @@ class BlasSlot(NamedTuple):
     # Its pages, in rank order.
     pages: list[int]
     # int64 [Σ ranks]: the rows of a_pages viewed as [num_pages * n_slices * page_rank, in] that hold
-    # its A, slice by slice, each slice's ranks in order.
-    a_rows: torch.Tensor
-    # (first column, rank) in v of each slice with a rank: the shrink's product in that order.
-    columns: list[tuple[int, int]]
+    # its A, slice by slice, each slice's ranks in order; None for a slot of one page, whose A is a
+    # view of that page (nothing gathered).
+    a_rows: torch.Tensor | None
+    # (first column in v, rank, first column in the shrink's product) of each slice with a rank.
+    columns: list[tuple[int, int, int]]
     # (first token, count) of each run of consecutive tokens, when the rows are taken as views.
     runs: list[tuple[int, int]]
     # int64 [N]: its tokens, when they are gathered instead (runs too short); None otherwise.
@@ -92,13 +94,18 @@ def _key(
 def _blas_slot(slot: int, rows: list[int], pages: PageTable, ranks: list[int], max_rank: int) -> BlasSlot:
     lo, hi = int(pages.page_indptr[slot]), int(pages.page_indptr[slot + 1])
     page_list, page_rank, n_slices = pages.page_table[lo:hi].tolist(), pages.page_rank, len(ranks)
-    a_rows = [
-        (page_list[j // page_rank] * n_slices + s) * page_rank + j % page_rank
-        for s, rank in enumerate(ranks)
-        for j in range(rank)
-    ]
-    columns = [(s * max_rank, rank) for s, rank in enumerate(ranks) if rank]
-    a_index = torch.tensor(a_rows, dtype=torch.int64)
+    a_index: torch.Tensor | None = None
+    if len(page_list) == 1:
+        columns = [(s * max_rank, rank, s * page_rank) for s, rank in enumerate(ranks) if rank]
+    else:
+        rows_of_a = [
+            (page_list[j // page_rank] * n_slices + s) * page_rank + j % page_rank
+            for s, rank in enumerate(ranks)
+            for j in range(rank)
+        ]
+        a_index = torch.tensor(rows_of_a, dtype=torch.int64)
+        starts = list(itertools.accumulate(ranks, initial=0))
+        columns = [(s * max_rank, rank, starts[s]) for s, rank in enumerate(ranks) if rank]
     runs: list[tuple[int, int]] = []
     for token in rows:
         if runs and runs[-1][0] + runs[-1][1] == token:
@@ -297,10 +304,15 @@ def _shrink_blas(
     v: torch.Tensor,  # [T, n_slices * R], zero where written
     busy: BlasSlot,
 ) -> None:
-    """One busy slot's shrink as one GEMM per block of rows over all its slices: its A rows gathered
-    from the pages (only the ranks it has), one copy per call, and the product's columns put in place.
-    One GEMM for all slices rather than one per slice: the GEMM packs the rows of ``x`` once."""
-    a_slot = a_pages.view(-1, a_pages.shape[2]).index_select(0, busy.a_rows)  # [Σ ranks, in]
+    """One busy slot's shrink as one GEMM per block of rows over all its slices, and the product's
+    columns put in place: one GEMM for all slices rather than one per slice, so the GEMM packs the rows
+    of ``x`` once. A slot of one page reads it in place; a longer one's A rows are gathered from its
+    pages (only the ranks it has), one copy per call: on a loaded VM (copy bandwidth 6.6 GB/s) that
+    copy is what a paged bf16 prefill pays over the slot layout."""
+    if busy.a_rows is None:
+        a_slot = a_pages[busy.pages[0]]  # [n_slices * page_rank, in], a view
+    else:
+        a_slot = a_pages.view(-1, a_pages.shape[2]).index_select(0, busy.a_rows)  # [Σ ranks, in]
     if busy.rows is None:
         blocks = [(x[start : start + n], v[start : start + n]) for start, n in busy.runs]
     else:
@@ -308,14 +320,12 @@ def _shrink_blas(
         blocks = [(x.index_select(0, busy.rows), gathered)]
     for xs, vs in blocks:
         if len(busy.columns) == 1:
-            col, rank = busy.columns[0]
-            shrink_mm(xs, a_slot, out=vs[:, col : col + rank])
+            col, rank, at = busy.columns[0]
+            shrink_mm(xs, a_slot[at : at + rank], out=vs[:, col : col + rank])
             continue
-        product = shrink_mm(xs, a_slot)  # [rows, Σ ranks]
-        at = 0
-        for col, rank in busy.columns:
+        product = shrink_mm(xs, a_slot)
+        for col, rank, at in busy.columns:
             vs[:, col : col + rank] = product[:, at : at + rank]
-            at += rank
     if busy.rows is not None:
         v.index_copy_(0, busy.rows, gathered)
 
@@ -330,11 +340,14 @@ def _expand_blas(
     slice_offsets: Sequence[int],
     max_rank: int,
 ) -> None:
-    """One busy slot's expand as GEMMs accumulating into ``out`` (fp32 accumulation, one rounding): its
-    pages gathered into ``[out_total, ranks]``."""
+    """One busy slot's expand as GEMMs accumulating into ``out`` (fp32 accumulation, one rounding): a
+    slot of one page reads it in place, a longer one's pages are gathered into ``[out_total, ranks]``."""
     # [out_total, pages * page_rank]: the slot's ranks in order, in one copy (a gather then a permuted
     # reshape copied twice: 0.28-0.31 against 0.16-0.18 ms for 4 bf16 pages of 4096 x 16, cold).
-    b_slot = torch.cat([b_pages[page] for page in busy.pages], dim=1)
+    if len(busy.pages) == 1:
+        b_slot = b_pages[busy.pages[0]]  # a view
+    else:
+        b_slot = torch.cat([b_pages[page] for page in busy.pages], dim=1)
     if busy.rows is None:
         blocks = [(out[start : start + n], v[start : start + n]) for start, n in busy.runs]
     else:
