@@ -2,9 +2,10 @@
 (``lora_pin._core.CpuSgmvPlan.paged_shrink`` / ``paged_expand``, ``rust/kernels/src/sgmv/paged.rs``):
 the slot layout's AVX-512 kernels, reading each slot's rank blocks through its page table.
 
-Every slot with work runs in one native call per op (the shrink's groups cut at
-``_SHRINK_GROUP_ROWS`` tokens, so a group's rows of ``x`` stay in cache while the slot's A streams past
-them; the expand takes a slot's rows whole, its panel path streaming ``out`` row by row), except where
+Every slot with work runs in one native call per op (a slot of more than ``_UNCUT_MAX_ROWS`` tokens has
+its shrink cut into groups of ``_SHRINK_GROUP_ROWS``, so a group's rows of ``x`` stay in cache while
+the slot's A streams past them; the expand takes a slot's rows whole, its panel path streaming ``out``
+row by row), except where
 the slot path itself prefers BLAS for a busy slot (:func:`lora_pin.ops.grouped.blas_runs`: bf16 past
 the kernels' token limit). Such a slot's pages are gathered into one contiguous block of its ranks per
 call (a copy of ``rank`` rows, small beside a GEMM of that many tokens) and its rows run as GEMMs, on
@@ -44,6 +45,10 @@ __all__ = ["paged_expand_native", "paged_shrink_native"]
 # Rows per group of the native shrink: the slot path's measured choice for long runs
 # (grouped._RUN_SHRINK_ROWS), for the same reason (x's rows stay in cache while A streams past).
 _SHRINK_GROUP_ROWS = 32
+# Slots of at most this many tokens keep their shrink in one group, as the slot path keeps the groups it
+# hands the kernels (fp32: up to 64 tokens); cut in two, 64 fp32 decode tokens of one slot ran at
+# 0.83x the slot layout (plain, 8 adapters, min of 15 cold rounds).
+_UNCUT_MAX_ROWS = 64
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # A busy slot's rows taken as views when its runs of consecutive tokens are this long on average, else
 # gathered (grouped._MIN_RUN's rule).
@@ -75,7 +80,7 @@ class PagedPlan(NamedTuple):
     and the slots that run as GEMMs instead."""
 
     pages: CpuPageTable
-    # The native slots' tokens, cut into groups of at most _SHRINK_GROUP_ROWS; None: none.
+    # The native slots' tokens, a busy slot's cut into groups of _SHRINK_GROUP_ROWS; None: none.
     shrink: CpuSgmvPlan | None
     # The native slots' tokens, one group per slot; None: none.
     expand: CpuSgmvPlan | None
@@ -148,7 +153,7 @@ def build_paged_plan(
         for slot, slot_rows in rows.items():
             if blas[slot][op]:
                 continue
-            step = cut or len(slot_rows)
+            step = cut if cut and len(slot_rows) > _UNCUT_MAX_ROWS else len(slot_rows)
             for lo in range(0, len(slot_rows), step):
                 tokens.extend(slot_rows[lo : lo + step])
                 group_indptr.append(len(tokens))
