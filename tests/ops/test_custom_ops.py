@@ -594,6 +594,38 @@ def test_cpu_benchmark_agrees_with_its_baselines(capsys, monkeypatch):
     assert "goal met in every case" in printed and "layer, no row uses the group" in printed
 
 
+def test_cpu_benchmark_of_pages_agrees_with_the_reference(capsys, monkeypatch):
+    # Each case checks the slot layout's ops and the paged ones against the fp64 reference first.
+    argv = [
+        "--layout",
+        "pages",
+        "--hidden",
+        "32",
+        "--ranks",
+        "4,8,24",
+        "--decode-batch",
+        "8",
+        "--threads",
+        "1",
+    ]
+    argv += ["--adapters", "3,8", "--prefill-requests", "2", "--prefill-tokens", "40", "--rounds", "1"]
+    argv += [
+        "--fixed-calls",
+        "0",
+        "--flush-mb",
+        "1",
+        "--dtype",
+        "fp32,bf16",
+        "--page-rank",
+        "8",
+        "--stat",
+        "min",
+    ]
+    assert _load_bench("cpu_ops", monkeypatch).main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "page_rank 8 (min ms; ratio = slots / pages)" in printed and "goal met in every case" in printed
+
+
 def test_the_documented_line_registers_the_ops_in_a_fresh_process() -> None:
     """README: ``import lora_pin.ops`` registers ``torch.ops.lora_pin.*``; ``import lora_pin`` alone does not
     import torch (nor, so, register them)."""
