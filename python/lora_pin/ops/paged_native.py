@@ -5,12 +5,11 @@ the slot layout's AVX-512 kernels, reading each slot's rank blocks through its p
 Every slot with work runs in one native call per op (a slot of more than ``_UNCUT_MAX_ROWS`` tokens has
 its shrink cut into groups of ``_SHRINK_GROUP_ROWS``, so a group's rows of ``x`` stay in cache while
 the slot's A streams past them; the expand takes a slot's rows whole, its panel path streaming ``out``
-row by row), except where
-the slot path itself prefers BLAS for a busy slot (:func:`lora_pin.ops.grouped.blas_runs`: bf16 past
-the kernels' token limit). Such a slot's pages are gathered into one contiguous block of its ranks per
-call (a copy of ``rank`` rows, small beside a GEMM of that many tokens) and its rows run as GEMMs, on
-views of ``x`` / ``v`` / ``out`` where they are long runs of consecutive tokens. Measured against the
-slot layout on the same weights: ``benches/cpu_ops.py --layout pages`` (BENCHMARKS.md, CPU ops).
+row by row), except a busy slot for which BLAS wins (:func:`lora_pin.ops.grouped.blas_runs` with
+``paged``: bf16 past 64 tokens). Such a slot's rows run as GEMMs, on views of ``x`` / ``v`` / ``out``
+where they are long runs of consecutive tokens, reading its page in place when it has one and else its
+ranks gathered into one contiguous block per call (a copy of its weights). Measured against the slot
+layout on the same weights: ``benches/cpu_ops.py --layout pages`` (BENCHMARKS.md, CPU ops).
 
 Where the native kernels do not apply (a CPU without AVX-512, ``LORA_PIN_CPU_KERNELS=0``, a device
 other than the CPU, non-contiguous pools), the torch versions (:mod:`lora_pin.ops.paged_torch`) run
