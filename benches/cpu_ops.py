@@ -28,6 +28,13 @@ each call once, untimed, right before its timed call (weights and activations in
 fit: a small model, or a layer called twice). Every case runs at each thread count in ``--threads``
 (``torch.set_num_threads``), and the native kernels use as many.
 
+``--layout pages`` instead compares the rank-paged pool (issue 37) with the slot layout on the same
+weights: per case, the slot layout's ``shrink`` + ``expand`` ops against ``paged_shrink`` +
+``paged_expand`` on the same adapters copied into pages of ``--page-rank`` (scattered, as a pool's
+pages are), both checked against the fp64 reference; the ratio is slots / pages (the goal: >= 0.97x
+in every case); ``--stat min`` compares the fastest round of each instead of the median. Mixed ranks
+(``--ranks 8,8,8,8,16,16,64``) pad every slot to the largest rank in the slot layout, not in pages.
+
 The fixed costs of a layer call are printed first, with their breakdown (see :func:`fixed_costs`), and
 an embedding's (:func:`embedding_fixed_costs`).
 
@@ -35,6 +42,7 @@ an embedding's (:func:`embedding_fixed_costs`).
     python benches/cpu_ops.py --dtype bf16 --threads 2      # one part of it
     python benches/cpu_ops.py --caches cold,warm --hidden 2048 --layers plain --adapters 8 \
         --phases decode --patterns distinct --dtype fp32 --threads 1   # one case, both cache states
+    python benches/cpu_ops.py --layout pages --fixed-calls 0 --ranks 8,8,8,8,16,16,64   # paged vs slots
     python benches/cpu_ops.py --help
 """
 
@@ -60,10 +68,13 @@ from lora_pin.ops import (
     expand,
     grouped,
     lora_delta_,
+    paged_expand,
+    paged_shrink,
     segments_from_slots,
     shrink,
 )
 from lora_pin.ops.backends.cpu import CpuDelta, CpuEmbeddingDelta
+from lora_pin.ops.paged import pages_from_slots
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PATTERNS = ("distinct", "uniform", "zipf", "identical")
@@ -194,12 +205,13 @@ def time_rounds(
     rounds: int,
     flush: torch.Tensor | None,
     slow_s: float = 0.3,
+    stat: Callable[[list[float]], float] = statistics.median,
 ) -> dict[str, float]:
-    """Median seconds of one call of each, over interleaved rounds with the order rotating every round and
-    ``flush`` written before every call (each call starts with cold caches), or, with ``flush`` None, the
-    call run once untimed right before (it starts with its own inputs and weights in cache, as far as they
-    fit). A method whose warm-up call took over ``slow_s`` (a baseline gathering every token's weights in
-    prefill) runs in 3 rounds only."""
+    """Median (or ``stat``) seconds of one call of each, over interleaved rounds with the order rotating
+    every round and ``flush`` written before every call (each call starts with cold caches), or, with
+    ``flush`` None, the call run once untimed right before (it starts with its own inputs and weights in
+    cache, as far as they fit). A method whose warm-up call took over ``slow_s`` (a baseline gathering
+    every token's weights in prefill) runs in 3 rounds only."""
     slow = set()
     for name, fn in fns.items():
         start = time.perf_counter()
@@ -220,7 +232,7 @@ def time_rounds(
             start = time.perf_counter()
             fns[name]()
             samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) for name, times in samples.items()}
+    return {name: stat(times) for name, times in samples.items()}
 
 
 def cases(args: argparse.Namespace) -> list[Case]:
@@ -290,6 +302,85 @@ def run_case(
     timed = {name: (lambda fn=fn, o=scratch[name]: fn(o)) for name, fn in methods.items()}
     row.update(time_rounds(timed, args.rounds, args.flush if args.cache == "cold" else None))
     return row
+
+
+_STATS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min}
+#: The paged layout's goal against the slot layout, per case (issue 37): no slower beyond noise.
+PAGES_GOAL = 0.97
+
+
+def run_pages_case(
+    case: Case, dtype: torch.dtype, args: argparse.Namespace, gen: torch.Generator
+) -> dict[str, float | int | str]:
+    """One case in both layouts on the same adapters: the slot layout's ops against the paged ones."""
+    layer = random_layer(
+        case.n_slots, args.hidden, slice_widths(case.layer, args.hidden), args.ranks, dtype, gen
+    )
+    a_pages, b_pages, pages = pages_from_slots(
+        layer.a, layer.b, layer.slot_ranks, args.page_rank, generator=gen
+    )
+    req_slots = request_slots(case.pattern, case.n_requests, case.n_slots, gen)
+    token_slots = torch.repeat_interleave(req_slots, case.tokens_per_request)
+    n_tokens = token_slots.shape[0]
+    x = torch.randn(n_tokens, args.hidden, generator=gen).to(dtype)
+    out0 = torch.randn(n_tokens, layer.slice_offsets[-1], generator=gen).to(dtype)
+    meta = layer.meta(segments_from_slots(token_slots, args.chunk_size))
+    max_rank = layer.a.shape[1] // meta.n_slices
+    methods: dict[str, Callable[[torch.Tensor], object]] = {
+        "slot layout": lambda o: expand(o, shrink(x, layer.a, meta), layer.b, meta),
+        "paged": lambda o: paged_expand(
+            o, paged_shrink(x, a_pages, pages, meta, max_rank), b_pages, pages, meta
+        ),
+    }
+    want = fp64_reference(out0, x, token_slots, layer)
+    scale = want.abs().max().item()
+    row: dict[str, float | int | str] = {
+        "layer": case.layer,
+        "slots": case.n_slots,
+        "pattern": case.pattern,
+        "phase": case.phase,
+        "tokens": n_tokens,
+        "adapters": len(set(req_slots.tolist()) - {-1}),
+    }
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    for name, fn in methods.items():
+        got = out0.clone()
+        fn(got)
+        row[f"err {name}"] = err = (got.double() - want).abs().max().item() / scale
+        if err > tol:
+            raise AssertionError(f"{case}: {name} is off the fp64 reference by {err}")
+    scratch = {name: out0.clone() for name in methods}
+    timed = {name: (lambda fn=fn, o=scratch[name]: fn(o)) for name, fn in methods.items()}
+    flush = args.flush if args.cache == "cold" else None
+    row.update(time_rounds(timed, args.rounds, flush, stat=_STATS[args.stat]))
+    return row
+
+
+def pages_header(threads: int, dtype: str, cache: str, page_rank: int, stat: str) -> None:
+    print(
+        f"\n{dtype}, {threads} thread{'s' if threads > 1 else ''}, {cache} caches, page_rank {page_rank} "
+        f"({stat} ms; ratio = slots / pages)"
+    )
+    header = (
+        f"{'layer':5} {'slots':>5} {'phase':7} {'pattern':9} {'tok':>4} {'ad':>3} "
+        f"{'slots':>9}{'pages':>9}{'ratio':>8} {'goal':>5}{'err slots':>10}{'err pages':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+
+
+def print_pages_row(r: Mapping[str, float | int | str]) -> bool:
+    """Prints one case of ``--layout pages``; returns whether the paged layout met its goal there."""
+    slots, pages = float(r["slot layout"]), float(r["paged"])
+    ratio = slots / pages
+    met = ratio >= PAGES_GOAL
+    print(
+        f"{r['layer']:5} {r['slots']:>5} {r['phase']:7} {r['pattern']:9} {r['tokens']:>4} {r['adapters']:>3} "
+        f"{slots * 1e3:>9.3f}{pages * 1e3:>9.3f}{ratio:>7.2f}x {'ok' if met else 'MISS':>5}"
+        f"{float(r['err slot layout']):>10.1e}{float(r['err paged']):>10.1e}",
+        flush=True,
+    )
+    return met
 
 
 def goal_of(row: Mapping[str, float | int | str], threads: int) -> tuple[float, float, bool]:
@@ -535,6 +626,20 @@ def main(argv: list[str] | None = None) -> int:
         "--patterns", type=lambda s: s.split(","), default=list(_PATTERNS), help=",".join(_PATTERNS)
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--layout",
+        choices=("slots", "pages"),
+        default="slots",
+        help="slots: lora_pin against the peers' baselines; pages: the paged pool against the slot layout",
+    )
+    parser.add_argument("--page-rank", type=int, default=16, help="ranks per page (--layout pages)")
+    parser.add_argument(
+        "--stat",
+        choices=tuple(_STATS),
+        default="median",
+        help="--layout pages: each method's figure over the rounds; min leaves out what neighbours add on a "
+        "shared machine",
+    )
     args = parser.parse_args(argv)
     for name in args.dtype:
         if name not in _DTYPES:
@@ -566,10 +671,25 @@ def main(argv: list[str] | None = None) -> int:
             args.cache = cache
             for dtype_name in args.dtype:
                 gen = torch.Generator().manual_seed(args.seed)
-                table_header(threads, dtype_name, args.cache)
+                if args.layout == "pages":
+                    pages_header(threads, dtype_name, args.cache, args.page_rank, args.stat)
+                else:
+                    table_header(threads, dtype_name, args.cache)
                 for case in cases(args):
                     with torch.inference_mode():
-                        all_met &= print_row(run_case(case, _DTYPES[dtype_name], args, gen), threads)
+                        if args.layout == "pages":
+                            all_met &= print_pages_row(run_pages_case(case, _DTYPES[dtype_name], args, gen))
+                        else:
+                            all_met &= print_row(run_case(case, _DTYPES[dtype_name], args, gen), threads)
+    if args.layout == "pages":
+        print(
+            "\nslots: the slot layout's shrink + expand ops; pages: paged_shrink + paged_expand on the\n"
+            f"same adapters in pages of rank {args.page_rank}. goal: slots / pages >= {PAGES_GOAL}\n"
+            "in every case.\n"
+            "err: largest error against the fp64 reference, relative to the largest |output|."
+        )
+        print(f"goal met in every case: {all_met}; {time.perf_counter() - started:.1f} s")
+        return 0
     print(
         "\npeft: PEFT's _mixed_batch_forward per module; gather-bmm: per-token weight gather then bmm;\n"
         "vllm: per-token gather per slice then batched products (vLLM's CPU SGMV); sglang: one einsum pair\n"

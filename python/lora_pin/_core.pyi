@@ -9,6 +9,7 @@ __all__ = [
     "MAX_SLOTS",
     "MIN_ARRIVAL_CV",
     "OVERDUE_AFTER",
+    "CpuPageTable",
     "CpuSgmvPlan",
     "FetchPlan",
     "LoRARef",
@@ -367,6 +368,46 @@ class CpuSgmvPlan:
         *,
         threads: int = 1,
     ) -> None: ...
+    def paged_shrink(
+        self,
+        dtype: str,
+        x: tuple[int, int],
+        in_features: int,
+        a_pages: tuple[int, int],
+        pages: CpuPageTable,
+        v: tuple[int, int],
+        *,
+        threads: int = 1,
+    ) -> None: ...
+    def paged_expand(
+        self,
+        dtype: str,
+        out: tuple[int, int],
+        v: tuple[int, int],
+        b_pages: tuple[int, int],
+        pages: CpuPageTable,
+        scalings: tuple[int, int],
+        slice_offsets: Sequence[int],
+        *,
+        threads: int = 1,
+    ) -> None: ...
+
+@final
+class CpuPageTable:
+    def __new__(
+        cls,
+        page_indptr: Sequence[int],
+        page_table: Sequence[int],
+        *,
+        page_rank: int,
+        num_pages: int,
+    ) -> CpuPageTable: ...
+    @property
+    def page_rank(self) -> int: ...
+    @property
+    def num_pages(self) -> int: ...
+    @property
+    def n_slots(self) -> int: ...
 
 @final
 class PatternSet:

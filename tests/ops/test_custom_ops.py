@@ -231,7 +231,7 @@ def test_long_runs_and_gathered_spans_match_the_reference(slice_widths, dtype):
     # Slot 0 in long runs (views; the native kernels' panel expand where out is contiguous), slots 1
     # and 2 interleaved token by token (80 rows each, gathered), slot 3 decode-sized in fp32; ranks 16
     # and 8 (one GEMM per slot) and per-slice ranks (one per slice), beside base rows. In bf16 the
-    # shrink of at most 32 columns over 64 rows or more runs as A @ x^T (grouped._shrink_mm).
+    # shrink of at most 32 columns over 64 rows or more runs as A @ x^T (grouped.shrink_mm).
     token_slots = torch.tensor([0] * 70 + [1, 2] * 80 + [-1] * 5 + [0] * 130 + [3] * 64)
     gen = torch.Generator().manual_seed(11)
     ranks = [16, 8, (16, 0, 4)[: len(slice_widths)], 32]
@@ -592,6 +592,38 @@ def test_cpu_benchmark_agrees_with_its_baselines(capsys, monkeypatch):
     assert _load_bench("cpu_ops", monkeypatch).main([*argv, "--flush-mb", "1", "--dtype", "fp32,bf16"]) == 0
     printed = capsys.readouterr().out
     assert "goal met in every case" in printed and "layer, no row uses the group" in printed
+
+
+def test_cpu_benchmark_of_pages_agrees_with_the_reference(capsys, monkeypatch):
+    # Each case checks the slot layout's ops and the paged ones against the fp64 reference first.
+    argv = [
+        "--layout",
+        "pages",
+        "--hidden",
+        "32",
+        "--ranks",
+        "4,8,24",
+        "--decode-batch",
+        "8",
+        "--threads",
+        "1",
+    ]
+    argv += ["--adapters", "3,8", "--prefill-requests", "2", "--prefill-tokens", "40", "--rounds", "1"]
+    argv += [
+        "--fixed-calls",
+        "0",
+        "--flush-mb",
+        "1",
+        "--dtype",
+        "fp32,bf16",
+        "--page-rank",
+        "8",
+        "--stat",
+        "min",
+    ]
+    assert _load_bench("cpu_ops", monkeypatch).main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "page_rank 8 (min ms; ratio = slots / pages)" in printed and "goal met in every case" in printed
 
 
 def test_the_documented_line_registers_the_ops_in_a_fresh_process() -> None:

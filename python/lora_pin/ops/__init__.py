@@ -8,10 +8,12 @@ kernels (CUDA-graph capturable: no host-device synchronisation); CPU tensors run
 and the native kernels. Every op is registered from one table (:mod:`lora_pin.ops.library`).
 LoRA on MoE experts (:mod:`lora_pin.ops.experts`) runs the same two ops over ``(adapter, expert)``
 segments; an embedding's LoRA (a lookup, then expand) runs ``lora_pin::embedding_delta_``
-(:mod:`lora_pin.ops.embedding`). A DoRA adapter's rows are the LoRA rows rescaled afterwards by
-``lora_pin::dora_scale_`` (:mod:`lora_pin.ops.dora`). The model's LoRA layers run their work through a
-backend chosen once per device (:mod:`lora_pin.ops.backends`). The Triton kernels also run on CPU
-tensors under the Triton interpreter through :mod:`lora_pin.ops.triton_sgmv` (tests).
+(:mod:`lora_pin.ops.embedding`). A pool in rank pages (:mod:`lora_pin.ops.paged`) runs
+``lora_pin::paged_shrink`` / ``paged_expand`` (:mod:`lora_pin.ops.paged_ops`). A DoRA adapter's rows
+are the LoRA rows rescaled afterwards by ``lora_pin::dora_scale_`` (:mod:`lora_pin.ops.dora`). The
+model's LoRA layers run their work through a backend chosen once per device
+(:mod:`lora_pin.ops.backends`). The Triton kernels also run on CPU tensors under the Triton interpreter
+through :mod:`lora_pin.ops.triton_sgmv` (tests).
 """
 
 from lora_pin.ops import library as _library  # noqa: F401  (registers torch.ops.lora_pin.*)
@@ -26,6 +28,8 @@ from lora_pin.ops.experts import (
     expert_segments,
     flat_expert_buffers,
 )
+from lora_pin.ops.paged import PageTable
+from lora_pin.ops.paged_ops import paged_expand, paged_shrink
 from lora_pin.ops.reference import expand_reference, lora_reference, shrink_reference
 from lora_pin.ops.segments import CUDA_CHUNK_SIZE, KernelMeta, segments_from_slots
 
@@ -34,6 +38,7 @@ __all__ = [
     "ExpertMeta",
     "KernelMeta",
     "OpArgumentError",
+    "PageTable",
     "dora_scale_",
     "dora_scale_reference",
     "embedding_delta_",
@@ -45,6 +50,8 @@ __all__ = [
     "flat_expert_buffers",
     "lora_delta_",
     "lora_reference",
+    "paged_expand",
+    "paged_shrink",
     "segments_from_slots",
     "shrink",
     "shrink_reference",

@@ -43,6 +43,7 @@ from lora_pin.ops.segments import KernelMeta
 
 __all__ = [
     "CpuOpPlan",
+    "blas_runs",
     "build_plan",
     "delta_planned",
     "expand_grouped",
@@ -50,6 +51,7 @@ __all__ = [
     "kernel_ok",
     "plan_for",
     "shrink_grouped",
+    "shrink_mm",
     "shrink_planned",
 ]
 
@@ -73,7 +75,7 @@ _RUN_SHRINK_ROWS = 32
 # A bf16/fp16 expand of at most this many rows multiplies in fp32 (see expand_grouped).
 _FP32_PRODUCT_MAX_ROWS = 12
 # A bf16 shrink of at most this many columns over at least max(64, 4 x columns) rows runs as
-# ``A @ x^T`` (see _shrink_mm): 1.16-1.83x faster than ``x @ A^T`` at 8-16 columns and 64-512 rows,
+# ``A @ x^T`` (see shrink_mm): 1.16-1.83x faster than ``x @ A^T`` at 8-16 columns and 64-512 rows,
 # 1.04-1.15x at 32 columns from 128 rows, 4096 wide, 1 and 2 threads; below those rows, and at 48-64
 # columns, oneDNN picks as good a kernel either way (0.5-1.0x) (BENCHMARKS.md, CPU ops).
 _BF16_TRANSPOSED_SHRINK_MAX_COLUMNS = 32
@@ -82,6 +84,11 @@ _BF16_TRANSPOSED_SHRINK_MAX_COLUMNS = 32
 # fp32 BLAS does. torch's fp16 matmul on CPUs without AVX512-FP16 is far slower than the kernels even
 # for prefill, so fp16 always takes them.
 _KERNEL_MAX_TOKENS = {torch.float32: 64, torch.bfloat16: 32, torch.float16: sys.maxsize}
+# A paged bf16 slot with at most this many tokens stays in the native kernels: BLAS would first gather
+# its pages. One slot of 64 bf16 decode tokens, 4096 wide, 1 thread, AMX, cold (min of 15): rank 8, native
+# 0.75 ms against 1.36 gathered for BLAS; rank 64, 1.31-1.42 against 1.44-1.52. At 8 x 128 prefill
+# tokens BLAS wins (the shrink 2.5 against 6.5 ms).
+_PAGED_BF16_KERNEL_MAX_TOKENS = 64
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Whether the native kernels run at all: the CPU must have them, and LORA_PIN_CPU_KERNELS=0 turns them off.
 use_cpu_kernels = sgmv_cpu_available() and os.environ.get("LORA_PIN_CPU_KERNELS", "1") != "0"
@@ -408,6 +415,19 @@ def _raw(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.numel()
 
 
+def blas_runs(dtype: torch.dtype, n_rows: int, *, paged: bool = False) -> tuple[bool, bool]:
+    """Whether one slot's ``n_rows`` rows (long runs of consecutive tokens) shrink and expand faster in
+    BLAS than in the native kernels: ``(shrink, expand)``. The rule for bf16, on this path and the paged
+    one (``paged``, :mod:`lora_pin.ops.paged_native`): a slot past the kernels' token limit shrinks in
+    oneDNN (AVX512-BF16 dot products), and expands there where the CPU has AMX; fp32 and fp16 stay in
+    the kernels. A paged slot must first gather its pages for BLAS, so its limit is higher
+    (``_PAGED_BF16_KERNEL_MAX_TOKENS``)."""
+    limit = _PAGED_BF16_KERNEL_MAX_TOKENS if paged else _KERNEL_MAX_TOKENS[dtype]
+    if dtype != torch.bfloat16 or n_rows <= limit:
+        return False, False
+    return True, not _BF16_RUNS_NATIVE_EXPAND
+
+
 def kernel_ok(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
     """Whether this call may run the native kernels: a CPU that has them, a dtype they take, and CPU
     tensors they can read in place (contiguous)."""
@@ -519,12 +539,12 @@ def shrink_planned(
     def shrink_rows(xs: torch.Tensor, vs: torch.Tensor, slot: int) -> None:
         ranks = plan.ranks[slot]
         if all(r == max_rank for r in ranks):
-            _shrink_mm(xs, a[slot], out=vs)
+            shrink_mm(xs, a[slot], out=vs)
             return
         for s, rank in enumerate(ranks):
             if rank:
                 cols = slice(s * max_rank, s * max_rank + rank)
-                _shrink_mm(xs, a[slot, cols], out=vs[:, cols])
+                shrink_mm(xs, a[slot, cols], out=vs[:, cols])
 
     for run in plan.runs:
         rows = slice(run.start, run.start + run.size)
@@ -747,16 +767,16 @@ def _run_shrink_blas(
     max_rank = a.shape[1] // n_slices
     xs = x[run.start : run.start + run.size]
     if all(r == max_rank for r in ranks):
-        return _shrink_mm(xs, a[run.slot], out=out)
+        return shrink_mm(xs, a[run.slot], out=out)
     vs = x.new_zeros(run.size, n_slices * max_rank) if out is None else out
     for s, rank in enumerate(ranks):
         if rank:
             cols = slice(s * max_rank, s * max_rank + rank)
-            _shrink_mm(xs, a[run.slot, cols], out=vs[:, cols])
+            shrink_mm(xs, a[run.slot, cols], out=vs[:, cols])
     return vs
 
 
-def _shrink_mm(xs: torch.Tensor, a_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def shrink_mm(xs: torch.Tensor, a_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``xs @ a_rows^T``: ``[rows, in]`` by ``[columns, in]`` to ``[rows, columns]``, written to ``out``
     when given.
 

@@ -34,11 +34,21 @@ from lora_pin.ops.custom_ops import (
 )
 from lora_pin.ops.dora import dora_scale_cuda, dora_scale_fake, dora_scale_torch
 from lora_pin.ops.embedding import embedding_delta_fake, embedding_delta_torch
+from lora_pin.ops.paged_ops import (
+    paged_expand_cuda,
+    paged_expand_default,
+    paged_expand_fake,
+    paged_shrink_cuda,
+    paged_shrink_default,
+    paged_shrink_fake,
+)
 from lora_pin.ops.segments import KernelMeta
 
 __all__ = ["OPS", "OpSpec"]
 
 _SEGMENTS = "Tensor perm, Tensor seg_indptr, Tensor seg_slots, Tensor slot_ranks"
+# A paged pool's page tables (lora_pin.ops.paged), after its weights and before the meta.
+_PAGES = "Tensor page_indptr, Tensor page_table, int page_rank"
 
 
 def _shrink_meta(
@@ -156,6 +166,26 @@ OPS: tuple[OpSpec, ...] = (
         embedding_delta_fake,
         meta=EXPAND_META,
         after="float scale=1.0",
+    ),
+    OpSpec(
+        "paged_shrink",
+        f"Tensor x, Tensor a_pages, {_PAGES}",
+        "Tensor",
+        paged_shrink_default,
+        paged_shrink_fake,
+        paged_shrink_cuda,
+        SHRINK_META,
+        after="int max_rank",
+        custom_op=True,
+    ),
+    OpSpec(
+        "paged_expand",
+        f"Tensor(a!) out, Tensor v, Tensor b_pages, {_PAGES}",
+        "()",
+        paged_expand_default,
+        paged_expand_fake,
+        paged_expand_cuda,
+        EXPAND_META,
     ),
     OpSpec(
         "dora_scale_",

@@ -20,6 +20,7 @@ slot's rank are zero, and the slot's real rank per slice (``slot_ranks``) bounds
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -81,15 +82,17 @@ def check_page_tables(pages: PageTable, meta: KernelMeta, device: torch.device) 
             raise OpArgumentError(f"{name} is on {t.device} but the activations are on {device}")
 
 
-def _require(ok: bool, message: str) -> None:
+def _require(ok: bool, message: Callable[[], str]) -> None:
+    """Raises ``message()`` unless ``ok``: the message is formatted only on failure (the checks run on
+    every call)."""
     if not ok:
-        raise OpArgumentError(message)
+        raise OpArgumentError(message())
 
 
 def _check_pool(pool: torch.Tensor, name: str, dtype: torch.dtype, device: torch.device) -> None:
-    _require(pool.dim() == 3, f"{name} must be 3-D, got {tuple(pool.shape)}")
-    _require(pool.dtype == dtype, f"{name} is {pool.dtype} but the activations are {dtype}")
-    _require(pool.device == device, f"{name} is on {pool.device} but the activations are on {device}")
+    _require(pool.dim() == 3, lambda: f"{name} must be 3-D, got {tuple(pool.shape)}")
+    _require(pool.dtype == dtype, lambda: f"{name} is {pool.dtype} but the activations are {dtype}")
+    _require(pool.device == device, lambda: f"{name} is on {pool.device} but the activations are on {device}")
 
 
 def check_paged_shrink_args(
@@ -105,16 +108,18 @@ def check_paged_shrink_args(
     n_slices = meta.n_slices
     _require(
         x.dim() == 2 and x.dtype in _FLOAT_DTYPES,
-        f"x must be fp16/bf16/fp32 [T, in], got {tuple(x.shape)} {x.dtype}",
+        lambda: f"x must be fp16/bf16/fp32 [T, in], got {tuple(x.shape)} {x.dtype}",
     )
     _check_pool(a_pages, "a_pages", x.dtype, x.device)
-    _require(1 <= n_slices <= MAX_SLICES, f"n_slices must be in [1, {MAX_SLICES}], got {n_slices}")
+    _require(1 <= n_slices <= MAX_SLICES, lambda: f"n_slices must be in [1, {MAX_SLICES}], got {n_slices}")
     _require(
         a_pages.shape[1] == n_slices * pages.page_rank and a_pages.shape[2] == x.shape[1],
-        f"a_pages must be [num_pages, n_slices * page_rank = {n_slices * pages.page_rank}, "
-        f"in = {x.shape[1]}], got {tuple(a_pages.shape)}",
+        lambda: (
+            f"a_pages must be [num_pages, n_slices * page_rank = {n_slices * pages.page_rank}, "
+            f"in = {x.shape[1]}], got {tuple(a_pages.shape)}"
+        ),
     )
-    _require(max_rank >= 0, f"max_rank must be >= 0, got {max_rank}")
+    _require(max_rank >= 0, lambda: f"max_rank must be >= 0, got {max_rank}")
     check_segments(x.device, meta, x.shape[0])
     check_page_tables(pages, meta, x.device)
 
@@ -132,36 +137,42 @@ def check_paged_expand_args(
     n_slices, slot_ranks = len(slice_offsets) - 1, meta.ranks()
     _require(
         out.dim() == 2 and out.dtype in _FLOAT_DTYPES,
-        f"out must be fp16/bf16/fp32 [T, out_total], got {tuple(out.shape)} {out.dtype}",
+        lambda: f"out must be fp16/bf16/fp32 [T, out_total], got {tuple(out.shape)} {out.dtype}",
     )
     _require(
         1 <= n_slices <= MAX_SLICES and meta.n_slices == n_slices,
-        f"slice_offsets {list(slice_offsets)} must hold n_slices + 1 = {meta.n_slices + 1} ints, "
-        f"with 1 <= n_slices <= {MAX_SLICES}",
+        lambda: (
+            f"slice_offsets {list(slice_offsets)} must hold n_slices + 1 = {meta.n_slices + 1} ints, "
+            f"with 1 <= n_slices <= {MAX_SLICES}"
+        ),
     )
     _require(
         slice_offsets[0] == 0
         and slice_offsets[-1] == out.shape[1]
         and all(lo <= hi for lo, hi in itertools.pairwise(slice_offsets)),
-        f"slice_offsets must rise from 0 to out_total={out.shape[1]}, got {list(slice_offsets)}",
+        lambda: f"slice_offsets must rise from 0 to out_total={out.shape[1]}, got {list(slice_offsets)}",
     )
     _check_pool(b_pages, "b_pages", out.dtype, out.device)
     _require(
         b_pages.shape[1] == out.shape[1] and b_pages.shape[2] == pages.page_rank,
-        f"b_pages must be [num_pages, out_total = {out.shape[1]}, page_rank = {pages.page_rank}], "
-        f"got {tuple(b_pages.shape)}",
+        lambda: (
+            f"b_pages must be [num_pages, out_total = {out.shape[1]}, page_rank = {pages.page_rank}], "
+            f"got {tuple(b_pages.shape)}"
+        ),
     )
     _require(
         v.dim() == 2 and v.dtype == out.dtype and v.shape[0] == out.shape[0] and v.shape[1] % n_slices == 0,
-        f"v must be {out.dtype} [T = {out.shape[0]}, n_slices * R], got {tuple(v.shape)} {v.dtype}",
+        lambda: f"v must be {out.dtype} [T = {out.shape[0]}, n_slices * R], got {tuple(v.shape)} {v.dtype}",
     )
-    _require(v.device == out.device, f"v is on {v.device} but out is on {out.device}")
+    _require(v.device == out.device, lambda: f"v is on {v.device} but out is on {out.device}")
     _require(
         slot_scalings.dtype == torch.float32
         and tuple(slot_scalings.shape) == (slot_ranks.shape[0], n_slices)
         and slot_scalings.device == out.device,
-        f"slot_scalings must be float32 [slots = {slot_ranks.shape[0]}, n_slices = {n_slices}] on "
-        f"{out.device}, got {tuple(slot_scalings.shape)} {slot_scalings.dtype} on {slot_scalings.device}",
+        lambda: (
+            f"slot_scalings must be float32 [slots = {slot_ranks.shape[0]}, n_slices = {n_slices}] on "
+            f"{out.device}, got {tuple(slot_scalings.shape)} {slot_scalings.dtype} on {slot_scalings.device}"
+        ),
     )
     check_segments(out.device, meta, out.shape[0])
     check_page_tables(pages, meta, out.device)

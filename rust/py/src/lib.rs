@@ -37,7 +37,7 @@ pub mod _core {
     #[pymodule_export]
     use super::routing::{home_replicas, rank_replicas, replication_factor};
     #[pymodule_export]
-    use super::sgmv::{cpu_features, dora_scale_rows, sgmv_cpu_available, PyCpuSgmvPlan};
+    use super::sgmv::{cpu_features, dora_scale_rows, sgmv_cpu_available, PyCpuPageTable, PyCpuSgmvPlan};
     #[pymodule_export]
     use super::sim::{ranks_by_name, simulate, simulate_replicas, PyTrace};
     #[pymodule_export]

@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use super::errors::{new_error, py_err};
 use super::{detached, shielded};
 use lora_pin_kernels::sgmv::{
-    available, cpu_features as features, dora_scale_rows as scale_rows, CpuPlan, Data, DataMut,
+    available, cpu_features as features, dora_scale_rows as scale_rows, CpuPlan, Data, DataMut, PageTable,
 };
 
 /// One tensor's memory as Python hands it over: address and element count.
@@ -196,6 +196,64 @@ unsafe fn data_mut<'a>(dtype: Dtype, raw: Raw) -> DataMut<'a> {
     }
 }
 
+/// A layer group's page tables for the paged kernels, checked against the pool they index (issue 37):
+/// slot ``s`` owns pages ``page_table[page_indptr[s]:page_indptr[s + 1]]``, in rank order.
+///
+/// Args:
+///     page_indptr: ``slots + 1`` offsets into ``page_table``, rising from 0 to ``len(page_table)``.
+///     page_table: page indices, each in ``[0, num_pages)``.
+///     page_rank: ranks per page, at least 1.
+///     num_pages: the pool's pages.
+///
+/// Raises:
+///     OpArgumentError: naming the offset, page or ``page_rank`` out of range.
+#[pyclass(frozen, name = "CpuPageTable", module = "lora_pin._core")]
+pub struct PyCpuPageTable(PageTable);
+
+#[pymethods]
+impl PyCpuPageTable {
+    #[new]
+    #[pyo3(signature = (page_indptr, page_table, *, page_rank, num_pages))]
+    fn new(
+        py: Python<'_>,
+        page_indptr: Vec<i64>,
+        page_table: Vec<i64>,
+        page_rank: usize,
+        num_pages: usize,
+    ) -> PyResult<Self> {
+        shielded(py, || {
+            PageTable::new(&page_indptr, &page_table, page_rank, num_pages).map(Self).map_err(py_err)
+        })
+    }
+
+    /// Ranks per page.
+    #[getter]
+    fn page_rank(&self) -> usize {
+        self.0.page_rank()
+    }
+
+    /// The pool's pages.
+    #[getter]
+    fn num_pages(&self) -> usize {
+        self.0.num_pages()
+    }
+
+    /// The slots the tables describe.
+    #[getter]
+    fn n_slots(&self) -> usize {
+        self.0.n_slots()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "CpuPageTable(slots={}, page_rank={}, num_pages={})",
+            self.0.n_slots(),
+            self.0.page_rank(),
+            self.0.num_pages()
+        )
+    }
+}
+
 #[pymethods]
 impl PyCpuSgmvPlan {
     #[new]
@@ -339,6 +397,76 @@ impl PyCpuSgmvPlan {
                 (data_mut(dtype, out), data(dtype, x), data(dtype, a), data(dtype, b), view::<f32>(scalings))
             };
             plan.lora_delta(out, x, in_features, a, b, scalings, &slice_offsets, threads)
+        })
+    }
+
+    /// ``shrink`` reading A through page tables: ``a_pages`` ``[num_pages, n_slices * page_rank,
+    /// in_features]`` of ``dtype`` (``pages`` says which pages hold each slot's ranks); ``x`` and ``v``
+    /// as for ``shrink``.
+    ///
+    /// Raises:
+    ///     OpArgumentError: as for ``shrink``, or ``pages`` describe another number of slots, or a
+    ///         slot's rank exceeds what its pages hold (nothing written).
+    ///     UsageError: this CPU lacks AVX-512.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (dtype, x, in_features, a_pages, pages, v, *, threads = 1))]
+    fn paged_shrink(
+        &self,
+        py: Python<'_>,
+        dtype: &str,
+        x: Raw,
+        in_features: usize,
+        a_pages: Raw,
+        pages: &PyCpuPageTable,
+        v: Raw,
+        threads: usize,
+    ) -> PyResult<()> {
+        let dtype = Dtype::parse(py, dtype)?;
+        let size = dtype.size();
+        check(py, "v", v, size, None)?;
+        check(py, "x", x, size, Some((v, size)))?;
+        check(py, "a_pages", a_pages, size, Some((v, size)))?;
+        let (plan, pages) = (&self.0, &pages.0);
+        detached(py, move || {
+            // SAFETY: as in `shrink`.
+            let (x, a, v) = unsafe { (data(dtype, x), data(dtype, a_pages), data_mut(dtype, v)) };
+            plan.paged_shrink(x, in_features, a, pages, v, threads)
+        })
+    }
+
+    /// ``expand`` reading B through page tables: ``b_pages`` ``[num_pages, out_total, page_rank]`` of
+    /// ``dtype``; ``out``, ``v``, ``scalings`` and ``slice_offsets`` as for ``expand``.
+    ///
+    /// Raises:
+    ///     OpArgumentError: as for ``expand`` and ``paged_shrink`` (nothing written).
+    ///     UsageError: this CPU lacks AVX-512.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (dtype, out, v, b_pages, pages, scalings, slice_offsets, *, threads = 1))]
+    fn paged_expand(
+        &self,
+        py: Python<'_>,
+        dtype: &str,
+        out: Raw,
+        v: Raw,
+        b_pages: Raw,
+        pages: &PyCpuPageTable,
+        scalings: Raw,
+        slice_offsets: Vec<usize>,
+        threads: usize,
+    ) -> PyResult<()> {
+        let dtype = Dtype::parse(py, dtype)?;
+        let size = dtype.size();
+        check(py, "out", out, size, None)?;
+        check(py, "v", v, size, Some((out, size)))?;
+        check(py, "b_pages", b_pages, size, Some((out, size)))?;
+        check(py, "slot_scalings", scalings, 4, Some((out, size)))?;
+        let (plan, pages) = (&self.0, &pages.0);
+        detached(py, move || {
+            // SAFETY: as in `shrink`.
+            let (out, v, b, scalings) = unsafe {
+                (data_mut(dtype, out), data(dtype, v), data(dtype, b_pages), view::<f32>(scalings))
+            };
+            plan.paged_expand(out, v, b, pages, scalings, &slice_offsets, threads)
         })
     }
 

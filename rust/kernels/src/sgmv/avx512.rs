@@ -8,6 +8,7 @@
 
 use std::arch::x86_64::*;
 
+use super::layout::Layout;
 use super::{CpuPlan, Tile};
 
 /// Whether this CPU has everything the kernels use.
@@ -226,16 +227,18 @@ unsafe fn store_one<E: Elem>(p: *mut E, value: f32) {
 }
 
 /// [`CpuPlan::shrink`] for `tiles` (rows `lo..hi` of A in one slice of one group; tiles write
-/// disjoint columns of `v`).
-/// Safety: the module's contract; `x`, `a` and `v` are the buffers `CpuPlan::shrink` checked.
+/// disjoint columns of `v`), A's rows found through `layout`.
+/// Safety: the module's contract; `x`, `a` and `v` are the buffers `CpuPlan::shrink` (or
+/// `paged_shrink`) checked against `layout`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-pub(super) unsafe fn shrink<E: Elem>(
+pub(super) unsafe fn shrink<E: Elem, L: Layout>(
     plan: &CpuPlan,
     tiles: &[Tile],
     x: *const E,
     in_features: usize,
     a: *const E,
     v: *mut E,
+    layout: &L,
 ) {
     let (n_slices, max_rank) = (plan.n_slices, plan.max_rank);
     let v_stride = n_slices * max_rank;
@@ -243,13 +246,13 @@ pub(super) unsafe fn shrink<E: Elem>(
         let (g, s) = (&plan.groups[tile.group], tile.slice);
         let tokens = &plan.tokens[g.start..g.end];
         let rank = plan.rank(g.slot, s);
-        let a_slice = a.add((g.slot * n_slices + s) * max_rank * in_features);
         for j0 in (tile.lo..tile.hi.min(rank)).step_by(ROWS) {
-            // A short last block repeats its last row; the repeats are computed and dropped.
+            // A short last block repeats its last row; the repeats are computed and dropped. Each
+            // row is looked up on its own: a block may straddle two pages.
             let nr = (rank - j0).min(ROWS);
-            let mut rows = [a_slice; ROWS];
+            let mut rows = [a; ROWS];
             for (r, row) in rows.iter_mut().enumerate() {
-                *row = a_slice.add((j0 + r.min(nr - 1)) * in_features);
+                *row = a.add(layout.a_row(g.slot, s, j0 + r.min(nr - 1)));
             }
             for block in tokens.chunks(4) {
                 let out = Out { v, v_stride, col: s * max_rank + j0, n_rows: nr };
@@ -323,10 +326,12 @@ unsafe fn fold_lanes(a: __m512, b: __m512) -> __m512 {
 }
 
 /// [`CpuPlan::expand`] for `tiles` (columns `lo..hi` of one slice's output for one group; tiles write
-/// disjoint elements of `out`).
-/// Safety: the module's contract; the buffers are the ones `CpuPlan::expand` checked.
+/// disjoint elements of `out`), B's rank columns found through `layout`.
+/// Safety: the module's contract; the buffers are the ones `CpuPlan::expand` (or `paged_expand`)
+/// checked against `layout`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-pub(super) unsafe fn expand<E: Elem>(
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn expand<E: Elem, L: Layout>(
     plan: &CpuPlan,
     tiles: &[Tile],
     out: *mut E,
@@ -334,6 +339,7 @@ pub(super) unsafe fn expand<E: Elem>(
     b: *const E,
     scalings: &[f32],
     slice_offsets: &[usize],
+    layout: &L,
 ) {
     let (n_slices, max_rank) = (plan.n_slices, plan.max_rank);
     let out_total = slice_offsets[n_slices];
@@ -347,25 +353,30 @@ pub(super) unsafe fn expand<E: Elem>(
             continue;
         }
         let scale = _mm512_set1_ps(scalings[g.slot * n_slices + s]);
-        let b_rows = b.add((g.slot * out_total + lo) * max_rank);
         let width = hi - lo;
         if tokens.len() >= PANEL_TOKENS {
-            let block = Block { b_rows, max_rank, rank, width, lo: tile.lo, hi: tile.hi.min(width) };
+            let block = Block { b, slot: g.slot, row0: lo, rank, width, lo: tile.lo, hi: tile.hi.min(width) };
             let rows = Rows { v: v.add(s * max_rank), v_stride, out: out.add(lo), out_total, scale };
-            expand_panels(tokens, block, rows);
+            expand_panels(tokens, block, rows, layout);
             continue;
         }
+        let n_spans = layout.n_spans(rank);
         for o0 in (tile.lo..tile.hi.min(width)).step_by(COLUMNS) {
             let n_out = (width - o0).min(COLUMNS);
-            let block = b_rows.add(o0 * max_rank);
             let m = first(n_out);
             for &t in tokens {
                 let v_row = v.add(t * v_stride + s * max_rank);
-                let p = if n_out == COLUMNS {
-                    row_products::<E>(block, max_rank, COLUMNS - 1, v_row, rank)
-                } else {
-                    row_products::<E>(block, max_rank, n_out - 1, v_row, rank)
-                };
+                let mut p = [_mm512_setzero_ps(); 16];
+                for k in 0..n_spans {
+                    let span = layout.span(g.slot, rank, k);
+                    let block = b.add(span.offset + (lo + o0) * span.stride);
+                    let (v_span, stride) = (v_row.add(span.lo), span.stride);
+                    if n_out == COLUMNS {
+                        row_products::<E>(&mut p, block, stride, COLUMNS - 1, v_span, span.len)
+                    } else {
+                        row_products::<E>(&mut p, block, stride, n_out - 1, v_span, span.len)
+                    }
+                }
                 let dst = out.add(t * out_total + lo + o0);
                 let sum = _mm512_fmadd_ps(transpose_sum(&p), scale, E::load_masked(dst, m));
                 E::store_masked(dst, m, sum);
@@ -377,17 +388,18 @@ pub(super) unsafe fn expand<E: Elem>(
 /// How far ahead of the rows being read the expand asks for B's lines (one stream, read once).
 const PREFETCH_BYTES: usize = 4096;
 
-/// `p[o] = b_row(o)[..rank] ⊙ v[..rank]`, folded to 16 lanes, for the 16 rows of a block (`stride`
-/// apart); rows past `last` repeat row `last` (their sums are never stored).
+/// `p[o] += b_row(o)[..rank] ⊙ v[..rank]`, folded to 16 lanes, for the 16 rows of a block (`stride`
+/// apart); rows past `last` repeat row `last` (their sums are never stored). A slot's ranks in several
+/// spans (pages) add up in `p`.
 #[inline(always)]
 unsafe fn row_products<E: Elem>(
+    p: &mut [__m512; 16],
     block: *const E,
     stride: usize,
     last: usize,
     v_row: *const E,
     rank: usize,
-) -> [__m512; 16] {
-    let mut p = [_mm512_setzero_ps(); 16];
+) {
     let mut j0 = 0;
     while j0 < rank {
         let m = first((rank - j0).min(16));
@@ -402,18 +414,19 @@ unsafe fn row_products<E: Elem>(
         }
         j0 += 16;
     }
-    p
 }
 
 /// From this many tokens on, a group's expand transposes each block of 16 rows of B once
 /// ([`expand_panels`]) instead of folding every token's 16 products ([`row_products`]).
 pub(super) const PANEL_TOKENS: usize = 8;
 
-/// One slice of one group's B, and the output columns `lo..hi` of the slice a tile computes.
+/// One slice of one group's B (the pool `b`, the group's `slot`, the slice's first row `row0` of
+/// `out_total`), and the output columns `lo..hi` of the slice a tile computes.
 #[derive(Clone, Copy)]
 struct Block<E> {
-    b_rows: *const E,
-    max_rank: usize,
+    b: *const E,
+    slot: usize,
+    row0: usize,
     rank: usize,
     width: usize,
     lo: usize,
@@ -448,7 +461,7 @@ const PANEL_STREAM_TOKENS: usize = 16;
 /// panel as soon as it is built; a longer one builds the panels of [`PANEL_COLUMNS`] columns first and
 /// then runs each token's row of `out` through them in order, so `out` streams row by row.
 #[inline(always)]
-unsafe fn expand_panels<E: Elem>(tokens: &[usize], block: Block<E>, rows: Rows<E>) {
+unsafe fn expand_panels<E: Elem, L: Layout>(tokens: &[usize], block: Block<E>, rows: Rows<E>, layout: &L) {
     let rank = block.rank;
     // The tokens' v in fp32, read once for every column.
     let mut vs = vec![0f32; tokens.len() * rank];
@@ -467,7 +480,7 @@ unsafe fn expand_panels<E: Elem>(tokens: &[usize], block: Block<E>, rows: Rows<E
         let c1 = (c0 + columns).min(block.hi);
         for (i, o0) in (c0..c1).step_by(COLUMNS).enumerate() {
             let n_out = (block.width - o0).min(COLUMNS);
-            build_panel(block, o0, n_out, panels.as_mut_ptr().add(i * COLUMNS * rank));
+            build_panel(block, o0, n_out, panels.as_mut_ptr().add(i * COLUMNS * rank), layout);
         }
         for (k, chunk) in tokens.chunks(4).enumerate() {
             let vs = vs.as_ptr().add(k * 4 * rank);
@@ -491,19 +504,29 @@ unsafe fn expand_panels<E: Elem>(tokens: &[usize], block: Block<E>, rows: Rows<E
 /// the panel costs a few shuffles per vector rather than a scalar move per element: built this way it
 /// pays for itself from a handful of tokens even when B is already in cache.
 #[inline(always)]
-unsafe fn build_panel<E: Elem>(block: Block<E>, o0: usize, n_out: usize, panel: *mut f32) {
-    for j0 in (0..block.rank).step_by(16) {
-        let n = (block.rank - j0).min(16);
-        let m = first(n);
-        let mut r = [_mm512_setzero_ps(); 16];
-        for (c, row) in r.iter_mut().enumerate().take(n_out) {
-            let at = block.b_rows.add((o0 + c) * block.max_rank + j0);
-            _mm_prefetch::<_MM_HINT_T0>(at.cast::<i8>().wrapping_add(PREFETCH_BYTES));
-            *row = E::load_masked(at, m);
-        }
-        transpose16(&mut r);
-        for (j, lanes) in r.iter().enumerate().take(n) {
-            _mm512_storeu_ps(panel.add((j0 + j) * COLUMNS), *lanes);
+unsafe fn build_panel<E: Elem, L: Layout>(
+    block: Block<E>,
+    o0: usize,
+    n_out: usize,
+    panel: *mut f32,
+    layout: &L,
+) {
+    for k in 0..layout.n_spans(block.rank) {
+        let span = layout.span(block.slot, block.rank, k);
+        let rows = block.b.add(span.offset + (block.row0 + o0) * span.stride);
+        for j0 in (0..span.len).step_by(16) {
+            let n = (span.len - j0).min(16);
+            let m = first(n);
+            let mut r = [_mm512_setzero_ps(); 16];
+            for (c, row) in r.iter_mut().enumerate().take(n_out) {
+                let at = rows.add(c * span.stride + j0);
+                _mm_prefetch::<_MM_HINT_T0>(at.cast::<i8>().wrapping_add(PREFETCH_BYTES));
+                *row = E::load_masked(at, m);
+            }
+            transpose16(&mut r);
+            for (j, lanes) in r.iter().enumerate().take(n) {
+                _mm512_storeu_ps(panel.add((span.lo + j0 + j) * COLUMNS), *lanes);
+            }
         }
     }
 }

@@ -16,9 +16,14 @@
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod dora;
+mod layout;
+mod paged;
 mod pool;
 
 pub use dora::dora_scale_rows;
+pub use paged::PageTable;
+
+use layout::{Layout, Slots};
 
 use lora_pin_core::{Error, Result};
 
@@ -293,12 +298,27 @@ impl CpuPlan {
         x: Data<'_>,
         in_features: usize,
         a: Data<'_>,
+        v: DataMut<'_>,
+        threads: usize,
+    ) -> Result<()> {
+        let (s, r) = (self.n_slices, self.max_rank);
+        self.check_len("a", a.len(), &[self.n_slots, s, r, in_features], "slots x n_slices*R x in_features")?;
+        let layout = Slots { n_slices: s, max_rank: r, in_features, out_total: 0 };
+        self.shrink_in(x, in_features, a, v, threads, &layout)
+    }
+
+    /// [`CpuPlan::shrink`] with A's rows found through `layout` (`a`'s length checked against it).
+    fn shrink_in<L: Layout>(
+        &self,
+        x: Data<'_>,
+        in_features: usize,
+        a: Data<'_>,
         mut v: DataMut<'_>,
         threads: usize,
+        layout: &L,
     ) -> Result<()> {
         let (t, s, r) = (self.n_tokens, self.n_slices, self.max_rank);
         self.check_len("x", x.len(), &[t, in_features], "n_tokens x in_features")?;
-        self.check_len("a", a.len(), &[self.n_slots, s, r, in_features], "slots x n_slices*R x in_features")?;
         self.check_len("v", v.as_data().len(), &[t, s, r], "n_tokens x n_slices*R")?;
         if x.dtype() != a.dtype() || x.dtype() != v.as_data().dtype() {
             return Err(arg(format!(
@@ -314,34 +334,48 @@ impl CpuPlan {
         self.require_kernels()?;
         #[cfg(target_arch = "x86_64")]
         match (x, a, &mut v) {
-            (Data::F32(x), Data::F32(a), DataMut::F32(v)) => self.shrink_typed(x, in_features, a, v, threads),
-            (Data::Bf16(x), Data::Bf16(a), DataMut::Bf16(v)) => {
-                self.shrink_typed(avx512::bf16(x), in_features, avx512::bf16(a), avx512::bf16_mut(v), threads)
+            (Data::F32(x), Data::F32(a), DataMut::F32(v)) => {
+                self.shrink_typed(x, in_features, a, v, threads, layout)
             }
-            (Data::F16(x), Data::F16(a), DataMut::F16(v)) => {
-                self.shrink_typed(avx512::f16(x), in_features, avx512::f16(a), avx512::f16_mut(v), threads)
-            }
+            (Data::Bf16(x), Data::Bf16(a), DataMut::Bf16(v)) => self.shrink_typed(
+                avx512::bf16(x),
+                in_features,
+                avx512::bf16(a),
+                avx512::bf16_mut(v),
+                threads,
+                layout,
+            ),
+            (Data::F16(x), Data::F16(a), DataMut::F16(v)) => self.shrink_typed(
+                avx512::f16(x),
+                in_features,
+                avx512::f16(a),
+                avx512::f16_mut(v),
+                threads,
+                layout,
+            ),
             _ => unreachable!("dtypes were checked equal"),
         }
         Ok(())
     }
 
     #[cfg(target_arch = "x86_64")]
-    fn shrink_typed<E: avx512::Elem>(
+    fn shrink_typed<E: avx512::Elem, L: Layout>(
         &self,
         x: &[E],
         in_features: usize,
         a: &[E],
         v: &mut [E],
         threads: usize,
+        layout: &L,
     ) {
         let (x, a, v) =
             (avx512::Shared(x.as_ptr()), avx512::Shared(a.as_ptr()), avx512::Shared(v.as_mut_ptr()));
         let units = |g: &Group, s: usize| (self.rank(g.slot, s), avx512::ROWS, avx512::ROWS * in_features);
         self.in_parallel(threads, units, |tiles| {
-            // SAFETY: `shrink` checked the CPU (`require_kernels`) and every length against the plan,
-            // whose tokens, slots and ranks `new` bounded; the tiles write disjoint columns of `v`.
-            unsafe { avx512::shrink(self, tiles, x.get(), in_features, a.get(), v.get()) }
+            // SAFETY: `shrink_in` checked the CPU (`require_kernels`) and every length against the plan,
+            // whose tokens, slots and ranks `new` bounded, and its caller `a` against `layout` (and a
+            // page table's entries and ranks); the tiles write disjoint columns of `v`.
+            unsafe { avx512::shrink(self, tiles, x.get(), in_features, a.get(), v.get(), layout) }
         });
     }
 
@@ -356,14 +390,23 @@ impl CpuPlan {
     /// Errors: as for [`CpuPlan::shrink`], and for bad `slice_offsets`.
     pub fn expand(
         &self,
-        mut out: DataMut<'_>,
+        out: DataMut<'_>,
         v: Data<'_>,
         b: Data<'_>,
         scalings: &[f32],
         slice_offsets: &[usize],
         threads: usize,
     ) -> Result<()> {
-        let (t, s, r) = (self.n_tokens, self.n_slices, self.max_rank);
+        let out_total = self.check_offsets(slice_offsets)?;
+        let (s, r) = (self.n_slices, self.max_rank);
+        self.check_len("b", b.len(), &[self.n_slots, out_total, r], "slots x out_total x R")?;
+        let layout = Slots { n_slices: s, max_rank: r, in_features: 0, out_total };
+        self.expand_in(out, v, b, scalings, slice_offsets, threads, &layout)
+    }
+
+    /// `slice_offsets`' last offset (`out_total`) once they are `n_slices + 1` offsets rising from 0.
+    fn check_offsets(&self, slice_offsets: &[usize]) -> Result<usize> {
+        let s = self.n_slices;
         if slice_offsets.len() != s + 1
             || slice_offsets[0] != 0
             || slice_offsets.windows(2).any(|w| w[0] > w[1])
@@ -373,10 +416,26 @@ impl CpuPlan {
                 s + 1
             )));
         }
+        Ok(slice_offsets[s])
+    }
+
+    /// [`CpuPlan::expand`] with B's rank columns found through `layout` (`b`'s length and
+    /// `slice_offsets` checked against it).
+    #[allow(clippy::too_many_arguments)]
+    fn expand_in<L: Layout>(
+        &self,
+        mut out: DataMut<'_>,
+        v: Data<'_>,
+        b: Data<'_>,
+        scalings: &[f32],
+        slice_offsets: &[usize],
+        threads: usize,
+        layout: &L,
+    ) -> Result<()> {
+        let (t, s, r) = (self.n_tokens, self.n_slices, self.max_rank);
         let out_total = slice_offsets[s];
         self.check_len("out", out.as_data().len(), &[t, out_total], "n_tokens x out_total")?;
         self.check_len("v", v.len(), &[t, s, r], "n_tokens x n_slices*R")?;
-        self.check_len("b", b.len(), &[self.n_slots, out_total, r], "slots x out_total x R")?;
         self.check_len("slot_scalings", scalings.len(), &[self.n_slots, s], "slots x n_slices")?;
         let out_dtype = out.as_data().dtype();
         if out_dtype != v.dtype() || out_dtype != b.dtype() {
@@ -394,7 +453,7 @@ impl CpuPlan {
         #[cfg(target_arch = "x86_64")]
         match (&mut out, v, b) {
             (DataMut::F32(o), Data::F32(v), Data::F32(b)) => {
-                self.expand_typed(o, v, b, scalings, slice_offsets, threads)
+                self.expand_typed(o, v, b, scalings, slice_offsets, threads, layout)
             }
             (DataMut::Bf16(o), Data::Bf16(v), Data::Bf16(b)) => self.expand_typed(
                 avx512::bf16_mut(o),
@@ -403,6 +462,7 @@ impl CpuPlan {
                 scalings,
                 slice_offsets,
                 threads,
+                layout,
             ),
             (DataMut::F16(o), Data::F16(v), Data::F16(b)) => self.expand_typed(
                 avx512::f16_mut(o),
@@ -411,6 +471,7 @@ impl CpuPlan {
                 scalings,
                 slice_offsets,
                 threads,
+                layout,
             ),
             _ => unreachable!("dtypes were checked equal"),
         }
@@ -418,7 +479,8 @@ impl CpuPlan {
     }
 
     #[cfg(target_arch = "x86_64")]
-    fn expand_typed<E: avx512::Elem>(
+    #[allow(clippy::too_many_arguments)]
+    fn expand_typed<E: avx512::Elem, L: Layout>(
         &self,
         out: &mut [E],
         v: &[E],
@@ -426,6 +488,7 @@ impl CpuPlan {
         scalings: &[f32],
         slice_offsets: &[usize],
         threads: usize,
+        layout: &L,
     ) {
         let (out, v, b) =
             (avx512::Shared(out.as_mut_ptr()), avx512::Shared(v.as_ptr()), avx512::Shared(b.as_ptr()));
@@ -437,7 +500,9 @@ impl CpuPlan {
         self.in_parallel(threads, units, |tiles| {
             // SAFETY: as in `shrink_typed`; `slice_offsets` rise to `out_total`, which sized `out` and
             // `b`; the tiles write disjoint columns of `out`.
-            unsafe { avx512::expand(self, tiles, out.get(), v.get(), b.get(), scalings, slice_offsets) }
+            unsafe {
+                avx512::expand(self, tiles, out.get(), v.get(), b.get(), scalings, slice_offsets, layout)
+            }
         });
     }
 
@@ -577,5 +642,7 @@ fn work_factor(g: &Group) -> usize {
     4 + (g.end - g.start)
 }
 
+#[cfg(test)]
+mod paged_tests;
 #[cfg(test)]
 mod sgmv_tests;

@@ -8,37 +8,37 @@ use super::{available, CpuPlan, Data, DataMut};
 use lora_pin_core::Error;
 
 /// A small deterministic generator for tensor contents (proptest picks the seed).
-struct Rng(u64);
+pub(super) struct Rng(pub(super) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(super) fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         self.0
     }
 
-    fn uniform(&mut self) -> f32 {
+    pub(super) fn uniform(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
     }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Dtype {
+pub(super) enum Dtype {
     F32,
     Bf16,
     F16,
 }
 
 /// Values rounded to the dtype (stored as f32) and their bits in that dtype.
-struct Tensor {
-    values: Vec<f32>,
+pub(super) struct Tensor {
+    pub(super) values: Vec<f32>,
     bits: Vec<u16>,
     dtype: Dtype,
 }
 
 impl Tensor {
-    fn new(dtype: Dtype, values: impl IntoIterator<Item = f32>) -> Self {
+    pub(super) fn new(dtype: Dtype, values: impl IntoIterator<Item = f32>) -> Self {
         let (mut out, mut bits) = (Vec::new(), Vec::new());
         for v in values {
             match dtype {
@@ -58,7 +58,7 @@ impl Tensor {
         Self { values: out, bits, dtype }
     }
 
-    fn data(&self) -> Data<'_> {
+    pub(super) fn data(&self) -> Data<'_> {
         match self.dtype {
             Dtype::F32 => Data::F32(&self.values),
             Dtype::Bf16 => Data::Bf16(&self.bits),
@@ -66,7 +66,7 @@ impl Tensor {
         }
     }
 
-    fn data_mut(&mut self) -> DataMut<'_> {
+    pub(super) fn data_mut(&mut self) -> DataMut<'_> {
         match self.dtype {
             Dtype::F32 => DataMut::F32(&mut self.values),
             Dtype::Bf16 => DataMut::Bf16(&mut self.bits),
@@ -75,7 +75,7 @@ impl Tensor {
     }
 
     /// The current contents as f64 (after a kernel wrote the bits).
-    fn read(&self, i: usize) -> f64 {
+    pub(super) fn read(&self, i: usize) -> f64 {
         match self.dtype {
             Dtype::F32 => self.values[i] as f64,
             Dtype::Bf16 => bf16::from_bits(self.bits[i]).to_f64(),
@@ -83,7 +83,7 @@ impl Tensor {
         }
     }
 
-    fn raw(&self, i: usize) -> u32 {
+    pub(super) fn raw(&self, i: usize) -> u32 {
         match self.dtype {
             Dtype::F32 => self.values[i].to_bits(),
             _ => self.bits[i] as u32,
@@ -91,7 +91,7 @@ impl Tensor {
     }
 
     /// Relative rounding error of one store in this dtype.
-    fn eps(&self) -> f64 {
+    pub(super) fn eps(&self) -> f64 {
         match self.dtype {
             Dtype::F32 => 2f64.powi(-23),
             Dtype::Bf16 => 2f64.powi(-8),
@@ -100,7 +100,7 @@ impl Tensor {
     }
 
     /// Half the gap between subnormals: the absolute rounding error near zero.
-    fn tiny(&self) -> f64 {
+    pub(super) fn tiny(&self) -> f64 {
         match self.dtype {
             Dtype::F16 => 2f64.powi(-25),
             _ => 1e-30,
