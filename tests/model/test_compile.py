@@ -32,11 +32,16 @@ def run(model: Any, mgr: LoRAManager, names: list[str | None], ids: torch.Tensor
     return [prefill, decode]
 
 
+# A slot pool, and a pool of rank-2 pages (adapter "a" of rank 4 takes two, not contiguous after churn).
+POOLS = {"slots": dict(max_loras_per_batch=3), "pages": dict(page_rank=2, max_lora_memory="256KiB")}
+
+
+@pytest.mark.parametrize("pool", POOLS)
 def test_fullgraph_compile_under_batch_equals_eager(
-    tiny_llama: torch.nn.Module, adapters: dict[str, Path]
+    tiny_llama: torch.nn.Module, adapters: dict[str, Path], pool: str
 ) -> None:
     model = copy.deepcopy(tiny_llama)
-    mgr = LoRAManager(model, [f"{n}={p}" for n, p in adapters.items()], max_loras_per_batch=3)
+    mgr = LoRAManager(model, [f"{n}={p}" for n, p in adapters.items()], **POOLS[pool])
     names: list[str | None] = ["a", None, "b", "a"]
     ids = torch.randint(0, 128, (4, 6), generator=torch.Generator().manual_seed(0))
     want = run(model, mgr, names, ids)

@@ -2,10 +2,9 @@
 shrink and expand read A and B through the step's page tables (:attr:`StepRows.pages`).
 
 The paged ops a backend runs are named here and nowhere else (:class:`PagedOps`): the CPU backend's
-(:data:`CPU_PAGED_OPS`, plain torch until native kernels replace them), the registered-ops backend's
-(:data:`REGISTERED_PAGED_OPS`, the same until ``lora_pin::paged_shrink`` / ``::paged_expand`` exist) and the
-Triton kernels on CUDA (:func:`triton_paged_ops`). The torch ones read the segment and page arrays on the
-host, so a paged pool is not yet traceable by ``torch.compile(fullgraph=True)``.
+(:data:`CPU_PAGED_OPS`, the native kernels), the registered-ops backend's (:data:`REGISTERED_PAGED_OPS`,
+the ``lora_pin::paged_shrink`` / ``::paged_expand`` custom ops, whose fake bodies ``torch.compile``
+traces) and the Triton kernels on CUDA (:func:`triton_paged_ops`).
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ import torch
 from lora_pin.errors import OpArgumentError
 from lora_pin.ops.backends.base import SplitDelta, StepRows
 from lora_pin.ops.paged import PageTable
-from lora_pin.ops.paged_torch import paged_expand_torch, paged_shrink_torch
+from lora_pin.ops.paged_native import paged_expand_native, paged_shrink_native
+from lora_pin.ops.paged_ops import paged_expand, paged_shrink
 from lora_pin.ops.segments import KernelMeta
 from lora_pin.weights.pool import GroupBuffers
 
@@ -45,10 +45,12 @@ class PagedOps(NamedTuple):
     expand: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PageTable, KernelMeta], None]
 
 
-#: The CPU backend's paged ops.
-CPU_PAGED_OPS = PagedOps(paged_shrink_torch, paged_expand_torch)
-#: The registered-ops backend's (what torch.compile traces and devices without a backend run).
-REGISTERED_PAGED_OPS = PagedOps(paged_shrink_torch, paged_expand_torch)
+#: The CPU backend's paged ops: the native kernels, called directly (no dispatcher), falling back to
+#: torch where they do not apply (:mod:`lora_pin.ops.paged_native`).
+CPU_PAGED_OPS = PagedOps(paged_shrink_native, paged_expand_native)
+#: The registered-ops backend's (what torch.compile traces and devices without a backend run): the
+#: ``lora_pin::paged_shrink`` / ``::paged_expand`` custom ops.
+REGISTERED_PAGED_OPS = PagedOps(paged_shrink, paged_expand)
 
 
 def triton_paged_ops() -> PagedOps:
