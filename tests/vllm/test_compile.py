@@ -41,3 +41,15 @@ def test_each_step_gets_its_own_adapters_and_base_rows_stay(report: dict[str, ob
 
 def test_the_layer_ops_pass_opcheck(report: dict[str, object]) -> None:
     assert report["opcheck"] == {"vllm_lora_linear_": "ok", "vllm_lora_embedding_": "ok"}
+
+
+def test_the_seam_keeps_compilation_only_when_asked_and_traceable(report: dict[str, object]) -> None:
+    assert report["seam"] == {
+        # What the platform gives VLLM_COMPILE without LoRA; vLLM's compile cache off (not keyed by
+        # lora_pin's code).
+        "on": ["DYNAMO_TRACE_ONCE", "1"],
+        "unset": ["NONE", None],
+        "fully_sharded": ["NONE", None],  # add_shrink / add_expand are not traceable
+        "enforce_eager": ["NONE", None],
+        "no_lora": ["DYNAMO_TRACE_ONCE", None],  # vLLM's own decision, untouched
+    }

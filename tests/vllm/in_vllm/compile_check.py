@@ -5,15 +5,18 @@ q/k/v linear, a plain linear some adapters have no weights for, a linear no adap
 Over steps of different token counts and adapter mixes, the metadata updated between steps as vLLM's
 model runner does, the compiled model's output is compared with the eager one's. Prints one JSON object:
 ``{"traced": str, "graphs": int, "steps": [{"tokens": T, "error": float, "base_rows_equal": bool,
-"swapped_error": float}], "opcheck": {op: str}}``: per step the compiled output's largest error against
-the eager one (relative to its largest value), whether its base rows equal those of the compiled model
-run with every row on the base model, and the error the same step shows under another adapter mix (what
-a graph that baked a step's metadata in would show); ``opcheck``: ``"ok"`` or the error.
+"swapped_error": float}], "opcheck": {op: str}, "seam": {case: [mode, VLLM_DISABLE_COMPILE_CACHE]}}``:
+per step the compiled output's largest error against the eager one (relative to its largest value),
+whether its base rows equal those of the compiled model run with every row on the base model, and the
+error the same step shows under another adapter mix (what a graph that baked a step's metadata in would
+show); ``opcheck``: ``"ok"`` or the error; ``seam``: the compilation mode
+:func:`lora_pin.vllm.seams.keeping_compilation` leaves, per case.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 import torch._dynamo
@@ -165,4 +168,38 @@ for name, args in cases.items():
     except Exception as error:
         opcheck[name] = f"{type(error).__name__}: {str(error)[:2000]}"
 result["opcheck"] = opcheck
+
+# The seam's decision (lora_pin.vllm.seams.keeping_compilation) around a stand-in for the platform's
+# check, which does what vLLM 0.32's does to the mode (the contract test checks that it still does).
+from types import SimpleNamespace  # noqa: E402
+
+from vllm.config import CompilationMode  # noqa: E402
+
+from lora_pin.vllm.seams import COMPILE_ENV, keeping_compilation  # noqa: E402
+
+
+def platform_check(cls: object, config: SimpleNamespace) -> None:
+    compilation = config.compilation_config
+    if compilation.mode == CompilationMode.VLLM_COMPILE:
+        compilation.mode = CompilationMode.DYNAMO_TRACE_ONCE
+    if config.lora_config is not None:
+        compilation.mode = CompilationMode.NONE
+
+
+seam: dict[str, list[object]] = {}
+for name, env, requested, lora in (
+    ("on", "1", CompilationMode.VLLM_COMPILE, SimpleNamespace(fully_sharded_loras=False)),
+    ("unset", None, CompilationMode.VLLM_COMPILE, SimpleNamespace(fully_sharded_loras=False)),
+    ("fully_sharded", "1", CompilationMode.VLLM_COMPILE, SimpleNamespace(fully_sharded_loras=True)),
+    ("enforce_eager", "1", CompilationMode.NONE, SimpleNamespace(fully_sharded_loras=False)),
+    ("no_lora", "1", CompilationMode.VLLM_COMPILE, None),
+):
+    for key in (COMPILE_ENV, "VLLM_DISABLE_COMPILE_CACHE"):
+        os.environ.pop(key, None)
+    if env is not None:
+        os.environ[COMPILE_ENV] = env
+    config = SimpleNamespace(compilation_config=SimpleNamespace(mode=requested), lora_config=lora)
+    keeping_compilation(platform_check)(None, config)
+    seam[name] = [config.compilation_config.mode.name, os.environ.get("VLLM_DISABLE_COMPILE_CACHE")]
+result["seam"] = seam
 print(json.dumps(result))
