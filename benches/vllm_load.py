@@ -11,6 +11,8 @@ flight, greedy with ``ignore_eos`` (a fixed output length):
 - ``vllm``: ``vllm serve`` as shipped (``VLLM_PLUGINS=""``); LoRA off is the same server without
   ``--enable-lora``, as a user would run it;
 - ``vllm+lora_pin``: ``lora-pin vllm-serve`` (the plugin on), LoRA off likewise;
+- ``vllm+lora_pin+compile``: the same with ``LORA_PIN_VLLM_COMPILE=1`` (vLLM's compiled forward kept
+  with LoRA on; LoRA off is compiled in every server);
 - ``lora-pin``: ``lora-pin serve`` on transformers' engine (LoRA off: no adapters registered).
 
 ``--pinned N`` pins the N most popular adapters (Zipf's first) at start-up in ``vllm+lora_pin``
@@ -116,7 +118,14 @@ def _make_model(root: Path, args: argparse.Namespace, count: int) -> tuple[Path,
 class _VllmServer:
     """``vllm serve`` (or ``lora-pin vllm-serve``) from the vLLM venv, started and ready."""
 
-    def __init__(self, plugin: bool, flags: list[str], args: argparse.Namespace, log: Path) -> None:
+    def __init__(
+        self,
+        plugin: bool,
+        flags: list[str],
+        args: argparse.Namespace,
+        log: Path,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         import socket
 
         with socket.socket() as s:
@@ -136,6 +145,7 @@ class _VllmServer:
         else:
             env["VLLM_PLUGINS"] = ""
             launcher = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.cli.main", "serve"]
+        env.update(extra_env or {})
         self._log = log.open("w")
         self.proc = subprocess.Popen(
             [*launcher, *flags, "--port", str(self.port), "--host", "127.0.0.1"],
@@ -297,7 +307,8 @@ def main() -> int:
             else:
                 mods = plain if server == "vllm" else with_pins
                 flags = model + (lora + mods if with_lora else [])
-                vproc = _VllmServer(server != "vllm", flags, args, log)
+                compiled = {"LORA_PIN_VLLM_COMPILE": "1"} if server == "vllm+lora_pin+compile" else {}
+                vproc = _VllmServer(server != "vllm", flags, args, log, compiled)
                 url, stop = vproc.url, vproc.stop
                 print(f"# {label}: started in {vproc.startup:.0f} s", flush=True)
             try:

@@ -7,7 +7,8 @@ difference over the measured run (after a warm-up) is printed per configuration:
 seconds (``process_time``: all the process's threads, steadier than wall on a shared machine), and per
 step, beside the requests and tokens a step ran.
 
-Configurations are ``MODE:ADAPTERS`` (``plugin``: ``lora-pin vllm-serve``; ``vllm``: vLLM alone; 0
+Configurations are ``MODE:ADAPTERS`` (``plugin``: ``lora-pin vllm-serve``; ``compiled``: the same with
+``LORA_PIN_VLLM_COMPILE=1``, vLLM's compiled forward kept with LoRA on; ``vllm``: vLLM alone; 0
 adapters: LoRA off), run in turn on ``benches/vllm_load.py``'s model and workload, for example
 ``.venv/bin/python benches/vllm_phases.py plugin:64,plugin:0,vllm:64 --hidden 1024 --layers 8
 --requests 128``.
@@ -53,7 +54,14 @@ TIMED = {
         ("BaseLinearLayerWithLoRA", "reset_lora", "LoRA: zeroing a slot (reset_lora)"),
         ("BaseLinearLayerWithLoRA", "set_lora", "LoRA: copying into a slot (set_lora)"),
     ],
+    "lora_pin.vllm.punica": [
+        ("LoraPinPunicaWrapper", "_lora_linear", "LoRA: lora_pin's layer work (linear)"),
+        ("LoraPinPunicaWrapper", "_lora_embedding", "LoRA: lora_pin's layer work (embedding)"),
+    ],
 }
+
+# Methods traced into vLLM's compiled forward (a timer there would be traced too): not timed when compiled.
+TRACED = {"LoRA: linear layers' math"}
 
 _stats: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
 
@@ -98,7 +106,10 @@ def _execute_model(method: Any) -> Any:
 
 
 def _patch(name: str, module: Any) -> None:
+    compiled = os.environ.get("LORA_PIN_VLLM_COMPILE") == "1"
     for owner, method, label in TIMED.get(name, []):
+        if compiled and label in TRACED:
+            continue
         cls = getattr(module, owner)
         setattr(cls, method, _timed(label, getattr(cls, method)))
     if name == "vllm.v1.worker.gpu_model_runner":
@@ -171,6 +182,7 @@ def main() -> int:
         folder = root / f"stats-{i}"
         folder.mkdir()
         os.environ["LORA_PIN_PHASES"] = str(folder)
+        compiled = {"LORA_PIN_VLLM_COMPILE": "1"} if mode == "compiled" else {}
         names = [d.name for d in dirs[: int(count)]]
         model = [str(base), "--served-model-name", "base", "--dtype", "bfloat16", "--max-model-len", "256"]
         lora = [
@@ -179,7 +191,7 @@ def main() -> int:
             *(json.dumps({"name": n, "path": str(d)}) for n, d in zip(names, dirs, strict=False)),
         ]
         server = vllm_load._VllmServer(
-            mode == "plugin", model + (lora if names else []), args, root / f"{i}.log"
+            mode in ("plugin", "compiled"), model + (lora if names else []), args, root / f"{i}.log", compiled
         )
         try:
             workload = vllm_load._workload(args, len(names), [d.name for d in dirs])

@@ -43,7 +43,7 @@ from lora_pin.ops.segments import KernelMeta
 from lora_pin.weights.dora import checked_factor, dora_norm_parts
 from lora_pin.weights.targets import LinearTarget, TargetGroup
 
-__all__ = ["KEEP_WEIGHTS_ENV", "MAGNITUDE", "DoraSlots", "activate", "dora_factors", "install"]
+__all__ = ["KEEP_WEIGHTS_ENV", "MAGNITUDE", "DoraSlots", "activate", "dora_factors", "install", "layer_key"]
 
 #: The last segment of a DoRA magnitude's tensor name in a PEFT adapter file.
 MAGNITUDE = "lora_magnitude_vector"
@@ -299,6 +299,14 @@ class _Layer:
     slots: set[int] = field(default_factory=set)
 
 
+def layer_key(a: torch.Tensor) -> int:
+    """The key of a LoRA layer by its first A buffer (``lora_a_stacked[0]``): where its data lies. vLLM
+    allocates a layer's buffers once and copies adapters into them, so the key holds for the model's
+    life, in eager calls and in a compiled graph's op calls alike (which get the same buffer, not
+    necessarily the same tensor object)."""
+    return a.data_ptr()
+
+
 class DoraSlots:
     """The DoRA state of one punica wrapper's layers (see the module): per layer its factor table, and the
     step's rows in each set of DoRA slots."""
@@ -312,7 +320,7 @@ class DoraSlots:
         """Puts ``factor`` (float32 ``[out_total]``, None: the adapter in ``slot`` has no DoRA here) into
         the table of vLLM's linear LoRA ``layer``."""
         a = layer.lora_a_stacked[0]
-        state = self._layers.get(id(a))
+        state = self._layers.get(layer_key(a))
         if factor is None:
             if state is not None:
                 state.slots.discard(slot)
@@ -321,7 +329,7 @@ class DoraSlots:
             base = layer.base_layer
             bias = None if getattr(base, "skip_bias_add", False) else getattr(base, "bias", None)
             table = torch.ones(a.shape[0], factor.shape[0], dtype=a.dtype, device=a.device)
-            state = self._layers[id(a)] = _Layer(a, table, None if bias is None else bias.detach())
+            state = self._layers[layer_key(a)] = _Layer(a, table, None if bias is None else bias.detach())
         state.factors[slot].copy_(factor)
         state.slots.add(slot)
 
@@ -330,15 +338,15 @@ class DoraSlots:
         self._segments = segments
         self._rows.clear()
 
-    def rescale(self, out: torch.Tensor, a: torch.Tensor, add_inputs: bool) -> None:
+    def rescale(self, out: torch.Tensor, layer: int, add_inputs: bool) -> None:
         """Rescales the DoRA rows of a linear layer's ``out`` ``[T, out_total]`` (base output plus LoRA
-        delta) in place; ``a``: the layer's first A buffer. Every other row is left bit for bit.
+        delta) in place; ``layer``: the layer's key (:func:`layer_key`). Every other row is left bit for bit.
 
         Raises:
             NotImplementedError: DoRA rows in a call whose ``out`` holds only the LoRA delta
                 (``add_inputs=False``: vLLM's CUDA dual-stream mode, not the CPU path the plugin serves).
         """
-        state = self._layers.get(id(a))
+        state = self._layers.get(layer)
         if state is None or not state.slots or self._segments is None:
             return
         key = frozenset(state.slots)

@@ -19,11 +19,25 @@ The segments are built once per step (:meth:`update_metadata`) and each layer gr
 once per step too (``CpuDelta.prepare``). Fused layers (q/k/v, gate/up) keep one slice per projection in
 vLLM; the op takes them side by side, so a concatenated copy of each fused layer's
 buffers is kept and refreshed only when vLLM writes into them (torch's version counter of the buffers).
+
+Under ``torch.compile`` (vLLM's compiled forward, kept with LoRA by ``LORA_PIN_VLLM_COMPILE=1``:
+:mod:`lora_pin.vllm.seams`), each linear and embedding layer's call is one opaque op,
+``lora_pin::vllm_lora_linear_`` or ``lora_pin::vllm_lora_embedding_``, as vLLM's own attention and
+dual-stream LoRA ops are: the graph holds the op, the layer's tensors and one constant, the wrapper's
+handle (the wrappers of a process are numbered in the order vLLM makes them: one per model); the op's
+body finds the layer by its buffers (:func:`layer_key`) and runs the eager path above, reading the
+step's metadata that :meth:`update_metadata` prepared. The metadata's
+shapes depend on the step's adapters, so tracing through them would bake the first step's into the
+graph; behind the op the graph does not depend on them at all, and the outputs are those of the eager
+path, bit for bit. ``add_shrink``, ``add_expand`` (fully sharded layers) and ``add_lora_logits`` (the LM
+head, outside vLLM's compiled forward) are not made traceable: the seam keeps vLLM eager with
+``--fully-sharded-loras``.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -37,12 +51,16 @@ from lora_pin.ops import (
     shrink,
 )
 from lora_pin.ops.backends.cpu import CpuDelta
-from lora_pin.vllm.dora import DoraSlots
+from lora_pin.vllm.dora import DoraSlots, layer_key
 
 if TYPE_CHECKING:
     from vllm.lora.layers import LoRAMapping
 
 __all__ = ["LoraPinPunicaWrapper"]
+
+# The wrappers by handle, for the ops' bodies: a compiled graph holds a wrapper's handle as a constant.
+_WRAPPERS: weakref.WeakValueDictionary[int, LoraPinPunicaWrapper] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
 
 
 class LoraPinPunicaWrapper(PunicaWrapperCPU):
@@ -75,6 +93,8 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         self._buffers_of: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
         # DoRA adapters' factors per linear layer and slot (lora_pin.vllm.dora).
         self.dora = DoraSlots()
+        self._handle = next(_HANDLES)
+        _WRAPPERS[self._handle] = self
 
     def set_slot(self, slot: int, n_slots: int, rank: int, without: Iterable[torch.Tensor] = ()) -> None:
         """Records that the adapter vLLM activated into ``slot`` (of ``n_slots``) has ``rank`` (its
@@ -85,7 +105,7 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
             self._slot_ranks = [0] * n_slots
             self._slot_without = [frozenset()] * n_slots
         self._slot_ranks[slot] = rank
-        self._slot_without[slot] = frozenset(id(a) for a in without)
+        self._slot_without[slot] = frozenset(layer_key(a) for a in without)
         self._tables.clear()
         # Until the next step's update_metadata says which slots are held, no layer is skipped whole.
         self._silent = frozenset()
@@ -136,12 +156,12 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         return table
 
     def _buffers(
-        self, lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...]
+        self, key: int, lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's buffers as the op takes them: ``a [slots, n*R, in]``, ``b [slots, out_total, R]``:
-        views of vLLM's for one slice, kept for good (the step's prepared delta is found by them); for
-        several, a copy, refreshed when vLLM has written into its buffers since."""
-        key = id(lora_a_stacked[0])
+        """A layer's buffers (``key``: the layer's) as the op takes them: ``a [slots, n*R, in]``,
+        ``b [slots, out_total, R]``: views of vLLM's for one slice, kept for good (the step's prepared
+        delta is found by them); for several, a copy, refreshed when vLLM has written into its buffers
+        since."""
         cached = self._buffers_of.get(key)
         if len(lora_a_stacked) == 1:
             if cached is None:
@@ -191,20 +211,47 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         **kwargs: Any,
     ) -> None:
         """``y[t, slice i] += scale * x[t] @ A_i[slot(t)]ᵀ @ B_i[slot(t)]ᵀ`` for rows with an adapter;
-        ``y`` ``[T, sum(output_slices)]``, ``x`` ``[T, in]``. Rows without one are left untouched."""
-        if not kwargs.get("add_inputs", True):
+        ``y`` ``[T, sum(output_slices)]``, ``x`` ``[T, in]``. Rows without one are left untouched.
+        Traced by ``torch.compile``: one ``lora_pin::vllm_lora_linear_`` op (see the module)."""
+        add_inputs = bool(kwargs.get("add_inputs", True))
+        if torch.compiler.is_compiling():
+            torch.ops.lora_pin.vllm_lora_linear_(
+                y,
+                x,
+                list(lora_a_stacked),
+                list(lora_b_stacked),
+                scale,
+                list(output_slices),
+                add_inputs,
+                self._handle,
+            )
+            return
+        self._lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, add_inputs)
+
+    def _lora_linear(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        scale: float,
+        output_slices: tuple[int, ...],
+        add_inputs: bool,
+    ) -> None:
+        """:meth:`add_lora_linear`'s work, eager (and the body of its op)."""
+        if not add_inputs:
             y.zero_()
-        layer = id(lora_a_stacked[0])
+        layer = layer_key(lora_a_stacked[0])
         if self._token_segments.perm.numel() == 0 or layer in self._silent:
             return
         y2 = y.view(-1, y.shape[-1])
-        x2 = x.view(-1, x.shape[-1])
-        a, b = self._buffers(lora_a_stacked, lora_b_stacked)
+        x2 = x.reshape(-1, x.shape[-1])
+        a, b = self._buffers(layer, lora_a_stacked, lora_b_stacked)
         offsets = (0, *itertools.accumulate(output_slices))
         prepared = self._delta(self._token_segments, a, b, offsets, scale, x2.shape[0], layer)
         if not prepared.empty:
             prepared.apply(y2, x2)
-        self.dora.rescale(y2, lora_a_stacked[0], kwargs.get("add_inputs", True))
+        self.dora.rescale(y2, layer, add_inputs)
 
     def add_shrink(
         self,
@@ -258,7 +305,17 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         **kwargs: Any,
     ) -> None:
         """``y[t] += x[t] @ B[slot(t)]ᵀ`` for rows with an adapter: an embedding's LoRA, whose shrink is
-        the lookup vLLM's layer has done (``x`` ``[T, R]``, ``y`` ``[T, dim]``)."""
+        the lookup vLLM's layer has done (``x`` ``[T, R]``, ``y`` ``[T, dim]``). Traced by
+        ``torch.compile``: one ``lora_pin::vllm_lora_embedding_`` op (see the module)."""
+        if torch.compiler.is_compiling():
+            torch.ops.lora_pin.vllm_lora_embedding_(y, x, lora_b_stacked, add_inputs, self._handle)
+            return
+        self._lora_embedding(y, x, lora_b_stacked, add_inputs)
+
+    def _lora_embedding(
+        self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: torch.Tensor, add_inputs: bool
+    ) -> None:
+        """:meth:`add_lora_embedding`'s work, eager (and the body of its op)."""
         if not add_inputs:
             y.zero_()
         b = lora_b_stacked.flatten(1, 2)
@@ -295,3 +352,53 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
 
 
 _SEGMENT_DTYPES = (torch.int64, torch.int32, torch.int32)
+
+
+def _wrapper(handle: int) -> LoraPinPunicaWrapper:
+    wrapper = _WRAPPERS.get(handle)
+    if wrapper is None:
+        raise RuntimeError(f"lora_pin: no punica wrapper has handle {handle} in this process")
+    return wrapper
+
+
+def _lora_linear_op(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: list[torch.Tensor],
+    b: list[torch.Tensor],
+    scale: float,
+    output_slices: list[int],
+    add_inputs: bool,
+    wrapper: int,
+) -> None:
+    _wrapper(wrapper)._lora_linear(y, x, tuple(a), tuple(b), scale, tuple(output_slices), add_inputs)
+
+
+def _lora_embedding_op(
+    y: torch.Tensor, x: torch.Tensor, b: torch.Tensor, add_inputs: bool, wrapper: int
+) -> None:
+    _wrapper(wrapper)._lora_embedding(y, x, b, add_inputs)
+
+
+def _no_output(*args: Any) -> None:
+    # The fake body: the ops only add into ``y`` in place.
+    return None
+
+
+# Defined at the dispatcher's level (a schema, a body, a fake body), as lora_pin.ops.library's ops are.
+for _name, _schema, _body in (
+    (
+        "vllm_lora_linear_",
+        "(Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] b, float scale, int[] output_slices, "
+        "bool add_inputs, int wrapper) -> ()",
+        _lora_linear_op,
+    ),
+    (
+        "vllm_lora_embedding_",
+        "(Tensor(a!) y, Tensor x, Tensor b, bool add_inputs, int wrapper) -> ()",
+        _lora_embedding_op,
+    ),
+):
+    torch.library.define(f"lora_pin::{_name}", _schema)
+    torch.library.impl(f"lora_pin::{_name}", "default")(_body)
+    torch.library.register_fake(f"lora_pin::{_name}")(_no_output)

@@ -6,16 +6,27 @@ wrapper in a classmethod; the per-slot rank lora_pin uses (and a DoRA adapter's 
 when vLLM's LoRA model manager activates an adapter into a slot; DoRA adapters are read where vLLM's
 worker loads an adapter (:mod:`lora_pin.vllm.dora`); a request's salt is set where vLLM builds the
 engine request, and an adapter's digest read where the API server loads it
-(:mod:`lora_pin.vllm.identity`). All are patched here, once per process. :data:`SEAMS` lists what is
-patched, so that the contract test fails loudly, naming the seam, when a vLLM release moves one.
+(:mod:`lora_pin.vllm.identity`); the CPU platform turns compilation off whenever LoRA is on, which
+:data:`COMPILE_ENV` undoes (:func:`keeping_compilation`). All are patched here, once per process.
+:data:`SEAMS` lists what is patched, so that the contract test fails loudly, naming the seam, when a
+vLLM release moves one.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
-__all__ = ["PUNICA_WRAPPER", "SEAMS", "VLLM_MINOR", "adapter_rank", "install"]
+__all__ = [
+    "COMPILE_ENV",
+    "PUNICA_WRAPPER",
+    "SEAMS",
+    "VLLM_MINOR",
+    "adapter_rank",
+    "install",
+    "keeping_compilation",
+]
 
 #: The vLLM minor version the plugin is built against (the ``vllm`` extra pins the same).
 VLLM_MINOR = "0.32"
@@ -23,9 +34,18 @@ VLLM_MINOR = "0.32"
 #: The punica wrapper the CPU platform is made to name.
 PUNICA_WRAPPER = "lora_pin.vllm.punica.LoraPinPunicaWrapper"
 
+#: The environment variable (``"1"``) that keeps vLLM's compiled forward with LoRA on (the CPU platform
+#: runs the model eagerly whenever LoRA is on; the plugin's layers are traceable: its punica wrapper).
+COMPILE_ENV = "LORA_PIN_VLLM_COMPILE"
+
 #: ``(module, qualified name, what the plugin relies on)`` for every vLLM object it patches or calls.
 SEAMS = (
     ("vllm.platforms.cpu", "CpuPlatform.get_punica_wrapper", "classmethod returning a qualified name"),
+    (
+        "vllm.platforms.cpu",
+        "CpuPlatform.check_and_update_config",
+        "classmethod (vllm_config); VLLM_COMPILE -> DYNAMO_TRACE_ONCE, then NONE with LoRA",
+    ),
     ("vllm.lora.punica_wrapper.punica_cpu", "PunicaWrapperCPU", "the base class of lora_pin's wrapper"),
     ("vllm.lora.model_manager", "LoRAModelManager.activate_adapter", "(self, lora_id) -> bool"),
     ("vllm.lora.model_manager", "LoRAModelManager.lora_index_to_id", "slot -> adapter id list"),
@@ -91,6 +111,9 @@ def install() -> None:
     from lora_pin.vllm.pins import set_pin, worker_set_pin
 
     cpu.CpuPlatform.get_punica_wrapper = classmethod(lambda cls: PUNICA_WRAPPER)  # type: ignore[method-assign]
+    cpu.CpuPlatform.check_and_update_config = classmethod(  # type: ignore[method-assign]
+        keeping_compilation(cpu.CpuPlatform.check_and_update_config.__func__)
+    )
     LoRAModelManager.activate_adapter = _recording_ranks(LoRAModelManager.activate_adapter)  # type: ignore[method-assign]
     InputProcessor.process_inputs = salting_process_inputs(InputProcessor.process_inputs)  # type: ignore[method-assign]
     OpenAIServingModels.load_lora_adapter = digesting_load(OpenAIServingModels.load_lora_adapter)  # type: ignore[method-assign]
@@ -102,6 +125,55 @@ def install() -> None:
     WorkerBase.lora_pin_set_pin = worker_set_pin  # type: ignore[attr-defined]
     dora.install()
     _installed = True
+
+
+def keeping_compilation(check: Any) -> Any:
+    """``CpuPlatform.check_and_update_config`` (the function under its classmethod) that, when
+    :data:`COMPILE_ENV` is ``"1"``, keeps with LoRA the compilation mode it gives without: vLLM 0.32
+    turns ``VLLM_COMPILE`` into ``DYNAMO_TRACE_ONCE`` (one Dynamo trace, inductor) and then sets ``NONE``
+    whenever LoRA is on, because its own CPU punica wrapper reads the step's metadata on the host in
+    every layer (``no_lora``, ``is_prefill``, the segment counts). lora_pin's wrapper is one opaque op
+    per layer under ``torch.compile`` (:mod:`lora_pin.vllm.punica`). Left as vLLM set it: without the
+    variable, with ``--fully-sharded-loras`` (whose shrink and expand halves are not made traceable) and
+    when compilation was not asked for (``--enforce-eager``, ``-O0``). When it keeps compilation, it
+    turns vLLM's compile cache off for the engine's processes (``VLLM_DISABLE_COMPILE_CACHE=1``): the
+    cache's key does not cover lora_pin's code."""
+    from vllm.logger import init_logger
+
+    log = init_logger(__name__)
+
+    @functools.wraps(check)
+    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
+        from vllm.config import CompilationMode
+
+        compilation = vllm_config.compilation_config
+        requested = compilation.mode
+        check(cls, vllm_config)
+        lora = vllm_config.lora_config
+        if lora is None or os.environ.get(COMPILE_ENV) != "1" or compilation.mode != CompilationMode.NONE:
+            return
+        if lora.fully_sharded_loras:
+            log.warning(
+                "lora_pin: %s=1 is ignored with --fully-sharded-loras: the model runs eagerly", COMPILE_ENV
+            )
+            return
+        if requested == CompilationMode.VLLM_COMPILE:
+            # What the platform gives this mode without LoRA (its backend settings are made already).
+            compilation.mode = CompilationMode.DYNAMO_TRACE_ONCE
+        elif requested in (CompilationMode.STOCK_TORCH_COMPILE, CompilationMode.DYNAMO_TRACE_ONCE):
+            compilation.mode = requested
+        else:
+            return
+        # vLLM's compile cache keys a compiled forward by vLLM's config and environment, not by lora_pin's
+        # code: an artifact from another lora_pin (another op schema) would be loaded as it is. Each start
+        # compiles afresh instead (what vLLM's platforms do to set up their workers: the environment the
+        # engine's processes inherit).
+        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+        log.warning(
+            "lora_pin: LoRA with vLLM's compiled forward (compilation mode %s)", compilation.mode.name
+        )
+
+    return check_and_update_config
 
 
 def adapter_rank(lora_model: Any) -> int:

@@ -110,6 +110,21 @@ if sys.argv[1] == "off":
         f"it names {CpuPlatform.get_punica_wrapper()}",
     )
 
+# LORA_PIN_VLLM_COMPILE undoes exactly this: the platform turns VLLM_COMPILE into DYNAMO_TRACE_ONCE (its
+# inductor settings made there), then sets NONE whenever LoRA is on. When a release compiles LoRA on CPU
+# itself, or compiles it another way, this fails.
+platform_check = inspect.getsource(CpuPlatform.check_and_update_config)
+lora_off = (
+    "if vllm_config.lora_config is not None:\n            compilation_config.mode = CompilationMode.NONE"
+)
+check(
+    "CpuPlatform.check_and_update_config",
+    "compilation_config.mode = CompilationMode.DYNAMO_TRACE_ONCE" in platform_check
+    and lora_off in platform_check
+    and platform_check.index("CompilationMode.DYNAMO_TRACE_ONCE") < platform_check.index(lora_off),
+    "it no longer compiles VLLM_COMPILE as DYNAMO_TRACE_ONCE and then turns compilation off with LoRA",
+)
+
 from vllm.lora.peft_helper import PEFTHelper  # noqa: E402
 
 
@@ -145,5 +160,10 @@ if loaded:
         "it does not resolve to LoraPinPunicaWrapper",
     )
     check("activate_adapter patch", LoRAModelManager.activate_adapter.__wrapped__ is not None, "not patched")
+    check(
+        "check_and_update_config patch",
+        getattr(CpuPlatform.check_and_update_config, "__wrapped__", None) is not None,
+        "not patched",
+    )
     check("DoRA refusal lifted", not dora_refused(), "vLLM still refuses use_dora with the plugin")
 print(json.dumps({"broken": broken, "loaded": loaded}))
