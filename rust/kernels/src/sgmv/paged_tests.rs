@@ -5,7 +5,7 @@
 
 use proptest::prelude::*;
 
-use super::sgmv_tests::{Dtype, Rng, Tensor};
+use super::sgmv_tests::{check_expanded, check_shrunk, Dtype, Rng, Tensor};
 use super::{available, CpuPlan, PageTable};
 use lora_pin_core::Error;
 
@@ -195,32 +195,7 @@ impl Case {
         let sentinel = 7.0;
         let mut v = Tensor::new(dtype, (0..t * s * r).map(|_| sentinel));
         self.plan().paged_shrink(x.data(), n, a_pages.data(), &pages, v.data_mut(), self.threads).unwrap();
-        for (tok, slot) in self.slot_of().into_iter().enumerate() {
-            for col in 0..s * r {
-                let (slice, j) = (col / r, col % r);
-                let got = v.read(tok * s * r + col);
-                match slot.filter(|&k| j < self.rank(k, slice)) {
-                    None => prop_assert_eq!(got, sentinel as f64, "token {} col {} was written", tok, col),
-                    Some(k) => {
-                        let terms = (0..n).map(|i| {
-                            x.values[tok * n + i] as f64 * a.values[((k * s + slice) * r + j) * n + i] as f64
-                        });
-                        let (want, size) = terms.fold((0.0, 0.0), |(w, m), p| (w + p, m + p.abs()));
-                        let tol = v.eps() * want.abs() + 1e-6 * size + v.tiny();
-                        prop_assert!(
-                            (got - want).abs() <= tol,
-                            "{:?} token {} col {}: got {} want {}",
-                            dtype,
-                            tok,
-                            col,
-                            got,
-                            want
-                        );
-                    }
-                }
-            }
-        }
-        Ok(())
+        check_shrunk(&v, &x, &a, sentinel, &self.slot_of(), |k, q| self.rank(k, q), (s, r))
     }
 
     /// The paged expand against the reference; `perturb` as for [`Case::check_shrink`].
@@ -243,39 +218,8 @@ impl Case {
         self.plan()
             .paged_expand(out.data_mut(), v.data(), b_pages.data(), &pages, &scalings, &offsets, self.threads)
             .unwrap();
-        for (tok, slot) in self.slot_of().into_iter().enumerate() {
-            for slice in 0..s {
-                for o in offsets[slice]..offsets[slice + 1] {
-                    let i = tok * out_total + o;
-                    let rank = slot.map_or(0, |k| self.rank(k, slice));
-                    let Some(k) = slot.filter(|_| rank > 0) else {
-                        prop_assert_eq!(out.raw(i), before.raw(i), "token {} output {} changed", tok, o);
-                        continue;
-                    };
-                    let scale = scalings[k * s + slice] as f64;
-                    let terms = (0..rank).map(|j| {
-                        scale
-                            * v.values[tok * s * r + slice * r + j] as f64
-                            * b.values[(k * out_total + o) * r + j] as f64
-                    });
-                    let (delta, size) = terms.fold((0.0, 0.0), |(w, m), p| (w + p, m + p.abs()));
-                    let want = before.values[i] as f64 + delta;
-                    let got = out.read(i);
-                    let tol =
-                        out.eps() * want.abs() + 1e-6 * (size + before.values[i].abs() as f64) + out.tiny();
-                    prop_assert!(
-                        (got - want).abs() <= tol,
-                        "{:?} token {} output {}: got {} want {}",
-                        dtype,
-                        tok,
-                        o,
-                        got,
-                        want
-                    );
-                }
-            }
-        }
-        Ok(())
+        let slots = self.slot_of();
+        check_expanded(&out, &before, &v, &b, &scalings, &offsets, &slots, |k, q| self.rank(k, q), r)
     }
 }
 

@@ -226,32 +226,7 @@ impl Case {
         let sentinel = 7.0;
         let mut v = Tensor::new(dtype, (0..t * s * r).map(|_| sentinel));
         self.plan().shrink(x.data(), n, a.data(), v.data_mut(), self.threads).unwrap();
-        for (tok, slot) in self.slot_of().into_iter().enumerate() {
-            for col in 0..s * r {
-                let (slice, j) = (col / r, col % r);
-                let got = v.read(tok * s * r + col);
-                match slot.filter(|&k| j < self.rank(k, slice)) {
-                    None => prop_assert_eq!(got, sentinel as f64, "token {} col {} was written", tok, col),
-                    Some(k) => {
-                        let terms = (0..n).map(|i| {
-                            x.values[tok * n + i] as f64 * a.values[((k * s + slice) * r + j) * n + i] as f64
-                        });
-                        let (want, size) = terms.fold((0.0, 0.0), |(w, m), p| (w + p, m + p.abs()));
-                        let tol = v.eps() * want.abs() + 1e-6 * size + v.tiny();
-                        prop_assert!(
-                            (got - want).abs() <= tol,
-                            "{:?} token {} col {}: got {} want {}",
-                            dtype,
-                            tok,
-                            col,
-                            got,
-                            want
-                        );
-                    }
-                }
-            }
-        }
-        Ok(())
+        check_shrunk(&v, &x, &a, sentinel, &self.slot_of(), |k, q| self.rank(k, q), (s, r))
     }
 
     fn check_expand(&self, dtype: Dtype) -> std::result::Result<(), TestCaseError> {
@@ -281,39 +256,8 @@ impl Case {
         let before = Tensor::new(dtype, (0..t * out_total).map(|_| rng.uniform()));
         let mut out = Tensor::new(dtype, before.values.iter().copied());
         self.plan().expand(out.data_mut(), v.data(), b.data(), &scalings, &offsets, self.threads).unwrap();
-        for (tok, slot) in self.slot_of().into_iter().enumerate() {
-            for slice in 0..s {
-                for o in offsets[slice]..offsets[slice + 1] {
-                    let i = tok * out_total + o;
-                    let rank = slot.map_or(0, |k| self.rank(k, slice));
-                    let Some(k) = slot.filter(|_| rank > 0) else {
-                        prop_assert_eq!(out.raw(i), before.raw(i), "token {} output {} changed", tok, o);
-                        continue;
-                    };
-                    let scale = scalings[k * s + slice] as f64;
-                    let terms = (0..rank).map(|j| {
-                        scale
-                            * v.values[tok * s * r + slice * r + j] as f64
-                            * b.values[(k * out_total + o) * r + j] as f64
-                    });
-                    let (delta, size) = terms.fold((0.0, 0.0), |(w, m), p| (w + p, m + p.abs()));
-                    let want = before.values[i] as f64 + delta;
-                    let got = out.read(i);
-                    let tol =
-                        out.eps() * want.abs() + 1e-6 * (size + before.values[i].abs() as f64) + out.tiny();
-                    prop_assert!(
-                        (got - want).abs() <= tol,
-                        "{:?} token {} output {}: got {} want {}",
-                        dtype,
-                        tok,
-                        o,
-                        got,
-                        want
-                    );
-                }
-            }
-        }
-        Ok(())
+        let slots = self.slot_of();
+        check_expanded(&out, &before, &v, &b, &scalings, &offsets, &slots, |k, q| self.rank(k, q), r)
     }
 
     /// `lora_delta` gives bit for bit what `shrink` then `expand` give (same kernels, same rounding of v).
@@ -343,6 +287,98 @@ impl Case {
         }
         Ok(())
     }
+}
+
+/// Checks a shrink's `v` (`[T, s*r]`) against the f64 reference of `x` (`[T, n]`) and a slot-layout
+/// `a` (`[slots, s*r, n]`): a column past its token's slot rank, or of a token with no slot, still
+/// holds `sentinel`. `slot_of`: each token's slot; `rank(slot, slice)`.
+pub(super) fn check_shrunk(
+    v: &Tensor,
+    x: &Tensor,
+    a: &Tensor,
+    sentinel: f32,
+    slot_of: &[Option<usize>],
+    rank: impl Fn(usize, usize) -> usize,
+    (s, r): (usize, usize),
+) -> std::result::Result<(), TestCaseError> {
+    let n = x.values.len() / slot_of.len().max(1);
+    for (tok, slot) in slot_of.iter().enumerate() {
+        for col in 0..s * r {
+            let (slice, j) = (col / r, col % r);
+            let got = v.read(tok * s * r + col);
+            match slot.filter(|&k| j < rank(k, slice)) {
+                None => prop_assert_eq!(got, sentinel as f64, "token {} col {} was written", tok, col),
+                Some(k) => {
+                    let terms = (0..n).map(|i| {
+                        x.values[tok * n + i] as f64 * a.values[((k * s + slice) * r + j) * n + i] as f64
+                    });
+                    let (want, size) = terms.fold((0.0, 0.0), |(w, m), p| (w + p, m + p.abs()));
+                    let tol = v.eps() * want.abs() + 1e-6 * size + v.tiny();
+                    prop_assert!(
+                        (got - want).abs() <= tol,
+                        "{:?} token {} col {}: got {} want {}",
+                        v.dtype,
+                        tok,
+                        col,
+                        got,
+                        want
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks an expand's `out` (`[T, out_total]`, `before` it ran) against the f64 reference of `v`
+/// (`[T, s*r]`), a slot-layout `b` (`[slots, out_total, r]`) and `scalings` (`[slots, s]`): a row of
+/// a token with no slot, or a slice of rank 0, is unchanged bit for bit.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn check_expanded(
+    out: &Tensor,
+    before: &Tensor,
+    v: &Tensor,
+    b: &Tensor,
+    scalings: &[f32],
+    offsets: &[usize],
+    slot_of: &[Option<usize>],
+    rank: impl Fn(usize, usize) -> usize,
+    r: usize,
+) -> std::result::Result<(), TestCaseError> {
+    let s = offsets.len() - 1;
+    let out_total = offsets[s];
+    for (tok, slot) in slot_of.iter().enumerate() {
+        for slice in 0..s {
+            for o in offsets[slice]..offsets[slice + 1] {
+                let i = tok * out_total + o;
+                let rank = slot.map_or(0, |k| rank(k, slice));
+                let Some(k) = slot.filter(|_| rank > 0) else {
+                    prop_assert_eq!(out.raw(i), before.raw(i), "token {} output {} changed", tok, o);
+                    continue;
+                };
+                let scale = scalings[k * s + slice] as f64;
+                let terms = (0..rank).map(|j| {
+                    scale
+                        * v.values[tok * s * r + slice * r + j] as f64
+                        * b.values[(k * out_total + o) * r + j] as f64
+                });
+                let (delta, size) = terms.fold((0.0, 0.0), |(w, m), p| (w + p, m + p.abs()));
+                let want = before.values[i] as f64 + delta;
+                let got = out.read(i);
+                let tol = out.eps() * want.abs() + 1e-6 * (size + before.values[i].abs() as f64) + out.tiny();
+                prop_assert!(
+                    (got - want).abs() <= tol,
+                    "{:?} token {} output {}: got {} want {}",
+                    out.dtype,
+                    tok,
+                    o,
+                    got,
+                    want
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 proptest! {
