@@ -1,5 +1,5 @@
-"""Run by tests/vllm/test_punica_compile.py in the vLLM venv (no pytest there): lora_pin's punica wrapper under
-``torch.compile`` as vLLM compiles its forward (one Dynamo trace, dynamic token count, inductor), on a
+"""Run by tests/vllm/test_punica_compile.py in the vLLM venv (no pytest there): lora_pin's punica wrapper
+under ``torch.compile`` as vLLM compiles its forward (one Dynamo trace, dynamic token count, inductor), on a
 small model whose layers call the wrapper as vLLM's LoRA layers do (an embedding with LoRA, a fused
 q/k/v linear, a plain linear some adapters have no weights for, a linear no adapter has weights for).
 Over steps of different token counts and adapter mixes, the metadata updated between steps as vLLM's
