@@ -467,6 +467,7 @@ def fixed_costs(calls: int) -> dict[str, float]:
         scalings=layer.slot_scalings,
         slice_offsets=layer.slice_offsets,
         dora_slots=None,  # no DoRA adapter in these slots
+        page_rank=None,  # a slot pool
     )
     used = segments_from_slots(torch.tensor([0, -1, 1, 0]))
     # Slot 2 has no rank in this group (an adapter that targets other modules only).
@@ -528,6 +529,7 @@ def embedding_fixed_costs(calls: int) -> dict[str, float]:
         scalings=layer.slot_scalings,
         slice_offsets=layer.slice_offsets,
         dora_slots=None,
+        page_rank=None,
     )
     used = segments_from_slots(torch.tensor([0, -1, 1, 0]))
     ranks_elsewhere = layer.slot_ranks.clone()
