@@ -18,6 +18,14 @@ from lora_pin.fixtures import make_peft_adapter, make_tiny_llama
 MakeAdapters = Callable[[Path, Mapping[str, Mapping[str, Any]]], dict[str, Path]]
 
 
+@pytest.fixture
+def fresh_dynamo() -> None:
+    """Forgets every graph ``torch.compile`` made before the test. The LoRA layers' code is shared by every
+    model of the session, and Dynamo's recompile limit counts graphs per code object, so without this a
+    ``fullgraph=True`` compile fails once enough earlier tests compiled other models."""
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama's checkpoint folder (2 layers, hidden 64, vocab 128, fp32 safetensors).

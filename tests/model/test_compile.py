@@ -12,6 +12,9 @@ import torch
 
 from lora_pin import LoRAManager
 
+# Each test compiles from a clean slate (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -16,6 +16,9 @@ import torch
 from lora_pin import LoRAManager
 from lora_pin.fixtures import save_peft_adapter
 
+# Each test compiles from a clean slate (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RTOL, ATOL = 2e-4, 2e-5
 

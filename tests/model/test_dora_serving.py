@@ -22,6 +22,9 @@ from safetensors.torch import load_file, save_file
 from lora_pin import LoRAManager
 from lora_pin.fixtures import save_peft_adapter
 
+# Each test compiles from a clean slate (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 TOLERANCE = {torch.float32: (2e-4, 2e-5), torch.bfloat16: (6e-2, 6e-2)}
 
 

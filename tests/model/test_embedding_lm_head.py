@@ -21,6 +21,9 @@ from lora_pin import LoRAManager
 from lora_pin.errors import AdapterLoadError
 from lora_pin.fixtures import save_peft_adapter
 
+# Each test compiles from a clean slate (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 VOCAB = 96
 
 

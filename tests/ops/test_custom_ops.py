@@ -457,11 +457,13 @@ def _check_compiled(backend):
             torch.testing.assert_close(compiled(x, *segments[:3]), module(x, *segments[:3]))
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_torch_compile_fullgraph():
     _check_compiled("aot_eager")
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_torch_compile_fullgraph_inductor():
     _check_compiled("inductor")
 

@@ -108,6 +108,7 @@ class _PagedLoRALinear(torch.nn.Module):
         return torch.nn.functional.silu(y)
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_torch_compile_fullgraph():
     layer, _, batch, x, _, a_pages, b_pages, pages = _small_case()
     module = _PagedLoRALinear(layer, a_pages, b_pages, pages)
