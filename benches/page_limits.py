@@ -23,7 +23,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -107,8 +107,20 @@ def _memory_bound(
     return demand / free
 
 
-def main() -> None:
-    args = _parser().parse_args()
+class Row(NamedTuple):
+    """One pool of the grid: its pages (``UNBOUNDED``: no bound) and host tier, the simulated steps at 8
+    and at 512 adapters summed over the workloads, and the memory bound on the steps at 512 (``None``
+    for an unbounded pool)."""
+
+    pages: int
+    host: int
+    at8: int
+    at512: int
+    bound: float | None
+
+
+def grid(args: argparse.Namespace) -> list[Row]:
+    """The simulated steps of every pool of ``--pages`` x ``--host`` on ``--seeds`` workloads."""
     pools = [UNBOUNDED if p == "none" else int(p) for p in args.pages.split(",")]
     hosts = [int(h) for h in args.host.split(",")]
     names = _names()
@@ -118,19 +130,32 @@ def main() -> None:
         workloads.append(
             (w_args, serve_load._workload(w_args, 8, names), serve_load._workload(w_args, 512, names))
         )
+    rows = []
+    for pages in pools:
+        for host in hosts:
+            at8 = sum(_steps(args, w, few, pages, host) for w, few, _ in workloads)
+            at512 = sum(_steps(args, w, many, pages, host) for w, _, many in workloads)
+            bound = (
+                None
+                if pages == UNBOUNDED
+                else sum(_memory_bound(args, w, many, pages) for w, _, many in workloads)
+            )
+            rows.append(Row(pages, host, at8, at512, bound))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     print(
         f"{args.seeds} workloads of serve_load (seeds 0..{args.seeds - 1}), ranks {args.ranks}, "
         f"page rank {args.page_rank}, step {args.step_ms} ms, read {args.read_ms} ms"
     )
     print("| pages | host tier | steps at 8 | steps at 512 | 8 / 512 | memory bound at 512 (steps) |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for pages in pools:
-        for host in hosts:
-            at8 = sum(_steps(args, w, few, pages, host) for w, few, _ in workloads)
-            at512 = sum(_steps(args, w, many, pages, host) for w, _, many in workloads)
-            bound = sum(_memory_bound(args, w, many, pages) for w, _, many in workloads)
-            label, bound_cell = ("unbounded", "-") if pages == UNBOUNDED else (str(pages), f"{bound:.0f}")
-            print(f"| {label} | {host} | {at8} | {at512} | {at8 / at512:.3f} | {bound_cell} |")
+    for r in grid(args):
+        label = "unbounded" if r.pages == UNBOUNDED else str(r.pages)
+        bound = "-" if r.bound is None else f"{r.bound:.0f}"
+        print(f"| {label} | {r.host} | {r.at8} | {r.at512} | {r.at8 / r.at512:.3f} | {bound} |")
 
 
 if __name__ == "__main__":

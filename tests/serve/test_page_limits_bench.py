@@ -1,0 +1,36 @@
+"""``benches/page_limits.py`` (issue 37): its memory bound is a lower bound of what the simulator runs, and
+with nothing bounding a step's adapters, serve_load's 512-adapter workloads take the 8-adapter steps."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    path = Path(__file__).resolve().parents[2] / "benches" / "page_limits.py"
+    spec = importlib.util.spec_from_file_location("bench_page_limits", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_memory_bound_holds_and_unbounded_pools_cost_no_steps(bench: ModuleType) -> None:
+    args = bench._parser().parse_args(["--seeds", "2", "--pages", "60,90,none", "--host", "32,64"])
+    rows = {(r.pages, r.host): r for r in bench.grid(args)}
+    for (pages, _), row in rows.items():
+        assert row.at8 > 0 and row.at512 > 0
+        if pages != bench.UNBOUNDED:
+            assert row.bound is not None and 0 < row.bound <= row.at512, row
+    # Pages and a host tier for every adapter in flight: 512 adapters run the 8-adapter steps.
+    free = rows[(bench.UNBOUNDED, 64)]
+    assert free.at512 == free.at8
+    # The issue's memory (8 rank-64 slots: 60 pages) costs steps at 512 adapters.
+    assert rows[(60, 32)].at512 > rows[(60, 32)].at8
