@@ -153,6 +153,40 @@ fn fetch_dict<'py>(py: Python<'py>, f: &FetchReport) -> PyResult<Bound<'py, PyDi
 /// How often a long replay takes the GIL back, to check for Ctrl-C and to report progress.
 const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 
+/// The arguments `simulate` and `simulate_replicas` share, as Python gave them.
+struct Shape<'a> {
+    slots: i64,
+    max_loaded_loras: Option<i64>,
+    policy: &'a str,
+    pins: Vec<String>,
+    batch_size: i64,
+    step_seconds: f64,
+    adapter_bytes: u64,
+    ranks: Vec<(u32, f64)>,
+    max_host_bytes: Option<u64>,
+}
+
+impl Shape<'_> {
+    /// The simulator's configuration of a blocking slot pool (no reads, no pages, no decode), counts
+    /// checked non-negative (a `SpecError` naming the argument otherwise).
+    fn config(self, py: Python<'_>) -> PyResult<SimConfig> {
+        Ok(SimConfig {
+            slots: non_negative(py, "slots", self.slots)?,
+            max_loaded: self.max_loaded_loras.map(|v| non_negative(py, "max_loaded_loras", v)).transpose()?,
+            policy: self.policy.to_owned(),
+            pins: self.pins,
+            batch_size: non_negative(py, "batch_size", self.batch_size)?,
+            step_seconds: self.step_seconds,
+            adapter_bytes: self.adapter_bytes,
+            ranks: self.ranks,
+            max_host_bytes: self.max_host_bytes,
+            load_ms: 0.0,
+            paging: None,
+            decode: false,
+        })
+    }
+}
+
 /// Replays `trace` through the registry's planner — the calls `LoRAManager` makes per step: plan the
 /// first `batch_size` waiting requests, acquire the admitted ones, load, release; deferred requests
 /// run first next step — and reports both tiers beside Belady's offline-optimal bound.
@@ -243,20 +277,18 @@ pub fn simulate<'py>(
                 return Err(new_error(py, "SpecError", msg.to_owned()));
             }
         };
-        let config = SimConfig {
-            slots: non_negative(py, "slots", slots)?,
-            max_loaded: max_loaded_loras.map(|v| non_negative(py, "max_loaded_loras", v)).transpose()?,
-            policy: policy.to_owned(),
+        let shape = Shape {
+            slots,
+            max_loaded_loras,
+            policy,
             pins,
-            batch_size: non_negative(py, "batch_size", batch_size)?,
+            batch_size,
             step_seconds,
             adapter_bytes,
             ranks,
             max_host_bytes,
-            load_ms,
-            paging,
-            decode,
         };
+        let config = SimConfig { load_ms, paging, decode, ..shape.config(py)? };
         let trace = &trace.get().0;
         let progress = progress.as_ref();
         let (run, log) = detached(py, || {
@@ -356,20 +388,18 @@ pub fn simulate_replicas<'py>(
     max_host_bytes: Option<u64>,
 ) -> PyResult<Bound<'py, PyDict>> {
     shielded(py, || {
-        let config = SimConfig {
-            slots: non_negative(py, "slots", slots)?,
-            max_loaded: max_loaded_loras.map(|v| non_negative(py, "max_loaded_loras", v)).transpose()?,
-            policy: policy.to_owned(),
+        let shape = Shape {
+            slots,
+            max_loaded_loras,
+            policy,
             pins,
-            batch_size: non_negative(py, "batch_size", batch_size)?,
+            batch_size,
             step_seconds,
             adapter_bytes,
             ranks,
             max_host_bytes,
-            load_ms: 0.0,
-            paging: None,
-            decode: false,
         };
+        let config = shape.config(py)?;
         let replicas = non_negative(py, "replicas", replicas)?;
         let queue_bound = non_negative(py, "queue_bound", queue_bound)?;
         let router = Router::parse(router).map_err(py_err)?;
