@@ -6,8 +6,11 @@ Every file that serves or loads adapters needs the same small base model (two la
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -24,6 +27,26 @@ def fresh_dynamo() -> None:
     model of the session, and Dynamo's recompile limit counts graphs per code object, so without this a
     ``fullgraph=True`` compile fails once enough earlier tests compiled other models."""
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def load_bench() -> Callable[[str], ModuleType]:
+    """Imports ``benches/NAME.py`` as module ``bench_NAME``, once a session. It is registered in
+    ``sys.modules`` before it runs, where dataclasses look their module up."""
+
+    def load(name: str) -> ModuleType:
+        key = f"bench_{name}"
+        if key in sys.modules:
+            return sys.modules[key]
+        path = Path(__file__).resolve().parents[1] / "benches" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(key, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture(scope="session")

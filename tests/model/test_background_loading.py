@@ -11,6 +11,7 @@ import copy
 import shutil
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -413,17 +414,11 @@ def test_cuda_steps_over_background_loads_compute_what_they_should(linears_world
         torch.testing.assert_close(got.cpu(), want[name], rtol=1e-4, atol=1e-5)
 
 
-def test_the_async_loading_benchmark_runs(capsys: pytest.CaptureFixture[str], monkeypatch: Any) -> None:
+def test_the_async_loading_benchmark_runs(
+    capsys: pytest.CaptureFixture[str], load_bench: Callable[[str], Any]
+) -> None:
     """``benches/async_loading.py`` stays runnable (a tiny run: its figures mean nothing here)."""
-    import importlib.util
-    import sys
-
-    path = Path(__file__).resolve().parents[2] / "benches" / "async_loading.py"
-    spec = importlib.util.spec_from_file_location("bench_async_loading", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
+    module = load_bench("async_loading")
     argv = ["--requests", "40", "--rate", "2000", "--delay-ms", "5", "--rounds", "1", "--hidden", "64"]
     module.main(argv)
     out = capsys.readouterr().out

@@ -567,36 +567,22 @@ def test_bad_segment_contents_are_refused_on_cpu():
 # --- the benchmark scripts stay runnable -------------------------------------------------------------
 
 
-def _load_bench(name, monkeypatch):
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benches" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_gpu_benchmark_dry_run(capsys, monkeypatch):
-    assert _load_bench("gpu_ops", monkeypatch).main(["--dry-run", "--hidden", "4096", "--ranks", "16"]) == 0
+def test_gpu_benchmark_dry_run(capsys, load_bench):
+    assert load_bench("gpu_ops").main(["--dry-run", "--hidden", "4096", "--ranks", "16"]) == 0
     printed = capsys.readouterr().out
     assert "12 cases" in printed and "tiny case under the Triton interpreter" in printed
 
 
-def test_cpu_benchmark_agrees_with_its_baselines(capsys, monkeypatch):
+def test_cpu_benchmark_agrees_with_its_baselines(capsys, load_bench):
     # Every case cross-checks lora_pin against PEFT's loop, gather-bmm, vLLM's and SGLang's paths first.
     argv = ["--hidden", "32", "--ranks", "4,8", "--decode-batch", "8", "--adapters", "3,8", "--threads", "1"]
     argv += ["--prefill-requests", "2", "--prefill-tokens", "20", "--rounds", "1", "--fixed-calls", "10"]
-    assert _load_bench("cpu_ops", monkeypatch).main([*argv, "--flush-mb", "1", "--dtype", "fp32,bf16"]) == 0
+    assert load_bench("cpu_ops").main([*argv, "--flush-mb", "1", "--dtype", "fp32,bf16"]) == 0
     printed = capsys.readouterr().out
     assert "goal met in every case" in printed and "layer, no row uses the group" in printed
 
 
-def test_cpu_benchmark_of_pages_agrees_with_the_reference(capsys, monkeypatch):
+def test_cpu_benchmark_of_pages_agrees_with_the_reference(capsys, load_bench):
     # Each case checks the slot layout's ops and the paged ones against the fp64 reference first.
     argv = [
         "--layout",
@@ -623,7 +609,7 @@ def test_cpu_benchmark_of_pages_agrees_with_the_reference(capsys, monkeypatch):
         "--stat",
         "min",
     ]
-    assert _load_bench("cpu_ops", monkeypatch).main(argv) == 0
+    assert load_bench("cpu_ops").main(argv) == 0
     printed = capsys.readouterr().out
     assert "page_rank 8 (min ms; ratio = slots / pages)" in printed and "goal met in every case" in printed
 

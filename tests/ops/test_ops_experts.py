@@ -139,18 +139,9 @@ def test_the_triton_kernels_match_the_reference_under_the_interpreter(
     assert torch.equal(_bits(got[base]), _bits(out[base])), "base rows must be untouched"
 
 
-def test_the_benchmark_agrees_with_its_loop_baseline(capsys, monkeypatch) -> None:
+def test_the_benchmark_agrees_with_its_loop_baseline(capsys, load_bench) -> None:
     """benches/moe_experts.py checks the op against its per-(adapter, expert) loop before timing."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benches" / "moe_experts.py"
-    spec = importlib.util.spec_from_file_location("bench_moe_experts", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
+    module = load_bench("moe_experts")
     argv = ["--hidden", "32", "--out", "16", "--rank", "4", "--slots", "3", "--experts", "4"]
     argv += ["--decode-batch", "8", "--prefill-requests", "2", "--prefill-tokens", "6", "--rounds", "1"]
     assert module.main(argv) == 0

@@ -3,23 +3,15 @@ with nothing bounding a step's adapters, serve_load's 512-adapter workloads take
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
 
 
 @pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benches" / "page_limits.py"
-    spec = importlib.util.spec_from_file_location("bench_page_limits", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def bench(load_bench: Callable[[str], ModuleType]) -> ModuleType:
+    return load_bench("page_limits")
 
 
 def test_memory_bound_holds_and_unbounded_pools_cost_no_steps(bench: ModuleType) -> None:

@@ -4,9 +4,8 @@ pool gets the flags of the same device memory."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -19,14 +18,8 @@ MIX = "8:4,16:2,64:1"
 
 
 @pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benches" / "serve_load.py"
-    spec = importlib.util.spec_from_file_location("bench_serve_load", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def bench(load_bench: Callable[[str], ModuleType]) -> ModuleType:
+    return load_bench("serve_load")
 
 
 def test_rank_mix_parses_rank_weight_items_and_names_a_bad_one(bench: ModuleType) -> None:
