@@ -86,10 +86,12 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         self._tables: dict[tuple[int | None, int, float], tuple[torch.Tensor, torch.Tensor]] = {}
         self._token_segments = KernelMeta(*(torch.empty(0, dtype=t) for t in _SEGMENT_DTYPES))
         self._sampler_segments = self._token_segments
-        # The step's prepared deltas by the id of the layer's A buffer, the last one made (to share its
-        # plan with the next layer group) and the concatenated copies of fused layers' buffers.
+        # The step's prepared deltas by the id of the layer's A buffer; per shape (tokens, A's and B's
+        # shapes) the last one checked and planned in full, whose plan the next layer group of that shape
+        # shares (a model's groups alternate shapes: q/k/v, o, ...); the concatenated copies of fused
+        # layers' buffers.
         self._prepared: dict[int, CpuDelta] = {}
-        self._last_prepared: CpuDelta | None = None
+        self._shared: dict[tuple[int, torch.Size, torch.Size], CpuDelta] = {}
         self._buffers_of: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
         # DoRA adapters' factors per linear layer and slot (lora_pin.vllm.dora).
         self.dora = DoraSlots()
@@ -131,7 +133,7 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         self._sampler_segments = segments_from_slots(self.sampler_indices)
         self.dora.new_step(self._token_segments)
         self._prepared.clear()
-        self._last_prepared = None
+        self._shared.clear()
 
     def _table(
         self, n_slices: int, scale: float, device: torch.device, layer: int | None = None
@@ -193,9 +195,12 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         if prepared is None or prepared.a is not a or prepared.n_tokens != n_tokens:
             ranks, scalings = self._table(len(offsets) - 1, scale, a.device, layer)
             meta = KernelMeta.for_layer(segments, ranks, scalings, offsets)
-            prepared = CpuDelta.prepare(meta, a, b, n_tokens, like=self._last_prepared)
+            shape = (n_tokens, a.shape, b.shape)
+            like = self._shared.get(shape)
+            prepared = CpuDelta.prepare(meta, a, b, n_tokens, like=like)
+            if like is None or prepared.plan is not like.plan:
+                self._shared[shape] = prepared
             self._prepared[key] = prepared
-            self._last_prepared = prepared
         return prepared
 
     def add_lora_linear(
