@@ -77,6 +77,11 @@ SEAMS = (
     ("vllm.lora.model_manager", "LoRAModelManager.modules", "layer name -> its LoRA layer"),
     ("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", "(layer, remove_weight) drops it"),
     ("vllm.lora.layers.base_linear", "BaseLinearLayerWithLoRA.apply", "base(x, bias), add_lora_linear"),
+    (
+        "vllm.lora.layers",
+        "VocabParallelEmbeddingWithLoRA.forward",
+        "add_lora_embedding(out, x, self.lora_b_stacked): layers known by lora_b_stacked",
+    ),
 )
 
 _installed = False
@@ -185,11 +190,11 @@ def adapter_rank(lora_model: Any) -> int:
 
 def _recording_ranks(activate: Any) -> Any:
     """``activate_adapter`` that also tells lora_pin's punica wrappers the rank of the adapter it put in
-    a slot and the linear layers it has no weights for (vLLM zeroes the slot there: ``reset_lora``),
-    gives its DoRA factors to the slot's layers, and pins it there if it is pinned."""
+    a slot and the layers (linear, token embedding) it has no weights for (vLLM zeroes the slot there:
+    ``reset_lora``), gives its DoRA factors to the slot's layers, and pins it there if it is pinned."""
     from lora_pin.vllm.dora import activate as activate_dora
     from lora_pin.vllm.pins import pin_on_activation
-    from lora_pin.vllm.punica import LoraPinPunicaWrapper
+    from lora_pin.vllm.punica import LoraPinPunicaWrapper, keyed_buffer
 
     @functools.wraps(activate)
     def activate_adapter(self: Any, lora_id: int) -> bool:
@@ -199,9 +204,9 @@ def _recording_ranks(activate: Any) -> Any:
             lora_model = self._registered_adapters[lora_id]
             rank = adapter_rank(lora_model)
             without = [
-                module.lora_a_stacked[0]
+                buffer
                 for name, module in self.modules.items()
-                if isinstance(getattr(module, "lora_a_stacked", None), tuple)
+                if (buffer := keyed_buffer(module)) is not None
                 and not self._get_lora_layer_weights(lora_model, name)
             ]
             for wrapper in self.punica_wrapper_mapping.values():
