@@ -4,8 +4,10 @@ Per-phase timers are put around vLLM's own methods in each of its processes (the
 scheduler, the worker's model runner, LoRA manager, LoRA layers and punica wrapper) through a
 ``sitecustomize`` on ``PYTHONPATH``; each process writes its totals to a file twice a second, and the
 difference over the measured run (after a warm-up) is printed per configuration: calls, wall and CPU
-seconds (``process_time``: all the process's threads, steadier than wall on a shared machine), and per
-step, beside the requests and tokens a step ran.
+seconds (``process_time``: all the process's threads, steadier than wall on a shared machine) and the
+calling thread's CPU seconds (``thread_time``; the rest of the CPU column is other threads' meanwhile:
+torch's OpenMP workers spinning after a parallel region, lora_pin's kernel threads), per step, beside
+the requests and tokens a step ran.
 
 Configurations are ``MODE:ADAPTERS`` (``plugin``: ``lora-pin vllm-serve``; ``compiled``: the same with
 ``LORA_PIN_VLLM_COMPILE=1``, vLLM's compiled forward kept with LoRA on; ``vllm``: vLLM alone; 0
@@ -54,6 +56,7 @@ TIMED = {
         ("BaseLinearLayerWithLoRA", "reset_lora", "LoRA: zeroing a slot (reset_lora)"),
         ("BaseLinearLayerWithLoRA", "set_lora", "LoRA: copying into a slot (set_lora)"),
     ],
+    "lora_pin.ops.backends.cpu": [("CpuDelta", "apply", "LoRA: lora_pin's kernels (CpuDelta.apply)")],
     "lora_pin.vllm.punica": [
         ("LoraPinPunicaWrapper", "_lora_linear", "LoRA: lora_pin's layer work (linear)"),
         ("LoraPinPunicaWrapper", "_lora_embedding", "LoRA: lora_pin's layer work (embedding)"),
@@ -63,7 +66,8 @@ TIMED = {
 # Methods traced into vLLM's compiled forward (a timer there would be traced too): not timed when compiled.
 TRACED = {"LoRA: linear layers' math"}
 
-_stats: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+# label -> [calls, wall s, CPU s (all threads), CPU s (the calling thread)]
+_stats: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
 
 
 def _dump_forever() -> None:
@@ -78,7 +82,7 @@ def _dump_forever() -> None:
 def _timed(label: str, method: Any) -> Any:
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
         try:
             return method(*args, **kwargs)
         finally:
@@ -86,6 +90,7 @@ def _timed(label: str, method: Any) -> Any:
             row[0] += 1
             row[1] += time.perf_counter() - wall
             row[2] += time.process_time() - cpu
+            row[3] += time.thread_time() - own
 
     return wrapper
 
@@ -153,7 +158,7 @@ def _totals(folder: Path) -> dict[str, list[float]]:
         except (OSError, ValueError):  # being rewritten: the next snapshot has it
             continue
         for label, row in stats.items():
-            out[label] = [a + b for a, b in zip(out.get(label, [0, 0.0, 0.0]), row, strict=True)]
+            out[label] = [a + b for a, b in zip(out.get(label, [0, 0.0, 0.0, 0.0]), row, strict=True)]
     return out
 
 
@@ -204,7 +209,8 @@ def main() -> int:
         finally:
             server.stop()
         diff = {
-            k: [a - b for a, b in zip(v, before.get(k, [0, 0.0, 0.0]), strict=True)] for k, v in after.items()
+            k: [a - b for a, b in zip(v, before.get(k, [0, 0.0, 0.0, 0.0]), strict=True)]
+            for k, v in after.items()
         }
         steps = max(1, int(diff.get("#steps", [1])[0]))
         print(
@@ -212,11 +218,12 @@ def main() -> int:
             f"{os.getloadavg()[0]:.1f}; per step: {diff['#requests'][0] / steps:.1f} requests, "
             f"{diff['#tokens'][0] / steps:.1f} tokens"
         )
-        print("| phase | calls | wall ms / step | CPU ms / step |")
-        print("| --- | --- | --- | --- |")
-        for label, (calls, wall, cpu) in sorted(diff.items(), key=lambda kv: -kv[1][1]):
+        print("| phase | calls | wall ms / step | CPU ms / step | of it the calling thread's |")
+        print("| --- | --- | --- | --- | --- |")
+        for label, (calls, wall, cpu, own) in sorted(diff.items(), key=lambda kv: -kv[1][1]):
             if calls and not label.startswith("#"):
-                print(f"| {label} | {calls:.0f} | {1000 * wall / steps:.2f} | {1000 * cpu / steps:.2f} |")
+                per_step = (f"{1000 * t / steps:.2f}" for t in (wall, cpu, own))
+                print(f"| {label} | {calls:.0f} | {' | '.join(per_step)} |")
     return 0
 
 

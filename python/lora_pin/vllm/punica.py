@@ -12,8 +12,8 @@ kernels or grouped GEMMs) over segments built from vLLM's per-token slot indices
   activates the adapter into the slot: :meth:`LoraPinPunicaWrapper.set_slot`);
 - a slot multiplies nothing in a layer its adapter has no weights for (vLLM zeroes the slot there), and a
   layer none of the step's adapters has weights for is skipped whole: vLLM gives every linear layer of
-  the model LoRA buffers (the MLP's too, for adapters on q/k/v/o only) and its CPU path multiplies them
-  all, zeros included.
+  the model LoRA buffers (the MLP's too, for adapters on q/k/v/o only; the token embedding's too) and its
+  CPU path multiplies them all, zeros included.
 
 The segments are built once per step (:meth:`update_metadata`) and each layer group's checks and plan
 once per step too (``CpuDelta.prepare``). Fused layers (q/k/v, gate/up) keep one slice per projection in
@@ -56,7 +56,7 @@ from lora_pin.vllm.dora import DoraSlots, layer_key
 if TYPE_CHECKING:
     from vllm.lora.layers import LoRAMapping
 
-__all__ = ["LoraPinPunicaWrapper"]
+__all__ = ["LoraPinPunicaWrapper", "keyed_buffer"]
 
 # The wrappers by handle, for the ops' bodies: a compiled graph holds a wrapper's handle as a constant.
 _WRAPPERS: weakref.WeakValueDictionary[int, LoraPinPunicaWrapper] = weakref.WeakValueDictionary()
@@ -86,10 +86,12 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         self._tables: dict[tuple[int | None, int, float], tuple[torch.Tensor, torch.Tensor]] = {}
         self._token_segments = KernelMeta(*(torch.empty(0, dtype=t) for t in _SEGMENT_DTYPES))
         self._sampler_segments = self._token_segments
-        # The step's prepared deltas by the id of the layer's A buffer, the last one made (to share its
-        # plan with the next layer group) and the concatenated copies of fused layers' buffers.
+        # The step's prepared deltas by the id of the layer's A buffer; per shape (tokens, A's and B's
+        # shapes) the last one checked and planned in full, whose plan the next layer group of that shape
+        # shares (a model's groups alternate shapes: q/k/v, o, ...); the concatenated copies of fused
+        # layers' buffers.
         self._prepared: dict[int, CpuDelta] = {}
-        self._last_prepared: CpuDelta | None = None
+        self._shared: dict[tuple[int, torch.Size, torch.Size], CpuDelta] = {}
         self._buffers_of: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
         # DoRA adapters' factors per linear layer and slot (lora_pin.vllm.dora).
         self.dora = DoraSlots()
@@ -99,8 +101,8 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
     def set_slot(self, slot: int, n_slots: int, rank: int, without: Iterable[torch.Tensor] = ()) -> None:
         """Records that the adapter vLLM activated into ``slot`` (of ``n_slots``) has ``rank`` (its
         largest rank over modules; ``rank_pattern`` may vary it): only that many columns of the slot's
-        buffers are multiplied. ``without``: the first A buffer (``lora_a_stacked[0]``) of each linear
-        layer the adapter has no weights for, where the slot's rows are not multiplied at all."""
+        buffers are multiplied. ``without``: the buffer each layer the adapter has no weights for is
+        known by (:func:`keyed_buffer`), where the slot's rows are not multiplied at all."""
         if len(self._slot_ranks) != n_slots:
             self._slot_ranks = [0] * n_slots
             self._slot_without = [frozenset()] * n_slots
@@ -131,7 +133,7 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         self._sampler_segments = segments_from_slots(self.sampler_indices)
         self.dora.new_step(self._token_segments)
         self._prepared.clear()
-        self._last_prepared = None
+        self._shared.clear()
 
     def _table(
         self, n_slices: int, scale: float, device: torch.device, layer: int | None = None
@@ -193,9 +195,12 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         if prepared is None or prepared.a is not a or prepared.n_tokens != n_tokens:
             ranks, scalings = self._table(len(offsets) - 1, scale, a.device, layer)
             meta = KernelMeta.for_layer(segments, ranks, scalings, offsets)
-            prepared = CpuDelta.prepare(meta, a, b, n_tokens, like=self._last_prepared)
+            shape = (n_tokens, a.shape, b.shape)
+            like = self._shared.get(shape)
+            prepared = CpuDelta.prepare(meta, a, b, n_tokens, like=like)
+            if like is None or prepared.plan is not like.plan:
+                self._shared[shape] = prepared
             self._prepared[key] = prepared
-            self._last_prepared = prepared
         return prepared
 
     def add_lora_linear(
@@ -318,8 +323,11 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
         """:meth:`add_lora_embedding`'s work, eager (and the body of its op)."""
         if not add_inputs:
             y.zero_()
+        layer = layer_key(lora_b_stacked)
+        if self._token_segments.perm.numel() == 0 or layer in self._silent:
+            return
         b = lora_b_stacked.flatten(1, 2)
-        ranks, scalings = self._table(1, 1.0, b.device)
+        ranks, scalings = self._table(1, 1.0, b.device, layer)
         meta = KernelMeta.for_layer(self._token_segments, ranks, scalings, (0, b.shape[1]))
         expand(y, x.to(b.dtype).contiguous(), b, meta)
 
@@ -352,6 +360,21 @@ class LoraPinPunicaWrapper(PunicaWrapperCPU):
 
 
 _SEGMENT_DTYPES = (torch.int64, torch.int32, torch.int32)
+
+
+def keyed_buffer(module: Any) -> torch.Tensor | None:
+    """The buffer of a vLLM LoRA layer by which the wrapper knows the layer (:func:`layer_key`): a linear
+    layer's first A buffer (``lora_a_stacked[0]``), a token embedding's B buffer (the one its
+    :meth:`~LoraPinPunicaWrapper.add_lora_embedding` call gets); None for other layers (the LM head's
+    LoRA is multiplied in every slot)."""
+    from vllm.lora.layers import VocabParallelEmbeddingWithLoRA
+
+    stacked = getattr(module, "lora_a_stacked", None)
+    if isinstance(stacked, tuple):
+        return stacked[0]
+    if isinstance(module, VocabParallelEmbeddingWithLoRA):
+        return module.lora_b_stacked
+    return None
 
 
 def _wrapper(handle: int) -> LoraPinPunicaWrapper:

@@ -7,7 +7,9 @@ when vLLM's LoRA model manager activates an adapter into a slot; DoRA adapters a
 worker loads an adapter (:mod:`lora_pin.vllm.dora`); a request's salt is set where vLLM builds the
 engine request, and an adapter's digest read where the API server loads it
 (:mod:`lora_pin.vllm.identity`); the CPU platform turns compilation off whenever LoRA is on, which
-:data:`COMPILE_ENV` undoes (:func:`keeping_compilation`). All are patched here, once per process.
+:data:`COMPILE_ENV` undoes (:func:`keeping_compilation`); a linear layer's slot is zeroed on every
+activation, and :func:`zeroing_once` skips the slots that are zero already. All are patched here, once
+per process.
 :data:`SEAMS` lists what is patched, so that the contract test fails loudly, naming the seam, when a
 vLLM release moves one.
 """
@@ -26,6 +28,7 @@ __all__ = [
     "adapter_rank",
     "install",
     "keeping_compilation",
+    "zeroing_once",
 ]
 
 #: The vLLM minor version the plugin is built against (the ``vllm`` extra pins the same).
@@ -77,6 +80,16 @@ SEAMS = (
     ("vllm.lora.model_manager", "LoRAModelManager.modules", "layer name -> its LoRA layer"),
     ("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", "(layer, remove_weight) drops it"),
     ("vllm.lora.layers.base_linear", "BaseLinearLayerWithLoRA.apply", "base(x, bias), add_lora_linear"),
+    (
+        "vllm.lora.layers.base_linear",
+        "BaseLinearLayerWithLoRA.reset_lora",
+        "(self, index) zeroes slot index of lora_a_stacked and lora_b_stacked (tuples)",
+    ),
+    (
+        "vllm.lora.layers",
+        "VocabParallelEmbeddingWithLoRA.forward",
+        "add_lora_embedding(out, x, self.lora_b_stacked): layers known by lora_b_stacked",
+    ),
 )
 
 _installed = False
@@ -99,6 +112,7 @@ def install() -> None:
             f"install lora_pin[vllm] to get a matching vLLM, or unset VLLM_PLUGINS to run vLLM without it"
         )
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
     from vllm.lora.model_manager import LoRAModelManager
     from vllm.platforms import cpu
     from vllm.v1.core import kv_cache_utils
@@ -115,6 +129,7 @@ def install() -> None:
         keeping_compilation(cpu.CpuPlatform.check_and_update_config.__func__)
     )
     LoRAModelManager.activate_adapter = _recording_ranks(LoRAModelManager.activate_adapter)  # type: ignore[method-assign]
+    BaseLinearLayerWithLoRA.reset_lora = zeroing_once(BaseLinearLayerWithLoRA.reset_lora)  # type: ignore[method-assign]
     InputProcessor.process_inputs = salting_process_inputs(InputProcessor.process_inputs)  # type: ignore[method-assign]
     OpenAIServingModels.load_lora_adapter = digesting_load(OpenAIServingModels.load_lora_adapter)  # type: ignore[method-assign]
     kv_cache_utils._gen_lora_extra_hash_keys = lora_keys_unless_salted(
@@ -176,6 +191,44 @@ def keeping_compilation(check: Any) -> Any:
     return check_and_update_config
 
 
+def zeroing_once(reset: Any) -> Any:
+    """``BaseLinearLayerWithLoRA.reset_lora`` (zeroes one slot of a linear layer's LoRA buffers) that
+    does nothing when the slot is zero already: this function zeroed it and nothing has been written into
+    any of the layer's buffers since (their ``_version`` counters are those it left). vLLM zeroes every
+    layer's slot on each activation, the layers the adapter has weights for (before copying them in) and
+    the rest (for adapters on q/k/v/o only, the MLP's: most of the bytes); those stay zero, and zeroing
+    them again was most of an activation's cost. The buffers' contents are exactly vLLM's."""
+
+    @functools.wraps(reset)
+    def reset_lora(self: Any, index: int) -> None:
+        state = self.__dict__.get("_lora_pin_zeroed")
+        zeroed: set[int] = set()
+        if state is not None and _unwritten(self, *state[:2]):
+            zeroed = state[2]
+            if index in zeroed:
+                return
+        reset(self, index)
+        zeroed.add(index)
+        buffers = _buffers(self)
+        self.__dict__["_lora_pin_zeroed"] = (buffers, [t._version for t in buffers], zeroed)
+
+    return reset_lora
+
+
+def _buffers(layer: Any) -> tuple[Any, ...]:
+    return (*layer.lora_a_stacked, *layer.lora_b_stacked)
+
+
+def _unwritten(layer: Any, buffers: tuple[Any, ...], versions: list[int]) -> bool:
+    """Whether ``layer``'s LoRA buffers are still ``buffers`` and nothing was written into them since
+    their ``_version`` counters were ``versions`` (every in-place write bumps its tensor's; views share
+    their base's)."""
+    now = _buffers(layer)
+    return len(now) == len(buffers) and all(
+        t is old and t._version == version for t, old, version in zip(now, buffers, versions, strict=True)
+    )
+
+
 def adapter_rank(lora_model: Any) -> int:
     """The largest rank over an adapter's modules (``rank_pattern`` gives modules their own): the columns
     of its slot that hold anything."""
@@ -185,11 +238,11 @@ def adapter_rank(lora_model: Any) -> int:
 
 def _recording_ranks(activate: Any) -> Any:
     """``activate_adapter`` that also tells lora_pin's punica wrappers the rank of the adapter it put in
-    a slot and the linear layers it has no weights for (vLLM zeroes the slot there: ``reset_lora``),
-    gives its DoRA factors to the slot's layers, and pins it there if it is pinned."""
+    a slot and the layers (linear, token embedding) it has no weights for (vLLM zeroes the slot there:
+    ``reset_lora``), gives its DoRA factors to the slot's layers, and pins it there if it is pinned."""
     from lora_pin.vllm.dora import activate as activate_dora
     from lora_pin.vllm.pins import pin_on_activation
-    from lora_pin.vllm.punica import LoraPinPunicaWrapper
+    from lora_pin.vllm.punica import LoraPinPunicaWrapper, keyed_buffer
 
     @functools.wraps(activate)
     def activate_adapter(self: Any, lora_id: int) -> bool:
@@ -199,9 +252,9 @@ def _recording_ranks(activate: Any) -> Any:
             lora_model = self._registered_adapters[lora_id]
             rank = adapter_rank(lora_model)
             without = [
-                module.lora_a_stacked[0]
+                buffer
                 for name, module in self.modules.items()
-                if isinstance(getattr(module, "lora_a_stacked", None), tuple)
+                if (buffer := keyed_buffer(module)) is not None
                 and not self._get_lora_layer_weights(lora_model, name)
             ]
             for wrapper in self.punica_wrapper_mapping.values():

@@ -150,10 +150,12 @@ for cls, key in ((LoraPinPunicaWrapper, "base_rows_touched"), (PunicaWrapperCPU,
         err = (got[:, :16].double() - want).abs().max()
         result["errors"]["logits"] = float(max(err, (got[:, 16:] - y[:, 16:]).abs().max()))
 # Layers an adapter has no weights for (vLLM zeroes its slot there; here the buffers hold values, so a
-# slot multiplied there shows): slot 1 has none in the fused layer, no slot has any in the plain one.
+# slot multiplied there shows): slot 1 has none in the fused layer and in the embedding (known by its
+# B buffer), no slot has any in the plain one nor in a second embedding.
+emb_silent = torch.randn(SLOTS, 1, 16, R)
 w = LoraPinPunicaWrapper(64, 16, "cpu")
 for slot, rank in enumerate(RANKS):
-    w.set_slot(slot, SLOTS, rank, without=[a[0]] * (slot == 1) + [a1[0]])
+    w.set_slot(slot, SLOTS, rank, without=[a[0], emb_b] * (slot == 1) + [a1[0], emb_silent])
 w.update_metadata(LoRAMapping(TOKENS, TOKENS, is_prefill=True), list(IDS), SLOTS + 1, VOCAB)
 skipped = tuple(0 if token == IDS[1] else token for token in TOKENS)
 for name, (aa, bb), rows in (("linear_without", (a, b), skipped), ("linear_silent", (a1, b1), (0,) * T)):
@@ -161,4 +163,14 @@ for name, (aa, bb), rows in (("linear_without", (a, b), skipped), ("linear_silen
     got = y.clone()
     w.add_lora_linear(got, x, aa, bb, 0.5, tuple(s.shape[2] for s in bb))
     result["errors"][name] = float((got.double() - reference(y, x, aa, bb, 0.5, rows)).abs().max())
+for name, emb, rows in (("embedding_without", emb_b, skipped), ("embedding_silent", emb_silent, (0,) * T)):
+    y = torch.randn(T, 16)
+    got = y.clone()
+    w.add_lora_embedding(got, v, emb, add_inputs=True)
+    want = y.double().clone()
+    for t, token in enumerate(rows):
+        if token:
+            rank = RANKS[slot_of(token)]
+            want[t] += emb[slot_of(token), 0, :, :rank].double() @ v[t, :rank].double()
+    result["errors"][name] = float((got.double() - want).abs().max())
 print(json.dumps(result))
