@@ -357,19 +357,19 @@ def test_lm_head_pages_like_a_linear(world: World, tmp_path: Path) -> None:
 def test_a_step_plans_once_and_reads_an_adapter_moved_into_other_pages(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On the CPU a step's layer groups are planned on their first forward (a plan per distinct ranks,
-    shared between groups) and a second forward of the step builds none; after "a64" evicts one of the
-    adapters and "b4" takes its page, that adapter comes back into another page, and a step of the same
-    rows plans anew from its own arrays and page tables and still equals PEFT (a step that ran the first
-    step's plans fails it)."""
-    built = [0]
-    build = cpu_paged.build_paged_plan
+    """On the CPU a step's layer groups are planned on their first forward (a plan looked up per
+    distinct ranks, shared between groups) and a second forward of the step looks none up; after "a64"
+    evicts one of the adapters and "b4" takes its page, that adapter comes back into another page, and a
+    step of the same rows plans anew from its own arrays and page tables and still equals PEFT (a step
+    that ran the first step's plans fails it)."""
+    looked_up = [0]
+    lookup = cpu_paged.plan_for
 
     def counted(*args: Any, **kwargs: Any) -> Any:
-        built[0] += 1
-        return build(*args, **kwargs)
+        looked_up[0] += 1
+        return lookup(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_paged, "build_paged_plan", counted)
+    monkeypatch.setattr(cpu_paged, "plan_for", counted)
     model = copy.deepcopy(world.base)
     mgr = LoRAManager(
         model,
@@ -389,9 +389,9 @@ def test_a_step_plans_once_and_reads_an_adapter_moved_into_other_pages(
     with torch.no_grad():
         with mgr.batch(names):
             first = model(ids).logits
-            planned = built[0]
+            planned = looked_up[0]
             again = model(ids).logits
-        assert built[0] == planned and 0 < planned < groups, (planned, groups)
+        assert looked_up[0] == planned and 0 < planned < groups, (planned, groups)
         before = held()
         for churn in ("a64", "b4"):
             with mgr.batch([churn, None, None]):

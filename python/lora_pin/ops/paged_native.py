@@ -14,11 +14,13 @@ layout on the same weights: ``benches/cpu_ops.py --layout pages`` (BENCHMARKS.md
 Where the native kernels do not apply (a CPU without AVX-512, ``LORA_PIN_CPU_KERNELS=0``, a device
 other than the CPU, non-contiguous pools), the torch versions (:mod:`lora_pin.ops.paged_torch`) run
 instead. The plan (groups, validated page tables: :func:`build_paged_plan`) is built from the segment
-and page arrays on the host. The CPU backend builds it once per step and layer group and keeps it in the
-step's kernel state (:mod:`lora_pin.ops.backends.cpu_paged`), running it by :func:`shrink_planned` and
-:func:`expand_planned`; the registered ops' bodies (:func:`paged_shrink_native`,
-:func:`paged_expand_native`), which keep nothing between calls, find it in a small cache keyed by the
-arrays' contents: hashing them costs ~13 µs a call, building a plan 77-240 µs (8 to 32 slots, decode).
+and page arrays on the host and kept in a small cache keyed by their contents (:func:`plan_for`), so
+steps with the same segments and page tables (a steady decode) build it once: hashing the arrays costs
+8-13 µs, building a plan 77-240 µs (8 to 32 slots, decode). The CPU backend looks its plans up once per
+step and layer group and keeps them in the step's kernel state (:mod:`lora_pin.ops.backends.cpu_paged`),
+running them by :func:`shrink_planned` and :func:`expand_planned`; the registered ops' bodies
+(:func:`paged_shrink_native`, :func:`paged_expand_native`), which keep nothing between calls, look the
+plan up on every call.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ __all__ = [
     "expand_planned",
     "paged_expand_native",
     "paged_shrink_native",
+    "plan_for",
     "shrink_planned",
 ]
 
@@ -64,7 +67,7 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: 
 # A busy slot's rows taken as views when its runs of consecutive tokens are this long on average, else
 # gathered (grouped._MIN_RUN's rule).
 _MIN_RUN = 16
-# Distinct plans the registered ops' bodies keep: one per (step, layer group with its own ranks or pages).
+# Distinct plans kept: one per (step, layer group with its own ranks or pages).
 _PLAN_CACHE_SIZE = 16
 
 
@@ -239,6 +242,18 @@ class _PlanCache:
 _PLANS = _PlanCache(_PLAN_CACHE_SIZE)
 
 
+def plan_for(
+    meta: KernelMeta, pages: PageTable, n_tokens: int, max_rank: int, num_pages: int, dtype: torch.dtype
+) -> PagedPlan:
+    """The plan of ``meta`` and ``pages`` for these sizes, from the cache of plans by content (built on a
+    miss, by :func:`build_paged_plan`, whose contents checks it runs then).
+
+    Raises:
+        OpArgumentError: as :func:`build_paged_plan`; nothing is cached then.
+    """
+    return _PLANS.get(meta, pages, n_tokens, max_rank, num_pages, dtype)
+
+
 def _raw(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.numel()
 
@@ -267,7 +282,7 @@ def paged_shrink_native(
     check_paged_shrink_args(x, a_pages, pages, meta, max_rank)
     if not _native(x.dtype, meta, pages, a_pages):
         return paged_shrink_torch(x, a_pages, pages, meta, max_rank)
-    plan = _PLANS.get(meta, pages, x.shape[0], max_rank, a_pages.shape[0], x.dtype)
+    plan = plan_for(meta, pages, x.shape[0], max_rank, a_pages.shape[0], x.dtype)
     return shrink_planned(x, a_pages, plan, meta.n_slices * max_rank)
 
 
@@ -318,7 +333,7 @@ def paged_expand_native(
     if not _native(out.dtype, meta, pages, out, b_pages, slot_scalings):
         paged_expand_torch(out, v, b_pages, pages, meta)
         return
-    plan = _PLANS.get(meta, pages, out.shape[0], max_rank, b_pages.shape[0], out.dtype)
+    plan = plan_for(meta, pages, out.shape[0], max_rank, b_pages.shape[0], out.dtype)
     expand_planned(out, v, b_pages, plan, slot_scalings, slice_offsets, max_rank)
 
 

@@ -1,7 +1,7 @@
 """The CPU backend on a paged pool (``ops/backends/cpu_paged.py``): each layer group's paged shrink and
-expand checked and planned on its first call of the step, later calls and groups of the same ranks run
-by that plan, a new step with other page tables planned anew; every result against the fp64 reference.
-Every test runs with the native kernels and with the torch path alone."""
+expand checked and planned on its first call of the step (one plan lookup), later calls and groups of
+the same ranks run by that plan, a new step with other page tables planned anew; every result against
+the fp64 reference. Every test runs with the native kernels and with the torch path alone."""
 
 from __future__ import annotations
 
@@ -79,16 +79,17 @@ def _reference(layer, token_slots, x, out):
 
 
 def _count_plans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the plans built (the real builder runs: the count is all that is added)."""
-    built = [0]
-    build = cpu_paged.build_paged_plan
+    """Counts the step's plan lookups (each hashes the step's arrays; the real lookup runs: the count is
+    all that is added)."""
+    looked_up = [0]
+    lookup = cpu_paged.plan_for
 
     def counted(*args, **kwargs):
-        built[0] += 1
-        return build(*args, **kwargs)
+        looked_up[0] += 1
+        return lookup(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_paged, "build_paged_plan", counted)
-    return built
+    monkeypatch.setattr(cpu_paged, "plan_for", counted)
+    return looked_up
 
 
 def test_a_steps_later_calls_and_groups_of_the_same_ranks_reuse_the_first_plan(monkeypatch):
@@ -103,14 +104,14 @@ def test_a_steps_later_calls_and_groups_of_the_same_ranks_reuse_the_first_plan(m
     other_a, other_b = _paged_like(other_layer, pages, a_pages.shape[0])
     second = _buffers(other_layer, other_a, other_b)
     layers = [LoRALinear(_Output(out), buffers, lambda: step, backend=backend) for buffers in (first, second)]
-    built = _count_plans(monkeypatch)
+    looked_up = _count_plans(monkeypatch)
     with torch.inference_mode():
         got = layers[0](x)
-        assert built[0] == 1
+        assert looked_up[0] == 1
         with _Calls() as calls:
             again = layers[0](x)
         got_second = layers[1](x)
-    assert built[0] == 1, "the step's later call and the group of the same ranks must not plan again"
+    assert looked_up[0] == 1, "the step's later call and the group of the same ranks must not look a plan up"
     assert not [name for name in calls.names if name.startswith("lora_pin")], calls.names
     kernels = backend.kernels(step)
     offsets = list(layer.slice_offsets)
@@ -125,7 +126,7 @@ def test_a_steps_later_calls_and_groups_of_the_same_ranks_reuse_the_first_plan(m
     unused = _buffers(layer, a_pages.clone(), b_pages.clone(), ranks=torch.zeros_like(layer.slot_ranks))
     with torch.inference_mode():
         untouched = LoRALinear(_Output(out), unused, lambda: step, backend=backend)(x)
-    assert built[0] == 2 and kernels.paged(unused, x, offsets, None).empty
+    assert looked_up[0] == 2 and kernels.paged(unused, x, offsets, None).empty
     assert torch.equal(untouched, out)
 
 

@@ -127,6 +127,7 @@ class CpuStepKernels:
         "_embeddings",
         "_paged",
         "_paged_plans",
+        "_paged_shared",
         "_shared",
         "_split_shared",
         "_splits",
@@ -150,6 +151,9 @@ class CpuStepKernels:
         self._dora_rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
         # (paged group's A, input shape less features, run apart) -> its shrink and expand.
         self._paged: dict[tuple[int, torch.Size, bool], CpuPagedSplit] = {}
+        # (input shape less features, A's shape, B's shape, run apart) -> the last paged group planned in
+        # full with them.
+        self._paged_shared: dict[tuple[Any, ...], CpuPagedSplit] = {}
         # The step's paged plans, shared between its paged groups.
         self._paged_plans = PagedPlans()
 
@@ -231,7 +235,16 @@ class CpuStepKernels:
         key = (id(buffers.a), x.shape[:-1], shrink_ranks is not None)
         paged = self._paged.get(key)
         if paged is None:
-            paged = prepare_paged(self.step, buffers, x, slice_offsets, shrink_ranks, self._paged_plans)
+            # Groups of one shape share the checks and plan of the first (as the slot layout's do).
+            shape_key = (x.shape[:-1], buffers.a.shape, buffers.b.shape, shrink_ranks is not None)
+            like = self._paged_shared.get(shape_key)
+            paged = prepare_paged(self.step, buffers, x, slice_offsets, shrink_ranks, self._paged_plans, like)
+            if (
+                like is None
+                or paged.shrink_work.plan is not like.shrink_work.plan
+                or paged.expand_work.plan is not like.expand_work.plan
+            ):
+                self._paged_shared[shape_key] = paged
             self._paged[key] = paged
         return paged
 

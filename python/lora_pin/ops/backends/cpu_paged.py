@@ -4,11 +4,14 @@ group's paged shrink and expand checked and planned once per step, then run by t
 The twin of the slot layout's ``CpuShrink`` / ``CpuExpand`` (:mod:`lora_pin.ops.backends.cpu`). On a
 group's first call of the step, what ``lora_pin::paged_shrink`` / ``::paged_expand`` check on every call
 is checked once: the shapes, dtypes and devices on stand-ins of the inputs, and the contents of the
-segment and page arrays while the plan is built (:func:`lora_pin.ops.paged_native.build_paged_plan`).
-The plan comes from the step's :class:`PagedPlans`, which builds one per distinct segments, ranks, page
-tables and sizes and hands it to every group that matches them (a model's groups mostly share their
-ranks, so a step builds a few, whatever its layer count). Later calls check that their inputs have the
-shapes prepared for and run the kernels directly (no dispatcher, nothing hashed).
+segment and page arrays when the plan is built (:func:`lora_pin.ops.paged_native.build_paged_plan`).
+A group of the same shapes, ranks and segments as one prepared earlier in the step takes its checks and
+plan (``like``); any other group gets its plan from the step's :class:`PagedPlans`, which looks one up
+per distinct segments, ranks, page tables and sizes in the cache of plans by content
+(:func:`lora_pin.ops.paged_native.plan_for`: a step like the last one builds nothing) and hands it to
+every group that matches. A model's groups mostly share their ranks, so a step hashes its arrays a few
+times, whatever its layer count; every later call checks that its inputs have the shapes prepared for
+and runs the kernels directly (no dispatcher, nothing hashed).
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lora_pin.errors import OpArgumentError
-from lora_pin.ops._checks import check_expand_memory, refuse_grad, stand_in
+from lora_pin.ops._checks import check_expand_memory, refuse_grad, same_tensor_kind, stand_in
 from lora_pin.ops.backends.base import SplitDelta, StepRows
 from lora_pin.ops.backends.paged import step_pages
 from lora_pin.ops.grouped import kernel_ok
 from lora_pin.ops.paged import PageTable, check_paged_expand_args, check_paged_shrink_args
-from lora_pin.ops.paged_native import PagedPlan, build_paged_plan, expand_planned, shrink_planned
+from lora_pin.ops.paged_native import PagedPlan, expand_planned, plan_for, shrink_planned
 from lora_pin.ops.paged_torch import paged_expand_torch, paged_shrink_torch
 from lora_pin.ops.segments import KernelMeta, same_segments
 from lora_pin.weights.pool import GroupBuffers
@@ -34,7 +37,7 @@ __all__ = ["CpuPagedExpand", "CpuPagedShrink", "CpuPagedSplit", "PagedPlans", "p
 class PagedPlans:
     """One step's paged plans, shared between its layer groups: a group gets the plan of an earlier one
     when both have the step's segment arrays (the same tensors) with equal ranks, the step's page
-    tables, and the same tokens, ``R``, page count and dtype; else one is built for it."""
+    tables, and the same tokens, ``R``, page count and dtype; else one is looked up by content."""
 
     __slots__ = ("_plans",)
 
@@ -54,8 +57,8 @@ class PagedPlans:
         num_pages: int,
         dtype: torch.dtype,
     ) -> PagedPlan:
-        """The plan of ``meta`` and ``pages`` for these sizes, built (and its arrays' contents checked)
-        on first use.
+        """The plan of ``meta`` and ``pages`` for these sizes: the step's, or one looked up by content
+        (built, and the arrays' contents checked, when no step had them).
 
         Raises:
             OpArgumentError: as :func:`lora_pin.ops.paged_native.build_paged_plan`; nothing is kept then.
@@ -64,7 +67,7 @@ class PagedPlans:
         for other_meta, other_pages, plan in known:
             if same_segments(meta, other_meta) and _same_pages(pages, other_pages):
                 return plan
-        plan = build_paged_plan(meta, pages, n_tokens, max_rank, num_pages, dtype)
+        plan = plan_for(meta, pages, n_tokens, max_rank, num_pages, dtype)
         known.append((meta, pages, plan))
         return plan
 
@@ -119,14 +122,26 @@ class CpuPagedShrink:
         n_tokens: int,
         max_rank: int,
         plans: PagedPlans,
+        like: CpuPagedShrink | None = None,
     ) -> CpuPagedShrink:
         """Checks and plans the paged shrink of ``meta``'s segments over ``a_pages``
         ``[num_pages, n_slices * page_rank, in]`` through ``pages``, for ``n_tokens`` rows and
-        ``max_rank`` (``R``).
+        ``max_rank`` (``R``). ``like``: another group's shrink of the step; when made for the same
+        segment arrays with equal ranks, page tables, sizes and a pool of the same shape, dtype and
+        device, its checks and plan hold here too and are reused.
 
         Raises:
             OpArgumentError: everything :func:`lora_pin.ops.paged_shrink` refuses on the CPU.
         """
+        if (
+            like is not None
+            and n_tokens == like.n_tokens
+            and max_rank == like.max_rank
+            and same_tensor_kind(a_pages, like.a_pages)
+            and _same_pages(pages, like.pages)
+            and same_segments(meta, like.meta)
+        ):
+            return cls(meta, a_pages, pages, n_tokens, max_rank, like.plan)
         check_paged_shrink_args(stand_in(a_pages, n_tokens, a_pages.shape[2]), a_pages, pages, meta, max_rank)
         plan = plans.get(meta, pages, n_tokens, max_rank, a_pages.shape[0], a_pages.dtype)
         return cls(meta, a_pages, pages, n_tokens, max_rank, plan)
@@ -199,15 +214,29 @@ class CpuPagedExpand:
         n_tokens: int,
         max_rank: int,
         plans: PagedPlans,
+        like: CpuPagedExpand | None = None,
     ) -> CpuPagedExpand:
         """Checks and plans the paged expand of ``meta``'s segments (with scalings and slice offsets) over
         ``b_pages`` ``[num_pages, out_total, page_rank]`` through ``pages``, for ``v`` of ``max_rank``
-        (``R``) columns a slice.
+        (``R``) columns a slice; ``like`` as for :meth:`CpuPagedShrink.prepare`, when the slice offsets
+        and the scalings' kind match too.
 
         Raises:
             OpArgumentError: everything :func:`lora_pin.ops.paged_expand` refuses on the CPU but what
                 depends on ``out`` and ``v`` themselves (checked per call).
         """
+        slot_scalings, offsets = meta.expand_layout()
+        if (
+            like is not None
+            and n_tokens == like.n_tokens
+            and max_rank == like.max_rank
+            and [int(o) for o in offsets] == like.offsets
+            and same_tensor_kind(b_pages, like.b_pages)
+            and same_tensor_kind(slot_scalings, like.slot_scalings)
+            and _same_pages(pages, like.pages)
+            and same_segments(meta, like.meta)
+        ):
+            return cls(meta, b_pages, pages, n_tokens, max_rank, like.plan)
         out_like = stand_in(b_pages, n_tokens, b_pages.shape[1])
         check_paged_expand_args(
             out_like, stand_in(b_pages, n_tokens, meta.n_slices * max_rank), b_pages, pages, meta
@@ -280,9 +309,11 @@ def prepare_paged(
     slice_offsets: Sequence[int],
     shrink_ranks: Callable[[], torch.Tensor] | None,
     plans: PagedPlans,
+    like: CpuPagedSplit | None = None,
 ) -> CpuPagedSplit:
     """A paged group's shrink and expand in ``step`` for input ``x`` (``[..., in]``), checked and planned
-    (plans from ``plans``, the step's); ``shrink_ranks`` as for ``LoRABackend.split_delta``.
+    (plans from ``plans``, the step's; checks and plans from ``like``, another group's of the step, where
+    they hold); ``shrink_ranks`` as for ``LoRABackend.split_delta``.
 
     Raises:
         UsageError: as :meth:`StepRows.for_input`.
@@ -294,6 +325,22 @@ def prepare_paged(
     assert buffers.max_rank is not None, "a paged group has its max rank"
     n_tokens = x.numel() // x.shape[-1]
     return CpuPagedSplit(
-        CpuPagedShrink.prepare(local, buffers.a, pages, n_tokens, buffers.max_rank, plans),
-        CpuPagedExpand.prepare(meta, buffers.b, pages, n_tokens, buffers.max_rank, plans),
+        CpuPagedShrink.prepare(
+            local,
+            buffers.a,
+            pages,
+            n_tokens,
+            buffers.max_rank,
+            plans,
+            None if like is None else like.shrink_work,
+        ),
+        CpuPagedExpand.prepare(
+            meta,
+            buffers.b,
+            pages,
+            n_tokens,
+            buffers.max_rank,
+            plans,
+            None if like is None else like.expand_work,
+        ),
     )
