@@ -42,7 +42,7 @@ class PagedPlans:
     __slots__ = ("_plans",)
 
     def __init__(self) -> None:
-        # (n_tokens, max_rank, num_pages, dtype) -> the (meta, pages, plan) built with them; the entry
+        # (n_tokens, max_rank, num_pages, dtype) -> the (meta, pages, plan) looked up with them; the entry
         # holds the arrays, so the identities compared stay theirs.
         self._plans: dict[
             tuple[int, int, int, torch.dtype], list[tuple[KernelMeta, PageTable, PagedPlan]]
