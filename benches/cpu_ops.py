@@ -34,6 +34,9 @@ weights: per case, the slot layout's ``shrink`` + ``expand`` ops against ``paged
 pages are), both checked against the fp64 reference; the ratio is slots / pages (the goal: >= 0.97x
 in every case); ``--stat min`` compares the fastest round of each instead of the median. Mixed ranks
 (``--ranks 8,8,8,8,16,16,64``) pad every slot to the largest rank in the slot layout, not in pages.
+``--path layer`` times both layouts as a model layer runs them on the CPU instead of the ops:
+``CpuBackend.add_lora_linear`` over one step, whose kernel state checks and plans the group on its
+first call (untimed: the check against the reference makes it), later calls running the plan.
 
 The fixed costs of a layer call are printed first, with their breakdown (see :func:`fixed_costs`), and
 an embedding's (:func:`embedding_fixed_costs`).
@@ -43,6 +46,7 @@ an embedding's (:func:`embedding_fixed_costs`).
     python benches/cpu_ops.py --caches cold,warm --hidden 2048 --layers plain --adapters 8 \
         --phases decode --patterns distinct --dtype fp32 --threads 1   # one case, both cache states
     python benches/cpu_ops.py --layout pages --fixed-calls 0 --ranks 8,8,8,8,16,16,64   # paged vs slots
+    python benches/cpu_ops.py --layout pages --path layer --fixed-calls 0 --ranks 8,8,8,8,16,16,64
     python benches/cpu_ops.py --help
 """
 
@@ -73,7 +77,7 @@ from lora_pin.ops import (
     segments_from_slots,
     shrink,
 )
-from lora_pin.ops.backends.cpu import CpuDelta, CpuEmbeddingDelta
+from lora_pin.ops.backends.cpu import CpuBackend, CpuDelta, CpuEmbeddingDelta
 from lora_pin.ops.paged import pages_from_slots
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -324,14 +328,24 @@ def run_pages_case(
     n_tokens = token_slots.shape[0]
     x = torch.randn(n_tokens, args.hidden, generator=gen).to(dtype)
     out0 = torch.randn(n_tokens, layer.slice_offsets[-1], generator=gen).to(dtype)
-    meta = layer.meta(segments_from_slots(token_slots, args.chunk_size))
+    segments = segments_from_slots(token_slots, args.chunk_size)
+    meta = layer.meta(segments)
     max_rank = layer.a.shape[1] // meta.n_slices
-    methods: dict[str, Callable[[torch.Tensor], object]] = {
-        "slot layout": lambda o: expand(o, shrink(x, layer.a, meta), layer.b, meta),
-        "paged": lambda o: paged_expand(
-            o, paged_shrink(x, a_pages, pages, meta, max_rank), b_pages, pages, meta
-        ),
-    }
+    methods: dict[str, Callable[[torch.Tensor], object]]
+    if args.path == "layer":
+        methods = {
+            "slot layout": layer_call(layer, layer.a, layer.b, x, StepSegments(segments=segments)),
+            "paged": layer_call(
+                layer, a_pages, b_pages, x, StepSegments(segments=segments, pages=pages), args.page_rank
+            ),
+        }
+    else:
+        methods = {
+            "slot layout": lambda o: expand(o, shrink(x, layer.a, meta), layer.b, meta),
+            "paged": lambda o: paged_expand(
+                o, paged_shrink(x, a_pages, pages, meta, max_rank), b_pages, pages, meta
+            ),
+        }
     want = fp64_reference(out0, x, token_slots, layer)
     scale = want.abs().max().item()
     row: dict[str, float | int | str] = {
@@ -354,6 +368,32 @@ def run_pages_case(
     flush = args.flush if args.cache == "cold" else None
     row.update(time_rounds(timed, args.rounds, flush, stat=_STATS[args.stat]))
     return row
+
+
+def layer_call(
+    layer: StackedLayer,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    x: torch.Tensor,
+    step: StepSegments,
+    page_rank: int | None = None,
+) -> Callable[[torch.Tensor], object]:
+    """``out += delta(x)`` as a model layer runs it on the CPU: one backend and one step for every call,
+    over ``a`` / ``b`` (a slot pool's, or with ``page_rank`` a paged pool's)."""
+    n_slices = len(layer.slice_offsets) - 1
+    buffers = types.SimpleNamespace(
+        group=types.SimpleNamespace(n_slices=n_slices, key="layer"),
+        a=a,
+        b=b,
+        ranks=layer.slot_ranks,
+        scalings=layer.slot_scalings,
+        slice_offsets=layer.slice_offsets,
+        dora_slots=None,
+        page_rank=page_rank,
+        max_rank=layer.a.shape[1] // n_slices,
+    )
+    backend, offsets = CpuBackend(), list(layer.slice_offsets)
+    return lambda o: backend.add_lora_linear(step, buffers, o, x, offsets, lambda: None)  # type: ignore[arg-type]
 
 
 def pages_header(threads: int, dtype: str, cache: str, page_rank: int, stat: str) -> None:
@@ -636,6 +676,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--page-rank", type=int, default=16, help="ranks per page (--layout pages)")
     parser.add_argument(
+        "--path",
+        choices=("ops", "layer"),
+        default="ops",
+        help="--layout pages: ops: the shrink and expand ops of each layout; layer: each layout as a model "
+        "layer runs it on the CPU backend (checked and planned once per step)",
+    )
+    parser.add_argument(
         "--stat",
         choices=tuple(_STATS),
         default="median",
@@ -684,8 +731,13 @@ def main(argv: list[str] | None = None) -> int:
                         else:
                             all_met &= print_row(run_case(case, _DTYPES[dtype_name], args, gen), threads)
     if args.layout == "pages":
+        what = (
+            "the slot layout's shrink + expand ops; pages: paged_shrink + paged_expand"
+            if args.path == "ops"
+            else "the slot layout as a model layer runs it on the CPU; pages: the paged pool's"
+        )
         print(
-            "\nslots: the slot layout's shrink + expand ops; pages: paged_shrink + paged_expand on the\n"
+            f"\nslots: {what} on the\n"
             f"same adapters in pages of rank {args.page_rank}. goal: slots / pages >= {PAGES_GOAL}\n"
             "in every case.\n"
             "err: largest error against the fp64 reference, relative to the largest |output|."

@@ -17,8 +17,9 @@ import torch
 
 import lora_pin.model.attach as attach_module
 from lora_pin import LoRAManager, PoolError, SpecError
+from lora_pin.model.layers import LoRALinear
 from lora_pin.model.segments import DevicePages
-from lora_pin.ops.backends import CudaBackend, TorchOpsBackend
+from lora_pin.ops.backends import CudaBackend, TorchOpsBackend, cpu_paged
 from lora_pin.ops.paged import PageTable
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -351,3 +352,56 @@ def test_lm_head_pages_like_a_linear(world: World, tmp_path: Path) -> None:
         want = peft.eval()(ids, adapter_names=[n or "__base__" for n in names]).logits
         plain = world.base(ids).logits
     assert_rows(got, want, plain, names)
+
+
+def test_a_step_plans_once_and_reads_an_adapter_moved_into_other_pages(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU a step's layer groups are planned on their first forward (a plan looked up per
+    distinct ranks, shared between groups) and a second forward of the step looks none up; after "a64"
+    evicts one of the adapters and "b4" takes its page, that adapter comes back into another page, and a
+    step of the same rows plans anew from its own arrays and page tables and still equals PEFT (a step
+    that ran the first step's plans fails it)."""
+    looked_up = [0]
+    lookup = cpu_paged.plan_for
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        looked_up[0] += 1
+        return lookup(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_paged, "plan_for", counted)
+    model = copy.deepcopy(world.base)
+    mgr = LoRAManager(
+        model,
+        [f"{n}={world.adapters[n]}" for n in ("a4", "b8", "a64", "b4")],
+        page_rank=PAGE_RANK,
+        max_lora_memory=9 * page_bytes(world, torch.float32),
+        max_lora_rank=64,
+    )
+    groups = sum(isinstance(m, LoRALinear) for m in model.modules())
+
+    def held() -> dict[str, tuple[int, ...]]:
+        placement = mgr.registry.placement()["adapters"]
+        return {name: mgr.pool.pages_of(slot) for name, _, _, tier, slot, *_ in placement if tier == "device"}
+
+    names: list[str | None] = ["a4", None, "b8"]
+    ids = tokens(3, 5, 11)
+    with torch.no_grad():
+        with mgr.batch(names):
+            first = model(ids).logits
+            planned = looked_up[0]
+            again = model(ids).logits
+        assert looked_up[0] == planned and 0 < planned < groups, (planned, groups)
+        before = held()
+        for churn in ("a64", "b4"):
+            with mgr.batch([churn, None, None]):
+                model(tokens(3, 5, 12))
+        with mgr.batch(names):
+            moved = model(ids).logits
+        after = held()
+        want = peft_logits(world.peft, ids, names)
+        plain = world.base(ids).logits
+    assert torch.equal(again, first)
+    assert any(after[n] != before[n] for n in ("a4", "b8")), (before, after)
+    assert_rows(first, want, plain, names)
+    assert_rows(moved, want, plain, names)

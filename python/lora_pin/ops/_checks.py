@@ -272,6 +272,13 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_lo < b_hi and b_lo < a_hi
 
 
+def stand_in(t: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """A stand-in of ``[rows, columns]`` of ``t``'s dtype and device for the checks, which read shapes,
+    dtypes and devices only: one element stands for the whole tensor (a step's checks made once, before
+    its inputs exist)."""
+    return t.new_empty_strided((rows, columns), (0, 0))
+
+
 def refuse_grad(*tensors: torch.Tensor) -> None:
     """Refuses tensors that require grad with grad mode on: the ops have no autograd formula.
 

@@ -26,10 +26,11 @@ from lora_pin.ops._checks import (
     check_shrink_args,
     refuse_grad,
     same_tensor_kind,
+    stand_in,
 )
 from lora_pin.ops.backends.base import LoRABackend, SplitDelta, StepRows, embed_scale_tensor
+from lora_pin.ops.backends.cpu_paged import CpuPagedSplit, PagedPlans, prepare_paged
 from lora_pin.ops.backends.fallback import TorchOpsBackend
-from lora_pin.ops.backends.paged import CPU_PAGED_OPS, paged_linear, paged_split
 from lora_pin.ops.custom_ops import expand_args
 from lora_pin.ops.dora import scale_rows_
 from lora_pin.ops.embedding import check_embedding_args, lookup_expand, used_rows
@@ -70,7 +71,9 @@ class CpuBackend(LoRABackend):
             return
         kernels = self.kernels(step)
         if buffers.page_rank is not None:
-            paged_linear(CPU_PAGED_OPS, step, buffers, out, x, slice_offsets)
+            paged = kernels.paged(buffers, x, slice_offsets, None)
+            if not paged.empty:
+                paged.apply(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]))
         else:
             delta = kernels.delta(buffers, x, slice_offsets)
             if not delta.empty:
@@ -102,21 +105,34 @@ class CpuBackend(LoRABackend):
     ) -> SplitDelta | None:
         if torch.compiler.is_compiling():
             return self._traced.split_delta(step, buffers, x, slice_offsets, shrink_ranks)
+        kernels = self.kernels(step)
         if buffers.page_rank is not None:
-            return paged_split(CPU_PAGED_OPS, step, buffers, x, slice_offsets, shrink_ranks)
-        split = self.kernels(step).split_delta(buffers, x, slice_offsets, shrink_ranks)
+            paged = kernels.paged(buffers, x, slice_offsets, shrink_ranks)
+            return None if paged.empty else paged
+        split = kernels.split_delta(buffers, x, slice_offsets, shrink_ranks)
         return None if split.expand_work.empty else split
 
 
 class CpuStepKernels:
     """One step's kernel state on the CPU: each layer group's checked and planned work, by group and
-    input shape, made on the group's first call of the step.
+    input shape, made on the group's first call of the step (a paged pool's too: :meth:`paged`).
 
     Args:
         step: the step (its :meth:`~StepRows.for_input` gives the segments of an input).
     """
 
-    __slots__ = ("_deltas", "_dora_rows", "_embeddings", "_shared", "_split_shared", "_splits", "step")
+    __slots__ = (
+        "_deltas",
+        "_dora_rows",
+        "_embeddings",
+        "_paged",
+        "_paged_plans",
+        "_paged_shared",
+        "_shared",
+        "_split_shared",
+        "_splits",
+        "step",
+    )
 
     def __init__(self, step: StepRows) -> None:
         self.step = step
@@ -133,6 +149,13 @@ class CpuStepKernels:
         self._embeddings: dict[tuple[int, torch.Size], CpuEmbeddingDelta] = {}
         # (DoRA slots of a group, input shape less features) -> the step's rows in them and their slots.
         self._dora_rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
+        # (paged group's A, input shape less features, run apart) -> its shrink and expand.
+        self._paged: dict[tuple[int, torch.Size, bool], CpuPagedSplit] = {}
+        # (input shape less features, A's shape, B's shape, run apart) -> the last paged group planned in
+        # full with them.
+        self._paged_shared: dict[tuple[Any, ...], CpuPagedSplit] = {}
+        # The step's paged plans, shared between its paged groups.
+        self._paged_plans = PagedPlans()
 
     def delta(self, buffers: GroupBuffers, x: torch.Tensor, slice_offsets: Sequence[int]) -> CpuDelta:
         """The step's fused LoRA delta in ``buffers``' group for input ``x`` (``[..., in]``).
@@ -193,6 +216,38 @@ class CpuStepKernels:
             self._splits[key] = split
         return split
 
+    def paged(
+        self,
+        buffers: GroupBuffers,
+        x: torch.Tensor,
+        slice_offsets: Sequence[int],
+        shrink_ranks: Callable[[], torch.Tensor] | None,
+    ) -> CpuPagedSplit:
+        """The step's shrink and expand in a paged group (``buffers.page_rank`` set) for input ``x``,
+        through the step's page tables: run together (``shrink_ranks`` None) or apart (see
+        :meth:`LoRABackend.split_delta`; ``shrink_ranks`` is called on the group's first call only).
+
+        Raises:
+            UsageError: as :meth:`StepRows.for_input`.
+            OpArgumentError: the step carries no page tables of the group's ``page_rank``, or what
+                :func:`lora_pin.ops.paged_shrink` and :func:`~lora_pin.ops.paged_expand` refuse.
+        """
+        key = (id(buffers.a), x.shape[:-1], shrink_ranks is not None)
+        paged = self._paged.get(key)
+        if paged is None:
+            # Groups of one shape share the checks and plan of the first (as the slot layout's do).
+            shape_key = (x.shape[:-1], buffers.a.shape, buffers.b.shape, shrink_ranks is not None)
+            like = self._paged_shared.get(shape_key)
+            paged = prepare_paged(self.step, buffers, x, slice_offsets, shrink_ranks, self._paged_plans, like)
+            if (
+                like is None
+                or paged.shrink_work.plan is not like.shrink_work.plan
+                or paged.expand_work.plan is not like.expand_work.plan
+            ):
+                self._paged_shared[shape_key] = paged
+            self._paged[key] = paged
+        return paged
+
     def embedding_delta(
         self, buffers: GroupBuffers, out: torch.Tensor, embed_scale: object
     ) -> CpuEmbeddingDelta:
@@ -245,12 +300,6 @@ def rows_in_slots(seg: KernelMeta, slots: Collection[int]) -> tuple[torch.Tensor
     return (seg.perm[chosen], row_slots[chosen].long()) if bool(chosen.any()) else None
 
 
-def _like(t: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
-    """A stand-in of ``[rows, columns]`` of ``t``'s dtype and device for the checks, which read shapes,
-    dtypes and devices only: one element stands for the whole tensor."""
-    return t.new_empty_strided((rows, columns), (0, 0))
-
-
 class CpuDelta:
     """One group's fused LoRA delta in one step, for inputs ``[n_tokens, in]``: checked and planned
     (:meth:`prepare`), then :meth:`apply` per call. ``empty``: no row of the step uses a slot with a
@@ -296,9 +345,9 @@ class CpuDelta:
         slot_scalings = meta.expand_layout()[0]
         if like is not None and _same_layout(like, meta, a, b, n_tokens):
             return cls(meta, a, b, n_tokens, like.plan)
-        max_rank = check_shrink_args(_like(a, n_tokens, a.shape[2]), a, meta)
+        max_rank = check_shrink_args(stand_in(a, n_tokens, a.shape[2]), a, meta)
         check_expand_args(
-            _like(b, n_tokens, b.shape[1]), _like(a, n_tokens, meta.n_slices * max_rank), b, meta
+            stand_in(b, n_tokens, b.shape[1]), stand_in(a, n_tokens, meta.n_slices * max_rank), b, meta
         )
         kernel = kernel_ok(a.dtype, a, b, slot_scalings)
         # From the cache of plans by content: the groups of a model mostly share their ranks, so one
@@ -380,7 +429,7 @@ class CpuShrink:
             and same_segments(meta, like.meta)
         ):
             return cls(meta, a, n_tokens, like.plan)
-        max_rank = check_shrink_args(_like(a, n_tokens, a.shape[2]), a, meta)
+        max_rank = check_shrink_args(stand_in(a, n_tokens, a.shape[2]), a, meta)
         return cls(meta, a, n_tokens, plan_for(meta, n_tokens, max_rank, a.dtype, kernel_ok(a.dtype, a)))
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -438,7 +487,7 @@ class CpuExpand:
         ):
             return cls(meta, b, n_tokens, like.plan)
         max_rank = check_expand_args(
-            _like(b, n_tokens, b.shape[1]), _like(b, n_tokens, meta.n_slices * b.shape[2]), b, meta
+            stand_in(b, n_tokens, b.shape[1]), stand_in(b, n_tokens, meta.n_slices * b.shape[2]), b, meta
         )
         plan = plan_for(meta, n_tokens, max_rank, b.dtype, kernel_ok(b.dtype, b, slot_scalings))
         return cls(meta, b, n_tokens, plan)
@@ -520,7 +569,7 @@ class CpuEmbeddingDelta:
         """
         slot_scalings = meta.expand_layout()[0]
         ids_like = torch.empty_strided((n_tokens,), (0,), dtype=torch.int64, device=b.device)
-        check_embedding_args(_like(b, n_tokens, b.shape[1]), ids_like, a, b, meta)
+        check_embedding_args(stand_in(b, n_tokens, b.shape[1]), ids_like, a, b, meta)
         plan = plan_for(meta, n_tokens, b.shape[2], b.dtype, kernel_ok(b.dtype, b, slot_scalings))
         return cls(meta, a, b, n_tokens, scale, plan)
 

@@ -1,10 +1,11 @@
 """A paged pool's LoRA work (:class:`~lora_pin.weights.PagedDevicePool`), shared by every backend: the
 shrink and expand read A and B through the step's page tables (:attr:`StepRows.pages`).
 
-The paged ops a backend runs are named here and nowhere else (:class:`PagedOps`): the CPU backend's
-(:data:`CPU_PAGED_OPS`, the native kernels), the registered-ops backend's (:data:`REGISTERED_PAGED_OPS`,
-the ``lora_pin::paged_shrink`` / ``::paged_expand`` custom ops, whose fake bodies ``torch.compile``
-traces) and the Triton kernels on CUDA (:func:`triton_paged_ops`).
+The paged ops a backend runs per call are named here and nowhere else (:class:`PagedOps`): the
+registered-ops backend's (:data:`REGISTERED_PAGED_OPS`, the ``lora_pin::paged_shrink`` /
+``::paged_expand`` custom ops, whose fake bodies ``torch.compile`` traces) and the Triton kernels on
+CUDA (:func:`triton_paged_ops`). The CPU backend instead plans each group once per step
+(:mod:`lora_pin.ops.backends.cpu_paged`), reading the step's page tables by :func:`step_pages`.
 """
 
 from __future__ import annotations
@@ -17,18 +18,17 @@ import torch
 from lora_pin.errors import OpArgumentError
 from lora_pin.ops.backends.base import SplitDelta, StepRows
 from lora_pin.ops.paged import PageTable
-from lora_pin.ops.paged_native import paged_expand_native, paged_shrink_native
 from lora_pin.ops.paged_ops import paged_expand, paged_shrink
 from lora_pin.ops.segments import KernelMeta
 from lora_pin.weights.pool import GroupBuffers
 
 __all__ = [
-    "CPU_PAGED_OPS",
     "REGISTERED_PAGED_OPS",
     "PagedOps",
     "PagedSplit",
     "paged_linear",
     "paged_split",
+    "step_pages",
     "triton_paged_ops",
 ]
 
@@ -45,9 +45,6 @@ class PagedOps(NamedTuple):
     expand: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PageTable, KernelMeta], None]
 
 
-#: The CPU backend's paged ops: the native kernels, called directly (no dispatcher), falling back to
-#: torch where they do not apply (:mod:`lora_pin.ops.paged_native`).
-CPU_PAGED_OPS = PagedOps(paged_shrink_native, paged_expand_native)
 #: The registered-ops backend's (what torch.compile traces and devices without a backend run): the
 #: ``lora_pin::paged_shrink`` / ``::paged_expand`` custom ops.
 REGISTERED_PAGED_OPS = PagedOps(paged_shrink, paged_expand)
