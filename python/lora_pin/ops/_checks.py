@@ -291,6 +291,50 @@ def refuse_grad(*tensors: torch.Tensor) -> None:
         )
 
 
+def check_prepared_shrink(
+    what: str, dtype: torch.dtype, n_tokens: int, in_features: int, x: torch.Tensor
+) -> None:
+    """Refuses an ``x`` other than the ``[n_tokens, in_features]`` of ``dtype`` a step's shrink
+    (``what``, named in the message) was prepared for, or one that requires grad.
+
+    Raises:
+        OpArgumentError: naming what was prepared and what came.
+    """
+    if x.dtype is not dtype or x.shape != (n_tokens, in_features):
+        raise OpArgumentError(
+            f"{what} was prepared for x {dtype} [{n_tokens}, {in_features}], got x {x.dtype} {tuple(x.shape)}"
+        )
+    refuse_grad(x)
+
+
+def check_prepared_expand(
+    what: str,
+    dtype: torch.dtype,
+    n_tokens: int,
+    out_total: int,
+    width: int,
+    out: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Refuses an ``out`` other than ``[n_tokens, out_total]`` or a ``v`` other than ``[n_tokens,
+    width]``, of ``dtype``, that a step's expand (``what``) was prepared for, or either requiring grad.
+
+    Raises:
+        OpArgumentError: naming what was prepared and what came.
+    """
+    if (
+        out.dtype is not dtype
+        or v.dtype is not dtype
+        or out.shape != (n_tokens, out_total)
+        or v.shape != (n_tokens, width)
+    ):
+        raise OpArgumentError(
+            f"{what} was prepared for out {dtype} [{n_tokens}, {out_total}] and v [{n_tokens}, {width}], "
+            f"got out {out.dtype} {tuple(out.shape)} and v {v.dtype} {tuple(v.shape)}"
+        )
+    refuse_grad(out, v)
+
+
 def same_tensor_kind(t: torch.Tensor, other: torch.Tensor) -> bool:
     """Whether ``t`` passes every check ``other`` passed: same shape, dtype, device and contiguity."""
     return (

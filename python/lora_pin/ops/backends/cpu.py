@@ -23,6 +23,8 @@ import torch
 from lora_pin.errors import OpArgumentError
 from lora_pin.ops._checks import (
     check_expand_args,
+    check_prepared_expand,
+    check_prepared_shrink,
     check_shrink_args,
     refuse_grad,
     same_tensor_kind,
@@ -440,12 +442,7 @@ class CpuShrink:
             OpArgumentError: ``x`` has another shape or dtype than prepared for, or requires grad with
                 grad mode on.
         """
-        if x.dtype is not self.dtype or x.shape != (self.n_tokens, self.in_features):
-            raise OpArgumentError(
-                f"the LoRA shrink was prepared for x {self.dtype} [{self.n_tokens}, {self.in_features}], "
-                f"got x {x.dtype} {tuple(x.shape)}"
-            )
-        refuse_grad(x)
+        check_prepared_shrink("the LoRA shrink", self.dtype, self.n_tokens, self.in_features, x)
         if self.empty:
             return x.new_zeros(self.n_tokens, self.width)
         return shrink_planned(x, self.a, self.meta.n_slices, self.plan)
@@ -502,18 +499,7 @@ class CpuExpand:
                 grad with grad mode on.
         """
         width = self.b.shape[2] * self.meta.n_slices
-        if (
-            out.dtype is not self.dtype
-            or v.dtype is not self.dtype
-            or out.shape != (self.n_tokens, self.out_total)
-            or v.shape != (self.n_tokens, width)
-        ):
-            raise OpArgumentError(
-                f"the LoRA expand was prepared for out {self.dtype} [{self.n_tokens}, {self.out_total}] and "
-                f"v [{self.n_tokens}, {width}], got out {out.dtype} {tuple(out.shape)} and v {v.dtype} "
-                f"{tuple(v.shape)}"
-            )
-        refuse_grad(out, v)
+        check_prepared_expand("the LoRA expand", self.dtype, self.n_tokens, self.out_total, width, out, v)
         if self.empty:
             return
         slot_scalings = self.meta.expand_layout()[0]

@@ -20,8 +20,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lora_pin.errors import OpArgumentError
-from lora_pin.ops._checks import check_expand_memory, refuse_grad, same_tensor_kind, stand_in
+from lora_pin.ops._checks import (
+    check_expand_memory,
+    check_prepared_expand,
+    check_prepared_shrink,
+    same_tensor_kind,
+    stand_in,
+)
 from lora_pin.ops.backends.base import SplitDelta, StepRows
 from lora_pin.ops.backends.paged import step_pages
 from lora_pin.ops.grouped import kernel_ok
@@ -154,12 +159,7 @@ class CpuPagedShrink:
             OpArgumentError: ``x`` has another shape or dtype than prepared for, or requires grad with
                 grad mode on.
         """
-        if x.dtype is not self.dtype or x.shape != (self.n_tokens, self.in_features):
-            raise OpArgumentError(
-                f"the paged LoRA shrink was prepared for x {self.dtype} [{self.n_tokens}, "
-                f"{self.in_features}], got x {x.dtype} {tuple(x.shape)}"
-            )
-        refuse_grad(x)
+        check_prepared_shrink("the paged LoRA shrink", self.dtype, self.n_tokens, self.in_features, x)
         width = self.meta.n_slices * self.max_rank
         if self.empty:
             return x.new_zeros(self.n_tokens, width)
@@ -255,18 +255,9 @@ class CpuPagedExpand:
                 written then.
         """
         width = self.meta.n_slices * self.max_rank
-        if (
-            out.dtype is not self.dtype
-            or v.dtype is not self.dtype
-            or out.shape != (self.n_tokens, self.out_total)
-            or v.shape != (self.n_tokens, width)
-        ):
-            raise OpArgumentError(
-                f"the paged LoRA expand was prepared for out {self.dtype} [{self.n_tokens}, "
-                f"{self.out_total}] and v [{self.n_tokens}, {width}], got out {out.dtype} "
-                f"{tuple(out.shape)} and v {v.dtype} {tuple(v.shape)}"
-            )
-        refuse_grad(out, v)
+        check_prepared_expand(
+            "the paged LoRA expand", self.dtype, self.n_tokens, self.out_total, width, out, v
+        )
         check_expand_memory(out, v=v, b_pages=self.b_pages, slot_scalings=self.slot_scalings)
         if self.empty:
             return
