@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora_pin.model
 from lora_pin._testing import random_layer, request_slots
@@ -25,17 +25,6 @@ def test_a_backend_is_chosen_by_the_pools_device() -> None:
     assert type(backend_for("meta")) is TorchOpsBackend
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func).startswith("lora_pin"):
-            self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 class _Output(torch.nn.Module):
     def __init__(self, out: torch.Tensor) -> None:
         super().__init__()
@@ -46,7 +35,9 @@ class _Output(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_torch_ops_backend_runs_a_layer_through_the_registered_ops(dtype: torch.dtype) -> None:
+def test_the_torch_ops_backend_runs_a_layer_through_the_registered_ops(
+    dtype: torch.dtype, op_calls: Any
+) -> None:
     gen = torch.Generator().manual_seed(0)
     layer = random_layer(6, 32, [48, 16, 16], [8, (4, 0, 8)], dtype, gen)
     token_slots = torch.repeat_interleave(request_slots("zipf", 8, 6, gen, base_fraction=0.25), 3)
@@ -64,9 +55,9 @@ def test_the_torch_ops_backend_runs_a_layer_through_the_registered_ops(dtype: to
     )
     step = StepSegments(segments=segments_from_slots(token_slots), any_adapter=True)
     module = LoRALinear(_Output(got := out.clone()), buffers, lambda: step, backend=TorchOpsBackend())  # type: ignore[arg-type]
-    with torch.inference_mode(), _Ops() as ops:
+    with torch.inference_mode(), op_calls() as ops:
         module(x)
-    assert ops.names == ["lora_pin.shrink.default", "lora_pin.expand.default"]
+    assert ops.ours == ["lora_pin.shrink.default", "lora_pin.expand.default"]
     want = lora_reference(out, x, layer.a, layer.b, token_slots, *layer[2:])
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=tol)

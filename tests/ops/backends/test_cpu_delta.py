@@ -9,7 +9,6 @@ import types
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lora_pin._testing import PATTERNS, random_layer, request_slots
 from lora_pin.model.layers import LoRALinear
@@ -124,18 +123,6 @@ def test_prepare_refuses_bad_segments_by_name():
         CpuDelta.prepare(bad, layer.a, layer.b, x.shape[0])
 
 
-class _Calls(TorchDispatchMode):
-    """Records the name of every op the dispatcher runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 class _Output(torch.nn.Module):
     def __init__(self, out: torch.Tensor) -> None:
         super().__init__()
@@ -160,14 +147,14 @@ def _layer(layer, ranks, token_slots, out, backend=None, active=None):
     return LoRALinear(_Output(out), buffers, active or (lambda: step), backend=backend)
 
 
-def test_a_layer_runs_its_plan_without_an_op_call_and_nothing_for_a_group_no_row_uses():
+def test_a_layer_runs_its_plan_without_an_op_call_and_nothing_for_a_group_no_row_uses(op_calls):
     layer, _, x, out = _case("uniform", 1, torch.float32)
     # Slots 1 and 2 have no rank in this group (their adapters target other modules).
     ranks = layer.slot_ranks.clone()
     ranks[1:3] = 0
     token_slots = torch.tensor([1, -1, 2, 1] * 3)
     module = _layer(layer, ranks, token_slots, out.clone())
-    with torch.inference_mode(), _Calls() as calls:
+    with torch.inference_mode(), op_calls() as calls:
         module(x)  # the first call of the step prepares (and may run ops to check the arrays)
         calls.names.clear()
         result = module(x)
@@ -178,7 +165,7 @@ def test_a_layer_runs_its_plan_without_an_op_call_and_nothing_for_a_group_no_row
     token_slots = torch.tensor([1, -1, 0, 1] * 3)
     got = out.clone()
     module = _layer(layer, ranks, token_slots, got)
-    with torch.inference_mode(), _Calls() as calls:
+    with torch.inference_mode(), op_calls() as calls:
         module(x)
     assert not [name for name in calls.names if name.startswith("lora_pin")]
     _assert_close(got, _reference(layer._replace(slot_ranks=ranks), token_slots, x, out))

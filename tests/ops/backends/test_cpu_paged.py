@@ -9,7 +9,6 @@ import types
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lora_pin._testing import random_layer, request_slots
 from lora_pin.model.layers import LoRALinear
@@ -36,18 +35,6 @@ class _Output(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out.clone()
-
-
-class _Calls(TorchDispatchMode):
-    """Records the name of every op the dispatcher runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _case(seed: int, tokens_per_request: int = 1):
@@ -92,7 +79,7 @@ def _count_plans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return looked_up
 
 
-def test_a_steps_later_calls_and_groups_of_the_same_ranks_reuse_the_first_plan(monkeypatch):
+def test_a_steps_later_calls_and_groups_of_the_same_ranks_reuse_the_first_plan(monkeypatch, op_calls):
     layer, token_slots, x, out, gen = _case(1)
     a_pages, b_pages, pages = pages_from_slots(layer.a, layer.b, layer.slot_ranks, PAGE_RANK, generator=gen)
     step = StepSegments(segments=segments_from_slots(token_slots, 3), pages=pages)
@@ -108,7 +95,7 @@ def test_a_steps_later_calls_and_groups_of_the_same_ranks_reuse_the_first_plan(m
     with torch.inference_mode():
         got = layers[0](x)
         assert looked_up[0] == 1
-        with _Calls() as calls:
+        with op_calls() as calls:
             again = layers[0](x)
         got_second = layers[1](x)
     assert looked_up[0] == 1, "the step's later call and the group of the same ranks must not look a plan up"
