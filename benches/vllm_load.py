@@ -14,7 +14,8 @@ flight, greedy with ``ignore_eos`` (a fixed output length):
 - ``vllm+lora_pin+compile``: the same with ``LORA_PIN_VLLM_COMPILE=1`` (vLLM's compiled forward kept
   with LoRA on; LoRA off is compiled in every server);
 - ``vllm+lora_pin+rotate``: the plugin with ``LORA_PIN_VLLM_ROTATE=1`` (its scheduler rotates slots among
-  adapters instead of draining them; age bound 4 steps);
+  adapters instead of draining them; age bound 4 steps); a kind may end in ``@N`` to set the plugin's
+  age bound (``LORA_PIN_VLLM_AGE_BOUND``), e.g. ``vllm+lora_pin+rotate@8``;
 - ``lora-pin``: ``lora-pin serve`` on transformers' engine (LoRA off: no adapters registered).
 
 ``--pinned N`` pins the N most popular adapters (Zipf's first) at start-up in ``vllm+lora_pin``
@@ -323,7 +324,12 @@ def main() -> int:
             else:
                 mods = plain if server == "vllm" else with_pins
                 flags = model + (lora + mods if with_lora else [])
-                vproc = _VllmServer(server != "vllm", flags, args, log, SERVER_ENV.get(server))
+                kind, _, age_bound = server.partition("@")
+                env = {
+                    **SERVER_ENV.get(kind, {}),
+                    **({"LORA_PIN_VLLM_AGE_BOUND": age_bound} if age_bound else {}),
+                }
+                vproc = _VllmServer(server != "vllm", flags, args, log, env)
                 url, stop = vproc.url, vproc.stop
                 print(f"# {label}: started in {vproc.startup:.0f} s", flush=True)
             try:

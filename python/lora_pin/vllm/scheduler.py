@@ -29,8 +29,8 @@ out of a step is safe, the same as one the token budget leaves out:
   ``prev_step_scheduled_req_ids``; it is not in ``resumed_req_ids`` (that is for preempted requests),
   so the worker appends its new blocks to the ones it kept;
 - KV blocks: it keeps them (nothing frees a running request's blocks but finishing or preemption);
-  vLLM preempts from the end of ``self.running`` when blocks run out, so only requests scheduled this
-  step are preempted; a suspended one keeps its place;
+  vLLM preempts from the end of ``self.running`` when blocks run out, and a suspended one is not in it
+  during the step: it is never preempted for the step's requests and keeps its place;
 - ``max_num_seqs``: ``max_num_running_reqs`` is lowered by the suspended count for the step, so vLLM
   admits no more requests than it would with them in ``self.running``.
 
