@@ -13,6 +13,9 @@ flight, greedy with ``ignore_eos`` (a fixed output length):
 - ``vllm+lora_pin``: ``lora-pin vllm-serve`` (the plugin on), LoRA off likewise;
 - ``vllm+lora_pin+compile``: the same with ``LORA_PIN_VLLM_COMPILE=1`` (vLLM's compiled forward kept
   with LoRA on; LoRA off is compiled in every server);
+- ``vllm+lora_pin+rotate``: the plugin with ``LORA_PIN_VLLM_ROTATE=1`` (its scheduler rotates slots among
+  adapters instead of draining them; age bound 4 steps); a kind may end in ``@N`` to set the plugin's
+  age bound (``LORA_PIN_VLLM_AGE_BOUND``), e.g. ``vllm+lora_pin+rotate@8``;
 - ``lora-pin``: ``lora-pin serve`` on transformers' engine (LoRA off: no adapters registered).
 
 ``--pinned N`` pins the N most popular adapters (Zipf's first) at start-up in ``vllm+lora_pin``
@@ -20,8 +23,9 @@ flight, greedy with ``ignore_eos`` (a fixed output length):
 shows the same adapters unpinned. ``--rounds N`` runs the servers in turn N times (the shared machine's
 drift then falls on each).
 
-Printed per server and configuration: output tokens/s, TTFT p50/p99, tok/s against that server's LoRA
-off, the pinned adapters' TTFT p50/p99, and their TTFT p99 at the most adapters over that at the fewest.
+Printed per server and configuration: output tokens/s, TTFT p50/p99, TPOT p50/p99, tok/s against that
+server's LoRA off, the pinned adapters' TTFT p50/p99, and their TTFT p99 at the most adapters over that at
+the fewest.
 The workload and the ``lora-pin serve`` client code come from ``benches/serve_load.py``.
 
 Run: ``.venv/bin/python benches/vllm_load.py`` after ``bash scripts/vllm_venv.sh`` (vLLM runs from its
@@ -115,6 +119,13 @@ def _make_model(root: Path, args: argparse.Namespace, count: int) -> tuple[Path,
     return base, dirs
 
 
+#: The environment a server kind adds to the plugin's (``vllm+lora_pin`` adds none).
+SERVER_ENV = {
+    "vllm+lora_pin+compile": {"LORA_PIN_VLLM_COMPILE": "1"},
+    "vllm+lora_pin+rotate": {"LORA_PIN_VLLM_ROTATE": "1"},
+}
+
+
 class _VllmServer:
     """``vllm serve`` (or ``lora-pin vllm-serve``) from the vLLM venv, started and ready."""
 
@@ -175,13 +186,15 @@ class _VllmServer:
 
 async def _closed_loop(url: str, workload: list[Any], concurrency: int, pinned: set[str]) -> dict[str, float]:
     """Serves ``workload`` (serve_load's tuples; arrival times ignored) with ``concurrency`` requests in
-    flight: output tok/s, TTFT p50/p99 (s), and those of the requests of the ``pinned`` adapters."""
+    flight: output tok/s, TTFT p50/p99 (s), TPOT p50/p99 (s: a request's time between its first and last
+    token over the tokens after its first), and the TTFT of the requests of the ``pinned`` adapters."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800)
     gate = asyncio.Semaphore(concurrency)
     ttft: list[float] = []
     pinned_ttft: list[float] = []
+    tpot: list[float] = []
     tokens = 0
 
     async def one(name: str | None, prompt: list[int], n: int) -> None:
@@ -192,6 +205,8 @@ async def _closed_loop(url: str, workload: list[Any], concurrency: int, pinned: 
             tokens += len(stamps)
             first = (stamps[0] if stamps else time.perf_counter()) - sent
             ttft.append(first)
+            if len(stamps) > 1:
+                tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
             if name in pinned:
                 pinned_ttft.append(first)
 
@@ -204,6 +219,8 @@ async def _closed_loop(url: str, workload: list[Any], concurrency: int, pinned: 
         "tok/s": tokens / wall,
         "ttft p50": pct(ttft, 50),
         "ttft p99": pct(ttft, 99),
+        "tpot p50": pct(tpot, 50),
+        "tpot p99": pct(tpot, 99),
         "pinned ttft p50": pct(pinned_ttft, 50),
         "pinned ttft p99": pct(pinned_ttft, 99),
         "pinned requests": len(pinned_ttft),
@@ -307,8 +324,12 @@ def main() -> int:
             else:
                 mods = plain if server == "vllm" else with_pins
                 flags = model + (lora + mods if with_lora else [])
-                compiled = {"LORA_PIN_VLLM_COMPILE": "1"} if server == "vllm+lora_pin+compile" else {}
-                vproc = _VllmServer(server != "vllm", flags, args, log, compiled)
+                kind, _, age_bound = server.partition("@")
+                env = {
+                    **SERVER_ENV.get(kind, {}),
+                    **({"LORA_PIN_VLLM_AGE_BOUND": age_bound} if age_bound else {}),
+                }
+                vproc = _VllmServer(server != "vllm", flags, args, log, env)
                 url, stop = vproc.url, vproc.stop
                 print(f"# {label}: started in {vproc.startup:.0f} s", flush=True)
             try:
@@ -317,17 +338,17 @@ def main() -> int:
                 stop()
             print(f"# {label}: {json.dumps(results[key])} load {os.getloadavg()[0]:.1f}", flush=True)
     print(
-        "| server | configuration | tok/s | TTFT p50 s | TTFT p99 s | tok/s vs its LoRA off "
-        f"| {args.pinned} top adapters' TTFT p50 / p99 s |"
+        "| server | configuration | tok/s | TTFT p50 s | TTFT p99 s | TPOT p50 / p99 ms "
+        f"| tok/s vs its LoRA off | {args.pinned} top adapters' TTFT p50 / p99 s |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for server, rows in results.items():
         off = rows["LoRA off"]["tok/s"]
         for label, r in rows.items():
             top = f"{r['pinned ttft p50']:.3f} / {r['pinned ttft p99']:.3f}" if label != "LoRA off" else ""
             print(
                 f"| {server} | {label} | {r['tok/s']:.1f} | {r['ttft p50']:.3f} | {r['ttft p99']:.3f} | "
-                f"{r['tok/s'] / off:.2f} | {top} |"
+                f"{1000 * r['tpot p50']:.0f} / {1000 * r['tpot p99']:.0f} | {r['tok/s'] / off:.2f} | {top} |"
             )
     lo, hi = f"{min(counts)} adapters", f"{max(counts)} adapters"
     for server, rows in results.items():

@@ -23,6 +23,7 @@ __all__ = [
     "_lora_pairs",
     "_read_tensors",
     "_unload_timeout_error",
+    "admit_rotating",
     "admit_waiting",
     "check_limits",
     "cpu_features",
@@ -289,6 +290,15 @@ def admit_waiting(
     slots: int,
     age_bound: int,
 ) -> tuple[list[int], list[int]]: ...
+def admit_rotating(
+    adapters: Sequence[int | None],
+    waited: Sequence[int],
+    running: Sequence[bool],
+    *,
+    pinned: Sequence[int],
+    slots: int,
+    age_bound: int,
+) -> tuple[list[int], list[int], list[int]]: ...
 def replication_factor(share: float, replicas: int) -> int: ...
 def home_replicas(adapter: str, replicas: Sequence[str], homes: int) -> list[int]: ...
 def simulate_replicas(

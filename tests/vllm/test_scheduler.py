@@ -39,3 +39,41 @@ def test_a_busy_adapter_drains_for_an_aged_request(report: dict[str, object]) ->
     assert offered_at["cold"] == 5
     # Then adapter 2's held requests wait for cold's run (steps 5-7) and go together.
     assert [offered_at[f"hot{s}"] for s in range(10)] == [1, 2, 8, 8, 8, 8, 8, 8, 9, 10]
+
+
+def test_rotation_suspends_a_running_adapter_for_an_aged_one(report: dict[str, object]) -> None:
+    rotation = report["rotation"]
+    assert isinstance(rotation, dict)
+    # One slot beside the pin, age bound 2. late (arrived at step 2) is aged at step 4 and takes long's
+    # slot; step 5 raised; at step 6 long and other (arrived at step 4) are both aged 2 steps, long
+    # first (running, given first), late sits out; then each aged one in turn, oldest first: other
+    # (3 steps) at 7, late (3) at 8, long (2) at 9, other (2) at 10, late (2) at 11. The pinned request and
+    # the base one are never left out.
+    assert rotation["scheduled"] == [
+        ["pin", "long"],
+        ["pin", "long"],
+        ["pin", "long", "base"],
+        ["pin", "base", "late"],
+        [],
+        ["pin", "long", "base"],
+        ["pin", "base", "other"],
+        ["pin", "late"],
+        ["pin", "long"],
+        ["pin", "other"],
+        ["pin", "late"],
+        ["pin", "long"],
+        ["pin", "long"],
+        ["long"],
+        *[[]] * 5,
+    ]
+    # A suspended request keeps its place in vLLM's running list and still counts against max_num_seqs.
+    assert rotation["running_after"][6] == ["pin", "long", "late", "other"]
+    assert rotation["max_running"][3:11] == [15, None, 15, 14, 14, 14, 14, 15]
+    assert set(rotation["max_after"]) == {16}
+
+
+def test_a_failing_step_leaves_the_queues_as_they_were(report: dict[str, object]) -> None:
+    rotation = report["rotation"]
+    assert isinstance(rotation, dict)
+    # At step 5 long was suspended (late in the slot) and other held: both back in place after the raise.
+    assert rotation["raised"] == {"step": 5, "running_kept": True, "waiting_kept": True}

@@ -4,7 +4,9 @@ The one switch: it adds ``lora_pin`` to ``VLLM_PLUGINS`` (keeping any plugins al
 passes ``--scheduler-cls lora_pin.vllm.Scheduler`` unless another is given, takes ``"pinned": true`` out
 of ``--lora-modules`` JSON items (vLLM's parser refuses the key) and names those adapters in
 ``LORA_PIN_VLLM_PINNED`` for the plugin to pin, and runs ``vllm serve`` with every other argument as
-given, in this Python (the venv vLLM is installed in).
+given, in this Python (the venv vLLM is installed in). The environment passes through, so the plugin's
+switches (``LORA_PIN_VLLM_ROTATE``, ``LORA_PIN_VLLM_AGE_BOUND``, ``LORA_PIN_VLLM_COMPILE``) reach vLLM's
+processes.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def add_parser(subparsers: Any) -> None:
         help="vllm serve with lora_pin's plugin (pass vllm serve's arguments)",
         description=(
             "Run `vllm serve` with lora_pin's plugin: every LoRA layer on lora_pin's ops (base rows "
-            "batched with adapters stay exact; each adapter at its own rank). Arguments are vllm serve's."
+            "batched with adapters stay exact; each adapter at its own rank). Arguments are vllm serve's; "
+            "the environment passes through (LORA_PIN_VLLM_ROTATE=1: the scheduler rotates adapter slots, "
+            "docs/vllm.md)."
         ),
     )
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="ARGS", help="vllm serve's arguments")

@@ -64,6 +64,17 @@ SEAMS = (
     ("vllm.v1.worker.worker_base", "WorkerBase", "collective_rpc calls its methods by name"),
     ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", "the step; reads self.waiting, self.running"),
     ("vllm.v1.core.sched.request_queue", "FCFSRequestQueue", "a deque of requests"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.max_num_running_reqs", "rotation lowers it for a step"),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.prev_step_scheduled_req_ids",
+        "rotation: a running request left out of a step gets its tokens sent again",
+    ),
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._update_states",
+        "rotation: drops unscheduled requests from the persistent batch, keeps their state",
+    ),
     ("vllm.entrypoints.openai.models.api_router", "models", "request -> OpenAIServingModels"),
     ("vllm.utils.cache", "LRUCache._unpin", "(key) -> None; LRUCache.pin and .pinned_items beside it"),
     ("vllm.utils.cache", "LRUCache.pinned_items", "the pinned keys"),

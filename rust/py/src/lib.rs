@@ -23,7 +23,7 @@ pub mod _core {
     use pyo3::prelude::*;
 
     #[pymodule_export]
-    use super::admission::admit_waiting;
+    use super::admission::{admit_rotating, admit_waiting};
     #[pymodule_export]
     use super::errors::unload_timeout_error;
     #[pymodule_export]

@@ -40,6 +40,8 @@ for module_name, qualname, _ in seams.SEAMS:
         "pinned_items",
         "packed_modules",
         "modules",
+        "max_num_running_reqs",
+        "prev_step_scheduled_req_ids",
     ):
         # Instance attributes: set in the manager's own methods.
         source = inspect.getsource(owner)
