@@ -2,6 +2,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use proptest::prelude::*;
 
+use super::tests::{scenario, Arrival};
 use super::*;
 
 fn c(adapter: Option<u64>, waited: u64, running: bool) -> Candidate {
@@ -70,10 +71,6 @@ fn bad_slots_are_refused_naming_the_numbers() {
     assert!(refused(&rotating(2, &[], 0)).contains("age bound"));
     assert_eq!(admit_rotating(&[], &rotating(1, &[], 1)).unwrap(), Rotation::default());
 }
-
-/// A request of [`simulate`]: its arrival step, adapter (`None`: the base model) and how many steps
-/// it must be scheduled in to finish (its tokens; the first one is its prefill).
-type Arrival = (u64, Option<u64>, u64);
 
 /// An engine over [`admit_rotating`], as vLLM runs it with rotation: each step every request that
 /// arrived and has not finished is a candidate (waiting until it is first scheduled; then running,
@@ -164,33 +161,11 @@ fn a_long_running_adapter_yields_its_slot_and_gets_it_back() {
     assert_eq!(offered, [0, 3]);
 }
 
-/// `(slots, pinned, age_bound, requests)`: a scenario for [`simulate`].
-fn scenario() -> impl Strategy<Value = (usize, Vec<u64>, u64, Vec<Arrival>)> {
-    (1usize..=4, 0usize..=2, 1u64..=5, 1u64..=8).prop_flat_map(|(free, pins, age_bound, max_run)| {
-        let request = (0u64..6, prop::option::weighted(0.85, 0u64..8), 1u64..=max_run);
-        (
-            Just(free + pins),
-            Just((0..pins as u64).collect::<Vec<u64>>()),
-            Just(age_bound),
-            prop::collection::vec(request, 0..40),
-        )
-            .prop_map(|(slots, pinned, age_bound, mut requests)| {
-                // Arrival steps as gaps, so requests are in arrival order.
-                let mut at = 0;
-                for r in &mut requests {
-                    at += r.0 / 3;
-                    r.0 = at;
-                }
-                (slots, pinned, age_bound, requests)
-            })
-    })
-}
-
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     #[test]
-    fn rotation_keeps_pins_slots_and_the_wait_bound((slot_count, pinned, age_bound, requests) in scenario()) {
+    fn rotation_keeps_pins_slots_and_the_wait_bound((slot_count, pinned, age_bound, requests) in scenario(8, 8)) {
         let started = simulate(slot_count, &pinned, age_bound, &requests);
         for (r, &(arrival, adapter, _)) in requests.iter().enumerate() {
             if adapter.is_none_or(|a| pinned.contains(&a)) {

@@ -155,36 +155,43 @@ fn a_steady_running_adapter_does_not_keep_its_slot_from_an_aged_request() {
     assert_eq!(offered[2], 4);
 }
 
-/// A request of [`simulate`]: its arrival step, adapter (`None`: the base model) and run length.
-type Arrival = (u64, Option<u64>, u64);
+/// A request of a simulated engine loop: its arrival step, adapter (`None`: the base model) and run
+/// length.
+pub(super) type Arrival = (u64, Option<u64>, u64);
 
-/// `(slots, pinned, age_bound, requests)`: a scenario for [`simulate`].
-fn scenario() -> impl Strategy<Value = (usize, Vec<u64>, u64, Vec<Arrival>)> {
-    (1usize..=4, 0usize..=2, 1u64..=5, 1u64..=6).prop_flat_map(|(free, pins, age_bound, max_run)| {
-        let request = (0u64..6, prop::option::weighted(0.85, 0u64..7), 1u64..=max_run);
-        (
-            Just(free + pins),
-            Just((0..pins as u64).collect::<Vec<u64>>()),
-            Just(age_bound),
-            prop::collection::vec(request, 0..40),
-        )
-            .prop_map(|(slots, pinned, age_bound, mut requests)| {
-                // Arrival steps as gaps, so requests are in arrival order.
-                let mut at = 0;
-                for r in &mut requests {
-                    at += r.0 / 3;
-                    r.0 = at;
-                }
-                (slots, pinned, age_bound, requests)
-            })
-    })
+/// `(slots, pinned, age_bound, requests)`: a scenario for a simulated engine loop, with runs of up to
+/// `max_run` steps over adapters `0..adapters` (the first pinned ones among them).
+pub(super) fn scenario(
+    max_run: u64,
+    adapters: u64,
+) -> impl Strategy<Value = (usize, Vec<u64>, u64, Vec<Arrival>)> {
+    (1usize..=4, 0usize..=2, 1u64..=5, 1u64..=max_run).prop_flat_map(
+        move |(free, pins, age_bound, max_run)| {
+            let request = (0u64..6, prop::option::weighted(0.85, 0u64..adapters), 1u64..=max_run);
+            (
+                Just(free + pins),
+                Just((0..pins as u64).collect::<Vec<u64>>()),
+                Just(age_bound),
+                prop::collection::vec(request, 0..40),
+            )
+                .prop_map(|(slots, pinned, age_bound, mut requests)| {
+                    // Arrival steps as gaps, so requests are in arrival order.
+                    let mut at = 0;
+                    for r in &mut requests {
+                        at += r.0 / 3;
+                        r.0 = at;
+                    }
+                    (slots, pinned, age_bound, requests)
+                })
+        },
+    )
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     #[test]
-    fn no_request_starves_and_the_slots_are_never_overfilled((slot_count, pinned, age_bound, requests) in scenario()) {
+    fn no_request_starves_and_the_slots_are_never_overfilled((slot_count, pinned, age_bound, requests) in scenario(6, 7)) {
         let offered = simulate(slot_count, &pinned, age_bound, &requests);
         // Base and pinned requests never wait.
         for (r, &(arrival, adapter, _)) in requests.iter().enumerate() {
