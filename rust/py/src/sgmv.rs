@@ -145,6 +145,28 @@ fn check(py: Python<'_>, what: &str, raw: Raw, size: usize, written: Option<(Raw
     Ok(())
 }
 
+/// The op's dtype, after [`check`] of the buffer the kernel writes (`written`), of those it reads in
+/// that dtype (`read`) and of the float32 slot scalings if any, each read one against the written one.
+fn checked(
+    py: Python<'_>,
+    dtype: &str,
+    written: (&str, Raw),
+    read: &[(&str, Raw)],
+    scalings: Option<Raw>,
+) -> PyResult<Dtype> {
+    let dtype = Dtype::parse(py, dtype)?;
+    let size = dtype.size();
+    let (name, out) = written;
+    check(py, name, out, size, None)?;
+    for &(what, raw) in read {
+        check(py, what, raw, size, Some((out, size)))?;
+    }
+    if let Some(scalings) = scalings {
+        check(py, "slot_scalings", scalings, 4, Some((out, size)))?;
+    }
+    Ok(dtype)
+}
+
 /// The memory at `raw` as a slice of `T`.
 ///
 /// # Safety
@@ -307,14 +329,10 @@ impl PyCpuSgmvPlan {
         v: Raw,
         threads: usize,
     ) -> PyResult<()> {
-        let dtype = Dtype::parse(py, dtype)?;
-        let size = dtype.size();
-        check(py, "v", v, size, None)?;
-        check(py, "x", x, size, Some((v, size)))?;
-        check(py, "a", a, size, Some((v, size)))?;
+        let dtype = checked(py, dtype, ("v", v), &[("x", x), ("a", a)], None)?;
         let plan = &self.0;
         detached(py, move || {
-            // SAFETY: the caller's contract (live contiguous tensors of `dtype`); `check` ruled out
+            // SAFETY: the caller's contract (live contiguous tensors of `dtype`); `checked` ruled out
             // misalignment and overlap with the written buffer.
             let (x, a, v) = unsafe { (data(dtype, x), data(dtype, a), data_mut(dtype, v)) };
             plan.shrink(x, in_features, a, v, threads)
@@ -343,12 +361,7 @@ impl PyCpuSgmvPlan {
         slice_offsets: Vec<usize>,
         threads: usize,
     ) -> PyResult<()> {
-        let dtype = Dtype::parse(py, dtype)?;
-        let size = dtype.size();
-        check(py, "out", out, size, None)?;
-        check(py, "v", v, size, Some((out, size)))?;
-        check(py, "b", b, size, Some((out, size)))?;
-        check(py, "slot_scalings", scalings, 4, Some((out, size)))?;
+        let dtype = checked(py, dtype, ("out", out), &[("v", v), ("b", b)], Some(scalings))?;
         let plan = &self.0;
         detached(py, move || {
             // SAFETY: as in `shrink`.
@@ -383,13 +396,7 @@ impl PyCpuSgmvPlan {
         slice_offsets: Vec<usize>,
         threads: usize,
     ) -> PyResult<()> {
-        let dtype = Dtype::parse(py, dtype)?;
-        let size = dtype.size();
-        check(py, "out", out, size, None)?;
-        check(py, "x", x, size, Some((out, size)))?;
-        check(py, "a", a, size, Some((out, size)))?;
-        check(py, "b", b, size, Some((out, size)))?;
-        check(py, "slot_scalings", scalings, 4, Some((out, size)))?;
+        let dtype = checked(py, dtype, ("out", out), &[("x", x), ("a", a), ("b", b)], Some(scalings))?;
         let plan = &self.0;
         detached(py, move || {
             // SAFETY: as in `shrink`.
@@ -421,11 +428,7 @@ impl PyCpuSgmvPlan {
         v: Raw,
         threads: usize,
     ) -> PyResult<()> {
-        let dtype = Dtype::parse(py, dtype)?;
-        let size = dtype.size();
-        check(py, "v", v, size, None)?;
-        check(py, "x", x, size, Some((v, size)))?;
-        check(py, "a_pages", a_pages, size, Some((v, size)))?;
+        let dtype = checked(py, dtype, ("v", v), &[("x", x), ("a_pages", a_pages)], None)?;
         let (plan, pages) = (&self.0, &pages.0);
         detached(py, move || {
             // SAFETY: as in `shrink`.
@@ -454,12 +457,7 @@ impl PyCpuSgmvPlan {
         slice_offsets: Vec<usize>,
         threads: usize,
     ) -> PyResult<()> {
-        let dtype = Dtype::parse(py, dtype)?;
-        let size = dtype.size();
-        check(py, "out", out, size, None)?;
-        check(py, "v", v, size, Some((out, size)))?;
-        check(py, "b_pages", b_pages, size, Some((out, size)))?;
-        check(py, "slot_scalings", scalings, 4, Some((out, size)))?;
+        let dtype = checked(py, dtype, ("out", out), &[("v", v), ("b_pages", b_pages)], Some(scalings))?;
         let (plan, pages) = (&self.0, &pages.0);
         detached(py, move || {
             // SAFETY: as in `shrink`.
