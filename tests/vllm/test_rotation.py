@@ -30,19 +30,20 @@ def server(make_server: Callable[..., VllmServer]) -> VllmServer:
     return make_server(True, *SERVER_ARGS, pinned=["ad1"], env=ROTATION)
 
 
-def suspended_adapters(server: VllmServer) -> set[str]:
-    """Every adapter the scheduler has suspended running requests of so far, from its log."""
+def suspended_adapters(server: VllmServer, since: int = 0) -> set[str]:
+    """Every adapter the scheduler has suspended running requests of so far (or in the log past its
+    first ``since`` characters), from its log."""
     names: set[str] = set()
-    for match in SUSPENDS.finditer(server.log.read_text(errors="replace")):
+    for match in SUSPENDS.finditer(server.log.read_text(errors="replace")[since:]):
         names.update(n.strip().strip("'") for n in match.group(1).split(",") if n.strip())
     return names
 
 
 def test_base_and_seven_adapters_at_once_equal_peft(server: VllmServer, oracle: Oracle) -> None:
-    # 24 requests over the base and 7 adapters, one unpinned slot: running requests are suspended and
-    # resumed (the log says so) and every answer is still PEFT's.
+    # 24 requests over the base and 7 adapters, one unpinned slot, under the rotating scheduler: every
+    # answer is still PEFT's. Whether a request here waits long enough to suspend another depends on
+    # when the client's requests arrive; the next test makes the engine suspend one for sure.
     assert concurrent_mix(server, oracle, max_tokens=16) == []
-    assert suspended_adapters(server) - {"ad1"}
 
 
 def running_requests(server: VllmServer) -> float:
@@ -106,23 +107,21 @@ def test_a_later_adapter_runs_before_a_long_request_has_finished(
     server: VllmServer, vllm_world: tuple[Path, dict[str, Path]]
 ) -> None:
     # ad2 takes the one unpinned slot for LONG tokens; once the server reports it running, ad3 asks for
-    # LATE. Draining, ad3 would wait until ad2 finished: never 2 requests running at once. Rotating, ad3
-    # takes ad2's slot a few steps after it came and the two alternate: the server reports both running
-    # (ad2 suspended, not finished) while ad3 is answered.
+    # LATE. Draining, ad3 would wait until ad2 finished and nothing would ever be suspended. Rotating, ad3
+    # takes ad2's slot a few steps after it came and the two alternate: the scheduler's log names ad2 as
+    # suspended (a running request, not finished, sitting out while ad3 runs) and ad3 in turn. Decided from
+    # the server's log, not from when the client threads see their answers (that races ad2's last tokens).
     assert running_requests(server) == 0
+    since = len(server.log.read_text(errors="replace"))
     long = Completion(server, "ad2", prompt(6), LONG)
     wait_for("ad2 running", lambda: long.alive() and running_requests(server) == 1, every=0.02)
     late = Completion(server, "ad3", prompt(8), LATE)
-    seen: list[float] = []
-    while late.alive():
-        seen.append(running_requests(server))
-    assert long.alive(), "ad2 finished before ad3 was answered (as when ad3 waits for it)"
-    assert max(seen) == 2, sorted(set(seen))
-    assert "ad2" in suspended_adapters(server)
+    late_tokens = late.tokens()
+    assert {"ad2", "ad3"} <= suspended_adapters(server, since)
     # Suspended and resumed, the answers are still PEFT's greedy tokens, token for token (without a
     # stop at EOS).
     peft = PeftOracle(vllm_world[0], EOS)
-    assert peft_would_choose(peft, server.dirs["ad3"], prompt(8), late.tokens())
+    assert peft_would_choose(peft, server.dirs["ad3"], prompt(8), late_tokens)
     assert peft_would_choose(peft, server.dirs["ad2"], prompt(6), long.tokens())
 
 
