@@ -290,3 +290,35 @@ proptest! {
         }
     }
 }
+
+/// The device room an adapter gives way with, for an overdue adapter's fetch, goes to an adapter in
+/// the host tier the step deferred for want of it (the case CI's random search found: one unpinned
+/// place, `a0` overdue and fetched, `a1` yields, `a3` was left out with the pool empty). The
+/// overdue fetch still lands, taking the youngest request's place.
+#[test]
+fn room_given_way_is_offered_again() {
+    let mut reg = paged_host(8, 2, Some(3), "lru", &[1, 1, 1, 1]);
+    reg.pin("a2").unwrap();
+    for _ in 0..5 {
+        run(&mut reg, &[1, 0], StepMode::Fetch);
+    }
+    run(&mut reg, &[3], StepMode::Fetch);
+    let keys: Vec<_> = [0, 1, 3].iter().map(|i| Some(reg.lookup(&format!("a{i}"), false).unwrap())).collect();
+    let (plan, ticket) =
+        reg.begin_step(StepRequest::new(&keys, &[1, 1, 1], StepMode::Fetch)).unwrap().begun().unwrap();
+    reg.audit().unwrap();
+    assert_eq!(plan.admitted, [2], "a3 takes the place a1 gave way with");
+    assert_eq!(plan.deferred, [0, 1]);
+    assert!(matches!(
+        plan.reasons[..],
+        [crate::registry::Deferral::Loading, crate::registry::Deferral::Fairness]
+    ));
+    assert_eq!(plan.to_fetch.iter().map(|f| &*f.name).collect::<Vec<_>>(), ["a0"]);
+    for i in 0..plan.loads.len() {
+        reg.report_load(ticket, i, true).unwrap();
+    }
+    reg.finish_step(ticket).unwrap();
+    let evicted = reg.fetch_done("a0", plan.to_fetch[0].serial).unwrap();
+    assert_eq!(evicted.iter().map(|n| &**n).collect::<Vec<_>>(), ["a3"]);
+    reg.audit().unwrap();
+}

@@ -405,8 +405,8 @@ impl Registry {
         let mut waiting = Waiting::default();
         self.name_requests(adapters, fetch);
         self.admit(adapters, &mut marks, fetch.then_some(&mut waiting));
-        if fetch {
-            self.start_waiting_fetches(&mut waiting, &mut marks, &mut plan);
+        if fetch && self.start_waiting_fetches(&mut waiting, &mut marks, &mut plan) > 0 {
+            self.reoffer_room(adapters, &mut marks, &waiting);
         }
         self.place_admitted(&mut marks, &mut plan);
         self.end_freshness(&marks);
@@ -424,8 +424,13 @@ impl Registry {
     /// or running request needs ([`Registry::fetch_evictable`]), but for an overdue adapter, which
     /// may take those of younger requests; adapters admitted for younger requests then yield
     /// theirs if that is enough ([`Registry::yield_room`]), so no request waits forever behind
-    /// adapters that later requests keep in the host tier.
-    fn start_waiting_fetches(&mut self, waiting: &mut Waiting, marks: &mut [i32], plan: &mut StepPlan) {
+    /// adapters that later requests keep in the host tier. Returns how many adapters yielded.
+    fn start_waiting_fetches(
+        &mut self,
+        waiting: &mut Waiting,
+        marks: &mut [i32],
+        plan: &mut StepPlan,
+    ) -> usize {
         let budget = self.slot_budget();
         let (limit, page_limit) = (budget.limit(), budget.page_limit());
         let fetching_unpinned = |reg: &Self, key: AdapterKey| {
@@ -436,6 +441,7 @@ impl Registry {
         let mut ready = waiting.ready + fetching.clone().count();
         let mut ready_pages =
             waiting.ready_pages + fetching.map(|&(key, _)| self.key_pages(key)).sum::<usize>();
+        let mut yielded = 0;
         for &(key, first) in &waiting.keys {
             let a = self.get(key);
             if a.tenancy.fetching {
@@ -449,7 +455,9 @@ impl Registry {
             }
             let bytes = a.identity.size.host_bytes;
             if overdue && !self.host.fits(bytes, self.fetch_evictable(key).0, true) {
-                ready += self.yield_room(first, key, &mut waiting.firsts, marks);
+                let gave_way = self.yield_room(first, key, &mut waiting.firsts, marks);
+                ready += gave_way;
+                yielded += gave_way;
             }
             if self.start_fetch(key) {
                 ready += usize::from(!pinned);
@@ -458,6 +466,45 @@ impl Registry {
                 let a = self.get(key);
                 plan.to_fetch.push(Fetch { name: Arc::clone(&a.identity.name), serial: a.identity.serial });
             }
+        }
+        yielded
+    }
+
+    /// Offers the device room that adapters gave way with ([`Registry::yield_room`]) to the adapters
+    /// admission deferred for want of it, in batch order, so a step does not leave a slot empty that
+    /// a request could use: one in the host tier is admitted when the step's budget fits it and
+    /// protecting it leaves every fetch of this step's adapters that could land still able to (the
+    /// yielded host places stay the overdue fetches').
+    fn reoffer_room(&mut self, adapters: &[Option<AdapterKey>], marks: &mut [i32], waiting: &Waiting) {
+        let paging = self.config.paging;
+        let mut budget = self.slot_budget();
+        for &key in &self.step {
+            let a = self.get(key);
+            budget.take(a.protection.pinned, pages_for(paging, a.identity.size.rank));
+        }
+        let fetches: Vec<AdapterKey> =
+            waiting.keys.iter().map(|&(key, _)| key).filter(|&key| self.get(key).tenancy.fetching).collect();
+        let landing: Vec<bool> = fetches.iter().map(|&key| self.fetch_fits(key, Claim::Fetch)).collect();
+        for &key in adapters.iter().flatten() {
+            let a = self.get(key);
+            let pages = pages_for(paging, a.identity.size.rank);
+            if marks[key.index()] != DEFER_DEVICE || a.tenancy.host_since.is_none() || !budget.fits(pages) {
+                continue;
+            }
+            self.get_mut(key).protection.in_step = true;
+            self.refresh(key);
+            let lands = |reg: &Self| {
+                fetches.iter().zip(&landing).all(|(&f, &could)| !could || reg.fetch_fits(f, Claim::Fetch))
+            };
+            if !lands(self) {
+                self.get_mut(key).protection.in_step = false;
+                self.refresh(key);
+                continue;
+            }
+            budget.take(false, pages);
+            marks[key.index()] = ADMITTED;
+            self.step.push(key);
+            self.device.counters.refusals -= 1;
         }
     }
 
