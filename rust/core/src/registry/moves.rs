@@ -178,11 +178,16 @@ impl Registry {
         slot
     }
 
-    /// Takes `key` out of the host tier (it must have left the device tier already).
+    /// Takes `key` out of the host tier (it must have left the device tier already); it is fresh no
+    /// more (a failed read of a fresh adapter's weights takes it out).
     pub(crate) fn leave_host(&mut self, key: AdapterKey) {
         let a = self.get_mut(key);
         debug_assert!(a.tenancy.slot.is_none(), "an adapter leaves the device tier before the host tier");
         a.tenancy.host_since = None;
+        if std::mem::take(&mut a.protection.fresh) {
+            self.fresh.retain(|&k| k != key);
+        }
+        let a = self.get_mut(key);
         let bytes = a.identity.size.host_bytes;
         self.host.count -= 1;
         self.host.bytes -= bytes;

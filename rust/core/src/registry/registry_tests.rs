@@ -79,6 +79,26 @@ fn a_failed_fetch_leaves_every_other_adapter_where_it_was() {
     reg.audit().unwrap();
 }
 
+/// A whole-batch fetch step that waits marks the adapters in the host tier fresh (`a, b` start
+/// outside it, `c, d` in it), one of them with its disk read pending (from a plan outside a step); that read fails: the adapter leaves the host
+/// tier and is fresh no more (the case a random search found: it stayed fresh outside the tier).
+#[test]
+fn a_failed_read_of_a_fresh_adapter_ends_its_freshness() {
+    let mut reg = registry(2, Some(2), "lru", &["a", "b", "c", "d"]);
+    reg.end_step().unwrap();
+    reg.plan_names(&[Some("a"), None], &[0, 0]).unwrap();
+    let keys: Vec<_> = ["b", "a"].iter().map(|n| Some(reg.lookup(n, false).unwrap())).collect();
+    let request = StepRequest { whole: true, ..StepRequest::new(&keys, &[0, 0], StepMode::Fetch) };
+    let (p, ticket) = start(&mut reg, request).unwrap();
+    assert!(ticket.is_none() && p.deferred.len() == 2, "the whole batch waits for b");
+    assert!(reg.get(keys[1].unwrap()).protection.fresh);
+    reg.load_failed("a").unwrap();
+    reg.audit().unwrap();
+    let a = reg.get(keys[1].unwrap());
+    assert!(a.tenancy.host_since.is_none() && !a.protection.fresh);
+    assert!(reg.fresh.is_empty());
+}
+
 #[test]
 fn a_read_the_protected_adapters_leave_no_room_for_waits_and_changes_nothing() {
     let mut reg = registry(2, Some(2), "lru", &["a", "b", "c"]);
