@@ -416,9 +416,10 @@ impl Registry {
         Ok(plan)
     }
 
-    /// Starts the fetches of the adapters waiting for the host tier, in first-request order, within
-    /// the fetch budget: while fewer unpinned adapters than one step may admit are ready for the
-    /// next steps (deferred in the host tier, or being fetched), since a read beyond that only
+    /// Starts the fetches of the adapters waiting for the host tier, overdue ones first (the room
+    /// their fetches take is known before the budget decides the rest), each group in
+    /// first-request order, within the fetch budget: while fewer unpinned adapters than one step
+    /// may admit are ready for the next steps (deferred in the host tier, or being fetched), since a read beyond that only
     /// holds host room the next steps cannot use. Pinned adapters (they take no budget) and overdue
     /// ones (the oldest requests) fetch whatever the budget. A fetch takes no host place a waiting
     /// or running request needs ([`Registry::fetch_evictable`]), but for an overdue adapter, which
@@ -442,21 +443,29 @@ impl Registry {
         let mut ready_pages =
             waiting.ready_pages + fetching.map(|&(key, _)| self.key_pages(key)).sum::<usize>();
         let mut yielded = 0;
-        for &(key, first) in &waiting.keys {
+        // Overdue adapters first: the places adapters yield for them count as ready before the
+        // budget decides the other fetches.
+        let overdue_first =
+            [true, false].into_iter().flat_map(|pass| waiting.keys.iter().map(move |&k| (pass, k)));
+        for (pass, (key, first)) in overdue_first {
             let a = self.get(key);
+            let overdue = a.tenancy.deferred_plans >= OVERDUE_AFTER;
+            if overdue != pass {
+                continue;
+            }
             if a.tenancy.fetching {
                 marks[key.index()] = DEFER_LOADING;
                 continue;
             }
-            let overdue = a.tenancy.deferred_plans >= OVERDUE_AFTER;
             let pinned = a.protection.pinned;
             if !overdue && !pinned && (ready >= limit || ready_pages >= page_limit) {
                 continue;
             }
             let bytes = a.identity.size.host_bytes;
             if overdue && !self.host.fits(bytes, self.fetch_evictable(key).0, true) {
-                let gave_way = self.yield_room(first, key, &mut waiting.firsts, marks);
+                let (gave_way, pages) = self.yield_room(first, key, &mut waiting.firsts, marks);
                 ready += gave_way;
+                ready_pages += pages;
                 yielded += gave_way;
             }
             if self.start_fetch(key) {
@@ -510,9 +519,16 @@ impl Registry {
 
     /// Defers, youngest first, admitted adapters whose first request comes after request `first`
     /// (`key`'s, overdue) and that only the step protects, until a fetch of `key` could make its
-    /// room; defers none when all of them would not be enough. Returns how many it deferred.
+    /// room; defers none when all of them would not be enough. Returns how many it deferred, and
+    /// their pages.
     /// `firsts` is parallel to `self.step`.
-    fn yield_room(&mut self, first: u32, key: AdapterKey, firsts: &mut Vec<u32>, marks: &mut [i32]) -> usize {
+    fn yield_room(
+        &mut self,
+        first: u32,
+        key: AdapterKey,
+        firsts: &mut Vec<u32>,
+        marks: &mut [i32],
+    ) -> (usize, usize) {
         let bytes = self.get(key).identity.size.host_bytes;
         let evictable = self.fetch_evictable(key).0;
         let protected_count = self.host.count - evictable.count;
@@ -535,18 +551,19 @@ impl Registry {
             need_bytes = need_bytes.saturating_sub(a.identity.size.host_bytes);
         }
         if need_count > 0 || need_bytes > 0 {
-            return 0;
+            return (0, 0);
         }
-        let yielded = picks.len();
+        let (yielded, mut pages) = (picks.len(), 0);
         // Descending positions: each removal leaves the earlier ones in place.
         for at in picks {
             let gave_way = self.step.remove(at);
+            pages += self.key_pages(gave_way);
             firsts.remove(at);
             marks[gave_way.index()] = DEFER_FAIRNESS;
             self.get_mut(gave_way).protection.in_step = false;
             self.refresh(gave_way);
         }
-        yielded
+        (yielded, pages)
     }
 
     /// Fresh adapters (fetched, waiting for a step to admit their requests) stay protected while
