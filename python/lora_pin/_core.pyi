@@ -401,6 +401,20 @@ class CpuSgmvPlan:
         *,
         threads: int = 1,
     ) -> None: ...
+    def paged_lora_delta(
+        self,
+        dtype: str,
+        out: tuple[int, int],
+        x: tuple[int, int],
+        in_features: int,
+        a_pages: tuple[int, int],
+        b_pages: tuple[int, int],
+        pages: CpuPageTable,
+        scalings: tuple[int, int],
+        slice_offsets: Sequence[int],
+        *,
+        threads: int = 1,
+    ) -> None: ...
 
 @final
 class CpuPageTable:

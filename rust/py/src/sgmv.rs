@@ -468,6 +468,51 @@ impl PyCpuSgmvPlan {
         })
     }
 
+    /// ``paged_shrink`` then ``paged_expand`` in one call, ``v`` kept in a scratch buffer
+    /// (``lora_delta`` through page tables): ``out += scaling · (x @ Aᵀ) @ Bᵀ`` for the plan's tokens.
+    ///
+    /// Buffers as for ``paged_shrink`` and ``paged_expand``: ``out`` ``[n_tokens, out_total]``, ``x``
+    /// ``[n_tokens, in_features]``, ``a_pages`` ``[num_pages, n_slices * page_rank, in_features]``,
+    /// ``b_pages`` ``[num_pages, out_total, page_rank]`` of ``dtype``, ``scalings`` float32
+    /// ``[slots, n_slices]``.
+    ///
+    /// Raises:
+    ///     OpArgumentError: as for ``paged_shrink`` and ``paged_expand`` (``out`` untouched).
+    ///     UsageError: this CPU lacks AVX-512.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (dtype, out, x, in_features, a_pages, b_pages, pages, scalings, slice_offsets, *, threads = 1))]
+    fn paged_lora_delta(
+        &self,
+        py: Python<'_>,
+        dtype: &str,
+        out: Raw,
+        x: Raw,
+        in_features: usize,
+        a_pages: Raw,
+        b_pages: Raw,
+        pages: &PyCpuPageTable,
+        scalings: Raw,
+        slice_offsets: Vec<usize>,
+        threads: usize,
+    ) -> PyResult<()> {
+        let inputs = [("x", x), ("a_pages", a_pages), ("b_pages", b_pages)];
+        let dtype = checked(py, dtype, ("out", out), &inputs, Some(scalings))?;
+        let (plan, pages) = (&self.0, &pages.0);
+        detached(py, move || {
+            // SAFETY: as in `shrink`.
+            let (out, x, a, b, scalings) = unsafe {
+                (
+                    data_mut(dtype, out),
+                    data(dtype, x),
+                    data(dtype, a_pages),
+                    data(dtype, b_pages),
+                    view::<f32>(scalings),
+                )
+            };
+            plan.paged_lora_delta(out, x, in_features, a, b, pages, scalings, &slice_offsets, threads)
+        })
+    }
+
     fn __repr__(&self) -> String {
         format!("CpuSgmvPlan(rows={})", self.0.n_rows())
     }

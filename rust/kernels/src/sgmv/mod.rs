@@ -524,25 +524,40 @@ impl CpuPlan {
         slice_offsets: &[usize],
         threads: usize,
     ) -> Result<()> {
+        self.through_scratch(
+            x,
+            |v| self.shrink(x, in_features, a, v, threads),
+            |v| self.expand(out, v, b, scalings, slice_offsets, threads),
+        )
+    }
+
+    /// Runs `shrink` into a zeroed scratch `v` `[n_tokens, n_slices * R]` of `like`'s dtype, then
+    /// `expand` reading it: the fused calls' one body (shrink writes only the scratch, and expand checks
+    /// everything before it writes `out`, so `out` is untouched on any error).
+    pub(crate) fn through_scratch(
+        &self,
+        like: Data<'_>,
+        shrink: impl FnOnce(DataMut<'_>) -> Result<()>,
+        expand: impl FnOnce(Data<'_>) -> Result<()>,
+    ) -> Result<()> {
         let (t, s, r) = (self.n_tokens, self.n_slices, self.max_rank);
         let n = [t, s, r].iter().try_fold(1usize, |p, &d| p.checked_mul(d));
         let n = n.ok_or_else(|| arg(format!("v: [{t}, {s} * {r}] overflows the address space")))?;
-        // Shrink writes only the scratch, and expand checks everything before it writes `out`.
-        match x {
+        match like {
             Data::F32(_) => {
                 let mut v = vec![0f32; n];
-                self.shrink(x, in_features, a, DataMut::F32(&mut v), threads)?;
-                self.expand(out, Data::F32(&v), b, scalings, slice_offsets, threads)
+                shrink(DataMut::F32(&mut v))?;
+                expand(Data::F32(&v))
             }
             Data::Bf16(_) => {
                 let mut v = vec![0u16; n];
-                self.shrink(x, in_features, a, DataMut::Bf16(&mut v), threads)?;
-                self.expand(out, Data::Bf16(&v), b, scalings, slice_offsets, threads)
+                shrink(DataMut::Bf16(&mut v))?;
+                expand(Data::Bf16(&v))
             }
             Data::F16(_) => {
                 let mut v = vec![0u16; n];
-                self.shrink(x, in_features, a, DataMut::F16(&mut v), threads)?;
-                self.expand(out, Data::F16(&v), b, scalings, slice_offsets, threads)
+                shrink(DataMut::F16(&mut v))?;
+                expand(Data::F16(&v))
             }
         }
     }

@@ -162,4 +162,32 @@ impl CpuPlan {
         let layout = pages.layout(self.n_slices, 0, out_total);
         self.expand_in(out, v, b_pages, scalings, slice_offsets, threads, &layout)
     }
+
+    /// [`CpuPlan::paged_shrink`] then [`CpuPlan::paged_expand`] in one call, `v` kept in a scratch
+    /// buffer of the call ([`CpuPlan::lora_delta`] through page tables): `out += scaling · (x Aᵀ) Bᵀ`
+    /// for the plan's tokens, A and B read through `pages`.
+    ///
+    /// Shapes as for those two; `x`, `a_pages`, `b_pages` and `out` share one dtype.
+    ///
+    /// Errors: as for [`CpuPlan::paged_shrink`] and [`CpuPlan::paged_expand`]; `out` is untouched on
+    /// any error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_lora_delta(
+        &self,
+        out: DataMut<'_>,
+        x: Data<'_>,
+        in_features: usize,
+        a_pages: Data<'_>,
+        b_pages: Data<'_>,
+        pages: &PageTable,
+        scalings: &[f32],
+        slice_offsets: &[usize],
+        threads: usize,
+    ) -> Result<()> {
+        self.through_scratch(
+            x,
+            |v| self.paged_shrink(x, in_features, a_pages, pages, v, threads),
+            |v| self.paged_expand(out, v, b_pages, pages, scalings, slice_offsets, threads),
+        )
+    }
 }

@@ -221,6 +221,55 @@ impl Case {
         let slots = self.slot_of();
         check_expanded(&out, &before, &v, &b, &scalings, &offsets, &slots, |k, q| self.rank(k, q), r)
     }
+
+    /// The fused paged delta against the two paged ops it fuses (each checked against the reference
+    /// above): bit for bit, `v` rounded to the dtype in between as the two ops round it.
+    fn check_delta(&self, dtype: Dtype) -> std::result::Result<(), TestCaseError> {
+        let mut rng = Rng(self.seed ^ 0x5eed);
+        let (t, s, r, n) = (self.n_tokens, self.n_slices, self.max_rank, self.in_features);
+        let offsets = self.offsets();
+        let out_total = offsets[s];
+        let x = Tensor::new(dtype, (0..t * n).map(|_| rng.uniform()));
+        let a = Tensor::new(dtype, (0..self.n_slots * s * r * n).map(|_| rng.uniform()));
+        let b = Tensor::new(dtype, (0..self.n_slots * out_total * r).map(|_| rng.uniform()));
+        let tables = self.tables(&mut rng);
+        let (a_pages, b_pages) =
+            (self.a_pages(dtype, &a, &tables), self.b_pages(dtype, &b, &tables, &offsets));
+        let pages = PageTable::new(&tables.indptr, &tables.table, self.page_rank, tables.num_pages).unwrap();
+        let scalings: Vec<f32> = (0..self.n_slots * s).map(|_| rng.uniform() * 4.0).collect();
+        let before: Vec<f32> = (0..t * out_total).map(|_| rng.uniform()).collect();
+        let plan = self.plan();
+        let mut fused = Tensor::new(dtype, before.iter().copied());
+        plan.paged_lora_delta(
+            fused.data_mut(),
+            x.data(),
+            n,
+            a_pages.data(),
+            b_pages.data(),
+            &pages,
+            &scalings,
+            &offsets,
+            self.threads,
+        )
+        .unwrap();
+        let mut v = Tensor::new(dtype, (0..t * s * r).map(|_| 0.0));
+        plan.paged_shrink(x.data(), n, a_pages.data(), &pages, v.data_mut(), self.threads).unwrap();
+        let mut apart = Tensor::new(dtype, before.iter().copied());
+        plan.paged_expand(
+            apart.data_mut(),
+            v.data(),
+            b_pages.data(),
+            &pages,
+            &scalings,
+            &offsets,
+            self.threads,
+        )
+        .unwrap();
+        for i in 0..t * out_total {
+            prop_assert_eq!(fused.raw(i), apart.raw(i), "out element {} ({:?})", i, dtype);
+        }
+        Ok(())
+    }
 }
 
 /// The first slot with two pages reads its page 1 where its page 0 is (page j -> j + 1).
@@ -247,6 +296,14 @@ proptest! {
         prop_assume!(available());
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             case.check_expand(dtype, false)?;
+        }
+    }
+
+    #[test]
+    fn the_fused_paged_delta_is_shrink_then_expand(case in case()) {
+        prop_assume!(available());
+        for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
+            case.check_delta(dtype)?;
         }
     }
 }
@@ -340,6 +397,14 @@ fn pages_that_do_not_fit_the_plan_are_refused_and_nothing_is_written() {
     assert!(op_err(expand(&short, &b, &mut out)).contains("slot 0 has rank 5"));
     assert!(op_err(expand(&fits, &b[1..], &mut out)).contains("b_pages has 47 elements"));
     assert_eq!(out, vec![5f32; 12]);
+    let delta = |pages: &PageTable, a: &[f32], b: &[f32], out: &mut [f32]| {
+        let (x, a, b) = (super::Data::F32(&x), super::Data::F32(a), super::Data::F32(b));
+        plan.paged_lora_delta(super::DataMut::F32(out), x, n, a, b, pages, &[1.0, 1.0], &[0, 6], 1)
+    };
+    assert!(op_err(delta(&short, &a, &b, &mut out)).contains("slot 0 has rank 5"));
+    assert!(op_err(delta(&fits, &a[1..], &b, &mut out)).contains("a_pages has 23 elements"));
+    assert!(op_err(delta(&fits, &a, &b[1..], &mut out)).contains("b_pages has 47 elements"));
+    assert_eq!(out, vec![5f32; 12], "the fused delta writes nothing on an error");
     if available() {
         expand(&fits, &b, &mut out).unwrap();
         assert_eq!(&out[..6], &[5f32; 6], "row 0 uses no slot");
