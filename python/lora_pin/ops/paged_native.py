@@ -49,6 +49,7 @@ __all__ = [
     "BlasSlot",
     "PagedPlan",
     "build_paged_plan",
+    "delta_planned",
     "expand_planned",
     "paged_expand_native",
     "paged_shrink_native",
@@ -112,6 +113,17 @@ class PagedPlan(NamedTuple):
     def expand_empty(self) -> bool:
         """Whether the expand has no work: no row uses a slot with a rank (``out`` stays as it was)."""
         return self.expand is None and not self.blas_expand
+
+    @property
+    def fused(self) -> bool:
+        """Whether both ops run as one native call (:func:`delta_planned`): every slot with work on the
+        native kernels with the same groups for both (none cut for the shrink, none on GEMMs)."""
+        return (
+            self.shrink is not None
+            and self.shrink is self.expand
+            and not self.blas_shrink
+            and not self.blas_expand
+        )
 
 
 def _key(
@@ -198,10 +210,16 @@ def build_paged_plan(
         for slot, slot_rows in rows.items()
         if any(blas[slot])
     }
+    # No slot cut for the shrink and none on GEMMs: both ops have the same groups, planned once (and
+    # then run fused, v never leaving the kernels' scratch).
+    same_groups = all(len(r) <= _UNCUT_MAX_ROWS for r in rows.values()) and not any(
+        any(b) for b in blas.values()
+    )
+    shrink_plan = plan(0, _SHRINK_GROUP_ROWS)
     return PagedPlan(
         tables,
-        plan(0, _SHRINK_GROUP_ROWS),
-        plan(1, None),
+        shrink_plan,
+        shrink_plan if same_groups else plan(1, None),
         [blas_slots[slot] for slot in rows if blas[slot][0]],
         [blas_slots[slot] for slot in rows if blas[slot][1]],
     )
@@ -369,6 +387,44 @@ def expand_planned(
         scalings = slot_scalings.tolist()
         for busy in plan.blas_expand:
             _expand_blas(out, v, b_pages, busy, scalings[busy.slot], slice_offsets, max_rank)
+
+
+def delta_planned(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a_pages: torch.Tensor,
+    b_pages: torch.Tensor,
+    plan: PagedPlan,
+    slot_scalings: torch.Tensor,
+    slice_offsets: Sequence[int],
+    max_rank: int,
+) -> None:
+    """The paged shrink then expand by ``plan`` (checked already: nothing is checked here), in place: one
+    native call where the plan is :attr:`PagedPlan.fused` (``v`` stays in the kernels' scratch, as the
+    slot layout's ``lora_delta``), else :func:`shrink_planned` and :func:`expand_planned`.
+
+    Args:
+        out: ``[T, out_total]``, contiguous; x: ``[T, in]``; a_pages, b_pages, slot_scalings,
+        slice_offsets: as for those two; max_rank: ``R``.
+    """
+    if plan.fused:
+        assert plan.shrink is not None
+        xc = x.contiguous()
+        plan.shrink.paged_lora_delta(
+            _DTYPES[x.dtype],
+            _raw(out),
+            _raw(xc),
+            xc.shape[1],
+            _raw(a_pages),
+            _raw(b_pages),
+            plan.pages,
+            _raw(slot_scalings),
+            list(slice_offsets),
+            threads=torch.get_num_threads(),
+        )
+        return
+    v = shrink_planned(x, a_pages, plan, (len(slice_offsets) - 1) * max_rank)
+    expand_planned(out, v, b_pages, plan, slot_scalings, slice_offsets, max_rank)
 
 
 def _shrink_blas(

@@ -200,3 +200,64 @@ def test_bad_page_tables_are_refused_by_name_on_the_first_call_and_inputs_on_eve
     with pytest.raises(OpArgumentError, match=r"paged LoRA expand was prepared for out"):
         work.expand(got.bfloat16(), v.bfloat16())
     assert torch.equal(got, out), "a refused call must leave out as it was"
+
+
+def _count_fused(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the fused native calls (the real call runs: the count is all that is added)."""
+    calls = [0]
+    fused = cpu_paged.delta_planned
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_paged, "delta_planned", counted)
+    return calls
+
+
+@pytest.mark.parametrize("tokens_per_request", [1, 80])
+def test_a_decode_step_runs_shrink_and_expand_in_one_native_call(monkeypatch, cpu_path, tokens_per_request):
+    """Decode (a few tokens a slot): one native call a group, equal bit for bit to the shrink then the
+    expand (v rounds the same in the kernels' scratch); a prefill whose slots' shrinks are cut in groups
+    runs the two ops apart. Either way the fp64 reference holds, and a refused call writes nothing."""
+    layer, token_slots, x, out, gen = _case(4, tokens_per_request)
+    a_pages, b_pages, pages = pages_from_slots(layer.a, layer.b, layer.slot_ranks, PAGE_RANK, generator=gen)
+    step = StepSegments(segments=segments_from_slots(token_slots, 3), pages=pages)
+    work = (
+        CpuBackend()
+        .kernels(step)
+        .paged(_buffers(layer, a_pages, b_pages), x, list(layer.slice_offsets), None)
+    )
+    fused = cpu_path == "native" and tokens_per_request == 1
+    assert work.shrink_work.plan.fused is fused or cpu_path == "torch"
+    calls = _count_fused(monkeypatch)
+    with torch.inference_mode():
+        got = out.clone()
+        work.apply(got, x)
+        apart = out.clone()
+        work.expand(apart, work.shrink(x))
+    assert calls[0] == int(fused)
+    assert torch.equal(got, apart)
+    want = _reference(layer, token_slots, x, out)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(OpArgumentError, match=r"paged LoRA expand was prepared for out torch\.float32"):
+        work.apply(got[:-1], x)
+    with pytest.raises(OpArgumentError, match=r"paged LoRA shrink was prepared for x"):
+        work.apply(got, x[:, :-1])
+    assert torch.equal(got, apart), "a refused call writes nothing"
+
+
+def test_a_fused_call_refuses_an_out_that_overlaps_what_it_reads(cpu_path):
+    layer, token_slots, x, out, gen = _case(5)
+    a_pages, b_pages, pages = pages_from_slots(layer.a, layer.b, layer.slot_ranks, PAGE_RANK, generator=gen)
+    step = StepSegments(segments=segments_from_slots(token_slots, 3), pages=pages)
+    work = (
+        CpuBackend()
+        .kernels(step)
+        .paged(_buffers(layer, a_pages, b_pages), x, list(layer.slice_offsets), None)
+    )
+    overlapping = b_pages.view(-1)[: out.numel()].view(out.shape)
+    before = b_pages.clone()
+    with torch.inference_mode(), pytest.raises(OpArgumentError, match="out overlaps b_pages"):
+        work.apply(overlapping, x)
+    assert torch.equal(b_pages, before), "a refused call writes nothing"

@@ -20,10 +20,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from lora_pin.errors import OpArgumentError
 from lora_pin.ops._checks import (
     check_expand_memory,
     check_prepared_expand,
     check_prepared_shrink,
+    refuse_grad,
     same_tensor_kind,
     stand_in,
 )
@@ -31,7 +33,7 @@ from lora_pin.ops.backends.base import SplitDelta, StepRows
 from lora_pin.ops.backends.paged import step_pages
 from lora_pin.ops.grouped import kernel_ok
 from lora_pin.ops.paged import PageTable, check_paged_expand_args, check_paged_shrink_args
-from lora_pin.ops.paged_native import PagedPlan, expand_planned, plan_for, shrink_planned
+from lora_pin.ops.paged_native import PagedPlan, delta_planned, expand_planned, plan_for, shrink_planned
 from lora_pin.ops.paged_torch import paged_expand_torch, paged_shrink_torch
 from lora_pin.ops.segments import KernelMeta, same_segments
 from lora_pin.weights.pool import GroupBuffers
@@ -285,12 +287,39 @@ class CpuPagedSplit(SplitDelta):
         self.expand_work.apply(out, v)
 
     def apply(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        """``out [n_tokens, out_total] += delta(x [n_tokens, in])`` in place.
+        """``out [n_tokens, out_total] += delta(x [n_tokens, in])`` in place: one native call when both
+        ops have one plan that fuses them (:attr:`~lora_pin.ops.paged_native.PagedPlan.fused`, a decode
+        step's usual case) and ``out`` is contiguous, else the shrink then the expand.
 
         Raises:
             OpArgumentError: as :meth:`CpuPagedShrink.apply` and :meth:`CpuPagedExpand.apply`.
         """
-        self.expand_work.apply(out, self.shrink_work.apply(x))
+        shrink, expand = self.shrink_work, self.expand_work
+        if not (shrink.plan is expand.plan and shrink.plan.fused and shrink.native and expand.native):
+            expand.apply(out, shrink.apply(x))
+            return
+        check_prepared_shrink("the paged LoRA shrink", shrink.dtype, shrink.n_tokens, shrink.in_features, x)
+        if out.dtype is not expand.dtype or out.shape != (expand.n_tokens, expand.out_total):
+            raise OpArgumentError(
+                f"the paged LoRA expand was prepared for out {expand.dtype} [{expand.n_tokens}, "
+                f"{expand.out_total}], got out {out.dtype} {tuple(out.shape)}"
+            )
+        refuse_grad(out)
+        # x is read whole into the kernels' scratch before out is written: only what expand reads counts.
+        check_expand_memory(out, b_pages=expand.b_pages, slot_scalings=expand.slot_scalings)
+        if not out.is_contiguous():
+            expand.apply(out, shrink.apply(x))
+            return
+        delta_planned(
+            out,
+            x,
+            shrink.a_pages,
+            expand.b_pages,
+            shrink.plan,
+            expand.slot_scalings,
+            expand.offsets,
+            expand.max_rank,
+        )
 
 
 def prepare_paged(
