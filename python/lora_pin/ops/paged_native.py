@@ -8,7 +8,9 @@ the slot's A streams past them; the expand takes a slot's rows whole, its panel 
 row by row), except a busy slot for which BLAS wins (:func:`lora_pin.ops.grouped.blas_runs` with
 ``paged``: bf16 past 64 tokens). Such a slot's rows run as GEMMs, on views of ``x`` / ``v`` / ``out``
 where they are long runs of consecutive tokens, reading its page in place when it has one and else its
-ranks gathered into one contiguous block per call (a copy of its weights). Measured against the slot
+ranks gathered into one contiguous block per call (a copy of its weights). Where both ops have the same
+groups (a decode step: no slot cut, none on GEMMs) they run as one native call, ``v`` in the kernels'
+scratch (:func:`delta_planned`, as the slot layout's ``lora_delta``). Measured against the slot
 layout on the same weights: ``benches/cpu_ops.py --layout pages`` (BENCHMARKS.md, CPU ops).
 
 Where the native kernels do not apply (a CPU without AVX-512, ``LORA_PIN_CPU_KERNELS=0``, a device
