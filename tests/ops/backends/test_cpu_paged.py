@@ -65,18 +65,19 @@ def _reference(layer, token_slots, x, out):
     return lora_reference(out, x, layer.a, layer.b, token_slots, *layer[2:]).double()
 
 
-def _count_plans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the step's plan lookups (each hashes the step's arrays; the real lookup runs: the count is
-    all that is added)."""
-    looked_up = [0]
-    lookup = cpu_paged.plan_for
+def _count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Counts the calls of ``cpu_paged``'s ``name`` (``plan_for``: the step's plan lookups, each hashing the
+    step's arrays; ``delta_planned``: the fused native calls). The real function runs: the count is all
+    that is added."""
+    calls = [0]
+    real = getattr(cpu_paged, name)
 
     def counted(*args, **kwargs):
-        looked_up[0] += 1
-        return lookup(*args, **kwargs)
+        calls[0] += 1
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_paged, "plan_for", counted)
-    return looked_up
+    monkeypatch.setattr(cpu_paged, name, counted)
+    return calls
 
 
 def test_a_steps_later_calls_and_groups_of_the_same_ranks_reuse_the_first_plan(monkeypatch, op_calls):
@@ -91,7 +92,7 @@ def test_a_steps_later_calls_and_groups_of_the_same_ranks_reuse_the_first_plan(m
     other_a, other_b = _paged_like(other_layer, pages, a_pages.shape[0])
     second = _buffers(other_layer, other_a, other_b)
     layers = [LoRALinear(_Output(out), buffers, lambda: step, backend=backend) for buffers in (first, second)]
-    looked_up = _count_plans(monkeypatch)
+    looked_up = _count_calls(monkeypatch, "plan_for")
     with torch.inference_mode():
         got = layers[0](x)
         assert looked_up[0] == 1
@@ -202,19 +203,6 @@ def test_bad_page_tables_are_refused_by_name_on_the_first_call_and_inputs_on_eve
     assert torch.equal(got, out), "a refused call must leave out as it was"
 
 
-def _count_fused(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the fused native calls (the real call runs: the count is all that is added)."""
-    calls = [0]
-    fused = cpu_paged.delta_planned
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return fused(*args, **kwargs)
-
-    monkeypatch.setattr(cpu_paged, "delta_planned", counted)
-    return calls
-
-
 @pytest.mark.parametrize("tokens_per_request", [1, 80])
 def test_a_decode_step_runs_shrink_and_expand_in_one_native_call(monkeypatch, cpu_path, tokens_per_request):
     """Decode (a few tokens a slot): one native call a group, equal bit for bit to the shrink then the
@@ -230,7 +218,7 @@ def test_a_decode_step_runs_shrink_and_expand_in_one_native_call(monkeypatch, cp
     )
     fused = cpu_path == "native" and tokens_per_request == 1
     assert work.shrink_work.plan.fused is fused or cpu_path == "torch"
-    calls = _count_fused(monkeypatch)
+    calls = _count_calls(monkeypatch, "delta_planned")
     with torch.inference_mode():
         got = out.clone()
         work.apply(got, x)
