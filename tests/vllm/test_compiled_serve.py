@@ -46,5 +46,5 @@ def test_base_lora_and_dora_requests_at_once_equal_peft(server: VllmServer, orac
 def test_a_base_request_batched_with_two_adapters_equals_peft(server: VllmServer, oracle: Oracle) -> None:
     # The compiled engine runs the two 1500-token streams in a few seconds: a try in which one ends
     # before the base request is made again (it proves nothing about batching), more often than eager.
-    base, want = base_beside_two_adapters(server, oracle, "ad1", "ad2", tries=8)
+    base, want = base_beside_two_adapters(server, oracle, "ad1", "ad2")
     assert base == want["base"]
