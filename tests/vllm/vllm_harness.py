@@ -292,9 +292,11 @@ def base_beside_two_adapters(
     and neither has ended when its answer comes back, so every step of the base request was batched
     with both. Returns the base tokens and PEFT's: ``{"base": ..., x: ..., y: ...}`` for that prompt.
 
-    Whether the streams outlived the base request is what the server reports (the tokens each stream
-    has received when the base answer is back), not a timing assumption: a try where a stream ended
-    first proves nothing about batching and is made again, up to ``tries`` times; none overlapping fails.
+    Whether the streams outlived the base request is judged from what the server sent, not from a timing
+    assumption: the tokens each stream's reader holds when the base answer is back (they lag what the
+    server generated, so a stream may have ended there a little earlier than its reader shows). A try
+    where a stream ended first proves nothing about batching and is made again, up to ``tries`` times;
+    none overlapping fails.
     Many tries end so on this 2-core machine: vLLM takes a request that arrives while others decode only
     seconds later, often once they have ended (measured with the plugin and without: a base request sent
     while two adapters' long requests ran came back as they ended, 2-5 s later); three tries were not
