@@ -203,19 +203,23 @@ def test_bad_page_tables_are_refused_by_name_on_the_first_call_and_inputs_on_eve
     assert torch.equal(got, out), "a refused call must leave out as it was"
 
 
+def _paged_work(layer, token_slots, x, gen):
+    """``layer``'s adapters in shuffled pages, and the CPU backend's prepared work of one step over them
+    for ``x``: ``(b_pages, work)``."""
+    a_pages, b_pages, pages = pages_from_slots(layer.a, layer.b, layer.slot_ranks, PAGE_RANK, generator=gen)
+    step = StepSegments(segments=segments_from_slots(token_slots, 3), pages=pages)
+    kernels = CpuBackend().kernels(step)
+    work = kernels.paged(_buffers(layer, a_pages, b_pages), x, list(layer.slice_offsets), None)
+    return b_pages, work
+
+
 @pytest.mark.parametrize("tokens_per_request", [1, 80])
 def test_a_decode_step_runs_shrink_and_expand_in_one_native_call(monkeypatch, cpu_path, tokens_per_request):
     """Decode (a few tokens a slot): one native call a group, equal bit for bit to the shrink then the
     expand (v rounds the same in the kernels' scratch); a prefill whose slots' shrinks are cut in groups
     runs the two ops apart. Either way the fp64 reference holds, and a refused call writes nothing."""
     layer, token_slots, x, out, gen = _case(4, tokens_per_request)
-    a_pages, b_pages, pages = pages_from_slots(layer.a, layer.b, layer.slot_ranks, PAGE_RANK, generator=gen)
-    step = StepSegments(segments=segments_from_slots(token_slots, 3), pages=pages)
-    work = (
-        CpuBackend()
-        .kernels(step)
-        .paged(_buffers(layer, a_pages, b_pages), x, list(layer.slice_offsets), None)
-    )
+    work = _paged_work(layer, token_slots, x, gen)[1]
     fused = cpu_path == "native" and tokens_per_request == 1
     assert work.shrink_work.plan.fused is fused or cpu_path == "torch"
     calls = _count_calls(monkeypatch, "delta_planned")
@@ -237,13 +241,7 @@ def test_a_decode_step_runs_shrink_and_expand_in_one_native_call(monkeypatch, cp
 
 def test_a_fused_call_refuses_an_out_that_overlaps_what_it_reads(cpu_path):
     layer, token_slots, x, out, gen = _case(5)
-    a_pages, b_pages, pages = pages_from_slots(layer.a, layer.b, layer.slot_ranks, PAGE_RANK, generator=gen)
-    step = StepSegments(segments=segments_from_slots(token_slots, 3), pages=pages)
-    work = (
-        CpuBackend()
-        .kernels(step)
-        .paged(_buffers(layer, a_pages, b_pages), x, list(layer.slice_offsets), None)
-    )
+    b_pages, work = _paged_work(layer, token_slots, x, gen)
     overlapping = b_pages.view(-1)[: out.numel()].view(out.shape)
     before = b_pages.clone()
     with torch.inference_mode(), pytest.raises(OpArgumentError, match="out overlaps b_pages"):
