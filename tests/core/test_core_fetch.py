@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from lora_pin._core import FetchPlan, LoRARef, LoRARegistry
-from lora_pin.errors import AdapterNotFoundError, CapacityError, UsageError
+from lora_pin.errors import AdapterNotFoundError, CapacityError, SpecError, UsageError
 
 # Rounds each thread of the threaded test runs at least (a third of a second on an idle machine).
 ROUNDS = 20_000
@@ -243,3 +243,32 @@ def test_offer_order_ranks_waiting_requests_by_the_cores_rule() -> None:
     assert reg.offer_order(names, overtaken) == [2, 7, 4, 3, 1, 5, 0, 6]
     with pytest.raises(UsageError, match="overtaken"):
         reg.offer_order(["a"], [])
+
+
+def test_longest_remaining_offers_overdue_then_roomless_then_most_tokens_left() -> None:
+    """``order="longest_remaining"``: overdue waiting requests, then those that take no device room
+    (base, pinned), then the rest by tokens left, most first, running before waiting on a tie; an
+    adapter in a slot is not preferred. Bad arguments are refused by name."""
+    from lora_pin._core import OVERDUE_AFTER
+
+    reg = make(slots=3, loaded=None)
+    reg.pin("c")
+    plan = reg.begin_step(["b"], 1)
+    for i in range(len(plan.loads)):
+        reg.report_load(plan.ticket, i, True)  # type: ignore[arg-type]
+    reg.finish_step(plan.ticket)  # type: ignore[arg-type]
+    names = ["a", None, "a", "c", "a", "b", "gone", "a"]
+    overtaken = [0, 0, None, 0, OVERDUE_AFTER, 1, 0, None]
+    remaining = [5, 1, 3, 2, 1, 9, 3, None]
+    # 4 overdue; 3 and 1 take no room (pinned c: 2 left, base: 1); then 7 (no limit), 5 (b in a slot:
+    # 9 left), 0 (5), 2 (running, 3) before 6 (waiting, 3).
+    order = reg.offer_order(names, overtaken, remaining, "longest_remaining")
+    assert order == [4, 3, 1, 7, 5, 0, 2, 6]
+    # The tokens left change nothing in arrival order.
+    assert reg.offer_order(names, overtaken, remaining) == reg.offer_order(names, overtaken)
+    with pytest.raises(UsageError, match="remaining tokens"):
+        reg.offer_order(names, overtaken, None, "longest_remaining")
+    with pytest.raises(UsageError, match="remaining counts"):
+        reg.offer_order(names, overtaken, [1], "longest_remaining")
+    with pytest.raises(SpecError, match='got "shortest"'):
+        reg.offer_order(names, overtaken, remaining, "shortest")

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from lora_pin import AdapterNotFoundError, CapacityError, LoRAManager, UsageError
+from lora_pin import AdapterNotFoundError, CapacityError, LoRAManager, SpecError, UsageError
 
 TARGETS = ["q_proj", "v_proj"]
 IDS = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(5))
@@ -143,5 +143,9 @@ def test_no_waiting_request_with_an_adapter_starts_after_one_deferred_for_a_slot
         assert mgr.startable(step, [True, True, False, True, True]) == [0, 1, 3, 4]
         with pytest.raises(UsageError, match="waiting flags"):
             mgr.startable(step, [True])
+        # Longest remaining first holds nothing back: its overtaking is bounded by the age bound.
+        assert mgr.startable(step, [False, True, True, True, True], order="longest_remaining") == [0, 1, 3, 4]
+        with pytest.raises(SpecError, match="admission order"):
+            mgr.startable(step, [False, True, True, True, True], order="fifo")
     finally:
         mgr.finish(step)

@@ -694,34 +694,56 @@ class LoRAManager:
         finally:
             self.finish(step)
 
-    def offer_order(self, names: Sequence[str | None], overtaken: Sequence[int | None]) -> list[int]:
+    def offer_order(
+        self,
+        names: Sequence[str | None],
+        overtaken: Sequence[int | None],
+        *,
+        remaining: Sequence[int | None] | None = None,
+        order: str = "arrival",
+    ) -> list[int]:
         """The order an engine offers its requests to :meth:`prepare_step` in, as indices into ``names``:
-        the core's ranking (``LoRARegistry.offer_order``), the rule admission follows. Running requests
-        first, as given; then the waiting ones: overdue (overtaken by younger ones in ``OVERDUE_AFTER``
-        rounds or more, the core's age bound), pinned adapters', those that cost no load (the base
-        model's, an adapter's in a device slot), then the rest; each rank in the given order.
+        the core's ranking (``LoRARegistry.offer_order``), the rule admission follows.
+
+        ``order="arrival"``: running requests first, as given; then the waiting ones: overdue (overtaken
+        by younger ones in ``OVERDUE_AFTER`` rounds or more, the core's age bound), pinned adapters',
+        those that cost no load (the base model's, an adapter's in a device slot), then the rest; each
+        rank in the given order. ``order="longest_remaining"``: overdue waiting requests, then those
+        that take no device room (the base model's, pinned adapters'), then every other one, running or
+        waiting, by ``remaining`` tokens, most first (running before waiting on a tie). Under memory
+        pressure that holds the pages of the requests that decide when a batch ends (longest remaining
+        processing time first) and lets a nearly finished request sit out a step; the age bound still
+        admits every request in time.
 
         Args:
             names: each request's adapter (None: the base model; a name not registered ranks last).
             overtaken: per request, None when it is running (its sequence started), else the rounds in
                 which younger requests started ahead of it (the engine counts them).
+            remaining: per request, the tokens it has left to generate (None: no limit); needed for
+                ``order="longest_remaining"``.
+            order: ``"arrival"`` or ``"longest_remaining"``.
 
         Raises:
-            UsageError: the lengths differ.
+            UsageError: the lengths differ, or ``"longest_remaining"`` without ``remaining``.
+            SpecError: an unknown ``order``.
         """
-        return self.registry.offer_order(names, overtaken)
+        return self.registry.offer_order(
+            names, overtaken, None if remaining is None else list(remaining), order
+        )
 
-    def startable(self, step: Step, waiting: Sequence[bool]) -> list[int]:
+    def startable(self, step: Step, waiting: Sequence[bool], *, order: str = "arrival") -> list[int]:
         """The admitted requests of ``step`` an engine starts now (indices, in batch order), given which
         requests were waiting (``waiting[i]``: not started in an earlier step): the core's rule
-        (``StepPlan.startable``). All of them but, after a waiting request deferred for want of a device
-        slot, the waiting ones that use an adapter: so it is not overtaken step after step by later
-        requests of its rank; the running ones finish, their slots free up, and it is admitted.
+        (``StepPlan.startable``). With ``order="arrival"`` all of them but, after a waiting request
+        deferred for want of a device slot, the waiting ones that use an adapter: so it is not overtaken
+        step after step by later requests of its rank; the running ones finish, their slots free up, and
+        it is admitted. With ``order="longest_remaining"`` (see :meth:`offer_order`) all of them.
 
         Raises:
             UsageError: ``waiting`` is not one flag per request of the step.
+            SpecError: an unknown ``order``.
         """
-        return step._plan.startable(waiting)
+        return step._plan.startable(list(waiting), order)
 
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
         """Cut a batch into groups of request indices, in order, each of which fits the slots at once.

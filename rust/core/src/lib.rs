@@ -21,8 +21,8 @@ pub use error::{Error, Result};
 pub use policy::{AdapterKey, EvictionPolicy, PolicyKind, Usage};
 pub use registry::tiers::{Eviction, Tier, TierCounters};
 pub use registry::{
-    AdapterSize, Config, Deferral, Fetch, FetchPlan, Hold, Load, LoadSource, Offer, Registry, Stats,
-    StepMode, StepPlan, StepRequest, StepRequests, StepStart, StepTicket, TierStats, Unload, Wants,
+    AdapterSize, AdmissionOrder, Config, Deferral, Fetch, FetchPlan, Hold, Load, LoadSource, Offer, Registry,
+    Stats, StepMode, StepPlan, StepRequest, StepRequests, StepStart, StepTicket, TierStats, Unload, Wants,
 };
 pub use shared::SharedRegistry;
 pub use spec::{Limits, LoRARef, SpecItem};

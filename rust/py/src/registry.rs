@@ -25,8 +25,8 @@ use super::{detached, shielded};
 use lora_pin_core::policy::{AdapterKey, PolicyKind};
 use lora_pin_core::registry::tiers::TierCounters;
 use lora_pin_core::registry::{
-    AdapterSize, Config, Offer, Paging, Registry, StepMode, StepRequest, StepRequests, StepTicket, TierStats,
-    Unload, Wants,
+    AdapterSize, AdmissionOrder, Config, Offer, Paging, Registry, StepMode, StepRequest, StepRequests,
+    StepTicket, TierStats, Unload, Wants,
 };
 use lora_pin_core::shared::SharedRegistry;
 
@@ -568,40 +568,64 @@ impl PyLoRARegistry {
         detached(py, || self.shared.finish_step(ticket))
     }
 
-    /// The order to offer a scheduler's requests to a step in, as indices: running requests first,
-    /// as given; then the waiting ones, ranked: overdue (overtaken in `OVERDUE_AFTER` rounds or
-    /// more), then those of pinned adapters, then those that cost no load (the base model's, an
-    /// adapter's in a device slot), then the rest, each rank in the given (arrival) order.
+    /// The order to offer a scheduler's requests to a step in, as indices, by `order`.
+    /// `"arrival"`: running requests first, as given; then the waiting ones, ranked: overdue
+    /// (overtaken in `OVERDUE_AFTER` rounds or more), then those of pinned adapters, then those that
+    /// cost no load (the base model's, an adapter's in a device slot), then the rest, each rank in
+    /// the given (arrival) order. `"longest_remaining"`: overdue waiting requests, then those that
+    /// take no device room (the base model's, pinned adapters'), then the rest by `remaining`, most
+    /// first, running before waiting on a tie, then in the given order.
     /// `names[i]` is request i's adapter (None: the base model; a name not registered ranks with
-    /// the rest) and `overtaken[i]` None for a running request, else the rounds in which younger
-    /// requests started ahead of it. Changes nothing.
+    /// the rest), `overtaken[i]` None for a running request, else the rounds in which younger
+    /// requests started ahead of it, and `remaining[i]` the tokens it has left to generate (None:
+    /// no limit; needed for `"longest_remaining"` only). Changes nothing.
     ///
     /// Raises:
-    ///     UsageError: the lengths differ.
+    ///     UsageError: the lengths differ, or `"longest_remaining"` without `remaining`.
+    ///     SpecError: an unknown `order`.
+    #[pyo3(signature = (names, overtaken, remaining = None, order = "arrival"))]
     fn offer_order(
         &self,
         py: Python<'_>,
         names: Vec<Option<PyBackedStr>>,
         overtaken: Vec<Option<u32>>,
+        remaining: Option<Vec<Option<u64>>>,
+        order: &str,
     ) -> PyResult<Vec<u32>> {
+        let order = AdmissionOrder::parse(order).map_err(py_err)?;
         if names.len() != overtaken.len() {
             let msg = format!("offer_order: {} names but {} overtaken counts", names.len(), overtaken.len());
             return Err(usage(py, msg));
         }
+        let remaining: Vec<u32> = match remaining {
+            Some(r) if r.len() != names.len() => {
+                let msg = format!("offer_order: {} names but {} remaining counts", names.len(), r.len());
+                return Err(usage(py, msg));
+            }
+            Some(r) => {
+                r.into_iter().map(|t| t.map_or(u32::MAX, |t| u32::try_from(t).unwrap_or(u32::MAX))).collect()
+            }
+            None if order == AdmissionOrder::LongestRemaining => {
+                let msg = "offer_order: order \"longest_remaining\" needs each request's remaining tokens";
+                return Err(usage(py, msg.to_owned()));
+            }
+            None => vec![0; names.len()],
+        };
         detached(py, || {
             let reg = self.shared.lock();
             let offers: Vec<Offer> = names
                 .iter()
                 .zip(&overtaken)
-                .map(|(name, &overtaken)| {
+                .zip(&remaining)
+                .map(|((name, &overtaken), &remaining)| {
                     let wants = match name {
                         None => Wants::Base,
                         Some(n) => reg.lookup(n, false).map_or(Wants::Unregistered, Wants::Adapter),
                     };
-                    Offer { wants, overtaken }
+                    Offer { wants, overtaken, remaining }
                 })
                 .collect();
-            Ok(reg.offer_order(&offers))
+            Ok(reg.offer_order(&offers, order))
         })
     }
 

@@ -49,7 +49,7 @@ pub use self::adapter::AdapterSize;
 use self::adapter::{Adapter, Identity, Protection, Tenancy, NOT_NAMED};
 pub use self::fetch::{Fetch, FetchPlan};
 pub use self::lifecycle::{Place, Placement};
-pub use self::offer::{Offer, Wants};
+pub use self::offer::{AdmissionOrder, Offer, Wants};
 pub use self::pages::Paging;
 pub use self::plan::{Deferral, Hold, Load, StepPlan, StepRequests};
 pub use self::step::{StepMode, StepRequest, StepStart, StepTicket};

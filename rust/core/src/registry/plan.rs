@@ -18,7 +18,7 @@ use std::sync::Arc;
 use super::fetch::{Claim, Fetch};
 use super::pages::pages_for;
 use super::tiers::Eviction;
-use super::{LoadSource, Registry};
+use super::{AdmissionOrder, LoadSource, Registry};
 use crate::error::{Error, Result};
 use crate::limits::OVERDUE_AFTER;
 use crate::policy::AdapterKey;
@@ -209,15 +209,20 @@ impl StepPlan {
     /// it gave way), the waiting ones that use an adapter. So a request deferred for want of a slot
     /// is not overtaken, step after step, by later waiting ones of its rank: the running ones
     /// finish, their slots free up, and it is admitted. Base-model requests hold no slot and start.
+    /// That is [`AdmissionOrder::Arrival`]'s rule; [`AdmissionOrder::LongestRemaining`] starts every
+    /// admitted request (its overtaking is bounded by the age bound alone).
     ///
     /// Errors: [`Error::Usage`] when `waiting` is not one flag per request.
-    pub fn startable(&self, waiting: &[bool]) -> Result<Vec<u32>> {
+    pub fn startable(&self, waiting: &[bool], order: AdmissionOrder) -> Result<Vec<u32>> {
         let requests = self.admitted.len() + self.deferred.len() + self.failed.len();
         if waiting.len() != requests {
             return Err(Error::Usage(format!(
                 "startable: {} waiting flags for a step of {requests} requests",
                 waiting.len()
             )));
+        }
+        if order == AdmissionOrder::LongestRemaining {
+            return Ok(self.admitted.clone());
         }
         let mut barrier = false;
         let mut start = Vec::with_capacity(self.admitted.len());

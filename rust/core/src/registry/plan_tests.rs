@@ -1,6 +1,6 @@
 use crate::error::Error;
 use crate::registry::tiers::Tier;
-use crate::registry::{Config, Deferral, LoadSource, Registry};
+use crate::registry::{AdmissionOrder, Config, Deferral, LoadSource, Registry};
 
 use crate::registry::testkit::*;
 
@@ -198,9 +198,16 @@ fn no_waiting_request_with_an_adapter_starts_after_one_deferred_for_a_slot() {
     assert_eq!((p.admitted.as_slice(), p.deferred.as_slice()), ([0, 1, 3, 4].as_slice(), [2].as_slice()));
     assert_eq!(p.reasons, [Deferral::DeviceRoom]);
     // Request 0 runs; the rest wait. After c, the base request starts, a's waiting one does not.
-    assert_eq!(p.startable(&[false, true, true, true, true]).unwrap(), [0, 1, 3]);
+    assert_eq!(p.startable(&[false, true, true, true, true], AdmissionOrder::Arrival).unwrap(), [0, 1, 3]);
     // A running request past the barrier goes on; with c not waiting there is no barrier.
-    assert_eq!(p.startable(&[false, true, true, true, false]).unwrap(), [0, 1, 3, 4]);
-    assert_eq!(p.startable(&[true, true, false, true, true]).unwrap(), [0, 1, 3, 4]);
-    assert!(matches!(p.startable(&[true; 4]), Err(Error::Usage(_))));
+    assert_eq!(
+        p.startable(&[false, true, true, true, false], AdmissionOrder::Arrival).unwrap(),
+        [0, 1, 3, 4]
+    );
+    assert_eq!(p.startable(&[true, true, false, true, true], AdmissionOrder::Arrival).unwrap(), [0, 1, 3, 4]);
+    assert!(matches!(p.startable(&[true; 4], AdmissionOrder::Arrival), Err(Error::Usage(_))));
+    // Longest remaining first holds nothing back: every admitted request starts.
+    let lrpt = AdmissionOrder::LongestRemaining;
+    assert_eq!(p.startable(&[false, true, true, true, true], lrpt).unwrap(), [0, 1, 3, 4]);
+    assert!(matches!(p.startable(&[true; 4], lrpt), Err(Error::Usage(_))));
 }

@@ -12,7 +12,7 @@ use super::requests::AddressMap;
 use crate::errors::py_err;
 use crate::shielded;
 use lora_pin_core::registry::tiers::Tier;
-use lora_pin_core::registry::{Fetch, FetchPlan, LoadSource, StepPlan, StepStart};
+use lora_pin_core::registry::{AdmissionOrder, Fetch, FetchPlan, LoadSource, StepPlan, StepStart};
 
 /// Past this many deferred requests, `admitted` is built item by item instead of by deleting them
 /// from a slice (each deletion moves the list's tail).
@@ -267,11 +267,15 @@ impl PyStepPlan {
     /// requests were waiting (one flag per request: not started in an earlier step): all but, after
     /// a waiting request deferred for a device slot ("device_room", or "fairness": it gave way), the
     /// waiting ones that use an adapter, so it is not overtaken step after step by later ones.
+    /// That is `order="arrival"`; `"longest_remaining"` starts every admitted request.
     ///
     /// Raises:
     ///     UsageError: `waiting` is not one flag per request.
-    fn startable(&self, waiting: Vec<bool>) -> PyResult<Vec<u32>> {
-        self.plan.startable(&waiting).map_err(py_err)
+    ///     SpecError: an unknown `order`.
+    #[pyo3(signature = (waiting, order = "arrival"))]
+    fn startable(&self, waiting: Vec<bool>, order: &str) -> PyResult<Vec<u32>> {
+        let order = AdmissionOrder::parse(order).map_err(py_err)?;
+        self.plan.startable(&waiting, order).map_err(py_err)
     }
 
     /// Each slot the admitted requests use, ascending, and its generation: native-endian int64
