@@ -278,6 +278,7 @@ def simulate(
     page_rank: int | None = None,
     max_lora_memory: int | None = None,
     decode: bool = False,
+    order: str = "arrival",
 ) -> dict[str, Any]: ...
 def ranks_by_name(names: Sequence[str], ranks: Sequence[tuple[int, float]]) -> list[int]: ...
 def rank_replicas(

@@ -9,7 +9,7 @@ use pyo3::types::{PyDict, PyList};
 
 use super::errors::{new_error, py_err};
 use super::{detached, shielded};
-use lora_pin_core::registry::{Paging, StepPlan};
+use lora_pin_core::registry::{AdmissionOrder, Paging, StepPlan};
 use lora_pin_core::sim::{
     adapter_sizes, simulate_replicas as replicas_run, simulate_until, FetchReport, Router, SimConfig,
     SimReport, TierReport, Trace, Workload,
@@ -183,6 +183,7 @@ impl Shape<'_> {
             load_ms: 0.0,
             paging: None,
             decode: false,
+            order: AdmissionOrder::Arrival,
         })
     }
 }
@@ -234,19 +235,25 @@ impl Shape<'_> {
 /// holding its adapter while it runs, and deferred like a waiting one when the step has no room for
 /// it (no progress that step); `tokens` in the report is then one per request a step ran.
 ///
+/// `order` is the order a step is offered its requests in: `"arrival"` (running ones first, then the
+/// queue in arrival order) or `"longest_remaining"` (the registry's `offer_order` with that rule, as
+/// `lora-pin serve --admission-order longest-remaining` offers them: overdue waiting requests, then
+/// the base model's and pinned adapters', then the rest by tokens left to generate, most first).
+///
 /// Raises:
 ///     SpecError: slots or batch_size of 0, max_loaded_loras below slots, an unknown policy, a pin the
 ///         trace never names or beyond the pin limit, a negative step or load time, a rank outside
 ///         1..=MAX_ADAPTER_RANK or a weight not above 0, max_host_bytes of 0 or below a pinned
 ///         adapter's bytes, only one of page_rank and max_lora_memory, either of them 0, or an
-///         adapter whose pages could never fit beside the pinned ones.
+///         adapter whose pages could never fit beside the pinned ones, an unknown `order`.
 ///     KeyboardInterrupt (or what a signal handler raises), or what `progress` raises: the replay
 ///         stops there.
 #[pyfunction]
 #[pyo3(signature = (
     trace, *, slots, max_loaded_loras = None, policy = "lru", pins = Vec::new(), batch_size = 4,
     step_seconds = 0.02, adapter_bytes = 33554432, load_ms = 0.0, record = false, progress = None,
-    ranks = Vec::new(), max_host_bytes = None, page_rank = None, max_lora_memory = None, decode = false
+    ranks = Vec::new(), max_host_bytes = None, page_rank = None, max_lora_memory = None, decode = false,
+    order = "arrival"
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn simulate<'py>(
@@ -267,8 +274,10 @@ pub fn simulate<'py>(
     page_rank: Option<u32>,
     max_lora_memory: Option<usize>,
     decode: bool,
+    order: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
     shielded(py, || {
+        let order = AdmissionOrder::parse(order).map_err(py_err)?;
         let paging = match (page_rank, max_lora_memory) {
             (None, None) => None,
             (Some(page_rank), Some(pages)) => Some(Paging { page_rank, pages }),
@@ -288,7 +297,7 @@ pub fn simulate<'py>(
             ranks,
             max_host_bytes,
         };
-        let config = SimConfig { load_ms, paging, decode, ..shape.config(py)? };
+        let config = SimConfig { load_ms, paging, decode, order, ..shape.config(py)? };
         let trace = &trace.get().0;
         let progress = progress.as_ref();
         let (run, log) = detached(py, || {

@@ -28,7 +28,8 @@ use crate::error::{Error, Result};
 use crate::limits::MAX_ADAPTER_RANK;
 use crate::policy::{AdapterKey, PolicyKind};
 use crate::registry::{
-    AdapterSize, Config, LoadSource, Paging, Registry, StepMode, StepPlan, StepRequest, TierStats,
+    AdapterSize, AdmissionOrder, Config, LoadSource, Offer, Paging, Registry, StepMode, StepPlan,
+    StepRequest, TierStats, Wants,
 };
 use crate::sim::belady::{min_misses, min_misses_paged, Demand};
 use crate::sim::fetches::{FetchReport, Fetches};
@@ -70,6 +71,12 @@ pub struct SimConfig {
     /// the module docs); `tokens` then counts steps, and the report's tokens one per request a
     /// step ran. False: a step serves a request whole.
     pub decode: bool,
+    /// The order a step is offered its requests in. [`AdmissionOrder::Arrival`]: running requests
+    /// first, then the queue in arrival order (deferred ones at its front).
+    /// [`AdmissionOrder::LongestRemaining`]: the registry's [`Registry::offer_order`] of the
+    /// running and waiting requests, with each one's steps left (decode mode) or tokens, and the
+    /// rounds younger waiting requests started ahead of it, counted as an engine counts them.
+    pub order: AdmissionOrder,
 }
 
 impl SimConfig {
@@ -88,6 +95,7 @@ impl SimConfig {
             load_ms: 0.0,
             paging: None,
             decode: false,
+            order: AdmissionOrder::Arrival,
         }
     }
 }
@@ -222,6 +230,8 @@ pub fn simulate_until<B>(
     // Decode mode: the requests running, in the order they started, with the steps each has left.
     let mut running: Vec<(u32, u32)> = Vec::new();
     let mut admitted = Vec::new();
+    // Per request of the trace: the rounds in which younger waiting requests started ahead of it.
+    let mut overtaken = vec![0u32; requests.len()];
     while next < requests.len() || !queue.is_empty() || !running.is_empty() {
         if queue.is_empty() && running.is_empty() {
             clock = clock.max(arrivals[next]);
@@ -237,11 +247,15 @@ pub fn simulate_until<B>(
         batch.extend(running.iter().map(|&(i, _)| i));
         batch.extend(queue.iter().copied());
         fetches.complete(&mut reg, clock)?;
-        let plan = step.serve(&mut reg, trace, &keys, &batch, background)?;
+        let started = running.len();
+        let order = offer_order(&reg, &keys, requests, &batch, &running, &overtaken, config.order);
+        let ordered: Vec<u32> = order.iter().map(|&p| batch[p as usize]).collect();
+        let mut plan = step.serve(&mut reg, trace, &keys, &ordered, background)?;
         count_bytes(&mut report, &plan, &sizes);
         if background {
-            fetches.record(&reg, &keys, requests, &batch, &plan, clock, report.steps);
+            fetches.record(&reg, &keys, requests, &ordered, &plan, clock, report.steps);
         }
+        unorder(&mut plan, &order);
         if plan.admitted.is_empty() {
             // Background mode: nothing could run, so wait for the next fetch, or for a request
             // that can join the batch. (A blocking step that admits nothing never will.)
@@ -258,7 +272,7 @@ pub fn simulate_until<B>(
             clock = clock.max(wake);
             continue;
         }
-        let started = running.len();
+        count_overtaken(&mut overtaken, &batch[started..], &plan, started);
         count_step(&mut report, &mut demand, requests, &batch, &plan, config.decode.then_some(started));
         for &d in &plan.deferred {
             let waited = &mut waits[batch[d as usize] as usize];
@@ -422,6 +436,69 @@ pub(super) fn count_step(
     demand.push_step(used);
     report.deferrals += plan.deferred.len() as u64;
     report.steps += 1;
+}
+
+/// The positions of `batch` (the `running` requests, then the waiting ones) in the order a step
+/// offers them by `order` (see [`SimConfig::order`]).
+fn offer_order(
+    reg: &Registry,
+    keys: &[AdapterKey],
+    requests: &[Request],
+    batch: &[u32],
+    running: &[(u32, u32)],
+    overtaken: &[u32],
+    order: AdmissionOrder,
+) -> Vec<u32> {
+    if order == AdmissionOrder::Arrival {
+        return (0..batch.len() as u32).collect();
+    }
+    let offers: Vec<Offer> = batch
+        .iter()
+        .enumerate()
+        .map(|(pos, &i)| {
+            let r = &requests[i as usize];
+            let wants = r.adapter.map_or(Wants::Base, |a| Wants::Adapter(keys[a as usize]));
+            match running.get(pos) {
+                Some(&(_, left)) => Offer { wants, overtaken: None, remaining: left },
+                None => Offer { wants, overtaken: Some(overtaken[i as usize]), remaining: r.tokens },
+            }
+        })
+        .collect();
+    reg.offer_order(&offers, order)
+}
+
+/// Makes `plan`, made for the batch in `order` (positions of the batch), index the batch itself:
+/// its admitted requests (with their slots) and deferred ones (with their reasons) by position,
+/// each list in batch order again.
+fn unorder(plan: &mut StepPlan, order: &[u32]) {
+    if order.iter().enumerate().all(|(i, &p)| p as usize == i) {
+        return;
+    }
+    let mut admitted: Vec<(u32, i32)> =
+        plan.admitted.iter().zip(&plan.request_slots).map(|(&a, &s)| (order[a as usize], s)).collect();
+    admitted.sort_unstable();
+    (plan.admitted, plan.request_slots) = admitted.into_iter().unzip();
+    let mut deferred: Vec<_> =
+        plan.deferred.iter().zip(&plan.reasons).map(|(&d, &why)| (order[d as usize], why)).collect();
+    deferred.sort_unstable_by_key(|&(d, _)| d);
+    (plan.deferred, plan.reasons) = deferred.into_iter().unzip();
+    for failed in &mut plan.failed {
+        failed.0 = order[failed.0 as usize];
+    }
+    plan.failed.sort_unstable_by_key(|f| f.0);
+}
+
+/// Counts a round against each waiting request (`waiting`, trace indices in arrival order, from
+/// position `started` of the step's batch) that a younger waiting one started ahead of, as an
+/// engine does for [`Offer::overtaken`].
+fn count_overtaken(overtaken: &mut [u32], waiting: &[u32], plan: &StepPlan, started: usize) {
+    let admitted = |pos: usize| plan.admitted.binary_search(&((started + pos) as u32)).is_ok();
+    let Some(youngest) = (0..waiting.len()).rev().find(|&pos| admitted(pos)) else { return };
+    for pos in 0..youngest {
+        if !admitted(pos) {
+            overtaken[waiting[pos] as usize] += 1;
+        }
+    }
 }
 
 /// Leaves in `queue` (which held `batch`) only the requests the step deferred, in order: they go first

@@ -4,7 +4,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::policy::{PolicyKind, POLICY_NAMES};
-use crate::registry::{AdapterSize, Config, Registry, StepMode, StepPlan, StepRequest};
+use crate::registry::{AdapterSize, AdmissionOrder, Config, Registry, StepMode, StepPlan, StepRequest};
 use crate::shared::SharedRegistry;
 
 /// One request of one token per name, no arrival times; adapters named in first-use order.
@@ -411,4 +411,76 @@ fn an_overdue_adapter_takes_the_slot_of_a_running_request_which_then_waits() {
     expected.extend([a, none.clone(), none]);
     assert_eq!(deferred, expected);
     assert_eq!((r.steps, r.deferrals, r.device.misses, r.tokens), (12, 10, 5, 12));
+}
+
+#[test]
+fn longest_remaining_runs_the_longest_request_throughout_and_ends_sooner() {
+    // Two slots, three adapters, all waiting at once: a and b 10 tokens each, c 20, c last. In arrival
+    // order a and b start and c waits its turn; longest remaining first starts c at once and lets a
+    // and b share the other slot: 20 steps, the least two slots can do (c alone needs 20).
+    let trace = decode_trace(&[("a", 10), ("b", 10), ("c", 20)]);
+    let arrival = SimConfig { batch_size: 8, decode: true, ..SimConfig::new(2, "lru") };
+    let longest = SimConfig { order: AdmissionOrder::LongestRemaining, ..arrival.clone() };
+    let mut c_ran = Vec::new();
+    let fast = simulate_with(&trace, &longest, |batch, plan| {
+        c_ran.push(plan.admitted.iter().any(|&a| batch[a as usize] == 2));
+    })
+    .unwrap();
+    let slow = simulate(&trace, &arrival).unwrap();
+    assert_eq!((fast.steps, fast.tokens), (20, 40));
+    assert!(c_ran.iter().all(|&ran| ran), "c sat out a step: {c_ran:?}");
+    assert!(slow.steps > fast.steps, "{} vs {}", slow.steps, fast.steps);
+    assert_eq!(slow.tokens, 40);
+}
+
+#[test]
+fn longest_remaining_serves_every_request_within_the_age_bound() {
+    // A paged pool short of the adapters in flight, Zipf requests of 1..32 tokens: every request is
+    // served, no step holds more pages than the pool, and no request waits past the bound arrival
+    // order keeps: deferred at most twice the age bound in a row (the core admits an adapter that
+    // waited OVERDUE_AFTER plans first, whatever the order).
+    let trace = Trace::generate(Workload::Zipf(1.0), 64, 600, 11).unwrap();
+    let requests: Vec<Request> = trace
+        .requests()
+        .iter()
+        .enumerate()
+        .map(|(i, r)| Request { tokens: 1 + (i as u32 * 7919) % 32, ..*r })
+        .collect();
+    let trace = Trace::new(trace.names().to_vec(), requests).unwrap();
+    let paging = crate::registry::Paging { page_rank: 8, pages: 24 };
+    let base = SimConfig {
+        batch_size: 32,
+        decode: true,
+        ranks: vec![(8, 4.0), (16, 2.0), (64, 1.0)],
+        paging: Some(paging),
+        ..SimConfig::new(24, "lru")
+    };
+    let total: u64 = trace.requests().iter().map(|r| u64::from(r.tokens)).sum();
+    for order in [AdmissionOrder::Arrival, AdmissionOrder::LongestRemaining] {
+        let config = SimConfig { order, ..base.clone() };
+        // Per request: the steps it has been deferred in a row, and the most of them.
+        let (mut streak, mut longest) = (vec![0u32; 600], 0u32);
+        let report = simulate_with(&trace, &config, |batch, plan| {
+            let pages: usize = plan
+                .slots_used
+                .iter()
+                .map(|&s| (plan.page_indptr[s as usize + 1] - plan.page_indptr[s as usize]) as usize)
+                .sum();
+            assert!(pages <= 24, "{order:?}: a step holds {pages} pages");
+            for &a in &plan.admitted {
+                streak[batch[a as usize] as usize] = 0;
+            }
+            for &d in &plan.deferred {
+                let s = &mut streak[batch[d as usize] as usize];
+                *s += 1;
+                longest = longest.max(*s);
+            }
+        })
+        .unwrap();
+        assert_eq!((report.requests, report.tokens), (600, total), "{order:?}");
+        assert!(
+            longest <= 2 * crate::limits::OVERDUE_AFTER,
+            "{order:?}: a request deferred {longest} steps in a row"
+        );
+    }
 }
