@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from lora_pin import LoRAManager, _testing
+from lora_pin import LoRAManager, SpecError, _testing
 from lora_pin.serve.engine import EngineConfig, EngineStats, LoRAEngine
 
 POISON = 127
@@ -248,12 +248,14 @@ def test_cuda_mixed_batches_match_peft(tiny_llama_dir: Path, make_adapters: Any,
         assert done[rid].generated_tokens == ids[len(prompt) :], rid
 
 
+@pytest.mark.parametrize("order", ["arrival", "longest_remaining"])
 def test_a_paged_pool_serves_the_engines_steps_as_peft(
-    tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path
+    tiny_llama_dir: Path, make_adapters: Any, tmp_path: Path, order: str
 ) -> None:
     """The engine's steps (prepare_step, then run_subset on the requests it schedules) over a paged
-    pool of ranks 4 to 64, fewer pages than the adapters need together: each request's greedy tokens
-    are PEFT's."""
+    pool of ranks 4 to 64, fewer pages than the adapters need together, requests of 2 to 9 tokens, in
+    each admission order (longest remaining first lets running requests sit out steps): each request's
+    greedy tokens are PEFT's."""
     import copy
 
     from peft import PeftModel
@@ -275,24 +277,29 @@ def test_a_paged_pool_serves_the_engines_steps_as_peft(
     probe.detach()
     # 10 pages: "d" (8 pages) never fits beside all of the others (1 + 1 + 2).
     manager = LoRAManager(model, items, page_rank=8, max_lora_memory=10 * page_bytes)
-    eng = LoRAEngine(model, manager, EngineConfig(num_blocks=64, page_size=16, max_batch_tokens=64))
+    config = EngineConfig(num_blocks=64, page_size=16, max_batch_tokens=64)
+    eng = LoRAEngine(model, manager, config, admission_order=order)
     jobs = {
-        f"r{i}": ([5 + i, 40 + i, 60, 70 + i, 9] * (1 + i % 3), [None, "a", "b", "c", "d"][i % 5])
+        f"r{i}": (
+            [5 + i, 40 + i, 60, 70 + i, 9] * (1 + i % 3),
+            [None, "a", "b", "c", "d"][i % 5],
+            2 + (i * 3) % 8,
+        )
         for i in range(10)
     }
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     eng.start()
     try:
-        for rid, (prompt, adapter) in jobs.items():
-            eng.submit(rid, prompt, adapter, max_new_tokens=6, streaming=False)
+        for rid, (prompt, adapter, tokens) in jobs.items():
+            eng.submit(rid, prompt, adapter, max_new_tokens=tokens, streaming=False)
         done = _results(eng, list(jobs))
     finally:
         eng.stop()
         manager.detach()
         torch.set_num_threads(threads)
     assert manager.stats()["device"]["evictions"] > 0
-    for rid, (prompt, adapter) in jobs.items():
+    for rid, (prompt, adapter, tokens) in jobs.items():
         peft = (
             reference
             if adapter is None
@@ -300,6 +307,14 @@ def test_a_paged_pool_serves_the_engines_steps_as_peft(
         )
         ids = list(prompt)
         with torch.no_grad():
-            for _ in range(6):
+            for _ in range(tokens):
                 ids.append(int(peft(torch.tensor([ids])).logits[0, -1].argmax()))
         assert done[rid].generated_tokens == ids[len(prompt) :], rid
+
+
+def test_an_unknown_admission_order_is_refused_by_name(tiny_llama_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    with pytest.raises(SpecError, match="'shortest_first'"):
+        LoRAEngine(model, None, admission_order="shortest_first")

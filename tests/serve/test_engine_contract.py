@@ -90,6 +90,11 @@ def test_the_request_states_fields_and_the_output_router() -> None:
 
     fields = {f.name for f in dataclasses.fields(RequestState)}
     assert {"request_id", "remaining_prefill_tokens", "initial_tokens", "generated_tokens"} <= fields
+    # The longest-remaining admission order reads a request's limit and what it generated.
+    assert "max_new_tokens" in fields and _params(RequestState.generated_len) == ["self"]
+    state = RequestState(request_id="r", initial_tokens=[1, 2], max_new_tokens=5)
+    state.generated_tokens.extend([7, 8])
+    assert (state.max_new_tokens, state.generated_len()) == (5, 2)
     assert isinstance(RequestState.status, property)
     assert {"PENDING", "DECODING"} <= set(RequestStatus.__members__)
     assert {"state", "query_length"} <= set(FutureRequestState.__slots__)

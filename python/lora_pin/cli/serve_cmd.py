@@ -101,6 +101,17 @@ def add_parser(subparsers: Any) -> None:
         help="tokens one step takes (engine default)",
     )
     p.add_argument(
+        "--admission-order",
+        default="arrival",
+        choices=("arrival", "longest-remaining"),
+        help=(
+            "the order requests are offered to a step's adapter admission: arrival (started ones keep "
+            "running), or longest-remaining (most tokens left first, running or waiting: fewer steps "
+            "for a batch when adapter memory is short, a nearly done request may sit out steps); "
+            "default %(default)s"
+        ),
+    )
+    p.add_argument(
         "--num-blocks", type=int, default=None, metavar="N", help="KV-cache pages (engine default)"
     )
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="tokens per KV-cache page")
@@ -344,6 +355,7 @@ def build_server(args: argparse.Namespace) -> Any:
         engine_config,
         eos_token_id=tokenizer.eos_token_id,
         prefix_caching=args.prefix_caching,
+        admission_order=args.admission_order.replace("-", "_"),
     )
     admin = AdapterAdmin(manager, startup, base_name=base_name)
     max_len = args.max_model_len or getattr(model.config, "max_position_embeddings", None) or 2048

@@ -38,6 +38,13 @@ adapter starts in that step (base-model requests still do: they hold no slot), s
 not overtaken again and again by the later ones of its rank: the running ones finish, their slots free
 up, and it is admitted.
 
+With ``admission_order="longest_remaining"`` lora_pin offers them by the tokens each has left to generate
+(``max_new_tokens`` less those generated), most first, running and waiting ones together, after the
+overdue ones and those that take no device room (the base model's, pinned adapters'), and starts every
+request it admits: when adapter memory is short, a nearly finished request sits out a step for one with
+far to go, which shortens a burst (longest remaining processing time first). The core's age bound still
+admits every adapter in time.
+
 A request whose adapter failed to read, or was unloaded while it waited, fails alone: it is answered
 with its error and the engine goes on.
 
@@ -61,14 +68,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lora_pin.errors import AdapterNotFoundError, LoraPinError, StalePlanError
+from lora_pin.errors import AdapterNotFoundError, LoraPinError, SpecError, StalePlanError
 from lora_pin.serve.params import SamplingParams
 from lora_pin.serve.sampling import RowSampler
 
 if TYPE_CHECKING:
     from lora_pin.model import LoRAManager, Step
 
-__all__ = ["EngineConfig", "EngineStats", "LoRAEngine"]
+__all__ = ["ADMISSION_ORDERS", "EngineConfig", "EngineStats", "LoRAEngine"]
+
+# The orders the engine may offer its requests to lora_pin's admission in (``admission_order``; the
+# core's ``AdmissionOrder``): see the module's docs.
+ADMISSION_ORDERS = ("arrival", "longest_remaining")
 
 # How often the supervisor checks that the engine's generation thread runs.
 _SUPERVISE_INTERVAL_S = 0.2
@@ -150,6 +161,7 @@ class LoRAEngine:
         eos_token_id: the token(s) that end a request.
         prefix_caching: share KV-cache blocks among requests with the same prompt prefix and the same
             adapter weights (module docs); False: never share.
+        admission_order: ``"arrival"`` or ``"longest_remaining"`` (module docs, "Order and fairness").
 
     Requests go in with :meth:`submit` and come out through the engine's own ``register_result_handler``
     (``engine.cb``, a ``ContinuousBatchingManager``); :meth:`done` after the last output, :meth:`cancel`
@@ -157,6 +169,7 @@ class LoRAEngine:
     :class:`~lora_pin.serve.params.SamplingParams` say (:attr:`sampler`).
 
     Raises:
+        SpecError: an unknown ``admission_order``.
         ValueError, RuntimeError: from transformers, when the model cannot run continuous batching.
     """
 
@@ -168,6 +181,7 @@ class LoRAEngine:
         *,
         eos_token_id: int | list[int] | None = None,
         prefix_caching: bool = True,
+        admission_order: str = "arrival",
     ) -> None:
         from transformers import ContinuousBatchingConfig, GenerationConfig
         from transformers.generation.continuous_batching.cb_logits_processors import (
@@ -176,8 +190,13 @@ class LoRAEngine:
         from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING
         from transformers.generation.logits_process import LogitsProcessorList
 
+        if admission_order not in ADMISSION_ORDERS:
+            raise SpecError(
+                f"admission_order must be one of {', '.join(ADMISSION_ORDERS)} (got {admission_order!r})"
+            )
         config = config or EngineConfig()
         self.manager = manager
+        self.admission_order = admission_order
         self._lock = threading.Lock()
         # Every request from submit() to done(), or to the round after its cancel() that lets it go.
         self._adapter_of: dict[str, str | None] = {}
@@ -467,7 +486,10 @@ class LoRAEngine:
         counts: dict[str, int] = {}
         waiting: list[str] = []
         overtaken: list[int | None] = []
+        remaining: list[int | None] = []
         for state in candidates:
+            limit = state.max_new_tokens
+            remaining.append(None if limit is None else max(0, limit - state.generated_len()))
             if state.status.name != "PENDING":
                 overtaken.append(None)
                 continue
@@ -478,7 +500,7 @@ class LoRAEngine:
         # Started requests (and gone ones) leave the count: only this round's waiting ones stay.
         self._overtaken = counts
         self._waiting = waiting
-        return self.manager.offer_order(adapters, overtaken)
+        return self.manager.offer_order(adapters, overtaken, remaining=remaining, order=self.admission_order)
 
     def _admit(self, scheduler: Any, candidates: list[Any], removed: set[str]) -> list[Any]:
         """The candidates lora_pin admits this step, in the order it offers them (see the module's
@@ -517,7 +539,8 @@ class LoRAEngine:
         self._step = step
         for i, error in step.failed.items():
             self._fail(scheduler, kept[i], error, removed)
-        start = self.manager.startable(step, [s.status.name == "PENDING" for s in kept])
+        waiting = [s.status.name == "PENDING" for s in kept]
+        start = self.manager.startable(step, waiting, order=self.admission_order)
         self._index = {kept[i].request_id: i for i in start}
         return [kept[i] for i in start]
 
