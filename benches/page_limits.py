@@ -43,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--page-rank", type=int, default=8)
     p.add_argument("--ranks", default="8:4,16:2,64:1")
     p.add_argument("--requests", type=int, default=64)
+    p.add_argument(
+        "--order",
+        default="arrival",
+        help="admission orders to simulate, comma-separated: arrival, longest_remaining",
+    )
     p.add_argument("--rate", type=float, default=64.0)
     return p
 
@@ -61,9 +66,14 @@ def _workload_args(args: argparse.Namespace, seed: int) -> argparse.Namespace:
 
 
 def _steps(
-    args: argparse.Namespace, w_args: argparse.Namespace, workload: list[Any], pages: int, host: int
+    args: argparse.Namespace,
+    w_args: argparse.Namespace,
+    workload: list[Any],
+    pool: tuple[int, int, str],
 ) -> int:
-    """The simulated engine steps of ``workload`` on a page pool of ``pages`` and a host tier of ``host``."""
+    """The simulated engine steps of ``workload`` on ``pool``: a page pool of that many pages, a host
+    tier of that many adapters, and an admission order."""
+    pages, host, order = pool
     from lora_pin._core import simulate
 
     trace = serve_load.simulated_trace(workload)
@@ -82,6 +92,7 @@ def _steps(
         slots=min(pages, host),
         page_rank=args.page_rank,
         max_lora_memory=pages,
+        order=order,
     )
     return int(report["steps"])
 
@@ -108,21 +119,24 @@ def _memory_bound(
 
 
 class Row(NamedTuple):
-    """One pool of the grid: its pages (``UNBOUNDED``: no bound) and host tier, the simulated steps at 8
-    and at 512 adapters summed over the workloads, and the memory bound on the steps at 512 (``None``
-    for an unbounded pool)."""
+    """One pool of the grid: its pages (``UNBOUNDED``: no bound), host tier and admission order, the
+    simulated steps at 8 and at 512 adapters summed over the workloads, and the memory bound on the
+    steps at 512 (``None`` for an unbounded pool)."""
 
     pages: int
     host: int
+    order: str
     at8: int
     at512: int
     bound: float | None
 
 
 def grid(args: argparse.Namespace) -> list[Row]:
-    """The simulated steps of every pool of ``--pages`` x ``--host`` on ``--seeds`` workloads."""
+    """The simulated steps of every pool of ``--pages`` x ``--host`` x ``--order`` on ``--seeds``
+    workloads."""
     pools = [UNBOUNDED if p == "none" else int(p) for p in args.pages.split(",")]
     hosts = [int(h) for h in args.host.split(",")]
+    orders = args.order.split(",")
     names = _names()
     workloads = []
     for seed in range(args.seeds):
@@ -132,15 +146,17 @@ def grid(args: argparse.Namespace) -> list[Row]:
         )
     rows = []
     for pages in pools:
+        bound = (
+            None
+            if pages == UNBOUNDED
+            else sum(_memory_bound(args, w, many, pages) for w, _, many in workloads)
+        )
         for host in hosts:
-            at8 = sum(_steps(args, w, few, pages, host) for w, few, _ in workloads)
-            at512 = sum(_steps(args, w, many, pages, host) for w, _, many in workloads)
-            bound = (
-                None
-                if pages == UNBOUNDED
-                else sum(_memory_bound(args, w, many, pages) for w, _, many in workloads)
-            )
-            rows.append(Row(pages, host, at8, at512, bound))
+            for order in orders:
+                pool = (pages, host, order)
+                at8 = sum(_steps(args, w, few, pool) for w, few, _ in workloads)
+                at512 = sum(_steps(args, w, many, pool) for w, _, many in workloads)
+                rows.append(Row(pages, host, order, at8, at512, bound))
     return rows
 
 
@@ -150,12 +166,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.seeds} workloads of serve_load (seeds 0..{args.seeds - 1}), ranks {args.ranks}, "
         f"page rank {args.page_rank}, step {args.step_ms} ms, read {args.read_ms} ms"
     )
-    print("| pages | host tier | steps at 8 | steps at 512 | 8 / 512 | memory bound at 512 (steps) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| pages | host tier | order | steps at 8 | steps at 512 | 8 / 512 | memory bound at 512 (steps) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in grid(args):
         label = "unbounded" if r.pages == UNBOUNDED else str(r.pages)
         bound = "-" if r.bound is None else f"{r.bound:.0f}"
-        print(f"| {label} | {r.host} | {r.at8} | {r.at512} | {r.at8 / r.at512:.3f} | {bound} |")
+        print(f"| {label} | {r.host} | {r.order} | {r.at8} | {r.at512} | {r.at8 / r.at512:.3f} | {bound} |")
 
 
 if __name__ == "__main__":

@@ -101,7 +101,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--page-rank", type=int, default=8, help="ranks per page of the pages pool")
     p.add_argument(
-        "--pools", default="slots", help="device pools served in turn: slots, pages (needs --memory-slots)"
+        "--pools",
+        default="slots",
+        help="device pools served in turn: slots, pages (needs --memory-slots), each with /ORDER or not "
+        "(the server's --admission-order: arrival, longest-remaining), e.g. pages,pages/longest-remaining",
     )
     p.add_argument("--no-lora-off", action="store_true", help="skip the LoRA-off baseline server")
     p.add_argument(
@@ -230,20 +233,39 @@ def pool_pages(args: argparse.Namespace, base: Path, folder: Path, max_rank: int
     return pages
 
 
+ORDERS = ("arrival", "longest-remaining")
+
+
+def pool_kind(pool: str) -> tuple[str, str]:
+    """``pool`` (``KIND`` or ``KIND/ORDER``, e.g. ``pages/longest-remaining``) as its device pool
+    (``slots`` or ``pages``) and the server's ``--admission-order`` (``arrival`` when left out).
+
+    Raises:
+        SystemExit: an unknown kind or order.
+    """
+    kind, _, order = pool.partition("/")
+    order = order or "arrival"
+    if kind not in ("slots", "pages") or order not in ORDERS:
+        raise SystemExit(
+            f"--pools: slots or pages, each with /ORDER ({', '.join(ORDERS)}) or not; not {pool!r}"
+        )
+    return kind, order
+
+
 def pool_flags(args: argparse.Namespace, pool: str, max_rank: int, slot_bytes: int) -> list[str]:
-    """The device-tier flags of ``lora-pin serve`` for ``pool`` (``slots`` or ``pages``) at the memory of
-    ``--memory-slots`` slots of ``max_rank`` (``slot_bytes`` each; ``--slots`` slots without it). The
-    page pool's steps are bounded by its pages and the host tier only, as the server does by default.
+    """The device-tier flags of ``lora-pin serve`` for ``pool`` (``slots`` or ``pages``, either with
+    ``/ORDER``: the admission order) at the memory of ``--memory-slots`` slots of ``max_rank``
+    (``slot_bytes`` each; ``--slots`` slots without it). The page pool's steps are bounded by its pages
+    and the host tier only, as the server does by default.
 
     Raises:
         SystemExit: an unknown pool, or ``pages`` without ``--memory-slots``.
     """
-    rank = ["--max-lora-rank", str(max_rank)]
+    pool, order = pool_kind(pool)
+    rank = ["--max-lora-rank", str(max_rank), "--admission-order", order]
     if pool == "slots":
         slots = args.slots if args.memory_slots is None else args.memory_slots
         return [*rank, "--max-loras-per-batch", str(slots)]
-    if pool != "pages":
-        raise SystemExit(f"--pools: slots or pages, not {pool!r}")
     if args.memory_slots is None:
         raise SystemExit("--pools pages: give --memory-slots K (the pool's memory in max-rank slots)")
     # No --max-loras-per-batch: a step holds what the pages fit, up to the host tier (the server's rule).
@@ -474,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     slot_bytes = adapter_bytes(dirs[ranks.index(max_rank)])
     pool_args = {pool: pool_flags(args, pool, max_rank, slot_bytes) for pool in pools}
     folder = dirs[ranks.index(max_rank)]
-    pages = pool_pages(args, base, folder, max_rank, slot_bytes) if "pages" in pools else 0
+    paged = any(pool_kind(p)[0] == "pages" for p in pools)
+    pages = pool_pages(args, base, folder, max_rank, slot_bytes) if paged else 0
     mix = ", ".join(f"{r}: {ranks.count(r)}" for r in sorted(set(ranks)))
     print(
         f"# model hidden {args.hidden}, {args.layers} layers; {len(dirs)} adapters (rank: count {mix}), "
@@ -528,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             "--lora-root",
             str(root / "adapters"),
         ]
-        lora = _Server(lora_flags, args.threads, root / f"lora-{pool}.log")
+        lora = _Server(lora_flags, args.threads, root / f"lora-{pool.replace('/', '-')}.log")
         try:
             for n, d in list(zip(names, dirs, strict=True))[args.host // 2 :]:
                 lora.post("/load_lora_adapter", {"lora_name": n, "lora_path": str(d)})
@@ -587,12 +610,14 @@ def _prediction(
     of them: the batch is the whole workload), and the core defers a running request like a waiting
     one. Calibrated from the measured run: the step clock is its mean step (``wall / steps``), and
     reads from disk take its mean read (``lora_pin_adapter_load_seconds``), off the steps' path as the
-    server's background loading does them. Not modelled: the engine's token budget, its order of the
-    waiting requests (pinned first, then those that need no load) and the deferral barrier.
+    server's background loading does them. The pool's admission order is the simulator's ``order``.
+    Not modelled: the engine's token budget and, in arrival order, its order of the waiting requests
+    (pinned first, then those that need no load) and the deferral barrier.
     """
     from lora_pin._core import simulate
 
     trace = simulated_trace(workload)
+    pool, order = pool_kind(pool)
     if pool == "pages":
         # The server's bound on a step's adapters without --max-loras-per-batch.
         shape: dict[str, Any] = {"slots": min(pages, args.host), "page_rank": args.page_rank}
@@ -610,6 +635,7 @@ def _prediction(
         decode=True,
         adapter_bytes=slot_bytes,
         ranks=rank_mix(args),
+        order=order.replace("-", "_"),
         **shape,
     )
     return {

@@ -53,10 +53,16 @@ def test_adapters_get_the_simulators_ranks_in_proportion(bench: ModuleType) -> N
 def test_each_pool_gets_the_memory_of_k_max_rank_slots(bench: ModuleType) -> None:
     args = bench._args(["--ranks", MIX, "--memory-slots", "8", "--page-rank", "8", "--host", "32"])
     slots = bench.pool_flags(args, "slots", 64, 1000)
-    assert slots == ["--max-lora-rank", "64", "--max-loras-per-batch", "8"]
+    order = ["--admission-order", "arrival"]
+    assert slots == ["--max-lora-rank", "64", *order, "--max-loras-per-batch", "8"]
     # The page pool gets the same bytes; its steps are bounded by its pages and the host tier alone.
     pages = bench.pool_flags(args, "pages", 64, 1000)
-    assert pages == ["--max-lora-rank", "64", "--page-rank", "8", "--max-lora-memory", "8000"]
+    assert pages == ["--max-lora-rank", "64", *order, "--page-rank", "8", "--max-lora-memory", "8000"]
+    # A pool's admission order follows a slash.
+    lrpt = bench.pool_flags(args, "pages/longest-remaining", 64, 1000)
+    assert lrpt == ["--max-lora-rank", "64", "--admission-order", "longest-remaining", *pages[4:]]
+    with pytest.raises(SystemExit, match="slots or pages"):
+        bench.pool_flags(args, "pages/shortest", 64, 1000)
     # Without --memory-slots the slot pool has --slots slots; a page pool needs the memory.
     assert bench.pool_flags(bench._args(["--slots", "5"]), "slots", 16, 1)[-1] == "5"
     with pytest.raises(SystemExit, match="--memory-slots"):
