@@ -603,7 +603,7 @@ def _prediction(
     """What ``lora_pin._core.simulate`` predicts for ``workload`` (the same names in the same arrival
     order, the same ranks: the simulator draws them by the rule :func:`adapter_ranks` used) on ``pool``
     at the server's memory (``pages``: what the page pool's memory holds), pins and host tier: device
-    loads, deferrals and adapters per step.
+    loads, deferrals, adapters per step and engine steps.
 
     The simulator runs in decode mode, as the engine does: a request runs one step per output token,
     every running request is offered in every step ahead of the waiting ones (the engine offers all
@@ -642,12 +642,13 @@ def _prediction(
         "deferred": report["deferrals"],
         "device loads": report["device"]["misses"],
         "adapters / step": report["uses"] / max(1, report["steps"]),
+        "steps": report["steps"],
     }
 
 
 def _print_predictions(results: dict[str, dict[str, Any]]) -> None:
     """Measured beside predicted, with the relative error of the prediction."""
-    cols = ("deferred", "device loads", "adapters / step")
+    cols = ("deferred", "device loads", "adapters / step", "steps")
     print("| configuration | " + " | ".join(f"{c}: measured, simulated, error" for c in cols) + " |")
     print("| --- " * (len(cols) + 1) + "|")
     for name, r in results.items():
