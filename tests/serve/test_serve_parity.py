@@ -36,7 +36,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The tiny model, adapters ``a0``..``a5`` (``twin``: ``a0``'s weights under another name;
     ``swap``/``swap2``: weights to replace ``a5`` with), and two servers: ``lora`` (prefix caching on,
     an API key, 3 slots) and ``plain`` (``--no-prefix-caching``, the key on every endpoint, a host tier of
-    4 adapters for 7 given at start-up, a tokenizer folder and a chat template file of its own)."""
+    4 adapters for 7 given at start-up, a tokenizer folder and a chat template file of its own, requests
+    offered longest remaining first)."""
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("parity")
@@ -68,6 +69,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         [
             *common,
             "--no-prefix-caching",
+            "--admission-order",
+            "longest-remaining",
             "--api-key-all-endpoints",
             "--log-interval",
             "0.5",
@@ -114,11 +117,16 @@ def _outstanding(server: Server, adapter: str) -> float:
 # ---- sampling ------------------------------------------------------------------------------------------
 
 
-def test_a_seeded_request_gives_the_same_tokens_alone_and_in_any_batch(world: dict[str, Any]) -> None:
+@pytest.mark.parametrize("server", ["lora", "plain"])
+def test_a_seeded_request_gives_the_same_tokens_alone_and_in_any_batch(
+    world: dict[str, Any], server: str
+) -> None:
     """``seed`` 7 at temperature 1 over ``a1``: alone, then among 9 other requests (other adapters, the
-    base, greedy and sampled, other seeds) twice in different orders: the same tokens every time. Other
-    seeds give other tokens (the draws are random, not the argmax)."""
-    lora = world["lora"]
+    base, greedy and sampled, other seeds) twice in different orders: the same tokens every time, and
+    the greedy ones PEFT's. Other seeds give other tokens (the draws are random, not the argmax). On
+    both servers: ``plain`` offers requests longest remaining first, so with 3 slots for 5 adapters
+    requests sit out steps mid-decode."""
+    lora = world[server]
     prompt = _prompt(3, 12)
     ask = {"model": "a1", "prompt": prompt, "max_tokens": 24, "temperature": 1.0, "seed": 7}
     alone = _complete(lora, **ask).choices[0].token_ids
@@ -139,6 +147,11 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_in_any_batch(world: di
         jobs = [*others[:order], ask, *others[order:]]
         results = await asyncio.gather(*(_acomplete(client, **job) for job in jobs))
         await client.close()
+        for job, r in zip(jobs, results, strict=True):
+            if job["temperature"] == 0.0:
+                adapter = None if job["model"] == "tiny" else world["dirs"][job["model"]]
+                want = world["oracle"].tokens(job["prompt"], adapter, job["max_tokens"])
+                assert r.choices[0].token_ids == want, job
         return [r.choices[0].token_ids for r in results]
 
     for order in (0, 6):
