@@ -239,6 +239,27 @@ def time_rounds(
     return {name: stat(times) for name, times in samples.items()}
 
 
+def paired_ratio(fns: Mapping[str, Callable[[], object]], rounds: int, flush: torch.Tensor | None) -> float:
+    """The median over ``rounds`` of the first method's seconds over the second's, timed back to back in
+    each round (the order rotating every round, ``flush`` written before every call as in
+    :func:`time_rounds`): each ratio compares two calls a few milliseconds apart, so what a shared
+    machine's neighbours add for longer than that cancels out of it."""
+    first, second = list(fns)
+    ratios = []
+    for r in range(rounds):
+        times = {}
+        for name in (first, second) if r % 2 == 0 else (second, first):
+            if flush is None:
+                fns[name]()
+            else:
+                flush.add_(1)
+            start = time.perf_counter()
+            fns[name]()
+            times[name] = time.perf_counter() - start
+        ratios.append(times[first] / times[second])
+    return statistics.median(ratios)
+
+
 def cases(args: argparse.Namespace) -> list[Case]:
     out = []
     for layer in args.layers:
@@ -308,7 +329,7 @@ def run_case(
     return row
 
 
-_STATS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min}
+_STATS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min, "paired": min}
 #: The paged layout's goal against the slot layout, per case (issue 37): no slower beyond noise.
 PAGES_GOAL = 0.97
 
@@ -367,6 +388,8 @@ def run_pages_case(
     timed = {name: (lambda fn=fn, o=scratch[name]: fn(o)) for name, fn in methods.items()}
     flush = args.flush if args.cache == "cold" else None
     row.update(time_rounds(timed, args.rounds, flush, stat=_STATS[args.stat]))
+    if args.stat == "paired":
+        row["ratio"] = paired_ratio(timed, args.rounds, flush)
     return row
 
 
@@ -412,7 +435,7 @@ def pages_header(threads: int, dtype: str, cache: str, page_rank: int, stat: str
 def print_pages_row(r: Mapping[str, float | int | str]) -> bool:
     """Prints one case of ``--layout pages``; returns whether the paged layout met its goal there."""
     slots, pages = float(r["slot layout"]), float(r["paged"])
-    ratio = slots / pages
+    ratio = float(r.get("ratio", slots / pages))
     met = ratio >= PAGES_GOAL
     print(
         f"{r['layer']:5} {r['slots']:>5} {r['phase']:7} {r['pattern']:9} {r['tokens']:>4} {r['adapters']:>3} "
@@ -687,7 +710,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=tuple(_STATS),
         default="median",
         help="--layout pages: each method's figure over the rounds; min leaves out what neighbours add on a "
-        "shared machine",
+        "shared machine; paired: min for the times, and the ratio is the median of per-round ratios of "
+        "back-to-back calls (a second set of rounds)",
     )
     args = parser.parse_args(argv)
     for name in args.dtype:
