@@ -229,14 +229,20 @@ def time_rounds(
             name = names[(r + i) % len(names)]
             if name in slow and len(samples[name]) >= 3:
                 continue
-            if flush is None:
-                fns[name]()
-            else:
-                flush.add_(1)
-            start = time.perf_counter()
-            fns[name]()
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(_timed_call(fns[name], flush))
     return {name: stat(times) for name, times in samples.items()}
+
+
+def _timed_call(fn: Callable[[], object], flush: torch.Tensor | None) -> float:
+    """Seconds of one call of ``fn``, after writing ``flush`` (cold caches) or, with ``flush`` None, after
+    one untimed call (warm)."""
+    if flush is None:
+        fn()
+    else:
+        flush.add_(1)
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def paired_ratio(fns: Mapping[str, Callable[[], object]], rounds: int, flush: torch.Tensor | None) -> float:
@@ -247,15 +253,10 @@ def paired_ratio(fns: Mapping[str, Callable[[], object]], rounds: int, flush: to
     first, second = list(fns)
     ratios = []
     for r in range(rounds):
-        times = {}
-        for name in (first, second) if r % 2 == 0 else (second, first):
-            if flush is None:
-                fns[name]()
-            else:
-                flush.add_(1)
-            start = time.perf_counter()
-            fns[name]()
-            times[name] = time.perf_counter() - start
+        times = {
+            name: _timed_call(fns[name], flush)
+            for name in ((first, second) if r % 2 == 0 else (second, first))
+        }
         ratios.append(times[first] / times[second])
     return statistics.median(ratios)
 

@@ -227,17 +227,23 @@ def test_steps_prefetches_and_reports_from_threads_keep_every_invariant() -> Non
     assert reg.stats()["host"]["reserved_bytes"] == 100 * len({n for n, _ in started})
 
 
-def test_offer_order_ranks_waiting_requests_by_the_cores_rule() -> None:
-    """Running first; then waiting: overdue, pinned, free (base, in a slot), the rest (a name not
-    registered among them), each in the given order."""
-    from lora_pin._core import OVERDUE_AFTER
-
+def _pinned_c_and_b_in_a_slot() -> LoRARegistry:
+    """Three slots: ``c`` pinned, ``b`` in a slot after a step, ``a`` outside the device tier."""
     reg = make(slots=3, loaded=None)
     reg.pin("c")
     plan = reg.begin_step(["b"], 1)
     for i in range(len(plan.loads)):
         reg.report_load(plan.ticket, i, True)  # type: ignore[arg-type]
     reg.finish_step(plan.ticket)  # type: ignore[arg-type]
+    return reg
+
+
+def test_offer_order_ranks_waiting_requests_by_the_cores_rule() -> None:
+    """Running first; then waiting: overdue, pinned, free (base, in a slot), the rest (a name not
+    registered among them), each in the given order."""
+    from lora_pin._core import OVERDUE_AFTER
+
+    reg = _pinned_c_and_b_in_a_slot()
     names = ["a", None, "a", "c", "a", "b", "gone", None]
     overtaken = [0, 0, None, 0, OVERDUE_AFTER, 1, 0, None]
     assert reg.offer_order(names, overtaken) == [2, 7, 4, 3, 1, 5, 0, 6]
@@ -251,12 +257,7 @@ def test_longest_remaining_offers_overdue_then_roomless_then_most_tokens_left() 
     adapter in a slot is not preferred. Bad arguments are refused by name."""
     from lora_pin._core import OVERDUE_AFTER
 
-    reg = make(slots=3, loaded=None)
-    reg.pin("c")
-    plan = reg.begin_step(["b"], 1)
-    for i in range(len(plan.loads)):
-        reg.report_load(plan.ticket, i, True)  # type: ignore[arg-type]
-    reg.finish_step(plan.ticket)  # type: ignore[arg-type]
+    reg = _pinned_c_and_b_in_a_slot()
     names = ["a", None, "a", "c", "a", "b", "gone", "a"]
     overtaken = [0, 0, None, 0, OVERDUE_AFTER, 1, 0, None]
     remaining = [5, 1, 3, 2, 1, 9, 3, None]

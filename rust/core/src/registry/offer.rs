@@ -131,9 +131,8 @@ mod tests {
     use crate::registry::testkit::*;
     use crate::registry::{StepMode, StepRequest};
 
-    #[test]
-    fn running_then_overdue_pinned_free_and_the_rest_each_in_arrival_order() {
-        // Three slots: a pinned, b in a slot after a step, c and d outside the device tier.
+    /// Three slots: a pinned, b in a slot after a step, c and d outside the device tier.
+    fn pinned_a_and_b_in_a_slot() -> Registry {
         let mut reg = registry(3, None, "lru", &["a", "b", "c", "d"]);
         reg.pin("a").unwrap();
         let b = reg.lookup("b", false).unwrap();
@@ -146,6 +145,12 @@ mod tests {
             reg.report_load(ticket, i, true).unwrap();
         }
         reg.finish_step(ticket).unwrap();
+        reg
+    }
+
+    #[test]
+    fn running_then_overdue_pinned_free_and_the_rest_each_in_arrival_order() {
+        let reg = pinned_a_and_b_in_a_slot();
         let key = |n: &str| Wants::Adapter(reg.lookup(n, false).unwrap());
         let waiting = |wants, overtaken| Offer { wants, overtaken: Some(overtaken), remaining: 0 };
         let requests = [
@@ -165,19 +170,7 @@ mod tests {
 
     #[test]
     fn longest_remaining_offers_overdue_then_roomless_then_most_tokens_left() {
-        // Three slots: a pinned, b in a slot after a step, c and d outside the device tier.
-        let mut reg = registry(3, None, "lru", &["a", "b", "c", "d"]);
-        reg.pin("a").unwrap();
-        let b = reg.lookup("b", false).unwrap();
-        let (plan, ticket) = reg
-            .begin_step(StepRequest::new(&[Some(b)], &[1], StepMode::ReadInStep))
-            .unwrap()
-            .begun()
-            .unwrap();
-        for i in 0..plan.loads.len() {
-            reg.report_load(ticket, i, true).unwrap();
-        }
-        reg.finish_step(ticket).unwrap();
+        let reg = pinned_a_and_b_in_a_slot();
         let key = |n: &str| Wants::Adapter(reg.lookup(n, false).unwrap());
         let offer = |wants, overtaken, remaining| Offer { wants, overtaken, remaining };
         let requests = [
