@@ -65,7 +65,18 @@ def test_json_matches_the_core_and_respects_the_bound(capsys: pytest.CaptureFixt
         assert {
             k: v
             for k, v in r.items()
-            if k not in ("slots", "max_loaded_loras", "pins", "policy", "load_ms", "ranks", "max_host_bytes")
+            if k
+            not in (
+                "slots",
+                "max_loaded_loras",
+                "pins",
+                "policy",
+                "load_ms",
+                "ranks",
+                "max_host_bytes",
+                "decode",
+                "order",
+            )
         } == direct
         dev, host = r["device"], r["host"]
         assert dev["hits"] + dev["misses"] == r["uses"]

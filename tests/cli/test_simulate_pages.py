@@ -88,3 +88,47 @@ def test_plot_draws_loads_and_hit_rate_against_memory(
     code, _, err = _cli(capsys, "--requests", "1000", "--memory-gib", "0.25,0.5", "--plot", out_file)
     assert (code, err) == (0, "")
     assert Path(out_file).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _burst(path: Path) -> Path:
+    """A burst like serve_load's: 64 requests over 40 adapters of mixed ranks, 8 to 32 output tokens,
+    all arriving within the first 0.1 s (5 steps of 20 ms)."""
+    lines = [
+        json.dumps({"adapter": f"a{(i * 7) % 40:02d}", "tokens": 8 + (i * 11) % 25, "arrival": i / 640})
+        for i in range(64)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_decode_and_the_admission_order_reach_the_replay(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--decode`` runs each request's tokens as steps; ``--admission-order longest-remaining`` offers
+    by tokens left. On a burst short of pages it takes fewer steps than arrival order, both serving
+    every token; the rows say which they ran."""
+    trace = _burst(tmp_path / "burst.jsonl")
+    flags = ["--trace", str(trace), "--memory-gib", "0.25", "--host", "64", "--json", "--decode"]
+    runs = {}
+    for order in ("arrival", "longest-remaining"):
+        code = main(["simulate", "--batch-size", "64", "--ranks", "8:4,16:2,64:1", "--adapter-mb", "32",
+                     "--policy", "lru", *flags, "--admission-order", order])  # fmt: skip
+        out, err = capsys.readouterr()
+        assert (code, err) == (0, "")
+        runs[order] = {r["pool"]: r for r in json.loads(out)["results"]}
+    tokens = sum(8 + (i * 11) % 25 for i in range(64))
+    for order, rows in runs.items():
+        for row in rows.values():
+            assert (row["decode"], row["order"], row["tokens"]) == (True, order.replace("-", "_"), tokens)
+    # 40 adapters need ~90 pages of the 64: arrival order runs 53 steps, longest remaining first 37, the
+    # longest request's 32 tokens after the burst's 5 steps of arrivals.
+    assert 32 <= runs["longest-remaining"]["pages"]["steps"] < runs["arrival"]["pages"]["steps"]
+    # Without --decode a request is served in one step.
+    code = main(["simulate", "--batch-size", "64", "--policy", "lru", "--trace", str(trace), "--json"])
+    whole = json.loads(capsys.readouterr()[0])["results"][0]
+    assert (code, whole["decode"], whole["tokens"]) == (0, False, tokens)
+
+
+def test_decode_is_refused_with_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["simulate", *BASE, "--replicas", "2", "--decode"])
+    assert code == 2 and "--replicas" in capsys.readouterr().err

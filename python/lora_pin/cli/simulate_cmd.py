@@ -107,6 +107,24 @@ def add_parser(subparsers: Any) -> None:
         ),
     )
     p.add_argument(
+        "--decode",
+        action="store_true",
+        help=(
+            "a request runs its trace's tokens as steps, one token a step, as an engine decodes (running "
+            "requests are offered first and hold their adapter); default: a step serves a request whole"
+        ),
+    )
+    p.add_argument(
+        "--admission-order",
+        default="arrival",
+        choices=("arrival", "longest-remaining"),
+        help=(
+            "the order a step is offered its requests in, as `lora-pin serve --admission-order`: arrival, "
+            "or longest-remaining (most tokens left first, running and waiting together; meaningful with "
+            "--decode and a trace whose requests carry their output tokens) (default %(default)s)"
+        ),
+    )
+    p.add_argument(
         "--replicas",
         default=None,
         metavar="N[,N...]",
@@ -284,6 +302,11 @@ def _pins(args: argparse.Namespace, trace: Trace) -> list[str]:
     return list(args.pin) or trace.most_requested(_int("--pin-top", args.pin_top, least=0))
 
 
+def _order(args: argparse.Namespace) -> dict[str, Any]:
+    """``simulate``'s ``decode`` and ``order`` from ``--decode`` and ``--admission-order``."""
+    return {"decode": args.decode, "order": args.admission_order.replace("-", "_")}
+
+
 def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
     slots = [_int("--slots", s, least=1, most=MAX_SLOTS) for s in _list("--slots", args.slots)]
     hosts = [None if h == "none" else _int("--host", h, least=1) for h in _list("--host", args.host)]
@@ -311,6 +334,7 @@ def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
                         adapter_bytes=adapter_bytes,
                         load_ms=load_ms,
                         progress=progress.served,
+                        **_order(args),
                         **sizes,
                     )
                     progress.next_run(len(trace))
@@ -320,6 +344,7 @@ def _rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]:
                         "pins": pins,
                         "policy": policy,
                         "load_ms": load_ms,
+                        **_order(args),
                         **sizes,
                     }
                     rows.append({**row, **report})
@@ -374,6 +399,7 @@ def _memory_rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]
                     adapter_bytes=adapter_bytes,
                     load_ms=load_ms,
                     progress=progress.served,
+                    **_order(args),
                     **shape,
                     **sizes,
                 )
@@ -390,6 +416,7 @@ def _memory_rows(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]]
                         "pins": pins,
                         "policy": policy,
                         "load_ms": load_ms,
+                        **_order(args),
                         **sizes,
                         **report,
                         "adapters_per_step": report["uses"] / steps if steps else 0.0,
@@ -632,6 +659,8 @@ def run(args: argparse.Namespace) -> int:
     """
     if args.memory_gib is not None and args.replicas is not None:
         raise SpecError("--memory-gib: compares one replica's pools; leave out --replicas")
+    if args.replicas is not None and (args.decode or args.admission_order != "arrival"):
+        raise SpecError("--decode and --admission-order model one engine; leave out --replicas")
     if args.plot is not None:
         if args.replicas is None and args.memory_gib is None:
             raise SpecError("--plot: draws the replica or memory sweep; give --replicas N or --memory-gib X")
@@ -667,5 +696,8 @@ def run(args: argparse.Namespace) -> int:
             cap = sizes.get("max_host_bytes")
             host = "unbounded" if cap is None else f"{cap / (1 << 30):g} GiB"
             sys.stdout.write(f"sizes: ranks {ranks}; host tier in bytes {host}\n")
+        if args.decode or args.admission_order != "arrival":
+            mode = "one step per token" if args.decode else "a request served whole"
+            sys.stdout.write(f"steps: {mode}; admission order {args.admission_order}\n")
         sys.stdout.write(table(rows))
     return 0
