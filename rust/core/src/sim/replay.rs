@@ -248,14 +248,20 @@ pub fn simulate_until<B>(
         batch.extend(queue.iter().copied());
         fetches.complete(&mut reg, clock)?;
         let started = running.len();
-        let order = offer_order(&reg, &keys, requests, &batch, &running, &overtaken, config.order);
-        let ordered: Vec<u32> = order.iter().map(|&p| batch[p as usize]).collect();
-        let mut plan = step.serve(&mut reg, trace, &keys, &ordered, background)?;
+        // Arrival order offers the batch as it stands; another order offers it permuted.
+        let order = (config.order != AdmissionOrder::Arrival)
+            .then(|| offer_order(&reg, &keys, requests, &batch, &running, &overtaken, config.order));
+        let ordered: Option<Vec<u32>> =
+            order.as_ref().map(|o| o.iter().map(|&p| batch[p as usize]).collect());
+        let offered = ordered.as_deref().unwrap_or(&batch);
+        let mut plan = step.serve(&mut reg, trace, &keys, offered, background)?;
         count_bytes(&mut report, &plan, &sizes);
         if background {
-            fetches.record(&reg, &keys, requests, &ordered, &plan, clock, report.steps);
+            fetches.record(&reg, &keys, requests, offered, &plan, clock, report.steps);
         }
-        unorder(&mut plan, &order);
+        if let Some(order) = &order {
+            unorder(&mut plan, order);
+        }
         if plan.admitted.is_empty() {
             // Background mode: nothing could run, so wait for the next fetch, or for a request
             // that can join the batch. (A blocking step that admits nothing never will.)
@@ -272,7 +278,9 @@ pub fn simulate_until<B>(
             clock = clock.max(wake);
             continue;
         }
-        count_overtaken(&mut overtaken, &batch[started..], &plan, started);
+        if order.is_some() {
+            count_overtaken(&mut overtaken, &batch[started..], &plan, started);
+        }
         count_step(&mut report, &mut demand, requests, &batch, &plan, config.decode.then_some(started));
         for &d in &plan.deferred {
             let waited = &mut waits[batch[d as usize] as usize];
@@ -449,9 +457,6 @@ fn offer_order(
     overtaken: &[u32],
     order: AdmissionOrder,
 ) -> Vec<u32> {
-    if order == AdmissionOrder::Arrival {
-        return (0..batch.len() as u32).collect();
-    }
     let offers: Vec<Offer> = batch
         .iter()
         .enumerate()
