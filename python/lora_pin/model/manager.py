@@ -727,9 +727,7 @@ class LoRAManager:
             UsageError: the lengths differ, or ``"longest_remaining"`` without ``remaining``.
             SpecError: an unknown ``order``.
         """
-        return self.registry.offer_order(
-            names, overtaken, None if remaining is None else list(remaining), order
-        )
+        return self.registry.offer_order(names, overtaken, remaining, order)
 
     def startable(self, step: Step, waiting: Sequence[bool], *, order: str = "arrival") -> list[int]:
         """The admitted requests of ``step`` an engine starts now (indices, in batch order), given which
@@ -743,7 +741,7 @@ class LoRAManager:
             UsageError: ``waiting`` is not one flag per request of the step.
             SpecError: an unknown ``order``.
         """
-        return step._plan.startable(list(waiting), order)
+        return step._plan.startable(waiting, order)
 
     def split(self, names: Sequence[str | None]) -> list[list[int]]:
         """Cut a batch into groups of request indices, in order, each of which fits the slots at once.

@@ -486,10 +486,7 @@ class LoRAEngine:
         counts: dict[str, int] = {}
         waiting: list[str] = []
         overtaken: list[int | None] = []
-        remaining: list[int | None] = []
         for state in candidates:
-            limit = state.max_new_tokens
-            remaining.append(None if limit is None else max(0, limit - state.generated_len()))
             if state.status.name != "PENDING":
                 overtaken.append(None)
                 continue
@@ -500,6 +497,12 @@ class LoRAEngine:
         # Started requests (and gone ones) leave the count: only this round's waiting ones stay.
         self._overtaken = counts
         self._waiting = waiting
+        if self.admission_order == "arrival":
+            return self.manager.offer_order(adapters, overtaken)
+        remaining = [
+            None if s.max_new_tokens is None else max(0, s.max_new_tokens - s.generated_len())
+            for s in candidates
+        ]
         return self.manager.offer_order(adapters, overtaken, remaining=remaining, order=self.admission_order)
 
     def _admit(self, scheduler: Any, candidates: list[Any], removed: set[str]) -> list[Any]:
