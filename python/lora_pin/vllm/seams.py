@@ -91,6 +91,14 @@ SEAMS = (
     ("vllm.lora.model_manager", "LoRAModelManager.modules", "layer name -> its LoRA layer"),
     ("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", "(layer, remove_weight) drops it"),
     ("vllm.lora.layers.base_linear", "BaseLinearLayerWithLoRA.apply", "base(x, bias), add_lora_linear"),
+    # --lora-target-modules (lora_pin.vllm.targets): an adapter with weights elsewhere is refused.
+    ("vllm.config.lora", "LoRAConfig.target_modules", "module suffixes given buffers, or None"),
+    (
+        "vllm.lora.utils",
+        "is_in_target_modules",
+        "(module name, targets, packed mapping) -> whether the module gets buffers",
+    ),
+    ("vllm.lora.model_manager", "LoRAModelManager.packed_modules_mapping", "fused -> adapter modules"),
     (
         "vllm.lora.layers.base_linear",
         "BaseLinearLayerWithLoRA.reset_lora",
@@ -131,7 +139,7 @@ def install() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker.worker_base import WorkerBase
 
-    from lora_pin.vllm import dora
+    from lora_pin.vllm import dora, targets
     from lora_pin.vllm.identity import digesting_load, lora_keys_unless_salted, salting_process_inputs
     from lora_pin.vllm.pins import set_pin, worker_set_pin
 
@@ -150,6 +158,7 @@ def install() -> None:
     EngineCore.lora_pin_set_pin = set_pin  # type: ignore[attr-defined]
     WorkerBase.lora_pin_set_pin = worker_set_pin  # type: ignore[attr-defined]
     dora.install()
+    targets.install()
     _installed = True
 
 

@@ -39,6 +39,7 @@ for module_name, qualname, _ in seams.SEAMS:
         "punica_wrapper_mapping",
         "pinned_items",
         "packed_modules",
+        "packed_modules_mapping",
         "modules",
         "max_num_running_reqs",
         "prev_step_scheduled_req_ids",

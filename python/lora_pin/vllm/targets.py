@@ -1,0 +1,63 @@
+"""Adapters with weights outside ``--lora-target-modules`` are refused, not served without them.
+
+vLLM's ``--lora-target-modules`` gives LoRA buffers to the named modules only (the rest of the model's
+linear layers get none), which makes each slot smaller: for adapters on q/k/v/o of a Llama, a slot
+takes about two fifths of the memory vLLM gives it over every linear layer, so the same memory holds
+about two and a half times the slots (docs/vllm.md, "Sizing slots"). vLLM 0.32 then reads an adapter's
+weights for every module the model supports and copies only those of the layers that have buffers: an
+adapter with weights elsewhere (an MLP, ``lm_head``) is served without them, silently, with other
+answers than its own. With the plugin, such an adapter is refused where vLLM's worker reads it, naming
+the adapter and its modules outside the targets; nothing is registered and the server serves on.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from lora_pin.errors import AdapterLoadError
+
+__all__ = ["install", "outside_targets"]
+
+
+def install() -> None:
+    """Wraps ``WorkerLoRAManager._load_adapter`` (once per process: :func:`lora_pin.vllm.seams.install`
+    calls it once)."""
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    WorkerLoRAManager._load_adapter = _refusing_outside_targets(WorkerLoRAManager._load_adapter)  # type: ignore[method-assign]
+
+
+def outside_targets(manager: Any, lora_model: Any) -> list[str]:
+    """The modules of ``lora_model`` (vLLM's ``LoRAModel``) with LoRA weights that ``manager`` (its
+    ``LoRAModelManager``) gives no buffers under ``--lora-target-modules``, sorted; ``[]`` when every
+    module is a target or no targets are set."""
+    from vllm.lora.utils import is_in_target_modules
+
+    targets = manager.lora_config.target_modules
+    if targets is None:
+        return []
+    packed = manager.packed_modules_mapping
+    return sorted(name for name in lora_model.loras if not is_in_target_modules(name, targets, packed))
+
+
+def _refusing_outside_targets(load: Any) -> Any:
+    """``WorkerLoRAManager._load_adapter`` that raises :class:`AdapterLoadError` for an adapter with
+    weights outside ``--lora-target-modules`` (:func:`outside_targets`) instead of returning it."""
+
+    @functools.wraps(load)
+    def _load_adapter(self: Any, lora_request: Any) -> Any:
+        model = load(self, lora_request)
+        outside = outside_targets(self._adapter_manager, model)
+        if outside:
+            targets = sorted(self._adapter_manager.lora_config.target_modules)
+            shown = ", ".join(repr(name) for name in outside[:3])
+            more = f" and {len(outside) - 3} more" if len(outside) > 3 else ""
+            raise AdapterLoadError(
+                f"adapter {lora_request.lora_name!r} ({lora_request.lora_path}) has LoRA weights for "
+                f"{len(outside)} modules outside --lora-target-modules {' '.join(targets)}: {shown}{more}; "
+                f"vLLM would serve it without them. Name its modules in --lora-target-modules"
+            )
+        return model
+
+    return _load_adapter
