@@ -69,6 +69,12 @@ def _args() -> argparse.Namespace:
     p.add_argument("--output", default="32,32", help="output length range, tokens")
     p.add_argument("--slots", type=int, default=8, help="device slots (vLLM --max-loras)")
     p.add_argument("--host", type=int, default=32, help="host-tier adapters (vLLM --max-cpu-loras)")
+    p.add_argument(
+        "--target-modules",
+        default="q_proj,k_proj,v_proj,o_proj",
+        help="modules given LoRA buffers in every server (vLLM's --lora-target-modules; 'all': vLLM's "
+        "default, every linear layer)",
+    )
     p.add_argument("--servers", default="vllm,vllm+lora_pin,lora-pin")
     p.add_argument("--pinned", type=int, default=2, help="the most popular adapters pinned at start-up")
     p.add_argument("--rounds", type=int, default=1, help="servers run in turn this many times")
@@ -79,6 +85,13 @@ def _args() -> argparse.Namespace:
     # serve_load's workload reads these: every request at once (the closed loop paces them), no base share.
     args.rate, args.cv, args.base_share = 1e9, 1.0, 0.0
     return args
+
+
+def target_modules(args: argparse.Namespace, default: list[str] | None = None) -> list[str]:
+    """``--lora-target-modules`` and ``--target-modules``' names (both servers take the flag); with
+    ``all``, no flag (vLLM then gives every linear layer LoRA buffers) or ``default``'s names."""
+    names = default if args.target_modules == "all" else args.target_modules.split(",")
+    return ["--lora-target-modules", *names] if names else []
 
 
 def _make_model(root: Path, args: argparse.Namespace, count: int) -> tuple[Path, list[Path]]:
@@ -268,6 +281,7 @@ def main() -> int:
         str(args.host),
         "--max-lora-rank",
         "16",
+        *target_modules(args),
         "--lora-modules",
     ]
     # vLLM's parser refuses "pinned": only lora-pin vllm-serve (the plugin) takes it out and pins.
@@ -307,11 +321,7 @@ def main() -> int:
                     str(args.host),
                     "--max-lora-rank",
                     "16",
-                    "--lora-target-modules",
-                    "q_proj",
-                    "k_proj",
-                    "v_proj",
-                    "o_proj",
+                    *target_modules(args, default=["q_proj", "k_proj", "v_proj", "o_proj"]),
                     "--allow-runtime-lora-updating",
                     "--lora-root",
                     str(root / "adapters"),
@@ -361,7 +371,8 @@ def main() -> int:
             )
     print(
         f"# {args.requests} requests per configuration, {args.concurrency} in flight, {args.popularity}, "
-        f"prompt {args.prompt}, output {args.output}; {args.slots} slots, host {args.host}; "
+        f"prompt {args.prompt}, output {args.output}; {args.slots} slots, host {args.host}, "
+        f"LoRA on {args.target_modules}; "
         f"{args.pinned} top adapters pinned (vllm+lora_pin, lora-pin); load average "
         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; total {time.perf_counter() - t0:.0f} s"
     )

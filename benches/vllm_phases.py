@@ -192,7 +192,7 @@ def main() -> int:
         model = [str(base), "--served-model-name", "base", "--dtype", "bfloat16", "--max-model-len", "256"]
         lora = [
             *("--enable-lora", "--max-loras", str(args.slots), "--max-cpu-loras", str(args.host)),
-            *("--max-lora-rank", "16", "--lora-modules"),
+            *("--max-lora-rank", "16", *vllm_load.target_modules(args), "--lora-modules"),
             *(json.dumps({"name": n, "path": str(d)}) for n, d in zip(names, dirs, strict=False)),
         ]
         server = vllm_load._VllmServer(
