@@ -34,6 +34,19 @@ def test_adapters_within_the_targets_beside_base_requests_equal_peft(
     assert concurrent_mix(server, oracle) == []
 
 
+def test_the_slots_memory_is_logged_as_the_targets_make_it(server: VllmServer) -> None:
+    # The world's model: hidden 64, q 2 heads of 32, k and v 1 head, 2 layers; --max-lora-rank 8,
+    # --max-loras 2, float32. A slot holds A [8, in] and B [out, 8] for q, k, v (fused) and o in each
+    # layer: 8 * ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64)) elements, 4 bytes each.
+    per_slot = 2 * 8 * (128 + 96 + 96 + 128) * 4
+    line = (
+        f"lora_pin: LoRA buffers: 2 slots of {per_slot:,} bytes ({per_slot / 2**20:.1f} MiB), "
+        f"{2 * per_slot / 2**20:.1f} MiB in all, on 4 modules (--lora-target-modules k_proj o_proj "
+        "q_proj v_proj)"
+    )
+    assert line in server.log.read_text(errors="replace")
+
+
 def test_an_adapter_outside_the_targets_is_refused_naming_its_modules(
     server: VllmServer, oracle: Oracle, vllm_world: tuple[Path, dict[str, Path]]
 ) -> None:

@@ -99,6 +99,8 @@ SEAMS = (
         "(module name, targets, packed mapping) -> whether the module gets buffers",
     ),
     ("vllm.lora.model_manager", "LoRAModelManager.packed_modules_mapping", "fused -> adapter modules"),
+    ("vllm.lora.model_manager", "LoRAModelManager._create_lora_modules", "(self): makes self.modules"),
+    ("vllm.lora.model_manager", "LoRAModelManager.lora_slots", "the slots (--max-loras)"),
     (
         "vllm.lora.layers.base_linear",
         "BaseLinearLayerWithLoRA.reset_lora",

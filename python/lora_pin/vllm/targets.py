@@ -1,4 +1,4 @@
-"""Adapters with weights outside ``--lora-target-modules`` are refused, not served without them.
+"""Slots sized by ``--lora-target-modules``: their memory reported, adapters outside them refused.
 
 vLLM's ``--lora-target-modules`` gives LoRA buffers to the named modules only (the rest of the model's
 linear layers get none), which makes each slot smaller: for adapters on q/k/v/o of a Llama, a slot
@@ -8,6 +8,11 @@ weights for every module the model supports and copies only those of the layers 
 adapter with weights elsewhere (an MLP, ``lm_head``) is served without them, silently, with other
 answers than its own. With the plugin, such an adapter is refused where vLLM's worker reads it, naming
 the adapter and its modules outside the targets; nothing is registered and the server serves on.
+
+What a slot costs is logged once the worker has made its LoRA buffers (:func:`slot_memory`), so that
+``--max-loras`` can be sized against a memory budget: ``lora_pin: LoRA buffers: 8 slots of 5,046,272
+bytes (4.8 MiB), 38.5 MiB in all, on 56 modules (every LoRA-capable module: --lora-target-modules
+narrows them)``.
 """
 
 from __future__ import annotations
@@ -17,15 +22,61 @@ from typing import Any
 
 from lora_pin.errors import AdapterLoadError
 
-__all__ = ["install", "outside_targets"]
+__all__ = ["install", "outside_targets", "slot_memory"]
 
 
 def install() -> None:
     """Wraps ``WorkerLoRAManager._load_adapter`` (once per process: :func:`lora_pin.vllm.seams.install`
     calls it once)."""
+    from vllm.lora.model_manager import LoRAModelManager
     from vllm.lora.worker_manager import WorkerLoRAManager
 
     WorkerLoRAManager._load_adapter = _refusing_outside_targets(WorkerLoRAManager._load_adapter)  # type: ignore[method-assign]
+    LoRAModelManager._create_lora_modules = _reporting_slot_memory(LoRAModelManager._create_lora_modules)  # type: ignore[method-assign]
+
+
+def slot_memory(manager: Any) -> tuple[int, int, int]:
+    """``(slots, bytes a slot, LoRA modules)`` of ``manager``'s (vLLM's ``LoRAModelManager``) LoRA
+    buffers: every layer's ``lora_a_stacked`` and ``lora_b_stacked`` (a tensor or a tuple of them, one
+    per slice of a fused layer), each ``[max_loras, ...]``."""
+    total = 0
+    for module in manager.modules.values():
+        for name in ("lora_a_stacked", "lora_b_stacked"):
+            stacked = getattr(module, name, ())
+            for tensor in stacked if isinstance(stacked, tuple) else (stacked,):
+                total += tensor.numel() * tensor.element_size()
+    slots = int(manager.lora_slots)
+    return slots, total // slots, len(manager.modules)
+
+
+def _reporting_slot_memory(create: Any) -> Any:
+    """``LoRAModelManager._create_lora_modules`` that logs (INFO, ``vllm.lora_pin.targets``) what its
+    buffers cost: :func:`slot_memory`."""
+    from vllm.logger import init_logger
+
+    log = init_logger("vllm.lora_pin.targets")
+
+    @functools.wraps(create)
+    def _create_lora_modules(self: Any) -> None:
+        create(self)
+        slots, per_slot, modules = slot_memory(self)
+        targets = self.lora_config.target_modules
+        which = (
+            f"--lora-target-modules {' '.join(sorted(targets))}"
+            if targets is not None
+            else "every LoRA-capable module: --lora-target-modules narrows them"
+        )
+        log.info(
+            "lora_pin: LoRA buffers: %d slots of %s bytes (%.1f MiB), %.1f MiB in all, on %d modules (%s)",
+            slots,
+            f"{per_slot:,}",
+            per_slot / 2**20,
+            slots * per_slot / 2**20,
+            modules,
+            which,
+        )
+
+    return _create_lora_modules
 
 
 def outside_targets(manager: Any, lora_model: Any) -> list[str]:
