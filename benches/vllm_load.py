@@ -67,6 +67,12 @@ def _args() -> argparse.Namespace:
     p.add_argument("--popularity", default="zipf:1.0", help="power:ALPHA or zipf:S")
     p.add_argument("--prompt", default="32,32", help="prompt length range, tokens")
     p.add_argument("--output", default="32,32", help="output length range, tokens")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="the base model's and adapters' dtype in every server",
+    )
     p.add_argument("--slots", type=int, default=8, help="device slots (vLLM --max-loras)")
     p.add_argument("--host", type=int, default=32, help="host-tier adapters (vLLM --max-cpu-loras)")
     p.add_argument(
@@ -95,7 +101,7 @@ def target_modules(args: argparse.Namespace, default: list[str] | None = None) -
 
 
 def _make_model(root: Path, args: argparse.Namespace, count: int) -> tuple[Path, list[Path]]:
-    """The bfloat16 base model with its tokenizer, and ``count`` adapters alternating rank 8 and 16."""
+    """The base model (``--dtype``) with its tokenizer, and ``count`` adapters alternating rank 8 and 16."""
     import safetensors.torch
     import torch
     from transformers import AutoModelForCausalLM
@@ -104,7 +110,7 @@ def _make_model(root: Path, args: argparse.Namespace, count: int) -> tuple[Path,
 
     base = serve_load.make_base(root, args)
     model = AutoModelForCausalLM.from_pretrained(base)
-    model.to(torch.bfloat16).save_pretrained(base)
+    model.to(getattr(torch, args.dtype)).save_pretrained(base)
     templates = []
     for rank in (8, 16):
         folder = make_peft_adapter(
@@ -269,10 +275,11 @@ def main() -> int:
     base, dirs = _make_model(root, args, max(counts))
     names = [d.name for d in dirs]
     print(
-        f"# hidden {args.hidden}, {args.layers} layers, bf16; {len(dirs)} adapters rank 8/16 on q/k/v/o",
+        f"# hidden {args.hidden}, {args.layers} layers, {args.dtype}; "
+        f"{len(dirs)} adapters rank 8/16 on q/k/v/o",
         flush=True,
     )
-    model = [str(base), "--served-model-name", "base", "--dtype", "bfloat16", "--max-model-len", "256"]
+    model = [str(base), "--served-model-name", "base", "--dtype", args.dtype, "--max-model-len", "256"]
     lora = [
         "--enable-lora",
         "--max-loras",
@@ -304,7 +311,7 @@ def main() -> int:
                     "--device",
                     "cpu",
                     "--dtype",
-                    "bfloat16",
+                    args.dtype,
                 ]
                 # As serve_load does: half the host tier at start-up (the pins among them), the rest
                 # loaded over HTTP.

@@ -189,7 +189,7 @@ def main() -> int:
         os.environ["LORA_PIN_PHASES"] = str(folder)
         compiled = {"LORA_PIN_VLLM_COMPILE": "1"} if mode == "compiled" else {}
         names = [d.name for d in dirs[: int(count)]]
-        model = [str(base), "--served-model-name", "base", "--dtype", "bfloat16", "--max-model-len", "256"]
+        model = [str(base), "--served-model-name", "base", "--dtype", args.dtype, "--max-model-len", "256"]
         lora = [
             *("--enable-lora", "--max-loras", str(args.slots), "--max-cpu-loras", str(args.host)),
             *("--max-lora-rank", "16", *vllm_load.target_modules(args), "--lora-modules"),
