@@ -8,8 +8,9 @@ worker loads an adapter (:mod:`lora_pin.vllm.dora`); a request's salt is set whe
 engine request, and an adapter's digest read where the API server loads it
 (:mod:`lora_pin.vllm.identity`); the CPU platform turns compilation off whenever LoRA is on, which
 :data:`COMPILE_ENV` undoes (:func:`keeping_compilation`); a linear layer's slot is zeroed on every
-activation, and :func:`zeroing_once` skips the slots that are zero already. All are patched here, once
-per process.
+activation, and :func:`zeroing_once` skips the slots that are zero already; an adapter with weights
+outside ``--lora-target-modules`` is refused where the worker reads it, and a slot's memory is logged
+where the LoRA layers are made (:mod:`lora_pin.vllm.targets`). All are patched here, once per process.
 :data:`SEAMS` lists what is patched, so that the contract test fails loudly, naming the seam, when a
 vLLM release moves one.
 """

@@ -10,9 +10,9 @@ answers than its own. With the plugin, such an adapter is refused where vLLM's w
 the adapter and its modules outside the targets; nothing is registered and the server serves on.
 
 What a slot costs is logged once the worker has made its LoRA buffers (:func:`slot_memory`), so that
-``--max-loras`` can be sized against a memory budget: ``lora_pin: LoRA buffers: 8 slots of 5,046,272
-bytes (4.8 MiB), 38.5 MiB in all, on 56 modules (every LoRA-capable module: --lora-target-modules
-narrows them)``.
+``--max-loras`` can be sized against a memory budget, e.g. for a Llama of hidden 1024 and 8 layers at
+``--max-lora-rank 16`` in bfloat16: ``lora_pin: LoRA buffers: 8 slots of 2,097,152 bytes (2.0 MiB),
+16.0 MiB in all, on 16 modules (--lora-target-modules k_proj o_proj q_proj v_proj)``.
 """
 
 from __future__ import annotations
