@@ -20,14 +20,16 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
+
 from lora_pin.errors import AdapterLoadError
 
 __all__ = ["install", "outside_targets", "slot_memory"]
 
 
 def install() -> None:
-    """Wraps ``WorkerLoRAManager._load_adapter`` (once per process: :func:`lora_pin.vllm.seams.install`
-    calls it once)."""
+    """Wraps ``WorkerLoRAManager._load_adapter`` (the refusal) and ``LoRAModelManager._create_lora_modules``
+    (the report); :func:`lora_pin.vllm.seams.install` calls it once per process."""
     from vllm.lora.model_manager import LoRAModelManager
     from vllm.lora.worker_manager import WorkerLoRAManager
 
@@ -37,15 +39,16 @@ def install() -> None:
 
 def slot_memory(manager: Any) -> tuple[int, int, int]:
     """``(slots, bytes a slot, LoRA modules)`` of ``manager``'s (vLLM's ``LoRAModelManager``) LoRA
-    buffers: every layer's ``lora_a_stacked`` and ``lora_b_stacked`` (a tensor or a tuple of them, one
-    per slice of a fused layer), each ``[max_loras, ...]``."""
+    buffers: every layer's ``lora_a_stacked`` and ``lora_b_stacked`` (a tensor, or a tuple or list of
+    them, one per slice of a fused layer), each ``[max_loras, ...]``. Layers that keep their buffers under
+    other names (vLLM's MoE layers) are not counted."""
     total = 0
     for module in manager.modules.values():
         for name in ("lora_a_stacked", "lora_b_stacked"):
-            stacked = getattr(module, name, ())
-            for tensor in stacked if isinstance(stacked, tuple) else (stacked,):
-                total += tensor.numel() * tensor.element_size()
-    slots = int(manager.lora_slots)
+            stacked = getattr(module, name, None)
+            tensors = stacked if isinstance(stacked, (tuple, list)) else [stacked]
+            total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    slots = max(1, int(manager.lora_slots))
     return slots, total // slots, len(manager.modules)
 
 
@@ -89,7 +92,12 @@ def outside_targets(manager: Any, lora_model: Any) -> list[str]:
     if targets is None:
         return []
     packed = manager.packed_modules_mapping
-    return sorted(name for name in lora_model.loras if not is_in_target_modules(name, targets, packed))
+    # A module vLLM wraps whatever the targets (a classification head) has buffers too.
+    return sorted(
+        name
+        for name in lora_model.loras
+        if name not in manager.modules and not is_in_target_modules(name, targets, packed)
+    )
 
 
 def _refusing_outside_targets(load: Any) -> Any:
