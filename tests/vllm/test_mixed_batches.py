@@ -79,11 +79,6 @@ def test_dora_without_the_kept_base_weights_is_refused_saying_how(
 ) -> None:
     # vLLM's CPU path drops each linear layer's plain weight once packed; DoRA's norms need it, kept
     # only with LORA_PIN_VLLM_DORA=1 (test_dora_serve.py), which this server was not given.
-    load = {"lora_name": "dora1", "lora_path": str(dora_dirs["dora1"])}
-    status, body = server.http("/v1/load_lora_adapter", "POST", load)
-    assert status == 500, body
-    assert "adapter 'dora1'" in str(body)
-    assert f"start vLLM with {KEEP_WEIGHTS_ENV}=1" in str(body)
-    status, models = server.http("/v1/models")
-    assert status == 200
-    assert "dora1" not in {m["id"] for m in models["data"]}
+    message = server.refused_load("dora1", dora_dirs["dora1"])
+    assert "adapter 'dora1'" in message
+    assert f"start vLLM with {KEEP_WEIGHTS_ENV}=1" in message

@@ -54,7 +54,4 @@ def test_two_names_with_the_same_weights_share_nothing(
 def test_vllm_refuses_a_dora_adapter(server: VllmServer, dora_dirs: dict[str, Path]) -> None:
     # vLLM 0.32 refuses use_dora at load (the plugin lifts that: test_dora_serve.py). When an upstream
     # release serves DoRA itself, this fails.
-    load = {"lora_name": "dora1", "lora_path": str(dora_dirs["dora1"])}
-    status, body = server.http("/v1/load_lora_adapter", "POST", load)
-    assert status == 500, body
-    assert "vLLM does not yet support DoRA" in str(body)
+    assert "vLLM does not yet support DoRA" in server.refused_load("dora1", dora_dirs["dora1"])

@@ -196,6 +196,22 @@ class VllmServer:
         except ValueError:
             return status, payload.decode(errors="replace")
 
+    def served(self) -> set[str]:
+        """The model names ``/v1/models`` lists now."""
+        status, models = self.http("/v1/models")
+        assert status == 200, models
+        return {m["id"] for m in models["data"]}
+
+    def refused_load(self, name: str, folder: Path) -> str:
+        """Loads the adapter in ``folder`` as ``name`` and returns the error's text, having checked that the
+        load answered 500 and that ``name`` is not served afterwards (a refusal registers nothing)."""
+        status, body = self.http(
+            "/v1/load_lora_adapter", "POST", {"lora_name": name, "lora_path": str(folder)}
+        )
+        assert status == 500, body
+        assert name not in self.served()
+        return str(body)
+
     def client(self) -> Any:
         import openai
 
