@@ -10,12 +10,13 @@ flight, greedy with ``ignore_eos`` (a fixed output length):
 
 - ``vllm``: ``vllm serve`` as shipped (``VLLM_PLUGINS=""``); LoRA off is the same server without
   ``--enable-lora``, as a user would run it;
-- ``vllm+lora_pin``: ``lora-pin vllm-serve`` (the plugin on), LoRA off likewise;
-- ``vllm+lora_pin+compile``: the same with ``LORA_PIN_VLLM_COMPILE=1`` (vLLM's compiled forward kept
-  with LoRA on; LoRA off is compiled in every server);
-- ``vllm+lora_pin+rotate``: the plugin with ``LORA_PIN_VLLM_ROTATE=1`` (its scheduler rotates slots among
+- ``vllm+lora_pin``: ``lora-pin vllm-serve`` (the plugin on, as it starts by default: vLLM's compiled
+  forward kept with LoRA on), LoRA off likewise (compiled in every server);
+- flags after it, each ``+FLAG``: ``+eager`` (``LORA_PIN_VLLM_COMPILE=0``: the model runs eagerly with
+  LoRA on, the plugin's default before December 2026), ``+compile`` (``LORA_PIN_VLLM_COMPILE=1``, the
+  default said explicitly), ``+rotate`` (``LORA_PIN_VLLM_ROTATE=1``: its scheduler rotates slots among
   adapters instead of draining them; age bound 4 steps); a kind may end in ``@N`` to set the plugin's
-  age bound (``LORA_PIN_VLLM_AGE_BOUND``), e.g. ``vllm+lora_pin+rotate@8``;
+  age bound (``LORA_PIN_VLLM_AGE_BOUND``), e.g. ``vllm+lora_pin+rotate+eager@8``;
 - ``lora-pin``: ``lora-pin serve`` on transformers' engine (LoRA off: no adapters registered).
 
 ``--pinned N`` pins the N most popular adapters (Zipf's first) at start-up in ``vllm+lora_pin``
@@ -138,11 +139,24 @@ def _make_model(root: Path, args: argparse.Namespace, count: int) -> tuple[Path,
     return base, dirs
 
 
-#: The environment a server kind adds to the plugin's (``vllm+lora_pin`` adds none).
-SERVER_ENV = {
-    "vllm+lora_pin+compile": {"LORA_PIN_VLLM_COMPILE": "1"},
-    "vllm+lora_pin+rotate": {"LORA_PIN_VLLM_ROTATE": "1"},
+#: The environment each ``+FLAG`` of a plugin server's kind adds (``vllm+lora_pin`` adds none).
+PLUGIN_FLAGS = {
+    "compile": {"LORA_PIN_VLLM_COMPILE": "1"},
+    "eager": {"LORA_PIN_VLLM_COMPILE": "0"},
+    "rotate": {"LORA_PIN_VLLM_ROTATE": "1"},
 }
+
+
+def plugin_env(server: str) -> dict[str, str]:
+    """The environment of a ``vllm+lora_pin[+FLAG...][@N]`` server: its flags' (:data:`PLUGIN_FLAGS`)
+    and ``@N``'s age bound. Raises ``SystemExit`` naming a flag it does not know."""
+    kind, _, age_bound = server.partition("@")
+    env = {"LORA_PIN_VLLM_AGE_BOUND": age_bound} if age_bound else {}
+    for flag in kind.split("+")[2:]:
+        if flag not in PLUGIN_FLAGS:
+            raise SystemExit(f"server {server!r}: unknown flag {flag!r} (known: {', '.join(PLUGIN_FLAGS)})")
+        env.update(PLUGIN_FLAGS[flag])
+    return env
 
 
 class _VllmServer:
@@ -341,12 +355,8 @@ def main() -> int:
             else:
                 mods = plain if server == "vllm" else with_pins
                 flags = model + (lora + mods if with_lora else [])
-                kind, _, age_bound = server.partition("@")
-                env = {
-                    **SERVER_ENV.get(kind, {}),
-                    **({"LORA_PIN_VLLM_AGE_BOUND": age_bound} if age_bound else {}),
-                }
-                vproc = _VllmServer(server != "vllm", flags, args, log, env)
+                plugin = server != "vllm"
+                vproc = _VllmServer(plugin, flags, args, log, plugin_env(server) if plugin else {})
                 url, stop = vproc.url, vproc.stop
                 print(f"# {label}: started in {vproc.startup:.0f} s", flush=True)
             try:

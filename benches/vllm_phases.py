@@ -9,8 +9,9 @@ calling thread's CPU seconds (``thread_time``; the rest of the CPU column is oth
 torch's OpenMP workers spinning after a parallel region, lora_pin's kernel threads), per step, beside
 the requests and tokens a step ran.
 
-Configurations are ``MODE:ADAPTERS`` (``plugin``: ``lora-pin vllm-serve``; ``compiled``: the same with
-``LORA_PIN_VLLM_COMPILE=1``, vLLM's compiled forward kept with LoRA on; ``vllm``: vLLM alone; 0
+Configurations are ``MODE:ADAPTERS`` (``plugin``: ``lora-pin vllm-serve`` with ``LORA_PIN_VLLM_COMPILE=0``,
+the model eager with LoRA on; ``compiled``: the same with ``LORA_PIN_VLLM_COMPILE=1``, vLLM's compiled
+forward kept with LoRA on, the plugin's default since December 2026; ``vllm``: vLLM alone; 0
 adapters: LoRA off), run in turn on ``benches/vllm_load.py``'s model and workload, for example
 ``.venv/bin/python benches/vllm_phases.py plugin:64,plugin:0,vllm:64 --hidden 1024 --layers 8
 --requests 128``.
@@ -187,7 +188,8 @@ def main() -> int:
         folder = root / f"stats-{i}"
         folder.mkdir()
         os.environ["LORA_PIN_PHASES"] = str(folder)
-        compiled = {"LORA_PIN_VLLM_COMPILE": "1"} if mode == "compiled" else {}
+        # Said in both plugin modes: the plugin's default is compiled.
+        compiled = {"LORA_PIN_VLLM_COMPILE": "1" if mode == "compiled" else "0"} if mode != "vllm" else {}
         names = [d.name for d in dirs[: int(count)]]
         model = [str(base), "--served-model-name", "base", "--dtype", args.dtype, "--max-model-len", "256"]
         lora = [

@@ -1,7 +1,8 @@
-"""``vllm serve`` with the plugin and ``LORA_PIN_VLLM_COMPILE=1``: vLLM keeps its compiled forward with
-LoRA on (its CPU platform runs the model eagerly whenever LoRA is on), and every completion, the base
-model, plain LoRA and DoRA adapters mixed concurrently over more adapters than slots, still equals
-PEFT's greedy tokens."""
+"""``vllm serve`` with the plugin as it starts by default (``LORA_PIN_VLLM_COMPILE`` unset): vLLM keeps its
+compiled forward with LoRA on (its CPU platform runs the model eagerly whenever LoRA is on), and every
+completion, the base model, plain LoRA and DoRA adapters mixed concurrently over more adapters than
+slots, still equals PEFT's greedy tokens. ``test_dora_serve.py`` runs the same mix eagerly
+(``LORA_PIN_VLLM_COMPILE=0``)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ def server(
 ) -> VllmServer:
     dirs = dict(vllm_world[1])
     dirs.update(dora1=dora_dirs["dora1"], dora3=dora_dirs["dora3"])
-    return make_server(True, *SERVER_ARGS, dirs=dirs, env={COMPILE_ENV: "1", KEEP_WEIGHTS_ENV: "1"})
+    server = make_server(True, *SERVER_ARGS, dirs=dirs, env={KEEP_WEIGHTS_ENV: "1"})
+    assert COMPILE_ENV not in server.environment()  # the default, not the harness's choice
+    return server
 
 
 def test_vllm_compiles_its_forward_with_lora_on(server: VllmServer) -> None:
     log = server.log.read_text(errors="replace")
-    assert "lora_pin: LoRA with vLLM's compiled forward (compilation mode DYNAMO_TRACE_ONCE)" in log
+    assert "lora_pin: LoRA with vLLM's compiled forward (compilation mode DYNAMO_TRACE_ONCE;" in log
     assert "Using LoraPinPunicaWrapper." in log
     # vLLM's own account: the mode it runs, and the warm-up that compiles (skipped when eager).
     assert "'mode': <CompilationMode.DYNAMO_TRACE_ONCE: 2>" in log

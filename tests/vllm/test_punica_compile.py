@@ -1,5 +1,5 @@
-"""lora_pin's punica wrapper under ``torch.compile``, as vLLM compiles its forward with the plugin and
-``LORA_PIN_VLLM_COMPILE=1`` (``in_vllm/compile_check.py``, run in the vLLM venv): one trace for every
+"""lora_pin's punica wrapper under ``torch.compile``, as vLLM compiles its forward with the plugin (unless
+``LORA_PIN_VLLM_COMPILE=0``; ``in_vllm/compile_check.py``, run in the vLLM venv): one trace for every
 step, each step's adapters applied as the eager path applies them, base rows untouched. No server: the
 layer calls alone (``test_compiled_serve.py`` runs ``vllm serve`` compiled)."""
 
@@ -43,12 +43,14 @@ def test_the_layer_ops_pass_opcheck(report: dict[str, object]) -> None:
     assert report["opcheck"] == {"vllm_lora_linear_": "ok", "vllm_lora_embedding_": "ok"}
 
 
-def test_the_seam_keeps_compilation_only_when_asked_and_traceable(report: dict[str, object]) -> None:
+def test_the_seam_keeps_compilation_unless_told_not_to_or_untraceable(report: dict[str, object]) -> None:
     assert report["seam"] == {
         # What the platform gives VLLM_COMPILE without LoRA; vLLM's compile cache off (not keyed by
-        # lora_pin's code).
+        # lora_pin's code). Unset is the default: compiled.
         "on": ["DYNAMO_TRACE_ONCE", "1"],
-        "unset": ["NONE", None],
+        "unset": ["DYNAMO_TRACE_ONCE", "1"],
+        "off": ["NONE", None],
+        "misspelt": ["ValueError: LORA_PIN_VLLM_COMPILE must be 0 or 1, got 'yes'", None],
         "fully_sharded": ["NONE", None],  # add_shrink / add_expand are not traceable
         "enforce_eager": ["NONE", None],
         "no_lora": ["DYNAMO_TRACE_ONCE", None],  # vLLM's own decision, untouched

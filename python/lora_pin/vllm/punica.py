@@ -20,7 +20,7 @@ once per step too (``CpuDelta.prepare``). Fused layers (q/k/v, gate/up) keep one
 vLLM; the op takes them side by side, so a concatenated copy of each fused layer's
 buffers is kept and refreshed only when vLLM writes into them (torch's version counter of the buffers).
 
-Under ``torch.compile`` (vLLM's compiled forward, kept with LoRA by ``LORA_PIN_VLLM_COMPILE=1``:
+Under ``torch.compile`` (vLLM's compiled forward, kept with LoRA unless ``LORA_PIN_VLLM_COMPILE=0``:
 :mod:`lora_pin.vllm.seams`), each linear and embedding layer's call is one opaque op,
 ``lora_pin::vllm_lora_linear_`` or ``lora_pin::vllm_lora_embedding_``, as vLLM's own attention and
 dual-stream LoRA ops are: the graph holds the op, the layer's tensors and one constant, the wrapper's

@@ -27,6 +27,7 @@ __all__ = [
     "SEAMS",
     "VLLM_MINOR",
     "adapter_rank",
+    "compiling_asked",
     "install",
     "keeping_compilation",
     "zeroing_once",
@@ -38,9 +39,23 @@ VLLM_MINOR = "0.32"
 #: The punica wrapper the CPU platform is made to name.
 PUNICA_WRAPPER = "lora_pin.vllm.punica.LoraPinPunicaWrapper"
 
-#: The environment variable (``"1"``) that keeps vLLM's compiled forward with LoRA on (the CPU platform
-#: runs the model eagerly whenever LoRA is on; the plugin's layers are traceable: its punica wrapper).
+#: The environment variable that decides whether vLLM's compiled forward is kept with LoRA on (the CPU
+#: platform runs the model eagerly whenever LoRA is on; the plugin's layers are traceable: its punica
+#: wrapper): ``"1"`` or unset keeps it (the default), ``"0"`` leaves the model eager.
 COMPILE_ENV = "LORA_PIN_VLLM_COMPILE"
+
+
+def compiling_asked() -> bool:
+    """Whether :data:`COMPILE_ENV` asks for the compiled forward: unset or ``"1"``; ``"0"`` does not.
+
+    Raises:
+        ValueError: another value, naming the variable and the value.
+    """
+    value = os.environ.get(COMPILE_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{COMPILE_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
 
 #: ``(module, qualified name, what the plugin relies on)`` for every vLLM object it patches or calls.
 SEAMS = (
@@ -166,19 +181,21 @@ def install() -> None:
 
 
 def keeping_compilation(check: Any) -> Any:
-    """``CpuPlatform.check_and_update_config`` (the function under its classmethod) that, when
-    :data:`COMPILE_ENV` is ``"1"``, keeps with LoRA the compilation mode it gives without: vLLM 0.32
+    """``CpuPlatform.check_and_update_config`` (the function under its classmethod) that, unless
+    :data:`COMPILE_ENV` is ``"0"``, keeps with LoRA the compilation mode it gives without: vLLM 0.32
     turns ``VLLM_COMPILE`` into ``DYNAMO_TRACE_ONCE`` (one Dynamo trace, inductor) and then sets ``NONE``
     whenever LoRA is on, because its own CPU punica wrapper reads the step's metadata on the host in
     every layer (``no_lora``, ``is_prefill``, the segment counts). lora_pin's wrapper is one opaque op
-    per layer under ``torch.compile`` (:mod:`lora_pin.vllm.punica`). Left as vLLM set it: without the
-    variable, with ``--fully-sharded-loras`` (whose shrink and expand halves are not made traceable) and
-    when compilation was not asked for (``--enforce-eager``, ``-O0``). When it keeps compilation, it
-    turns vLLM's compile cache off for the engine's processes (``VLLM_DISABLE_COMPILE_CACHE=1``): the
-    cache's key does not cover lora_pin's code."""
+    per layer under ``torch.compile`` (:mod:`lora_pin.vllm.punica`). Left as vLLM set it: with the
+    variable ``"0"``, with ``--fully-sharded-loras`` (whose shrink and expand halves are not made
+    traceable) and when compilation was not asked for (``--enforce-eager``, ``-O0``). When it keeps
+    compilation, it turns vLLM's compile cache off for the engine's processes
+    (``VLLM_DISABLE_COMPILE_CACHE=1``): the cache's key does not cover lora_pin's version. Raises
+    ``ValueError`` when the variable is neither ``"0"`` nor ``"1"`` (:func:`compiling_asked`), so that
+    vLLM does not start on a misspelt switch."""
     from vllm.logger import init_logger
 
-    log = init_logger(__name__)
+    log = init_logger("vllm.lora_pin.compile")  # under vLLM's logger: its level and handlers
 
     @functools.wraps(check)
     def check_and_update_config(cls: Any, vllm_config: Any) -> None:
@@ -188,12 +205,10 @@ def keeping_compilation(check: Any) -> Any:
         requested = compilation.mode
         check(cls, vllm_config)
         lora = vllm_config.lora_config
-        if lora is None or os.environ.get(COMPILE_ENV) != "1" or compilation.mode != CompilationMode.NONE:
+        if lora is None or not compiling_asked() or compilation.mode != CompilationMode.NONE:
             return
         if lora.fully_sharded_loras:
-            log.warning(
-                "lora_pin: %s=1 is ignored with --fully-sharded-loras: the model runs eagerly", COMPILE_ENV
-            )
+            log.info("lora_pin: the model runs eagerly with --fully-sharded-loras (%s ignored)", COMPILE_ENV)
             return
         if requested == CompilationMode.VLLM_COMPILE:
             # What the platform gives this mode without LoRA (its backend settings are made already).
@@ -202,13 +217,16 @@ def keeping_compilation(check: Any) -> Any:
             compilation.mode = requested
         else:
             return
-        # vLLM's compile cache keys a compiled forward by vLLM's config and environment, not by lora_pin's
-        # code: an artifact from another lora_pin (another op schema) would be loaded as it is. Each start
+        # vLLM's compile cache keys a compiled forward by vLLM's config, environment and the Python files
+        # Dynamo traced, not by lora_pin's version or extension: an artifact from another lora_pin (another
+        # op schema, another handle numbering) could be loaded as it is. Each start
         # compiles afresh instead (what vLLM's platforms do to set up their workers: the environment the
         # engine's processes inherit).
         os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
-        log.warning(
-            "lora_pin: LoRA with vLLM's compiled forward (compilation mode %s)", compilation.mode.name
+        log.info(
+            "lora_pin: LoRA with vLLM's compiled forward (compilation mode %s; %s=0 runs it eagerly)",
+            compilation.mode.name,
+            COMPILE_ENV,
         )
 
     return check_and_update_config

@@ -190,16 +190,22 @@ seam: dict[str, list[object]] = {}
 for name, env, requested, lora in (
     ("on", "1", CompilationMode.VLLM_COMPILE, SimpleNamespace(fully_sharded_loras=False)),
     ("unset", None, CompilationMode.VLLM_COMPILE, SimpleNamespace(fully_sharded_loras=False)),
-    ("fully_sharded", "1", CompilationMode.VLLM_COMPILE, SimpleNamespace(fully_sharded_loras=True)),
-    ("enforce_eager", "1", CompilationMode.NONE, SimpleNamespace(fully_sharded_loras=False)),
-    ("no_lora", "1", CompilationMode.VLLM_COMPILE, None),
+    ("off", "0", CompilationMode.VLLM_COMPILE, SimpleNamespace(fully_sharded_loras=False)),
+    ("misspelt", "yes", CompilationMode.VLLM_COMPILE, SimpleNamespace(fully_sharded_loras=False)),
+    ("fully_sharded", None, CompilationMode.VLLM_COMPILE, SimpleNamespace(fully_sharded_loras=True)),
+    ("enforce_eager", None, CompilationMode.NONE, SimpleNamespace(fully_sharded_loras=False)),
+    ("no_lora", None, CompilationMode.VLLM_COMPILE, None),
 ):
     for key in (COMPILE_ENV, "VLLM_DISABLE_COMPILE_CACHE"):
         os.environ.pop(key, None)
     if env is not None:
         os.environ[COMPILE_ENV] = env
     config = SimpleNamespace(compilation_config=SimpleNamespace(mode=requested), lora_config=lora)
-    keeping_compilation(platform_check)(None, config)
+    try:
+        keeping_compilation(platform_check)(None, config)
+    except ValueError as e:
+        seam[name] = [f"ValueError: {e}", os.environ.get("VLLM_DISABLE_COMPILE_CACHE")]
+        continue
     seam[name] = [config.compilation_config.mode.name, os.environ.get("VLLM_DISABLE_COMPILE_CACHE")]
 result["seam"] = seam
 print(json.dumps(result))
