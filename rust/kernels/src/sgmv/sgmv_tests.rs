@@ -386,11 +386,7 @@ proptest! {
 
     #[test]
     fn lora_delta_is_shrink_then_expand(case in case()) {
-        if !available() {
-            // This CPU cannot run the kernels: `the_kernels_run_here_or_refuse_by_name` checks that
-            // every entry refuses, and the CPU backend takes torch's path.
-            return Ok(());
-        }
+        pass_without_kernels!();
         for dtype in [Dtype::F32, Dtype::Bf16] {
             case.check_lora_delta(dtype)?;
         }
@@ -398,11 +394,7 @@ proptest! {
 
     #[test]
     fn shrink_matches_the_reference(case in case()) {
-        if !available() {
-            // This CPU cannot run the kernels: `the_kernels_run_here_or_refuse_by_name` checks that
-            // every entry refuses, and the CPU backend takes torch's path.
-            return Ok(());
-        }
+        pass_without_kernels!();
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             case.check_shrink(dtype)?;
         }
@@ -410,11 +402,7 @@ proptest! {
 
     #[test]
     fn expand_matches_the_reference(case in case()) {
-        if !available() {
-            // This CPU cannot run the kernels: `the_kernels_run_here_or_refuse_by_name` checks that
-            // every entry refuses, and the CPU backend takes torch's path.
-            return Ok(());
-        }
+        pass_without_kernels!();
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             case.check_expand(dtype)?;
         }
@@ -429,13 +417,11 @@ fn the_kernels_run_here_or_refuse_by_name() {
     #[cfg(target_arch = "x86_64")]
     assert_eq!(
         available(),
-        ["avx512f", "avx512bw", "avx512vl", "fma", "f16c"].iter().all(|f| match *f {
-            "avx512f" => is_x86_feature_detected!("avx512f"),
-            "avx512bw" => is_x86_feature_detected!("avx512bw"),
-            "avx512vl" => is_x86_feature_detected!("avx512vl"),
-            "fma" => is_x86_feature_detected!("fma"),
-            _ => is_x86_feature_detected!("f16c"),
-        })
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
     );
     if available() {
         return;
